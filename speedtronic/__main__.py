@@ -1,0 +1,5 @@
+"""``python -m speedtronic`` runs the CLI."""
+
+from speedtronic.cli import main
+
+raise SystemExit(main())

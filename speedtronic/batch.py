@@ -1,0 +1,134 @@
+"""The batch and model-output protocol of the loop.
+
+Batches: a mapping is passed to the model as keyword arguments; a tuple/list is
+``(inputs, labels)``; anything else is passed as the single argument.
+
+Outputs: a tensor is the loss; a mapping gives ``"loss"``, or ``"logits"`` plus the batch
+labels (causal cross-entropy, ``-100`` ignored); a tuple/list gives its first element.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+class ModelOutputError(TypeError):
+    """The model returned something the loop cannot turn into a loss."""
+
+
+def move_to_device(batch: object, device: torch.device) -> object:
+    """Move every tensor inside ``batch`` (dicts, tuples, lists) to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {key: move_to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, tuple):
+        return tuple(move_to_device(value, device) for value in batch)
+    if isinstance(batch, list):
+        return [move_to_device(value, device) for value in batch]
+    return batch
+
+
+def run_model(model: nn.Module, batch: object) -> object:
+    """Call ``model`` on a batch following the batch protocol."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        return model(batch[0], batch[1])
+    if isinstance(batch, (tuple, list)) and len(batch) == 1:
+        return model(batch[0])
+    return model(batch)
+
+
+def batch_labels(batch: object) -> torch.Tensor | None:
+    """``batch["labels"]`` or the second element of a tuple batch."""
+    if isinstance(batch, Mapping):
+        labels = batch.get("labels")
+        return labels if isinstance(labels, torch.Tensor) else None
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[1], torch.Tensor):
+        return batch[1]
+    return None
+
+
+def loss_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Causal LM cross-entropy. Same-length labels are already next-token aligned (no
+    shift); labels one shorter than the sequence use ``logits[:, :-1]``."""
+    if logits.dim() != 3:
+        raise ModelOutputError(
+            f"logits must be (batch, seq, vocab), got shape {tuple(logits.shape)}"
+        )
+    seq = logits.shape[1]
+    if labels.shape[-1] == seq - 1:
+        logits = logits[:, :-1]
+    elif labels.shape[-1] != seq:
+        raise ModelOutputError(
+            f"labels of shape {tuple(labels.shape)} do not match logits {tuple(logits.shape)}"
+        )
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_labels = labels.reshape(-1).long()
+    # Sum over valid positions divided by their count (at least 1): the mean loss, and a
+    # differentiable zero (not NaN) when every label is ignored.
+    total = F.cross_entropy(
+        flat_logits.float(), flat_labels, ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    count = (flat_labels != IGNORE_INDEX).sum().clamp(min=1)
+    return total / count
+
+
+def _tensor_loss(value: object, batch: object) -> torch.Tensor | None:
+    if not isinstance(value, torch.Tensor):
+        return None
+    labels = batch_labels(batch)
+    if value.dim() == 3 and labels is not None and labels.shape[:1] == value.shape[:1]:
+        return loss_from_logits(value, labels)
+    return value
+
+
+def resolve_loss(output: object, batch: object) -> torch.Tensor:
+    """The scalar training loss of a model output (see module docstring)."""
+    loss: torch.Tensor | None
+    if isinstance(output, torch.Tensor):
+        loss = output
+    elif isinstance(output, Mapping):
+        if isinstance(output.get("loss"), torch.Tensor):
+            loss = output["loss"]
+        elif isinstance(output.get("logits"), torch.Tensor):
+            labels = batch_labels(batch)
+            if labels is None:
+                raise ModelOutputError("model returned logits but the batch has no labels")
+            loss = loss_from_logits(output["logits"], labels)
+        else:
+            raise ModelOutputError(
+                f"model output mapping needs 'loss' or 'logits', got keys {sorted(output)}"
+            )
+    elif isinstance(output, Sequence) and not isinstance(output, str) and output:
+        loss = _tensor_loss(output[0], batch)
+    else:
+        loss = None
+    if loss is None:
+        raise ModelOutputError(
+            f"cannot get a loss from a model output of type {type(output).__name__}; return a "
+            "tensor, a mapping with 'loss' or 'logits', or a tuple whose first item is the loss"
+        )
+    return loss if loss.dim() == 0 else loss.mean()
+
+
+def count_batch(batch: object) -> tuple[int, int]:
+    """(samples, tokens) of a batch without a device sync: tokens are the element count of
+    ``input_ids`` (padding included; see docs/metrics.md)."""
+    source: object = None
+    if isinstance(batch, Mapping):
+        source = batch.get("input_ids", batch.get("inputs"))
+    elif isinstance(batch, (tuple, list)) and batch:
+        source = batch[0]
+    elif isinstance(batch, torch.Tensor):
+        source = batch
+    if isinstance(source, torch.Tensor) and source.dim() > 0:
+        return int(source.shape[0]), int(source.numel())
+    return 1, 1

@@ -1,0 +1,147 @@
+"""Event dispatch: which callback hooks run for each event, in which order.
+
+The plan is computed once per fit. A callback that does not override a hook is not in
+that event's list, so an unused hook costs nothing on the hot path. Observer callbacks
+(sinks, loggers) are wrapped so that a failure is reported once as a warning and training
+continues; any other callback's failure propagates and stops the run.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from speedtronic.callback import Callback
+from speedtronic.events import Event
+
+if TYPE_CHECKING:
+    from speedtronic.trainer import Trainer
+
+Hook = Callable[["Trainer", object], None]
+
+
+class CallbackWarning(UserWarning):
+    """An observer callback failed; training continued."""
+
+
+class DuplicateStateKeyError(ValueError):
+    """Two callbacks share a ``state_key``: their checkpoints would overwrite each other."""
+
+
+def overrides(callback: Callback, event: Event) -> bool:
+    """True when ``callback``'s class overrides the hook of ``event``."""
+    name = event.hook_name
+    return getattr(type(callback), name) is not getattr(Callback, name)
+
+
+class _GuardedHook:
+    """Runs an observer's hook; a failure warns once per (callback, event) and is swallowed."""
+
+    __slots__ = ("_hook", "_callback", "_event", "_reported")
+
+    def __init__(self, hook: Hook, callback: Callback, event: Event) -> None:
+        self._hook = hook
+        self._callback = callback
+        self._event = event
+        self._reported = False
+
+    def __call__(self, trainer: Trainer, ctx: object) -> None:
+        try:
+            self._hook(trainer, ctx)
+        except Exception as exc:  # observers never stop training (DESIGN §3)
+            if not self._reported:
+                self._reported = True
+                warnings.warn(
+                    f"callback {self._callback.display_name!r} failed in "
+                    f"{self._event.value!r}: {type(exc).__name__}: {exc} "
+                    "(training continues; further failures of this hook are not reported)",
+                    CallbackWarning,
+                    stacklevel=2,
+                )
+
+
+def _ordered_for(event: Event, callbacks: Sequence[Callback]) -> list[Callback]:
+    listening = [cb for cb in callbacks if overrides(cb, event)]
+    if event is Event.METRICS:
+        # Contributors first, then sinks, each group in the given order.
+        contributors = [cb for cb in listening if cb.metrics_phase == "contribute"]
+        sinks = [cb for cb in listening if cb.metrics_phase == "consume"]
+        return contributors + sinks
+    return listening
+
+
+class CallbackPlan:
+    """The per-event hook lists of one set of callbacks."""
+
+    def __init__(self, callbacks: Sequence[Callback]) -> None:
+        check_state_keys(callbacks)
+        self.callbacks: tuple[Callback, ...] = tuple(callbacks)
+        self._order: dict[Event, tuple[Callback, ...]] = {}
+        self._hooks: dict[Event, tuple[Hook, ...]] = {}
+        for event in Event:
+            ordered = _ordered_for(event, callbacks)
+            self._order[event] = tuple(ordered)
+            self._hooks[event] = tuple(self._bind(cb, event) for cb in ordered)
+
+    @staticmethod
+    def _bind(callback: Callback, event: Event) -> Hook:
+        hook: Hook = getattr(callback, event.hook_name)
+        return _GuardedHook(hook, callback, event) if callback.is_observer else hook
+
+    def hooks(self, event: Event) -> tuple[Hook, ...]:
+        """The hooks to call for ``event``, in order (empty when nobody listens)."""
+        return self._hooks[event]
+
+    def listens(self, event: Event) -> bool:
+        return bool(self._hooks[event])
+
+    def emit(self, trainer: Trainer, event: Event, ctx: object) -> None:
+        for hook in self._hooks[event]:
+            hook(trainer, ctx)
+
+    def describe(self) -> list[tuple[Event, list[str]]]:
+        """The plan as (event, callback names) rows, for ``speedtronic validate``."""
+        return [(event, [cb.display_name for cb in self._order[event]]) for event in Event]
+
+    def format(self) -> str:
+        return format_plan(self.describe())
+
+
+def describe_classes(named: Sequence[tuple[str, type[Callback]]]) -> list[tuple[Event, list[str]]]:
+    """The per-event plan of callback *classes* (``speedtronic validate`` builds nothing)."""
+    rows = []
+    for event in Event:
+        listening = [
+            (name, cls)
+            for name, cls in named
+            if getattr(cls, event.hook_name) is not getattr(Callback, event.hook_name)
+        ]
+        if event is Event.METRICS:
+            listening = [x for x in listening if x[1].metrics_phase == "contribute"] + [
+                x for x in listening if x[1].metrics_phase == "consume"
+            ]
+        rows.append((event, [name for name, _ in listening]))
+    return rows
+
+
+def format_plan(rows: Sequence[tuple[Event, Sequence[str]]]) -> str:
+    """Render plan rows as aligned text, one event per line."""
+    return "\n".join(
+        f"  {event.value:<22} {' -> '.join(names) if names else '-'}" for event, names in rows
+    )
+
+
+def check_state_keys(callbacks: Sequence[Callback]) -> None:
+    """Raise ``DuplicateStateKeyError`` when two callbacks share a state key."""
+    seen: dict[str, Callback] = {}
+    for callback in callbacks:
+        key = callback.state_key
+        if key is None:
+            continue
+        if key in seen:
+            raise DuplicateStateKeyError(
+                f"callbacks {seen[key].display_name!r} and {callback.display_name!r} both use "
+                f"state_key {key!r}; give one of them another state_key"
+            )
+        seen[key] = callback

@@ -1,0 +1,159 @@
+"""The per-step loop: one global step of K microbatches, and the events around it.
+
+This is the only place that runs forward/backward/optimizer work. Read it top to bottom
+next to ``speedtronic/events.py``: the order of ``emit`` calls here *is* the event contract.
+Nothing here reads a device value back to the host; the loss stays a device tensor until
+a metric is due.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from speedtronic.batch import count_batch, move_to_device, resolve_loss
+from speedtronic.contexts import (
+    BackwardContext,
+    CheckpointContext,
+    CoordinateContext,
+    MetricsContext,
+    MicrobatchContext,
+    OptimizerResetContext,
+    OptimizerStepContext,
+    SchedulerContext,
+    StepContext,
+)
+from speedtronic.events import Event
+from speedtronic.metrics import MetricRecord
+
+if TYPE_CHECKING:
+    from speedtronic.trainer import Trainer
+
+
+def run_global_step(t: Trainer, step: int) -> bool:
+    """Run global step number ``step``. Returns False when the grad scaler skipped the
+    update (fp16 overflow): the step is not counted and will be retried."""
+    plan = t.plan
+    k = t.accumulation_steps
+    step_ctx = StepContext(step, k)
+    plan.emit(t, Event.STEP_START, step_ctx)
+
+    loss_sum = _accumulate_microbatches(t, step, k)
+
+    grad_norm = _prepare_gradients(t)
+    plan.emit(t, Event.BEFORE_OPTIMIZER_STEP, OptimizerStepContext(step, False, grad_norm))
+    skipped = _optimizer_step(t)
+    plan.emit(t, Event.AFTER_OPTIMIZER_STEP, OptimizerStepContext(step, skipped, grad_norm))
+    if skipped:
+        t.note_skipped_step(step)
+        plan.emit(t, Event.STEP_END, step_ctx)
+        return False
+
+    t.step = step
+    t.last_loss = loss_sum / k
+    if t.scheduler is not None:
+        t.scheduler.step()
+    if plan.listens(Event.AFTER_SCHEDULER_STEP):
+        lrs = tuple(float(group["lr"]) for group in t.optimizer.param_groups)
+        plan.emit(t, Event.AFTER_SCHEDULER_STEP, SchedulerContext(step, lrs))
+
+    plan.emit(t, Event.COORDINATE, CoordinateContext(step))
+    _maybe_reset_optimizer(t, step)
+
+    if plan.listens(Event.METRICS) or t.is_metric_due(step):
+        _emit_metrics(t, step, t.last_loss, grad_norm)
+    plan.emit(t, Event.CHECKPOINT, CheckpointContext(step))
+    plan.emit(t, Event.STEP_END, step_ctx)
+    return True
+
+
+def _accumulate_microbatches(t: Trainer, step: int, k: int) -> torch.Tensor:
+    """Forward/backward K microbatches; returns the sum of their unscaled losses."""
+    plan = t.plan
+    listens_mb = plan.listens(Event.MICROBATCH_START) or plan.listens(Event.MICROBATCH_END)
+    loss_sum: torch.Tensor | None = None
+    for index in range(k):
+        batch = move_to_device(next(t.stream), t.device)
+        samples, tokens = count_batch(batch)
+        t.samples += samples
+        t.tokens += tokens
+        mb_ctx = MicrobatchContext(step, index, k, batch) if listens_mb else None
+        if mb_ctx is not None:
+            plan.emit(t, Event.MICROBATCH_START, mb_ctx)
+        with t.grad_sync_context(index == k - 1):
+            with t.autocast():
+                output = t.forward(batch)
+            loss = resolve_loss(output, batch)
+            backward_ctx = BackwardContext(step, index, k, loss)
+            plan.emit(t, Event.BEFORE_BACKWARD, backward_ctx)
+            scaled = loss / k
+            if t.scaler is not None:
+                scaled = t.scaler.scale(scaled)
+            scaled.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+            plan.emit(t, Event.AFTER_BACKWARD, backward_ctx)
+        detached = loss.detach()
+        loss_sum = detached if loss_sum is None else loss_sum + detached
+        if mb_ctx is not None:
+            plan.emit(t, Event.MICROBATCH_END, mb_ctx)
+    assert loss_sum is not None  # k >= 1 is enforced by the Trainer
+    return loss_sum
+
+
+def _prepare_gradients(t: Trainer) -> torch.Tensor | None:
+    """Unscale fp16 gradients, then clip; returns the total norm when clipping."""
+    if t.scaler is not None:
+        t.scaler.unscale_(t.optimizer)
+    if t.grad_clip is None:
+        return None
+    return torch.nn.utils.clip_grad_norm_(t.trainable_parameters, t.grad_clip)
+
+
+def _optimizer_step(t: Trainer) -> bool:
+    """Step the optimizer; True when the grad scaler skipped the step (overflow)."""
+    skipped = False
+    if t.scaler is not None:
+        scale_before = t.scaler.get_scale()  # one host read, fp16 on CUDA only
+        t.scaler.step(t.optimizer)
+        t.scaler.update()
+        skipped = t.scaler.get_scale() < scale_before
+    else:
+        t.optimizer.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    return skipped
+
+
+def _maybe_reset_optimizer(t: Trainer, step: int) -> None:
+    requested = t.take_reset_requests()
+    if not requested or not t.allow_optimizer_reset:
+        return
+    t.plan.emit(t, Event.OPTIMIZER_RESET, OptimizerResetContext(step, requested))
+    t.reset_optimizer_state()
+
+
+def _emit_metrics(
+    t: Trainer, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None
+) -> None:
+    record = MetricRecord(step)
+    elapsed = max(time.perf_counter() - t.fit_clock.start_time, 1e-9)
+    record.set("loss", loss)
+    groups = t.optimizer.param_groups
+    record.set("lr", float(groups[0]["lr"]))
+    for index, group in enumerate(groups[1:], start=1):
+        if group["lr"] != groups[0]["lr"]:
+            record.set(f"lr/group{index}", float(group["lr"]))
+    if grad_norm is not None:
+        record.set("grad_norm", grad_norm)
+    clock = t.fit_clock
+    record.set("steps_per_sec", (step - clock.start_step) / elapsed)
+    record.set("samples_per_sec", (t.samples - clock.start_samples) / elapsed)
+    record.set("tokens_per_sec", (t.tokens - clock.start_tokens) / elapsed)
+    record.set("samples", t.samples)
+    record.set("tokens", t.tokens)
+    record.set("micro_batches", t.accumulation_steps)
+    record.set("elapsed_s", elapsed)
+    due = t.is_metric_due(step)
+    t.plan.emit(t, Event.METRICS, MetricsContext(step, due, record))
+    if due:
+        t.due_records.append(record.values())

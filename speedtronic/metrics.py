@@ -1,0 +1,66 @@
+"""The per-step metric record: contributors add keys, sinks read the finished values.
+
+Values may be device tensors. They are only copied to the host when a sink asks for
+``values()`` -- all of them in one transfer -- so steps on which nothing is logged never
+force a device sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+MetricValue = float | int | str
+"""A metric value as sinks see it."""
+
+
+class MetricRecord:
+    """One global step's metrics. Created by the trainer at the ``metrics`` event."""
+
+    __slots__ = ("step", "_values", "_pending")
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self._values: dict[str, MetricValue] = {"step": step}
+        self._pending: dict[str, torch.Tensor] = {}
+
+    def set(self, key: str, value: MetricValue | torch.Tensor) -> None:
+        """Add or replace a key. A tensor is kept on its device until ``values()``."""
+        if isinstance(value, torch.Tensor):
+            self._values.pop(key, None)
+            self._pending[key] = value.detach()
+        else:
+            self._pending.pop(key, None)
+            self._values[key] = value
+
+    def setdefault(self, key: str, value: MetricValue | torch.Tensor) -> None:
+        if key not in self:
+            self.set(key, value)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values or key in self._pending
+
+    def keys(self) -> Iterator[str]:
+        yield from self._values
+        yield from self._pending
+
+    def values(self) -> dict[str, MetricValue]:
+        """The record as plain Python numbers (one host transfer for all tensor values)."""
+        if self._pending:
+            keys = list(self._pending)
+            tensors = [self._pending[k].reshape(()).float() for k in keys]
+            if len({t.device for t in tensors}) == 1:
+                numbers = torch.stack(tensors).cpu().tolist()  # one transfer, one sync
+            else:
+                numbers = [t.item() for t in tensors]
+            for key, number in zip(keys, numbers, strict=True):
+                self._values[key] = float(number)
+            self._pending.clear()
+        return dict(self._values)
+
+    def get(self, key: str) -> MetricValue | None:
+        """One value (materialises the record when the key is still a tensor)."""
+        if key in self._pending:
+            return self.values().get(key)
+        return self._values.get(key)

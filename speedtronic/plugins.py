@@ -1,0 +1,158 @@
+"""Named plugins: callbacks, models and datasets, found by registration or entry points.
+
+A plugin is visible to ``speedtronic fit`` when it is registered in a module listed under
+``imports:`` in the config, or when an installed distribution declares it under one of the
+entry-point groups below -- exactly how the built-in callbacks in ``callbacks/`` are found
+(the engine never imports that package directly).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Generic, TypeVar, overload
+
+import torch
+
+from speedtronic.callback import Callback
+
+if TYPE_CHECKING:
+    from speedtronic.config import SpeedtronicConfig
+
+T = TypeVar("T")
+
+CALLBACK_GROUP = "speedtronic.callbacks"
+MODEL_GROUP = "speedtronic.models"
+DATASET_GROUP = "speedtronic.datasets"
+
+
+class PluginError(KeyError):
+    """An unknown plugin name, or an entry point that fails to load."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass(frozen=True)
+class PluginContext:
+    """What a plugin gets when it is built from config."""
+
+    config: SpeedtronicConfig
+    output_dir: Path
+    device: torch.device
+
+
+class PluginRegistry(Generic[T]):
+    """Name -> plugin, filled by ``register`` and, lazily, by an entry-point group.
+
+    Registration wins over an entry point of the same name (and silently replaces an
+    earlier registration, as the original model registry did).
+    """
+
+    def __init__(self, kind: str, group: str | None) -> None:
+        self.kind = kind
+        self.group = group
+        self._items: dict[str, T] = {}
+        self._origins: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    @overload
+    def register(self, name: str, obj: None = None) -> Callable[[T], T]: ...
+
+    @overload
+    def register(self, name: str, obj: T) -> T: ...
+
+    def register(self, name: str, obj: T | None = None) -> T | Callable[[T], T]:
+        """Register ``obj`` under ``name``; without ``obj`` returns a decorator."""
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
+
+        def decorate(item: T) -> T:
+            with self._lock:
+                self._items[name] = item
+                module = getattr(item, "__module__", None) or "<unknown>"
+                self._origins[name] = f"registered in {module}"
+            return item
+
+        return decorate if obj is None else decorate(obj)
+
+    def _entry_points(self) -> dict[str, metadata.EntryPoint]:
+        if self.group is None:
+            return {}
+        return {ep.name: ep for ep in metadata.entry_points(group=self.group)}
+
+    def names(self) -> tuple[str, ...]:
+        """Every known name, registered or declared by an entry point, sorted."""
+        return tuple(sorted(set(self._items) | set(self._entry_points())))
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.names()
+
+    def get(self, name: str) -> T:
+        """The plugin called ``name``; ``PluginError`` (a ``KeyError``) names the known ones."""
+        with self._lock:
+            if name in self._items:
+                return self._items[name]
+        entry = self._entry_points().get(name)
+        if entry is None:
+            known = ", ".join(self.names()) or "none"
+            raise PluginError(f"unknown {self.kind} {name!r} (known: {known})")
+        try:
+            loaded: T = entry.load()
+        except Exception as exc:  # a broken third-party plugin must name itself
+            raise PluginError(
+                f"{self.kind} {name!r} from entry point {entry.value!r} failed to load: {exc}"
+            ) from exc
+        with self._lock:
+            self._items.setdefault(name, loaded)
+            dist = entry.dist.name if entry.dist is not None else "?"
+            self._origins.setdefault(name, f"entry point {entry.value} ({dist})")
+            return self._items[name]
+
+    def origin(self, name: str) -> str:
+        """Where ``name`` comes from (for ``speedtronic plugins``)."""
+        if name not in self._origins:
+            entry = self._entry_points().get(name)
+            if entry is not None:
+                dist = entry.dist.name if entry.dist is not None else "?"
+                return f"entry point {entry.value} ({dist})"
+            self.get(name)
+        return self._origins[name]
+
+
+callback_registry: PluginRegistry[type[Callback]] = PluginRegistry("callback", CALLBACK_GROUP)
+"""Callbacks by the name used in ``callbacks:``."""
+
+
+def register_callback(name: str) -> Callable[[type[Callback]], type[Callback]]:
+    """Class decorator: make a ``Callback`` subclass usable as ``{name: <name>}`` in config."""
+
+    def decorate(cls: type[Callback]) -> type[Callback]:
+        if not (isinstance(cls, type) and issubclass(cls, Callback)):
+            raise TypeError(f"register_callback({name!r}) needs a Callback subclass, got {cls!r}")
+        return callback_registry.register(name, cls)
+
+    return decorate
+
+
+def import_modules(modules: Iterable[str]) -> None:
+    """Import user modules (the config's ``imports:``) so their registrations run."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise PluginError(f"imports: cannot import {module!r}: {exc}") from exc
+
+
+def callback_options_schema(name: str) -> Mapping[str, object]:
+    """The JSON Schema of a callback plugin's options (``name`` excluded)."""
+    return callback_registry.get(name).options_schema
+
+
+def build_callback(name: str, options: Mapping[str, object], context: PluginContext) -> Callback:
+    """Instantiate the callback plugin ``name`` from already-validated options."""
+    return callback_registry.get(name).from_options(options, context)

@@ -1,0 +1,101 @@
+"""The model registry (original API): ``register_model``, ``build_model``, ``ModelRegistry``.
+
+Built-in models (``reference_transformer``, ``gpt``) and third-party ones are declared as
+entry points in the ``speedtronic.models`` group and load lazily on first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, overload
+
+from torch import nn
+
+from speedtronic.plugins import MODEL_GROUP, PluginRegistry
+
+ModelFactory = Callable[..., nn.Module]
+"""A callable returning a model; it receives the standard fields as keyword arguments."""
+
+
+class ModelSettings(Protocol):
+    """The ``model`` config section fields forwarded to every factory."""
+
+    name: str
+    vocab_size: int
+    max_seq_len: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int | None
+    d_model: int
+    d_ff: int | None
+    dropout: float
+    tie_weights: bool
+    rope_base: float
+
+
+class ModelRegistry(PluginRegistry[ModelFactory]):
+    """Name -> model factory. ``register`` works as a decorator or a direct call."""
+
+    def __init__(self) -> None:
+        super().__init__("model", MODEL_GROUP)
+
+    @overload
+    def register(
+        self, name: str, factory: None = None
+    ) -> Callable[[ModelFactory], ModelFactory]: ...
+
+    @overload
+    def register(self, name: str, factory: ModelFactory) -> ModelFactory: ...
+
+    def register(
+        self, name: str, factory: ModelFactory | None = None
+    ) -> ModelFactory | Callable[[ModelFactory], ModelFactory]:
+        return super().register(name, factory)
+
+    def build(self, name: str, **kwargs: object) -> nn.Module:
+        model = self.get(name)(**kwargs)
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"model factory {name!r} returned {type(model).__name__}, not an nn.Module"
+            )
+        return model
+
+
+registry = ModelRegistry()
+"""The process-global model registry."""
+
+
+@overload
+def register_model(name: str, factory: None = None) -> Callable[[ModelFactory], ModelFactory]: ...
+
+
+@overload
+def register_model(name: str, factory: ModelFactory) -> ModelFactory: ...
+
+
+def register_model(
+    name: str, factory: ModelFactory | None = None
+) -> ModelFactory | Callable[[ModelFactory], ModelFactory]:
+    """Register a model factory on the global registry (decorator or direct call)."""
+    return registry.register(name, factory)
+
+
+def standard_model_fields(config: ModelSettings) -> dict[str, object]:
+    """The fields every factory receives (custom factories should accept ``**kwargs``)."""
+    return {
+        "vocab_size": config.vocab_size,
+        "block_size": config.max_seq_len,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_kv_head": config.n_kv_head,
+        "d_model": config.d_model,
+        "d_ff": config.d_ff,
+        "dropout": config.dropout,
+        "tie_weights": config.tie_weights,
+        "rope_base": config.rope_base,
+    }
+
+
+def build_model(config: ModelSettings, **overrides: object) -> nn.Module:
+    """Build ``config.name`` from the global registry with the standard fields."""
+    return registry.build(config.name, **{**standard_model_fields(config), **overrides})

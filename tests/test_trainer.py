@@ -1,0 +1,194 @@
+"""Trainer step semantics: accumulation math, output protocol, counters, coordinator."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from speedtronic import Trainer
+from speedtronic.batch import ModelOutputError, loss_from_logits, resolve_loss
+
+
+class MeanModel(nn.Module):
+    """loss = (v - mean(labels))^2 for dict batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = nn.Parameter(torch.zeros(()))
+
+    def forward(self, labels: torch.Tensor) -> torch.Tensor:
+        return (self.v - labels.float().mean()) ** 2
+
+
+def test_accumulation_scales_gradients_and_reports_mean_loss() -> None:
+    model = MeanModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [{"labels": torch.tensor([0.0])}, {"labels": torch.tensor([2.0])}]
+    result = Trainer(model, opt, data, device="cpu", accumulation_steps=2, max_steps=1).fit()
+    # grad = d/dv [(v-0)^2/2 + (v-2)^2/2] at 0 = -2 -> v = 0.2; loss = mean(0, 4) = 2.
+    assert model.v.item() == pytest.approx(0.2)
+    assert result.final_loss == pytest.approx(2.0)
+    assert result.steps == 1
+    assert result.samples == 2
+
+
+def test_absolute_max_steps_and_repeated_fit() -> None:
+    model = MeanModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [{"labels": torch.tensor([1.0])}]
+    trainer = Trainer(model, opt, data, max_steps=3)
+    assert trainer.fit().steps == 3
+    again = trainer.fit(3)
+    assert again.steps == 3 and again.final_loss is None
+    assert trainer.fit(5).steps == 5
+
+
+def test_counters_and_metrics_cadence() -> None:
+    model = nn.Embedding(16, 4)
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, 16)
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"logits": self.emb(input_ids)}
+
+    del model
+    net = LM()
+    data = [{"input_ids": torch.randint(0, 16, (2, 8)), "labels": torch.randint(0, 16, (2, 8))}]
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    result = Trainer(net, opt, data, max_steps=5, metrics_every=2, accumulation_steps=2).fit()
+    assert (result.samples, result.tokens) == (20, 160)
+    assert [m["step"] for m in result.metrics] == [2, 4, 5]
+    last = result.metrics[-1]
+    assert last["samples"] == 20 and last["micro_batches"] == 2
+    assert isinstance(last["loss"], float) and last["loss"] == pytest.approx(result.final_loss)
+
+
+def test_loss_resolution_protocol() -> None:
+    logits = torch.randn(2, 3, 4)
+    labels = torch.randint(0, 4, (2, 3))
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 4), labels.reshape(-1))
+    batch = {"labels": labels}
+    assert torch.allclose(resolve_loss({"logits": logits}, batch), expected)
+    assert torch.allclose(resolve_loss((logits,), batch), expected)
+    assert torch.allclose(resolve_loss({"loss": expected}, batch), expected)
+    assert torch.allclose(resolve_loss(torch.tensor([1.0, 3.0]), batch), torch.tensor(2.0))
+    shorter = labels[:, :-1]
+    assert torch.allclose(
+        loss_from_logits(logits, shorter),
+        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 4), shorter.reshape(-1)),
+    )
+    ignored = torch.full((2, 3), -100)
+    zero = loss_from_logits(logits.requires_grad_(), ignored)
+    assert zero.item() == 0.0
+    zero.backward()
+    assert logits.grad is not None and torch.isfinite(logits.grad).all()
+    with pytest.raises(ModelOutputError, match="no labels"):
+        resolve_loss({"logits": logits}, {"input_ids": labels})
+    with pytest.raises(ModelOutputError, match="cannot get a loss"):
+        resolve_loss("nope", batch)
+
+
+def test_grad_clip_reports_norm() -> None:
+    model = MeanModel()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    data = [{"labels": torch.tensor([10.0])}]
+    result = Trainer(model, opt, data, max_steps=1, grad_clip=1.0).fit()
+    # Unclipped grad is -20; clipped to norm 1 -> v == 1.0.
+    assert model.v.item() == pytest.approx(1.0)
+    assert result.metrics[-1]["grad_norm"] == pytest.approx(20.0)
+
+
+class CountingCoordinator:
+    def __init__(self) -> None:
+        self.starts = 0
+        self.stops = 0
+        self.calls: list[int] = []
+        self.loaded: dict[str, object] | None = None
+
+    def start(self) -> None:
+        self.starts += 1
+
+    def after_optimizer_step(self, model: nn.Module, step: int) -> bool | None:
+        self.calls.append(step)
+        return step == 2
+
+    def stop(self) -> None:
+        self.stops += 1
+
+    def state_dict(self) -> dict[str, object] | None:
+        return {"calls": len(self.calls)}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.loaded = state
+
+
+def test_sync_coordinator_protocol_is_adapted() -> None:
+    model = MeanModel()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    coordinator = CountingCoordinator()
+    data = [{"labels": torch.tensor([1.0])}]
+    trainer = Trainer(model, opt, data, coordinator=coordinator, max_steps=1)
+    trainer.fit()
+    trainer.fit(max_steps=3)
+    assert (coordinator.starts, coordinator.stops) == (2, 2)
+    assert coordinator.calls == [1, 2, 3]
+    state = trainer.state_dict()
+    assert state["callbacks"] == {"coordinator": {"calls": 3}}
+
+
+def test_state_dict_round_trip_continues_identically() -> None:
+    def build() -> Trainer:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.Linear(8, 1))
+        data = [(torch.randn(3, 4), torch.randn(3, 1)) for _ in range(5)]
+
+        class Wrap(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.net = net
+
+            def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                return ((self.net(x) - y) ** 2).mean()
+
+        model = Wrap()
+        return Trainer(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            data,
+            max_steps=10,
+            accumulation_steps=2,
+        )
+
+    straight = build()
+    straight.fit(4)
+    saved = copy.deepcopy(straight.state_dict())  # state_dict holds live references
+    expected = straight.fit(9)
+
+    resumed = build()
+    resumed.load_state_dict(saved)
+    assert resumed.step == 4
+    got = resumed.fit(9)
+    assert got.final_loss == expected.final_loss
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_mismatched_state_is_a_clear_error() -> None:
+    from speedtronic.trainer import TrainingStateError
+
+    model = MeanModel()
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), [{"labels": torch.ones(1)}]
+    )
+    state = trainer.state_dict()
+    bad = dict(state, model={"w": torch.zeros(2)})
+    with pytest.raises(TrainingStateError, match="missing keys: v.*unexpected keys: w"):
+        trainer.load_state_dict(bad)
+    with pytest.raises(TrainingStateError, match="format version 99"):
+        trainer.load_state_dict(dict(state, format_version=99))
