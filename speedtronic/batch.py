@@ -118,17 +118,3 @@ def resolve_loss(output: object, batch: object) -> torch.Tensor:
         )
     return loss if loss.dim() == 0 else loss.mean()
 
-
-def count_batch(batch: object) -> tuple[int, int]:
-    """(samples, tokens) of a batch without a device sync: tokens are the element count of
-    ``input_ids`` (padding included; see docs/metrics.md)."""
-    source: object = None
-    if isinstance(batch, Mapping):
-        source = batch.get("input_ids", batch.get("inputs"))
-    elif isinstance(batch, (tuple, list)) and batch:
-        source = batch[0]
-    elif isinstance(batch, torch.Tensor):
-        source = batch
-    if isinstance(source, torch.Tensor) and source.dim() > 0:
-        return int(source.shape[0]), int(source.numel())
-    return 1, 1

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from speedtronic.batch import count_batch, move_to_device, resolve_loss
+from speedtronic.batch import move_to_device, resolve_loss
 from speedtronic.contexts import (
     BackwardContext,
     CheckpointContext,
@@ -25,6 +25,7 @@ from speedtronic.contexts import (
     SchedulerContext,
     StepContext,
 )
+from speedtronic.data.collate import batch_size_and_tokens
 from speedtronic.events import Event
 from speedtronic.metrics import MetricRecord
 
@@ -75,8 +76,9 @@ def _accumulate_microbatches(t: Trainer, step: int, k: int) -> torch.Tensor:
     listens_mb = plan.listens(Event.MICROBATCH_START) or plan.listens(Event.MICROBATCH_END)
     loss_sum: torch.Tensor | None = None
     for index in range(k):
-        batch = move_to_device(next(t.stream), t.device)
-        samples, tokens = count_batch(batch)
+        host_batch = next(t.stream)
+        samples, tokens = batch_size_and_tokens(host_batch)  # before the move: no device sync
+        batch = move_to_device(host_batch, t.device)
         t.samples += samples
         t.tokens += tokens
         mb_ctx = MicrobatchContext(step, index, k, batch) if listens_mb else None

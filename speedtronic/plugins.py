@@ -128,13 +128,17 @@ callback_registry: PluginRegistry[type[Callback]] = PluginRegistry("callback", C
 """Callbacks by the name used in ``callbacks:``."""
 
 
-def register_callback(name: str) -> Callable[[type[Callback]], type[Callback]]:
+CallbackClass = TypeVar("CallbackClass", bound=type[Callback])
+
+
+def register_callback(name: str) -> Callable[[CallbackClass], CallbackClass]:
     """Class decorator: make a ``Callback`` subclass usable as ``{name: <name>}`` in config."""
 
-    def decorate(cls: type[Callback]) -> type[Callback]:
+    def decorate(cls: CallbackClass) -> CallbackClass:
         if not (isinstance(cls, type) and issubclass(cls, Callback)):
             raise TypeError(f"register_callback({name!r}) needs a Callback subclass, got {cls!r}")
-        return callback_registry.register(name, cls)
+        callback_registry.register(name, cls)
+        return cls
 
     return decorate
 

@@ -1,0 +1,178 @@
+"""Loop overhead: a hand-written PyTorch loop versus speedtronic's Trainer, side by side.
+
+The same tiny model (the smoke-sized reference transformer), the same pre-collated batches
+and the same work per step (K=2 accumulation, AdamW, warmup+cosine LR, loss and lr written
+to a log file on logging steps). Runs are interleaved (A, B, A, B, ...) and the median
+steps/s of each case is compared with the hand-written loop's.
+
+    python benchmarks/overhead.py            # prints a table; --markdown for docs
+
+Cases:
+  trainer_bare       Trainer, no callbacks
+  trainer_defaults   Trainer with the default callbacks (console to a file + metrics.jsonl),
+                     logging every 10 steps (the hand loop logs every 10 too)
+  trainer_all_sinks  console + jsonl + csv + tensorboard + progress (non-TTY), every step,
+                     against a hand loop that logs every step
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from speedtronic import Callback, Trainer
+from speedtronic.data import LearnableLanguageDataset, collate_batch
+from speedtronic.model import ReferenceTransformer
+
+STEPS = 150
+K = 2
+MICRO = 8
+
+
+def make_model() -> ReferenceTransformer:
+    torch.manual_seed(0)
+    return ReferenceTransformer(
+        vocab_size=128, block_size=32, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=128
+    )
+
+
+def make_batches() -> list[object]:
+    data = LearnableLanguageDataset(num_samples=64 * MICRO, block_size=32, vocab_size=128, seed=1)
+    return [collate_batch([data[i * MICRO + j] for j in range(MICRO)]) for i in range(64)]
+
+
+def lr_lambda(step: int) -> float:
+    warmup = 10
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, STEPS - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def optimizer_for(
+    model: torch.nn.Module,
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+
+
+def hand_loop(batches: list[object], log_every: int, log_path: Path) -> float:
+    model = make_model()
+    opt, sched = optimizer_for(model)
+    model.train()
+    start = time.perf_counter()
+    with log_path.open("w") as log:
+        position = 0
+        for step in range(1, STEPS + 1):
+            total = torch.zeros(())
+            for _ in range(K):
+                batch = batches[position % len(batches)]
+                position += 1
+                assert isinstance(batch, dict)
+                out = model(**batch)
+                loss = out["loss"]
+                (loss / K).backward()
+                total += loss.detach()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            if step % log_every == 0:
+                log.write(
+                    f"step {step} loss {(total / K).item():.4f} lr {sched.get_last_lr()[0]}\n"
+                )
+    return STEPS / (time.perf_counter() - start)
+
+
+def trainer_run(
+    batches: list[object], callbacks: Callable[[Path], list[Callback]], log_every: int, out: Path
+) -> float:
+    model = make_model()
+    opt, sched = optimizer_for(model)
+    trainer = Trainer(
+        model,
+        opt,
+        batches,
+        device="cpu",
+        scheduler=sched,
+        callbacks=callbacks(out),
+        accumulation_steps=K,
+        max_steps=STEPS,
+        metrics_every=log_every,
+        output_dir=out,
+    )
+    start = time.perf_counter()
+    trainer.fit()
+    return STEPS / (time.perf_counter() - start)
+
+
+def default_callbacks(out: Path) -> list[Callback]:
+    from callbacks.console import ConsoleCallback
+    from callbacks.jsonl import JsonlCallback
+
+    return [ConsoleCallback(file=out / "console.log"), JsonlCallback(out / "metrics.jsonl")]
+
+
+def all_sinks(out: Path) -> list[Callback]:
+    from callbacks.csv_sink import CsvCallback
+    from callbacks.progress import ProgressBarCallback
+    from callbacks.tensorboard import TensorBoardCallback
+
+    progress_log = (out / "progress.log").open("w")
+    return [
+        *default_callbacks(out),
+        CsvCallback(out / "metrics.csv"),
+        TensorBoardCallback(out / "tensorboard"),
+        ProgressBarCallback(stream=progress_log),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    batches = make_batches()
+    cases: dict[str, tuple[Callable[[Path], float], Callable[[Path], float]]] = {
+        "trainer_bare": (
+            lambda d: hand_loop(batches, 10, d / "hand.log"),
+            lambda d: trainer_run(batches, lambda _: [], 10, d),
+        ),
+        "trainer_defaults": (
+            lambda d: hand_loop(batches, 10, d / "hand.log"),
+            lambda d: trainer_run(batches, default_callbacks, 10, d),
+        ),
+        "trainer_all_sinks": (
+            lambda d: hand_loop(batches, 1, d / "hand.log"),
+            lambda d: trainer_run(batches, all_sinks, 1, d),
+        ),
+    }
+    rows = []
+    for name, (hand, ours) in cases.items():
+        hand_rates, our_rates = [], []
+        hand(Path(tempfile.mkdtemp()))  # warm-up both paths once
+        ours(Path(tempfile.mkdtemp()))
+        for _ in range(args.rounds):
+            hand_rates.append(hand(Path(tempfile.mkdtemp())))
+            our_rates.append(ours(Path(tempfile.mkdtemp())))
+        h, o = statistics.median(hand_rates), statistics.median(our_rates)
+        rows.append((name, h, o, o / h))
+    if args.markdown:
+        print("| case | hand-written steps/s | speedtronic steps/s | ratio |")
+        print("|---|---:|---:|---:|")
+        for name, h, o, r in rows:
+            print(f"| {name} | {h:.1f} | {o:.1f} | {r:.3f} |")
+    else:
+        for name, h, o, r in rows:
+            print(f"{name:<20} hand {h:8.1f} steps/s   trainer {o:8.1f} steps/s   ratio {r:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,7 @@
+"""The built-in callbacks, one feature per module (``callbacks.checkpoint``, ...).
+
+Each is a ``speedtronic.callback.Callback`` plugin found through the
+``speedtronic.callbacks`` entry-point group, exactly like a third-party plugin. Nothing is
+imported here: importing ``callbacks`` costs nothing, and a run loads only the features its
+config names.
+"""

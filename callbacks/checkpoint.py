@@ -1,0 +1,336 @@
+"""``checkpoint``: save the full training state every N steps, at the end, and on SIGTERM.
+
+    callbacks:
+      - {name: checkpoint, every_steps: 200, keep_last: 3}
+
+Options left out come from the config's ``checkpoint:`` section; a relative ``directory`` is
+under the run's output directory. What is saved is ``trainer.state_dict()`` -- model,
+optimizer, scheduler, grad scaler, counters, RNG, data position and every callback's state --
+so a resumed run continues bit for bit. Files, the pointer and retention are
+``speedtronic.checkpoint.CheckpointManager``'s job; this callback decides *when*.
+
+When a save happens:
+
+* at the ``checkpoint`` event of every step that is a multiple of ``every_steps``;
+* at ``fit_end`` when the last completed step was not just saved (``save_final``), and
+  always after a SIGTERM/SIGINT stop (``save_on_signal``);
+* at ``exception`` (``save_on_exception``, off by default), best effort.
+
+Signals: with ``save_on_signal`` the first SIGTERM or SIGINT asks the trainer to stop after
+the current step (``trainer.request_stop("signal SIGTERM")``); the fit then ends normally,
+the final checkpoint is written, and ``TrainResult.stop_reason`` says which signal it was
+(``speedtronic.checkpoint.requeue_exit_code`` maps it to the exit status 128 + signal
+number). A second signal is handled the way it was before the fit (Ctrl-C twice interrupts
+at once). The previous handlers are restored at ``teardown``.
+
+Async save (``async_save``): the state is copied to CPU memory on the training thread and
+written by one background thread while training goes on; a failed write stops the run at
+the next step, and ``fit_end`` waits until the last checkpoint is on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, ClassVar
+
+from typing_extensions import Self
+
+from speedtronic.callback import Callback, JSONSchema
+from speedtronic.checkpoint import AsyncCheckpointWriter, CheckpointError, CheckpointManager
+from speedtronic.contexts import (
+    CheckpointContext,
+    ExceptionContext,
+    FitContext,
+    FitEndContext,
+    TeardownContext,
+)
+from speedtronic.rng import capture_rng_state
+
+if TYPE_CHECKING:
+    from speedtronic.plugins import PluginContext
+    from speedtronic.trainer import Trainer
+
+__all__ = ["CheckpointCallback"]
+
+logger = logging.getLogger("speedtronic.checkpoint")
+
+HANDLED_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+SignalHandler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
+"""What ``signal.signal`` returns: the handler that was installed before."""
+
+
+class CheckpointCallback(Callback):
+    """Saves ``trainer.state_dict()`` through a ``CheckpointManager``.
+
+    Build it with a ``directory`` (and the interval/retention options), or hand it an
+    existing ``manager`` (the original ``Trainer(checkpoint_manager=...)`` path); the
+    manager's ``enabled`` flag switches all saving off.
+    """
+
+    plugin_name: ClassVar[str | None] = "checkpoint"
+    options_schema: ClassVar[JSONSchema] = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "directory": {
+                "type": "string",
+                "minLength": 1,
+                "description": "Checkpoint directory; relative paths are under run.output_dir "
+                "(default: checkpoint.directory).",
+            },
+            "every_steps": {
+                "type": "integer",
+                "minimum": 1,
+                "description": "Save every N global steps (default: checkpoint.every_steps).",
+            },
+            "keep_last": {
+                "type": ["integer", "null"],
+                "minimum": 1,
+                "description": "Keep the newest N checkpoints; null keeps all "
+                "(default: checkpoint.keep_last).",
+            },
+            "enabled": {
+                "type": "boolean",
+                "description": "Save at all (default: checkpoint.enabled).",
+            },
+            "save_final": {
+                "type": "boolean",
+                "default": True,
+                "description": "Save at the end of a successful fit when the last step was "
+                "not just saved.",
+            },
+            "save_on_exception": {
+                "type": "boolean",
+                "description": "Best-effort save when the fit fails "
+                "(default: checkpoint.save_on_exception).",
+            },
+            "save_on_signal": {
+                "type": "boolean",
+                "description": "On SIGTERM/SIGINT stop after the current step and save "
+                "(default: checkpoint.save_on_signal).",
+            },
+            "async_save": {
+                "type": "boolean",
+                "description": "Write on a background thread after a CPU snapshot "
+                "(default: checkpoint.async_save).",
+            },
+        },
+    }
+
+    def __init__(
+        self,
+        directory: str | Path | None = None,
+        *,
+        every_steps: int = 500,
+        keep_last: int | None = 3,
+        enabled: bool = True,
+        save_final: bool = True,
+        save_on_exception: bool = False,
+        save_on_signal: bool = True,
+        async_save: bool = False,
+        manager: CheckpointManager | None = None,
+    ) -> None:
+        if manager is None:
+            if directory is None:
+                raise ValueError("CheckpointCallback needs a directory or a manager")
+            manager = CheckpointManager(
+                directory, every_steps=every_steps, keep_last=keep_last, enabled=enabled
+            )
+        elif directory is not None:
+            raise ValueError("CheckpointCallback takes a directory or a manager, not both")
+        self.manager = manager
+        self.save_final = save_final
+        self.save_on_exception = save_on_exception
+        self.save_on_signal = save_on_signal
+        self.async_save = async_save
+        self.last_saved_step: int | None = None
+        self.last_path: Path | None = None
+        self.signal_received: signal.Signals | None = None
+        self._writer: AsyncCheckpointWriter | None = None
+        self._previous_handlers: dict[signal.Signals, SignalHandler] = {}
+        # (counters, RNG, data position) at the end of the last step, for save_on_exception.
+        self._step_end_state: (
+            tuple[dict[str, int], dict[str, object], Mapping[str, int]] | None
+        ) = None
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
+        """Options not given come from the config's ``checkpoint:`` section."""
+        section = context.config.checkpoint
+        merged: dict[str, object] = {
+            "directory": section.directory,
+            "every_steps": section.every_steps,
+            "keep_last": section.keep_last,
+            "enabled": section.enabled,
+            "save_on_exception": section.save_on_exception,
+            "save_on_signal": section.save_on_signal,
+            "async_save": section.async_save,
+            "save_final": True,
+        }
+        merged.update(options)
+        directory = Path(str(merged.pop("directory")))
+        if not directory.is_absolute():
+            directory = context.output_dir / directory
+        keep_last = merged["keep_last"]
+        return cls(
+            directory,
+            every_steps=_as_int(merged["every_steps"]),
+            keep_last=None if keep_last is None else _as_int(keep_last),
+            enabled=bool(merged["enabled"]),
+            save_final=bool(merged["save_final"]),
+            save_on_exception=bool(merged["save_on_exception"]),
+            save_on_signal=bool(merged["save_on_signal"]),
+            async_save=bool(merged["async_save"]),
+        )
+
+    @property
+    def directory(self) -> Path:
+        return self.manager.directory
+
+    # -- fit lifecycle ------------------------------------------------------------------
+
+    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+        self.signal_received = None
+        self._step_end_state = None
+        start_path = self.manager.path_for(ctx.start_step)
+        self.last_saved_step = ctx.start_step if start_path.is_file() else None
+        if not self.manager.enabled:
+            return
+        self._warn_about_foreign_checkpoints(ctx.start_step)
+        if self.async_save:
+            self._writer = AsyncCheckpointWriter(self.manager)
+        if self.save_on_signal:
+            self._install_signal_handlers(trainer)
+
+    def on_checkpoint(self, trainer: Trainer, ctx: CheckpointContext) -> None:
+        if self._writer is not None:
+            self._writer.poll()  # a failed background write stops the run here
+        if self.save_on_exception:
+            # What a mid-step failure cannot recover from the live trainer: where the data
+            # and the RNG stood when the last step completed.
+            counters = {"step": ctx.step, "samples": trainer.samples, "tokens": trainer.tokens}
+            self._step_end_state = (counters, capture_rng_state(), trainer.stream.state_dict())
+        if self.manager.should_save(ctx.step):
+            self._save(trainer, ctx.step, trainer.state_dict())
+
+    def on_fit_end(self, trainer: Trainer, ctx: FitEndContext) -> None:
+        step = trainer.step
+        wanted = self.save_final or self.signal_received is not None
+        if self.manager.enabled and wanted and step > 0 and step != self.last_saved_step:
+            self._save(trainer, step, trainer.state_dict())
+        if self._writer is not None:
+            self._writer.wait()  # the run is only over when its checkpoint is on disk
+        if self.signal_received is not None:
+            logger.warning(
+                "stopped by %s at step %d; checkpoint %s written (resume with --resume)",
+                self.signal_received.name,
+                step,
+                self.last_path,
+            )
+
+    def on_exception(self, trainer: Trainer, ctx: ExceptionContext) -> None:
+        if not (self.manager.enabled and self.save_on_exception):
+            return
+        try:
+            if self._writer is not None:
+                self._writer.wait()
+            if trainer.step > 0 and trainer.step != self.last_saved_step:
+                self._save(trainer, trainer.step, self._state_at_last_step_end(trainer))
+                if self._writer is not None:
+                    self._writer.wait()
+        except Exception as exc:  # the original error matters more; report ours
+            warnings.warn(
+                f"saving a checkpoint after the failure at step {ctx.step} failed: {exc}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+        self._restore_signal_handlers()
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        try:
+            writer.close()
+        except CheckpointError as exc:
+            if ctx.error is None:
+                raise
+            warnings.warn(str(exc), RuntimeWarning, stacklevel=2)
+
+    # -- saving -------------------------------------------------------------------------
+
+    def _save(self, trainer: Trainer, step: int, state: dict[str, object]) -> None:
+        if self._writer is not None:
+            self._writer.submit(step, state)
+        else:
+            self.manager.save(step, state)
+        self.last_saved_step = step
+        self.last_path = self.manager.path_for(step)
+
+    def _state_at_last_step_end(self, trainer: Trainer) -> dict[str, object]:
+        """The trainer's state, with the counters, RNG and data position of the end of the
+        last completed step when the failure happened part-way through the next one (which
+        had already pulled batches and drawn random numbers)."""
+        state = trainer.state_dict()
+        recorded = self._step_end_state
+        if recorded is not None and recorded[0]["step"] == trainer.step:
+            counters, rng, data = recorded
+            state["counters"], state["rng"], state["data"] = dict(counters), rng, dict(data)
+        return state
+
+    def _warn_about_foreign_checkpoints(self, start_step: int) -> None:
+        newest = self.manager.newest_step()
+        if newest is not None and newest > start_step:
+            warnings.warn(
+                f"checkpoint directory {self.manager.directory} already holds a checkpoint of "
+                f"step {newest}, beyond this fit's start step {start_step}: it is from another "
+                "run and counts as newer than this run's checkpoints. Resume it (--resume) or "
+                "use a fresh checkpoint directory.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    # -- signals ------------------------------------------------------------------------
+
+    def _install_signal_handlers(self, trainer: Trainer) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            logger.info("not in the main thread: SIGTERM/SIGINT handling left to the caller")
+            return
+
+        def handle(signum: int, frame: FrameType | None) -> None:
+            received = signal.Signals(signum)
+            if self.signal_received is not None:
+                # Second signal: hand it to whoever handled it before us (Ctrl-C twice).
+                self._restore_signal_handlers()
+                signal.raise_signal(signum)
+                return
+            self.signal_received = received
+            trainer.request_stop(f"signal {received.name}")
+            logger.warning(
+                "received %s: stopping after step %d and saving a checkpoint "
+                "(send it again to stop immediately)",
+                received.name,
+                trainer.step + 1,
+            )
+
+        for sig in HANDLED_SIGNALS:
+            self._previous_handlers[sig] = signal.signal(sig, handle)
+
+    def _restore_signal_handlers(self) -> None:
+        previous, self._previous_handlers = self._previous_handlers, {}
+        for sig, handler in previous.items():
+            if handler is None:  # installed from C; we cannot put it back, use the default
+                handler = signal.SIG_DFL
+            signal.signal(sig, handler)
+
+
+def _as_int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value

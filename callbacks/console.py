@@ -1,0 +1,193 @@
+"""``console``: one readable text line per due metric record.
+
+    fit start: step 0 -> 100 | device cpu | precision fp32 | accumulation 1 | 12.3k parameters
+    step 10/100 | loss 3.4512 | lr 3.00e-04 | 12.3 steps/s | 1.2k tok/s
+    fit end: 100 steps in 0:08 | final loss 1.8400 | 12.1 steps/s
+
+Lines go to stdout (through ``tqdm.write`` so they never tear a progress bar apart) or,
+with ``file``, to a text file (appended, line-buffered).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, ClassVar, Literal
+
+from tqdm import tqdm
+from typing_extensions import Self
+
+from callbacks.sink import (
+    MetricSink,
+    Record,
+    format_bytes,
+    format_duration,
+    format_float,
+    format_si,
+    resolve_path,
+)
+from speedtronic.callback import JSONSchema
+from speedtronic.contexts import ExceptionContext, FitContext, FitEndContext, TeardownContext
+
+if TYPE_CHECKING:
+    from speedtronic.plugins import PluginContext
+    from speedtronic.trainer import Trainer
+
+StreamName = Literal["stdout", "stderr"]
+
+
+def describe_fit_start(trainer: Trainer, ctx: FitContext) -> str:
+    """The start line: where the fit starts and ends, on what, with what."""
+    parameters = sum(p.numel() for p in trainer.model.parameters())
+    return (
+        f"fit start: step {ctx.start_step} -> {ctx.target_step} | device {trainer.device} | "
+        f"precision {trainer.precision.mode} | accumulation {trainer.accumulation_steps} | "
+        f"{format_si(parameters)} parameters"
+    )
+
+
+def describe_record(record: Record, target_step: int, extra_keys: Sequence[str] = ()) -> str:
+    """One step line from a finished record; keys that are absent are left out."""
+    parts = [f"step {record['step']}/{target_step}"]
+    loss = record.get("loss")
+    if isinstance(loss, (int, float)):
+        parts.append(f"loss {format_float(float(loss))}")
+    lr = record.get("lr")
+    if isinstance(lr, (int, float)):
+        parts.append(f"lr {float(lr):.2e}")
+    grad_norm = record.get("grad_norm")
+    if isinstance(grad_norm, (int, float)):
+        parts.append(f"grad_norm {format_float(float(grad_norm))}")
+    steps_per_sec = record.get("steps_per_sec")
+    if isinstance(steps_per_sec, (int, float)):
+        parts.append(f"{steps_per_sec:.1f} steps/s")
+    tokens_per_sec = record.get("tokens_per_sec")
+    if isinstance(tokens_per_sec, (int, float)):
+        parts.append(f"{format_si(float(tokens_per_sec))} tok/s")
+    memory = record.get("memory_bytes")
+    if isinstance(memory, (int, float)):
+        parts.append(f"mem {format_bytes(float(memory))}")
+    mfu = record.get("mfu")
+    if isinstance(mfu, (int, float)):
+        parts.append(f"mfu {100 * float(mfu):.1f}%")
+    for key in extra_keys:
+        value = record.get(key)
+        if isinstance(value, float):
+            parts.append(f"{key} {format_float(value)}")
+        elif value is not None:
+            parts.append(f"{key} {value}")
+    return " | ".join(parts)
+
+
+def describe_fit_end(ctx: FitEndContext) -> str:
+    """The summary line: steps, wall time, final loss, rate, and why it stopped early."""
+    result = ctx.result
+    parts = [f"fit end: {result.steps} steps in {format_duration(result.elapsed_s)}"]
+    if result.final_loss is not None:
+        parts.append(f"final loss {format_float(result.final_loss)}")
+    if result.metrics:
+        rate = result.metrics[-1].get("steps_per_sec")
+        if isinstance(rate, (int, float)):
+            parts.append(f"{rate:.1f} steps/s")
+    if ctx.stop_reason is not None:
+        parts.append(f"stopped: {ctx.stop_reason}")
+    return " | ".join(parts)
+
+
+class ConsoleCallback(MetricSink):
+    """Plain text lines: a start line, one line per due record, a summary at the end."""
+
+    plugin_name: ClassVar[str | None] = "console"
+    options_schema: ClassVar[JSONSchema] = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "file": {
+                "type": ["string", "null"],
+                "description": "Write lines to this text file (relative to the output "
+                "directory) instead of the terminal. Defaults to logging.file.",
+            },
+            "stream": {
+                "enum": ["stdout", "stderr"],
+                "default": "stdout",
+                "description": "The terminal stream used when no file is set.",
+            },
+            "keys": {
+                "type": "array",
+                "items": {"type": "string"},
+                "default": [],
+                "description": "Extra record keys to show on each line.",
+            },
+        },
+    }
+
+    def __init__(
+        self,
+        *,
+        file: str | Path | None = None,
+        stream: StreamName = "stdout",
+        keys: Sequence[str] = (),
+    ) -> None:
+        self.file = Path(file) if file is not None else None
+        self.stream_name: StreamName = stream
+        self.extra_keys = tuple(keys)
+        self._handle: IO[str] | None = None
+        self._stream: IO[str] | None = None
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
+        file = options.get("file", context.config.logging.file)
+        stream = options.get("stream", "stdout")
+        keys = options.get("keys", [])
+        return cls(
+            file=resolve_path(str(file), context.output_dir) if file is not None else None,
+            stream="stderr" if stream == "stderr" else "stdout",
+            keys=[str(key) for key in keys] if isinstance(keys, list) else (),
+        )
+
+    # -- output -------------------------------------------------------------------------
+
+    def _write(self, line: str) -> None:
+        if self._handle is not None:
+            self._handle.write(line + "\n")
+        else:
+            # tqdm.write clears and redraws any active bar on the stream around the line.
+            tqdm.write(line, file=self._stream or sys.stdout)
+
+    def _open(self) -> None:
+        if self.file is not None and self._handle is None:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            self._handle = self.file.open("a", encoding="utf-8", buffering=1)
+        self._stream = sys.stderr if self.stream_name == "stderr" else sys.stdout
+
+    def _close(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.close()
+
+    @property
+    def closed(self) -> bool:
+        """True when no file is held open (before setup and after teardown)."""
+        return self._handle is None
+
+    # -- hooks --------------------------------------------------------------------------
+
+    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+        self._open()
+
+    def on_fit_start(self, trainer: Trainer, ctx: FitContext) -> None:
+        self._write(describe_fit_start(trainer, ctx))
+
+    def write_record(self, trainer: Trainer, record: Record) -> None:
+        self._write(describe_record(record, trainer.target_step, self.extra_keys))
+
+    def on_fit_end(self, trainer: Trainer, ctx: FitEndContext) -> None:
+        self._write(describe_fit_end(ctx))
+
+    def on_exception(self, trainer: Trainer, ctx: ExceptionContext) -> None:
+        error = ctx.error
+        self._write(f"fit failed after step {ctx.step}: {type(error).__name__}: {error}")
+
+    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+        self._close()

@@ -1,0 +1,140 @@
+"""``csv``: due records as rows of ``metrics.csv`` (for spreadsheets and pandas).
+
+The header is the union of the keys seen so far, in first-seen order. A record that brings
+a new key (say ``lr/group1`` once param-group rates diverge) rewrites the file once with the
+wider header; older rows get empty cells. Like the JSONL sink it is flushed per row and
+resume-safe: rows beyond the step a fit starts from are dropped at ``setup``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, ClassVar
+
+from typing_extensions import Self
+
+from callbacks.sink import MetricSink, Record, atomic_write_text, resolve_path
+from speedtronic.callback import JSONSchema
+from speedtronic.contexts import FitContext, TeardownContext
+
+if TYPE_CHECKING:
+    from speedtronic.plugins import PluginContext
+    from speedtronic.trainer import Trainer
+
+DEFAULT_FILENAME = "metrics.csv"
+
+
+def _render(columns: Sequence[str], rows: Sequence[Mapping[str, object]]) -> str:
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(columns), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
+def _row_step(row: Mapping[str, str]) -> int | None:
+    try:
+        return int(row.get("step") or "")
+    except ValueError:
+        return None
+
+
+def load_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
+    """The header and rows of a metrics CSV (empty when the file is empty)."""
+    with path.open(encoding="utf-8", newline="") as handle:
+        reader = csv.DictReader(handle)
+        rows = [dict(row) for row in reader]
+        return list(reader.fieldnames or []), rows
+
+
+class CsvCallback(MetricSink):
+    """Appends each due record as a row of ``metrics.csv`` in the output directory."""
+
+    plugin_name: ClassVar[str | None] = "csv"
+    options_schema: ClassVar[JSONSchema] = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "path": {
+                "type": "string",
+                "minLength": 1,
+                "default": DEFAULT_FILENAME,
+                "description": "The CSV file, relative to the output directory.",
+            },
+        },
+    }
+
+    def __init__(self, path: str | Path = DEFAULT_FILENAME) -> None:
+        self.path = Path(path)
+        self._file: Path | None = None
+        self._handle: IO[str] | None = None
+        self._writer: csv.DictWriter[str] | None = None
+        self._columns: list[str] = []
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
+        path = options.get("path", DEFAULT_FILENAME)
+        return cls(resolve_path(str(path), context.output_dir))
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+        path = resolve_path(self.path, trainer.output_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path
+        self._columns = []
+        if path.exists() and path.stat().st_size > 0:
+            columns, rows = load_rows(path)
+            kept = [row for row in rows if (_row_step(row) or 0) <= ctx.start_step]
+            if kept:
+                self._columns = columns
+            if len(kept) != len(rows) or not kept:
+                atomic_write_text(path, _render(columns, kept) if kept else "")
+        self._reopen()
+
+    def _reopen(self) -> None:
+        assert self._file is not None
+        if self._handle is not None:
+            self._handle.close()
+        self._handle = self._file.open("a", encoding="utf-8", newline="")
+        self._writer = (
+            csv.DictWriter(self._handle, fieldnames=self._columns, lineterminator="\n")
+            if self._columns
+            else None
+        )
+
+    def _widen(self, record: Record) -> None:
+        """Start the file, or rewrite it with a header that has the record's new keys."""
+        assert self._file is not None
+        new_keys = [key for key in record if key not in self._columns]
+        if self._columns:
+            if self._handle is not None:
+                self._handle.close()
+                self._handle = None
+            _, rows = load_rows(self._file)
+            self._columns += new_keys
+            atomic_write_text(self._file, _render(self._columns, rows))
+        else:
+            self._columns = list(record)
+            atomic_write_text(self._file, _render(self._columns, []))
+        self._reopen()
+
+    def write_record(self, trainer: Trainer, record: Record) -> None:
+        if self._file is None:
+            raise RuntimeError("the csv sink received a record before setup")
+        if self._writer is None or any(key not in self._columns for key in record):
+            self._widen(record)
+        assert self._writer is not None and self._handle is not None
+        self._writer.writerow(record)
+        self._handle.flush()
+
+    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+        handle, self._handle = self._handle, None
+        self._writer = None
+        if handle is not None:
+            handle.close()

@@ -1,0 +1,652 @@
+"""The outer loop: collect deltas from the hub, apply one Nesterov step, publish.
+
+``MasterLoop`` is synchronous and thread-safe; the callback runs it on a background lane.
+One round (``sync_once``):
+
+1. list ``nodes/``; skip files whose content hash is already in the ledger and files that
+   were rejected before in the same version (a rejected file is examined and reported
+   once, not downloaded every round);
+2. download and validate each new candidate (signature, fingerprint, keys, shapes, hash,
+   NaN/Inf, name/header agreement, staleness); dedupe by content hash;
+3. weight each delta by its staleness, aggregate, and apply the outer Nesterov step to a
+   *copy* of the global state;
+4. publish model file, outer-state file, then the pointer (last, so readers never follow
+   it to a missing file). Only after the pointer is written is the new state committed in
+   memory; a failed publication leaves everything as it was and the same deltas are
+   applied (exactly once) by a later round;
+5. delete the applied deltas and old global versions (best effort).
+
+Restart: ``reconcile`` treats the published pointer as the source of truth. A master
+resumed from an older checkpoint adopts the newer published global, momentum and ledger
+instead of rolling the hub back, so nothing is applied twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from callbacks.diloco.math import (
+    NesterovOuterOptimizer,
+    StateDict,
+    aggregate_deltas,
+    staleness_weight,
+)
+from callbacks.diloco.tensors import (
+    POINTER_PATH,
+    DecodedDelta,
+    Ledger,
+    ModelLayout,
+    Pointer,
+    Rejected,
+    RejectionReason,
+    decode_delta,
+    decode_global,
+    decode_outer,
+    decode_pointer,
+    encode_global,
+    encode_outer,
+    encode_pointer,
+    model_file_name,
+    outer_file_name,
+    parse_header,
+    progress_from_json,
+    progress_to_json,
+)
+from callbacks.diloco.transport import RemoteFile, Transport
+
+logger = logging.getLogger("speedtronic.diloco")
+
+NODE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+DELTA_PATH_PATTERN = re.compile(
+    r"^nodes/(?P<node>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})/"
+    r"delta_(?P<step>\d+)_(?P<hash>[0-9a-f]{16})\.safetensors$"
+)
+
+
+@dataclass(frozen=True)
+class DeltaName:
+    """What a delta's path claims (checked against its signed header once downloaded)."""
+
+    node_id: str
+    local_step: int
+    hash_prefix: str
+
+
+def delta_path(node_id: str, local_step: int, sha256: str) -> str:
+    """``nodes/<node>/delta_<step>_<hash16>.safetensors``: the content hash in the name
+    makes a re-upload of the same delta land on the same path (idempotent), and a
+    different delta for the same step land next to it instead of overwriting it."""
+    if not NODE_ID_PATTERN.match(node_id):
+        raise ValueError(f"invalid node id {node_id!r}")
+    return f"nodes/{node_id}/delta_{local_step}_{sha256[:16]}.safetensors"
+
+
+def parse_delta_path(path: str) -> DeltaName | None:
+    """The parts of a well-formed delta path, or ``None`` for anything else."""
+    match = DELTA_PATH_PATTERN.match(path)
+    if match is None:
+        return None
+    return DeltaName(match["node"], int(match["step"]), match["hash"])
+
+
+def clone_state(state: StateDict) -> dict[str, torch.Tensor]:
+    return {key: value.detach().to("cpu").clone() for key, value in state.items()}
+
+
+@dataclass
+class OuterState:
+    """The master's state. Tensors are never modified in place once committed (a round
+    builds new ones), so a snapshot can share them safely."""
+
+    global_state: dict[str, torch.Tensor]
+    momentum: dict[str, torch.Tensor]
+    outer_step: int
+    ledger: Ledger = field(default_factory=Ledger)
+
+
+@dataclass(frozen=True)
+class MasterSettings:
+    """Outer-loop knobs (see the callback options for their meaning and defaults)."""
+
+    node_id: str
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    staleness_power: float = 0.5
+    max_staleness: int | None = None
+    delete_applied: bool = True
+    keep_global_versions: int = 2
+    secret: bytes | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class DeltaRejection:
+    path: str
+    reason: RejectionReason
+    detail: str
+
+
+@dataclass(frozen=True)
+class AppliedDelta:
+    path: str
+    sha256: str
+    node_id: str
+    local_step: int
+    base_outer_step: int
+    staleness: int
+    weight: float
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What one round did (also the per-round metrics)."""
+
+    outer_step: int
+    published: bool
+    found: int
+    applied: tuple[AppliedDelta, ...] = ()
+    rejected: tuple[DeltaRejection, ...] = ()
+    duplicates: int = 0
+    latency_s: float = 0.0
+
+    @property
+    def included(self) -> int:
+        return len(self.applied)
+
+    @property
+    def staleness(self) -> tuple[int, ...]:
+        return tuple(item.staleness for item in self.applied)
+
+
+class MasterConflictError(RuntimeError):
+    """Another master published to the same hub; this one stops aggregating."""
+
+
+class MasterLoop:
+    """The outer optimizer of one hub. Only one may be active per hub in a process."""
+
+    _active: dict[str, MasterLoop] = {}
+    _active_lock = threading.Lock()
+
+    def __init__(
+        self,
+        transport: Transport,
+        layout: ModelLayout,
+        settings: MasterSettings,
+        *,
+        audit_path: Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.transport = transport
+        self.layout = layout
+        self.settings = settings
+        self.audit_path = audit_path
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._round_lock = threading.Lock()
+        self._state: OuterState | None = None
+        self._reconciled = False
+        self._rejected: dict[str, str] = {}
+        self.halted: str | None = None
+
+    # -- single master per hub (per process) -------------------------------------------
+
+    def claim(self) -> None:
+        """Register as the hub's master in this process; a second live loop for the same
+        hub (for example a restarted callback whose old loop has not finished) is refused."""
+        with MasterLoop._active_lock:
+            current = MasterLoop._active.get(self.transport.location)
+            if current is not None and current is not self:
+                raise MasterConflictError(
+                    f"a diloco master loop for {self.transport.location} is already running "
+                    "in this process"
+                )
+            MasterLoop._active[self.transport.location] = self
+
+    def release(self) -> None:
+        with MasterLoop._active_lock:
+            if MasterLoop._active.get(self.transport.location) is self:
+                del MasterLoop._active[self.transport.location]
+
+    # -- state -------------------------------------------------------------------------
+
+    @property
+    def reconciled(self) -> bool:
+        return self._reconciled
+
+    @property
+    def outer_step(self) -> int:
+        with self._lock:
+            return -1 if self._state is None else self._state.outer_step
+
+    def snapshot(self) -> OuterState | None:
+        with self._lock:
+            if self._state is None:
+                return None
+            state = self._state
+            return OuterState(
+                global_state=dict(state.global_state),
+                momentum=dict(state.momentum),
+                outer_step=state.outer_step,
+                ledger=Ledger(set(state.ledger.applied), dict(state.ledger.progress)),
+            )
+
+    def state_dict(self) -> dict[str, object]:
+        """Checkpoint form (tensors, numbers, strings, lists and dicts only)."""
+        snapshot = self.snapshot()
+        with self._lock:
+            rejected = dict(self._rejected)
+        if snapshot is None:
+            return {}
+        return {
+            "outer_step": snapshot.outer_step,
+            "global_state": snapshot.global_state,
+            "momentum": snapshot.momentum,
+            "applied": sorted(snapshot.ledger.applied),
+            "progress": progress_to_json(snapshot.ledger.progress),
+            "rejected": rejected,
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Stage a checkpointed state; ``reconcile`` later compares it with the hub."""
+        if not state:
+            return
+        global_state = _tensor_map(state.get("global_state"), "global_state")
+        momentum = _tensor_map(state.get("momentum"), "momentum")
+        outer_step = state.get("outer_step")
+        applied = state.get("applied", [])
+        progress = state.get("progress", {})
+        rejected = state.get("rejected", {})
+        if not isinstance(outer_step, int) or not isinstance(applied, list):
+            raise ValueError("diloco master state: bad outer_step or applied list")
+        try:
+            parsed_progress = progress_from_json(
+                dict(progress) if isinstance(progress, Mapping) else progress
+            )
+        except ValueError as exc:
+            raise ValueError(f"diloco master state: {exc}") from None
+        ledger = Ledger(applied={str(h) for h in applied}, progress=parsed_progress)
+        with self._lock:
+            self._state = OuterState(global_state, momentum, outer_step, ledger)
+            self._reconciled = False
+            if isinstance(rejected, Mapping):
+                self._rejected = {str(k): str(v) for k, v in rejected.items()}
+
+    # -- start-up ----------------------------------------------------------------------
+
+    def reconcile(self, initial_global: StateDict) -> OuterState:
+        """Agree with the hub before the first round; returns the state to install.
+
+        * no pointer on the hub: publish our state (checkpointed, else ``initial_global``
+          as outer step 0) -- the bootstrap;
+        * the hub is ahead of (or equal to) our checkpoint: adopt the published global,
+          momentum and ledger -- never publish an older step over a newer one;
+        * our checkpoint is ahead of the hub (a restored or wiped hub): republish it.
+        """
+        with self._round_lock:
+            local = self.snapshot()
+            self.transport.prepare(create=True)
+            raw = self.transport.get(POINTER_PATH)
+            if raw is None:
+                state = local or OuterState(clone_state(initial_global), {}, 0, Ledger())
+                self._publish(state, applied=())
+                logger.info(
+                    "diloco master %s published outer step %d to %s (bootstrap)",
+                    self.settings.node_id,
+                    state.outer_step,
+                    self.transport.location,
+                )
+            else:
+                pointer = decode_pointer(
+                    raw, fingerprint=self.layout.fingerprint, secret=self.settings.secret
+                )
+                if local is not None and local.outer_step > pointer.outer_step:
+                    logger.warning(
+                        "diloco hub is at outer step %d but this master's checkpoint is at %d; "
+                        "republishing the checkpointed global",
+                        pointer.outer_step,
+                        local.outer_step,
+                    )
+                    state = local
+                    self._publish(state, applied=())
+                elif local is not None and local.outer_step == pointer.outer_step:
+                    state = local
+                else:
+                    state = self._adopt(pointer)
+            with self._lock:
+                self._state = state
+                self._reconciled = True
+            return state
+
+    def _adopt(self, pointer: Pointer) -> OuterState:
+        """Load the published global and outer state of ``pointer``."""
+        secret = self.settings.secret
+        model_bytes = self.transport.get(pointer.model_file)
+        if model_bytes is None:
+            raise Rejected(RejectionReason.CORRUPT, f"{pointer.model_file} is missing")
+        global_state = decode_global(
+            model_bytes,
+            self.layout,
+            secret=secret,
+            outer_step=pointer.outer_step,
+            expected_sha256=pointer.model_sha256,
+        )
+        try:
+            outer_bytes = self.transport.get(pointer.outer_file)
+            if outer_bytes is None:
+                raise Rejected(RejectionReason.CORRUPT, f"{pointer.outer_file} is missing")
+            momentum, ledger = decode_outer(
+                outer_bytes,
+                self.layout,
+                secret=secret,
+                outer_step=pointer.outer_step,
+                expected_sha256=pointer.outer_sha256,
+            )
+        except Rejected as exc:
+            # Without the ledger we cannot tell which waiting deltas were applied; treat
+            # them all as applied so that nothing is applied twice (some work may be lost).
+            logger.warning(
+                "diloco outer state for step %d unreadable (%s); momentum restarts at zero "
+                "and deltas already on the hub are skipped",
+                pointer.outer_step,
+                exc,
+            )
+            momentum = {}
+            ledger = Ledger()
+            for entry in self.transport.list_files("nodes"):
+                name = parse_delta_path(entry.path)
+                if name is not None:
+                    ledger.applied.add(name.hash_prefix)
+        logger.info(
+            "diloco master %s adopted published outer step %d from %s",
+            self.settings.node_id,
+            pointer.outer_step,
+            self.transport.location,
+        )
+        return OuterState(global_state, momentum, pointer.outer_step, ledger)
+
+    # -- one round ---------------------------------------------------------------------
+
+    def sync_once(self) -> RoundReport:
+        """Run one outer round (see the module docstring)."""
+        if not self._reconciled:
+            raise RuntimeError("MasterLoop.reconcile must run before sync_once")
+        if self.halted is not None:
+            raise MasterConflictError(self.halted)
+        with self._round_lock:
+            started = self._clock()
+            state = self.snapshot()
+            assert state is not None  # set by reconcile
+            report, new_state, cleanup = self._round(state, started)
+            if new_state is None:
+                self._delete(cleanup)
+                return report
+            self._check_no_other_master(state.outer_step)
+            self._publish(new_state, applied=tuple(item.sha256 for item in report.applied))
+            with self._lock:
+                self._state = new_state
+            self._delete(cleanup)
+            self._prune_globals(new_state.outer_step)
+            report = RoundReport(
+                outer_step=new_state.outer_step,
+                published=True,
+                found=report.found,
+                applied=report.applied,
+                rejected=report.rejected,
+                duplicates=report.duplicates,
+                latency_s=self._clock() - started,
+            )
+            self._audit(report)
+            return report
+
+    def _round(
+        self, state: OuterState, started: float
+    ) -> tuple[RoundReport, OuterState | None, list[str]]:
+        applied_prefixes = {digest[:16] for digest in state.ledger.applied}
+        cleanup: list[str] = []
+        candidates: list[tuple[RemoteFile, DeltaName]] = []
+        for entry in self.transport.list_files("nodes"):
+            name = parse_delta_path(entry.path)
+            if name is None:
+                continue
+            if name.hash_prefix in applied_prefixes:
+                cleanup.append(entry.path)  # already applied: only needs removing
+                continue
+            if self._rejected.get(entry.path) == entry.version:
+                continue  # examined before, unchanged: reported once already
+            candidates.append((entry, name))
+        candidates.sort(key=lambda item: (item[1].node_id, item[1].local_step, item[0].path))
+
+        accepted: list[tuple[str, DecodedDelta, int]] = []
+        rejected: list[DeltaRejection] = []
+        seen: set[str] = set(state.ledger.applied)
+        duplicates = 0
+        for entry, name in candidates:
+            data = self.transport.get(entry.path)
+            if data is None:
+                continue  # removed since listing
+            try:
+                decoded, staleness = self._validate(data, name, state.outer_step)
+            except Rejected as exc:
+                rejection = DeltaRejection(entry.path, exc.reason, exc.detail)
+                rejected.append(rejection)
+                with self._lock:
+                    self._rejected[entry.path] = entry.version
+                logger.warning(
+                    "diloco master rejected %s (%s): %s", entry.path, exc.reason.value, exc.detail
+                )
+                continue
+            if decoded.sha256 in seen:
+                duplicates += 1
+                cleanup.append(entry.path)
+                continue
+            seen.add(decoded.sha256)
+            accepted.append((entry.path, decoded, staleness))
+
+        if not accepted:
+            report = RoundReport(
+                outer_step=state.outer_step,
+                published=False,
+                found=len(candidates),
+                rejected=tuple(rejected),
+                duplicates=duplicates,
+                latency_s=self._clock() - started,
+            )
+            return report, None, cleanup
+
+        power = self.settings.staleness_power
+        weights = [staleness_weight(staleness, power) for _, _, staleness in accepted]
+        aggregated = aggregate_deltas([decoded.tensors for _, decoded, _ in accepted], weights)
+        new_global = dict(state.global_state)
+        for key in aggregated:
+            new_global[key] = state.global_state[key].clone()
+        optimizer = NesterovOuterOptimizer(self.settings.outer_lr, self.settings.outer_momentum)
+        optimizer.buffers = {key: value.clone() for key, value in state.momentum.items()}
+        optimizer.step(new_global, aggregated)
+
+        ledger = Ledger(set(state.ledger.applied), dict(state.ledger.progress))
+        applied: list[AppliedDelta] = []
+        for (path, decoded, staleness), weight in zip(accepted, weights, strict=True):
+            info = decoded.info
+            ledger.applied.add(decoded.sha256)
+            ledger.progress[info.node_id] = (info.incarnation, info.local_step)
+            applied.append(
+                AppliedDelta(
+                    path=path,
+                    sha256=decoded.sha256,
+                    node_id=info.node_id,
+                    local_step=info.local_step,
+                    base_outer_step=info.base_outer_step,
+                    staleness=staleness,
+                    weight=weight,
+                )
+            )
+            cleanup.append(path)
+        new_state = OuterState(new_global, optimizer.buffers, state.outer_step + 1, ledger)
+        report = RoundReport(
+            outer_step=new_state.outer_step,
+            published=False,
+            found=len(candidates),
+            applied=tuple(applied),
+            rejected=tuple(rejected),
+            duplicates=duplicates,
+        )
+        return report, new_state, cleanup
+
+    def _validate(self, data: bytes, name: DeltaName, outer_step: int) -> tuple[DecodedDelta, int]:
+        decoded = decode_delta(data, self.layout, secret=self.settings.secret)
+        info = decoded.info
+        if (
+            info.node_id != name.node_id
+            or info.local_step != name.local_step
+            or not decoded.sha256.startswith(name.hash_prefix)
+        ):
+            raise Rejected(
+                RejectionReason.NAME_MISMATCH,
+                f"header says node {info.node_id!r} step {info.local_step}, hash "
+                f"{decoded.sha256[:16]}; the path disagrees",
+            )
+        if info.base_outer_step < 0:
+            raise Rejected(RejectionReason.BAD_METADATA, "delta has no base outer step")
+        if info.base_outer_step > outer_step:
+            raise Rejected(
+                RejectionReason.FUTURE_BASE,
+                f"delta starts from outer step {info.base_outer_step}, the hub is at {outer_step}",
+            )
+        staleness = outer_step - info.base_outer_step
+        limit = self.settings.max_staleness
+        if limit is not None and staleness > limit:
+            raise Rejected(
+                RejectionReason.TOO_STALE, f"staleness {staleness} exceeds max_staleness {limit}"
+            )
+        return decoded, staleness
+
+    # -- publication -------------------------------------------------------------------
+
+    def _check_no_other_master(self, expected_step: int) -> None:
+        raw = self.transport.get(POINTER_PATH)
+        if raw is None:
+            return
+        try:
+            pointer = decode_pointer(
+                raw, fingerprint=self.layout.fingerprint, secret=self.settings.secret
+            )
+        except Rejected as exc:
+            self._halt(f"the hub pointer is no longer readable by this master ({exc})")
+            return
+        if pointer.outer_step != expected_step or pointer.master != self.settings.node_id:
+            self._halt(
+                f"master {pointer.master!r} published outer step {pointer.outer_step} while "
+                f"this master ({self.settings.node_id!r}) was at {expected_step}; only one "
+                "master may serve a hub"
+            )
+
+    def _halt(self, reason: str) -> None:
+        self.halted = reason
+        logger.error("diloco master stops aggregating: %s", reason)
+        raise MasterConflictError(reason)
+
+    def _publish(self, state: OuterState, applied: tuple[str, ...]) -> Pointer:
+        secret = self.settings.secret
+        step = state.outer_step
+        model_bytes = encode_global(state.global_state, step, self.layout, secret=secret)
+        outer_bytes = encode_outer(state.momentum, state.ledger, step, self.layout, secret=secret)
+        pointer = Pointer(
+            outer_step=step,
+            model_file=model_file_name(step),
+            model_sha256=parse_header(model_bytes).metadata["sha256"],
+            outer_file=outer_file_name(step),
+            outer_sha256=parse_header(outer_bytes).metadata["sha256"],
+            fingerprint=self.layout.fingerprint,
+            master=self.settings.node_id,
+            updated_at=datetime.now(timezone.utc).isoformat(),
+            applied=applied,
+            progress=dict(state.ledger.progress),
+        )
+        self.transport.put(pointer.model_file, model_bytes)
+        self.transport.put(pointer.outer_file, outer_bytes)
+        self.transport.put(POINTER_PATH, encode_pointer(pointer, secret=secret))
+        return pointer
+
+    def _delete(self, paths: list[str]) -> None:
+        if not paths or not self.settings.delete_applied:
+            return
+        try:
+            self.transport.delete(sorted(set(paths)))
+        except Exception as exc:  # the ledger already prevents re-application
+            logger.warning(
+                "diloco master could not delete %d applied delta(s): %s", len(paths), exc
+            )
+
+    def _prune_globals(self, outer_step: int) -> None:
+        """Remove global files older than the last ``keep_global_versions`` steps (a worker
+        that read the previous pointer can still download its files)."""
+        oldest_kept = outer_step - self.settings.keep_global_versions + 1
+        try:
+            stale = [
+                entry.path
+                for entry in self.transport.list_files("global")
+                if (step := _global_file_step(entry.path)) is not None and step < oldest_kept
+            ]
+            if stale:
+                self.transport.delete(stale)
+        except Exception as exc:
+            logger.warning("diloco master could not prune old global files: %s", exc)
+
+    def _audit(self, report: RoundReport) -> None:
+        """Append the round to a local JSON-lines log (who was applied, with what weight)."""
+        if self.audit_path is None:
+            return
+        record = {
+            "time": datetime.now(timezone.utc).isoformat(),
+            "outer_step": report.outer_step,
+            "found": report.found,
+            "duplicates": report.duplicates,
+            "latency_s": round(report.latency_s, 6),
+            "applied": [
+                {
+                    "sha256": item.sha256,
+                    "node_id": item.node_id,
+                    "local_step": item.local_step,
+                    "base_outer_step": item.base_outer_step,
+                    "staleness": item.staleness,
+                    "weight": item.weight,
+                }
+                for item in report.applied
+            ],
+            "rejected": [
+                {"path": item.path, "reason": item.reason.value, "detail": item.detail}
+                for item in report.rejected
+            ],
+        }
+        try:
+            self.audit_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.audit_path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record, sort_keys=True) + "\n")
+        except OSError as exc:
+            logger.warning("diloco master could not write its audit log: %s", exc)
+
+
+def _global_file_step(path: str) -> int | None:
+    match = re.match(r"^global/(?:model|outer)_(\d{8,})\.safetensors$", path)
+    return int(match.group(1)) if match else None
+
+
+def _tensor_map(value: object, what: str) -> dict[str, torch.Tensor]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"diloco master state: {what} must be a mapping")
+    result: dict[str, torch.Tensor] = {}
+    for key, tensor in value.items():
+        if not isinstance(key, str) or not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"diloco master state: bad {what} entry {key!r}")
+        result[key] = tensor.detach().to("cpu")
+    return result

@@ -1,0 +1,724 @@
+"""One DiLoCo participant: the training-thread state machine behind the callback.
+
+``DiLoCoNode.on_step`` is called once per optimizer step (the ``coordinate`` event). It
+never waits for the network; uploads, polls and master rounds run on bounded background
+lanes and report back through inboxes that ``on_step`` drains.
+
+Per step, in this order:
+
+1. drain the lanes' results (confirmed uploads, fetched globals, master rounds);
+2. at a boundary (``step % inner_steps == 0``): fold the progress since the baseline into
+   the pending delta and hand it to the upload lane -- **upload first**;
+3. if a newer global arrived: fold any progress not yet sent into the pending delta (so it
+   is sent at the next boundary instead of being thrown away), then install the global and
+   make it the new baseline. Returns the installed outer step so the callback can ask for
+   an optimizer reset -- only for an accepted (installed) sync;
+4. schedule background work that is due (poll / master round).
+
+Exactly-once delivery: an upload that fails is re-sent later with the *same* content
+(the file name carries its content hash and the master dedupes by content hash), never
+merged into a later delta, so a "failed" upload that actually reached the hub is not
+applied twice. On resume from a checkpoint the node asks the hub whether it had already
+sent work made after that checkpoint; if so it drops its checkpointed unsent work and
+resynchronises from the next global instead of sending it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import math as pymath
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from callbacks.diloco.lanes import ErrorReporter, Inbox, Lane
+from callbacks.diloco.master import (
+    MasterConflictError,
+    MasterLoop,
+    RoundReport,
+    delta_path,
+    parse_delta_path,
+)
+from callbacks.diloco.math import pseudo_gradient
+from callbacks.diloco.tensors import (
+    POINTER_PATH,
+    Compression,
+    DeltaInfo,
+    ModelLayout,
+    Pointer,
+    Rejected,
+    decode_global,
+    decode_pointer,
+    encode_delta,
+    expand_aliases,
+    global_tensors,
+    parse_header,
+)
+from callbacks.diloco.transport import RetryingTransport, TransportError
+
+logger = logging.getLogger("speedtronic.diloco")
+
+STATE_FORMAT = 1
+
+Role = Literal["master", "worker"]
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """Node-side knobs (see the callback options for meaning and defaults)."""
+
+    node_id: str
+    role: Role
+    inner_steps: int = 500
+    poll_interval: float = 60.0
+    compression: Compression = Compression.NONE
+    shutdown_timeout: float = 5.0
+    secret: bytes | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class UploadJob:
+    """An immutable delta to send. Re-sending it produces the same content hash."""
+
+    delta: dict[str, torch.Tensor]
+    local_step: int
+    base_outer_step: int
+
+
+@dataclass(frozen=True)
+class UploadResult:
+    job: UploadJob
+    path: str | None
+    size: int
+    latency_s: float
+    error: str | None
+
+
+@dataclass(frozen=True)
+class GlobalCandidate:
+    outer_step: int
+    state: Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PollResult:
+    """A poll's outcome. ``resent`` answers the start-up question "did this node already
+    send work made after its checkpoint?" (``None`` when it was not asked)."""
+
+    ok: bool
+    pointer_step: int | None = None
+    candidate: GlobalCandidate | None = None
+    resent: bool | None = None
+    latency_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class MasterEvent:
+    candidate: GlobalCandidate | None
+    report: RoundReport | None
+
+
+@dataclass(frozen=True)
+class SyncOutcome:
+    """What ``on_step`` did: a delta handed to the upload lane, a global installed."""
+
+    dispatched: bool = False
+    installed: int | None = None
+
+
+@dataclass
+class NodeStats:
+    uploads: int = 0
+    upload_failures: int = 0
+    boundaries_skipped: int = 0
+    installs: int = 0
+    sync_latency_s: float = 0.0
+    hub_outer_step: int = -1
+    rounds: int = 0
+    last_round: RoundReport | None = None
+    deltas_found: int = 0
+    deltas_included: int = 0
+    deltas_rejected: int = 0
+    deltas_duplicate: int = 0
+
+
+def _snapshot(model: nn.Module, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    state = model.state_dict()
+    return {key: state[key].detach().to("cpu", copy=True) for key in keys}
+
+
+def _all_zero(delta: Mapping[str, torch.Tensor]) -> bool:
+    return not any(bool(t.any()) for t in delta.values())
+
+
+def _all_finite(delta: Mapping[str, torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in delta.values())
+
+
+class DiLoCoNode:
+    """Worker (or master) side of DiLoCo for one model. Not thread-safe by itself: every
+    public method except the lane jobs runs on the training thread."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        transport: RetryingTransport,
+        layout: ModelLayout,
+        settings: NodeSettings,
+        *,
+        master: MasterLoop | None = None,
+        reporter: ErrorReporter | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if settings.inner_steps < 1:
+            raise ValueError(f"inner_steps must be >= 1, got {settings.inner_steps}")
+        if (master is not None) != (settings.role == "master"):
+            raise ValueError("a master node needs a MasterLoop and a worker must not have one")
+        self.model = model
+        self.transport = transport
+        self.layout = layout
+        self.settings = settings
+        self.master = master
+        self.reporter = reporter or ErrorReporter()
+        self._clock = clock
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.installed_step = -1
+        self.baseline: dict[str, torch.Tensor] | None = None
+        self.pending: dict[str, torch.Tensor] | None = None
+        self.pending_base = -1
+        self.unconfirmed: UploadJob | None = None
+        self._held_pending: dict[str, torch.Tensor] | None = None
+        self._held_base = -1
+        self._checkpoint_step: int | None = None
+        self._startup_done = True
+        self._resync = False
+        self._candidate: GlobalCandidate | None = None
+        self._captured_step: int | None = None
+        self._last_step = 0
+        self._last_poll = -pymath.inf
+        self._last_round = -pymath.inf
+        self.upload_lane = Lane("upload")
+        self.poll_lane = Lane("poll")
+        self.master_lane = Lane("master")
+        self._uploads: Inbox[UploadResult] = Inbox()
+        self._polls: Inbox[PollResult] = Inbox()
+        self._rounds: Inbox[MasterEvent] = Inbox()
+        self.stats = NodeStats()
+        self._started = False
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def acts_as_master(self) -> bool:
+        return self.master is not None and self.master.halted is None
+
+    def start(self, step: int) -> None:
+        """Open the lanes and schedule the start-up work (master reconcile, first poll)."""
+        if self._started:
+            return
+        if self.master is not None:
+            self.master.claim()
+        self.transport.cancel.clear()
+        for lane in (self.upload_lane, self.poll_lane, self.master_lane):
+            lane.open()
+        self._last_step = step
+        if self.baseline is None:
+            self.baseline = _snapshot(self.model, self.layout.sync_keys)
+        self._started = True
+        self._schedule(step, boundary=True)
+
+    def stop(self) -> None:
+        """Give the upload in flight ``shutdown_timeout`` s to finish, then cancel every
+        retry wait and stop the lanes. Never raises."""
+        if not self._started:
+            return
+        timeout = self.settings.shutdown_timeout
+        self.upload_lane.close(timeout)
+        self.transport.cancel.set()
+        master_idle = self.master_lane.close(timeout)
+        self.poll_lane.close(timeout)
+        self._drain()
+        if self.master is not None and master_idle:
+            self.master.release()
+        self._started = False
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until every lane is idle, then process their results (for tests and
+        benchmarks that need a settled state; training never calls it)."""
+        deadline = time.monotonic() + timeout
+        idle = all(
+            lane.wait_idle(max(0.0, deadline - time.monotonic()))
+            for lane in (self.upload_lane, self.poll_lane, self.master_lane)
+        )
+        self._drain()
+        return idle
+
+    # -- the per-step entry point ------------------------------------------------------
+
+    def on_step(self, step: int) -> SyncOutcome:
+        """Called after every optimizer step with the trainer's absolute step number."""
+        if not self._started:
+            raise RuntimeError("DiLoCoNode.start must be called before on_step")
+        self._last_step = step
+        self._drain()
+        boundary = step % self.settings.inner_steps == 0
+        dispatched = False
+        if boundary:
+            self._capture(step)
+            dispatched = self._dispatch(step)
+        installed = self._install_candidate(step)
+        self._schedule(step, boundary)
+        return SyncOutcome(dispatched=dispatched, installed=installed)
+
+    # -- progress bookkeeping ----------------------------------------------------------
+
+    def _capture(self, step: int) -> None:
+        """Fold ``baseline - current`` into the pending delta; the current weights become
+        the baseline. Idempotent within a step."""
+        if self._captured_step == step:
+            return
+        assert self.baseline is not None  # set by start()
+        current = _snapshot(self.model, self.layout.sync_keys)
+        segment = pseudo_gradient(self.baseline, current, self.layout.sync_keys)
+        if self.pending is None:
+            self.pending = segment
+            self.pending_base = self.installed_step
+        else:
+            for key, value in segment.items():
+                self.pending[key].add_(value)
+        self.baseline = current
+        self._captured_step = step
+
+    def _dispatch(self, step: int) -> bool:
+        """Hand the unconfirmed job (a resend) or the pending delta to the upload lane."""
+        if self.installed_step < 0 or self._resync or not self._startup_done:
+            return False  # no global yet, or start-up reconciliation still open
+        if self.upload_lane.busy:
+            self.stats.boundaries_skipped += 1
+            return False  # the next boundary sends a cumulative delta
+        job = self.unconfirmed
+        if job is None:
+            pending = self.pending
+            if pending is None or _all_zero(pending):
+                return False
+            if not _all_finite(pending):
+                logger.error(
+                    "diloco node %s: local weights are NaN/Inf at step %d; this delta is "
+                    "dropped and the node resynchronises from the next global",
+                    self.settings.node_id,
+                    step,
+                )
+                self.pending = None
+                self._resync = True
+                return False
+            job = UploadJob(pending, step, self.pending_base)
+            self.pending = None
+            self.unconfirmed = job
+        submitted = self.upload_lane.try_submit(lambda: self._upload(job))
+        if not submitted:
+            self.stats.boundaries_skipped += 1
+        return submitted
+
+    def _install_candidate(self, step: int) -> int | None:
+        candidate = self._candidate
+        self._candidate = None
+        if candidate is None or candidate.outer_step <= self.installed_step:
+            return None
+        if self._resync:
+            # Our unsent progress was already sent by an earlier run (or is NaN): drop it.
+            self.pending = None
+            self._resync = False
+        else:
+            self._capture(step)  # keep progress not yet sent: it goes out at the next boundary
+            if self.installed_step < 0 and not self._started_from(candidate):
+                # First global, and it is not the weights this node started from (another
+                # seed): progress measured from those weights means nothing to the hub.
+                self.pending = None
+            elif self.installed_step < 0:
+                self.pending_base = candidate.outer_step
+        full = expand_aliases(candidate.state, self.layout)
+        with torch.no_grad():
+            self.model.load_state_dict(full, strict=True)
+        self.baseline = {key: candidate.state[key] for key in self.layout.sync_keys}
+        self._captured_step = step
+        self.installed_step = candidate.outer_step
+        self.stats.installs += 1
+        logger.info(
+            "diloco node %s installed global outer step %d at local step %d",
+            self.settings.node_id,
+            candidate.outer_step,
+            step,
+        )
+        return candidate.outer_step
+
+    def _started_from(self, candidate: GlobalCandidate) -> bool:
+        """Whether ``baseline + pending`` (the weights this node started from) equals the
+        candidate global, up to float32 rounding of the reconstruction."""
+        assert self.baseline is not None
+        for key in self.layout.sync_keys:
+            origin = self.baseline[key].to(torch.float32)
+            if self.pending is not None:
+                origin = origin + self.pending[key]
+            target = candidate.state[key].to(torch.float32)
+            if not torch.allclose(origin, target, rtol=1e-5, atol=1e-6):
+                return False
+        return True
+
+    # -- background jobs (run on lanes; never touch the model) --------------------------
+
+    def _upload(self, job: UploadJob) -> None:
+        started = self._clock()
+        info = DeltaInfo(
+            node_id=self.settings.node_id,
+            local_step=job.local_step,
+            base_outer_step=job.base_outer_step,
+            incarnation=self.incarnation,
+        )
+        try:
+            data = encode_delta(
+                job.delta,
+                info,
+                self.layout,
+                compression=self.settings.compression,
+                secret=self.settings.secret,
+            )
+            path = delta_path(info.node_id, info.local_step, parse_header(data).metadata["sha256"])
+            self.transport.put(path, data)
+        except TransportError as exc:
+            self.reporter.failure("upload", exc, permanent=not exc.transient)
+            self._uploads.put(UploadResult(job, None, 0, self._clock() - started, str(exc)))
+            return
+        self.reporter.success("upload")
+        self._uploads.put(UploadResult(job, path, len(data), self._clock() - started, None))
+
+    def _poll(self, installed_step: int, fetch: bool, checkpoint_step: int | None) -> None:
+        started = self._clock()
+        try:
+            pointer = self._read_pointer()
+            resent = None
+            if checkpoint_step is not None:
+                resent = self._sent_after(checkpoint_step, pointer)
+            candidate = None
+            if fetch and pointer is not None and pointer.outer_step > installed_step:
+                candidate = self._fetch_global(pointer)
+        except TransportError as exc:
+            self.reporter.failure("poll", exc, permanent=not exc.transient)
+            self._polls.put(PollResult(ok=False))
+            return
+        except Rejected as exc:
+            self.reporter.failure("poll", exc, permanent=True)
+            self._polls.put(PollResult(ok=False))
+            return
+        self.reporter.success("poll")
+        self._polls.put(
+            PollResult(
+                ok=True,
+                pointer_step=None if pointer is None else pointer.outer_step,
+                candidate=candidate,
+                resent=resent,
+                latency_s=self._clock() - started,
+            )
+        )
+
+    def _read_pointer(self) -> Pointer | None:
+        raw = self.transport.get(POINTER_PATH)
+        if raw is None:
+            return None
+        return decode_pointer(raw, fingerprint=self.layout.fingerprint, secret=self.settings.secret)
+
+    def _fetch_global(self, pointer: Pointer) -> GlobalCandidate | None:
+        data = self.transport.get(pointer.model_file)
+        if data is None:
+            return None  # pruned between reading the pointer and the file: next poll
+        state = decode_global(
+            data,
+            self.layout,
+            secret=self.settings.secret,
+            outer_step=pointer.outer_step,
+            expected_sha256=pointer.model_sha256,
+        )
+        return GlobalCandidate(pointer.outer_step, state)
+
+    def _sent_after(self, checkpoint_step: int, pointer: Pointer | None) -> bool:
+        """Whether this node incarnation sent work made after ``checkpoint_step``: applied
+        (the pointer's progress) or still waiting under ``nodes/<id>/`` (any incarnation
+        counts there, which can only make the answer more cautious)."""
+        if pointer is not None:
+            entry = pointer.progress.get(self.settings.node_id)
+            if entry is not None and entry[0] == self.incarnation and entry[1] > checkpoint_step:
+                return True
+        for item in self.transport.list_files(f"nodes/{self.settings.node_id}"):
+            name = parse_delta_path(item.path)
+            if name is not None and name.local_step > checkpoint_step:
+                return True
+        return False
+
+    def _master_reconcile(self, initial: dict[str, torch.Tensor]) -> None:
+        assert self.master is not None
+        try:
+            state = self.master.reconcile(initial)
+        except TransportError as exc:
+            self.reporter.failure("master start", exc, permanent=not exc.transient)
+            return
+        except Rejected as exc:
+            self.reporter.failure("master start", exc, permanent=True)
+            return
+        self.reporter.success("master start")
+        self._rounds.put(MasterEvent(GlobalCandidate(state.outer_step, state.global_state), None))
+
+    def _master_round(self) -> None:
+        assert self.master is not None
+        try:
+            report = self.master.sync_once()
+        except MasterConflictError as exc:
+            self.reporter.failure("master round", exc, permanent=True)
+            return
+        except TransportError as exc:
+            self.reporter.failure("master round", exc, permanent=not exc.transient)
+            return
+        self.reporter.success("master round")
+        candidate = None
+        if report.published:
+            snapshot = self.master.snapshot()
+            if snapshot is not None:
+                candidate = GlobalCandidate(snapshot.outer_step, snapshot.global_state)
+        self._rounds.put(MasterEvent(candidate, report))
+
+    # -- training-thread side of the lanes ---------------------------------------------
+
+    def _drain(self) -> None:
+        for result in self._uploads.drain():
+            if result.error is None:
+                if self.unconfirmed is result.job:
+                    self.unconfirmed = None
+                self.stats.uploads += 1
+                self.stats.sync_latency_s = result.latency_s
+            else:
+                self.stats.upload_failures += 1  # the same job is re-sent at the next boundary
+        for poll in self._polls.drain():
+            if not poll.ok:
+                continue
+            if poll.pointer_step is not None:
+                self.stats.hub_outer_step = max(self.stats.hub_outer_step, poll.pointer_step)
+            if poll.resent is not None and not self._startup_done:
+                self._finish_startup(poll.resent)
+            self._offer(poll.candidate)
+        for event in self._rounds.drain():
+            self._offer(event.candidate)
+            if event.report is None:
+                self._last_round = -pymath.inf  # reconciled: the first round may run now
+            else:
+                self._record_round(event.report)
+
+    def _offer(self, candidate: GlobalCandidate | None) -> None:
+        if candidate is None:
+            return
+        self.stats.hub_outer_step = max(self.stats.hub_outer_step, candidate.outer_step)
+        if self._candidate is None or candidate.outer_step > self._candidate.outer_step:
+            self._candidate = candidate
+
+    def _record_round(self, report: RoundReport) -> None:
+        stats = self.stats
+        stats.rounds += 1
+        stats.last_round = report
+        stats.deltas_found += report.found
+        stats.deltas_included += report.included
+        stats.deltas_rejected += len(report.rejected)
+        stats.deltas_duplicate += report.duplicates
+
+    def _finish_startup(self, resent: bool) -> None:
+        """Decide what to do with checkpointed, unsent work once the hub answered."""
+        if resent:
+            logger.info(
+                "diloco node %s: the hub already has work this node sent after its "
+                "checkpoint; dropping the checkpointed unsent delta and resynchronising",
+                self.settings.node_id,
+            )
+            self._held_pending = None
+            self.pending = None
+            self._resync = True
+        elif self._held_pending is not None:
+            if self.pending is None:
+                self.pending = self._held_pending
+                self.pending_base = self._held_base
+            else:
+                for key, value in self._held_pending.items():
+                    self.pending[key].add_(value)
+                self.pending_base = min(self.pending_base, self._held_base)
+            self._held_pending = None
+        self._startup_done = True
+
+    def _schedule(self, step: int, boundary: bool) -> None:
+        now = self._clock()
+        master = self.master
+        if master is not None and self.acts_as_master and not self.master_lane.busy:
+            if now - self._last_round >= self.settings.poll_interval:
+                self._last_round = now
+                if master.reconciled:
+                    self.master_lane.try_submit(self._master_round)
+                else:
+                    initial = global_tensors(self.model.state_dict(), self.layout)
+                    snapshot = {k: v.detach().to("cpu", copy=True) for k, v in initial.items()}
+                    self.master_lane.try_submit(lambda: self._master_reconcile(snapshot))
+        fetch = not self.acts_as_master
+        if not fetch and self._startup_done:
+            return  # a master gets its globals in-process
+        if self.poll_lane.busy or not (
+            boundary or now - self._last_poll >= self.settings.poll_interval
+        ):
+            return
+        self._last_poll = now
+        installed = self.installed_step
+        checkpoint_step = None if self._startup_done else self._checkpoint_step
+        self.poll_lane.try_submit(lambda: self._poll(installed, fetch, checkpoint_step))
+
+    # -- checkpoint state ---------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, object]:
+        """Everything needed to resume (tensors, numbers, strings, lists, dicts, None)."""
+        job = self.unconfirmed
+        return {
+            "format": STATE_FORMAT,
+            "node_id": self.settings.node_id,
+            "role": self.settings.role,
+            "incarnation": self.incarnation,
+            "installed_outer_step": self.installed_step,
+            "checkpoint_step": self._last_step,
+            "baseline": self.baseline,
+            "pending": self.pending,
+            "pending_base": self.pending_base,
+            "held_pending": self._held_pending,
+            "held_base": self._held_base,
+            "unconfirmed": None
+            if job is None
+            else {
+                "delta": job.delta,
+                "local_step": job.local_step,
+                "base_outer_step": job.base_outer_step,
+            },
+            "master": {} if self.master is None else self.master.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Restore a checkpoint (before ``start``). Unsent pending work is held until the
+        hub confirms it was not sent after the checkpoint; an unconfirmed upload is re-sent
+        as is (the master dedupes it by content hash if it had arrived)."""
+        if not state:
+            return
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"diloco state format {state.get('format')!r} is not supported")
+        master_state = state.get("master")
+        if self.master is not None and isinstance(master_state, Mapping):
+            self.master.load_state_dict(master_state)
+        if state.get("node_id") != self.settings.node_id:
+            logger.warning(
+                "diloco checkpoint belongs to node %r, this is %r: starting this node fresh",
+                state.get("node_id"),
+                self.settings.node_id,
+            )
+            return
+        self.incarnation = _text(state, "incarnation")
+        self.installed_step = _integer(state, "installed_outer_step")
+        self.baseline = _optional_tensors(state, "baseline", self.layout)
+        self.pending = None
+        self._held_pending = _merge_held(
+            _optional_tensors(state, "pending", self.layout),
+            _optional_tensors(state, "held_pending", self.layout),
+        )
+        bases = [
+            _integer(state, base)
+            for base, tensors in (("pending_base", "pending"), ("held_base", "held_pending"))
+            if state.get(tensors) is not None
+        ]
+        self._held_base = min(bases, default=-1)
+        unconfirmed = state.get("unconfirmed")
+        if isinstance(unconfirmed, Mapping):
+            delta = _optional_tensors(unconfirmed, "delta", self.layout)
+            if delta is not None:
+                self.unconfirmed = UploadJob(
+                    delta,
+                    _integer(unconfirmed, "local_step"),
+                    _integer(unconfirmed, "base_outer_step"),
+                )
+        self._checkpoint_step = _integer(state, "checkpoint_step")
+        self._startup_done = False
+        self._captured_step = None
+
+    # -- metrics ------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, int | float]:
+        """Cumulative counters plus the last round's figures (``diloco/`` keys)."""
+        stats = self.stats
+        values: dict[str, int | float] = {
+            "diloco/outer_step": self.installed_step,
+            "diloco/hub_outer_step": stats.hub_outer_step,
+            "diloco/uploads": stats.uploads,
+            "diloco/upload_failures": stats.upload_failures,
+            "diloco/boundaries_skipped": stats.boundaries_skipped,
+            "diloco/installs": stats.installs,
+            "diloco/bytes_up": self.transport.bytes_up,
+            "diloco/bytes_down": self.transport.bytes_down,
+            "diloco/sync_latency_s": stats.sync_latency_s,
+            "diloco/errors": self.reporter.errors,
+        }
+        if self.master is not None:
+            values["diloco/rounds"] = stats.rounds
+            values["diloco/deltas_found"] = stats.deltas_found
+            values["diloco/deltas_included"] = stats.deltas_included
+            values["diloco/deltas_rejected"] = stats.deltas_rejected
+            values["diloco/deltas_duplicate"] = stats.deltas_duplicate
+            last = stats.last_round
+            if last is not None:
+                staleness = last.staleness
+                values["diloco/round_included"] = last.included
+                values["diloco/round_latency_s"] = last.latency_s
+                values["diloco/staleness_mean"] = (
+                    sum(staleness) / len(staleness) if staleness else 0.0
+                )
+                values["diloco/staleness_max"] = max(staleness, default=0)
+        return values
+
+
+def _text(state: Mapping[str, object], key: str) -> str:
+    value = state.get(key)
+    if not isinstance(value, str):
+        raise ValueError(f"diloco state: {key!r} must be a string")
+    return value
+
+
+def _integer(state: Mapping[str, object], key: str) -> int:
+    value = state.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"diloco state: {key!r} must be an integer")
+    return value
+
+
+def _optional_tensors(
+    state: Mapping[str, object], key: str, layout: ModelLayout
+) -> dict[str, torch.Tensor] | None:
+    value = state.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or set(value) != set(layout.sync_keys):
+        raise ValueError(f"diloco state: {key!r} does not match this model's layout")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in value.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"diloco state: {key!r}[{name!r}] is not a tensor")
+        tensors[str(name)] = tensor.detach().to("cpu")
+    return tensors
+
+
+def _merge_held(
+    first: dict[str, torch.Tensor] | None, second: dict[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor] | None:
+    if first is None:
+        return second
+    if second is None:
+        return first
+    return {key: first[key].to(torch.float32) + second[key].to(torch.float32) for key in first}

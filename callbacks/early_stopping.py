@@ -1,0 +1,180 @@
+"""``early_stopping``: stop the fit when a monitored metric stops improving.
+
+    callbacks:
+      - {name: early_stopping, monitor: loss, mode: min, patience: 5, min_delta: 0.001}
+
+The metric is read from each *due* metric record (after every contributor ran, so a key
+added by another callback can be monitored); ``patience`` counts due records, not steps.
+An improvement is a value better than the best so far by more than ``min_delta``. After
+``patience`` records without one, the callback calls ``trainer.request_stop(...)``: the
+current step completes, ``fit_end`` runs (the checkpoint callback writes its final save,
+sinks write their summaries), and ``TrainResult.stop_reason`` says why.
+
+A non-finite value (NaN/Inf) stops at once when ``stop_on_non_finite`` is set (default).
+A monitored key that is missing from a due record is an error naming the keys present.
+The best value and the count of records without improvement are checkpointed
+(``state_key: early_stopping``), so a resumed fit keeps its patience.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from typing_extensions import Self
+
+from speedtronic.callback import Callback, JSONSchema
+from speedtronic.contexts import FitContext, MetricsContext
+
+if TYPE_CHECKING:
+    from speedtronic.plugins import PluginContext
+    from speedtronic.trainer import Trainer
+
+Mode = Literal["min", "max"]
+
+
+class MonitorError(ValueError):
+    """The monitored metric is missing from a due record, or is not a number."""
+
+
+class EarlyStopping(Callback):
+    """Requests a clean stop after ``patience`` due records without improvement."""
+
+    plugin_name: ClassVar[str | None] = "early_stopping"
+    state_key: str | None = "early_stopping"
+    # Reads the finished record, like a sink; but a missing key is a real error.
+    metrics_phase: ClassVar[Literal["contribute", "consume"]] = "consume"
+    options_schema: ClassVar[JSONSchema] = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "monitor": {
+                "type": "string",
+                "minLength": 1,
+                "default": "loss",
+                "description": "Metric record key to watch.",
+            },
+            "mode": {"enum": ["min", "max"], "default": "min"},
+            "patience": {
+                "type": "integer",
+                "minimum": 1,
+                "default": 3,
+                "description": "Due records without improvement before stopping.",
+            },
+            "min_delta": {
+                "type": "number",
+                "minimum": 0,
+                "default": 0.0,
+                "description": "How much better than the best a value must be to count.",
+            },
+            "stop_on_non_finite": {"type": "boolean", "default": True},
+        },
+    }
+
+    def __init__(
+        self,
+        monitor: str = "loss",
+        *,
+        mode: Mode = "min",
+        patience: int = 3,
+        min_delta: float = 0.0,
+        stop_on_non_finite: bool = True,
+    ) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+        if patience < 1:
+            raise ValueError(f"patience must be >= 1, got {patience}")
+        if min_delta < 0:
+            raise ValueError(f"min_delta must be >= 0, got {min_delta}")
+        self.monitor = monitor
+        self.mode: Mode = mode
+        self.patience = patience
+        self.min_delta = float(min_delta)
+        self.stop_on_non_finite = stop_on_non_finite
+        self.best = math.inf if mode == "min" else -math.inf
+        self.best_step: int | None = None
+        self.wait = 0
+        self.stopped_step: int | None = None
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
+        del context
+        patience = options.get("patience", 3)
+        min_delta = options.get("min_delta", 0.0)
+        return cls(
+            str(options.get("monitor", "loss")),
+            mode="max" if options.get("mode") == "max" else "min",
+            patience=patience if isinstance(patience, int) else 3,
+            min_delta=float(min_delta) if isinstance(min_delta, (int, float)) else 0.0,
+            stop_on_non_finite=bool(options.get("stop_on_non_finite", True)),
+        )
+
+    # -- state --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, object]:
+        state: dict[str, object] = {"best": self.best, "wait": self.wait}
+        if self.best_step is not None:
+            state["best_step"] = self.best_step
+        return state
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        best, wait, best_step = state.get("best"), state.get("wait"), state.get("best_step")
+        if isinstance(best, (int, float)):
+            self.best = float(best)
+        if isinstance(wait, int):
+            self.wait = wait
+        self.best_step = best_step if isinstance(best_step, int) else None
+
+    # -- logic --------------------------------------------------------------------------
+
+    def improved(self, value: float) -> bool:
+        """True when ``value`` beats the best so far by more than ``min_delta``."""
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+    def on_fit_start(self, trainer: Trainer, ctx: FitContext) -> None:
+        self.stopped_step = None
+
+    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
+        if not ctx.due or self.stopped_step is not None:
+            return
+        value = self._read(ctx)
+        reason = self._update(value, ctx.step)
+        if reason is not None:
+            self.stopped_step = ctx.step
+            trainer.request_stop(f"early_stopping: {reason}")
+
+    def _read(self, ctx: MetricsContext) -> float:
+        if self.monitor not in ctx.record:
+            keys = ", ".join(sorted(ctx.record.keys()))
+            raise MonitorError(
+                f"early_stopping monitors {self.monitor!r}, which is not in the metric record "
+                f"of step {ctx.step} (keys: {keys})"
+            )
+        value = ctx.record.get(self.monitor)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise MonitorError(
+                f"early_stopping monitors {self.monitor!r}, whose value {value!r} is not a number"
+            )
+        return float(value)
+
+    def _update(self, value: float, step: int) -> str | None:
+        """Record ``value``; the stop reason when the fit should stop, else ``None``."""
+        if not math.isfinite(value):
+            if self.stop_on_non_finite:
+                return f"{self.monitor} is {value} at step {step}"
+            self.wait += 1
+        elif self.improved(value):
+            self.best, self.best_step, self.wait = value, step, 0
+            return None
+        else:
+            self.wait += 1
+        if self.wait >= self.patience:
+            best_at = f" at step {self.best_step}" if self.best_step is not None else ""
+            return (
+                f"{self.monitor} did not improve for {self.wait} checks "
+                f"(best {self.best:.6g}{best_at}, mode {self.mode}, min_delta {self.min_delta:g})"
+            )
+        return None

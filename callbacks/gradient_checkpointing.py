@@ -1,0 +1,158 @@
+"""``gradient_checkpointing``: trade compute for activation memory, on any model.
+
+At ``setup`` the callback calls the model's own ``set_gradient_checkpointing(True)`` when
+the model has one (the reference transformer does). Otherwise it wraps every submodule
+whose class name is listed in ``modules`` so that its forward runs under
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: activations inside are
+dropped after the forward and recomputed in backward, with the RNG state restored so dropout
+masks match. Losses and gradients are the same as without it.
+
+When neither is possible (no hook, no ``modules`` listed, or no submodule of those classes)
+the callback warns and training continues unchanged. ``teardown`` undoes what ``setup`` did.
+
+    callbacks:
+      - {name: gradient_checkpointing, modules: [TransformerBlock]}
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from speedtronic.callback import Callback, JSONSchema
+from speedtronic.contexts import FitContext, TeardownContext
+
+if TYPE_CHECKING:
+    from speedtronic.trainer import Trainer
+
+__all__ = ["CheckpointedForward", "GradientCheckpointing"]
+
+
+class CheckpointedForward:
+    """A module's bound ``forward``, run under non-reentrant activation checkpointing
+    whenever autograd is recording (plain call otherwise, e.g. in evaluation)."""
+
+    def __init__(self, forward: Callable[..., object]) -> None:
+        self.forward = forward
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        if not torch.is_grad_enabled():
+            return self.forward(*args, **kwargs)
+        function = functools.partial(self.forward, **kwargs) if kwargs else self.forward
+        return checkpoint(function, *args, use_reentrant=False)
+
+
+class GradientCheckpointing(Callback):
+    """Activation checkpointing through the model's hook, or by wrapping named module
+    classes (``modules``); see the module docstring."""
+
+    plugin_name: ClassVar[str | None] = "gradient_checkpointing"
+    options_schema: ClassVar[JSONSchema] = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "modules": {
+                "type": "array",
+                "items": {"type": "string", "minLength": 1},
+                "uniqueItems": True,
+                "description": "class names of submodules to checkpoint when the model has "
+                "no set_gradient_checkpointing hook",
+            },
+            "enabled": {"type": "boolean", "default": True},
+        },
+    }
+
+    def __init__(self, modules: Sequence[str] = (), enabled: bool = True) -> None:
+        self.modules = tuple(modules)
+        self.enabled = enabled
+        self._hooked_model: nn.Module | None = None
+        # (module, the instance-level ``forward`` it had before, if any)
+        self._wrapped: list[tuple[nn.Module, Callable[..., object] | None]] = []
+
+    @property
+    def wrapped_modules(self) -> list[nn.Module]:
+        """The submodules currently running under checkpointing (wrapping mode only)."""
+        return [module for module, _ in self._wrapped]
+
+    @property
+    def uses_model_hook(self) -> bool:
+        """Whether the model's own ``set_gradient_checkpointing`` is in use."""
+        return self._hooked_model is not None
+
+    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+        del ctx
+        self.apply(trainer.model)
+
+    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+        del trainer, ctx
+        self.remove()
+
+    # -- the work, usable without a trainer ---------------------------------------------
+
+    def apply(self, model: nn.Module) -> None:
+        """Turn checkpointing on for ``model`` (idempotent; warns when it cannot)."""
+        if not self.enabled:
+            return
+        self.remove()
+        hook = getattr(model, "set_gradient_checkpointing", None)
+        if callable(hook):
+            try:
+                hook(True)
+            except Exception as exc:  # a broken optional hook: try wrapping, else warn
+                self._warn(f"{type(model).__name__}.set_gradient_checkpointing failed: {exc}")
+            else:
+                self._hooked_model = model
+                if self.modules:
+                    self._warn(
+                        f"{type(model).__name__} has its own set_gradient_checkpointing hook, "
+                        f"which was used; `modules: {list(self.modules)}` is ignored"
+                    )
+                return
+        if not self.modules:
+            self._warn(
+                f"{type(model).__name__} has no set_gradient_checkpointing hook and no "
+                "`modules` were named; training without gradient checkpointing"
+            )
+            return
+        self._wrap_matching(model)
+        if not self._wrapped:
+            self._warn(
+                f"no submodule of {type(model).__name__} has a class named in "
+                f"{list(self.modules)}; training without gradient checkpointing"
+            )
+
+    def remove(self) -> None:
+        """Undo ``apply``: hook off again, or the original forwards back."""
+        if self._hooked_model is not None:
+            hook = getattr(self._hooked_model, "set_gradient_checkpointing", None)
+            if callable(hook):
+                hook(False)
+            self._hooked_model = None
+        for module, previous in reversed(self._wrapped):
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+        self._wrapped.clear()
+
+    def _wrap_matching(self, model: nn.Module) -> None:
+        wanted = set(self.modules)
+        wrapped_prefixes: list[str] = []
+        for name, module in model.named_modules():
+            if name == "" or type(module).__name__ not in wanted:
+                continue  # the root itself is never wrapped: that would save nothing
+            if any(name.startswith(prefix + ".") for prefix in wrapped_prefixes):
+                continue  # already inside a checkpointed ancestor: nothing to gain
+            previous = module.__dict__.get("forward")
+            module.forward = CheckpointedForward(module.forward)
+            self._wrapped.append((module, previous))
+            wrapped_prefixes.append(name)
+
+    def _warn(self, message: str) -> None:
+        warnings.warn(f"{self.display_name} callback: {message}", UserWarning, stacklevel=3)

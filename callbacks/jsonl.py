@@ -1,0 +1,153 @@
+"""``jsonl``: the canonical ``metrics.jsonl`` -- one JSON object per due record.
+
+The file is append-only and flushed after every line, so a crash loses at most the line
+being written. It is resume-safe: at ``setup`` every line whose ``step`` is beyond the step
+the fit starts from is dropped (the file is rewritten atomically), so after a resume the
+steps stay increasing with no duplicates. A torn last line (a crash mid-write) is dropped
+the same way. A fresh fit (start step 0) in an existing output directory therefore starts
+a new file.
+
+Non-finite numbers (a NaN loss) are written as ``null``: the file stays strict JSON that
+``jq``, pandas and browsers read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, ClassVar
+
+from typing_extensions import Self
+
+from callbacks.sink import MetricSink, Record, atomic_write_text, resolve_path
+from speedtronic.callback import JSONSchema
+from speedtronic.contexts import FitContext, TeardownContext
+
+if TYPE_CHECKING:
+    from speedtronic.plugins import PluginContext
+    from speedtronic.trainer import Trainer
+
+DEFAULT_FILENAME = "metrics.jsonl"
+
+
+def encode_record(record: Record) -> str:
+    """One JSON line (no newline); NaN/Inf become ``null``."""
+    try:
+        return json.dumps(record, allow_nan=False, separators=(",", ":"))
+    except ValueError:  # only non-finite floats make allow_nan=False fail
+        clean = {
+            key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in record.items()
+        }
+        return json.dumps(clean, separators=(",", ":"))
+
+
+def read_records(path: Path) -> list[dict[str, object]]:
+    """Every well-formed record of a metrics JSONL file, in file order (bad lines skipped)."""
+    records: list[dict[str, object]] = []
+    with path.open(encoding="utf-8") as handle:
+        for line in handle:
+            parsed = _parse_line(line)
+            if parsed is not None:
+                records.append(parsed)
+    return records
+
+
+def _parse_line(line: str) -> dict[str, object] | None:
+    try:
+        parsed = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def _line_step(line: str) -> int | None:
+    parsed = _parse_line(line)
+    step = parsed.get("step") if parsed is not None else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def truncate_after(path: Path, last_step: int) -> int:
+    """Keep only lines with ``step <= last_step``; returns how many lines were dropped.
+
+    The file is rewritten atomically, and only when something has to go.
+    """
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept: list[str] = []
+    for line in lines:
+        if not line.strip():
+            continue
+        step = _line_step(line)
+        if step is not None and step <= last_step and line.endswith("\n"):
+            kept.append(line)
+    dropped = sum(1 for line in lines if line.strip()) - len(kept)
+    if dropped:
+        atomic_write_text(path, "".join(kept))
+    return dropped
+
+
+class JsonlCallback(MetricSink):
+    """Appends each due record to ``metrics.jsonl`` in the output directory."""
+
+    plugin_name: ClassVar[str | None] = "jsonl"
+    options_schema: ClassVar[JSONSchema] = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "path": {
+                "type": "string",
+                "minLength": 1,
+                "default": DEFAULT_FILENAME,
+                "description": "The JSONL file, relative to the output directory.",
+            },
+        },
+    }
+
+    def __init__(self, path: str | Path = DEFAULT_FILENAME) -> None:
+        self.path = Path(path)
+        self._handle: IO[str] | None = None
+        self.dropped_on_resume = 0
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
+        path = options.get("path", DEFAULT_FILENAME)
+        return cls(resolve_path(str(path), context.output_dir))
+
+    @property
+    def closed(self) -> bool:
+        """True when the file is not held open (before setup and after teardown)."""
+        return self._handle is None
+
+    def resolved_path(self, trainer: Trainer) -> Path:
+        """The file this sink writes (a relative path is under the trainer's output dir)."""
+        return resolve_path(self.path, trainer.output_dir)
+
+    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+        path = self.resolved_path(trainer)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            self.dropped_on_resume = truncate_after(path, ctx.start_step)
+            if self.dropped_on_resume and ctx.start_step > 0:
+                warnings.warn(
+                    f"{path}: removed {self.dropped_on_resume} line(s) after step "
+                    f"{ctx.start_step} or unreadable, so the file continues where this fit "
+                    "resumes",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        self._handle = path.open("a", encoding="utf-8")
+
+    def write_record(self, trainer: Trainer, record: Record) -> None:
+        handle = self._handle
+        if handle is None:
+            raise RuntimeError("the jsonl sink received a record before setup")
+        handle.write(encode_record(record) + "\n")
+        handle.flush()
+
+    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.close()

@@ -1,0 +1,207 @@
+"""``progress``: a tqdm progress bar on a terminal, plain log lines anywhere else.
+
+On a TTY the bar shows steps, ETA (tqdm's smoothed rate), and the latest loss, learning
+rate and tokens/s as its postfix. The bar advances every step (a counter update, no device
+sync); the postfix changes on due records only. When the stream is not a terminal (CI logs,
+``> file``) there is no bar: each due record becomes one line with percent done, elapsed
+time and ETA, optionally thinned out with ``min_interval_s``.
+
+Other text printed while the bar is drawn should go through ``tqdm.write`` (the ``console``
+sink does) so lines and bar never tear each other apart.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping
+from typing import IO, TYPE_CHECKING, ClassVar, Literal
+
+from tqdm import tqdm
+from typing_extensions import Never, Self
+
+from callbacks.sink import Record, format_duration, format_float, format_si
+from speedtronic.callback import Callback, JSONSchema
+from speedtronic.contexts import FitContext, FitEndContext, MetricsContext, TeardownContext
+
+if TYPE_CHECKING:
+    from speedtronic.plugins import PluginContext
+    from speedtronic.trainer import Trainer
+
+Mode = Literal["auto", "bar", "lines"]
+StreamName = Literal["stdout", "stderr"]
+
+
+def _parse_mode(value: object) -> Mode:
+    if value == "bar":
+        return "bar"
+    if value == "lines":
+        return "lines"
+    return "auto"
+
+
+def _postfix(record: Record) -> str:
+    parts = []
+    loss = record.get("loss")
+    if isinstance(loss, (int, float)):
+        parts.append(f"loss={format_float(float(loss))}")
+    lr = record.get("lr")
+    if isinstance(lr, (int, float)):
+        parts.append(f"lr={float(lr):.2e}")
+    tokens_per_sec = record.get("tokens_per_sec")
+    if isinstance(tokens_per_sec, (int, float)):
+        parts.append(f"tok/s={format_si(float(tokens_per_sec))}")
+    return ", ".join(parts)
+
+
+def progress_line(record: Record, start_step: int, target_step: int) -> str:
+    """The non-TTY line: ``step 10/100 (10%) | loss .. | lr .. | elapsed .. | eta ..``."""
+    step = int(record["step"])
+    percent = 100.0 * step / target_step if target_step else 100.0
+    parts = [f"step {step}/{target_step} ({percent:.0f}%)"]
+    postfix = _postfix(record)
+    if postfix:
+        parts += [part.replace("=", " ", 1) for part in postfix.split(", ")]
+    elapsed = record.get("elapsed_s")
+    if isinstance(elapsed, (int, float)):
+        parts.append(f"elapsed {format_duration(float(elapsed))}")
+    rate = record.get("steps_per_sec")
+    if isinstance(rate, (int, float)) and rate > 0 and step > start_step:
+        parts.append(f"eta {format_duration((target_step - step) / float(rate))}")
+    return " | ".join(parts)
+
+
+class ProgressBarCallback(Callback):
+    """A progress bar (tqdm) when the stream is a terminal; plain lines otherwise."""
+
+    plugin_name: ClassVar[str | None] = "progress"
+    is_observer: ClassVar[bool] = True
+    metrics_phase: ClassVar[Literal["contribute", "consume"]] = "consume"
+    options_schema: ClassVar[JSONSchema] = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "mode": {
+                "enum": ["auto", "bar", "lines"],
+                "default": "auto",
+                "description": "auto: a bar when the stream is a terminal, lines otherwise.",
+            },
+            "stream": {"enum": ["stdout", "stderr"], "default": "stdout"},
+            "min_interval_s": {
+                "type": "number",
+                "minimum": 0,
+                "default": 0,
+                "description": "Lines mode: at most one line per this many seconds "
+                "(the final step is always printed).",
+            },
+            "leave": {
+                "type": "boolean",
+                "default": True,
+                "description": "Keep the finished bar on screen.",
+            },
+        },
+    }
+
+    def __init__(
+        self,
+        *,
+        mode: Mode = "auto",
+        stream: StreamName | IO[str] = "stdout",
+        min_interval_s: float = 0.0,
+        leave: bool = True,
+    ) -> None:
+        if min_interval_s < 0:
+            raise ValueError(f"min_interval_s must be >= 0, got {min_interval_s}")
+        self.mode: Mode = mode
+        self.stream = stream
+        self.min_interval_s = float(min_interval_s)
+        self.leave = leave
+        self._bar: tqdm[Never] | None = None
+        self._lines_stream: IO[str] | None = None
+        self._start_step = 0
+        self._last_line_time = float("-inf")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
+        del context
+        mode = options.get("mode", "auto")
+        interval = options.get("min_interval_s", 0.0)
+        return cls(
+            mode=_parse_mode(mode),
+            stream="stderr" if options.get("stream") == "stderr" else "stdout",
+            min_interval_s=float(interval) if isinstance(interval, (int, float)) else 0.0,
+            leave=bool(options.get("leave", True)),
+        )
+
+    def _resolve_stream(self) -> IO[str]:
+        if self.stream == "stdout":
+            return sys.stdout
+        if self.stream == "stderr":
+            return sys.stderr
+        assert not isinstance(self.stream, str)
+        return self.stream
+
+    def _wants_bar(self, stream: IO[str]) -> bool:
+        if self.mode != "auto":
+            return self.mode == "bar"
+        isatty = getattr(stream, "isatty", None)
+        return bool(isatty()) if callable(isatty) else False
+
+    @property
+    def uses_bar(self) -> bool:
+        """True while a tqdm bar is drawn (between fit start and fit end)."""
+        return self._bar is not None
+
+    # -- hooks --------------------------------------------------------------------------
+
+    def on_fit_start(self, trainer: Trainer, ctx: FitContext) -> None:
+        stream = self._resolve_stream()
+        self._start_step = ctx.start_step
+        self._last_line_time = float("-inf")
+        if self._wants_bar(stream):
+            self._bar = tqdm(
+                total=ctx.target_step,
+                initial=ctx.start_step,
+                desc="train",
+                unit="step",
+                file=stream,
+                dynamic_ncols=True,
+                leave=self.leave,
+                mininterval=0.25,
+                smoothing=0.1,
+            )
+        else:
+            self._lines_stream = stream
+
+    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
+        bar = self._bar
+        if bar is not None:
+            if ctx.due:
+                bar.set_postfix_str(_postfix(ctx.record.values()), refresh=False)
+            bar.update(ctx.step - bar.n)
+            return
+        if not ctx.due or self._lines_stream is None:
+            return
+        now = time.monotonic()
+        final = ctx.step >= trainer.target_step
+        if final or now - self._last_line_time >= self.min_interval_s:
+            self._last_line_time = now
+            line = progress_line(ctx.record.values(), self._start_step, trainer.target_step)
+            tqdm.write(line, file=self._lines_stream)
+
+    def on_fit_end(self, trainer: Trainer, ctx: FitEndContext) -> None:
+        if self._bar is not None:
+            self._close_bar()
+        elif self._lines_stream is not None and ctx.stop_reason is not None:
+            tqdm.write(
+                f"stopped at step {ctx.result.steps}: {ctx.stop_reason}", file=self._lines_stream
+            )
+
+    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+        self._close_bar()
+        self._lines_stream = None
+
+    def _close_bar(self) -> None:
+        bar, self._bar = self._bar, None
+        if bar is not None:
+            bar.close()

@@ -1,0 +1,111 @@
+"""Building blocks shared by the metric sinks: the ``MetricSink`` base class and helpers.
+
+A sink is an observer callback (``is_observer = True``: its failures warn once and
+training goes on) that runs in the ``consume`` phase of the ``metrics`` event, after every
+contributor added its keys. It only touches the record when ``ctx.due`` is true, so a step
+on which nothing is logged never pays for a device-to-host copy.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from speedtronic.callback import Callback
+from speedtronic.contexts import MetricsContext
+from speedtronic.metrics import MetricValue
+
+if TYPE_CHECKING:
+    from speedtronic.trainer import Trainer
+
+Record = Mapping[str, MetricValue]
+"""A finished metric record as plain Python values (``MetricRecord.values()``)."""
+
+
+class MetricSink(Callback, abc.ABC):
+    """Base class of sinks: implement ``write_record``; it is called once per due record.
+
+    Open files in ``on_setup`` and close them in ``on_teardown`` (which also runs when
+    the fit fails), so a sink never leaks a handle.
+    """
+
+    is_observer: ClassVar[bool] = True
+    metrics_phase: ClassVar[Literal["contribute", "consume"]] = "consume"
+
+    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
+        if ctx.due:
+            self.write_record(trainer, ctx.record.values())
+
+    @abc.abstractmethod
+    def write_record(self, trainer: Trainer, record: Record) -> None:
+        """Write one finished record (all values already plain numbers or strings)."""
+
+
+def resolve_path(path: str | os.PathLike[str], output_dir: Path) -> Path:
+    """``path`` itself when absolute, else ``output_dir / path`` (``~`` is expanded)."""
+    candidate = Path(path).expanduser()
+    return candidate if candidate.is_absolute() else output_dir / candidate
+
+
+def numeric_items(record: Record) -> Iterator[tuple[str, float]]:
+    """``(key, value)`` for every numeric value except ``step`` (booleans excluded)."""
+    for key, value in record.items():
+        if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        yield key, float(value)
+
+
+def format_si(value: float, digits: int = 1) -> str:
+    """A compact human number: 950, 1.2k, 3.4M, 5.6G."""
+    magnitude = abs(value)
+    for threshold, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if magnitude >= threshold:
+            return f"{value / threshold:.{digits}f}{suffix}"
+    return f"{value:.{digits}f}" if magnitude < 100 and value != int(value) else f"{value:.0f}"
+
+
+def format_bytes(value: float) -> str:
+    """Bytes as binary units: 512.0MiB, 1.50GiB."""
+    for threshold, suffix in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if value >= threshold:
+            return f"{value / threshold:.2f}{suffix}"
+    return f"{value:.0f}B"
+
+
+def format_float(value: float) -> str:
+    """A loss-like number: 4 decimals in the usual range, scientific outside it."""
+    if not math.isfinite(value):
+        return str(value)
+    if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+        return f"{value:.3e}"
+    return f"{value:.4f}"
+
+
+def format_duration(seconds: float) -> str:
+    """``H:MM:SS`` (or ``M:SS`` under an hour)."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    whole = int(round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically (temp file in the same dir, fsync, rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,161 @@
+"""``system_metrics``: device memory and model-FLOPs utilisation, added to due records.
+
+A contributor: it runs before the sinks at the ``metrics`` event and only on due steps, so
+it adds no work to steps on which nothing is logged. Keys it adds:
+
+* ``memory_bytes`` -- memory currently allocated by tensors on the trainer's device
+  (``torch.cuda.memory_allocated(device)``; MPS: ``torch.mps.current_allocated_memory()``).
+  CPU reports nothing, so on CPU the key is absent. These are allocator counters: reading
+  them does not synchronise the device.
+* ``memory_peak_bytes`` -- CUDA only: the peak since the fit started.
+* ``flops_per_sec`` / ``mfu`` -- when the model has ``flops_per_token(seq_len)`` (training
+  FLOPs per token, forward + backward; the reference model has it): achieved model FLOP/s
+  over the window since the previous due record, and that divided by the device's peak
+  FLOP/s (``mfu``, a fraction). The peak is the ``peak_flops`` option, or for 16-bit
+  precision on a few well-known CUDA GPUs, their dense bf16/fp16 tensor-core peak.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+
+import torch
+from typing_extensions import Self
+
+from speedtronic.callback import Callback, JSONSchema
+from speedtronic.contexts import FitContext, MetricsContext
+from speedtronic.profiling import memory_usage_bytes
+
+if TYPE_CHECKING:
+    from speedtronic.plugins import PluginContext
+    from speedtronic.trainer import Trainer
+
+# Dense (no sparsity) bf16/fp16 tensor-core peaks from the vendors' data sheets, FLOP/s.
+# Matched against torch.cuda.get_device_name() in order, first hit wins.
+KNOWN_16BIT_PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989.4e12),
+    ("H100 PCIe", 756.0e12),
+    ("H100", 989.4e12),
+    ("A100", 312.0e12),
+    ("L40S", 362.0e12),
+    ("L40", 181.0e12),
+    ("L4", 121.0e12),
+    ("V100", 125.0e12),
+    ("T4", 65.0e12),
+)
+
+
+@runtime_checkable
+class CountsFlops(Protocol):
+    """A model that knows its training FLOPs per token (forward + backward)."""
+
+    def flops_per_token(self, seq_len: int | None = None) -> int: ...
+
+
+def known_peak_flops(device: torch.device, precision_mode: str) -> float | None:
+    """The dense 16-bit peak of a known CUDA GPU, when training in bf16/fp16."""
+    if device.type != "cuda" or precision_mode not in ("bf16", "fp16"):
+        return None
+    name = torch.cuda.get_device_name(device)
+    for pattern, peak in KNOWN_16BIT_PEAK_FLOPS:
+        if pattern in name:
+            return peak
+    return None
+
+
+class SystemMetricsCallback(Callback):
+    """Adds device memory and (when computable) ``flops_per_sec``/``mfu`` to due records."""
+
+    plugin_name: ClassVar[str | None] = "system_metrics"
+    is_observer: ClassVar[bool] = True  # a failing probe must not stop training
+    options_schema: ClassVar[JSONSchema] = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "memory": {
+                "type": "boolean",
+                "default": True,
+                "description": "Add memory_bytes (and memory_peak_bytes on CUDA).",
+            },
+            "mfu": {
+                "type": "boolean",
+                "default": True,
+                "description": "Add flops_per_sec and mfu when the model counts its FLOPs.",
+            },
+            "peak_flops": {
+                "type": ["number", "null"],
+                "exclusiveMinimum": 0,
+                "default": None,
+                "description": "The device's peak FLOP/s for MFU; unset: a built-in table "
+                "of CUDA GPUs (16-bit precision only).",
+            },
+        },
+    }
+
+    def __init__(
+        self, *, memory: bool = True, mfu: bool = True, peak_flops: float | None = None
+    ) -> None:
+        if peak_flops is not None and peak_flops <= 0:
+            raise ValueError(f"peak_flops must be positive, got {peak_flops}")
+        self.memory = memory
+        self.mfu = mfu
+        self.peak_flops = peak_flops
+        self._resolved_peak: float | None = None
+        self._flops_cache: dict[int, int] = {}
+        self._window: tuple[float, int, int] = (0.0, 0, 0)  # (time, samples, tokens)
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
+        del context
+        peak = options.get("peak_flops")
+        return cls(
+            memory=bool(options.get("memory", True)),
+            mfu=bool(options.get("mfu", True)),
+            peak_flops=float(peak) if isinstance(peak, (int, float)) else None,
+        )
+
+    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+        self._window = (time.perf_counter(), trainer.samples, trainer.tokens)
+        self._flops_cache.clear()
+        self._resolved_peak = self.peak_flops or known_peak_flops(
+            trainer.device, trainer.precision.mode
+        )
+        if self.memory and trainer.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(trainer.device)
+
+    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
+        if not ctx.due:
+            return
+        if self.memory:
+            self._add_memory(trainer, ctx)
+        if self.mfu:
+            self._add_flops(trainer, ctx)
+
+    def _add_memory(self, trainer: Trainer, ctx: MetricsContext) -> None:
+        allocated = memory_usage_bytes(trainer.device)
+        if allocated is not None:
+            ctx.record.set("memory_bytes", allocated)
+        if trainer.device.type == "cuda":
+            ctx.record.set("memory_peak_bytes", torch.cuda.max_memory_allocated(trainer.device))
+
+    def _flops_per_token(self, model: CountsFlops, seq_len: int) -> int:
+        cached = self._flops_cache.get(seq_len)
+        if cached is None:
+            cached = self._flops_cache[seq_len] = int(model.flops_per_token(seq_len))
+        return cached
+
+    def _add_flops(self, trainer: Trainer, ctx: MetricsContext) -> None:
+        now = time.perf_counter()
+        start, samples0, tokens0 = self._window
+        self._window = (now, trainer.samples, trainer.tokens)
+        model = trainer.raw_model
+        samples, tokens = trainer.samples - samples0, trainer.tokens - tokens0
+        if not isinstance(model, CountsFlops) or samples <= 0 or tokens <= 0 or now <= start:
+            return
+        seq_len = max(1, round(tokens / samples))
+        flops_per_sec = self._flops_per_token(model, seq_len) * tokens / (now - start)
+        ctx.record.set("flops_per_sec", flops_per_sec)
+        if self._resolved_peak is not None:
+            ctx.record.set("mfu", flops_per_sec / self._resolved_peak)

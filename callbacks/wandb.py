@@ -1,0 +1,227 @@
+"""``wandb``: the run in Weights & Biases, through the real ``wandb`` client.
+
+* ``mode`` unset leaves the choice to W&B, so ``WANDB_MODE=offline`` / ``disabled`` in the
+  environment is respected; set it in config to force one.
+* Files go to ``<output_dir>/wandb/`` (``dir``, relative to the output directory).
+* The run id is part of this callback's checkpoint state (``state_key: wandb``). A resumed
+  fit calls ``wandb.init(id=<saved id>, resume="allow")`` and continues the same W&B run.
+  W&B keeps a run's steps increasing: if the run had already logged steps past the resume
+  point, W&B ignores the repeated steps until the run passes them.
+* Each due record becomes one ``run.log(record, step=step)``. ``wandb.log`` waits for its
+  service round trip (~0.2 ms), so by default the calls happen on a background thread and
+  training only pays for a queue put; the queue is drained before ``finish()``.
+* ``finish()`` always runs at teardown (exit code 1 when the fit failed).
+
+Needs the ``logging`` extra (``pip install 'speedtronic[logging]'``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from typing_extensions import Self
+
+from callbacks._background import BackgroundWorker
+from callbacks.sink import MetricSink, Record, resolve_path
+from speedtronic.callback import JSONSchema
+from speedtronic.contexts import FitContext, FitEndContext, TeardownContext
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from wandb.sdk.wandb_run import Run
+
+    from speedtronic.plugins import PluginContext
+    from speedtronic.trainer import Trainer
+
+WandbMode = Literal["online", "offline", "disabled"]
+_INSTALL_HINT = "the wandb sink needs wandb: pip install 'speedtronic[logging]'"
+
+
+def import_wandb() -> ModuleType:
+    """``import wandb`` with an install hint when it is missing."""
+    try:
+        import wandb
+    except ImportError as exc:
+        raise ImportError(_INSTALL_HINT) from exc
+    return wandb
+
+
+def _optional_str(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def _parse_mode(value: object) -> WandbMode | None:
+    if value == "online":
+        return "online"
+    if value == "offline":
+        return "offline"
+    if value == "disabled":
+        return "disabled"
+    return None
+
+
+class WandbCallback(MetricSink):
+    """Logs due records to a W&B run; the run id survives checkpoints and resumes."""
+
+    plugin_name: ClassVar[str | None] = "wandb"
+    state_key: str | None = "wandb"
+    options_schema: ClassVar[JSONSchema] = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "project": {"type": ["string", "null"], "description": "W&B project."},
+            "entity": {"type": ["string", "null"], "description": "W&B team or user."},
+            "name": {"type": ["string", "null"], "description": "Display name of the run."},
+            "group": {"type": ["string", "null"]},
+            "tags": {"type": "array", "items": {"type": "string"}, "default": []},
+            "notes": {"type": ["string", "null"]},
+            "mode": {
+                "enum": ["online", "offline", "disabled", None],
+                "default": None,
+                "description": "Unset: W&B decides (WANDB_MODE is respected).",
+            },
+            "dir": {
+                "type": "string",
+                "minLength": 1,
+                "default": ".",
+                "description": "Parent of W&B's 'wandb/' folder, relative to the output directory.",
+            },
+            "id": {
+                "type": ["string", "null"],
+                "description": "Run id for a new run; a resumed fit uses the id stored in "
+                "its checkpoint instead.",
+            },
+            "log_config": {
+                "type": "boolean",
+                "default": True,
+                "description": "Store the run's (redacted) config as the W&B run config.",
+            },
+            "background": {
+                "type": "boolean",
+                "default": True,
+                "description": "Call wandb.log on a background thread.",
+            },
+        },
+    }
+
+    def __init__(
+        self,
+        *,
+        project: str | None = None,
+        entity: str | None = None,
+        name: str | None = None,
+        group: str | None = None,
+        tags: Sequence[str] = (),
+        notes: str | None = None,
+        mode: WandbMode | None = None,
+        directory: str | Path = ".",
+        run_id: str | None = None,
+        log_config: bool = True,
+        background: bool = True,
+    ) -> None:
+        import_wandb()  # fail at construction, with the install hint, not mid-setup
+        self.project = project
+        self.entity = entity
+        self.name = name
+        self.group = group
+        self.tags = tuple(tags)
+        self.notes = notes
+        self.mode: WandbMode | None = mode
+        self.directory = Path(directory)
+        self.run_id = run_id
+        self.log_config = log_config
+        self.background = background
+        self.run: Run | None = None
+        self.finished = False
+        self._worker: BackgroundWorker[Record] | None = None
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
+        tags = options.get("tags", [])
+        return cls(
+            project=_optional_str(options.get("project")),
+            entity=_optional_str(options.get("entity")),
+            name=_optional_str(options.get("name")),
+            group=_optional_str(options.get("group")),
+            tags=[str(tag) for tag in tags] if isinstance(tags, list) else (),
+            notes=_optional_str(options.get("notes")),
+            mode=_parse_mode(options.get("mode")),
+            directory=resolve_path(str(options.get("dir", ".")), context.output_dir),
+            run_id=_optional_str(options.get("id")),
+            log_config=bool(options.get("log_config", True)),
+            background=bool(options.get("background", True)),
+        )
+
+    # -- state --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, object]:
+        return {"run_id": self.run_id} if self.run_id is not None else {}
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        run_id = state.get("run_id")
+        if isinstance(run_id, str) and run_id:
+            self.run_id = run_id
+
+    # -- hooks --------------------------------------------------------------------------
+
+    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+        wandb = import_wandb()
+        directory = resolve_path(self.directory, trainer.output_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = None
+        if self.log_config and trainer.config is not None:
+            config = trainer.config.to_dict(redact_secrets=True)
+        run: Run = wandb.init(
+            project=self.project,
+            entity=self.entity,
+            name=self.name,
+            group=self.group,
+            tags=list(self.tags) or None,
+            notes=self.notes,
+            mode=self.mode,
+            dir=str(directory),
+            id=self.run_id,
+            resume="allow",
+            config=config,
+            # W&B's console capture wraps sys.stdout; the console/progress sinks own it.
+            settings=wandb.Settings(console="off"),
+        )
+        self.run = run
+        self.run_id = run.id
+        self.finished = False
+        if self.background:
+            self._worker = BackgroundWorker("speedtronic-wandb", self._log)
+
+    def _log(self, record: Record) -> None:
+        run = self.run
+        if run is None:
+            raise RuntimeError("the wandb sink received a record before setup")
+        run.log(
+            {key: value for key, value in record.items() if key != "step"}, step=int(record["step"])
+        )
+
+    def write_record(self, trainer: Trainer, record: Record) -> None:
+        if self._worker is not None:
+            self._worker.submit(record)
+        else:
+            self._log(record)
+
+    def on_fit_end(self, trainer: Trainer, ctx: FitEndContext) -> None:
+        if self._worker is not None:
+            self._worker.drain()
+        if self.run is not None and ctx.stop_reason is not None:
+            self.run.summary["stop_reason"] = ctx.stop_reason
+
+    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+        worker, self._worker = self._worker, None
+        run, self.run = self.run, None
+        try:
+            if worker is not None:
+                worker.close()
+        finally:
+            if run is not None:
+                run.finish(exit_code=0 if ctx.error is None else 1)
+                self.finished = True

@@ -1,0 +1,11 @@
+"""A deliberately wrong callback: mypy --strict must reject it (see tests)."""
+
+from __future__ import annotations
+
+from speedtronic import Callback, Trainer
+
+
+class WrongSignature(Callback):
+    # ``on_step_end`` takes (trainer, ctx: StepContext); an int is not a StepContext.
+    def on_step_end(self, trainer: Trainer, ctx: int) -> None:
+        print(ctx + 1)

@@ -1,0 +1,215 @@
+"""The ``speedtronic`` command: fit (alias train), validate, schema, plugins, plot.
+
+User mistakes (bad config, unknown plugin, missing file, unreadable checkpoint) print
+``speedtronic: error: ...`` and exit 2 -- never a traceback. A run that fails while
+training prints the error and exits 1 (``--traceback`` shows the full stack).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class UserError(Exception):
+    """A mistake the user can fix; printed without a traceback."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="speedtronic",
+        description="Event-driven PyTorch training with typed callbacks and DiLoCo.",
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    for name, help_text in (("fit", "train a model from a config file"), ("train", "alias of fit")):
+        fit = sub.add_parser(name, help=help_text)
+        _add_config_args(fit)
+        fit.add_argument("--max-steps", type=int, help="absolute step to stop at")
+        fit.add_argument("--output-dir", help="run directory (overrides run.output_dir)")
+        fit.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps")
+        fit.add_argument(
+            "--resume", action="store_true", help="continue from the latest checkpoint"
+        )
+        fit.add_argument("--traceback", action="store_true", help="show tracebacks of failures")
+
+    validate = sub.add_parser("validate", help="check a config; print it and the callback plan")
+    _add_config_args(validate)
+    validate.add_argument("--format", choices=("yaml", "json"), default="yaml")
+
+    schema = sub.add_parser("schema", help="print the composed JSON Schema of run.yaml")
+    schema.add_argument("--write", metavar="DIR", help="write the published schema files to DIR")
+
+    sub.add_parser("plugins", help="list models, datasets and callbacks, and where each comes from")
+
+    plot = sub.add_parser("plot", help="draw a PNG of a run from its metrics.jsonl")
+    plot.add_argument("output_dir", help="the run directory")
+    plot.add_argument("--out", help="PNG path (default <output_dir>/metrics.png)")
+    return parser
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="YAML or JSON config file")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set optimizer.lr=1e-3 (repeatable)",
+    )
+
+
+def _version() -> str:
+    from speedtronic import __version__
+
+    return f"speedtronic {__version__}"
+
+
+def _load(args: argparse.Namespace, extra: Sequence[str] = ()) -> object:
+    from speedtronic.config import load_config
+
+    path = Path(args.config)
+    if not path.is_file():
+        raise UserError(f"config file not found: {path}")
+    return load_config(path, overrides=[*args.overrides, *extra])
+
+
+def _fit(args: argparse.Namespace) -> int:
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.runtime import build_runtime, save_run_config
+
+    extra = [f"run.output_dir={json.dumps(args.output_dir)}"] if args.output_dir else []
+    config = _load(args, extra)
+    assert isinstance(config, SpeedtronicConfig)
+    if args.max_steps is not None and args.max_steps <= 0:
+        raise UserError(f"--max-steps must be positive, got {args.max_steps}")
+    trainer, _ = build_runtime(
+        config, resume=args.resume, device=args.device, max_steps=args.max_steps
+    )
+    save_run_config(config, trainer.output_dir)
+    result = trainer.fit()
+    loss = "None" if result.final_loss is None else f"{result.final_loss!r}"
+    print(
+        f"completed steps={result.steps} samples={result.samples} tokens={result.tokens} "
+        f"loss={loss}"
+    )
+    if result.stop_reason:
+        print(f"stopped early: {result.stop_reason}")
+    return EXIT_OK
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.dispatch import describe_classes, format_plan
+    from speedtronic.runtime import callback_classes
+
+    config = _load(args)
+    assert isinstance(config, SpeedtronicConfig)
+    if args.format == "json":
+        print(json.dumps(config.to_dict(redact_secrets=True), indent=2))
+    else:
+        print(config.to_yaml(redact_secrets=True), end="")
+    classes = callback_classes(config)
+    print("\n# callbacks: " + (", ".join(name for name, _ in classes) or "none"))
+    print("# per-event plan (callbacks run in this order):")
+    print("\n".join("# " + line for line in format_plan(describe_classes(classes)).splitlines()))
+    return EXIT_OK
+
+
+def _schema(args: argparse.Namespace) -> int:
+    from speedtronic.config import composed_schema, write_schemas
+
+    if args.write:
+        for path in write_schemas(Path(args.write)):
+            print(f"wrote {path}")
+    else:
+        print(json.dumps(composed_schema(), indent=2))
+    return EXIT_OK
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    from speedtronic.data import dataset_registry
+    from speedtronic.plugins import PluginRegistry, callback_registry
+    from speedtronic.registry import registry
+
+    registries: list[tuple[str, PluginRegistry[object]]] = [
+        ("models", registry),  # type: ignore[list-item]  # invariance: read-only use
+        ("datasets", dataset_registry),  # type: ignore[list-item]  # invariance: read-only use
+        ("callbacks", callback_registry),  # type: ignore[list-item]  # invariance: read-only use
+    ]
+    for title, reg in registries:
+        print(f"{title}:")
+        for name in reg.names():
+            print(f"  {name:<24} {reg.origin(name)}")
+    return EXIT_OK
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from speedtronic.plotting import plot_run
+
+    out = plot_run(Path(args.output_dir), Path(args.out) if args.out else None)
+    print(f"wrote {out}")
+    return EXIT_OK
+
+
+_COMMANDS = {
+    "fit": _fit,
+    "train": _fit,
+    "validate": _validate,
+    "schema": _schema,
+    "plugins": _plugins,
+    "plot": _plot,
+}
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    import yaml
+
+    from speedtronic.checkpoint import CheckpointError
+    from speedtronic.config import ConfigError
+    from speedtronic.plugins import PluginError
+    from speedtronic.trainer import TrainingStateError
+
+    return (
+        UserError,
+        ConfigError,
+        PluginError,
+        CheckpointError,
+        TrainingStateError,
+        FileNotFoundError,
+        yaml.YAMLError,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code."""
+    args = _parser().parse_args(argv)
+    # ``imports: [my_plugins]`` should find ./my_plugins.py as ``python -m`` would.
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    warnings.simplefilter("default")
+    try:
+        return _COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("speedtronic: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        if isinstance(exc, _user_error_types()):
+            print(f"speedtronic: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        if getattr(args, "traceback", False):
+            raise
+        print(f"speedtronic: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print("(run again with --traceback for the full stack)", file=sys.stderr)
+        return EXIT_FAILED

@@ -1,0 +1,451 @@
+"""Reading configuration sources, rewriting shorthands, and applying ``a.b=c`` overrides.
+
+Everything here works on plain mappings *before* validation. Rewriting never raises for a
+wrong type: it leaves the value where it is so the schema reports it with its path.
+Conflicting spellings of one setting (``muon_plus`` at the root and in ``optimizer``) are
+returned as errors, so they are reported together with everything else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from pathlib import Path
+
+import yaml
+
+from speedtronic.config.schema import ConfigError, format_path
+
+RawConfig = dict[str, object]
+"""A configuration as plain data, before validation."""
+
+RUN_ALIASES = ("name", "seed", "device", "output_dir", "max_steps", "log_every")
+"""Root keys that are shorthands for ``run.<key>``."""
+OPTIMIZER_ALIASES = ("muon_plus", "cautious")
+"""Root keys that are shorthands for ``optimizer.<key>``."""
+SECTION_ALIASES = ("hub", "diloco")
+"""Root sections that are accepted as ``distributed`` when that is absent."""
+REDACTED = "<redacted>"
+
+_SECTIONS = (
+    "run",
+    "model",
+    "data",
+    "optimizer",
+    "scheduler",
+    "precision",
+    "checkpoint",
+    "logging",
+    "distributed",
+    "shape_validation",
+)
+
+
+def _lower(value: str) -> str:
+    return value.strip().lower()
+
+
+def _upper(value: str) -> str:
+    return value.strip().upper()
+
+
+CASE_FOLDS: dict[tuple[str, str], Callable[[str], str]] = {
+    ("optimizer", "name"): _lower,
+    ("optimizer", "muon_plus_mode"): _lower,
+    ("optimizer", "muon_lr_scale"): _lower,
+    ("scheduler", "name"): _lower,
+    ("precision", "mode"): _lower,
+    ("precision", "dtype"): _lower,
+    ("data", "synthetic_kind"): _lower,
+    ("distributed", "mode"): _lower,
+    ("distributed", "role"): _lower,
+    ("distributed", "delta_upload_overflow"): _lower,
+    ("distributed", "node_id"): str.strip,
+    ("shape_validation", "alignment"): _lower,
+    ("logging", "level"): _upper,
+}
+"""Enumerated string settings are case- and whitespace-insensitive, as in the original."""
+
+
+# -- YAML -------------------------------------------------------------------------------
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that reads ``3e-4`` as a float (YAML 1.2; PyYAML's 1.1 resolver
+    makes it a string) and rejects duplicate keys instead of keeping the last one."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _construct_mapping(loader: _YamlLoader, node: yaml.MappingNode) -> dict[object, object]:
+    loader.flatten_mapping(node)
+    mapping: dict[object, object] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if not isinstance(key, Hashable):
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping",
+                node.start_mark,
+                "found an unhashable key",
+                key_node.start_mark,
+            )
+        if key in mapping:
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping",
+                node.start_mark,
+                f"found duplicate key {key!r}",
+                key_node.start_mark,
+            )
+        mapping[key] = loader.construct_object(value_node, deep=True)
+    return mapping
+
+
+_YamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def parse_yaml(text: str) -> object:
+    """Parse YAML (or JSON) text; ``ConfigError`` on syntax errors."""
+    try:
+        return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: data only
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML: {exc}") from None
+
+
+# -- sources ----------------------------------------------------------------------------
+
+
+def looks_like_text(source: str) -> bool:
+    """Whether a string source is configuration text rather than a file path."""
+    if "\n" in source or source.lstrip().startswith(("{", "[")):
+        return True
+    return ":" in source and not Path(source).exists()
+
+
+def _root_mapping(value: object, origin: str) -> RawConfig:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"<root>: configuration root must be a mapping, got {type(value).__name__}",
+            source=origin,
+        )
+    return plain_copy(value)
+
+
+def read_text(text: str) -> RawConfig:
+    """A configuration from YAML or JSON text; empty text is ``{}`` (all defaults)."""
+    return _root_mapping(parse_yaml(text), "<text>")
+
+
+def read_file(path: str | os.PathLike[str], *, yaml_only: bool = False) -> RawConfig:
+    """A configuration file: ``.yaml``/``.yml`` (or ``yaml_only``) as YAML, anything else
+    as JSON. A missing file raises ``FileNotFoundError``."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if yaml_only or path.suffix.lower() in (".yaml", ".yml"):
+        try:
+            parsed = parse_yaml(text)
+        except ConfigError as exc:
+            raise ConfigError(exc.errors, source=str(path)) from None
+    else:
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"invalid JSON: {exc}", source=str(path)) from None
+    return _root_mapping(parsed, str(path))
+
+
+def read_source(source: Mapping[str, object] | str | os.PathLike[str] | None) -> RawConfig:
+    """A mapping (copied), YAML/JSON text, or a YAML/JSON file path, as plain data."""
+    if source is None:
+        return {}
+    if isinstance(source, Mapping):
+        return _root_mapping(source, "<mapping>")
+    if isinstance(source, str) and looks_like_text(source):
+        return read_text(source)
+    if isinstance(source, (str, os.PathLike)):
+        return read_file(source)
+    raise ConfigError(
+        f"<root>: cannot load a configuration from {type(source).__name__}; give a mapping, "
+        "a YAML/JSON path or text, or a SpeedtronicConfig"
+    )
+
+
+def plain_copy(value: Mapping[str, object]) -> RawConfig:
+    """A deep copy as plain data: tuples become lists, paths become strings, typed config
+    objects become their ``to_dict()``. Other values are kept (and validated later)."""
+    copied = _plain(value)
+    assert isinstance(copied, dict)
+    return copied
+
+
+def _plain(value: object) -> object:
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict) and not isinstance(value, type):
+        value = to_dict()
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return value
+
+
+# -- shorthands -------------------------------------------------------------------------
+
+
+def normalise(raw: object) -> tuple[RawConfig, list[str]]:
+    """Rewrite shorthands into the canonical layout; returns the copy and conflict errors.
+
+    * root ``name``/``seed``/``device``/``output_dir``/``max_steps``/``log_every`` ->
+      ``run.*``; root ``muon_plus``/``cautious`` -> ``optimizer.*``;
+    * ``hub:``/``diloco:`` -> ``distributed:`` (when that is absent);
+    * ``optimizer: muon`` -> ``{name: muon}``; ``precision: bf16`` -> ``{mode: bf16}``;
+      a ``callbacks`` entry ``"name"`` -> ``{name: name}``; empty sections -> ``{}``;
+    * ``run.log_every`` fills ``logging.every_steps`` when that is absent;
+    * enumerated strings are case-folded; ``shape_validation.alignment: null`` -> ``auto``;
+      a ``"<redacted>"`` token (from a saved config) -> ``null``.
+
+    The same setting given twice with different values is a conflict error. Idempotent.
+    """
+    data = _root_mapping(raw, "<mapping>")
+    data.pop("$schema", None)
+    errors: list[str] = []
+    for section in (*_SECTIONS, "callbacks", "imports"):
+        if section in data and data[section] is None:
+            data[section] = [] if section in ("callbacks", "imports") else {}
+    _move_run_aliases(data, errors)
+    _move_section_aliases(data, errors)
+    _expand_optimizer(data, errors)
+    if isinstance(data.get("precision"), str):
+        data["precision"] = {"mode": data["precision"]}
+    callbacks = data.get("callbacks")
+    if isinstance(callbacks, list):
+        data["callbacks"] = [{"name": e} if isinstance(e, str) else e for e in callbacks]
+    _link_log_every(data, errors)
+    _fold_values(data)
+    return data, errors
+
+
+def _section(data: RawConfig, name: str) -> dict[str, object] | None:
+    """The mutable mapping of section ``name`` (created when absent), or ``None`` when the
+    section has a wrong type (the schema reports it)."""
+    section = data.setdefault(name, {})
+    return section if isinstance(section, dict) else None
+
+
+def _move_run_aliases(data: RawConfig, errors: list[str]) -> None:
+    present = [alias for alias in RUN_ALIASES if alias in data]
+    if not present:
+        return
+    run = _section(data, "run")
+    for alias in present:
+        value = data.pop(alias)
+        if run is None:
+            continue
+        if alias in run and run[alias] != value:
+            errors.append(f"{alias}: conflicts with run.{alias} ({value!r} vs {run[alias]!r})")
+        else:
+            run[alias] = value
+
+
+def _move_section_aliases(data: RawConfig, errors: list[str]) -> None:
+    for alias in SECTION_ALIASES:
+        if alias not in data:
+            continue
+        if "distributed" in data:
+            data.pop(alias)
+            errors.append(f"{alias}: alias of distributed, which is also given")
+        else:
+            value = data.pop(alias)
+            data["distributed"] = {} if value is None else value
+
+
+def _expand_optimizer(data: RawConfig, errors: list[str]) -> None:
+    if isinstance(data.get("optimizer"), str):
+        data["optimizer"] = {"name": data["optimizer"]}
+    present = [alias for alias in OPTIMIZER_ALIASES if alias in data]
+    if not present:
+        return
+    optimizer = _section(data, "optimizer")
+    for alias in present:
+        value = data.pop(alias)
+        if optimizer is None:
+            continue
+        if alias in optimizer and optimizer[alias] != value:
+            errors.append(
+                f"{alias}: conflicts with optimizer.{alias} ({value!r} vs {optimizer[alias]!r})"
+            )
+        else:
+            optimizer[alias] = value
+
+
+def _link_log_every(data: RawConfig, errors: list[str]) -> None:
+    run = data.get("run")
+    log_every = run.get("log_every") if isinstance(run, dict) else None
+    if not isinstance(log_every, int) or isinstance(log_every, bool):
+        return
+    logging = _section(data, "logging")
+    if logging is None:
+        return
+    every_steps = logging.setdefault("every_steps", log_every)
+    if every_steps != log_every:
+        errors.append(
+            f"run.log_every: conflicts with logging.every_steps ({log_every} vs {every_steps!r})"
+        )
+
+
+def _fold_values(data: RawConfig) -> None:
+    for (section_name, key), fold in CASE_FOLDS.items():
+        section = data.get(section_name)
+        if isinstance(section, dict) and isinstance(section.get(key), str):
+            section[key] = fold(section[key])
+    shapes = data.get("shape_validation")
+    if isinstance(shapes, dict) and "alignment" in shapes and shapes["alignment"] is None:
+        shapes["alignment"] = "auto"
+    distributed = data.get("distributed")
+    if isinstance(distributed, dict) and distributed.get("token") == REDACTED:
+        distributed["token"] = None  # a saved config never carries the real token
+
+
+# -- overrides --------------------------------------------------------------------------
+
+_PATH_TOKEN = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def parse_override(text: str) -> tuple[list[str | int], object]:
+    """``"optimizer.betas[1]=0.99"`` -> (``["optimizer", "betas", 1]``, ``0.99``).
+
+    The value is YAML, so ``true``, ``3e-4``, ``null`` and ``[a, b]`` get their types.
+    """
+    key, sep, value_text = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. optimizer.lr=0.001")
+    parts: list[str | int] = []
+    position = 0
+    for match in _PATH_TOKEN.finditer(key):
+        expected_dot = parts and match.group(1) is not None
+        gap = key[position : match.start()]
+        if gap != ("." if expected_dot else ""):
+            raise ConfigError(f"override {text!r}: malformed key {key!r}")
+        parts.append(match.group(1) if match.group(1) is not None else int(match.group(2)))
+        position = match.end()
+    if position != len(key) or not parts or isinstance(parts[0], int):
+        raise ConfigError(f"override {text!r}: malformed key {key!r}")
+    try:
+        value = parse_yaml(value_text)
+    except ConfigError as exc:
+        raise ConfigError(f"override {text!r}: {exc.errors[0]}") from None
+    return parts, value
+
+
+def apply_overrides(raw: Mapping[str, object] | None, overrides: Iterable[str] = ()) -> RawConfig:
+    """A copy of ``raw`` with each ``key.path=value`` override applied, in order.
+
+    Runs before validation, so overridden values are validated like any other. An
+    override replaces everything at its path, including shorthand spellings of it
+    (``max_steps=5`` and ``run.max_steps=5`` are the same override and both beat a root
+    ``max_steps:`` in the file). Lists are indexed as ``callbacks[0].every_steps=10``.
+    """
+    data = _root_mapping(raw, "<mapping>")
+    if isinstance(overrides, str):
+        overrides = [overrides]
+    for text in overrides:
+        parts, value = parse_override(text)
+        path = _canonical(parts)
+        _drop_shadowed_aliases(data, path)
+        _assign(data, path, value, text)
+        if path == ["run", "log_every"] and isinstance(value, int):
+            _assign(data, ["logging", "every_steps"], value, text)
+    return data
+
+
+def _canonical(parts: list[str | int]) -> list[str | int]:
+    head, rest = parts[0], parts[1:]
+    if head in RUN_ALIASES:
+        return ["run", head, *rest]
+    if head in OPTIMIZER_ALIASES:
+        return ["optimizer", head, *rest]
+    if head in SECTION_ALIASES:
+        return ["distributed", *rest]
+    return parts
+
+
+def _drop_shadowed_aliases(data: RawConfig, path: list[str | int]) -> None:
+    """Remove other spellings of the setting at ``path`` (or below it)."""
+    head = path[0]
+    key = path[1] if len(path) > 1 else None
+    if head == "run":
+        for alias in RUN_ALIASES if key is None else (key,):
+            if isinstance(alias, str) and alias in RUN_ALIASES:
+                data.pop(alias, None)
+    elif head == "optimizer":
+        for alias in OPTIMIZER_ALIASES if key is None else (key,):
+            if isinstance(alias, str) and alias in OPTIMIZER_ALIASES:
+                data.pop(alias, None)
+    elif head == "distributed" and "distributed" not in data:
+        for alias in SECTION_ALIASES:
+            if alias in data:
+                data["distributed"] = data.pop(alias)
+                break
+    elif head == "logging" and key in (None, "every_steps"):
+        data.pop("log_every", None)
+        run = data.get("run")
+        if isinstance(run, dict):
+            run.pop("log_every", None)
+
+
+def _expand_shorthand(path: list[str | int], value: object, next_part: str | int) -> object:
+    """The container form of a shorthand (or missing) value about to be descended into."""
+    if value is None:
+        return [] if isinstance(next_part, int) else {}
+    if path == ["optimizer"] and isinstance(value, str):
+        return {"name": value}
+    if path == ["precision"] and isinstance(value, str):
+        return {"mode": value}
+    if path == ["compile"] and isinstance(value, bool):
+        return {"enabled": value}
+    if len(path) == 2 and path[0] == "callbacks" and isinstance(value, str):
+        return {"name": value}
+    return value
+
+
+def _assign(data: RawConfig, path: list[str | int], value: object, text: str) -> None:
+    node: object = data
+    for depth, part in enumerate(path[:-1]):
+        here = path[: depth + 1]
+        next_part = path[depth + 1]
+        if isinstance(part, int):
+            assert isinstance(node, list)
+            child = node[part] = _expand_shorthand(here, node[part], next_part)
+        else:
+            assert isinstance(node, dict)
+            child = node[part] = _expand_shorthand(here, node.get(part), next_part)
+        wanted = list if isinstance(next_part, int) else dict
+        if not isinstance(child, wanted):
+            kind = "a list" if wanted is list else "a mapping"
+            raise ConfigError(
+                f"override {text!r}: {format_path(here)} is {type(child).__name__}, not {kind}"
+            )
+        if isinstance(next_part, int) and not 0 <= next_part < len(child):
+            raise ConfigError(
+                f"override {text!r}: index {next_part} is out of range for "
+                f"{format_path(here)} ({len(child)} items)"
+            )
+        node = child
+    last = path[-1]
+    if isinstance(last, int):
+        assert isinstance(node, list)
+        node[last] = value
+    else:
+        assert isinstance(node, dict)
+        node[last] = value

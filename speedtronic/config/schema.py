@@ -1,0 +1,535 @@
+"""The run.yaml JSON Schema: loading, composition with plugin schemas, validation, publishing.
+
+The core schema is a JSON document shipped inside the package
+(``speedtronic/schemas/run.schema.json``) and read through ``importlib.resources``, so an
+installed wheel validates without the repository checkout. Each ``callbacks:`` entry is
+checked by its plugin's own options schema, composed into the core schema as
+``if name == X then <X's schema>`` so that one ``jsonschema`` pass reports every error.
+
+``config_errors`` is the single validation entry point: imports, plugin lookup, schema and
+cross-field rules, every problem as one ``"<path>: <message>"`` string.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import functools
+import json
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from importlib import metadata, resources
+from pathlib import Path
+from urllib.parse import quote
+
+from jsonschema import Draft202012Validator, ValidationError
+from jsonschema.exceptions import SchemaError
+
+from speedtronic import plugins
+
+SchemaDict = dict[str, object]
+"""A JSON Schema document as a plain (JSON-compatible) dict."""
+
+CORE_SCHEMA_FILE = "run.schema.json"
+CALLBACK_SCHEMA_DIR = "callbacks"
+CORE_SCHEMA_ID = "urn:speedtronic:schemas:run"
+DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+SECTIONS = (
+    "run",
+    "model",
+    "data",
+    "optimizer",
+    "scheduler",
+    "precision",
+    "checkpoint",
+    "logging",
+    "distributed",
+    "shape_validation",
+)
+
+_PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle")
+
+
+class ConfigError(ValueError):
+    """Invalid configuration. ``errors`` lists every problem, each starting with its path
+    (``optimizer.lr: -1 is less than or equal to the minimum of 0``)."""
+
+    def __init__(self, errors: str | Sequence[str], *, source: str | None = None) -> None:
+        self.errors: list[str] = [errors] if isinstance(errors, str) else list(errors)
+        self.source = source
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = f" in {self.source}" if self.source else ""
+        if len(self.errors) == 1:
+            return f"invalid configuration{where}: {self.errors[0]}"
+        lines = "\n".join(f"  - {error}" for error in self.errors)
+        return f"{len(self.errors)} configuration errors{where}:\n{lines}"
+
+    def __str__(self) -> str:
+        return self._render()
+
+
+# -- paths ------------------------------------------------------------------------------
+
+
+def format_path(parts: Iterable[str | int]) -> str:
+    """``["callbacks", 0, "every_steps"]`` -> ``callbacks[0].every_steps``."""
+    text = ""
+    for part in parts:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+    return text or "<root>"
+
+
+# -- the core schema --------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _core_text() -> str:
+    resource = resources.files("speedtronic").joinpath("schemas", CORE_SCHEMA_FILE)
+    return resource.read_text(encoding="utf-8")
+
+
+@functools.lru_cache(maxsize=1)
+def _core() -> SchemaDict:
+    """The parsed core schema, shared: never mutate it (``core_schema`` returns a copy)."""
+    loaded: SchemaDict = json.loads(_core_text())
+    return loaded
+
+
+def core_schema() -> SchemaDict:
+    """A fresh copy of the packaged core schema (every section, no plugin schemas)."""
+    return copy.deepcopy(_core())
+
+
+def _mapping(value: object) -> Mapping[str, object]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def section_schema(schema: Mapping[str, object], section: str) -> Mapping[str, object]:
+    """The ``properties`` of one section of ``schema`` (``{}`` when absent)."""
+    root = _mapping(schema.get("properties"))
+    return _mapping(_mapping(root.get(section)).get("properties"))
+
+
+@functools.cache
+def _defaults(section: str) -> Mapping[str, object]:
+    props = section_schema(_core(), section)
+    return {key: _mapping(spec).get("default") for key, spec in props.items()}
+
+
+def schema_defaults(section: str) -> dict[str, object]:
+    """The documented default of every key of ``section`` in the core schema."""
+    return copy.deepcopy(dict(_defaults(section)))
+
+
+# -- composition with plugin schemas ----------------------------------------------------
+
+
+def callback_schema_id(name: str) -> str:
+    """The ``$id`` a callback plugin's options schema gets once composed or published."""
+    return f"urn:speedtronic:schemas:callbacks:{quote(name, safe='')}"
+
+
+def callback_entry_schema(name: str, options_schema: Mapping[str, object]) -> SchemaDict:
+    """A plugin's options schema turned into the schema of a whole ``callbacks:`` entry.
+
+    The entry also holds ``name``, so it is added as a property (a plugin schema that
+    forbids additional properties would otherwise reject it). An ``$id`` makes the schema
+    its own resource, so its internal ``#/$defs/...`` references keep working when it is
+    embedded in the run schema.
+    """
+    entry: SchemaDict = json.loads(json.dumps(options_schema))
+    entry.pop("$schema", None)
+    entry.setdefault("$id", callback_schema_id(name))
+    properties = dict(_mapping(entry.get("properties")))
+    properties["name"] = {"const": name, "description": "Callback plugin name."}
+    entry["properties"] = properties
+    return entry
+
+
+def _compose(plugin_schemas: Mapping[str, Mapping[str, object]]) -> SchemaDict:
+    schema = core_schema()
+    if not plugin_schemas:
+        return schema
+    callbacks = _mapping(_mapping(schema["properties"]).get("callbacks"))
+    items = callbacks.get("items")
+    assert isinstance(items, dict), "core schema: callbacks.items must be an object"
+    items["allOf"] = [
+        {
+            "if": {"properties": {"name": {"const": name}}, "required": ["name"]},
+            "then": callback_entry_schema(name, plugin_schemas[name]),
+        }
+        for name in sorted(plugin_schemas)
+    ]
+    return schema
+
+
+def composed_schema(plugin_names: Iterable[str] | None = None) -> SchemaDict:
+    """The core schema plus the options schema of each named callback plugin (default:
+    every plugin the registry knows, registered or declared by an entry point)."""
+    names = plugins.callback_registry.names() if plugin_names is None else tuple(plugin_names)
+    return _compose({name: plugins.callback_options_schema(name) for name in names})
+
+
+@functools.lru_cache(maxsize=1)
+def _core_validator() -> Draft202012Validator:
+    return Draft202012Validator(_core())
+
+
+def _validator(plugin_schemas: Mapping[str, Mapping[str, object]]) -> Draft202012Validator:
+    if not plugin_schemas:
+        return _core_validator()
+    return Draft202012Validator(_compose(plugin_schemas))
+
+
+# -- published schema files -------------------------------------------------------------
+
+
+def builtin_callback_names() -> tuple[str, ...]:
+    """Callback plugins that speedtronic itself declares as entry points (the ones whose
+    schemas are published in the repository's ``schemas/`` folder)."""
+    names = {
+        entry.name
+        for entry in metadata.entry_points(group=plugins.CALLBACK_GROUP)
+        if entry.dist is not None and entry.dist.name == "speedtronic"
+    }
+    return tuple(sorted(names))
+
+
+def _dump(schema: Mapping[str, object]) -> str:
+    return json.dumps(schema, indent=2, ensure_ascii=False) + "\n"
+
+
+def rendered_schemas(plugin_names: Iterable[str] | None = None) -> dict[str, str]:
+    """Relative path -> file text of every published schema document."""
+    names = builtin_callback_names() if plugin_names is None else tuple(sorted(plugin_names))
+    option_schemas = {name: plugins.callback_options_schema(name) for name in names}
+    files = {CORE_SCHEMA_FILE: _dump(_compose(option_schemas))}
+    for name, options in option_schemas.items():
+        document: SchemaDict = {
+            "$schema": DIALECT,
+            "$id": callback_schema_id(name),
+            "title": f"speedtronic callback {name!r} options",
+        }
+        plugin_document: SchemaDict = json.loads(json.dumps(options))
+        plugin_document.pop("$schema", None)
+        document.update(plugin_document)
+        files[f"{CALLBACK_SCHEMA_DIR}/{name}.schema.json"] = _dump(document)
+    return files
+
+
+def write_schemas(directory: Path, plugin_names: Iterable[str] | None = None) -> list[Path]:
+    """Write ``run.schema.json`` (core + plugin schemas) and ``callbacks/<name>.schema.json``
+    per plugin into ``directory``; stale ``callbacks/*.schema.json`` files are removed so the
+    folder mirrors the code. ``plugin_names`` defaults to speedtronic's own callback plugins
+    (pass ``callback_registry.names()`` to include every installed and registered one)."""
+    directory = Path(directory)
+    files = rendered_schemas(plugin_names)
+    written: list[Path] = []
+    for relative, text in files.items():
+        path = directory / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        written.append(path)
+    callback_dir = directory / CALLBACK_SCHEMA_DIR
+    if callback_dir.is_dir():
+        for stale in callback_dir.glob("*.schema.json"):
+            if f"{CALLBACK_SCHEMA_DIR}/{stale.name}" not in files:
+                stale.unlink()
+    return written
+
+
+# -- validation -------------------------------------------------------------------------
+
+
+def config_errors(data: Mapping[str, object]) -> list[str]:
+    """Every problem of a normalised configuration mapping (see ``loading.normalise``).
+
+    Order: ``imports`` first (they may register the plugins that follow), then plugin
+    names, then the composed-schema pass, non-finite or non-JSON values, and the
+    cross-field rules. Nothing is imported except the listed ``imports``.
+    """
+    errors = _import_errors(data.get("imports"))
+    plugin_schemas, plugin_errors = _referenced_plugin_schemas(data.get("callbacks"))
+    errors.extend(plugin_errors)
+    schema_errors = _schema_errors(_validator(plugin_schemas), data)
+    errors.extend(message for _, message in schema_errors)
+    reported = {path for path, _ in schema_errors}
+    errors.extend(
+        message
+        for path, message in _value_errors(data)
+        if not any(path == seen or path.startswith(seen + ".") for seen in reported)
+    )
+    errors.extend(cross_field_errors(data))
+    return errors
+
+
+def _import_errors(imports: object) -> list[str]:
+    if not isinstance(imports, list):
+        return []  # a wrong type is reported by the schema
+    errors: list[str] = []
+    for index, module in enumerate(imports):
+        if not isinstance(module, str) or not module:
+            continue
+        try:
+            plugins.import_modules([module])
+        except plugins.PluginError as exc:
+            reason = exc.__cause__ if exc.__cause__ is not None else exc
+            errors.append(f"imports[{index}]: cannot import {module!r}: {reason}")
+    return errors
+
+
+def _referenced_plugin_schemas(
+    callbacks: object,
+) -> tuple[dict[str, Mapping[str, object]], list[str]]:
+    """Options schemas of the plugins named in ``callbacks:`` plus errors for unknown
+    names and broken plugin schemas (each reported at ``callbacks[i].name``)."""
+    if not isinstance(callbacks, list):
+        return {}, []
+    found: dict[str, Mapping[str, object]] = {}
+    errors: list[str] = []
+    for index, entry in enumerate(callbacks):
+        name = entry.get("name") if isinstance(entry, Mapping) else None
+        if not isinstance(name, str) or not name or name in found:
+            continue  # missing or ill-typed names are reported by the schema
+        try:
+            options_schema = plugins.callback_options_schema(name)
+        except plugins.PluginError as exc:
+            errors.append(f"callbacks[{index}].name: {exc}")
+            continue
+        problem = _plugin_schema_problem(name, options_schema)
+        if problem is not None:
+            errors.append(f"callbacks[{index}].name: {problem}")
+            continue
+        found[name] = options_schema
+    return found, errors
+
+
+def _plugin_schema_problem(name: str, options_schema: object) -> str | None:
+    if not isinstance(options_schema, Mapping):
+        return f"callback {name!r} has an options schema that is not a mapping"
+    try:
+        Draft202012Validator.check_schema(callback_entry_schema(name, options_schema))
+    except SchemaError as exc:
+        return f"callback {name!r} has an invalid options schema: {exc.message}"
+    except (TypeError, ValueError) as exc:  # not JSON-serialisable
+        return f"callback {name!r} has an invalid options schema: {exc}"
+    return None
+
+
+def _schema_errors(validator: Draft202012Validator, data: object) -> list[tuple[str, str]]:
+    """(path, message) for every schema violation, sorted by path."""
+    found: list[tuple[str, str]] = []
+    for error in validator.iter_errors(data):
+        found.extend(_describe(error))
+    return sorted(set(found), key=lambda item: item[0])
+
+
+def _describe(error: ValidationError) -> Iterator[tuple[str, str]]:
+    parts = list(error.absolute_path)
+    if error.validator == "additionalProperties" and isinstance(error.instance, Mapping):
+        allowed = tuple(_mapping(_mapping(error.schema).get("properties")))
+        for key in error.instance:
+            if key not in allowed:
+                path = format_path([*parts, key]) if isinstance(key, str) else format_path(parts)
+                yield path, f"{path}: unknown key{_suggestion(key, allowed, parts)}"
+        return
+    path = format_path(parts)
+    yield path, f"{path}: {error.message}"
+
+
+def _suggestion(key: object, allowed: Sequence[str], parts: Sequence[str | int]) -> str:
+    if not isinstance(key, str):
+        return f" {key!r} (keys must be strings)"
+    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.75)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    if not parts:  # a section key written at the root: point at its section
+        homes = [section for section in SECTIONS if key in section_schema(_core(), section)]
+        if homes:
+            return f" (did you mean {homes[0]}.{key}?)"
+    return ""
+
+
+def _value_errors(data: object, parts: tuple[str | int, ...] = ()) -> Iterator[tuple[str, str]]:
+    """Non-finite numbers anywhere and non-JSON values in free-form option mappings
+    (``data.dataset_options`` and callback options), which the schema cannot see."""
+    free_form = _is_free_form(parts)
+    if isinstance(data, float) and not math.isfinite(data):
+        path = format_path(parts)
+        yield path, f"{path}: {data!r} is not a finite number"
+    elif isinstance(data, Mapping):
+        for key, value in data.items():
+            if free_form and not isinstance(key, str):
+                path = format_path(parts)
+                yield path, f"{path}: key {key!r} is not a string"
+                continue
+            yield from _value_errors(value, (*parts, str(key)))
+    elif isinstance(data, list):
+        for index, value in enumerate(data):
+            yield from _value_errors(value, (*parts, index))
+    elif free_form and not isinstance(data, (str, int, float, bool, type(None))):
+        path = format_path(parts)
+        yield path, f"{path}: {type(data).__name__} is not a JSON value"
+
+
+def _is_free_form(parts: tuple[str | int, ...]) -> bool:
+    if parts[:2] == ("data", "dataset_options"):
+        return True
+    return len(parts) >= 2 and parts[0] == "callbacks"
+
+
+# -- cross-field rules ------------------------------------------------------------------
+
+
+class _Values:
+    """Typed access to a (possibly ill-typed) normalised config with schema defaults.
+
+    Each getter returns ``None`` when the value is absent-with-null-default or has the wrong
+    type: the schema already reports wrong types, so a rule simply does not run on them.
+    """
+
+    def __init__(self, data: Mapping[str, object]) -> None:
+        self._data = data
+
+    def get(self, section: str, key: str) -> object:
+        values = self._data.get(section, {})
+        if not isinstance(values, Mapping):
+            return None
+        if key in values:
+            return values[key]
+        return _defaults(section).get(key)  # read-only use: no copy needed
+
+    def integer(self, section: str, key: str) -> int | None:
+        value = self.get(section, key)
+        if isinstance(value, bool):
+            return None
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value if isinstance(value, int) else None
+
+    def positive_int(self, section: str, key: str) -> int | None:
+        value = self.integer(section, key)
+        return value if value is not None and value > 0 else None
+
+    def number(self, section: str, key: str) -> float | None:
+        value = self.get(section, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return None
+        return float(value)
+
+    def text(self, section: str, key: str) -> str | None:
+        value = self.get(section, key)
+        return value if isinstance(value, str) else None
+
+    def flag(self, section: str, key: str) -> bool:
+        return self.get(section, key) is True
+
+
+def cross_field_errors(data: Mapping[str, object]) -> list[str]:
+    """Rules that relate several keys (or need more than a JSON Schema keyword)."""
+    values = _Values(data)
+    errors: list[str] = []
+    for rule in (_batch_rules, _model_rules, _optimizer_rules, _data_rules, _distributed_rules):
+        errors.extend(rule(values))
+    return errors
+
+
+def _batch_rules(values: _Values) -> Iterator[str]:
+    micro = values.positive_int("data", "micro_batch_size")
+    target = values.positive_int("data", "target_batch_size")
+    if micro is None or target is None:
+        return
+    if target < micro:
+        yield f"data.target_batch_size: {target} is less than data.micro_batch_size ({micro})"
+    elif target % micro:
+        yield (
+            f"data.target_batch_size: {target} is not divisible by data.micro_batch_size ({micro})"
+        )
+
+
+def _model_rules(values: _Values) -> Iterator[str]:
+    n_head = values.positive_int("model", "n_head")
+    if n_head is None:
+        return
+    explicit_kv = values.get("model", "n_kv_head") is not None
+    n_kv_head = values.positive_int("model", "n_kv_head") if explicit_kv else n_head
+    if n_kv_head is not None and n_head % n_kv_head:
+        yield f"model.n_head: {n_head} is not divisible by model.n_kv_head ({n_kv_head})"
+    d_model = values.positive_int("model", "d_model")
+    if d_model is not None and d_model % n_head:
+        yield f"model.d_model: {d_model} is not divisible by model.n_head ({n_head})"
+
+
+def _optimizer_rules(values: _Values) -> Iterator[str]:
+    name = values.text("optimizer", "name")
+    if values.flag("optimizer", "muon_plus") and name is not None and name != "muon":
+        yield f"optimizer.muon_plus: requires optimizer.name 'muon' (got {name!r})"
+    routing = values.get("optimizer", "routing")
+    for index, rule in enumerate(routing if isinstance(routing, list) else []):
+        if not isinstance(rule, Mapping) or rule.get("to") != "muon":
+            continue
+        ndim = rule.get("ndim")
+        if isinstance(ndim, int) and not isinstance(ndim, bool) and ndim != 2:
+            yield (
+                f"optimizer.routing[{index}].ndim: Muon updates matrices only, "
+                f"a rule sending ndim {ndim} to 'muon' can never apply"
+            )
+
+
+def _data_rules(values: _Values) -> Iterator[str]:
+    dataset = values.text("data", "dataset")
+    if dataset is not None and dataset.lower().endswith(_PICKLE_SUFFIXES):
+        yield (
+            f"data.dataset: {dataset!r} looks like a pickled dataset file; name a registered "
+            "dataset instead (pickle files are never loaded)"
+        )
+
+
+def _distributed_rules(values: _Values) -> Iterator[str]:
+    initial = values.number("distributed", "retry_initial")
+    maximum = values.number("distributed", "retry_max")
+    if initial is not None and maximum is not None and maximum < initial:
+        yield (
+            f"distributed.retry_max: {maximum:g} is less than "
+            f"distributed.retry_initial ({initial:g})"
+        )
+    yield from _node_rules(values)
+    if not values.flag("distributed", "enabled"):
+        return
+    mode = values.text("distributed", "mode")
+    if mode is not None and mode != "dumb_diloco":
+        yield (
+            "distributed.mode: must be 'dumb_diloco' when distributed.enabled is true "
+            f"(got {mode!r})"
+        )
+    repo_id = values.get("distributed", "repo_id")
+    hub_dir = values.get("distributed", "hub_dir")
+    if repo_id is None and hub_dir is None:
+        yield (
+            "distributed.repo_id: required when distributed.enabled is true "
+            "(or set distributed.hub_dir for a shared-directory hub)"
+        )
+    elif repo_id is not None and hub_dir is not None:
+        yield "distributed.hub_dir: set distributed.repo_id or distributed.hub_dir, not both"
+
+
+def _node_rules(values: _Values) -> Iterator[str]:
+    node_id = values.text("distributed", "node_id")
+    if node_id is not None:
+        stripped = node_id.strip()
+        if not stripped:
+            yield "distributed.node_id: must not be blank"
+        elif stripped in (".", ".."):
+            yield f"distributed.node_id: {node_id!r} is not a valid node id"
+        elif "/" in stripped or "\\" in stripped:
+            yield f"distributed.node_id: {node_id!r} must not contain '/' or '\\'"
+    collaborators = values.get("distributed", "collaborators")
+    for index, name in enumerate(collaborators if isinstance(collaborators, list) else []):
+        if isinstance(name, str) and name and not name.strip():
+            yield f"distributed.collaborators[{index}]: must not be blank"

@@ -1,0 +1,306 @@
+"""``build_dataloader`` and the dataset registry.
+
+Source order (first match wins):
+
+1. the ``dataset=`` argument;
+2. ``data.text_path`` -> ``TextFileTokenDataset``;
+3. ``data.dataset``: a live ``Dataset`` object (programmatic use), or the name of a dataset
+   registered with ``register_dataset`` / the ``speedtronic.datasets`` entry-point group.
+   A file path is refused: loading a pickled dataset would run arbitrary code;
+4. ``data.synthetic: true`` -> ``SyntheticTokenDataset`` (``synthetic_kind: uniform``) or
+   ``LearnableLanguageDataset`` (``learnable``), with ``data.num_tokens`` samples;
+5. otherwise a ``DataSourceError``.
+
+Map-style datasets get a ``ResumableSampler`` seeded with ``data.seed``, so the shuffled
+order is reproducible and a resumed run continues at the exact sample. The loader also gets
+its own ``torch.Generator``, so starting an epoch never touches the global RNG.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sized
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from speedtronic.data.collate import collate_batch
+from speedtronic.data.stream import ResumableSampler
+from speedtronic.data.synthetic import LearnableLanguageDataset, SyntheticTokenDataset
+from speedtronic.data.text import DataSourceError, TextFileTokenDataset, Tokenizer
+from speedtronic.plugins import DATASET_GROUP, PluginRegistry
+
+__all__ = [
+    "DEFAULT_DATA_SEED",
+    "DataSettings",
+    "DatasetFactory",
+    "DatasetRequest",
+    "SYNTHETIC_KINDS",
+    "build_dataloader",
+    "dataset_registry",
+    "register_dataset",
+    "resolve_dataset",
+]
+
+DEFAULT_DATA_SEED = 1234
+"""Seed used when ``data.seed`` is None (the config normally fills it from ``run.seed``)."""
+
+SYNTHETIC_KINDS = ("uniform", "learnable")
+
+_PICKLE_SUFFIXES = frozenset({".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt"})
+
+
+class DataSettings(Protocol):
+    """The ``data`` config attributes ``build_dataloader`` reads (read-only)."""
+
+    @property
+    def text_path(self) -> str | None: ...
+    @property
+    def dataset(self) -> object:
+        """A registered dataset name (str), a live ``Dataset`` object, or None."""
+
+    @property
+    def dataset_options(self) -> Mapping[str, object]:
+        """Options handed to a named dataset's factory (``DatasetRequest.options``)."""
+
+    @property
+    def synthetic(self) -> bool: ...
+    @property
+    def synthetic_kind(self) -> str: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def vocab_size(self) -> int | None: ...
+    @property
+    def block_size(self) -> int | None: ...
+    @property
+    def micro_batch_size(self) -> int: ...
+    @property
+    def num_workers(self) -> int: ...
+    @property
+    def prefetch_factor(self) -> int | None: ...
+    @property
+    def pin_memory(self) -> bool | None: ...
+    @property
+    def shuffle(self) -> bool: ...
+    @property
+    def drop_last(self) -> bool: ...
+    @property
+    def seed(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class DatasetRequest:
+    """What a dataset factory is asked for. ``options`` are the factory's own settings
+    (``data.dataset_options`` in config)."""
+
+    block_size: int
+    vocab_size: int | None
+    seed: int
+    num_samples: int
+    options: Mapping[str, object] = field(default_factory=dict)
+
+
+DatasetFactory = Callable[[DatasetRequest], Dataset[object]]
+"""Builds a map-style or iterable dataset for a request."""
+
+dataset_registry: PluginRegistry[DatasetFactory] = PluginRegistry("dataset", DATASET_GROUP)
+"""Datasets by the name used in ``data.dataset``."""
+
+
+def register_dataset(name: str) -> Callable[[DatasetFactory], DatasetFactory]:
+    """Decorator: make ``factory(request) -> Dataset`` usable as ``data.dataset: <name>``."""
+    return dataset_registry.register(name)
+
+
+def _options(request: DatasetRequest, allowed: frozenset[str], dataset: str) -> None:
+    unknown = sorted(set(request.options) - allowed)
+    if unknown:
+        known = ", ".join(sorted(allowed)) or "none"
+        raise DataSourceError(f"dataset {dataset!r}: unknown option(s) {unknown} (known: {known})")
+
+
+def _required_vocab(request: DatasetRequest, dataset: str) -> int:
+    if request.vocab_size is None:
+        raise DataSourceError(f"dataset {dataset!r} needs a vocab_size (data.vocab_size)")
+    return request.vocab_size
+
+
+@register_dataset("synthetic")
+def _synthetic(request: DatasetRequest) -> Dataset[object]:
+    """Uniform random tokens (``SyntheticTokenDataset``); no options."""
+    _options(request, frozenset(), "synthetic")
+    return SyntheticTokenDataset(
+        num_samples=request.num_samples,
+        block_size=request.block_size,
+        vocab_size=_required_vocab(request, "synthetic"),
+        seed=request.seed,
+    )
+
+
+@register_dataset("learnable")
+def _learnable(request: DatasetRequest) -> Dataset[object]:
+    """The Markov language (``LearnableLanguageDataset``); options ``branching``,
+    ``concentration``."""
+    _options(request, frozenset({"branching", "concentration"}), "learnable")
+    branching = request.options.get("branching")
+    concentration = request.options.get("concentration", 1.0)
+    if branching is not None and not isinstance(branching, int):
+        raise DataSourceError(f"dataset 'learnable': branching must be an int, got {branching!r}")
+    if not isinstance(concentration, (int, float)):
+        raise DataSourceError(
+            f"dataset 'learnable': concentration must be a number, got {concentration!r}"
+        )
+    return LearnableLanguageDataset(
+        num_samples=request.num_samples,
+        block_size=request.block_size,
+        vocab_size=_required_vocab(request, "learnable"),
+        seed=request.seed,
+        branching=branching,
+        concentration=float(concentration),
+    )
+
+
+@register_dataset("text")
+def _text(request: DatasetRequest) -> Dataset[object]:
+    """A UTF-8 file through the byte tokenizer; option ``path`` (required)."""
+    _options(request, frozenset({"path"}), "text")
+    path = request.options.get("path")
+    if not isinstance(path, (str, Path)):
+        raise DataSourceError("dataset 'text' needs options.path, the UTF-8 file to read")
+    vocab = 256 if request.vocab_size is None else request.vocab_size
+    return TextFileTokenDataset(path, request.block_size, vocab_size=vocab)
+
+
+def _block_size(config: DataSettings) -> int:
+    if config.block_size is None:
+        raise DataSourceError("data.block_size is not set (it defaults to model.max_seq_len)")
+    return config.block_size
+
+
+def _looks_like_file(name: str) -> bool:
+    path = Path(name)
+    return path.suffix.lower() in _PICKLE_SUFFIXES or "/" in name or "\\" in name or path.exists()
+
+
+def _named_dataset(name: str, request: DatasetRequest) -> Dataset[object]:
+    if name in dataset_registry:
+        built = dataset_registry.get(name)(request)
+        if not isinstance(built, Dataset):
+            raise TypeError(
+                f"dataset factory {name!r} returned {type(built).__name__}, not a torch Dataset"
+            )
+        return built
+    if _looks_like_file(name):
+        raise DataSourceError(
+            f"data.dataset: {name!r} looks like a file; loading pickled dataset files is "
+            "refused because unpickling runs arbitrary code. Register a dataset factory with "
+            "speedtronic.data.register_dataset and give its name here, or use data.text_path"
+        )
+    known = ", ".join(dataset_registry.names()) or "none"
+    raise DataSourceError(f"data.dataset: unknown dataset {name!r} (known: {known})")
+
+
+def _dataset_options(config: DataSettings) -> Mapping[str, object]:
+    options = config.dataset_options
+    if not isinstance(options, Mapping):
+        raise DataSourceError(f"data.dataset_options must be a mapping, got {options!r}")
+    return options
+
+
+def resolve_dataset(
+    config: DataSettings,
+    *,
+    tokenizer: Tokenizer | None = None,
+    vocab_size: int | None = None,
+) -> Dataset[object]:
+    """The dataset ``config`` selects (source order in the module docstring)."""
+    vocab = vocab_size if vocab_size is not None else config.vocab_size
+    seed = config.seed if config.seed is not None else DEFAULT_DATA_SEED
+    if config.text_path:
+        text_vocab = 256 if vocab is None else vocab
+        return TextFileTokenDataset(config.text_path, _block_size(config), tokenizer, text_vocab)
+    named = config.dataset
+    if isinstance(named, Dataset):
+        return named
+    if isinstance(named, str):
+        request = DatasetRequest(
+            block_size=_block_size(config),
+            vocab_size=vocab,
+            seed=seed,
+            num_samples=config.num_tokens,
+            options=_dataset_options(config),
+        )
+        return _named_dataset(named, request)
+    if named is not None:
+        raise DataSourceError(
+            f"data.dataset must be a dataset name or a Dataset, got {type(named).__name__}"
+        )
+    if config.synthetic:
+        kind = config.synthetic_kind
+        if kind not in SYNTHETIC_KINDS:
+            raise DataSourceError(
+                f"data.synthetic_kind must be one of {list(SYNTHETIC_KINDS)}, got {kind!r}"
+            )
+        if vocab is None:
+            raise DataSourceError("synthetic data needs a vocab size (data.vocab_size)")
+        dataset_type = SyntheticTokenDataset if kind == "uniform" else LearnableLanguageDataset
+        return dataset_type(
+            num_samples=config.num_tokens,
+            block_size=_block_size(config),
+            vocab_size=vocab,
+            seed=seed,
+        )
+    raise DataSourceError(
+        "no data source: set data.text_path, data.dataset, or data.synthetic: true"
+    )
+
+
+def build_dataloader(
+    config: DataSettings,
+    *,
+    dataset: Dataset[object] | None = None,
+    tokenizer: Tokenizer | None = None,
+    pin_memory_device: bool = False,
+    vocab_size: int | None = None,
+) -> DataLoader[object]:
+    """The training ``DataLoader`` for the ``data`` config section (module docstring).
+
+    ``vocab_size`` overrides ``data.vocab_size`` (the runtime passes the model's);
+    ``pin_memory_device`` is the pin_memory default when ``data.pin_memory`` is None.
+    """
+    source = (
+        dataset
+        if dataset is not None
+        else resolve_dataset(config, tokenizer=tokenizer, vocab_size=vocab_size)
+    )
+    seed = config.seed if config.seed is not None else DEFAULT_DATA_SEED
+    workers = config.num_workers
+    sampler: ResumableSampler | None = None
+    if isinstance(source, IterableDataset):
+        if config.shuffle:
+            warnings.warn(
+                "data.shuffle is ignored for an iterable dataset (it streams in file order)",
+                stacklevel=2,
+            )
+    elif isinstance(source, Sized):
+        sampler = ResumableSampler(len(source), shuffle=config.shuffle, seed=seed)
+    else:
+        raise TypeError(
+            f"map-style dataset {type(source).__name__} needs __len__ (for its sampler)"
+        )
+    return DataLoader(
+        source,
+        batch_size=config.micro_batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        collate_fn=collate_batch,
+        pin_memory=config.pin_memory if config.pin_memory is not None else pin_memory_device,
+        drop_last=config.drop_last,
+        generator=torch.Generator().manual_seed(seed & ((1 << 64) - 1)),
+        prefetch_factor=(config.prefetch_factor or 2) if workers > 0 else None,
+        persistent_workers=workers > 0,
+    )

@@ -1,0 +1,293 @@
+"""Endless, resumable batch streams: ``ResumableSampler``, ``BatchStream``, ``infinite_batches``.
+
+The trainer pulls every batch from a ``BatchStream``. Its position -- ``(epoch,
+batches_in_epoch)`` -- is part of the training state, and restoring it makes the next batch
+exactly the one an uninterrupted run would have received:
+
+* a ``DataLoader`` whose sampler is a ``ResumableSampler`` (what ``build_dataloader`` makes
+  for map-style data) restarts the epoch's permutation at the first unread sample, so the
+  skipped samples are never loaded;
+* anything else (iterable datasets such as the text stream, lists, other loaders) is
+  re-iterated for that epoch and the already-seen batches are read and dropped.
+
+Exactness needs a source whose epoch ``e`` is the same every time it is iterated: a
+``ResumableSampler``, a fixed order, or randomness seeded per epoch. A ``DataLoader`` with
+torch's default ``RandomSampler`` and no ``generator`` draws its order from the global RNG
+and cannot be resumed exactly.
+
+Global RNG: creating a ``DataLoader`` iterator draws a worker base seed from the loader's
+``generator`` -- the global torch RNG when it has none -- and dropping already-seen batches
+runs the dataset's code again. Both happen at different moments in a resumed run than in an
+uninterrupted one, so both run with the global torch, NumPy and Python RNG states saved and
+restored around them; training randomness (dropout, ...) is unaffected by where the data
+stream stands.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Generator, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
+
+__all__ = ["BatchStream", "EMPTY_SOURCE_MESSAGE", "ResumableSampler", "infinite_batches"]
+
+BatchT = TypeVar("BatchT")
+
+EMPTY_SOURCE_MESSAGE = "data loader produced no batches"
+
+_UINT64 = (1 << 64) - 1
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    """A well-mixed 64-bit seed for ``(seed, epoch)`` (SplitMix64 finaliser), so nearby
+    seeds and epochs give unrelated permutations."""
+    value = ((seed & _UINT64) ^ ((epoch + 1) * 0x9E3779B97F4A7C15)) & _UINT64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _UINT64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _UINT64
+    return value ^ (value >> 31)
+
+
+def _non_negative(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+class ResumableSampler(Sampler[int]):
+    """Indices ``0..n-1`` in a per-epoch order that can start anywhere.
+
+    With ``shuffle`` the order of epoch ``e`` is ``torch.randperm`` from a generator seeded
+    by ``(seed, e)``; without it, the identity. ``set_epoch`` selects the epoch (and starts
+    it from the beginning); ``set_start(k)`` then skips the first ``k`` indices of that
+    order without anyone loading them.
+    """
+
+    def __init__(self, data_source_len: int, *, shuffle: bool, seed: int) -> None:
+        super().__init__()
+        self.num_samples = _non_negative("data_source_len", data_source_len)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.epoch = 0
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch``'s order from its first index."""
+        self.epoch = _non_negative("epoch", epoch)
+        self.start = 0
+
+    def set_start(self, index: int) -> None:
+        """Begin the current epoch at position ``index`` of its order."""
+        position = _non_negative("start index", index)
+        if position > self.num_samples:
+            raise ValueError(
+                f"start index {position} is past the end of the data ({self.num_samples} samples)"
+            )
+        self.start = position
+
+    def order(self) -> list[int]:
+        """The full index order of the current epoch."""
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        generator = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
+        permutation: list[int] = torch.randperm(self.num_samples, generator=generator).tolist()
+        return permutation
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order()[self.start :])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self.epoch,
+            "start": self.start,
+            "seed": self.seed,
+            "shuffle": int(self.shuffle),
+            "num_samples": self.num_samples,
+        }
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Restore epoch and start; the data size, seed and shuffle flag must match."""
+        for key, expected in (
+            ("num_samples", self.num_samples),
+            ("seed", self.seed),
+            ("shuffle", int(self.shuffle)),
+        ):
+            if key in state and int(state[key]) != expected:
+                raise ValueError(
+                    f"sampler state has {key}={state[key]} but this sampler has {expected}; "
+                    "the saved data order does not apply to this data"
+                )
+        self.set_epoch(int(state.get("epoch", 0)))
+        self.set_start(int(state.get("start", 0)))
+
+
+@contextmanager
+def _rng_preserved() -> Generator[None, None, None]:
+    """Leave the global torch (CPU), NumPy and Python RNG states as they were."""
+    torch_state = torch.get_rng_state()
+    numpy_state = np.random.get_state()
+    python_state = random.getstate()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(torch_state)
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
+
+
+@dataclass(frozen=True)
+class _SamplerPosition:
+    """How a loader's ``ResumableSampler`` maps batches to indices."""
+
+    sampler: ResumableSampler
+    batch_size: int
+    drop_last: bool
+
+    def epoch_batches(self) -> int:
+        full, rest = divmod(self.sampler.num_samples, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+
+def _resumable_sampler(source: object) -> _SamplerPosition | None:
+    """The loader's ``ResumableSampler`` and its batching, if it has one."""
+    if not isinstance(source, DataLoader):
+        return None
+    batch_sampler = source.batch_sampler
+    if batch_sampler is None:  # no automatic batching: one index per "batch"
+        sampler = source.sampler
+        if isinstance(sampler, ResumableSampler):
+            return _SamplerPosition(sampler, 1, drop_last=False)
+        return None
+    if isinstance(batch_sampler, BatchSampler) and isinstance(
+        batch_sampler.sampler, ResumableSampler
+    ):
+        return _SamplerPosition(
+            batch_sampler.sampler, batch_sampler.batch_size, batch_sampler.drop_last
+        )
+    return None
+
+
+class BatchStream(Iterator[BatchT], Generic[BatchT]):
+    """Yields batches from ``source`` forever, one epoch (pass over ``source``) after another.
+
+    ``source`` is any re-iterable of batches: a ``DataLoader``, a list, an object whose
+    ``__iter__`` is a generator. A one-shot iterator works for a single pass only. A pass
+    that yields nothing raises ``RuntimeError("data loader produced no batches")``.
+    ``state_dict()``/``load_state_dict()`` save and restore the position (module docs).
+    """
+
+    def __init__(self, source: Iterable[BatchT]) -> None:
+        self.source = source
+        self.epoch = 0
+        self.batches_in_epoch = 0
+        self._iterator: Iterator[BatchT] | None = None
+        self._pulled = False
+
+    def __iter__(self) -> BatchStream[BatchT]:
+        return self
+
+    def __next__(self) -> BatchT:
+        if self._iterator is None:
+            self._iterator = self._open_epoch(skip=self.batches_in_epoch)
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            batch = self._first_of_next_epoch()
+        self._pulled = True
+        self.batches_in_epoch += 1
+        return batch
+
+    def _first_of_next_epoch(self) -> BatchT:
+        if self.batches_in_epoch == 0:
+            raise RuntimeError(self._empty_message())
+        self.epoch += 1
+        self.batches_in_epoch = 0
+        self._iterator = self._open_epoch(skip=0)
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            raise RuntimeError(self._empty_message()) from None
+
+    def _empty_message(self) -> str:
+        if isinstance(self.source, Iterator):
+            return (
+                f"{EMPTY_SOURCE_MESSAGE} (the source is a one-shot iterator and is exhausted; "
+                "pass a re-iterable such as a DataLoader or a list)"
+            )
+        return EMPTY_SOURCE_MESSAGE
+
+    def _open_epoch(self, *, skip: int) -> Iterator[BatchT]:
+        """An iterator over epoch ``self.epoch`` positioned after its first ``skip`` batches."""
+        position = _resumable_sampler(self.source)
+        if position is not None:
+            sampler = position.sampler
+            sampler.set_epoch(self.epoch)
+            if skip:
+                available = position.epoch_batches()
+                if skip > available:
+                    raise ValueError(self._past_end_message(skip, available))
+                sampler.set_start(min(skip * position.batch_size, sampler.num_samples))
+            return self._new_iterator()
+        iterator = self._new_iterator()
+        if skip:
+            with _rng_preserved():
+                for seen in range(skip):
+                    if next(iterator, _END) is _END:
+                        raise ValueError(self._past_end_message(skip, seen))
+        return iterator
+
+    def _past_end_message(self, skip: int, available: int) -> str:
+        return (
+            f"cannot resume the data stream at epoch {self.epoch}, batch {skip}: that epoch has "
+            f"only {available} batches (did the data or the batch size change?)"
+        )
+
+    def _new_iterator(self) -> Iterator[BatchT]:
+        source = self.source
+        if isinstance(source, DataLoader) and not _draws_order_from_global_rng(source):
+            with _rng_preserved():
+                return iter(source)
+        return iter(source)
+
+    def state_dict(self) -> dict[str, int]:
+        """The position: the epoch and how many of its batches were handed out."""
+        return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Continue from a saved position; the iterator is rebuilt lazily on the next batch."""
+        epoch = _non_negative("data state epoch", state.get("epoch"))
+        batches = _non_negative("data state batches_in_epoch", state.get("batches_in_epoch"))
+        if isinstance(self.source, Iterator) and (epoch > 0 or self._pulled):
+            raise ValueError(
+                "cannot resume a data stream over a one-shot iterator once it has been read; "
+                "pass a re-iterable source such as a DataLoader or a list"
+            )
+        self.epoch = epoch
+        self.batches_in_epoch = batches
+        self._iterator = None
+
+
+_END = object()
+"""Sentinel for an exhausted iterator."""
+
+
+def _draws_order_from_global_rng(loader: DataLoader[object]) -> bool:
+    """True for torch's ``RandomSampler`` without its own generator: its per-epoch order
+    comes from the global RNG, which must keep advancing or every epoch repeats."""
+    sampler = loader.sampler
+    return isinstance(sampler, RandomSampler) and sampler.generator is None
+
+
+def infinite_batches(loader: Iterable[BatchT]) -> Iterator[BatchT]:
+    """Re-iterate ``loader`` forever (``RuntimeError`` when a whole pass yields nothing)."""
+    return BatchStream(loader)

@@ -1,0 +1,176 @@
+"""The ``speedtronic`` command end to end, in subprocesses, with its exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY = {
+    "run": {"name": "cli", "device": "cpu", "max_steps": 4, "seed": 3},
+    "model": {
+        "vocab_size": 32,
+        "max_seq_len": 8,
+        "n_layer": 1,
+        "n_head": 2,
+        "d_model": 16,
+        "d_ff": 32,
+    },
+    "data": {
+        "synthetic_kind": "learnable",
+        "num_tokens": 64,
+        "micro_batch_size": 2,
+        "target_batch_size": 4,
+    },
+    "optimizer": {"lr": 0.01},
+    "logging": {"every_steps": 2},
+    "checkpoint": {"every_steps": 2},
+    "distributed": {"token": "hf_supersecret"},
+}
+
+
+def speedtronic(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.run(
+        [sys.executable, "-m", "speedtronic", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+@pytest.fixture()
+def config_file(tmp_path: Path) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    return path
+
+
+def test_fit_writes_run_directory_and_summary(config_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = speedtronic("fit", "--config", str(config_file), "--output-dir", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "completed steps=4 samples=16 tokens=128 loss=" in done.stdout
+    assert "step 2/4" in done.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4]
+    saved = (out / "config.yaml").read_text()
+    assert "hf_supersecret" not in saved and "<redacted>" in saved
+    assert (out / "checkpoints" / "latest.json").is_file()
+
+    resumed = speedtronic(
+        "fit",
+        "--config",
+        str(config_file),
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        "6",
+        "--resume",
+        cwd=tmp_path,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert "completed steps=6 samples=24" in resumed.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 4, 6]
+
+
+def test_train_alias_and_set_override(config_file: Path, tmp_path: Path) -> None:
+    done = speedtronic(
+        "train",
+        "--config",
+        str(config_file),
+        "--set",
+        "run.max_steps=2",
+        "--set",
+        f"run.output_dir={tmp_path / 'o2'}",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "completed steps=2" in done.stdout
+
+
+def test_validate_prints_redacted_config_and_plan(config_file: Path, tmp_path: Path) -> None:
+    done = speedtronic("validate", "--config", str(config_file), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "hf_supersecret" not in done.stdout and "<redacted>" in done.stdout
+    assert "# callbacks: console, jsonl, checkpoint" in done.stdout
+    assert "metrics" in done.stdout and "console -> jsonl" in done.stdout
+    as_json = speedtronic(
+        "validate", "--config", str(config_file), "--format", "json", cwd=tmp_path
+    )
+    assert json.loads(as_json.stdout.split("\n# callbacks")[0])["run"]["name"] == "cli"
+
+
+def test_validate_lists_every_error_with_exit_2(tmp_path: Path) -> None:
+    bad = dict(TINY, optimizer={"lr": -1}, data={"micro_batch_size": 3, "target_batch_size": 4})
+    bad["run"] = dict(TINY["run"], nmae="typo")
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    done = speedtronic("validate", "--config", str(path), cwd=tmp_path)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("speedtronic: error:")
+    assert "optimizer.lr" in done.stderr
+    assert "nmae" in done.stderr
+    assert "target_batch_size" in done.stderr
+
+
+def test_user_mistakes_exit_2_without_traceback(tmp_path: Path) -> None:
+    missing = speedtronic("fit", "--config", str(tmp_path / "nope.yaml"), cwd=tmp_path)
+    assert missing.returncode == 2 and "not found" in missing.stderr
+    path = tmp_path / "plugin.yaml"
+    path.write_text(yaml.safe_dump(dict(TINY, callbacks=[{"name": "no_such_plugin"}])))
+    unknown = speedtronic("fit", "--config", str(path), cwd=tmp_path)
+    assert unknown.returncode == 2 and "no_such_plugin" in unknown.stderr
+    assert "Traceback" not in unknown.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("run: [unclosed\n")
+    syntax = speedtronic("validate", "--config", str(broken), cwd=tmp_path)
+    assert syntax.returncode == 2 and "Traceback" not in syntax.stderr
+
+
+def test_schema_and_plugins(tmp_path: Path) -> None:
+    schema = speedtronic("schema", cwd=tmp_path)
+    assert schema.returncode == 0
+    document = json.loads(schema.stdout)
+    assert document["$schema"].startswith("https://json-schema.org/draft/2020-12")
+    plugins = speedtronic("plugins", cwd=tmp_path)
+    assert plugins.returncode == 0
+    for name in ("reference_transformer", "learnable", "checkpoint", "console", "tensorboard"):
+        assert name in plugins.stdout
+    assert "entry point callbacks.checkpoint:CheckpointCallback" in plugins.stdout
+
+
+def test_user_plugin_via_imports(tmp_path: Path) -> None:
+    (tmp_path / "my_plugins.py").write_text(
+        "from speedtronic import Callback, register_callback\n"
+        "@register_callback('hello')\n"
+        "class Hello(Callback):\n"
+        "    options_schema = {'type': 'object', 'additionalProperties': False,\n"
+        "                      'properties': {'greeting': {'type': 'string'}}}\n"
+        "    def __init__(self, greeting: str = 'hi') -> None:\n"
+        "        self.greeting = greeting\n"
+        "    def on_fit_start(self, trainer, ctx):\n"
+        "        print('HELLO', self.greeting)\n"
+    )
+    config = dict(TINY, imports=["my_plugins"], callbacks=[{"name": "hello", "greeting": "yo"}])
+    config["run"] = dict(TINY["run"], max_steps=1, output_dir=str(tmp_path / "o"))
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = speedtronic("fit", "--config", str(path), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "HELLO yo" in done.stdout
+    wrong = dict(config, callbacks=[{"name": "hello", "greeting": 5}])
+    path.write_text(yaml.safe_dump(wrong))
+    invalid = speedtronic("validate", "--config", str(path), cwd=tmp_path)
+    assert invalid.returncode == 2 and "callbacks[0].greeting" in invalid.stderr

@@ -1,0 +1,155 @@
+"""The JSON Schema documents: packaged core, composition with plugins, published copies."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from importlib import resources
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+from jsonschema import Draft202012Validator
+
+from speedtronic.callback import Callback, JSONSchema
+from speedtronic.config import (
+    ConfigError,
+    SpeedtronicConfig,
+    builtin_callback_names,
+    composed_schema,
+    core_schema,
+    load_config,
+    write_schemas,
+)
+from speedtronic.config.schema import CORE_SCHEMA_ID, callback_schema_id
+from speedtronic.config.sections import _SECTION_TYPES
+from speedtronic.plugins import register_callback
+
+REPO = Path(__file__).resolve().parents[1]
+PUBLISHED = REPO / "schemas"
+REGENERATE = "run `speedtronic schema --write schemas` and commit the result"
+
+SCHEMA_PROBE = "test-schema-probe"
+
+
+@register_callback(SCHEMA_PROBE)
+class _SchemaProbe(Callback):
+    options_schema: ClassVar[JSONSchema] = {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {"ratio": {"type": "number", "minimum": 0, "maximum": 1}},
+    }
+
+
+def _without_callback_composition(schema: dict[str, object]) -> dict[str, object]:
+    stripped = json.loads(json.dumps(schema))
+    stripped["properties"]["callbacks"]["items"].pop("allOf", None)
+    return stripped  # type: ignore[no-any-return]  # json.loads of a dict is a dict
+
+
+def test_packaged_core_schema_is_a_valid_documented_2020_12_schema() -> None:
+    schema = core_schema()
+    Draft202012Validator.check_schema(schema)
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert schema["$id"] == CORE_SCHEMA_ID
+    packaged = resources.files("speedtronic").joinpath("schemas", "run.schema.json")
+    assert json.loads(packaged.read_text(encoding="utf-8")) == schema
+    properties = schema["properties"]
+    assert isinstance(properties, dict)
+    for section in _SECTION_TYPES:
+        assert properties[section]["title"] == section
+        for key, spec in properties[section]["properties"].items():
+            assert spec.get("description"), f"{section}.{key} has no description"
+
+
+def test_core_schema_matches_the_dataclasses() -> None:
+    """Every dataclass field is in the schema with the same default, and nothing else."""
+    properties = core_schema()["properties"]
+    assert isinstance(properties, dict)
+    for section, section_type in _SECTION_TYPES.items():
+        schema_keys = properties[section]["properties"]
+        fields = {item.name: item for item in dataclasses.fields(section_type)}
+        assert list(schema_keys) == list(fields), section
+        for name, item in fields.items():
+            if item.default_factory is not dataclasses.MISSING:
+                default: object = item.default_factory()
+            else:
+                default = item.default
+            if isinstance(default, tuple):
+                default = list(default)
+            assert schema_keys[name]["default"] == default, f"{section}.{name}"
+    root_fields = [item.name for item in dataclasses.fields(SpeedtronicConfig)]
+    assert [key for key in properties if key != "$schema"] == root_fields
+
+
+def test_default_config_is_valid_against_the_published_schema() -> None:
+    published = json.loads((PUBLISHED / "run.schema.json").read_text(encoding="utf-8"))
+    validator = Draft202012Validator(published)
+    assert list(validator.iter_errors(SpeedtronicConfig().to_dict())) == []
+
+
+def test_published_schemas_are_current(tmp_path: Path) -> None:
+    write_schemas(tmp_path, builtin_callback_names())
+    expected = {p.relative_to(tmp_path): p.read_text() for p in tmp_path.rglob("*.json")}
+    actual = {p.relative_to(PUBLISHED): p.read_text() for p in PUBLISHED.rglob("*.json")}
+    assert sorted(actual) == sorted(expected), f"schemas/ has other files: {REGENERATE}"
+    for relative, text in expected.items():
+        assert actual[relative] == text, f"schemas/{relative} is stale: {REGENERATE}"
+
+
+def test_published_run_schema_embeds_the_packaged_core() -> None:
+    published = json.loads((PUBLISHED / "run.schema.json").read_text(encoding="utf-8"))
+    assert _without_callback_composition(published) == core_schema()
+
+
+def test_composed_schema_checks_each_plugins_options() -> None:
+    schema = composed_schema([SCHEMA_PROBE])
+    Draft202012Validator.check_schema(schema)
+    assert _without_callback_composition(schema) == core_schema()
+    assert composed_schema([]) == core_schema()
+    validator = Draft202012Validator(schema)
+    good = {"callbacks": [{"name": SCHEMA_PROBE, "ratio": 0.5}]}
+    assert list(validator.iter_errors(good)) == []
+    bad = {"callbacks": [{"name": SCHEMA_PROBE, "ratio": 2, "other": 1}]}
+    found = sorted((list(e.absolute_path), e.validator) for e in validator.iter_errors(bad))
+    assert found == [
+        (["callbacks", 0], "additionalProperties"),
+        (["callbacks", 0, "ratio"], "maximum"),
+    ]
+    assert SCHEMA_PROBE in json.dumps(composed_schema())  # default: every known plugin
+
+
+def test_write_schemas_writes_plugin_documents_and_removes_stale_ones(tmp_path: Path) -> None:
+    stale = tmp_path / "callbacks" / "gone.schema.json"
+    stale.parent.mkdir()
+    stale.write_text("{}")
+    written = write_schemas(tmp_path, [SCHEMA_PROBE])
+    plugin_file = tmp_path / "callbacks" / f"{SCHEMA_PROBE}.schema.json"
+    assert written == [tmp_path / "run.schema.json", plugin_file]
+    assert not stale.exists()
+    document = json.loads(plugin_file.read_text(encoding="utf-8"))
+    Draft202012Validator.check_schema(document)
+    assert document["$id"] == callback_schema_id(SCHEMA_PROBE)
+    assert document["properties"] == {"ratio": {"type": "number", "minimum": 0, "maximum": 1}}
+    run_schema = json.loads((tmp_path / "run.schema.json").read_text(encoding="utf-8"))
+    assert run_schema == composed_schema([SCHEMA_PROBE])
+
+
+def test_broken_plugin_schema_is_reported_not_crashed_on() -> None:
+    name = "test-schema-broken"
+
+    @register_callback(name)
+    class _Broken(Callback):
+        options_schema: ClassVar[JSONSchema] = {"type": "objekt"}
+
+    with pytest.raises(ConfigError) as caught:
+        load_config({"callbacks": [{"name": name}]})
+    assert caught.value.errors[0].startswith(
+        f"callbacks[0].name: callback {name!r} has an invalid options schema: "
+    )
+
+
+def test_shipped_example_configs_validate() -> None:
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        load_config(path)

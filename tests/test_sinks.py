@@ -1,0 +1,475 @@
+"""The text, JSONL, CSV and progress sinks, system metrics, failure isolation, and the
+original ``MetricLogger`` hook API."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import sys
+import warnings
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from callbacks.console import ConsoleCallback
+from callbacks.csv_sink import CsvCallback
+from callbacks.early_stopping import EarlyStopping
+from callbacks.jsonl import JsonlCallback, encode_record
+from callbacks.nan_guard import NanGuard
+from callbacks.progress import ProgressBarCallback
+from callbacks.sink import MetricSink, Record
+from callbacks.system_metrics import SystemMetricsCallback
+from callbacks.tensorboard import TensorBoardCallback
+from callbacks.wandb import WandbCallback
+from sink_helpers import (
+    StateAtStep,
+    TinyRegressor,
+    make_trainer,
+    plugin_context,
+    read_jsonl,
+)
+from speedtronic.callback import Callback
+from speedtronic.contexts import MetricsContext, StepContext
+from speedtronic.dispatch import CallbackWarning
+from speedtronic.hooks import on_event
+from speedtronic.metrics import MetricRecord
+from speedtronic.profiling import (
+    CallbackList,
+    MetricLogger,
+    MetricLoggerCallback,
+    Payload,
+    memory_usage_bytes,
+)
+from speedtronic.trainer import Trainer
+
+PLUGINS: list[type[Callback]] = [
+    ConsoleCallback,
+    JsonlCallback,
+    CsvCallback,
+    ProgressBarCallback,
+    TensorBoardCallback,
+    WandbCallback,
+    SystemMetricsCallback,
+    EarlyStopping,
+    NanGuard,
+]
+
+
+# -- plugin contract ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plugin", PLUGINS, ids=lambda cls: cls.__name__)
+def test_options_schema_is_a_closed_valid_schema(plugin: type[Callback]) -> None:
+    jsonschema.Draft202012Validator.check_schema(dict(plugin.options_schema))
+    assert plugin.options_schema["additionalProperties"] is False
+    assert plugin.plugin_name is not None
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"no_such_option": 1}, dict(plugin.options_schema))
+
+
+@pytest.mark.parametrize("plugin", PLUGINS, ids=lambda cls: cls.__name__)
+def test_from_options_builds_with_defaults(plugin: type[Callback], tmp_path: Path) -> None:
+    callback = plugin.from_options({}, plugin_context(tmp_path))
+    assert isinstance(callback, plugin)
+
+
+def test_relative_paths_resolve_under_the_output_dir(tmp_path: Path) -> None:
+    context = plugin_context(tmp_path, {"logging": {"file": "train.log"}})
+    assert JsonlCallback.from_options({}, context).path == tmp_path / "metrics.jsonl"
+    assert CsvCallback.from_options({"path": "m/x.csv"}, context).path == tmp_path / "m/x.csv"
+    assert ConsoleCallback.from_options({}, context).file == tmp_path / "train.log"
+    assert ConsoleCallback.from_options({"file": None}, context).file is None
+    tensorboard = TensorBoardCallback.from_options({}, context)
+    assert tensorboard.log_dir == tmp_path / "tensorboard"
+    absolute = tmp_path / "elsewhere.jsonl"
+    assert JsonlCallback.from_options({"path": str(absolute)}, context).path == absolute
+
+
+# -- JSONL ------------------------------------------------------------------------------
+
+
+class FileProbe(Callback):
+    """Reads the JSONL file at every step end: what a tail -f would see mid-fit."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seen: list[list[int]] = []
+
+    def on_step_end(self, trainer: Trainer, ctx: StepContext) -> None:
+        steps = [int(str(r["step"])) for r in read_jsonl(self.path)]
+        self.seen.append(steps)
+
+
+def test_jsonl_writes_one_flushed_line_per_due_record(tmp_path: Path) -> None:
+    probe = FileProbe(tmp_path / "metrics.jsonl")
+    trainer = make_trainer(tmp_path, [JsonlCallback(), probe], max_steps=5, metrics_every=2)
+    result = trainer.fit()
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [2, 4, 5]  # cadence plus the final step
+    assert records == result.metrics
+    expected_keys = {"step", "loss", "lr", "steps_per_sec", "samples_per_sec"}
+    assert expected_keys | {"tokens_per_sec", "samples", "tokens", "elapsed_s"} <= set(records[0])
+    # Flushed as written: readable by another reader before the fit ends.
+    assert probe.seen[1] == [2] and probe.seen[3] == [2, 4]
+
+
+def test_jsonl_resume_keeps_steps_contiguous_without_duplicates(tmp_path: Path) -> None:
+    snapshot = StateAtStep(4)
+    first = make_trainer(tmp_path, [JsonlCallback(), snapshot], max_steps=6)
+    first_result = first.fit()
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert snapshot.state is not None
+
+    resumed_sink = JsonlCallback()
+    resumed = make_trainer(tmp_path, [resumed_sink], max_steps=8)
+    resumed.load_state_dict(snapshot.state)
+    with pytest.warns(UserWarning, match="removed 2 line"):
+        resumed.fit()
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert resumed_sink.dropped_on_resume == 2
+    # Exact resume: the re-run steps 5 and 6 reproduce the first run's losses.
+    assert [r["loss"] for r in records[4:6]] == [r["loss"] for r in first_result.metrics[4:6]]
+
+
+def test_jsonl_drops_a_torn_last_line_and_writes_strict_json(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo', encoding="utf-8")
+    sink = JsonlCallback()
+    trainer = make_trainer(tmp_path, [sink], max_steps=3)
+    trainer.step = 1  # as if resumed from a checkpoint of step 1
+    with pytest.warns(UserWarning, match="removed 1 line"):
+        trainer.fit()
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3]
+    assert encode_record({"step": 1, "loss": math.nan, "x": math.inf}) == (
+        '{"step":1,"loss":null,"x":null}'
+    )
+
+
+def test_fresh_fit_starts_a_new_jsonl_file(tmp_path: Path) -> None:
+    make_trainer(tmp_path, [JsonlCallback()], max_steps=4).fit()
+    make_trainer(tmp_path, [JsonlCallback()], max_steps=2).fit()
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+# -- CSV --------------------------------------------------------------------------------
+
+
+class LateKey(Callback):
+    """Adds ``extra`` to records from step ``start`` on (a key that appears mid-run)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+
+    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
+        if ctx.step >= self.start:
+            ctx.record.set("extra", float(ctx.step))
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(encoding="utf-8", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_csv_rows_widen_for_new_keys_and_survive_resume(tmp_path: Path) -> None:
+    snapshot = StateAtStep(3)
+    sink = CsvCallback()
+    make_trainer(tmp_path, [LateKey(start=3), sink, snapshot], max_steps=5).fit()
+    assert sink.closed
+    rows = read_csv(tmp_path / "metrics.csv")
+    assert [row["step"] for row in rows] == ["1", "2", "3", "4", "5"]
+    assert [row["extra"] for row in rows] == ["", "", "3.0", "4.0", "5.0"]
+    assert float(rows[0]["loss"]) > 0
+
+    assert snapshot.state is not None
+    resumed = make_trainer(tmp_path, [LateKey(start=3), CsvCallback()], max_steps=6)
+    resumed.load_state_dict(snapshot.state)
+    resumed.fit()
+    rows = read_csv(tmp_path / "metrics.csv")
+    assert [row["step"] for row in rows] == ["1", "2", "3", "4", "5", "6"]
+    assert rows[-1]["extra"] == "6.0"
+
+
+# -- console ----------------------------------------------------------------------------
+
+
+def test_console_writes_start_step_and_summary_lines(tmp_path: Path) -> None:
+    log = tmp_path / "logs" / "train.log"
+    sink = ConsoleCallback(file=log)
+    make_trainer(tmp_path, [sink], max_steps=4, metrics_every=2).fit()
+    assert sink.closed
+    lines = log.read_text(encoding="utf-8").splitlines()
+    assert lines[0].startswith("fit start: step 0 -> 4 | device cpu | precision fp32")
+    assert lines[1].startswith("step 2/4 | loss ")
+    assert " | lr 5.00e-02 | " in lines[1] and "steps/s" in lines[1] and "tok/s" in lines[1]
+    assert lines[2].startswith("step 4/4 | loss ")
+    assert lines[3].startswith("fit end: 4 steps in ") and "final loss" in lines[3]
+    assert len(lines) == 4
+
+
+def test_console_prints_to_stdout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    make_trainer(tmp_path, [ConsoleCallback()], max_steps=2).fit()
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(" |")[0] for line in out] == [
+        "fit start: step 0 -> 2",
+        "step 1/2",
+        "step 2/2",
+        "fit end: 2 steps in 0:00",
+    ]
+
+
+# -- progress ---------------------------------------------------------------------------
+
+
+def test_progress_without_a_tty_prints_plain_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bar = ProgressBarCallback()
+    make_trainer(tmp_path, [bar], max_steps=4, metrics_every=2).fit()
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("step 2/4 (50%) | loss ")
+    assert "| lr 5.00e-02 |" in lines[0] and "| eta " in lines[0]
+    assert lines[1].startswith("step 4/4 (100%) | loss ")
+    assert "\r" not in captured.out and "\x1b" not in captured.out
+    assert captured.err == ""
+    assert not bar.uses_bar
+
+
+def test_progress_lines_respect_min_interval(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_trainer(tmp_path, [ProgressBarCallback(min_interval_s=3600)], max_steps=5).fit()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" (")[0] for line in lines] == ["step 1/5", "step 5/5"]
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_draws_a_tqdm_bar_on_a_terminal(tmp_path: Path) -> None:
+    terminal = FakeTerminal()
+    bar = ProgressBarCallback(stream=terminal)
+    make_trainer(tmp_path, [bar], max_steps=3).fit()
+    drawn = terminal.getvalue()
+    assert "train:" in drawn and "3/3" in drawn and "loss=" in drawn and "\r" in drawn
+    assert not bar.uses_bar  # closed at fit end
+
+
+def test_console_lines_and_bar_do_not_tear(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    bar = ProgressBarCallback()
+    make_trainer(tmp_path, [bar, ConsoleCallback()], max_steps=2).fit()
+    # tqdm.write clears the bar ("\r   \r") before each console line, so every console line
+    # is a segment of its own, never glued to bar output.
+    segments = [s.strip() for s in terminal.getvalue().replace("\r", "\n").splitlines()]
+    console_lines = [s for s in segments if "| loss " in s and "train:" not in s]
+    assert [line.split(" |")[0] for line in console_lines] == ["step 1/2", "step 2/2"]
+    assert any(s.startswith("train:") for s in segments)
+
+
+# -- system metrics ---------------------------------------------------------------------
+
+
+class FlopsCountingRegressor(TinyRegressor):
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        return 6 * 5 * (seq_len or 1)
+
+
+def test_system_metrics_adds_flops_and_mfu_but_no_cpu_memory(tmp_path: Path) -> None:
+    sink = JsonlCallback()
+    metrics = SystemMetricsCallback(peak_flops=1e9)
+    trainer = make_trainer(tmp_path, [metrics, sink], model=FlopsCountingRegressor())
+    trainer.fit()
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    for record in records:
+        assert "memory_bytes" not in record  # CPU reports no device memory
+        flops = float(str(record["flops_per_sec"]))
+        assert flops > 0
+        assert float(str(record["mfu"])) == pytest.approx(flops / 1e9)
+    assert memory_usage_bytes("cpu") is None
+
+
+def test_system_metrics_leaves_models_without_flop_counts_alone(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, [SystemMetricsCallback(peak_flops=1e9)])
+    record = trainer.fit().metrics[-1]
+    assert "mfu" not in record and "flops_per_sec" not in record
+
+
+# -- failure isolation and sync discipline ----------------------------------------------
+
+
+class BrokenSink(MetricSink):
+    plugin_name = "broken"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def write_record(self, trainer: Trainer, record: Record) -> None:
+        self.calls += 1
+        raise OSError("disk full")
+
+
+def test_a_failing_sink_warns_once_and_training_continues(tmp_path: Path) -> None:
+    broken = BrokenSink()
+    jsonl = JsonlCallback()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = make_trainer(tmp_path, [broken, jsonl], max_steps=5).fit()
+    assert result.steps == 5
+    assert broken.calls == 5
+    reports = [w for w in caught if issubclass(w.category, CallbackWarning)]
+    assert len(reports) == 1
+    message = str(reports[0].message)
+    assert "'broken'" in message and "'metrics'" in message and "disk full" in message
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 5  # other sinks unaffected
+
+
+def test_sinks_materialise_records_only_on_due_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    materialised: list[int] = []
+    original = MetricRecord.values
+
+    def counting_values(self: MetricRecord) -> dict[str, float | int | str]:
+        if self._pending:  # a host transfer happens only while tensors are pending
+            materialised.append(self.step)
+        return original(self)
+
+    monkeypatch.setattr(MetricRecord, "values", counting_values)
+    sinks: list[Callback] = [
+        SystemMetricsCallback(),
+        ConsoleCallback(file=tmp_path / "log.txt"),
+        JsonlCallback(),
+        CsvCallback(),
+        ProgressBarCallback(),
+        TensorBoardCallback(),
+    ]
+    make_trainer(tmp_path, sinks, max_steps=7, metrics_every=3).fit()
+    assert materialised == [3, 6, 7]
+
+
+def test_every_sink_is_closed_when_the_fit_fails(tmp_path: Path) -> None:
+    class Boom(Callback):
+        def on_step_end(self, trainer: Trainer, ctx: StepContext) -> None:
+            if ctx.step == 2:
+                raise ValueError("model exploded")
+
+    console = ConsoleCallback(file=tmp_path / "log.txt")
+    sinks = [console, JsonlCallback(), CsvCallback(), TensorBoardCallback()]
+    with pytest.raises(ValueError, match="model exploded"):
+        make_trainer(tmp_path, [*sinks, Boom()], max_steps=5).fit()
+    assert all(sink.closed for sink in sinks)
+    last = (tmp_path / "log.txt").read_text(encoding="utf-8").splitlines()[-1]
+    assert last == "fit failed after step 2: ValueError: model exploded"
+
+
+# -- the original MetricLogger API ------------------------------------------------------
+
+
+class RecordingHook:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, Payload]] = []
+
+    def on_event(self, event: str, payload: Payload) -> None:
+        self.events.append((event, payload))
+
+
+def test_metric_logger_writes_text_json_and_calls_hooks(tmp_path: Path) -> None:
+    stream = io.StringIO()
+    hook = RecordingHook()
+    seen: list[str] = []
+    logger = MetricLogger(
+        stream=stream,
+        json_file=tmp_path / "events.jsonl",
+        every_steps=2,
+        hooks=[hook, lambda event, payload: seen.append(event)],
+    )
+    logger.emit("train_start", {"start_step": 0})
+    logger.emit("train_step", {"step": 1, "loss": 1.5})
+    logger.emit("train_step", {"step": 2, "loss": 1.25})
+    logger.info("plain %s", "message")
+    logger.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 3
+    assert " | INFO | train_start start_step=0 elapsed_s=" in lines[0]
+    assert " | INFO | train_step step=2 loss=1.25 elapsed_s=" in lines[1]
+    assert lines[2].endswith(" | INFO | plain message")
+    events = read_jsonl(tmp_path / "events.jsonl")
+    assert [(e["event"], e.get("step")) for e in events] == [
+        ("train_start", None),
+        ("train_step", 2),
+    ]
+    assert [event for event, _ in hook.events] == ["train_start", "train_step"] == seen
+    assert hook.events[1][1]["loss"] == 1.25 and "elapsed_s" in hook.events[1][1]
+
+
+def test_metric_logger_reports_a_failing_hook_once(tmp_path: Path) -> None:
+    stream = io.StringIO()
+    calls: list[str] = []
+
+    def failing(event: str, payload: Payload) -> None:
+        calls.append(event)
+        raise RuntimeError("tracker offline")
+
+    logger = MetricLogger(stream=stream, hooks=[failing])
+    for step in range(1, 4):
+        logger.emit("train_step", {"step": step})
+    logger.close()
+    warnings_logged = [line for line in stream.getvalue().splitlines() if "| WARNING |" in line]
+    assert len(calls) == 3
+    assert len(warnings_logged) == 1
+    assert "failing" in warnings_logged[0] and "tracker offline" in warnings_logged[0]
+
+
+def test_hook_wrappers_and_callback_list() -> None:
+    hook = RecordingHook()
+    wrapped = on_event(hook)
+    wrapped("train_end", {"steps": 3})
+    fan_out = CallbackList([hook, on_event(lambda event, payload: None)])
+    fan_out.on_event("checkpoint", {"step": 3, "path": "x"})
+    assert [event for event, _ in hook.events] == ["train_end", "checkpoint"]
+
+
+def test_metric_logger_callback_emits_the_original_events(tmp_path: Path) -> None:
+    from callbacks.checkpoint import CheckpointCallback
+
+    hook = RecordingHook()
+    logger = MetricLogger(stream=io.StringIO(), hooks=[hook])
+    adapter = MetricLoggerCallback(logger, close_logger=True)
+    saver = CheckpointCallback(tmp_path / "ckpt", every_steps=2, save_on_signal=False)
+    make_trainer(tmp_path, [saver, adapter], max_steps=3, metrics_every=1).fit()
+    names = [event for event, _ in hook.events]
+    assert names == [
+        "train_start",
+        "train_step",
+        "train_step",
+        "checkpoint",
+        "train_step",
+        "train_end",
+        "checkpoint",
+    ]
+    start = hook.events[0][1]
+    assert start["start_step"] == 0 and start["target_step"] == 3 and start["device"] == "cpu"
+    checkpoints = [payload for event, payload in hook.events if event == "checkpoint"]
+    assert [p["step"] for p in checkpoints] == [2, 3]
+    assert all(Path(str(p["path"])).exists() for p in checkpoints)
+    end = hook.events[5][1]
+    assert end["steps"] == 3 and isinstance(end["loss"], float)
+    assert json.dumps(hook.events[1][1])  # payloads are plain values
+
+
+def test_memory_usage_bytes_is_none_without_an_accelerator() -> None:
+    if not torch.cuda.is_available() and not torch.backends.mps.is_available():
+        assert memory_usage_bytes() is None
+    assert memory_usage_bytes(torch.device("cpu")) is None

@@ -1,0 +1,68 @@
+"""TensorBoard: real event files, read back with TensorBoard's own reader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped]  # tensorboard ships no type information
+    EventAccumulator,
+)
+
+from callbacks.tensorboard import TensorBoardCallback
+from sink_helpers import StateAtStep, make_trainer
+from speedtronic.integrations import TensorboardHook
+
+
+def load_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Tag -> [(step, value)] as TensorBoard shows it (purged points removed)."""
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {
+        tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+        for tag in accumulator.Tags()["scalars"]
+    }
+
+
+def test_scalars_have_the_record_keys_and_steps(tmp_path: Path) -> None:
+    sink = TensorBoardCallback()
+    result = make_trainer(tmp_path, [sink], max_steps=5, metrics_every=2).fit()
+    assert sink.closed
+    scalars = load_scalars(tmp_path / "tensorboard")
+    expected = {"loss", "lr", "steps_per_sec", "samples_per_sec", "tokens_per_sec"}
+    assert expected | {"samples", "tokens", "micro_batches", "elapsed_s"} <= set(scalars)
+    assert "step" not in scalars
+    assert [step for step, _ in scalars["loss"]] == [2, 4, 5]
+    losses = [value for _, value in scalars["loss"]]
+    assert losses == pytest.approx([float(str(r["loss"])) for r in result.metrics], rel=1e-6)
+    assert [value for _, value in scalars["lr"]] == pytest.approx([0.05] * 3)
+
+
+def test_prefix_and_log_dir_options(tmp_path: Path) -> None:
+    sink = TensorBoardCallback("tb/run1", prefix="train/")
+    make_trainer(tmp_path, [sink], max_steps=2).fit()
+    scalars = load_scalars(tmp_path / "tb" / "run1")
+    assert "train/loss" in scalars and "loss" not in scalars
+
+
+def test_resumed_fit_purges_the_old_points_past_the_resume_step(tmp_path: Path) -> None:
+    snapshot = StateAtStep(4)
+    first = make_trainer(tmp_path, [TensorBoardCallback(), snapshot], max_steps=6).fit()
+    assert snapshot.state is not None
+    resumed = make_trainer(tmp_path, [TensorBoardCallback()], max_steps=8)
+    resumed.load_state_dict(snapshot.state)
+    second = resumed.fit()
+    loss = load_scalars(tmp_path / "tensorboard")["loss"]
+    assert [step for step, _ in loss] == list(range(1, 9))
+    expected = [r["loss"] for r in first.metrics[:4]] + [r["loss"] for r in second.metrics]
+    assert [value for _, value in loss] == pytest.approx(expected, rel=1e-6)
+
+
+def test_tensorboard_hook_writes_event_scalars(tmp_path: Path) -> None:
+    with TensorboardHook(tmp_path / "hook") as hook:
+        hook.on_event("train_step", {"step": 3, "loss": 0.5, "device": "cpu", "ok": True})
+        hook.on_event("train_end", {"steps": 3, "elapsed_s": 1.5})
+    scalars = load_scalars(tmp_path / "hook")
+    assert scalars["train_step/loss"] == [(3, 0.5)]
+    assert scalars["train_end/steps"] == [(0, 3.0)]
+    assert "train_step/device" not in scalars and "train_step/ok" not in scalars
