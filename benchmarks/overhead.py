@@ -13,6 +13,8 @@ Cases:
                      logging every 10 steps (the hand loop logs every 10 too)
   trainer_all_sinks  console + jsonl + csv + tensorboard + progress (non-TTY), every step,
                      against a hand loop that logs every step
+  lightning_bare     Lightning's Trainer (when ``lightning`` is installed) with its logger,
+                     progress bar, checkpointing and model summary off: its fastest setup
 """
 
 from __future__ import annotations
@@ -133,6 +135,40 @@ def all_sinks(out: Path) -> list[Callback]:
     ]
 
 
+def lightning_run(batches: list[object], out: Path) -> float:
+    import lightning as L  # optional: pip install lightning "torch==<your torch>"
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_model()
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            loss: torch.Tensor = self.net(**batch)["loss"]
+            return loss
+
+        def configure_optimizers(self) -> object:
+            opt, sched = optimizer_for(self.net)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    trainer = L.Trainer(
+        max_steps=STEPS,
+        accumulate_grad_batches=K,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(out),
+        num_sanity_val_steps=0,
+    )
+    loader = torch.utils.data.DataLoader(batches * 10, batch_size=None, shuffle=False)
+    start = time.perf_counter()
+    trainer.fit(Module(), loader)
+    return STEPS / (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -154,6 +190,15 @@ def main() -> None:
             lambda d: trainer_run(batches, all_sinks, 1, d),
         ),
     }
+    try:
+        import lightning  # noqa: F401
+
+        cases["lightning_bare"] = (
+            lambda d: hand_loop(batches, 10, d / "hand.log"),
+            lambda d: lightning_run(batches, d),
+        )
+    except ImportError:
+        print("(lightning not installed: skipping the Lightning comparison)")
     rows = []
     for name, (hand, ours) in cases.items():
         hand_rates, our_rates = [], []

@@ -23,9 +23,20 @@ the final checkpoint is written, and ``TrainResult.stop_reason`` says which sign
 number). A second signal is handled the way it was before the fit (Ctrl-C twice interrupts
 at once). The previous handlers are restored at ``teardown``.
 
-Async save (``async_save``): the state is copied to CPU memory on the training thread and
-written by one background thread while training goes on; a failed write stops the run at
-the next step, and ``fit_end`` waits until the last checkpoint is on disk.
+Async save (``async_save``): the state is snapshotted into reused CPU buffers and written by
+one background thread while training goes on. Buffers, RNG, counters and callback state are
+copied at the save; parameters and optimizer state -- the bulk, which only the optimizer
+changes -- are copied by the background thread during the next step's forward and backward,
+and this callback waits for that copy at ``before_optimizer_step``. So a callback that
+changes parameters in place in a microbatch hook, or in ``before_optimizer_step`` ahead of
+this one, must not be combined with async save. A failed write stops the run at the next
+step; ``fit_end`` waits until the last checkpoint is on disk.
+
+Distributed runs: the callback runs on every rank (each handles its own signals and takes
+part in the stop), but only rank 0 writes -- the ranks hold the same training state. The
+ranks then meet at a barrier, so none runs ahead of (or exits before) a checkpoint that is
+not written yet; every rank loads the same file on resume. After a failure rank 0 saves
+without the barrier (the other ranks may be gone).
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, ClassVar
 
+import torch
 from typing_extensions import Self
 
 from speedtronic.callback import Callback, JSONSchema
@@ -48,6 +60,7 @@ from speedtronic.contexts import (
     ExceptionContext,
     FitContext,
     FitEndContext,
+    OptimizerStepContext,
     TeardownContext,
 )
 from speedtronic.rng import capture_rng_state
@@ -155,9 +168,9 @@ class CheckpointCallback(Callback):
         self._writer: AsyncCheckpointWriter | None = None
         self._previous_handlers: dict[signal.Signals, SignalHandler] = {}
         # (counters, RNG, data position) at the end of the last step, for save_on_exception.
-        self._step_end_state: (
-            tuple[dict[str, int], dict[str, object], Mapping[str, int]] | None
-        ) = None
+        self._step_end_state: tuple[dict[str, int], dict[str, object], Mapping[str, int]] | None = (
+            None
+        )
 
     @classmethod
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
@@ -219,6 +232,12 @@ class CheckpointCallback(Callback):
         if self.manager.should_save(ctx.step):
             self._save(trainer, ctx.step, trainer.state_dict())
 
+    def on_before_optimizer_step(self, trainer: Trainer, ctx: OptimizerStepContext) -> None:
+        if self._writer is not None:
+            # The async snapshot copies weights and optimizer state during this step's
+            # forward/backward; the optimizer must not change them before it is done.
+            self._writer.wait_for_snapshot()
+
     def on_fit_end(self, trainer: Trainer, ctx: FitEndContext) -> None:
         step = trainer.step
         wanted = self.save_final or self.signal_received is not None
@@ -226,6 +245,7 @@ class CheckpointCallback(Callback):
             self._save(trainer, step, trainer.state_dict())
         if self._writer is not None:
             self._writer.wait()  # the run is only over when its checkpoint is on disk
+            _barrier(trainer)
         if self.signal_received is not None:
             logger.warning(
                 "stopped by %s at step %d; checkpoint %s written (resume with --resume)",
@@ -241,7 +261,9 @@ class CheckpointCallback(Callback):
             if self._writer is not None:
                 self._writer.wait()
             if trainer.step > 0 and trainer.step != self.last_saved_step:
-                self._save(trainer, trainer.step, self._state_at_last_step_end(trainer))
+                self._save(
+                    trainer, trainer.step, self._state_at_last_step_end(trainer), meet_peers=False
+                )
                 if self._writer is not None:
                     self._writer.wait()
         except Exception as exc:  # the original error matters more; report ours
@@ -265,13 +287,19 @@ class CheckpointCallback(Callback):
 
     # -- saving -------------------------------------------------------------------------
 
-    def _save(self, trainer: Trainer, step: int, state: dict[str, object]) -> None:
-        if self._writer is not None:
-            self._writer.submit(step, state)
-        else:
-            self.manager.save(step, state)
+    def _save(
+        self, trainer: Trainer, step: int, state: dict[str, object], *, meet_peers: bool = True
+    ) -> None:
+        """Write ``state`` (rank 0 only), then wait for the other ranks when ``meet_peers``."""
+        if trainer.distributed is None or trainer.distributed.is_main:
+            if self._writer is not None:
+                self._writer.submit(step, state, defer=_changed_only_by_optimizer_step(trainer))
+            else:
+                self.manager.save(step, state)
         self.last_saved_step = step
         self.last_path = self.manager.path_for(step)
+        if meet_peers and self._writer is None:
+            _barrier(trainer)
 
     def _state_at_last_step_end(self, trainer: Trainer) -> dict[str, object]:
         """The trainer's state, with the counters, RNG and data position of the end of the
@@ -328,6 +356,25 @@ class CheckpointCallback(Callback):
             if handler is None:  # installed from C; we cannot put it back, use the default
                 handler = signal.SIG_DFL
             signal.signal(sig, handler)
+
+
+def _changed_only_by_optimizer_step(trainer: Trainer) -> frozenset[int]:
+    """Storages of the parameters and the optimizer state: between a step's checkpoint and
+    the next optimizer update nothing in the loop writes to them (forward and backward only
+    read the weights and write gradients), so an async save may copy them meanwhile.
+    Buffers (BatchNorm statistics, ...), callback and RNG state are copied at the save."""
+    pointers = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    for per_param in trainer.optimizer.state.values():
+        for value in per_param.values():
+            if isinstance(value, torch.Tensor):
+                pointers.add(value.untyped_storage().data_ptr())
+    return frozenset(pointers)
+
+
+def _barrier(trainer: Trainer) -> None:
+    """Wait for every rank of a distributed run (nothing to wait for in one process)."""
+    if trainer.distributed is not None and trainer.distributed.world_size > 1:
+        trainer.distributed.barrier()
 
 
 def _as_int(value: object) -> int:

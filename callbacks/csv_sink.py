@@ -73,6 +73,7 @@ class CsvCallback(MetricSink):
         self._handle: IO[str] | None = None
         self._writer: csv.DictWriter[str] | None = None
         self._columns: list[str] = []
+        self._known: set[str] = set()
 
     @classmethod
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
@@ -99,6 +100,7 @@ class CsvCallback(MetricSink):
 
     def _reopen(self) -> None:
         assert self._file is not None
+        self._known = set(self._columns)
         if self._handle is not None:
             self._handle.close()
         self._handle = self._file.open("a", encoding="utf-8", newline="")
@@ -127,7 +129,7 @@ class CsvCallback(MetricSink):
     def write_record(self, trainer: Trainer, record: Record) -> None:
         if self._file is None:
             raise RuntimeError("the csv sink received a record before setup")
-        if self._writer is None or any(key not in self._columns for key in record):
+        if self._writer is None or not self._known.issuperset(record):
             self._widen(record)
         assert self._writer is not None and self._handle is not None
         self._writer.writerow(record)

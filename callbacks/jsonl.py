@@ -33,16 +33,20 @@ if TYPE_CHECKING:
 DEFAULT_FILENAME = "metrics.jsonl"
 
 
+# Built once: json.dumps with non-default arguments constructs a new encoder per call.
+_STRICT_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+
+
 def encode_record(record: Record) -> str:
     """One JSON line (no newline); NaN/Inf become ``null``."""
     try:
-        return json.dumps(record, allow_nan=False, separators=(",", ":"))
+        return _STRICT_ENCODER.encode(record)
     except ValueError:  # only non-finite floats make allow_nan=False fail
         clean = {
             key: None if isinstance(value, float) and not math.isfinite(value) else value
             for key, value in record.items()
         }
-        return json.dumps(clean, separators=(",", ":"))
+        return _STRICT_ENCODER.encode(clean)
 
 
 def read_records(path: Path) -> list[dict[str, object]]:

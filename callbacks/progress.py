@@ -21,7 +21,7 @@ from tqdm import tqdm
 from typing_extensions import Never, Self
 
 from callbacks.sink import Record, format_duration, format_float, format_si
-from speedtronic.callback import Callback, JSONSchema
+from speedtronic.callback import Callback, JSONSchema, RankPolicy
 from speedtronic.contexts import FitContext, FitEndContext, MetricsContext, TeardownContext
 
 if TYPE_CHECKING:
@@ -55,13 +55,19 @@ def _postfix(record: Record) -> str:
 
 
 def progress_line(record: Record, start_step: int, target_step: int) -> str:
-    """The non-TTY line: ``step 10/100 (10%) | loss .. | lr .. | elapsed .. | eta ..``."""
+    """The non-TTY line: ``step 10/100 (10%) | loss .. | lr .. | .. tok/s | elapsed | eta``."""
     step = int(record["step"])
     percent = 100.0 * step / target_step if target_step else 100.0
     parts = [f"step {step}/{target_step} ({percent:.0f}%)"]
-    postfix = _postfix(record)
-    if postfix:
-        parts += [part.replace("=", " ", 1) for part in postfix.split(", ")]
+    loss = record.get("loss")
+    if isinstance(loss, (int, float)):
+        parts.append(f"loss {format_float(float(loss))}")
+    lr = record.get("lr")
+    if isinstance(lr, (int, float)):
+        parts.append(f"lr {float(lr):.2e}")
+    tokens_per_sec = record.get("tokens_per_sec")
+    if isinstance(tokens_per_sec, (int, float)):
+        parts.append(f"{format_si(float(tokens_per_sec))} tok/s")
     elapsed = record.get("elapsed_s")
     if isinstance(elapsed, (int, float)):
         parts.append(f"elapsed {format_duration(float(elapsed))}")
@@ -77,6 +83,7 @@ class ProgressBarCallback(Callback):
     plugin_name: ClassVar[str | None] = "progress"
     is_observer: ClassVar[bool] = True
     metrics_phase: ClassVar[Literal["contribute", "consume"]] = "consume"
+    rank_policy: ClassVar[RankPolicy] = "main"  # one bar per run, drawn by rank 0
     options_schema: ClassVar[JSONSchema] = {
         "type": "object",
         "additionalProperties": False,

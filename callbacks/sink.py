@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from speedtronic.callback import Callback
+from speedtronic.callback import Callback, RankPolicy
 from speedtronic.contexts import MetricsContext
 from speedtronic.metrics import MetricValue
 
@@ -31,11 +31,13 @@ class MetricSink(Callback, abc.ABC):
     """Base class of sinks: implement ``write_record``; it is called once per due record.
 
     Open files in ``on_setup`` and close them in ``on_teardown`` (which also runs when
-    the fit fails), so a sink never leaks a handle.
+    the fit fails), so a sink never leaks a handle. In a distributed run sinks run on rank 0
+    only (``rank_policy = "main"``), where the metrics are already reduced across ranks.
     """
 
     is_observer: ClassVar[bool] = True
     metrics_phase: ClassVar[Literal["contribute", "consume"]] = "consume"
+    rank_policy: ClassVar[RankPolicy] = "main"  # one copy of the logs per run, from rank 0
 
     def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
         if ctx.due:
@@ -44,6 +46,12 @@ class MetricSink(Callback, abc.ABC):
     @abc.abstractmethod
     def write_record(self, trainer: Trainer, record: Record) -> None:
         """Write one finished record (all values already plain numbers or strings)."""
+
+    @property
+    def closed(self) -> bool:
+        """True when the sink holds nothing open (before ``setup``, after ``teardown``).
+        Sinks that open files, writers or runs override this."""
+        return True
 
 
 def resolve_path(path: str | os.PathLike[str], output_dir: Path) -> Path:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 import torch
 from typing_extensions import Self
 
-from speedtronic.callback import Callback, JSONSchema
+from speedtronic.callback import Callback, JSONSchema, RankPolicy
 from speedtronic.contexts import FitContext, MetricsContext
 from speedtronic.profiling import memory_usage_bytes
 
@@ -70,6 +70,7 @@ class SystemMetricsCallback(Callback):
 
     plugin_name: ClassVar[str | None] = "system_metrics"
     is_observer: ClassVar[bool] = True  # a failing probe must not stop training
+    rank_policy: ClassVar[RankPolicy] = "main"  # feeds the sinks, which run on rank 0
     options_schema: ClassVar[JSONSchema] = {
         "type": "object",
         "additionalProperties": False,

@@ -5,11 +5,12 @@ Writes real event files with ``torch.utils.tensorboard.SummaryWriter`` into
 ``lr/group1``, ``tokens_per_sec``, ``memory_bytes``, ...), optionally under a ``prefix``;
 the TensorBoard step is the global step.
 
-Each record becomes one event holding all of its scalars (one protobuf, one queue put for
-the writer thread) instead of one event per key, which keeps the cost per logged step to
-a few microseconds. On a resumed fit the writer is opened with ``purge_step`` set to the
-first new step, so TensorBoard hides the older run's points beyond the resume step instead
-of drawing two overlapping curves.
+Each record becomes one event holding all of its scalars (one protobuf instead of one event
+per key), built and handed to the writer on a background thread: the training thread only
+appends ``(step, scalars)`` to a queue, a few microseconds per logged step. On a resumed
+fit the writer is opened with ``purge_step`` set to the first new step, so TensorBoard
+hides the older run's points beyond the resume step instead of drawing two overlapping
+curves.
 
 Needs the ``logging`` extra (``pip install 'speedtronic[logging]'``).
 """
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from typing_extensions import Self
 
+from callbacks.background import BackgroundWorker
 from callbacks.sink import MetricSink, Record, numeric_items, resolve_path
 from speedtronic.callback import JSONSchema
 from speedtronic.contexts import FitContext, FitEndContext, TeardownContext
@@ -37,6 +39,9 @@ if TYPE_CHECKING:
 DEFAULT_LOG_DIR = "tensorboard"
 _INSTALL_HINT = "the tensorboard sink needs tensorboard: pip install 'speedtronic[logging]'"
 
+
+Scalars = tuple[int, list[tuple[str, float]]]
+"""One record for the writer thread: ``(step, [(tag, value), ...])``."""
 
 SummaryBuilder = Callable[[list[tuple[str, float]]], object]
 """Builds one ``Summary`` protobuf holding ``(tag, value)`` scalars."""
@@ -108,6 +113,7 @@ class TensorBoardCallback(MetricSink):
         self.log_config = log_config
         self.writer: SummaryWriter | None = None
         self._build_summary: SummaryBuilder | None = None
+        self._worker: BackgroundWorker[Scalars] | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
@@ -140,21 +146,35 @@ class TensorBoardCallback(MetricSink):
             text = json.dumps(trainer.config.to_dict(redact_secrets=True), indent=2, default=str)
             # Four-space indent renders as a code block in TensorBoard's markdown view.
             self.writer.add_text("config", "    " + text.replace("\n", "\n    "), ctx.start_step)
+        self._worker = BackgroundWorker("speedtronic-tensorboard", self._write_event)
 
     def write_record(self, trainer: Trainer, record: Record) -> None:
+        if self._worker is None:
+            raise RuntimeError("the tensorboard sink received a record before setup")
+        scalars = [(self.prefix + key, value) for key, value in numeric_items(record)]
+        self._worker.submit((int(record["step"]), scalars))
+
+    def _write_event(self, item: Scalars) -> None:
+        """On the worker thread: one event holding every scalar of a record."""
         writer, build = self.writer, self._build_summary
         if writer is None or build is None:
-            raise RuntimeError("the tensorboard sink received a record before setup")
-        summary = build([(self.prefix + key, value) for key, value in numeric_items(record)])
-        # One event with all scalars; add_scalar would build and queue one event per key.
+            raise RuntimeError("the tensorboard writer is closed")
+        step, scalars = item
         file_writer = writer._get_file_writer()  # type: ignore[no-untyped-call]  # torch leaves this helper unannotated
-        file_writer.add_summary(summary, int(record["step"]))
+        file_writer.add_summary(build(scalars), step)
 
     def on_fit_end(self, trainer: Trainer, ctx: FitEndContext) -> None:
+        if self._worker is not None:
+            self._worker.drain()
         if self.writer is not None:
             self.writer.flush()
 
     def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
-        writer, self.writer = self.writer, None
-        if writer is not None:
-            writer.close()
+        worker, self._worker = self._worker, None
+        try:
+            if worker is not None:
+                worker.close()  # writes what is still queued (the writer must be open)
+        finally:
+            writer, self.writer = self.writer, None
+            if writer is not None:
+                writer.close()

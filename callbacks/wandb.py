@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from typing_extensions import Self
 
-from callbacks._background import BackgroundWorker
+from callbacks.background import BackgroundWorker
 from callbacks.sink import MetricSink, Record, resolve_path
 from speedtronic.callback import JSONSchema
 from speedtronic.contexts import FitContext, FitEndContext, TeardownContext
@@ -155,6 +155,10 @@ class WandbCallback(MetricSink):
             background=bool(options.get("background", True)),
         )
 
+    @property
+    def closed(self) -> bool:
+        return self.run is None
+
     # -- state --------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, object]:
@@ -168,13 +172,14 @@ class WandbCallback(MetricSink):
     # -- hooks --------------------------------------------------------------------------
 
     def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
-        wandb = import_wandb()
+        import wandb  # present: __init__ checked it (with the install hint)
+
         directory = resolve_path(self.directory, trainer.output_dir)
         directory.mkdir(parents=True, exist_ok=True)
         config = None
         if self.log_config and trainer.config is not None:
             config = trainer.config.to_dict(redact_secrets=True)
-        run: Run = wandb.init(
+        run = wandb.init(
             project=self.project,
             entity=self.entity,
             name=self.name,
@@ -217,11 +222,11 @@ class WandbCallback(MetricSink):
 
     def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
         worker, self._worker = self._worker, None
-        run, self.run = self.run, None
         try:
             if worker is not None:
-                worker.close()
+                worker.close()  # logs what is still queued (the run must be open for it)
         finally:
+            run, self.run = self.run, None
             if run is not None:
                 run.finish(exit_code=0 if ctx.error is None else 1)
                 self.finished = True

@@ -117,4 +117,3 @@ def resolve_loss(output: object, batch: object) -> torch.Tensor:
             "tensor, a mapping with 'loss' or 'logits', or a tuple whose first item is the loss"
         )
     return loss if loss.dim() == 0 else loss.mean()
-

@@ -38,6 +38,9 @@ JSONSchema = Mapping[str, object]
 
 EMPTY_OPTIONS_SCHEMA: JSONSchema = {"type": "object", "additionalProperties": False}
 
+RankPolicy = Literal["all", "main", "local_main"]
+"""Which ranks of a distributed run call a callback's hooks (``Callback.rank_policy``)."""
+
 
 class Callback:
     """Base class for everything that plugs into the training loop.
@@ -53,6 +56,10 @@ class Callback:
       (in order) before all ``"consume"`` callbacks (sinks), so a sink sees every key.
     * ``plugin_name`` / ``options_schema`` -- the name used in ``callbacks:`` in config and
       the JSON Schema of its options (the ``name`` key excluded).
+    * ``rank_policy`` -- where the callback runs in a distributed run: ``"all"`` ranks (the
+      default; anything that takes part in collectives or changes training), rank 0 only
+      (``"main"``: sinks and loggers) or once per node (``"local_main"``, local rank 0).
+      A single-process run is rank 0 and runs every callback.
     """
 
     state_key: str | None = None
@@ -60,6 +67,7 @@ class Callback:
     metrics_phase: ClassVar[Literal["contribute", "consume"]] = "contribute"
     plugin_name: ClassVar[str | None] = None
     options_schema: ClassVar[JSONSchema] = EMPTY_OPTIONS_SCHEMA
+    rank_policy: ClassVar[RankPolicy] = "all"
 
     # -- construction from config -----------------------------------------------------
 

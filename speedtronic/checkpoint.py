@@ -52,6 +52,7 @@ __all__ = [
     "CheckpointManager",
     "CorruptCheckpointError",
     "LoadedCheckpoint",
+    "Snapshot",
     "StateSnapshot",
     "UnsafeCheckpointError",
     "atomic_json_dump",
@@ -120,7 +121,9 @@ def _fsync_directory(directory: Path) -> None:
 
 def _atomic_write(path: Path, write_contents: Callable[[BinaryIO], None]) -> None:
     """Write via a temp file in the same directory: flush, fsync, rename, fsync the dir."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.parent.is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _fsync_directory(path.parent.parent)  # the new directory's own entry must last too
     temp = _temp_path_for(path)
     try:
         with open(temp, "wb") as handle:
@@ -273,6 +276,8 @@ class LoadedCheckpoint:
 
 
 def _pid_alive(pid: int) -> bool:
+    if os.name != "posix":
+        return True  # os.kill(pid, 0) would terminate the process on Windows: keep the file
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -280,7 +285,7 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     except OSError:
-        return True  # cannot tell (e.g. Windows semantics): keep the file
+        return True  # cannot tell: keep the file
     return True
 
 
@@ -530,6 +535,35 @@ class CheckpointManager:
 # -- asynchronous saving ------------------------------------------------------------------
 
 
+@dataclass
+class Snapshot:
+    """A state copied (or being copied) into CPU memory.
+
+    ``deferred`` holds ``(destination, source)`` storage pairs whose copy was postponed:
+    ``complete()`` performs them and waits for device copies, after which ``state`` is an
+    independent CPU copy of what was snapshotted.
+    """
+
+    state: dict[str, object]
+    deferred: list[tuple[torch.UntypedStorage, torch.UntypedStorage]]
+    ready: torch.cuda.Event | None
+
+    def complete(self) -> None:
+        for destination, source in self.deferred:
+            _copy_bytes(destination, source, non_blocking=False)
+        self.deferred = []
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
+def _copy_bytes(
+    destination: torch.UntypedStorage, source: torch.UntypedStorage, *, non_blocking: bool
+) -> None:
+    """Copy a storage's bytes (any device to CPU) through uint8 tensor views."""
+    into = torch.empty(0, dtype=torch.uint8).set_(destination)
+    into.copy_(torch.empty(0, dtype=torch.uint8, device=source.device).set_(source), non_blocking)
+
+
 class StateSnapshot:
     """Copies a state tree into CPU memory so that training can go on mutating the original.
 
@@ -537,65 +571,29 @@ class StateSnapshot:
     ``torch.save`` would store them. The CPU buffers are kept and reused by the next
     snapshot of a same-shaped state -- page-faulting fresh memory costs about as much as
     the copy itself -- so call ``take`` again only once the previous snapshot is written.
-    Device tensors are copied into pinned buffers without blocking; ``ready`` (a CUDA event,
-    or ``None`` on CPU) must be waited on before the snapshot is read.
+
+    Device tensors are copied into pinned buffers without blocking the host (``ready`` is
+    recorded after them). CPU tensors whose storage pointer is in ``defer`` are not copied
+    now: ``Snapshot.complete`` copies them later, which is only correct while nothing writes
+    to them (the checkpoint callback defers parameters and optimizer state, which only the
+    next optimizer step changes, and waits for the copy before that step).
     """
 
     def __init__(self) -> None:
         self._buffers: list[torch.UntypedStorage] = []
 
-    def take(self, state: object) -> tuple[object, torch.cuda.Event | None]:
-        copied: dict[tuple[int, str], torch.UntypedStorage] = {}
-        uses_cuda: list[bool] = []
-        result = self._copy(state, copied, uses_cuda)
+    def take(self, state: Mapping[str, object], defer: frozenset[int] = frozenset()) -> Snapshot:
+        walk = _SnapshotWalk(self, defer)
+        copied = walk.copy(dict(state))
+        assert isinstance(copied, dict)
         ready: torch.cuda.Event | None = None
-        if uses_cuda:
+        if walk.uses_cuda:
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it untyped
             ready.record()
-        return result, ready
+        return Snapshot(copied, walk.deferred, ready)
 
-    def _copy(
-        self,
-        value: object,
-        copied: dict[tuple[int, str], torch.UntypedStorage],
-        uses_cuda: list[bool],
-    ) -> object:
-        if isinstance(value, torch.Tensor):
-            return self._copy_tensor(value, copied, uses_cuda)
-        if type(value) is OrderedDict:
-            return OrderedDict((k, self._copy(v, copied, uses_cuda)) for k, v in value.items())
-        if isinstance(value, dict):
-            return {k: self._copy(v, copied, uses_cuda) for k, v in value.items()}
-        if isinstance(value, list):
-            return [self._copy(v, copied, uses_cuda) for v in value]
-        if isinstance(value, tuple):
-            return tuple(self._copy(v, copied, uses_cuda) for v in value)
-        if isinstance(value, set):
-            return {self._copy(v, copied, uses_cuda) for v in value}
-        return value  # numbers, strings, None, dtypes: immutable
-
-    def _copy_tensor(
-        self,
-        tensor: torch.Tensor,
-        copied: dict[tuple[int, str], torch.UntypedStorage],
-        uses_cuda: list[bool],
-    ) -> torch.Tensor:
-        if tensor.layout != torch.strided or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-            return tensor.detach().to("cpu", copy=True)  # rare layouts: a plain blocking copy
-        source = tensor.untyped_storage()
-        key = (source.data_ptr(), str(tensor.device))
-        storage = copied.get(key)
-        if storage is None:
-            storage = self._buffer(len(copied), source.nbytes(), pinned=tensor.is_cuda)
-            storage.copy_(source, non_blocking=tensor.is_cuda)
-            copied[key] = storage
-            if tensor.is_cuda:
-                uses_cuda.append(True)
-        view = torch.empty(0, dtype=tensor.dtype)
-        view.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
-        return view
-
-    def _buffer(self, index: int, nbytes: int, *, pinned: bool) -> torch.UntypedStorage:
+    def buffer(self, index: int, nbytes: int, *, pinned: bool) -> torch.UntypedStorage:
+        """The ``index``-th reusable CPU buffer, (re)allocated to ``nbytes``."""
         if index < len(self._buffers):
             buffer = self._buffers[index]
             if buffer.nbytes() == nbytes and buffer.is_pinned() == pinned:
@@ -608,13 +606,58 @@ class StateSnapshot:
         return buffer
 
 
+class _SnapshotWalk:
+    """One ``StateSnapshot.take``: the storages copied so far and the copies deferred."""
+
+    def __init__(self, owner: StateSnapshot, defer: frozenset[int]) -> None:
+        self.owner = owner
+        self.defer = defer
+        self.storages: dict[tuple[int, str], torch.UntypedStorage] = {}
+        self.deferred: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
+        self.uses_cuda = False
+
+    def copy(self, value: object) -> object:
+        if isinstance(value, torch.Tensor):
+            return self.copy_tensor(value)
+        if type(value) is OrderedDict:
+            return OrderedDict((k, self.copy(v)) for k, v in value.items())
+        if isinstance(value, dict):
+            return {k: self.copy(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.copy(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(self.copy(v) for v in value)
+        if isinstance(value, set):
+            return {self.copy(v) for v in value}
+        return value  # numbers, strings, None, dtypes: immutable
+
+    def copy_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.layout != torch.strided or type(tensor) not in _TENSOR_TYPES:
+            return tensor.detach().to("cpu", copy=True)  # rare layouts: a plain blocking copy
+        source = tensor.untyped_storage()
+        key = (source.data_ptr(), str(tensor.device))
+        storage = self.storages.get(key)
+        if storage is None:
+            pinned = tensor.is_cuda  # pinned host memory: the copy does not block the host
+            storage = self.owner.buffer(len(self.storages), source.nbytes(), pinned=pinned)
+            if tensor.device.type == "cpu" and source.data_ptr() in self.defer:
+                self.deferred.append((storage, source))
+            else:
+                _copy_bytes(storage, source, non_blocking=pinned)
+                self.uses_cuda = self.uses_cuda or pinned
+            self.storages[key] = storage
+        view = torch.empty(0, dtype=tensor.dtype)
+        view.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+        return view
+
+
 class AsyncCheckpointWriter:
     """Saves checkpoints on one background thread, at most one write in flight.
 
-    ``submit`` snapshots the state on the calling (training) thread -- the only part that
-    stalls training -- waits for the previous write, and hands the snapshot to the writer
-    thread. A failed write is raised as ``CheckpointError`` by the next ``submit``,
-    ``poll`` or ``wait``.
+    ``submit`` snapshots the state on the calling (training) thread, waits for the previous
+    write first, and hands the snapshot to the writer thread, which completes the deferred
+    copies (``snapshot_copied`` tells when), then writes through the manager. A failed
+    write is raised as ``CheckpointError`` by the next ``submit``, ``poll`` or ``wait``.
     """
 
     def __init__(self, manager: CheckpointManager) -> None:
@@ -623,27 +666,42 @@ class AsyncCheckpointWriter:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[Path] | None = None
         self._pending_step: int | None = None
+        self._copied = threading.Event()
+        self._copied.set()
         self._lock = threading.Lock()
 
     @property
     def in_flight(self) -> bool:
         return self._pending is not None and not self._pending.done()
 
-    def submit(self, step: int, state: Mapping[str, object]) -> None:
+    def submit(
+        self, step: int, state: Mapping[str, object], *, defer: frozenset[int] = frozenset()
+    ) -> None:
+        """Snapshot ``state`` and write it as ``step`` in the background. Storages in
+        ``defer`` are copied by the writer thread: call ``wait_for_snapshot`` before
+        anything changes them."""
         self.wait()
-        # The same rule as a synchronous save, checked here so the error is the caller's.
-        snapshot, ready = self._snapshot.take(plain_state(state))
-        assert isinstance(snapshot, dict)
+        # plain_state first: the same rule as a synchronous save, raised on this thread.
+        snapshot = self._snapshot.take(plain_state(state), defer)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="speedtronic-checkpoint")
         with self._lock:
-            self._pending = self._executor.submit(self._write, step, snapshot, ready)
+            self._copied.clear()
+            self._pending = self._executor.submit(self._write, step, snapshot)
             self._pending_step = step
 
-    def _write(self, step: int, state: dict[str, object], ready: torch.cuda.Event | None) -> Path:
-        if ready is not None:
-            ready.synchronize()
-        return self.manager.save(step, state)
+    def _write(self, step: int, snapshot: Snapshot) -> Path:
+        try:
+            snapshot.complete()
+        finally:
+            self._copied.set()  # also on failure: nobody may wait forever
+        return self.manager.save(step, snapshot.state)
+
+    def wait_for_snapshot(self) -> None:
+        """Block until the deferred copies of the write in flight are done (then the
+        training state may change again); raises the write's error if it failed."""
+        self._copied.wait()
+        self.poll()
 
     def poll(self) -> None:
         """Raise the error of a finished failed write, if any; never blocks."""

@@ -106,7 +106,10 @@ def _fit(args: argparse.Namespace) -> int:
     )
     if result.stop_reason:
         print(f"stopped early: {result.stop_reason}")
-    return EXIT_OK
+    from speedtronic.checkpoint import requeue_exit_code
+
+    # A signal stop (after the final checkpoint) exits 128+signal so a scheduler requeues it.
+    return requeue_exit_code(result.stop_reason) or EXIT_OK
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -124,7 +127,25 @@ def _validate(args: argparse.Namespace) -> int:
     print("\n# callbacks: " + (", ".join(name for name, _ in classes) or "none"))
     print("# per-event plan (callbacks run in this order):")
     print("\n".join("# " + line for line in format_plan(describe_classes(classes)).splitlines()))
+    print("# optimizer routing (which parameter goes where, and why):")
+    print("\n".join("# " + line for line in _routing_table(config).splitlines()))
     return EXIT_OK
+
+
+def _routing_table(config: object) -> str:
+    """Build the model on the meta device (no memory, no init cost) and route its parameters."""
+    import torch
+
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.optimizers import describe_routing, format_routing_table
+    from speedtronic.plugins import import_modules
+    from speedtronic.registry import build_model
+
+    assert isinstance(config, SpeedtronicConfig)
+    import_modules(config.imports)
+    with torch.device("meta"):
+        model = build_model(config.model)
+    return format_routing_table(describe_routing(model, config.optimizer))
 
 
 def _schema(args: argparse.Namespace) -> int:
@@ -178,6 +199,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 
     from speedtronic.checkpoint import CheckpointError
     from speedtronic.config import ConfigError
+    from speedtronic.plotting import PlotError
     from speedtronic.plugins import PluginError
     from speedtronic.trainer import TrainingStateError
 
@@ -185,6 +207,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         UserError,
         ConfigError,
         PluginError,
+        PlotError,
         CheckpointError,
         TrainingStateError,
         FileNotFoundError,

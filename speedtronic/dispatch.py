@@ -4,6 +4,10 @@ The plan is computed once per fit. A callback that does not override a hook is n
 that event's list, so an unused hook costs nothing on the hot path. Observer callbacks
 (sinks, loggers) are wrapped so that a failure is reported once as a warning and training
 continues; any other callback's failure propagates and stops the run.
+
+In a distributed run the plan of each rank holds only the callbacks whose ``rank_policy``
+selects that rank (``runs_on_rank``): sinks run on rank 0 alone, without any rank checks of
+their own. Every rank still *owns* all callbacks (their state is saved and restored).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from speedtronic.callback import Callback
+from speedtronic.callback import Callback, RankPolicy
 from speedtronic.events import Event
 
 if TYPE_CHECKING:
@@ -61,6 +65,17 @@ class _GuardedHook:
                 )
 
 
+def runs_on_rank(policy: RankPolicy, rank: int, local_rank: int) -> bool:
+    """Whether a callback with ``policy`` runs on global ``rank`` / node-local ``local_rank``."""
+    if policy == "all":
+        return True
+    if policy == "main":
+        return rank == 0
+    if policy == "local_main":
+        return local_rank == 0
+    raise ValueError(f"unknown rank_policy {policy!r} (expected 'all', 'main' or 'local_main')")
+
+
 def _ordered_for(event: Event, callbacks: Sequence[Callback]) -> list[Callback]:
     listening = [cb for cb in callbacks if overrides(cb, event)]
     if event is Event.METRICS:
@@ -72,15 +87,21 @@ def _ordered_for(event: Event, callbacks: Sequence[Callback]) -> list[Callback]:
 
 
 class CallbackPlan:
-    """The per-event hook lists of one set of callbacks."""
+    """The per-event hook lists of one set of callbacks, for one rank (default: rank 0 of a
+    single-process run, where every callback runs)."""
 
-    def __init__(self, callbacks: Sequence[Callback]) -> None:
+    def __init__(
+        self, callbacks: Sequence[Callback], *, rank: int = 0, local_rank: int = 0
+    ) -> None:
         check_state_keys(callbacks)
         self.callbacks: tuple[Callback, ...] = tuple(callbacks)
+        self.rank = rank
+        self.local_rank = local_rank
+        active = [cb for cb in callbacks if runs_on_rank(cb.rank_policy, rank, local_rank)]
         self._order: dict[Event, tuple[Callback, ...]] = {}
         self._hooks: dict[Event, tuple[Hook, ...]] = {}
         for event in Event:
-            ordered = _ordered_for(event, callbacks)
+            ordered = _ordered_for(event, active)
             self._order[event] = tuple(ordered)
             self._hooks[event] = tuple(self._bind(cb, event) for cb in ordered)
 

@@ -24,7 +24,7 @@ from typing import IO, TYPE_CHECKING, ClassVar, Literal, Protocol, TextIO, runti
 
 import torch
 
-from speedtronic.callback import Callback
+from speedtronic.callback import Callback, RankPolicy
 from speedtronic.contexts import (
     ExceptionContext,
     FitContext,
@@ -282,6 +282,7 @@ class MetricLoggerCallback(Callback):
 
     is_observer: ClassVar[bool] = True
     metrics_phase: ClassVar[Literal["contribute", "consume"]] = "consume"
+    rank_policy: ClassVar[RankPolicy] = "main"
 
     def __init__(self, logger: MetricLogger, *, close_logger: bool = False) -> None:
         self.logger = logger

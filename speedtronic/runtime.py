@@ -3,10 +3,16 @@
 ``build_runtime`` follows the original construction order (seed, device, model, precision
 and shape checks, data, optimizer, scheduler, checkpoint manager, callbacks, trainer,
 resume) and returns ``(trainer, checkpoint_manager)``; ``train_from_config`` also fits.
+
+Under ``torchrun`` the device step also joins the process group (``setup_distributed``):
+the device becomes the local rank's, the data loader shards by rank, and the trainer gets
+the ``DistributedContext`` (``trainer.distributed``). The group is destroyed by
+``train_from_config`` when it returns, or at interpreter exit.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -15,8 +21,9 @@ import torch
 
 from speedtronic.callback import Callback
 from speedtronic.checkpoint import CheckpointManager
-from speedtronic.config import CallbackSpec, SpeedtronicConfig
+from speedtronic.config import CallbackSpec, JSONValue, SpeedtronicConfig
 from speedtronic.data import build_dataloader
+from speedtronic.distributed import DistributedContext, setup_distributed, teardown_distributed
 from speedtronic.optimizers import build_optimizer, build_scheduler
 from speedtronic.plugins import PluginContext, build_callback, callback_registry, import_modules
 from speedtronic.precision import resolve_device, resolve_precision
@@ -46,7 +53,10 @@ def callback_specs(config: SpeedtronicConfig) -> list[CallbackSpec]:
     if config.logging.console and not names & {"console", "progress"}:
         head.append(CallbackSpec(name="console", options={}))
     if config.logging.jsonl and "jsonl" not in names:
-        head.append(CallbackSpec(name="jsonl", options={}))
+        jsonl_options: dict[str, JSONValue] = {}
+        if config.logging.json_file:
+            jsonl_options["path"] = config.logging.json_file
+        head.append(CallbackSpec(name="jsonl", options=jsonl_options))
     tail: list[CallbackSpec] = []
     if config.gradient_checkpointing and "gradient_checkpointing" not in names:
         tail.append(CallbackSpec(name="gradient_checkpointing", options={}))
@@ -95,8 +105,13 @@ def build_runtime(
     not change the LR schedule's horizon, so a stopped run resumes on the same schedule)."""
     cfg = as_config(config)
     import_modules(cfg.imports)
+    logging.getLogger("speedtronic").setLevel(cfg.logging.level)
     seed_everything(cfg.run.seed)
-    resolved_device = resolve_device(device if device is not None else cfg.run.device)
+    requested_device = device if device is not None else cfg.run.device
+    distributed = setup_distributed(requested_device, timeout_s=cfg.distributed.timeout_s)
+    resolved_device = (
+        distributed.device if distributed is not None else resolve_device(requested_device)
+    )
     net = model if model is not None else build_model(cfg.model)
     net.to(resolved_device)
     precision = resolve_precision(cfg.precision, resolved_device)
@@ -107,7 +122,9 @@ def build_runtime(
         else build_dataloader(
             cfg.data,
             pin_memory_device=resolved_device.type == "cuda",
-            vocab_size=cfg.model.vocab_size,
+            vocab_size=cfg.data.vocab_size,
+            rank=distributed.rank if distributed is not None else 0,
+            world_size=distributed.world_size if distributed is not None else 1,
         )
     )
     optimizer = build_optimizer(net, cfg.optimizer, resolved_device)
@@ -130,6 +147,7 @@ def build_runtime(
         max_steps=target,
         output_dir=output_dir,
         shape_report=shape_report,
+        distributed=distributed,
     )
     if resume or cfg.checkpoint.resume:
         if (
@@ -159,9 +177,18 @@ def train_from_config(
 ) -> TrainResult:
     """Build the runtime, write the resolved config to the run directory, and fit."""
     trainer, _ = build_runtime(config, resume=resume, device=device, max_steps=max_steps)
-    assert trainer.config is not None
-    save_run_config(trainer.config, trainer.output_dir)
-    return trainer.fit()
+    try:
+        assert trainer.config is not None
+        if _writes_run_files(trainer.distributed):
+            save_run_config(trainer.config, trainer.output_dir)
+        return trainer.fit()
+    finally:
+        teardown_distributed(trainer.distributed)
+
+
+def _writes_run_files(distributed: DistributedContext | None) -> bool:
+    """Run-level files (the resolved config) are written once, by rank 0."""
+    return distributed is None or distributed.is_main
 
 
 run = train_from_config

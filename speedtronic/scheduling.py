@@ -96,12 +96,12 @@ class StageStreamScheduler:
     def __init__(
         self,
         model: nn.Module,
-        device: torch.device,
+        device: torch.device | str,
         num_streams: int = 4,
         logger: WarningLogger | None = None,
     ) -> None:
         self.model = model
-        self.device = device
+        self.device = torch.device(device)
         self.requested_streams = max(1, min(MAX_STREAMS, int(num_streams)))
         self.stages: list[StageInfo] = []
         self.enabled = False

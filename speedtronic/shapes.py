@@ -72,7 +72,7 @@ class ShapeDataSettings(Protocol):
     def micro_batch_size(self) -> int: ...
 
     @property
-    def target_batch_size(self) -> int: ...
+    def target_batch_size(self) -> int | None: ...
 
     @property
     def block_size(self) -> int | None: ...
@@ -206,7 +206,12 @@ def _micro_batch_suggestion(micro: int, target: int, alignment: int) -> int | No
 
 def _batch_warnings(data: ShapeDataSettings, alignment: int) -> Iterator[ShapeWarning]:
     micro, target = data.micro_batch_size, data.target_batch_size
-    suggestion = _micro_batch_suggestion(micro, target, alignment) if target > 0 else None
+    # Without a target batch (no accumulation) any aligned micro batch works.
+    suggestion = (
+        _micro_batch_suggestion(micro, target, alignment)
+        if target is not None and target > 0
+        else _round_up(micro, alignment)
+    )
     yield from _check(
         "batch_alignment",
         "data.micro_batch_size",

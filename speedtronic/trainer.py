@@ -2,6 +2,11 @@
 
 ``fit`` emits ``setup -> fit_start -> [global steps] -> fit_end -> teardown`` (on error
 ``exception`` then ``teardown``); each global step is ``loop.run_global_step``.
+
+Given a ``DistributedContext`` (``speedtronic.distributed``) the trainer trains data-parallel:
+DDP around the model (``trainer.model`` stays the raw module), ``no_sync`` on all but the
+last microbatch, metrics reduced across ranks on logging steps, callbacks placed by their
+``rank_policy``, and a stop requested on any rank honoured by all ranks at the same step.
 """
 
 from __future__ import annotations
@@ -30,6 +35,17 @@ from speedtronic.contexts import (
 from speedtronic.coordinator import CoordinatorCallback, SyncCoordinator
 from speedtronic.data import BatchStream
 from speedtronic.dispatch import CallbackPlan
+from speedtronic.distributed import (
+    DistributedContext,
+    RankMetricReducer,
+    ReplicaSync,
+    agree_on_stop,
+    collective_failure,
+    no_sync_on_non_final,
+    reduce_run_totals,
+    replica_groups,
+    wrap_data_parallel,
+)
 from speedtronic.events import Event
 from speedtronic.loop import run_global_step
 from speedtronic.metrics import MetricValue
@@ -106,12 +122,13 @@ class Trainer:
         allow_optimizer_reset: bool | None = None,
         output_dir: str | Path | None = None,
         shape_report: object | None = None,
+        distributed: DistributedContext | None = None,
     ) -> None:
         self.config = self._coerce_config(config)
         cfg = self.config
-        self.device = resolve_device(
-            device if device is not None else (cfg.run.device if cfg else "cpu")
-        )
+        if device is None:  # a distributed run uses the device of this rank
+            device = distributed.device if distributed else (cfg.run.device if cfg else "cpu")
+        self.device = resolve_device(device)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -148,6 +165,7 @@ class Trainer:
         self.fit_clock = FitClock(time.perf_counter(), start_step, 0, 0)
         self.skipped_steps = 0
         self._stop_reason: str | None = None
+        self._agreed_stop: str | None = None
         self._reset_requests: list[str] = []
         self.grad_sync_context: Callable[[bool], contextlib.AbstractContextManager[object]] = (
             lambda final: contextlib.nullcontext()
@@ -155,7 +173,16 @@ class Trainer:
         self.callbacks: list[Callback] = list(callbacks)
         if coordinator is not None:
             self.callbacks.append(CoordinatorCallback(coordinator))
-        self.plan = CallbackPlan(self.callbacks)
+        self.distributed = distributed
+        self._ddp: nn.parallel.DistributedDataParallel | None = None
+        if self.multi_rank:
+            assert distributed is not None
+            self.callbacks.append(RankMetricReducer(distributed))  # the last contributor
+        self.plan = CallbackPlan(
+            self.callbacks,
+            rank=distributed.rank if distributed else 0,
+            local_rank=distributed.local_rank if distributed else 0,
+        )
         self._compile_requested = bool(self._pick(compile, cfg.compile if cfg else None, False))
         self._compiled: nn.Module | None = None
         self.trainable_parameters = [p for p in model.parameters() if p.requires_grad]
@@ -193,7 +220,19 @@ class Trainer:
 
     @property
     def stop_requested(self) -> bool:
+        """Whether a stop was requested on this rank (see ``stop_reason`` for the outcome)."""
         return self._stop_reason is not None
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the fit stops early. In a multi-rank run a stop requested on any rank takes
+        effect on every rank at the next logging step (``agree_on_stop``)."""
+        return self._agreed_stop if self.multi_rank else self._stop_reason
+
+    @property
+    def multi_rank(self) -> bool:
+        """True in a distributed run with more than one rank."""
+        return self.distributed is not None and self.distributed.world_size > 1
 
     def request_optimizer_reset(self, requested_by: str) -> None:
         """Ask for an ``optimizer_reset`` in this step (honoured when resets are allowed)."""
@@ -232,10 +271,16 @@ class Trainer:
     def autocast(self) -> contextlib.AbstractContextManager[object]:
         return autocast_context(self.precision, self.device)
 
+    @property
+    def train_module(self) -> nn.Module:
+        """The module the forward pass calls: the DDP wrapper in a data-parallel run, else
+        the raw model (``trainer.model``)."""
+        return self._ddp if self._ddp is not None else self.model
+
     def forward(self, batch: object) -> object:
         """The model's output for a batch, compiled when compilation is on and works."""
         if self._compiled is None:
-            return run_model(self.model, batch)
+            return run_model(self.train_module, batch)
         try:
             return run_model(self._compiled, batch)
         except Exception as exc:
@@ -247,17 +292,56 @@ class Trainer:
                 stacklevel=2,
             )
             self._compiled = None
-            return run_model(self.model, batch)
+            return run_model(self.train_module, batch)
 
     def _setup_compile(self) -> None:
         if not self._compile_requested or self._compiled is not None:
             return
         try:
-            self._compiled = cast(nn.Module, torch.compile(self.model))
+            self._compiled = cast(nn.Module, torch.compile(self.train_module))
         except Exception as exc:  # compile unavailable on this platform: stay eager
             warnings.warn(
                 f"torch.compile unavailable ({exc}); running eagerly", RuntimeWarning, stacklevel=2
             )
+
+    # -- data parallelism ----------------------------------------------------------------
+
+    def _ranks_per_replica(self, context: DistributedContext) -> int:
+        """Ranks per model replica: the world, unless a ``ReplicaSync`` callback says."""
+        sizes = {cb.ranks_per_replica for cb in self.callbacks if isinstance(cb, ReplicaSync)}
+        if len(sizes) > 1:
+            raise ValueError(f"callbacks disagree on ranks_per_replica: {sorted(sizes)}")
+        return sizes.pop() if sizes else context.world_size
+
+    def _setup_data_parallel(self) -> None:
+        """Wrap the model in DDP over its replica (once per model; a collective)."""
+        context = self.distributed
+        if context is None or not self.multi_rank:
+            return
+        if self._ddp is not None and self._ddp.module is self.model:
+            return
+        size = self._ranks_per_replica(context)
+        self._ddp = None
+        self.grad_sync_context = lambda final: contextlib.nullcontext()
+        if size > 1:
+            group = replica_groups(context, size).replica if size < context.world_size else None
+            self._ddp = wrap_data_parallel(self.model, context, group)
+            self.grad_sync_context = no_sync_on_non_final(self._ddp)
+        self._compiled = None  # compile what the forward pass now calls
+
+    def _keep_going(self, start_step: int) -> bool:
+        """Whether to run another step. A multi-rank run agrees on stopping at logging
+        steps only (one tiny all-reduce), so every rank stops at the same step."""
+        if self.step >= self._target_step:
+            return False
+        if not self.multi_rank:
+            return self._stop_reason is None
+        assert self.distributed is not None
+        due = self.step > start_step and self.is_metric_due(self.step)
+        if self._agreed_stop is None and due:
+            if agree_on_stop(self.distributed, self._stop_reason is not None):
+                self._agreed_stop = self._stop_reason or "stop requested on another rank"
+        return self._agreed_stop is None
 
     # -- fit ---------------------------------------------------------------------------
 
@@ -272,11 +356,13 @@ class Trainer:
             raise ValueError(f"max_steps must be a positive integer, got {requested!r}")
         self._target_step = max(self.step, requested)
         self._stop_reason = None
+        self._agreed_stop = None
         self.due_records = []
         start_step = self.step
         fit_ctx = FitContext(start_step, self._target_step)
         self.model.to(self.device)
         self.model.train()
+        self._setup_data_parallel()
         self.optimizer.zero_grad(set_to_none=True)
         self._setup_compile()
         self.fit_clock = FitClock(time.perf_counter(), start_step, self.samples, self.tokens)
@@ -285,14 +371,17 @@ class Trainer:
         try:
             self.plan.emit(self, Event.SETUP, fit_ctx)
             self.plan.emit(self, Event.FIT_START, fit_ctx)
-            while self.step < self._target_step and self._stop_reason is None:
+            while self._keep_going(start_step):
                 run_global_step(self, self.step + 1)
             result = self._result(start_step)
-            self.plan.emit(self, Event.FIT_END, FitEndContext(result, self._stop_reason))
+            self.plan.emit(self, Event.FIT_END, FitEndContext(result, self.stop_reason))
             return result
         except BaseException as exc:
             error = exc
             self.plan.emit(self, Event.EXCEPTION, ExceptionContext(exc, self.step))
+            failure = collective_failure(exc, self.distributed)
+            if failure is not None:
+                raise failure from exc
             raise
         finally:
             self.plan.emit(self, Event.TEARDOWN, TeardownContext(self.step, error))
@@ -300,15 +389,24 @@ class Trainer:
     train = fit
 
     def _result(self, start_step: int) -> TrainResult:
-        final_loss = float(self.last_loss.item()) if self.last_loss is not None else None
+        """The fit's result; in a multi-rank run the loss is the mean over ranks and the
+        sample and token counts are the totals of all ranks."""
+        loss = self.last_loss if self.step > start_step else None
+        samples, tokens = self.samples, self.tokens
+        if self.multi_rank:
+            assert self.distributed is not None
+            mean_loss, samples, tokens = reduce_run_totals(self.distributed, loss, samples, tokens)
+            final_loss = mean_loss
+        else:
+            final_loss = float(loss.item()) if loss is not None else None
         return TrainResult(
             steps=self.step,
-            samples=self.samples,
-            tokens=self.tokens,
-            final_loss=final_loss if self.step > start_step else None,
+            samples=samples,
+            tokens=tokens,
+            final_loss=final_loss,
             elapsed_s=time.perf_counter() - self.fit_clock.start_time,
             metrics=list(self.due_records),
-            stop_reason=self._stop_reason,
+            stop_reason=self.stop_reason,
         )
 
     # -- state ---------------------------------------------------------------------------
@@ -359,6 +457,7 @@ class Trainer:
             int(counters["tokens"]),
         )
         restore_rng_state(cast(Mapping[str, object] | None, state.get("rng")))
+        self._adopt_saved_cuda_rng(state.get("rng"))
         data_state = state.get("data")
         if isinstance(data_state, Mapping):
             self.stream.load_state_dict(cast(Mapping[str, int], data_state))
@@ -366,6 +465,15 @@ class Trainer:
             self._load_callback_states(
                 cast(Mapping[str, Mapping[str, object]], state.get("callbacks") or {})
             )
+
+    def _adopt_saved_cuda_rng(self, rng: object) -> None:
+        """Rank 0 saved the generator of *its* GPU (index 0 on its node); every rank ran the
+        same random ops on its own GPU, so that state is the one this rank's GPU needs."""
+        if not self.multi_rank or self.device.type != "cuda" or not isinstance(rng, Mapping):
+            return
+        saved = rng.get("cuda")
+        if isinstance(saved, list) and saved and isinstance(saved[0], torch.Tensor):
+            torch.cuda.set_rng_state(saved[0], self.device)
 
     def resume(self, state: Mapping[str, object]) -> None:
         """Original API: restore a checkpoint's state."""

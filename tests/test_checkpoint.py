@@ -12,7 +12,7 @@ import textwrap
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import jsonschema
@@ -404,7 +404,12 @@ def test_no_final_save_when_disabled_or_already_saved(
     callback = CheckpointCallback(tmp_path / "b", every_steps=4)
     saves: list[int] = []
     real = callback.manager.save
-    monkeypatch.setattr(callback.manager, "save", lambda s, st: saves.append(s) or real(s, st))
+
+    def counting_save(step: int, state: Mapping[str, object]) -> Path:
+        saves.append(step)
+        return real(step, state)
+
+    monkeypatch.setattr(callback.manager, "save", counting_save)
     tiny_trainer([callback]).fit(8)
     assert saves == [4, 8]  # step 8 was saved by the interval, not twice
     tiny_trainer([CheckpointCallback(tmp_path / "c", every_steps=4, enabled=False)]).fit(6)
@@ -546,20 +551,31 @@ def test_snapshot_keeps_shared_storage_and_reuses_buffers() -> None:
     head.weight = embedding.weight  # tied
     state = {"emb": embedding.state_dict(), "head": head.state_dict(), "n": 3}
     snapshot = StateSnapshot()
-    first, ready = snapshot.take(state)
-    assert ready is None  # CPU: nothing to wait for
-    assert isinstance(first, dict)
-    emb, tied = first["emb"]["weight"], first["head"]["weight"]
+    first = snapshot.take(state)
+    assert first.ready is None and first.deferred == []  # CPU, nothing deferred
+    emb, tied = first.state["emb"]["weight"], first.state["head"]["weight"]  # type: ignore[index]
     assert emb.untyped_storage().data_ptr() == tied.untyped_storage().data_ptr()
     assert emb.untyped_storage().data_ptr() != embedding.weight.untyped_storage().data_ptr()
     assert torch.equal(emb, embedding.weight.detach())
     with torch.no_grad():
         embedding.weight.add_(1.0)
     assert not torch.equal(emb, embedding.weight.detach())  # a copy, not a view
-    second, _ = snapshot.take(state)
-    assert isinstance(second, dict)
-    assert second["emb"]["weight"].untyped_storage().data_ptr() == emb.untyped_storage().data_ptr()
-    assert torch.equal(second["emb"]["weight"], embedding.weight.detach())
+    second = snapshot.take(state)
+    again = second.state["emb"]["weight"]  # type: ignore[index]
+    assert again.untyped_storage().data_ptr() == emb.untyped_storage().data_ptr()
+    assert torch.equal(again, embedding.weight.detach())
+
+
+def test_snapshot_defers_only_the_named_storages() -> None:
+    weight, buffer = torch.ones(4), torch.zeros(2)
+    snapshot = StateSnapshot().take(
+        {"w": weight, "b": buffer}, defer=frozenset({weight.untyped_storage().data_ptr()})
+    )
+    weight.add_(1.0)  # still allowed: the deferred copy has not run
+    buffer.add_(5.0)  # the buffer was copied at take()
+    snapshot.complete()
+    assert torch.equal(snapshot.state["w"], torch.full((4,), 2.0))  # type: ignore[arg-type]
+    assert torch.equal(snapshot.state["b"], torch.zeros(2))  # type: ignore[arg-type]
 
 
 # -- signals ------------------------------------------------------------------------------------

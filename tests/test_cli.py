@@ -105,6 +105,13 @@ def test_validate_prints_redacted_config_and_plan(config_file: Path, tmp_path: P
     assert "hf_supersecret" not in done.stdout and "<redacted>" in done.stdout
     assert "# callbacks: console, jsonl, checkpoint" in done.stdout
     assert "metrics" in done.stdout and "console -> jsonl" in done.stdout
+    assert "optimizer routing" in done.stdout
+    assert "transformer.wte.weight (= lm_head.weight)" in done.stdout  # tied weight listed once
+    muon = speedtronic(
+        "validate", "--config", str(config_file), "--set", "optimizer.name=muon", cwd=tmp_path
+    )
+    assert muon.returncode == 0, muon.stderr
+    assert "attn.q_proj.weight" in muon.stdout and "muon: 7 tensors" in muon.stdout
     as_json = speedtronic(
         "validate", "--config", str(config_file), "--format", "json", cwd=tmp_path
     )

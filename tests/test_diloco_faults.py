@@ -67,7 +67,7 @@ class Node:
             self.step += 1
             loss = nn.functional.mse_loss(self.model(self.inputs), self.inputs @ TRUE_WEIGHTS.T)
             self.optimizer.zero_grad()
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
             self.optimizer.step()
             outcome = self.node.on_step(self.step)
             if outcome.installed is not None:
@@ -98,6 +98,7 @@ def build(
     delete_applied: bool = True,
     attempts: int = 4,
     max_staleness: int | None = None,
+    outer_momentum: float = 0.5,
 ) -> Node:
     model = make_model()
     layout = build_layout(model.state_dict())
@@ -110,6 +111,7 @@ def build(
             secret=secret,
             delete_applied=delete_applied,
             max_staleness=max_staleness,
+            outer_momentum=outer_momentum,  # 0.9 is tuned for H ~ 500; it rings at H = 2
         )
         master = MasterLoop(transport, layout, settings, audit_path=audit)
     node = DiLoCoNode(
@@ -180,7 +182,7 @@ def test_master_and_workers_improve_the_global_model(tmp_path: Path) -> None:
 
     assert master.node.master is not None
     assert master.node.master.outer_step >= 6
-    assert global_loss(master.node) < initial / 4
+    assert global_loss(master.node) < initial / 5
     hashes = applied_hashes(audit)
     assert len(hashes) == len(set(hashes))  # each delta applied exactly once
     nodes = {
@@ -194,7 +196,8 @@ def test_master_and_workers_improve_the_global_model(tmp_path: Path) -> None:
     assert metrics["diloco/deltas_included"] == len(hashes)
     assert metrics["diloco/bytes_up"] > 0 and metrics["diloco/rounds"] >= 6
     stop(master, *workers)
-    assert not list((tmp_path / "hub" / "nodes").rglob("*.safetensors")) or True
+    leftovers = list((tmp_path / "hub" / "nodes").rglob("*.safetensors"))
+    assert len(leftovers) <= 3  # applied deltas are deleted; at most the last ones wait
 
 
 def test_upload_happens_before_install_so_no_zero_delta(tmp_path: Path) -> None:
@@ -203,13 +206,12 @@ def test_upload_happens_before_install_so_no_zero_delta(tmp_path: Path) -> None:
     worker = build(hub, "worker", seed=3, inner_steps=1)
     start(master, worker)
     worker.train(1)  # installs outer step 0
-    master.train(1)
-    master.train(1)  # boundary: uploads, the master's round publishes outer step 1
-    worker.train(1)  # polls step 1 -> candidate ready
-    assert worker.node._candidate is not None or worker.node.installed_step >= 1
+    master.train(2)  # the master's own delta is uploaded at its boundary
+    assert master.node.master is not None
+    assert master.node.master.sync_once().outer_step == 1
+    worker.train(1)  # uploads; its poll fetches outer step 1 into the candidate slot
+    assert worker.node._candidate is not None and worker.node._candidate.outer_step == 1
     before = worker.node.installed_step
-    weights_before_step = {k: v.clone() for k, v in worker.model.state_dict().items()}
-
     worker.train(1)  # boundary with a ready global: upload first, then install
 
     uploads = sorted(
@@ -220,8 +222,7 @@ def test_upload_happens_before_install_so_no_zero_delta(tmp_path: Path) -> None:
     last = decode_delta(uploads[-1].read_bytes(), layout, secret=None)
     assert last.info.local_step == worker.step
     assert all(bool(t.abs().sum() > 0) for t in last.tensors.values())  # not a zero delta
-    assert worker.node.installed_step > before
-    assert weights_before_step.keys() == worker.model.state_dict().keys()
+    assert worker.node.installed_step == 1 > before
     stop(master, worker)
 
 
@@ -303,15 +304,15 @@ def test_half_of_all_calls_failing_transiently_still_converges_exactly_once(
 ) -> None:
     flaky = FlakyTransport(DirectoryTransport(tmp_path / "hub"))
     audit = tmp_path / "audit.jsonl"
-    master = build(flaky, "master", role="master", audit=audit, attempts=2)
-    workers = [build(flaky, f"w{i}", seed=5 + i, attempts=2) for i in range(2)]
+    master = build(flaky, "master", role="master", audit=audit, attempts=4)
+    workers = [build(flaky, f"w{i}", seed=5 + i, attempts=4) for i in range(2)]
     start(master, *workers)
     initial = global_loss(master.node)
 
     run_round_robin([master, *workers], rounds=8)
 
     assert flaky.failures > 50
-    assert master.node.master is not None and master.node.master.outer_step >= 5
+    assert master.node.master is not None and master.node.master.outer_step >= 4
     hashes = applied_hashes(audit)
     assert len(hashes) == len(set(hashes))
     assert global_loss(master.node) < initial
@@ -447,8 +448,16 @@ def test_delta_signed_with_the_wrong_key_is_rejected(tmp_path: Path) -> None:
     honest = build(hub, "honest", seed=2, secret=b"shared")
     intruder = build(hub, "intruder", seed=3, secret=b"guessed")
     start(master, honest, intruder)
+    run_round_robin([master, honest, intruder], rounds=2)
+    assert master.node.master is not None
+    layout = build_layout(make_model().state_dict())
+    bogus = {key: torch.full(layout.wire_shapes[key], 5.0) for key in layout.sync_keys}
+    base = master.node.master.outer_step
+    for secret, step in ((b"guessed", 3), (None, 4)):  # a wrong key, and no key at all
+        blob = encode_delta(bogus, DeltaInfo("intruder", step, base, "x"), layout, secret=secret)
+        hub.put(delta_path("intruder", step, parse_header(blob).metadata["sha256"]), blob)
 
-    run_round_robin([master, honest, intruder], rounds=4)
+    run_round_robin([master, honest], rounds=2)
 
     records = audit_records(audit)
     applied_nodes = {
@@ -456,14 +465,15 @@ def test_delta_signed_with_the_wrong_key_is_rejected(tmp_path: Path) -> None:
         for record in records
         for item in record["applied"]  # type: ignore[attr-defined]  # a JSON list
     }
-    reasons = {
+    reasons = sorted(
         item["reason"]
         for record in records
         for item in record["rejected"]  # type: ignore[attr-defined]  # a JSON list
-    }
+    )
     assert applied_nodes == {"master", "honest"}
-    assert reasons == {RejectionReason.BAD_SIGNATURE.value}
+    assert reasons == [RejectionReason.BAD_SIGNATURE.value, RejectionReason.UNSIGNED.value]
     assert intruder.node.installed_step == -1  # it cannot verify the master's pointer either
+    assert intruder.node.reporter.permanent_errors >= 1
     stop(master, honest, intruder)
 
 
@@ -486,11 +496,15 @@ def test_nan_foreign_and_mislabelled_deltas_are_rejected(tmp_path: Path) -> None
 
     master.train(2)
 
-    reasons = sorted(
-        item["reason"]
-        for record in audit_records(audit)
-        for item in record["rejected"]  # type: ignore[attr-defined]  # a JSON list
-    ) if audit.exists() else []
+    reasons = (
+        sorted(
+            item["reason"]
+            for record in audit_records(audit)
+            for item in record["rejected"]  # type: ignore[attr-defined]  # a JSON list
+        )
+        if audit.exists()
+        else []
+    )
     assert master.node.stats.deltas_rejected == 3
     assert master.node.stats.last_round is not None
     found = sorted(r.reason.value for r in master.node.stats.last_round.rejected) or reasons
@@ -515,8 +529,10 @@ def test_stale_deltas_weigh_less_and_too_stale_ones_are_rejected(tmp_path: Path)
 
     report = master.node.master.sync_once()
 
-    assert [(a.node_id, a.staleness) for a in report.applied] == [("slightly-stale", 1)]
-    assert report.applied[0].weight == pytest.approx(2**-0.5)
+    applied = {item.node_id: item for item in report.applied if item.node_id != "master"}
+    assert list(applied) == ["slightly-stale"]
+    assert applied["slightly-stale"].staleness == 1
+    assert applied["slightly-stale"].weight == pytest.approx(2**-0.5)
     assert [(r.path.split("/")[1], r.reason) for r in report.rejected] == [
         ("very-stale", RejectionReason.TOO_STALE)
     ]
@@ -603,7 +619,49 @@ def test_a_failed_publication_changes_nothing_and_is_retried(tmp_path: Path) -> 
     assert master.node.master.outer_step == before
     hub.down = False
     master.train(2)
-    assert master.node.master.outer_step == before + 1
+    assert master.node.master.outer_step > before
+    hashes = applied_hashes(audit)
+    assert len(hashes) == len(set(hashes))
+    steps_applied = {
+        item["local_step"]
+        for record in audit_records(audit)
+        for item in record["applied"]  # type: ignore[attr-defined]  # a JSON list
+    }
+    assert {4, 6} <= steps_applied  # the deltas of the failed rounds were applied later
+    stop(master)
+
+
+def test_a_publication_reported_failed_that_landed_is_adopted(tmp_path: Path) -> None:
+    class LostPointerAck(DirectoryTransport):
+        lose_next = False
+
+        def put(self, path: str, data: bytes) -> None:
+            super().put(path, data)
+            if self.lose_next and path == POINTER_PATH:
+                self.lose_next = False
+                raise PermanentTransportError("put", "connection closed before the reply")
+
+    hub = LostPointerAck(tmp_path / "hub")
+    audit = tmp_path / "audit.jsonl"
+    master = build(hub, "master", role="master", audit=audit)
+    start(master)
+    master.train(2)
+    assert master.node.master is not None
+    master.node.master.sync_once()
+    before = master.node.master.outer_step
+    layout = build_layout(make_model().state_dict())
+    delta = {key: torch.full(layout.wire_shapes[key], 1e-3) for key in layout.sync_keys}
+    blob = encode_delta(delta, DeltaInfo("w", 9, before, "x"), layout)
+    hub.put(delta_path("w", 9, parse_header(blob).metadata["sha256"]), blob)
+    hub.lose_next = True
+    with pytest.raises(PermanentTransportError):
+        master.node.master.sync_once()  # published, but reported as failed
+    assert master.node.master.outer_step == before  # not committed in memory
+
+    master.train(4)  # the next rounds adopt the landed step instead of halting
+
+    assert master.node.master.halted is None
+    assert master.node.master.outer_step > before + 1
     hashes = applied_hashes(audit)
     assert len(hashes) == len(set(hashes))
     stop(master)
@@ -630,8 +688,14 @@ def test_a_second_master_on_the_same_hub_is_detected(tmp_path: Path) -> None:
     first.node.master.release()
     other = build(hub, "master-b", role="master")
     start(other)
-    other.train(2)  # publishes a newer step as master-b
-    first.train(2)  # master-a's next publication finds master-b's pointer
+    other.train(2)
+    assert other.node.master is not None
+    other.node.master.sync_once()  # master-b publishes (its own step-2 delta at the latest)
+    raw = hub.get(POINTER_PATH)
+    assert raw is not None
+    layout = build_layout(make_model().state_dict())
+    assert decode_pointer(raw, fingerprint=layout.fingerprint, secret=None).master == "master-b"
+    first.train(1)  # master-a's next round finds master-b's pointer
     assert first.node.master.halted is not None
     assert "master-b" in first.node.master.halted
     stop(first, other)
@@ -658,6 +722,7 @@ def test_a_resumed_worker_installs_the_latest_global(tmp_path: Path) -> None:
     resumed.train(1)
 
     assert resumed.node.installed_step == latest
+    assert resumed.node.stats.resyncs == 0
     assert resumed.node.pending is not None  # unsent progress kept: nothing sent it before
     resumed.train(2)  # the boundary at step 8 sends it
     assert resumed.node.stats.uploads == 1
@@ -682,22 +747,25 @@ def test_a_resumed_worker_drops_work_it_had_already_sent(tmp_path: Path) -> None
     resumed.node.load_state_dict(checkpoint)
     resumed.step = 5
     start(resumed)
-    resumed.train(3)  # replays steps 6..8; the boundary at 8 must not resend old work
+    assert master.node.master is not None
+    outer_at_resume = master.node.master.outer_step
+    resumed.train(3)  # replays steps 6..8 from the newest global, not from the checkpoint
     master.train(2)
     resumed.train(4)
 
-    assert resumed.node.stats.uploads >= 1
+    assert resumed.node.stats.resyncs == 1  # the checkpointed unsent delta was dropped
     hashes = applied_hashes(audit)
     assert len(hashes) == len(set(hashes))
-    applied_steps = [
-        (item["node_id"], item["local_step"])
+    resent = [
+        item
         for record in audit_records(audit)
         for item in record["applied"]  # type: ignore[attr-defined]  # a JSON list
-        if item["node_id"] == "worker"
+        if item["node_id"] == "worker" and item["local_step"] == 8
     ]
-    # step 8 was sent by the first run; the resumed run resynchronised instead of
-    # sending its replayed step 8 again
-    assert applied_steps.count(("worker", 8)) == 1
+    # step 8 of the first run, then new work of the resumed run, measured from the global
+    # it installed at start-up (not the checkpoint's stale baseline)
+    assert len(resent) == 2
+    assert int(resent[1]["base_outer_step"]) >= outer_at_resume
     stop(master, resumed)
 
 
@@ -708,6 +776,7 @@ def test_dedupe_is_by_content_not_by_name(tmp_path: Path) -> None:
     start(master)
     master.train(2)
     assert master.node.master is not None
+    master.node.master.sync_once()  # settle the master's own upload of step 2
     layout = build_layout(make_model().state_dict())
     delta = {key: torch.full(layout.wire_shapes[key], 1e-3) for key in layout.sync_keys}
     base = master.node.master.outer_step
@@ -720,9 +789,7 @@ def test_dedupe_is_by_content_not_by_name(tmp_path: Path) -> None:
     second = master.node.master.sync_once()
     assert (second.included, second.published) == (0, False)
     assert hub.get(path) is None  # cleaned up
-    other = encode_delta(
-        {k: v * 2 for k, v in delta.items()}, DeltaInfo("w", 3, base, "x"), layout
-    )
+    other = encode_delta({k: v * 2 for k, v in delta.items()}, DeltaInfo("w", 3, base, "x"), layout)
     hub.put(delta_path("w", 3, parse_header(other).metadata["sha256"]), other)
     assert master.node.master.sync_once().included == 1  # same name stem, new content
     stop(master)

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import httpx2  # the HTTP client huggingface_hub builds its errors from
 import pytest
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 from huggingface_hub.errors import (
     HfHubHTTPError,
+    LocalEntryNotFoundError,
     RemoteEntryNotFoundError,
     RepositoryNotFoundError,
 )
@@ -323,6 +325,31 @@ class FakeHfApi:
         target.write_bytes(self.files[filename])
         return str(target)
 
+    def create_commit(
+        self,
+        repo_id: str,
+        operations: list[CommitOperationAdd | CommitOperationDelete],
+        *,
+        commit_message: str,
+        repo_type: str | None = None,
+    ) -> object:
+        self._maybe_fail()
+        staged = dict(self.files)
+        for operation in operations:
+            if isinstance(operation, CommitOperationAdd):
+                content = operation.path_or_fileobj
+                assert isinstance(content, bytes)
+                staged[operation.path_in_repo] = content
+            elif operation.path_in_repo not in staged:
+                raise RemoteEntryNotFoundError(
+                    "cannot delete a missing file", response=_response(404)
+                )
+            else:
+                del staged[operation.path_in_repo]
+        self.files = staged  # all or nothing, like a Hub commit
+        self.commits += 1
+        return None
+
     def delete_files(
         self,
         repo_id: str,
@@ -357,6 +384,37 @@ def test_hub_round_trip_through_the_fake_api() -> None:
     assert hub.location == "hf://team/run"
 
 
+def test_hub_commit_is_one_atomic_commit_and_tolerates_missing_deletions() -> None:
+    api = FakeHfApi()
+    hub = HubTransport("team/run", api=api)
+    hub.put("nodes/a/delta_1_0123456789abcdef.safetensors", b"delta")
+    before = api.commits
+
+    hub.commit(
+        [("global/model_00000001.safetensors", b"m"), ("global/step_count.json", b"{}")],
+        ["nodes/a/delta_1_0123456789abcdef.safetensors", "nodes/a/gone.safetensors"],
+    )
+
+    assert api.files["global/step_count.json"] == b"{}"
+    assert "global/model_00000001.safetensors" in api.files
+    assert api.commits == before + 1  # the retry without deletions is the only commit
+    api.fail = [HfHubHTTPError("500", response=_response(500))]
+    with pytest.raises(TransientTransportError):
+        hub.commit([("global/step_count.json", b'{"new": 1}')])
+    assert api.files["global/step_count.json"] == b"{}"  # nothing half-applied
+
+
+def test_directory_commit_writes_in_order_then_deletes(tmp_path: Path) -> None:
+    hub = DirectoryTransport(tmp_path)
+    hub.put("nodes/a/old.safetensors", b"x")
+    transport = RetryingTransport(hub, sleep=lambda _: None)
+    transport.commit(
+        [("global/a.json", b"1"), ("global/b.json", b"22")], ["nodes/a/old.safetensors"]
+    )
+    assert hub.get("global/b.json") == b"22" and hub.get("nodes/a/old.safetensors") is None
+    assert transport.bytes_up == 3
+
+
 def test_hub_error_classification() -> None:
     assert classify_hub_error(HfHubHTTPError("x", response=_response(401))) == "permanent"
     assert classify_hub_error(HfHubHTTPError("x", response=_response(403))) == "permanent"
@@ -366,6 +424,8 @@ def test_hub_error_classification() -> None:
     assert classify_hub_error(RemoteEntryNotFoundError("x", response=_response(404))) == (
         "not_found"
     )
+    offline = LocalEntryNotFoundError("cannot reach the Hub and no cached copy")
+    assert classify_hub_error(offline) == "transient"  # the file may exist: not "missing"
     assert classify_hub_error(HfHubHTTPError("x", response=_response(429))) == "transient"
     assert classify_hub_error(HfHubHTTPError("x", response=_response(503))) == "transient"
     assert classify_hub_error(ConnectionError("reset")) == "transient"

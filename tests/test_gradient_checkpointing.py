@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import jsonschema
 import pytest
@@ -12,12 +12,11 @@ import torch
 from torch import nn
 
 from callbacks.gradient_checkpointing import CheckpointedForward, GradientCheckpointing
+from speedtronic.callback import Callback
 from speedtronic.contexts import FitContext, TeardownContext
 from speedtronic.model import ReferenceTransformer
 from speedtronic.module_utils import set_gradient_checkpointing
-
-if TYPE_CHECKING:
-    from speedtronic.trainer import Trainer
+from speedtronic.trainer import Trainer
 
 FIT = FitContext(start_step=0, target_step=1)
 TEARDOWN = TeardownContext(step=1, error=None)
@@ -25,7 +24,7 @@ TEARDOWN = TeardownContext(step=1, error=None)
 
 def fake_trainer(model: nn.Module) -> Trainer:
     """The callback only reads ``trainer.model``."""
-    return cast("Trainer", SimpleNamespace(model=model))
+    return cast(Trainer, SimpleNamespace(model=model))
 
 
 def loss_and_grads(
@@ -204,3 +203,37 @@ def test_set_gradient_checkpointing_helper_keeps_raising_for_models_without_hook
     assert all(block.gradient_checkpointing for block in model.blocks)
     set_gradient_checkpointing(model, enabled=False)
     assert not any(block.gradient_checkpointing for block in model.blocks)
+
+
+def test_callback_in_a_real_fit_changes_nothing_but_memory() -> None:
+    def fit(callbacks: list[Callback]) -> tuple[list[object], ReferenceTransformer]:
+        torch.manual_seed(0)
+        model = ReferenceTransformer(
+            vocab_size=32, block_size=8, n_layer=2, n_head=2, d_model=16, dropout=0.1
+        )
+        generator = torch.Generator().manual_seed(1)
+        batches = [
+            {
+                "input_ids": torch.randint(0, 32, (2, 8), generator=generator),
+                "labels": torch.randint(0, 32, (2, 8), generator=generator),
+            }
+            for _ in range(3)
+        ]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        trainer = Trainer(model, optimizer, batches, device="cpu", callbacks=callbacks, max_steps=3)
+        result = trainer.fit()
+        return [record["loss"] for record in result.metrics], model
+
+    seen: list[bool] = []
+
+    class Spy(GradientCheckpointing):
+        def on_fit_start(self, trainer: Trainer, ctx: FitContext) -> None:
+            seen.extend(block.gradient_checkpointing for block in trainer.model.blocks)
+
+    plain_losses, plain = fit([])
+    checkpointed_losses, checkpointed = fit([Spy()])
+    assert seen == [True, True]  # on during the fit
+    assert checkpointed_losses == pytest.approx(plain_losses, abs=1e-6)
+    for a, b in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+    assert not any(block.gradient_checkpointing for block in checkpointed.blocks)  # torn down

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from speedtronic import optimizers
+from speedtronic.config import SpeedtronicConfig
 from speedtronic.model import ReferenceTransformer
 from speedtronic.optimizers import (
     DEFAULT_NS_COEFFICIENTS,
@@ -30,6 +30,7 @@ from speedtronic.optimizers import (
     lr_multiplier,
     newton_schulz,
     ns_work_dtype,
+    orthogonalize,  # patched: its private bf16 probes
     post_polar_normalize,
     route_parameters,
 )
@@ -114,18 +115,21 @@ def test_newton_schulz_is_pure_and_finite() -> None:
     assert result.shape == (5, 3)
     assert torch.isfinite(result).all()
     assert torch.equal(matrix, original)
-    assert result.dtype == ns_work_dtype(CPU)
+    assert result.dtype == ns_work_dtype(CPU, torch.float32, (5, 3)) == torch.float32
 
 
 def test_ns_precision_policy_follows_native_bf16_support(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(optimizers, "_cpu_bf16_gemm_supported", lambda: False)
+    monkeypatch.setattr(orthogonalize, "_cpu_bf16_gemm_supported", lambda: False)
     assert ns_work_dtype(CPU) == torch.float32
     assert newton_schulz(torch.ones(2, 3)).dtype == torch.float32
-    monkeypatch.setattr(optimizers, "_cpu_bf16_gemm_supported", lambda: True)
+    monkeypatch.setattr(orthogonalize, "_cpu_bf16_gemm_supported", lambda: True)
     assert ns_work_dtype(CPU) == torch.bfloat16
+    assert ns_work_dtype(CPU, torch.float32, (128, 512)) == torch.bfloat16
+    assert ns_work_dtype(CPU, torch.float32, (64, 512)) == torch.float32  # overhead-bound
+    assert newton_schulz(torch.ones(130, 128)).dtype == torch.bfloat16
     assert ns_work_dtype(CPU, torch.float64) == torch.float64
     assert ns_work_dtype(torch.device("mps")) == torch.float32
-    monkeypatch.setattr(optimizers, "_cuda_bf16_supported", lambda: True)
+    monkeypatch.setattr(orthogonalize, "_cuda_bf16_supported", lambda: True)
     assert ns_work_dtype(torch.device("cuda")) == torch.bfloat16
 
 
@@ -401,6 +405,17 @@ def test_user_rules_come_first_and_first_match_wins() -> None:
     norm_routing = route_parameters(model, [ndim_rule])
     norm_row = next(r for r in norm_routing.rows if r.name == "transformer.ln_f.weight")
     assert norm_row.optimizer == "adamw" and "but Muon needs" in norm_row.reason
+
+
+def test_config_routing_rules_use_the_optimizers_matching() -> None:
+    config = SpeedtronicConfig.load(
+        {"optimizer": {"name": "muon", "routing": [{"to": "adamw", "module": "LINEAR", "ndim": 2}]}}
+    )
+    assert not hasattr(config.optimizer.routing[0], "matches")  # one implementation: ours
+    routing = route_parameters(reference_model(), config.optimizer.routing)
+    assert routing.muon == ()  # the class-name glob is case-insensitive, as documented
+    reasons = {row.reason for row in routing.rows if row.name.endswith("proj.weight")}
+    assert reasons == {"optimizer.routing[0] (module='LINEAR', ndim=2)"}
 
 
 def test_head_and_embedding_names_stay_on_adamw() -> None:
@@ -720,3 +735,60 @@ def test_build_scheduler_validates_and_is_a_lambda_lr() -> None:
         build_scheduler(optimizer, SchedSettings(name="linear"), 5)
     with pytest.raises(ValueError, match="min_lr_ratio"):
         build_scheduler(optimizer, replace(SchedSettings(), min_lr_ratio=2.0), 5)
+
+
+def test_muon_matches_the_per_matrix_formula_for_batched_and_large_shapes() -> None:
+    # Small equal shapes are orthogonalised as one batch, large ones one by one; both must
+    # give exactly the documented per-matrix update.
+    generator = torch.Generator().manual_seed(10)
+    shapes = [(8, 12), (12, 8), (8, 12), (130, 260), (130, 260)]
+    params = [nn.Parameter(torch.randn(*s, generator=generator)) for s in shapes]
+    starts = [p.detach().clone() for p in params]
+    grads = [torch.randn(*s, generator=generator) for s in shapes]
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = grad
+    Muon(params, lr=0.1, momentum=0.9, ns_dtype="float32").step()
+    for param, start, grad in zip(params, starts, grads, strict=True):
+        direction = grad.lerp(0.1 * grad, 0.9)
+        scale = math.sqrt(max(1.0, param.shape[0] / param.shape[1]))
+        expected = start - 0.1 * scale * newton_schulz(direction, dtype=torch.float32)
+        assert torch.allclose(param.detach(), expected, atol=1e-5)
+
+
+def test_config_default_lr_scale_is_rms_matched() -> None:
+    settings = SpeedtronicConfig.load({"optimizer": {"name": "muon"}}).optimizer
+    optimizer = build_optimizer(reference_model(), settings, CPU)
+    muon_group = optimizer.param_groups[0]
+    assert muon_group["algorithm"] == "muon" and muon_group["lr_scale"] == "rms"
+    assert muon_group["lr"] == optimizer.param_groups[1]["lr"] == settings.lr
+
+
+def test_package_reexports_its_public_api() -> None:
+    import speedtronic.optimizers as package
+
+    missing = [name for name in package.__all__ if not hasattr(package, name)]
+    assert missing == []
+    assert package.newton_schulz is newton_schulz and callable(package.newton_schulz)
+
+
+def test_builders_accept_the_config_sections() -> None:
+    config = SpeedtronicConfig.load(
+        {
+            "optimizer": {
+                "name": "muon",
+                "muon_lr_scale": "rms",
+                "routing": [{"to": "adamw", "name": "*.mlp.*"}],
+                "cautious": True,
+            },
+            "scheduler": {"name": "cosine", "warmup_steps": 2, "max_steps": 6},
+        }
+    )
+    model = reference_model()
+    optimizer = build_optimizer(model, config.optimizer, CPU)
+    assert isinstance(optimizer, CautiousOptimizer)
+    assert [len(g["params"]) for g in optimizer.param_groups] == [4, 7]
+    scheduler = build_scheduler(optimizer, config.scheduler, config.scheduler_steps)
+    lm_loss(model, 0).backward()
+    optimizer.step()
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(config.optimizer.lr)

@@ -189,6 +189,6 @@ def test_out_of_order_scheduler_degrades_to_noop_on_cpu() -> None:
 
 
 def test_out_of_order_scheduler_names_mps_and_clamps_streams() -> None:
-    scheduler = StageStreamScheduler(nn.Linear(2, 2), torch.device("mps"), num_streams=99)
+    scheduler = StageStreamScheduler(nn.Linear(2, 2), "mps", num_streams=99)
     assert not scheduler.enabled and "mps" in scheduler.reason
     assert scheduler.requested_streams == 8

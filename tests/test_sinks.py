@@ -14,7 +14,15 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
+from sink_helpers import (
+    StateAtStep,
+    TinyRegressor,
+    make_trainer,
+    plugin_context,
+    read_jsonl,
+)
 
+from callbacks.background import BackgroundWorker
 from callbacks.console import ConsoleCallback
 from callbacks.csv_sink import CsvCallback
 from callbacks.early_stopping import EarlyStopping
@@ -25,13 +33,6 @@ from callbacks.sink import MetricSink, Record
 from callbacks.system_metrics import SystemMetricsCallback
 from callbacks.tensorboard import TensorBoardCallback
 from callbacks.wandb import WandbCallback
-from sink_helpers import (
-    StateAtStep,
-    TinyRegressor,
-    make_trainer,
-    plugin_context,
-    read_jsonl,
-)
 from speedtronic.callback import Callback
 from speedtronic.contexts import MetricsContext, StepContext
 from speedtronic.dispatch import CallbackWarning
@@ -75,6 +76,69 @@ def test_options_schema_is_a_closed_valid_schema(plugin: type[Callback]) -> None
 def test_from_options_builds_with_defaults(plugin: type[Callback], tmp_path: Path) -> None:
     callback = plugin.from_options({}, plugin_context(tmp_path))
     assert isinstance(callback, plugin)
+
+
+FULL_OPTIONS: dict[type[Callback], dict[str, object]] = {
+    ConsoleCallback: {"file": "log.txt", "stream": "stderr", "keys": ["grad_norm"]},
+    JsonlCallback: {"path": "m.jsonl"},
+    CsvCallback: {"path": "m.csv"},
+    ProgressBarCallback: {"mode": "lines", "stream": "stderr", "min_interval_s": 2, "leave": False},
+    TensorBoardCallback: {
+        "log_dir": "tb",
+        "prefix": "train/",
+        "flush_secs": 5,
+        "log_config": False,
+    },
+    WandbCallback: {
+        "project": "p",
+        "entity": None,
+        "name": "n",
+        "group": "g",
+        "tags": ["a"],
+        "notes": None,
+        "mode": "disabled",
+        "dir": "w",
+        "id": "abc123",
+        "log_config": False,
+        "background": False,
+    },
+    SystemMetricsCallback: {"memory": False, "mfu": True, "peak_flops": 1e12},
+    EarlyStopping: {
+        "monitor": "acc",
+        "mode": "max",
+        "patience": 4,
+        "min_delta": 0.5,
+        "stop_on_non_finite": False,
+    },
+    NanGuard: {
+        "action": "skip",
+        "check_every": 3,
+        "check_grads": False,
+        "max_consecutive_skips": 2,
+    },
+}
+
+
+@pytest.mark.parametrize("plugin", PLUGINS, ids=lambda cls: cls.__name__)
+def test_every_option_validates_and_reaches_the_callback(
+    plugin: type[Callback], tmp_path: Path
+) -> None:
+    options = FULL_OPTIONS[plugin]
+    jsonschema.validate(options, dict(plugin.options_schema))
+    callback = plugin.from_options(options, plugin_context(tmp_path))
+    attributes = {
+        ConsoleCallback: ("stream_name", "stderr"),
+        JsonlCallback: ("path", tmp_path / "m.jsonl"),
+        CsvCallback: ("path", tmp_path / "m.csv"),
+        ProgressBarCallback: ("min_interval_s", 2.0),
+        TensorBoardCallback: ("prefix", "train/"),
+        WandbCallback: ("run_id", "abc123"),
+        SystemMetricsCallback: ("peak_flops", 1e12),
+        EarlyStopping: ("min_delta", 0.5),
+        NanGuard: ("check_every", 3),
+    }
+    name, expected = attributes[plugin]
+    assert getattr(callback, name) == expected
 
 
 def test_relative_paths_resolve_under_the_output_dir(tmp_path: Path) -> None:
@@ -263,9 +327,7 @@ def test_progress_draws_a_tqdm_bar_on_a_terminal(tmp_path: Path) -> None:
     assert not bar.uses_bar  # closed at fit end
 
 
-def test_console_lines_and_bar_do_not_tear(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_console_lines_and_bar_do_not_tear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     terminal = FakeTerminal()
     monkeypatch.setattr(sys, "stdout", terminal)
     bar = ProgressBarCallback()
@@ -473,3 +535,30 @@ def test_memory_usage_bytes_is_none_without_an_accelerator() -> None:
     if not torch.cuda.is_available() and not torch.backends.mps.is_available():
         assert memory_usage_bytes() is None
     assert memory_usage_bytes(torch.device("cpu")) is None
+
+
+# -- background worker ------------------------------------------------------------------
+
+
+def test_background_worker_keeps_order_drains_and_reports_failures() -> None:
+    handled: list[int] = []
+
+    def handle(item: int) -> None:
+        if item == 3:
+            raise ValueError("item 3 is bad")
+        handled.append(item)
+
+    worker: BackgroundWorker[int] = BackgroundWorker("test-worker", handle, max_pending=4)
+    for item in range(3):
+        worker.submit(item)
+    worker.drain()
+    assert handled == [0, 1, 2]
+    worker.submit(3)
+    with pytest.raises(ValueError, match="item 3 is bad"):
+        worker.drain()
+    for item in range(4, 20):  # more than max_pending: submit waits instead of growing
+        worker.submit(item)
+    worker.close()
+    assert handled == [0, 1, 2, *range(4, 20)]
+    with pytest.raises(RuntimeError, match="closed"):
+        worker.submit(99)

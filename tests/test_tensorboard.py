@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from sink_helpers import StateAtStep, make_trainer
 from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped]  # tensorboard ships no type information
     EventAccumulator,
 )
 
 from callbacks.tensorboard import TensorBoardCallback
-from sink_helpers import StateAtStep, make_trainer
+from speedtronic.config import SpeedtronicConfig
 from speedtronic.integrations import TensorboardHook
 
 
@@ -36,6 +37,17 @@ def test_scalars_have_the_record_keys_and_steps(tmp_path: Path) -> None:
     losses = [value for _, value in scalars["loss"]]
     assert losses == pytest.approx([float(str(r["loss"])) for r in result.metrics], rel=1e-6)
     assert [value for _, value in scalars["lr"]] == pytest.approx([0.05] * 3)
+
+
+def test_the_run_config_is_stored_as_text(tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, [TensorBoardCallback()], max_steps=1)
+    trainer.config = SpeedtronicConfig.from_dict({"run": {"name": "tb-config"}})
+    trainer.fit()
+    accumulator = EventAccumulator(str(tmp_path / "tensorboard"))
+    accumulator.Reload()
+    assert "config/text_summary" in accumulator.Tags()["tensors"]
+    text = accumulator.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert '"name": "tb-config"' in text
 
 
 def test_prefix_and_log_dir_options(tmp_path: Path) -> None:

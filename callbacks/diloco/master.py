@@ -11,10 +11,10 @@ One round (``sync_once``):
 3. weight each delta by its staleness, aggregate, and apply the outer Nesterov step to a
    *copy* of the global state;
 4. publish model file, outer-state file, then the pointer (last, so readers never follow
-   it to a missing file). Only after the pointer is written is the new state committed in
-   memory; a failed publication leaves everything as it was and the same deltas are
-   applied (exactly once) by a later round;
-5. delete the applied deltas and old global versions (best effort).
+   it to a missing file; on the Hub all three are one atomic commit), removing the applied
+   deltas and old global versions in the same commit. Only after the pointer is written is
+   the new state committed in memory; a failed publication leaves everything as it was and
+   the same deltas are applied (exactly once) by a later round.
 
 Restart: ``reconcile`` treats the published pointer as the source of truth. A master
 resumed from an older checkpoint adopts the newer published global, momentum and ledger
@@ -197,6 +197,7 @@ class MasterLoop:
         self._reconciled = False
         self._rejected: dict[str, str] = {}
         self.halted: str | None = None
+        self._expected_pointer: tuple[int, str] | None = None
 
     # -- single master per hub (per process) -------------------------------------------
 
@@ -320,8 +321,10 @@ class MasterLoop:
                     self._publish(state, applied=())
                 elif local is not None and local.outer_step == pointer.outer_step:
                     state = local
+                    self._expected_pointer = (pointer.outer_step, pointer.master)
                 else:
                     state = self._adopt(pointer)
+                    self._expected_pointer = (pointer.outer_step, pointer.master)
             with self._lock:
                 self._state = state
                 self._reconciled = True
@@ -384,18 +387,24 @@ class MasterLoop:
             raise MasterConflictError(self.halted)
         with self._round_lock:
             started = self._clock()
+            self._check_no_other_master()
             state = self.snapshot()
             assert state is not None  # set by reconcile
             report, new_state, cleanup = self._round(state, started)
             if new_state is None:
                 self._delete(cleanup)
+                if report.rejected:
+                    self._audit(report)
                 return report
-            self._check_no_other_master(state.outer_step)
-            self._publish(new_state, applied=tuple(item.sha256 for item in report.applied))
+            self._check_no_other_master()
+            removable = cleanup if self.settings.delete_applied else []
+            self._publish(
+                new_state,
+                applied=tuple(item.sha256 for item in report.applied),
+                deletes=removable + self._stale_globals(new_state.outer_step),
+            )
             with self._lock:
                 self._state = new_state
-            self._delete(cleanup)
-            self._prune_globals(new_state.outer_step)
             report = RoundReport(
                 outer_step=new_state.outer_step,
                 published=True,
@@ -532,9 +541,14 @@ class MasterLoop:
 
     # -- publication -------------------------------------------------------------------
 
-    def _check_no_other_master(self, expected_step: int) -> None:
+    def _check_no_other_master(self) -> None:
+        """Halt when the pointer is no longer the one this master last saw or wrote: some
+        other master published (there is no compare-and-swap on a plain file store, so
+        this detects a second master at its next round rather than preventing it)."""
+        expected = self._expected_pointer
         raw = self.transport.get(POINTER_PATH)
         if raw is None:
+            self._halt("the hub pointer disappeared; refusing to publish over a reset hub")
             return
         try:
             pointer = decode_pointer(
@@ -543,19 +557,38 @@ class MasterLoop:
         except Rejected as exc:
             self._halt(f"the hub pointer is no longer readable by this master ({exc})")
             return
-        if pointer.outer_step != expected_step or pointer.master != self.settings.node_id:
-            self._halt(
-                f"master {pointer.master!r} published outer step {pointer.outer_step} while "
-                f"this master ({self.settings.node_id!r}) was at {expected_step}; only one "
-                "master may serve a hub"
+        if expected is None or (pointer.outer_step, pointer.master) == expected:
+            return
+        if pointer.master == self.settings.node_id:
+            # Our own publication that we counted as failed (a timed-out request that
+            # completed after all) or an earlier run of this master: the hub is the truth.
+            logger.warning(
+                "diloco master %s: the hub holds outer step %d written under this node id; "
+                "adopting it",
+                self.settings.node_id,
+                pointer.outer_step,
             )
+            state = self._adopt(pointer)
+            with self._lock:
+                self._state = state
+            self._expected_pointer = (pointer.outer_step, pointer.master)
+            return
+        self._halt(
+            f"master {pointer.master!r} published outer step {pointer.outer_step} while "
+            f"this master ({self.settings.node_id!r}) was at {expected[0]}; only one "
+            "master may serve a hub"
+        )
 
     def _halt(self, reason: str) -> None:
         self.halted = reason
         logger.error("diloco master stops aggregating: %s", reason)
         raise MasterConflictError(reason)
 
-    def _publish(self, state: OuterState, applied: tuple[str, ...]) -> Pointer:
+    def _publish(
+        self, state: OuterState, applied: tuple[str, ...], deletes: list[str] | None = None
+    ) -> Pointer:
+        """Write model, outer state and -- last -- the pointer (one commit on the Hub),
+        removing ``deletes`` (applied deltas, old globals) in the same commit."""
         secret = self.settings.secret
         step = state.outer_step
         model_bytes = encode_global(state.global_state, step, self.layout, secret=secret)
@@ -572,9 +605,15 @@ class MasterLoop:
             applied=applied,
             progress=dict(state.ledger.progress),
         )
-        self.transport.put(pointer.model_file, model_bytes)
-        self.transport.put(pointer.outer_file, outer_bytes)
-        self.transport.put(POINTER_PATH, encode_pointer(pointer, secret=secret))
+        self.transport.commit(
+            [
+                (pointer.model_file, model_bytes),
+                (pointer.outer_file, outer_bytes),
+                (POINTER_PATH, encode_pointer(pointer, secret=secret)),
+            ],
+            sorted(set(deletes or [])),
+        )
+        self._expected_pointer = (step, self.settings.node_id)
         return pointer
 
     def _delete(self, paths: list[str]) -> None:
@@ -587,20 +626,19 @@ class MasterLoop:
                 "diloco master could not delete %d applied delta(s): %s", len(paths), exc
             )
 
-    def _prune_globals(self, outer_step: int) -> None:
-        """Remove global files older than the last ``keep_global_versions`` steps (a worker
-        that read the previous pointer can still download its files)."""
+    def _stale_globals(self, outer_step: int) -> list[str]:
+        """Global files older than the last ``keep_global_versions`` steps (a worker that
+        read the previous pointer can still download its files)."""
         oldest_kept = outer_step - self.settings.keep_global_versions + 1
         try:
-            stale = [
+            return [
                 entry.path
                 for entry in self.transport.list_files("global")
                 if (step := _global_file_step(entry.path)) is not None and step < oldest_kept
             ]
-            if stale:
-                self.transport.delete(stale)
-        except Exception as exc:
-            logger.warning("diloco master could not prune old global files: %s", exc)
+        except Exception as exc:  # pruning is housekeeping: never fail a round for it
+            logger.warning("diloco master could not list old global files: %s", exc)
+            return []
 
     def _audit(self, report: RoundReport) -> None:
         """Append the round to a local JSON-lines log (who was applied, with what weight)."""

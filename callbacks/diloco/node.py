@@ -54,10 +54,11 @@ from callbacks.diloco.tensors import (
     Rejected,
     decode_global,
     decode_pointer,
-    encode_delta,
+    encode_wire,
     expand_aliases,
     global_tensors,
     parse_header,
+    to_wire,
 )
 from callbacks.diloco.transport import RetryingTransport, TransportError
 
@@ -92,11 +93,16 @@ class UploadJob:
 
 @dataclass(frozen=True)
 class UploadResult:
+    """``residual`` is what bf16/fp16 rounding dropped from the job; it is added to the
+    next delta once the upload is confirmed (error feedback), so compression loses
+    nothing over time."""
+
     job: UploadJob
     path: str | None
     size: int
     latency_s: float
     error: str | None
+    residual: dict[str, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +143,7 @@ class NodeStats:
     upload_failures: int = 0
     boundaries_skipped: int = 0
     installs: int = 0
+    resyncs: int = 0
     sync_latency_s: float = 0.0
     hub_outer_step: int = -1
     rounds: int = 0
@@ -214,6 +221,10 @@ class DiLoCoNode:
     # -- lifecycle ---------------------------------------------------------------------
 
     @property
+    def started(self) -> bool:
+        return self._started
+
+    @property
     def acts_as_master(self) -> bool:
         return self.master is not None and self.master.halted is None
 
@@ -285,14 +296,19 @@ class DiLoCoNode:
         assert self.baseline is not None  # set by start()
         current = _snapshot(self.model, self.layout.sync_keys)
         segment = pseudo_gradient(self.baseline, current, self.layout.sync_keys)
-        if self.pending is None:
-            self.pending = segment
-            self.pending_base = self.installed_step
-        else:
-            for key, value in segment.items():
-                self.pending[key].add_(value)
+        self._add_pending(segment, self.installed_step)
         self.baseline = current
         self._captured_step = step
+
+    def _add_pending(self, delta: Mapping[str, torch.Tensor], base: int) -> None:
+        """Add ``delta`` (made from global ``base``) to the pending delta. Out of place: a
+        checkpoint taken earlier may still hold the previous tensors."""
+        if self.pending is None:
+            self.pending = dict(delta)
+            self.pending_base = base
+        else:
+            self.pending = {key: value + delta[key] for key, value in self.pending.items()}
+            self.pending_base = min(self.pending_base, base)
 
     def _dispatch(self, step: int) -> bool:
         """Hand the unconfirmed job (a resend) or the pending delta to the upload lane."""
@@ -315,6 +331,7 @@ class DiLoCoNode:
                 )
                 self.pending = None
                 self._resync = True
+                self.stats.resyncs += 1
                 return False
             job = UploadJob(pending, step, self.pending_base)
             self.pending = None
@@ -379,14 +396,12 @@ class DiLoCoNode:
             base_outer_step=job.base_outer_step,
             incarnation=self.incarnation,
         )
+        residual = None
         try:
-            data = encode_delta(
-                job.delta,
-                info,
-                self.layout,
-                compression=self.settings.compression,
-                secret=self.settings.secret,
-            )
+            wire = to_wire(job.delta, self.layout, self.settings.compression)
+            if self.settings.compression is not Compression.NONE:
+                residual = {key: job.delta[key] - wire[key].to(torch.float32) for key in wire}
+            data = encode_wire(wire, info, self.layout, secret=self.settings.secret)
             path = delta_path(info.node_id, info.local_step, parse_header(data).metadata["sha256"])
             self.transport.put(path, data)
         except TransportError as exc:
@@ -394,7 +409,8 @@ class DiLoCoNode:
             self._uploads.put(UploadResult(job, None, 0, self._clock() - started, str(exc)))
             return
         self.reporter.success("upload")
-        self._uploads.put(UploadResult(job, path, len(data), self._clock() - started, None))
+        latency = self._clock() - started
+        self._uploads.put(UploadResult(job, path, len(data), latency, None, residual))
 
     def _poll(self, installed_step: int, fetch: bool, checkpoint_step: int | None) -> None:
         started = self._clock()
@@ -496,6 +512,8 @@ class DiLoCoNode:
             if result.error is None:
                 if self.unconfirmed is result.job:
                     self.unconfirmed = None
+                if result.residual is not None:
+                    self._add_pending(result.residual, result.job.base_outer_step)
                 self.stats.uploads += 1
                 self.stats.sync_latency_s = result.latency_s
             else:
@@ -542,14 +560,9 @@ class DiLoCoNode:
             self._held_pending = None
             self.pending = None
             self._resync = True
+            self.stats.resyncs += 1
         elif self._held_pending is not None:
-            if self.pending is None:
-                self.pending = self._held_pending
-                self.pending_base = self._held_base
-            else:
-                for key, value in self._held_pending.items():
-                    self.pending[key].add_(value)
-                self.pending_base = min(self.pending_base, self._held_base)
+            self._add_pending(self._held_pending, self._held_base)
             self._held_pending = None
         self._startup_done = True
 
@@ -661,6 +674,7 @@ class DiLoCoNode:
             "diloco/upload_failures": stats.upload_failures,
             "diloco/boundaries_skipped": stats.boundaries_skipped,
             "diloco/installs": stats.installs,
+            "diloco/resyncs": stats.resyncs,
             "diloco/bytes_up": self.transport.bytes_up,
             "diloco/bytes_down": self.transport.bytes_down,
             "diloco/sync_latency_s": stats.sync_latency_s,

@@ -376,6 +376,32 @@ class DeltaInfo:
     incarnation: str = ""
 
 
+def to_wire(
+    delta: StateDict, layout: ModelLayout, compression: Compression = Compression.NONE
+) -> dict[str, torch.Tensor]:
+    """The delta's tensors as they travel: cast to the compression dtype. An fp16 delta
+    with values beyond the fp16 range is sent in float32 instead of overflowing to Inf."""
+    dtype = compression.dtype
+    if compression is Compression.FP16 and any(
+        bool(t.abs().max() > _FP16_MAX) for t in delta.values() if t.numel()
+    ):
+        dtype = torch.float32
+    return {key: delta[key].to(dtype) for key in layout.sync_keys}
+
+
+def encode_wire(
+    wire: StateDict, info: DeltaInfo, layout: ModelLayout, *, secret: bytes | None = None
+) -> bytes:
+    """A delta file from tensors already in their wire dtype (see ``to_wire``)."""
+    fields = {
+        "node_id": info.node_id,
+        "local_step": str(info.local_step),
+        "base_outer_step": str(info.base_outer_step),
+        "incarnation": info.incarnation,
+    }
+    return encode_file("delta", wire, fields, fingerprint=layout.fingerprint, secret=secret)
+
+
 def encode_delta(
     delta: StateDict,
     info: DeltaInfo,
@@ -384,21 +410,8 @@ def encode_delta(
     compression: Compression = Compression.NONE,
     secret: bytes | None = None,
 ) -> bytes:
-    """A delta file. Values are cast to the compression dtype; an fp16 delta with values
-    beyond the fp16 range is sent in float32 instead of overflowing to Inf."""
-    dtype = compression.dtype
-    if compression is Compression.FP16 and any(
-        bool(t.abs().max() > _FP16_MAX) for t in delta.values() if t.numel()
-    ):
-        dtype = torch.float32
-    wire = {key: delta[key].to(dtype) for key in layout.sync_keys}
-    fields = {
-        "node_id": info.node_id,
-        "local_step": str(info.local_step),
-        "base_outer_step": str(info.base_outer_step),
-        "incarnation": info.incarnation,
-    }
-    return encode_file("delta", wire, fields, fingerprint=layout.fingerprint, secret=secret)
+    """A delta file (float32, or halved to bf16/fp16 with ``compression``)."""
+    return encode_wire(to_wire(delta, layout, compression), info, layout, secret=secret)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import errno
+import logging
 import os
 import random
 import re
@@ -36,9 +37,14 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
 T = TypeVar("T")
+
+logger = logging.getLogger("speedtronic.diloco")
 
 _PATH_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*$")
 
@@ -85,7 +91,13 @@ def check_remote_path(path: str) -> str:
 
 
 class Transport(abc.ABC):
-    """A flat file store addressed by relative POSIX paths."""
+    """A flat file store addressed by relative POSIX paths.
+
+    ``atomic_commit`` is true when ``commit`` applies all its changes at once (the Hub);
+    otherwise ``commit`` is a sequence of individually atomic puts.
+    """
+
+    atomic_commit: bool = False
 
     @property
     @abc.abstractmethod
@@ -111,6 +123,21 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def delete(self, paths: Sequence[str]) -> None:
         """Remove files; missing ones are ignored."""
+
+    def commit(self, puts: Sequence[tuple[str, bytes]], deletes: Sequence[str] = ()) -> None:
+        """Write ``puts`` in order, then remove ``deletes``.
+
+        The default is not atomic as a whole: each put is atomic and they happen in order
+        (put the file readers look up first -- the pointer -- last), and the deletions are
+        best effort once every put succeeded. ``HubTransport`` makes it one atomic commit.
+        """
+        for path, data in puts:
+            self.put(path, data)
+        if deletes:
+            try:
+                self.delete(deletes)
+            except TransportError as exc:
+                logger.warning("diloco could not remove %d old file(s): %s", len(deletes), exc)
 
     def classify(self, error: Exception) -> bool:
         """Whether an unexpected exception from this transport is transient."""
@@ -275,6 +302,15 @@ class HubApi(Protocol):
         local_dir: str | None = None,
     ) -> object: ...
 
+    def create_commit(
+        self,
+        repo_id: str,
+        operations: list[CommitOperationAdd | CommitOperationDelete],
+        *,
+        commit_message: str,
+        repo_type: str | None = None,
+    ) -> object: ...
+
     def delete_files(
         self,
         repo_id: str,
@@ -285,7 +321,10 @@ class HubApi(Protocol):
     ) -> object: ...
 
 
-_NOT_FOUND_ERRORS = {"EntryNotFoundError", "RemoteEntryNotFoundError", "LocalEntryNotFoundError"}
+_NOT_FOUND_ERRORS = {"EntryNotFoundError", "RemoteEntryNotFoundError"}
+_OFFLINE_ERRORS = {"LocalEntryNotFoundError", "OfflineModeIsEnabled"}
+"""Raised by a download that could not reach the Hub (and found no cached copy): the file
+may well exist, so these are transient, not "not found"."""
 _PERMANENT_ERRORS = {
     "RepositoryNotFoundError",
     "GatedRepoError",
@@ -315,6 +354,8 @@ def classify_hub_error(error: BaseException) -> str:
     ``huggingface_hub`` versions (requests- or httpx-based) without importing them.
     """
     names = _error_names(error)
+    if names & _OFFLINE_ERRORS:
+        return "transient"
     if names & _NOT_FOUND_ERRORS:
         return "not_found"
     if names & _PERMANENT_ERRORS:
@@ -339,12 +380,14 @@ def redact(text: str, secrets: Iterable[str | None]) -> str:
 
 
 class HubTransport(Transport):
-    """A Hugging Face Hub model repository as a hub.
+    """A Hugging Face Hub model repository as a hub (commits are atomic).
 
     ``token_env`` names the environment variable holding the access token (default
     ``HF_TOKEN``); when it is unset the SDK's own login is used. The token lives only in
     the ``HfApi`` object: it is never stored on disk, logged or put in error messages.
     """
+
+    atomic_commit = True
 
     def __init__(
         self,
@@ -467,6 +510,42 @@ class HubTransport(Transport):
         except Exception as exc:
             raise self._fail(f"put {path}", exc) from None
 
+    def commit(self, puts: Sequence[tuple[str, bytes]], deletes: Sequence[str] = ()) -> None:
+        """One atomic Hub commit: readers see all of it or none of it. If a file to delete
+        has gone already, the commit is retried without the deletions."""
+        for path, _ in puts:
+            check_remote_path(path)
+        for path in deletes:
+            check_remote_path(path)
+        try:
+            from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+        except ImportError as exc:
+            raise PermanentTransportError(
+                "commit", "huggingface_hub is not installed; pip install 'speedtronic[hub]'"
+            ) from exc
+        adds: list[CommitOperationAdd | CommitOperationDelete] = [
+            CommitOperationAdd(path_in_repo=path, path_or_fileobj=data) for path, data in puts
+        ]
+        removals: list[CommitOperationAdd | CommitOperationDelete] = [
+            CommitOperationDelete(path_in_repo=path) for path in deletes
+        ]
+        message = f"speedtronic diloco: {', '.join(path for path, _ in puts) or 'cleanup'}"
+        try:
+            try:
+                self.api.create_commit(
+                    self.repo_id, adds + removals, commit_message=message, repo_type="model"
+                )
+            except Exception as exc:
+                if not removals or classify_hub_error(exc) != "not_found":
+                    raise
+                self.api.create_commit(
+                    self.repo_id, adds, commit_message=message, repo_type="model"
+                )
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise self._fail("commit", exc) from None
+
     def delete(self, paths: Sequence[str]) -> None:
         if not paths:
             return
@@ -502,7 +581,7 @@ class RetryPolicy:
     attempts: int = 6
     initial: float = 1.0
     maximum: float = 60.0
-    timeout: float = 120.0
+    timeout: float = 600.0
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
@@ -566,6 +645,7 @@ class RetryingTransport(Transport):
         rng: random.Random | None = None,
     ) -> None:
         self.inner = inner
+        self.atomic_commit = inner.atomic_commit
         self.policy = policy or RetryPolicy()
         self.cancel = cancel or threading.Event()
         self._sleep = sleep
@@ -634,6 +714,15 @@ class RetryingTransport(Transport):
 
     def delete(self, paths: Sequence[str]) -> None:
         self._call("delete", lambda: self.inner.delete(paths))
+
+    def commit(self, puts: Sequence[tuple[str, bytes]], deletes: Sequence[str] = ()) -> None:
+        if not self.inner.atomic_commit:
+            super().commit(puts, deletes)  # each put retried on its own, in order
+            return
+        # Retrying a whole atomic commit is safe: it either happened or it did not.
+        self._call("commit", lambda: self.inner.commit(puts, deletes))
+        with self._lock:
+            self.bytes_up += sum(len(data) for _, data in puts)
 
     def classify(self, error: Exception) -> bool:
         return self.inner.classify(error)

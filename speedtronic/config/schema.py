@@ -430,12 +430,26 @@ class _Values:
     def flag(self, section: str, key: str) -> bool:
         return self.get(section, key) is True
 
+    def callback_entries(self) -> list[tuple[int, Mapping[str, object]]]:
+        """``(index, entry)`` of every well-formed ``callbacks:`` entry."""
+        entries = self._data.get("callbacks")
+        if not isinstance(entries, list):
+            return []
+        return [(i, entry) for i, entry in enumerate(entries) if isinstance(entry, Mapping)]
+
 
 def cross_field_errors(data: Mapping[str, object]) -> list[str]:
     """Rules that relate several keys (or need more than a JSON Schema keyword)."""
     values = _Values(data)
     errors: list[str] = []
-    for rule in (_batch_rules, _model_rules, _optimizer_rules, _data_rules, _distributed_rules):
+    for rule in (
+        _batch_rules,
+        _model_rules,
+        _optimizer_rules,
+        _data_rules,
+        _distributed_rules,
+        _collective_timeout_rules,
+    ):
         errors.extend(rule(values))
     return errors
 
@@ -489,6 +503,13 @@ def _data_rules(values: _Values) -> Iterator[str]:
             f"data.dataset: {dataset!r} looks like a pickled dataset file; name a registered "
             "dataset instead (pickle files are never loaded)"
         )
+    data_vocab = values.positive_int("data", "vocab_size")
+    model_vocab = values.positive_int("model", "vocab_size")
+    if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
+        yield (
+            f"data.vocab_size: {data_vocab} is larger than model.vocab_size ({model_vocab}); "
+            "the model could not embed every token id"
+        )
 
 
 def _distributed_rules(values: _Values) -> Iterator[str]:
@@ -517,6 +538,27 @@ def _distributed_rules(values: _Values) -> Iterator[str]:
         )
     elif repo_id is not None and hub_dir is not None:
         yield "distributed.hub_dir: set distributed.repo_id or distributed.hub_dir, not both"
+
+
+def _collective_timeout_rules(values: _Values) -> Iterator[str]:
+    """The timeouts of torch.distributed collectives must fit together: a callback's
+    outer-round timeout (``sync_timeout_s``, synchronous DiLoCo) may not be shorter than
+    the per-step collective timeout ``distributed.timeout_s``. A round all-reduces the whole
+    model and waits for the slowest replica, so it is the longest collective of a run."""
+    step_timeout = values.number("distributed", "timeout_s")
+    if step_timeout is None:
+        return
+    for index, entry in values.callback_entries():
+        round_timeout = entry.get("sync_timeout_s")
+        if isinstance(round_timeout, bool) or not isinstance(round_timeout, (int, float)):
+            continue
+        if round_timeout < step_timeout:
+            yield (
+                f"callbacks[{index}].sync_timeout_s: {round_timeout:g} s is shorter than "
+                f"distributed.timeout_s ({step_timeout:g} s); an outer round all-reduces the "
+                "whole model and waits for the slowest replica, so give it at least the "
+                "per-step collective timeout"
+            )
 
 
 def _node_rules(values: _Values) -> Iterator[str]:

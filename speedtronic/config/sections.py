@@ -17,7 +17,6 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import ClassVar, Literal, TypeAlias, cast
 
@@ -222,7 +221,7 @@ class DataConfig(_Section):
     vocab_size: int | None = None
     block_size: int | None = None
     micro_batch_size: int = 1
-    target_batch_size: int = 1
+    target_batch_size: int | None = None
     num_workers: int = 0
     prefetch_factor: int | None = None
     pin_memory: bool | None = None
@@ -233,7 +232,9 @@ class DataConfig(_Section):
 
     @property
     def accumulation_steps(self) -> int:
-        """Microbatches per optimizer step."""
+        """Microbatches per optimizer step (1 while ``target_batch_size`` is unset)."""
+        if self.target_batch_size is None:
+            return 1
         return self.target_batch_size // self.micro_batch_size
 
     def __repr__(self) -> str:
@@ -253,21 +254,14 @@ def _redacted(value: object) -> object:
 class RoutingRule:
     """``optimizer.routing[i]`` -- send matching parameters to Muon or AdamW.
 
-    Every given criterion must match; a rule with none matches everything.
+    Every given criterion must match; a rule with none matches everything. This is the
+    config record only: ``speedtronic.optimizers.RoutingRule`` does the matching.
     """
 
     to: Literal["muon", "adamw"]
     name: str | None = None
     module: str | None = None
     ndim: int | None = None
-
-    def matches(self, parameter_name: str, module_type: str, ndim: int) -> bool:
-        """Whether a parameter (full dotted name, owner class name, rank) matches."""
-        if self.name is not None and not fnmatchcase(parameter_name, self.name):
-            return False
-        if self.module is not None and module_type != self.module:
-            return False
-        return self.ndim is None or ndim == self.ndim
 
     def to_dict(self) -> dict[str, JSONValue]:
         """The rule as config data (unset criteria omitted)."""
@@ -312,7 +306,7 @@ class OptimizerConfig(_Section):
     muon_ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
     muon_norm_eps: float = 1e-8
     muon_lr: float | None = None
-    muon_lr_scale: Literal["original", "rms"] = "original"
+    muon_lr_scale: Literal["original", "rms"] = "rms"
     muon_weight_decay: float | None = None
     routing: list[RoutingRule] = field(default_factory=list)
 
@@ -529,6 +523,8 @@ class SpeedtronicConfig:
             distributed.role = "master" if has_hub else "worker"
         if self.data.block_size is None:
             self.data.block_size = self.model.max_seq_len
+        if self.data.target_batch_size is None:
+            self.data.target_batch_size = self.data.micro_batch_size
         if self.data.vocab_size is None:
             self.data.vocab_size = self.model.vocab_size
         if self.data.seed is None:

@@ -14,6 +14,11 @@ Source order (first match wins):
 Map-style datasets get a ``ResumableSampler`` seeded with ``data.seed``, so the shuffled
 order is reproducible and a resumed run continues at the exact sample. The loader also gets
 its own ``torch.Generator``, so starting an epoch never touches the global RNG.
+
+Distributed runs (``rank``/``world_size``): map-style data is sharded by the sampler (each
+rank a strided share of the same epoch order); iterable data (the text stream) is wrapped in
+``RankShardedIterable`` and its DataLoader workers split each rank's share further. The
+``data`` batch sizes are per rank: the global batch is ``world_size`` times larger.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from speedtronic.data.collate import collate_batch
-from speedtronic.data.stream import ResumableSampler
+from speedtronic.data.stream import RankShardedIterable, ResumableSampler
 from speedtronic.data.synthetic import LearnableLanguageDataset, SyntheticTokenDataset
 from speedtronic.data.text import DataSourceError, TextFileTokenDataset, Tokenizer
 from speedtronic.plugins import DATASET_GROUP, PluginRegistry
@@ -266,11 +271,14 @@ def build_dataloader(
     tokenizer: Tokenizer | None = None,
     pin_memory_device: bool = False,
     vocab_size: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> DataLoader[object]:
     """The training ``DataLoader`` for the ``data`` config section (module docstring).
 
     ``vocab_size`` overrides ``data.vocab_size`` (the runtime passes the model's);
-    ``pin_memory_device`` is the pin_memory default when ``data.pin_memory`` is None.
+    ``pin_memory_device`` is the pin_memory default when ``data.pin_memory`` is None;
+    ``rank`` and ``world_size`` select this rank's shard of the data.
     """
     source = (
         dataset
@@ -286,8 +294,12 @@ def build_dataloader(
                 "data.shuffle is ignored for an iterable dataset (it streams in file order)",
                 stacklevel=2,
             )
+        if world_size > 1:
+            source = RankShardedIterable(source, rank=rank, world_size=world_size)
     elif isinstance(source, Sized):
-        sampler = ResumableSampler(len(source), shuffle=config.shuffle, seed=seed)
+        sampler = ResumableSampler(
+            len(source), shuffle=config.shuffle, seed=seed, rank=rank, world_size=world_size
+        )
     else:
         raise TypeError(
             f"map-style dataset {type(source).__name__} needs __len__ (for its sampler)"

@@ -26,16 +26,23 @@ stream stands.
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Generator, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
 
-__all__ = ["BatchStream", "EMPTY_SOURCE_MESSAGE", "ResumableSampler", "infinite_batches"]
+__all__ = [
+    "BatchStream",
+    "EMPTY_SOURCE_MESSAGE",
+    "RankShardedIterable",
+    "ResumableSampler",
+    "infinite_batches",
+]
 
 BatchT = TypeVar("BatchT")
 
@@ -60,19 +67,44 @@ def _non_negative(name: str, value: object) -> int:
 
 
 class ResumableSampler(Sampler[int]):
-    """Indices ``0..n-1`` in a per-epoch order that can start anywhere.
+    """Indices ``0..n-1`` in a per-epoch order that can start anywhere, optionally one
+    rank's shard of them.
 
     With ``shuffle`` the order of epoch ``e`` is ``torch.randperm`` from a generator seeded
     by ``(seed, e)``; without it, the identity. ``set_epoch`` selects the epoch (and starts
     it from the beginning); ``set_start(k)`` then skips the first ``k`` indices of that
     order without anyone loading them.
+
+    Sharding (``world_size > 1``): every rank computes the same epoch order, pads it by
+    wrapping around to a multiple of ``world_size`` (so all ranks get equally many indices
+    and stay in step), and takes every ``world_size``-th index from position ``rank``. The
+    ranks together see every sample once per epoch (the first ``-n % world_size`` of the
+    order twice when ``n`` is not a multiple). Striding keeps global batches identical to
+    a single process's: the ``world_size`` micro-batches of step ``s`` together hold exactly
+    the samples a single process with a ``world_size`` times larger batch would read.
+    ``num_samples``, ``start`` and ``len`` count this rank's shard.
     """
 
-    def __init__(self, data_source_len: int, *, shuffle: bool, seed: int) -> None:
+    def __init__(
+        self,
+        data_source_len: int,
+        *,
+        shuffle: bool,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         super().__init__()
-        self.num_samples = _non_negative("data_source_len", data_source_len)
+        self.dataset_len = _non_negative("data_source_len", data_source_len)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        self.rank = _non_negative("rank", rank)
+        if self.rank >= world_size:
+            raise ValueError(f"rank {rank} is not below world_size {world_size}")
+        self.world_size = world_size
+        self.num_samples = -(-self.dataset_len // world_size)  # this rank's shard size
         self.shuffle = bool(shuffle)
         self.seed = seed
         self.epoch = 0
@@ -92,13 +124,23 @@ class ResumableSampler(Sampler[int]):
             )
         self.start = position
 
-    def order(self) -> list[int]:
-        """The full index order of the current epoch."""
+    def global_order(self) -> list[int]:
+        """The current epoch's order of the whole dataset (the same on every rank)."""
         if not self.shuffle:
-            return list(range(self.num_samples))
+            return list(range(self.dataset_len))
         generator = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
-        permutation: list[int] = torch.randperm(self.num_samples, generator=generator).tolist()
+        permutation: list[int] = torch.randperm(self.dataset_len, generator=generator).tolist()
         return permutation
+
+    def order(self) -> list[int]:
+        """This rank's index order of the current epoch (all of it without sharding)."""
+        order = self.global_order()
+        if self.world_size == 1 or not order:
+            return order
+        padded_len = self.num_samples * self.world_size
+        while len(order) < padded_len:  # wrap around (several times for tiny datasets)
+            order.extend(order[: padded_len - len(order)])
+        return order[self.rank :: self.world_size]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.order()[self.start :])
@@ -107,13 +149,16 @@ class ResumableSampler(Sampler[int]):
         return self.num_samples - self.start
 
     def state_dict(self) -> dict[str, int]:
-        return {
+        state = {
             "epoch": self.epoch,
             "start": self.start,
             "seed": self.seed,
             "shuffle": int(self.shuffle),
             "num_samples": self.num_samples,
         }
+        if self.world_size > 1:
+            state["world_size"] = self.world_size
+        return state
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Restore epoch and start; the data size, seed and shuffle flag must match."""
@@ -121,14 +166,57 @@ class ResumableSampler(Sampler[int]):
             ("num_samples", self.num_samples),
             ("seed", self.seed),
             ("shuffle", int(self.shuffle)),
+            ("world_size", self.world_size),
         ):
-            if key in state and int(state[key]) != expected:
+            if int(state.get(key, 1 if key == "world_size" else expected)) != expected:
                 raise ValueError(
                     f"sampler state has {key}={state[key]} but this sampler has {expected}; "
                     "the saved data order does not apply to this data"
                 )
         self.set_epoch(int(state.get("epoch", 0)))
         self.set_start(int(state.get("start", 0)))
+
+
+class RankShardedIterable(IterableDataset[BatchT], Generic[BatchT]):
+    """One rank's share of an iterable dataset.
+
+    The source's items are dealt out in rounds of ``world_size``: item ``i`` of each
+    complete round goes to rank ``i``, and an incomplete last round is dropped, so every
+    rank yields equally many items (ranks stay in step; at most ``world_size - 1`` items per
+    pass are unused). Each rank iterates the whole source. Splitting among DataLoader
+    workers stays the source's job (``get_worker_info``, as ``TextFileTokenDataset`` does);
+    combined, rank ``r`` and worker ``w`` of ``W`` get items ``w + W * (r + world_size * j)``,
+    every item once.
+    """
+
+    def __init__(self, source: Iterable[BatchT], *, rank: int, world_size: int) -> None:
+        super().__init__()
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        self.source = source
+        self.rank = rank
+        self.world_size = world_size
+
+    def __iter__(self) -> Iterator[BatchT]:
+        last_slot = self.world_size - 1
+        held: BatchT | None = None
+        for position, item in enumerate(self.source):
+            slot = position % self.world_size
+            if slot == self.rank:
+                held = item
+            if slot == last_slot:  # the round is complete: hand out this rank's item
+                yield cast(BatchT, held)
+
+
+def data_shards(source: object) -> int:
+    """How many rank shards ``source`` (a loader or dataset) is one of (1: not sharded)."""
+    dataset = source.dataset if isinstance(source, DataLoader) else source
+    if isinstance(dataset, RankShardedIterable):
+        return dataset.world_size
+    position = _resumable_sampler(source)
+    return position.sampler.world_size if position is not None else 1
 
 
 @contextmanager
@@ -260,8 +348,13 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
         return iter(source)
 
     def state_dict(self) -> dict[str, int]:
-        """The position: the epoch and how many of its batches were handed out."""
-        return {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+        """The position: the epoch and how many of its batches were handed out (plus the
+        number of rank shards of a sharded source)."""
+        state = {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
+        shards = data_shards(self.source)
+        if shards > 1:
+            state["shards"] = shards
+        return state
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Continue from a saved position; the iterator is rebuilt lazily on the next batch."""
@@ -271,6 +364,17 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
             raise ValueError(
                 "cannot resume a data stream over a one-shot iterator once it has been read; "
                 "pass a re-iterable source such as a DataLoader or a list"
+            )
+        saved_shards = int(state.get("shards", 1))
+        shards = data_shards(self.source)
+        if saved_shards != shards:
+            warnings.warn(
+                f"the data position was saved with the data split into {saved_shards} rank "
+                f"shard(s) and is now restored with {shards}: the run continues at batch "
+                f"{batches} of epoch {epoch} of the new split, so this epoch may repeat or "
+                "skip samples (the world size changed)",
+                UserWarning,
+                stacklevel=2,
             )
         self.epoch = epoch
         self.batches_in_epoch = batches

@@ -1,0 +1,275 @@
+"""Checkpoint cost: speedtronic's save/load of a full training state versus raw torch.save/load.
+
+The state is ``trainer.state_dict()`` of a 29M-parameter reference transformer after one
+AdamW step (weights + two moment buffers, ~350 MiB). Cases run interleaved, alternating which
+goes first, and each row reports the median time and the throughput ratio against its raw
+baseline (1.00 = as fast as raw; higher is faster).
+
+    python benchmarks/checkpoint.py                 # prints a markdown table
+    python benchmarks/checkpoint.py --dir /scratch  # put the files on another disk
+    python benchmarks/checkpoint.py --device cuda   # state on the GPU (pinned async copies)
+
+Rows:
+  save              trainer.state_dict() + CheckpointManager.save (plain-state check, temp
+                    file, fsync, rename, directory fsync, latest.json the same way) vs
+                    torch.save(state, path) + fsync of the same state (the same durability)
+                    and vs a bare torch.save (page cache only: what durability costs)
+  load              CheckpointManager.load_latest_checkpoint() (pointer validation +
+                    torch.load weights_only) vs torch.load(path, weights_only=True), same file
+  async vs sync     interleaved fit segments (6 steps, a save every 3) with async save,
+                    synchronous save and no checkpoints: "blocked" is the time the checkpoint
+                    callback holds the training thread per save; "slowdown" is the extra
+                    wall time per save (it includes the background write competing with
+                    training for cores and disk)
+  prune             deleting one old checkpoint (retention), relative to a save
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from callbacks.checkpoint import CheckpointCallback
+from speedtronic.callback import Callback
+from speedtronic.checkpoint import CheckpointManager
+from speedtronic.contexts import CheckpointContext, FitContext, OptimizerStepContext, StepContext
+from speedtronic.model import ReferenceTransformer
+from speedtronic.trainer import Trainer
+
+
+def make_trainer(callbacks: list[Callback] | None = None, device: str = "cpu") -> Trainer:
+    """The reference transformer after one AdamW step (so the moment buffers exist)."""
+    torch.manual_seed(0)
+    model = ReferenceTransformer(
+        vocab_size=8192, block_size=64, n_layer=8, n_head=8, d_model=512, d_ff=2048
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, 8192, (1, 33))
+    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    trainer = Trainer(model, optimizer, [batch], device=device, callbacks=callbacks or [])
+    trainer.fit(1)
+    return trainer
+
+
+def state_bytes(state: object) -> int:
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+def timed(action: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    action()
+    return time.perf_counter() - start
+
+
+def raw_save(state: dict[str, object], path: Path, *, fsync: bool) -> None:
+    torch.save(state, path)
+    if fsync:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def run(directory: Path, repeats: int, device: str) -> list[tuple[str, float, float, str]]:
+    trainer = make_trainer(device=device)
+    state = trainer.state_dict()
+    size_mb = state_bytes(state) / 2**20
+    params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
+    print(f"model {params:.1f}M parameters on {device}, state {size_mb:.0f} MiB, {repeats} repeats")
+
+    # Every case writes a new file and old files are deleted outside the timed region, so
+    # no case pays for freeing another's blocks; pruning is timed on its own.
+    manager = CheckpointManager(directory / "ours", keep_last=None)
+    times: dict[str, list[float]] = {}
+
+    def record(name: str, action: Callable[[], object]) -> None:
+        os.sync()  # start every case with no dirty pages left by the previous one
+        times.setdefault(name, []).append(timed(action))
+
+    def cases(step: int) -> list[tuple[str, Callable[[], object]]]:
+        raw, raw_fsync = directory / f"raw_{step}.pt", directory / f"raw_fsync_{step}.pt"
+        return [
+            ("save", lambda: manager.save(step, trainer.state_dict())),
+            ("raw", lambda: raw_save(trainer.state_dict(), raw, fsync=False)),
+            ("raw_fsync", lambda: raw_save(trainer.state_dict(), raw_fsync, fsync=True)),
+            ("load", manager.load_latest_checkpoint),
+            (
+                "load_raw",
+                lambda: torch.load(manager.path_for(step), map_location="cpu", weights_only=True),
+            ),
+        ]
+
+    for rep in range(repeats + 1):  # the first round warms up and is dropped
+        saves_then_loads = cases(rep + 1)
+        if rep % 2:  # alternate which case of each kind goes first
+            saves_then_loads = saves_then_loads[2::-1] + saves_then_loads[:2:-1]
+        for name, action in saves_then_loads:
+            record(name, action)
+        manager.keep_last = 1
+        record("prune", manager.prune)
+        manager.keep_last = None
+        for leftover in directory.glob("raw_*.pt"):
+            leftover.unlink()
+
+    med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    return [
+        (
+            "save vs torch.save + fsync",
+            med["save"],
+            med["raw_fsync"] / med["save"],
+            f"raw+fsync {med['raw_fsync']:.3f} s (same durability)",
+        ),
+        (
+            "save vs torch.save (no fsync)",
+            med["save"],
+            med["raw"] / med["save"],
+            f"raw {med['raw']:.3f} s (page cache only: the price of durability)",
+        ),
+        (
+            "load vs torch.load",
+            med["load"],
+            med["load_raw"] / med["load"],
+            f"raw {med['load_raw']:.3f} s",
+        ),
+        (
+            "prune one old checkpoint",
+            med["prune"],
+            med["prune"] / med["save"],
+            "ratio = prune / save",
+        ),
+    ]
+
+
+class SegmentClock(Callback):
+    """Time from ``fit_start`` to the end of the last step: excludes ``fit_end``, where the
+    checkpoint callback waits for the last async write (a once-per-fit cost, not a stall)."""
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        self.last_step_end = 0.0
+
+    def on_fit_start(self, trainer: Trainer, ctx: FitContext) -> None:
+        self.started = time.perf_counter()
+
+    def on_step_end(self, trainer: Trainer, ctx: StepContext) -> None:
+        self.last_step_end = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return self.last_step_end - self.started
+
+
+class TimedCheckpoint(CheckpointCallback):
+    """The checkpoint callback, timing how long it blocks the training thread: the save
+    (sync) or the snapshot (async) at ``checkpoint``, and the wait for the deferred copy at
+    ``before_optimizer_step``."""
+
+    blocked = 0.0
+
+    def on_checkpoint(self, trainer: Trainer, ctx: CheckpointContext) -> None:
+        start = time.perf_counter()
+        super().on_checkpoint(trainer, ctx)
+        self.blocked += time.perf_counter() - start
+
+    def on_before_optimizer_step(self, trainer: Trainer, ctx: OptimizerStepContext) -> None:
+        start = time.perf_counter()
+        super().on_before_optimizer_step(trainer, ctx)
+        self.blocked += time.perf_counter() - start
+
+
+def stall(
+    directory: Path, rounds: int, device: str, segment: int = 6, every: int = 3
+) -> list[tuple[str, float, float, str]]:
+    """Async vs sync save on interleaved fit segments (a save every ``every`` steps):
+    ``blocked`` is the time the checkpoint callback holds the training thread per save;
+    ``slowdown`` is the extra wall time per save against segments without checkpoints (it
+    also counts the background write competing with training for cores and disk)."""
+    clocks: dict[str, SegmentClock] = {}
+    timed_callbacks: dict[str, TimedCheckpoint] = {}
+    trainers: dict[str, Trainer] = {}
+    for mode in ("none", "sync", "async"):
+        clocks[mode] = SegmentClock()
+        callbacks: list[Callback] = [clocks[mode]]
+        if mode != "none":
+            timed_callbacks[mode] = TimedCheckpoint(
+                directory / mode,
+                every_steps=every,
+                keep_last=1,
+                save_final=False,
+                save_on_signal=False,
+                async_save=mode == "async",
+            )
+            callbacks.append(timed_callbacks[mode])
+        trainers[mode] = make_trainer(callbacks, device)
+    seconds: dict[str, list[float]] = {mode: [] for mode in trainers}
+    blocked: dict[str, list[float]] = {mode: [] for mode in timed_callbacks}
+    saves = segment // every
+    for rnd in range(rounds + 1):  # the first round warms up (buffers, page cache): dropped
+        for mode in list(trainers) if rnd % 2 == 0 else list(trainers)[::-1]:
+            os.sync()
+            callback = timed_callbacks.get(mode)
+            if callback is not None:
+                callback.blocked = 0.0
+            trainers[mode].fit(trainers[mode].step + segment)
+            seconds[mode].append(clocks[mode].seconds)
+            if callback is not None:
+                blocked[mode].append(callback.blocked / saves)
+    med = {mode: statistics.median(values[1:]) for mode, values in seconds.items()}
+    held = {mode: statistics.median(values[1:]) for mode, values in blocked.items()}
+    sync_slowdown = (med["sync"] - med["none"]) / saves
+    async_slowdown = max(0.0, med["async"] - med["none"]) / saves
+    step = med["none"] / segment
+    return [
+        (
+            "async vs sync: training thread blocked",
+            held["async"],
+            held["async"] / held["sync"],
+            f"sync save blocks {held['sync']:.3f} s (ratio = async / sync; lower is better)",
+        ),
+        (
+            "async vs sync: wall-time slowdown",
+            async_slowdown,
+            async_slowdown / sync_slowdown,
+            f"sync {sync_slowdown:.3f} s per save; a step takes {step:.3f} s "
+            "(ratio = async / sync; lower is better)",
+        ),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: tmp)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="where the model trains (cpu, cuda)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    base = Path(tempfile.mkdtemp(prefix="speedtronic-ckpt-bench-", dir=args.dir))
+    try:
+        rows = run(base, args.repeats, args.device)
+        rows += stall(base, rounds=args.repeats, device=args.device)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print()
+    print("| case | speedtronic (median s) | ratio | baseline |")
+    print("|---|---|---|---|")
+    for name, seconds, ratio, note in rows:
+        print(f"| {name} | {seconds:.3f} | {ratio:.2f} | {note} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""DiLoCo: asynchronous low-communication training over a shared hub, as a callback.
+
+Registered as the ``diloco`` callback plugin (entry point
+``diloco = "callbacks.diloco:DiLoCoCallback"``). See ``docs/distributed.md``.
+
+Modules: ``math`` (pseudo-gradients, aggregation, the outer optimizer), ``tensors`` (the
+exchanged file formats and their validation), ``transport`` (shared directory and Hugging
+Face Hub stores, retries), ``lanes`` (bounded background I/O), ``master`` (the outer loop),
+``node`` (the per-step state machine) and ``callback`` (the ``Callback`` itself).
+"""
+
+from __future__ import annotations
+
+from callbacks.diloco.callback import (
+    DiLoCoCallback,
+    DiLoCoOptions,
+    DistributedSection,
+    options_from_distributed_section,
+)
+from callbacks.diloco.master import MasterLoop, MasterSettings, RoundReport
+from callbacks.diloco.math import (
+    NesterovOuterOptimizer,
+    aggregate_deltas,
+    average_deltas,
+    pseudo_gradient,
+    staleness_weight,
+)
+from callbacks.diloco.node import DiLoCoNode, NodeSettings
+from callbacks.diloco.tensors import Compression, Rejected, RejectionReason
+from callbacks.diloco.transport import (
+    DirectoryTransport,
+    HubTransport,
+    PermanentTransportError,
+    RetryingTransport,
+    RetryPolicy,
+    TransientTransportError,
+    Transport,
+    TransportError,
+)
+
+# Names of the original implementation's public API, for code that imported them. The
+# behaviour is this package's (see docs/distributed.md), not the original's.
+HubClient = HubTransport
+MasterOuterLoop = MasterLoop
+compute_pseudo_gradient = pseudo_gradient
+
+__all__ = [
+    "Compression",
+    "DiLoCoCallback",
+    "DiLoCoNode",
+    "DiLoCoOptions",
+    "DirectoryTransport",
+    "DistributedSection",
+    "HubClient",
+    "HubTransport",
+    "MasterLoop",
+    "MasterOuterLoop",
+    "MasterSettings",
+    "NesterovOuterOptimizer",
+    "NodeSettings",
+    "PermanentTransportError",
+    "Rejected",
+    "RejectionReason",
+    "RetryPolicy",
+    "RetryingTransport",
+    "RoundReport",
+    "TransientTransportError",
+    "Transport",
+    "TransportError",
+    "aggregate_deltas",
+    "average_deltas",
+    "compute_pseudo_gradient",
+    "options_from_distributed_section",
+    "pseudo_gradient",
+    "staleness_weight",
+]

@@ -1,0 +1,368 @@
+"""Synchronous DiLoCo over ``torch.distributed`` collectives (``diloco`` with ``mode: collective``).
+
+    torchrun --nproc-per-node 8 -m speedtronic fit --config run.yaml
+
+    callbacks:
+      - {name: diloco, mode: collective, inner_steps: 500, compression: bf16}
+
+The setting of the DiLoCo paper: the ranks of a torchrun job form *replicas* of
+``ranks_per_replica`` consecutive ranks (default 1: every rank is a replica). Inside a
+replica the trainer runs ordinary DDP; across replicas nothing is exchanged for
+``inner_steps`` (H) optimizer steps. Then, at the ``coordinate`` event of every step that is
+a multiple of H, each rank
+
+1. computes its pseudo-gradient ``baseline - current`` in float32 (``math.pseudo_gradient``;
+   the baseline is the global model of the last round, kept on the CPU),
+2. averages it over the replicas with **one** ``all_reduce`` of one flat buffer, in float32
+   or, with ``compression``, bf16/fp16 (half the bytes),
+3. applies the same outer Nesterov-SGD step (``math.NesterovOuterOptimizer``) to its
+   baseline -- every rank computes the identical new global model -- and loads it into the
+   model, and
+4. asks for an inner-optimizer reset (``reset_optimizer``).
+
+Communication per optimizer step is therefore ``1/H`` of DDP's gradient all-reduce (``1/2H``
+in bf16). Everything else -- metrics, the stop agreement, checkpoints -- is the trainer's
+normal distributed machinery.
+
+Checkpoints: the full state (baseline, outer momentum, counters) is saved under
+``state_key = "diloco"``. Rank 0 writes the checkpoint, so a checkpoint taken right after a
+round (a step that is a multiple of H) holds the state of every rank and resumes exactly.
+Between rounds the replicas differ; resuming such a checkpoint gives every replica rank 0's
+local weights (the round's other local progress is lost) -- a warning says so. Make
+``checkpoint.every_steps`` a multiple of H.
+
+With outer lr 1, momentum 0 and H = 1 the update is exactly the average of the replicas'
+new weights: plain data-parallel training (tested against DDP with SGD).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal, cast
+
+import torch
+import torch.distributed as dist
+from typing_extensions import Self
+
+from callbacks.diloco.math import NesterovOuterOptimizer, check_same_layout, pseudo_gradient
+from callbacks.diloco.tensors import Compression, ModelLayout, build_layout
+from speedtronic.callback import Callback, JSONSchema, RankPolicy
+from speedtronic.contexts import CoordinateContext, FitContext, MetricsContext
+from speedtronic.distributed import DistributedContext, ReplicaGroups, replica_groups
+
+if TYPE_CHECKING:
+    from speedtronic.plugins import PluginContext
+    from speedtronic.trainer import Trainer
+
+__all__ = [
+    "COLLECTIVE_OPTIONS_SCHEMA",
+    "CollectiveDiLoCo",
+    "CollectiveDiLoCoOptions",
+]
+
+logger = logging.getLogger("speedtronic.diloco")
+
+STATE_FORMAT = 1
+"""Version of ``CollectiveDiLoCo.state_dict``'s layout."""
+
+_positive = {"type": "number", "exclusiveMinimum": 0}
+
+COLLECTIVE_OPTIONS_SCHEMA: JSONSchema = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "mode": {
+            "const": "collective",
+            "description": "Synchronous DiLoCo over torch.distributed collectives.",
+        },
+        "inner_steps": {
+            "type": "integer",
+            "minimum": 1,
+            "default": 500,
+            "description": "Inner optimizer steps between two outer rounds (H).",
+        },
+        "outer_lr": {**_positive, "default": 0.7, "description": "Outer Nesterov learning rate."},
+        "outer_momentum": {
+            "type": "number",
+            "minimum": 0,
+            "exclusiveMaximum": 1,
+            "default": 0.9,
+            "description": "Outer Nesterov momentum.",
+        },
+        "compression": {
+            "enum": ["none", "bf16", "fp16"],
+            "default": "none",
+            "description": "Precision of the pseudo-gradient all-reduce (bf16/fp16 halve "
+            "the bytes; the outer step itself is float32).",
+        },
+        "reset_optimizer": {
+            "type": "boolean",
+            "default": True,
+            "description": "Clear the inner optimizer state after every outer round.",
+        },
+        "ranks_per_replica": {
+            "type": "integer",
+            "minimum": 1,
+            "default": 1,
+            "description": "Consecutive ranks forming one model replica (DDP inside it); "
+            "must divide the world size.",
+        },
+        "sync_timeout_s": {
+            "type": ["number", "null"],
+            "exclusiveMinimum": 0,
+            "default": None,
+            "description": "Timeout of the outer all-reduce (null: distributed.timeout_s). "
+            "Give slow links or large models more time than the per-step collectives.",
+        },
+    },
+}
+
+
+@dataclass(frozen=True)
+class CollectiveDiLoCoOptions:
+    """Validated options of synchronous DiLoCo (see ``COLLECTIVE_OPTIONS_SCHEMA``)."""
+
+    mode: Literal["collective"] = "collective"
+    inner_steps: int = 500
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    compression: Literal["none", "bf16", "fp16"] = "none"
+    reset_optimizer: bool = True
+    ranks_per_replica: int = 1
+    sync_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        if self.mode != "collective":
+            problems.append(f"mode must be 'collective', got {self.mode!r}")
+        if self.inner_steps < 1:
+            problems.append(f"inner_steps must be >= 1, got {self.inner_steps}")
+        if self.outer_lr <= 0:
+            problems.append(f"outer_lr must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            problems.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.compression not in ("none", "bf16", "fp16"):
+            problems.append(f"compression must be none, bf16 or fp16, got {self.compression!r}")
+        if self.ranks_per_replica < 1:
+            problems.append(f"ranks_per_replica must be >= 1, got {self.ranks_per_replica}")
+        if self.sync_timeout_s is not None and self.sync_timeout_s <= 0:
+            problems.append(f"sync_timeout_s must be > 0, got {self.sync_timeout_s}")
+        if problems:
+            raise ValueError("diloco (collective): " + "; ".join(problems))
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, object]) -> CollectiveDiLoCoOptions:
+        """Build from a (schema-validated) mapping; unknown keys are a ``ValueError``."""
+        names = {item.name for item in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ValueError(f"diloco (collective): unknown option(s) {unknown}")
+        return cls(**dict(options))  # type: ignore[arg-type]  # values checked in __post_init__
+
+
+def _baseline_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy for the baseline: float32 (complex64 for complex entries)."""
+    dtype = torch.complex64 if tensor.is_complex() else torch.float32
+    return tensor.detach().to("cpu", dtype, copy=True)
+
+
+class CollectiveDiLoCo(Callback):
+    """Synchronous DiLoCo over collectives (see the module docstring).
+
+    ``bytes_reduced`` counts the payload handed to the outer all-reduce so far (what a
+    benchmark compares with DDP's gradient traffic).
+    """
+
+    plugin_name: ClassVar[str | None] = "diloco"
+    options_schema: ClassVar[JSONSchema] = COLLECTIVE_OPTIONS_SCHEMA
+    rank_policy: ClassVar[RankPolicy] = "all"
+    state_key = "diloco"
+
+    def __init__(self, options: CollectiveDiLoCoOptions | None = None, **values: object) -> None:
+        if options is not None and values:
+            raise TypeError("pass CollectiveDiLoCoOptions or keyword options, not both")
+        self.options = options or CollectiveDiLoCoOptions.from_mapping(values)
+        self.ranks_per_replica = self.options.ranks_per_replica  # speedtronic ReplicaSync
+        self.wire_dtype = Compression(self.options.compression).dtype
+        self.outer = NesterovOuterOptimizer(self.options.outer_lr, self.options.outer_momentum)
+        self.baseline: dict[str, torch.Tensor] = {}
+        self.layout: ModelLayout | None = None
+        self.outer_steps = 0
+        self.bytes_reduced = 0
+        self.last_pseudo_grad_norm: float | None = None
+        self._context: DistributedContext | None = None
+        self._groups: ReplicaGroups | None = None
+        self._staged: Mapping[str, object] | None = None
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
+        del context
+        return cls(CollectiveDiLoCoOptions.from_mapping(options))
+
+    # -- setup ----------------------------------------------------------------------------
+
+    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+        self._context = trainer.distributed
+        self._groups = self._replica_groups(trainer.distributed)
+        state = trainer.model.state_dict()
+        self.layout = build_layout(state)
+        staged, self._staged = self._staged, None
+        if staged is not None:  # every rank loaded the same checkpoint: already in step
+            self._restore(staged, ctx.start_step)
+        elif not self.baseline:  # a fresh start: every replica starts from rank 0's weights
+            self._broadcast_from_rank_zero(state)
+            self.baseline = {key: _baseline_copy(state[key]) for key in self.layout.sync_keys}
+        check_same_layout(
+            {key: state[key] for key in self.layout.sync_keys},
+            self.baseline,
+            what="diloco baseline",
+        )
+
+    def _replica_groups(self, context: DistributedContext | None) -> ReplicaGroups | None:
+        if context is None or context.world_size < 2:
+            if self.ranks_per_replica != 1:
+                raise ValueError(
+                    f"diloco: ranks_per_replica={self.ranks_per_replica} needs a distributed "
+                    "run with a multiple of that many ranks (launch with torchrun)"
+                )
+            return None
+        return replica_groups(
+            context, self.ranks_per_replica, peer_timeout_s=self.options.sync_timeout_s
+        )
+
+    def _broadcast_from_rank_zero(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Give every replica rank 0's weights (one broadcast)."""
+        context = self._context
+        if context is None or context.world_size < 2 or self.layout is None:
+            return
+        keys = self.layout.sync_keys
+        flat = torch.cat([state[key].detach().reshape(-1).to(torch.float64) for key in keys])
+        flat = flat.to(context.collective_device)
+        dist.broadcast(flat, src=0)
+        self._unflatten_into(flat, state, keys)
+
+    @staticmethod
+    def _unflatten_into(
+        flat: torch.Tensor, target: Mapping[str, torch.Tensor], keys: tuple[str, ...]
+    ) -> None:
+        offset = 0
+        with torch.no_grad():
+            for key in keys:
+                tensor = target[key]
+                count = tensor.numel()
+                tensor.copy_(flat[offset : offset + count].view(tensor.shape).to(tensor.dtype))
+                offset += count
+
+    # -- the outer round ------------------------------------------------------------------
+
+    def on_coordinate(self, trainer: Trainer, ctx: CoordinateContext) -> None:
+        if ctx.step % self.options.inner_steps:
+            return
+        self.outer_round(trainer)
+        if self.options.reset_optimizer:
+            trainer.request_optimizer_reset("diloco")
+
+    def outer_round(self, trainer: Trainer) -> None:
+        """Average the pseudo-gradients, step the global model, load it everywhere."""
+        assert self.layout is not None, "on_setup has not run"
+        keys = self.layout.sync_keys
+        state = trainer.model.state_dict()
+        delta = pseudo_gradient(self.baseline, state, keys)
+        flat = torch.cat([delta[key].reshape(-1) for key in keys])
+        averaged = self._average(flat)
+        self.last_pseudo_grad_norm = float(averaged.norm())
+        offset = 0
+        mean_delta: dict[str, torch.Tensor] = {}
+        for key in keys:
+            shape = delta[key].shape
+            count = delta[key].numel()
+            mean_delta[key] = averaged[offset : offset + count].view(shape)
+            offset += count
+        self.outer.step(self.baseline, mean_delta)
+        with torch.no_grad():
+            for key in keys:
+                target = state[key]
+                source = self.baseline[key]
+                if target.is_complex():
+                    target.copy_(source.to(target.device))
+                else:
+                    target.copy_(source.to(target.device, target.dtype))
+        self.outer_steps += 1
+
+    def _average(self, flat: torch.Tensor) -> torch.Tensor:
+        """The mean of ``flat`` over the replicas: one all-reduce of the wire dtype."""
+        groups = self._groups
+        context = self._context
+        if groups is None or context is None or groups.num_replicas < 2:
+            return flat
+        count = groups.num_replicas
+        wire = flat.div(count).to(context.collective_device, self.wire_dtype)
+        dist.all_reduce(wire, group=groups.peers)
+        self.bytes_reduced += wire.numel() * wire.element_size()
+        return wire.to("cpu", torch.float32)
+
+    # -- metrics --------------------------------------------------------------------------
+
+    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
+        if not ctx.due:
+            return
+        ctx.record.set("diloco/outer_steps", self.outer_steps)
+        ctx.record.set("diloco/bytes_reduced", self.bytes_reduced)
+        if self.last_pseudo_grad_norm is not None:
+            ctx.record.set("diloco/pseudo_grad_norm", self.last_pseudo_grad_norm)
+
+    # -- state ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, object]:
+        if self._staged is not None and not self.baseline:
+            return dict(self._staged)
+        return {
+            "format": STATE_FORMAT,
+            "mode": "collective",
+            "inner_steps": self.options.inner_steps,
+            "outer_steps": self.outer_steps,
+            "bytes_reduced": self.bytes_reduced,
+            "baseline": dict(self.baseline),
+            "outer": self.outer.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        if state.get("mode") != "collective" or state.get("format") != STATE_FORMAT:
+            raise ValueError(
+                "the checkpoint's diloco state is not from synchronous (collective) DiLoCo "
+                f"format {STATE_FORMAT} (mode {state.get('mode')!r}, format "
+                f"{state.get('format')!r}); resume it with the mode it was saved with"
+            )
+        baseline = state.get("baseline")
+        if not isinstance(baseline, Mapping) or not all(
+            isinstance(key, str) and isinstance(value, torch.Tensor)
+            for key, value in baseline.items()
+        ):
+            raise ValueError("diloco state: 'baseline' must map names to tensors")
+        self._staged = state
+        self.baseline = {}
+
+    def _restore(self, state: Mapping[str, object], start_step: int) -> None:
+        baseline = cast(Mapping[str, torch.Tensor], state["baseline"])
+        self.baseline = {key: _baseline_copy(value) for key, value in baseline.items()}
+        outer = state.get("outer")
+        if isinstance(outer, Mapping):
+            self.outer.load_state_dict(outer)
+        self.outer_steps = int(cast(int, state.get("outer_steps", 0)))
+        self.bytes_reduced = int(cast(int, state.get("bytes_reduced", 0)))
+        saved_h = int(cast(int, state.get("inner_steps", self.options.inner_steps)))
+        horizon = self.options.inner_steps
+        if start_step % horizon:
+            changed = f", saved with inner_steps {saved_h}" if saved_h != horizon else ""
+            warnings.warn(
+                f"diloco: resuming at step {start_step}, which is not the end of an outer "
+                f"round (inner_steps {horizon}{changed}): every replica continues from rank "
+                "0's local weights and the other replicas' work since the last round is lost. "
+                "Save checkpoints at multiples of inner_steps for an exact resume.",
+                UserWarning,
+                stacklevel=2,
+            )

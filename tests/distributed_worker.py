@@ -1,0 +1,256 @@
+"""One rank of a distributed test run, started by ``tests/test_distributed.py``.
+
+    RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
+        python tests/distributed_worker.py <scenario> <out_dir> '<json params>'
+
+It reads the torchrun environment like any speedtronic run, plays one scenario and writes
+what the test checks to ``<out_dir>/rank<r>.json`` (and tensors to ``rank<r>.pt``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from callbacks.diloco.collective import CollectiveDiLoCo  # noqa: E402
+from speedtronic.callback import Callback  # noqa: E402
+from speedtronic.config import SpeedtronicConfig  # noqa: E402
+from speedtronic.contexts import StepContext  # noqa: E402
+from speedtronic.data import build_dataloader  # noqa: E402
+from speedtronic.distributed import setup_distributed  # noqa: E402
+from speedtronic.registry import build_model  # noqa: E402
+from speedtronic.result import TrainResult  # noqa: E402
+from speedtronic.rng import seed_everything  # noqa: E402
+from speedtronic.runtime import build_runtime  # noqa: E402
+from speedtronic.trainer import Trainer  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def base_config(output_dir: Path, **sections: Mapping[str, object]) -> dict[str, object]:
+    """A tiny reference-transformer run on the learnable synthetic language."""
+    config: dict[str, dict[str, object]] = {
+        "run": {"seed": 7, "device": "cpu", "max_steps": 8, "output_dir": str(output_dir)},
+        "model": {
+            "name": "reference_transformer",
+            "vocab_size": 32,
+            "max_seq_len": 16,
+            "n_layer": 1,
+            "n_head": 2,
+            "d_model": 32,
+            "d_ff": 64,
+        },
+        "data": {
+            "synthetic": True,
+            "synthetic_kind": "learnable",
+            "num_tokens": 256,
+            "micro_batch_size": 2,
+            "target_batch_size": 4,
+            "shuffle": True,
+        },
+        "optimizer": {"name": "adamw", "lr": 3e-3, "weight_decay": 0.0, "grad_clip": 1.0},
+        "logging": {"every_steps": 1, "console": False, "jsonl": True},
+        "checkpoint": {"enabled": True, "every_steps": 4, "keep_last": None},
+        "distributed": {"timeout_s": 30.0},
+    }
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values}
+    return dict(config)
+
+
+def losses(result: TrainResult) -> dict[str, float]:
+    return {str(record["step"]): float(record["loss"]) for record in result.metrics}
+
+
+def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {key: value.detach().clone() for key, value in trainer.model.state_dict().items()}
+
+
+def fit(config: Mapping[str, object], **runtime: object) -> tuple[Trainer, TrainResult]:
+    trainer, _ = build_runtime(dict(config), **runtime)  # type: ignore[arg-type]  # test helper
+    return trainer, trainer.fit()
+
+
+# -- scenarios ------------------------------------------------------------------------------
+
+
+def ddp(out: Path, rank: int, params: Mapping[str, object]) -> dict[str, object]:
+    """8 steps in one go, then 4 + resume to 8; metrics files written once."""
+    full_trainer, full = fit(base_config(out / "full"))
+    fit(base_config(out / "part", run={"max_steps": 4}))
+    resumed_trainer, resumed = fit(base_config(out / "part"), resume=True)
+    torch.save(
+        {"full": weights(full_trainer), "resumed": weights(resumed_trainer)}, out / f"rank{rank}.pt"
+    )
+    return {
+        "full": losses(full),
+        "resumed": losses(resumed),
+        "final_loss": full.final_loss,
+        "samples": full.samples,
+        "tokens": full.tokens,
+    }
+
+
+class _SGDRun:
+    """A run built by hand: SGD without momentum, optionally with synchronous DiLoCo."""
+
+    def __init__(self, out: Path, diloco: CollectiveDiLoCo | None, steps: int) -> None:
+        config = SpeedtronicConfig.from_dict(
+            base_config(
+                out,
+                checkpoint={"enabled": False},
+                logging={"jsonl": False},
+                optimizer={"grad_clip": None},  # clipping per replica is not linear
+            )
+        )
+        distributed = setup_distributed("cpu", timeout_s=30.0)
+        assert distributed is not None
+        seed_everything(config.run.seed)
+        model = build_model(config.model)
+        loader = build_dataloader(
+            config.data, rank=distributed.rank, world_size=distributed.world_size
+        )
+        callbacks: list[Callback] = [diloco] if diloco is not None else []
+        self.trainer = Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            loader,
+            config=config,
+            callbacks=callbacks,
+            distributed=distributed,
+            max_steps=steps,
+        )
+        self.result = self.trainer.fit()
+
+
+def diloco_equivalence(out: Path, rank: int, params: Mapping[str, object]) -> dict[str, object]:
+    """H=1, outer lr 1, momentum 0 versus DDP, both with plain SGD; then bf16 byte counts."""
+    steps = int(str(params.get("steps", 5)))
+    per_replica = int(str(params.get("ranks_per_replica", 1)))
+    plain = _SGDRun(out / "ddp", None, steps)
+    one_step = CollectiveDiLoCo(
+        inner_steps=1, outer_lr=1.0, outer_momentum=0.0, ranks_per_replica=per_replica
+    )
+    diloco = _SGDRun(out / "diloco", one_step, steps)
+    bf16 = CollectiveDiLoCo(inner_steps=2, compression="bf16", ranks_per_replica=per_replica)
+    _SGDRun(out / "bf16", bf16, 4)
+    torch.save(
+        {"ddp": weights(plain.trainer), "diloco": weights(diloco.trainer)}, out / f"rank{rank}.pt"
+    )
+    return {
+        "ddp": losses(plain.result),
+        "diloco": losses(diloco.result),
+        "ddp_wrapped": plain.trainer.train_module is not plain.trainer.model,
+        "diloco_wrapped": diloco.trainer.train_module is not diloco.trainer.model,
+        "outer_steps": one_step.outer_steps,
+        "bf16_bytes": bf16.bytes_reduced,
+        "synced_numel": sum(p.numel() for p in plain.trainer.model.parameters()),
+    }
+
+
+def diloco_resume(out: Path, rank: int, params: Mapping[str, object]) -> dict[str, object]:
+    """H=4 on 2 ranks: ``steps`` steps in one go versus ``steps - 4`` + resume; then a
+    resume from the middle of a round (checkpoint at step 6)."""
+    steps = int(str(params["steps"]))
+
+    def run(
+        directory: str, max_steps: int, resume: bool = False, every: int = 4
+    ) -> tuple[Trainer, TrainResult]:
+        config = base_config(
+            out / directory,
+            run={"max_steps": max_steps},
+            optimizer={"lr": 1e-2},
+            checkpoint={"every_steps": every},
+        )
+        callback = CollectiveDiLoCo(inner_steps=4, outer_lr=0.7, outer_momentum=0.5)
+        return fit(config, resume=resume, extra_callbacks=[callback])
+
+    full_trainer, full = run("full", steps)
+    run("part", steps - 4)
+    resumed_trainer, resumed = run("part", steps, resume=True)
+    run("mid", 6, every=6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run("mid", 8, resume=True, every=6)
+    diloco = next(cb for cb in full_trainer.callbacks if isinstance(cb, CollectiveDiLoCo))
+    torch.save(
+        {"full": weights(full_trainer), "resumed": weights(resumed_trainer)}, out / f"rank{rank}.pt"
+    )
+    return {
+        "full": losses(full),
+        "resumed": losses(resumed),
+        "outer_steps": diloco.outer_steps,
+        "warnings": [str(w.message) for w in caught if "diloco" in str(w.message)],
+    }
+
+
+class _Misbehave(Callback):
+    """Rank ``rank`` dies (or hangs) at the start of step ``step``."""
+
+    def __init__(self, rank: int, step: int, action: Callable[[], None]) -> None:
+        self.rank, self.step, self.action = rank, step, action
+
+    def on_step_start(self, trainer: Trainer, ctx: StepContext) -> None:
+        distributed = trainer.distributed
+        if distributed is not None and distributed.rank == self.rank and ctx.step == self.step:
+            self.action()
+
+
+def _die() -> None:
+    os._exit(17)
+
+
+def _hang() -> None:
+    time.sleep(600)
+
+
+def failure(out: Path, rank: int, params: Mapping[str, object]) -> dict[str, object]:
+    """Rank 1 dies or hangs at step 3; the others must fail with a clear error."""
+    action = _die if params["how"] == "die" else _hang
+    config = base_config(
+        out,
+        distributed={"timeout_s": float(str(params["timeout_s"]))},
+        checkpoint={"enabled": False},
+        run={"max_steps": 50},
+    )
+    started = time.monotonic()
+    try:
+        fit(config, extra_callbacks=[_Misbehave(1, 3, action)])
+    except Exception as exc:  # what the test checks
+        return {
+            "error": f"{type(exc).__name__}: {exc}",
+            "seconds": time.monotonic() - started,
+        }
+    return {"error": None, "seconds": time.monotonic() - started}
+
+
+SCENARIOS: dict[str, Callable[[Path, int, Mapping[str, object]], dict[str, object]]] = {
+    "ddp": ddp,
+    "diloco_equivalence": diloco_equivalence,
+    "diloco_resume": diloco_resume,
+    "failure": failure,
+}
+
+
+def main() -> int:
+    scenario, out_dir, raw = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    rank = int(os.environ["RANK"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = SCENARIOS[scenario](out_dir, rank, json.loads(raw))
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(report), encoding="utf-8")
+    return 1 if report.get("error") else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
