@@ -87,6 +87,7 @@ def _load(args: argparse.Namespace, extra: Sequence[str] = ()) -> object:
 
 def _fit(args: argparse.Namespace) -> int:
     from speedtronic.config import SpeedtronicConfig
+    from speedtronic.distributed import teardown_distributed
     from speedtronic.runtime import build_runtime, save_run_config
 
     extra = [f"run.output_dir={json.dumps(args.output_dir)}"] if args.output_dir else []
@@ -97,15 +98,21 @@ def _fit(args: argparse.Namespace) -> int:
     trainer, _ = build_runtime(
         config, resume=args.resume, device=args.device, max_steps=args.max_steps
     )
-    save_run_config(config, trainer.output_dir)
-    result = trainer.fit()
-    loss = "None" if result.final_loss is None else f"{result.final_loss!r}"
-    print(
-        f"completed steps={result.steps} samples={result.samples} tokens={result.tokens} "
-        f"loss={loss}"
-    )
-    if result.stop_reason:
-        print(f"stopped early: {result.stop_reason}")
+    try:
+        main_rank = trainer.distributed is None or trainer.distributed.is_main
+        if main_rank:
+            save_run_config(config, trainer.output_dir)
+        result = trainer.fit()
+    finally:
+        teardown_distributed(trainer.distributed)
+    if main_rank:
+        loss = "None" if result.final_loss is None else f"{result.final_loss!r}"
+        print(
+            f"completed steps={result.steps} samples={result.samples} tokens={result.tokens} "
+            f"loss={loss}"
+        )
+        if result.stop_reason:
+            print(f"stopped early: {result.stop_reason}")
     from speedtronic.checkpoint import requeue_exit_code
 
     # A signal stop (after the final checkpoint) exits 128+signal so a scheduler requeues it.
@@ -199,6 +206,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 
     from speedtronic.checkpoint import CheckpointError
     from speedtronic.config import ConfigError
+    from speedtronic.distributed import DistributedSetupError
     from speedtronic.plotting import PlotError
     from speedtronic.plugins import PluginError
     from speedtronic.trainer import TrainingStateError
@@ -206,6 +214,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     return (
         UserError,
         ConfigError,
+        DistributedSetupError,
         PluginError,
         PlotError,
         CheckpointError,

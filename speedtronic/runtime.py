@@ -13,9 +13,9 @@ the ``DistributedContext`` (``trainer.distributed``). The group is destroyed by
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -31,6 +31,7 @@ from speedtronic.registry import build_model
 from speedtronic.result import TrainResult
 from speedtronic.resume import resume_from
 from speedtronic.rng import seed_everything
+from speedtronic.scheduling import StageStreamCallback, StageStreamScheduler
 from speedtronic.shapes import validate_startup_shapes
 from speedtronic.trainer import Trainer
 
@@ -77,6 +78,27 @@ def callback_classes(config: SpeedtronicConfig) -> list[tuple[str, type[Callback
     return [(spec.name, callback_registry.get(spec.name)) for spec in callback_specs(config)]
 
 
+@runtime_checkable
+class ShardsData(Protocol):
+    """A callback that trains on one shard of the data (a DiLoCo node, say)."""
+
+    @property
+    def data_shard(self) -> tuple[int, int] | None: ...
+
+
+def data_shard(
+    callbacks: Sequence[Callback], distributed: DistributedContext | None
+) -> tuple[int, int]:
+    """``(index, count)`` of the data this process reads: its torch.distributed rank, or the
+    shard a callback such as a DiLoCo node asks for, or all of it."""
+    if distributed is not None and distributed.world_size > 1:
+        return distributed.rank, distributed.world_size
+    for callback in callbacks:
+        if isinstance(callback, ShardsData) and callback.data_shard is not None:
+            return callback.data_shard
+    return 0, 1
+
+
 def _checkpoint_manager(
     config: SpeedtronicConfig, callbacks: Sequence[Callback]
 ) -> CheckpointManager:
@@ -116,6 +138,14 @@ def build_runtime(
     net.to(resolved_device)
     precision = resolve_precision(cfg.precision, resolved_device)
     shape_report = validate_startup_shapes(cfg, net, resolved_device, precision)
+    # Absolute, so plugins resolving paths at build time and at setup agree.
+    output_dir = Path(cfg.run.output_dir).expanduser().resolve()
+    context = PluginContext(config=cfg, output_dir=output_dir, device=resolved_device)
+    callbacks = build_callbacks(cfg, context) + list(extra_callbacks)
+    if cfg.ooo_backprop:
+        streams = StageStreamScheduler(net, resolved_device, num_streams=cfg.ooo_streams)
+        callbacks.append(StageStreamCallback(streams))
+    shard_index, shard_count = data_shard(callbacks, distributed)
     loader = (
         dataloader
         if dataloader is not None
@@ -123,18 +153,13 @@ def build_runtime(
             cfg.data,
             pin_memory_device=resolved_device.type == "cuda",
             vocab_size=cfg.data.vocab_size,
-            rank=distributed.rank if distributed is not None else 0,
-            world_size=distributed.world_size if distributed is not None else 1,
+            rank=shard_index,
+            world_size=shard_count,
         )
     )
     optimizer = build_optimizer(net, cfg.optimizer, resolved_device)
     scheduler = build_scheduler(optimizer, cfg.scheduler, cfg.scheduler_steps)
-    # Absolute, so plugins resolving paths at build time and at setup agree.
-    output_dir = Path(cfg.run.output_dir).expanduser().resolve()
-    context = PluginContext(config=cfg, output_dir=output_dir, device=resolved_device)
-    callbacks = build_callbacks(cfg, context) + list(extra_callbacks)
     manager = _checkpoint_manager(cfg, callbacks)
-    target = max_steps if max_steps is not None else (cfg.data.max_steps or cfg.run.max_steps)
     trainer = Trainer(
         net,
         optimizer,
@@ -144,21 +169,14 @@ def build_runtime(
         scheduler=scheduler,
         precision=precision,
         callbacks=callbacks,
-        max_steps=target,
+        max_steps=max_steps if max_steps is not None else cfg.target_steps,
         output_dir=output_dir,
         shape_report=shape_report,
         distributed=distributed,
     )
     if resume or cfg.checkpoint.resume:
-        if (
-            resume_from(trainer, manager, load_callback_state=cfg.checkpoint.load_callback_state)
-            is None
-        ):
-            warnings.warn(
-                f"resume requested but no checkpoint found in {manager.directory}; starting fresh",
-                UserWarning,
-                stacklevel=2,
-            )
+        # resume_from warns (and the run starts fresh) when there is no checkpoint.
+        resume_from(trainer, manager, load_callback_state=cfg.checkpoint.load_callback_state)
     return trainer, manager
 
 

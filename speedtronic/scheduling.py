@@ -16,13 +16,25 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["MAX_STREAMS", "StageInfo", "StageStreamScheduler", "WarningLogger"]
+from speedtronic.callback import Callback
+from speedtronic.contexts import BackwardContext, FitContext, MicrobatchContext, TeardownContext
+
+if TYPE_CHECKING:
+    from speedtronic.trainer import Trainer
+
+__all__ = [
+    "MAX_STREAMS",
+    "StageInfo",
+    "StageStreamCallback",
+    "StageStreamScheduler",
+    "WarningLogger",
+]
 
 MAX_STREAMS = 8
 
@@ -231,3 +243,26 @@ class StageStreamScheduler:
     @property
     def stage_names(self) -> Sequence[str]:
         return [stage.name for stage in self.stages]
+
+
+class StageStreamCallback(Callback):
+    """Runs a ``StageStreamScheduler`` around every microbatch's forward pass (the runtime
+    adds it when ``ooo_backprop: true``): ``begin`` at ``microbatch_start``, ``finish`` at
+    ``before_backward`` (the loss exists, backward follows on the stage streams), ``dispose``
+    at ``teardown``. On CPU/MPS the scheduler is disabled and the hooks do nothing."""
+
+    def __init__(self, scheduler: StageStreamScheduler) -> None:
+        self.scheduler = scheduler
+
+    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+        if not self.scheduler.enabled and self.scheduler.reason:
+            _LOGGER.info("out-of-order backprop disabled: %s", self.scheduler.reason)
+
+    def on_microbatch_start(self, trainer: Trainer, ctx: MicrobatchContext) -> None:
+        self.scheduler.begin()
+
+    def on_before_backward(self, trainer: Trainer, ctx: BackwardContext) -> None:
+        self.scheduler.finish()
+
+    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+        self.scheduler.dispose()

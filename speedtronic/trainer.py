@@ -26,6 +26,7 @@ from torch import nn
 from speedtronic import __version__
 from speedtronic.batch import run_model
 from speedtronic.callback import Callback
+from speedtronic.checkpoint import CheckpointManager
 from speedtronic.contexts import (
     ExceptionContext,
     FitContext,
@@ -49,6 +50,7 @@ from speedtronic.distributed import (
 from speedtronic.events import Event
 from speedtronic.loop import run_global_step
 from speedtronic.metrics import MetricValue
+from speedtronic.plugins import callback_registry
 from speedtronic.precision import (
     PrecisionPlan,
     autocast_context,
@@ -56,6 +58,7 @@ from speedtronic.precision import (
     resolve_device,
     resolve_precision,
 )
+from speedtronic.profiling import MetricLogger, MetricLoggerCallback
 from speedtronic.result import TrainResult
 from speedtronic.rng import capture_rng_state, restore_rng_state
 
@@ -93,6 +96,24 @@ def _is_compile_failure(exc: BaseException) -> bool:
     return isinstance(exc, dynamo_exc.TorchDynamoException)
 
 
+def _legacy_callbacks(
+    coordinator: SyncCoordinator | None,
+    logger: MetricLogger | None,
+    checkpoint_manager: CheckpointManager | None,
+) -> list[Callback]:
+    """The original constructor arguments, adapted to callbacks (same events, same order)."""
+    adapted: list[Callback] = []
+    if coordinator is not None:
+        adapted.append(CoordinatorCallback(coordinator))
+    if logger is not None:
+        adapted.append(MetricLoggerCallback(logger))
+    if checkpoint_manager is not None:
+        # The checkpoint feature is a plugin; the engine finds it by name, never by import.
+        factory = cast("Callable[..., Callback]", callback_registry.get("checkpoint"))
+        adapted.append(factory(manager=checkpoint_manager))
+    return adapted
+
+
 class Trainer:
     """Trains ``model`` with ``optimizer`` on batches from ``dataloader``.
 
@@ -123,6 +144,8 @@ class Trainer:
         output_dir: str | Path | None = None,
         shape_report: object | None = None,
         distributed: DistributedContext | None = None,
+        logger: MetricLogger | None = None,
+        checkpoint_manager: CheckpointManager | None = None,
     ) -> None:
         self.config = self._coerce_config(config)
         cfg = self.config
@@ -149,9 +172,7 @@ class Trainer:
                 allow_optimizer_reset, cfg.distributed.reset_inner_optimizer if cfg else None, True
             )
         )
-        self.max_steps = (
-            max_steps if max_steps is not None else (cfg.run.max_steps if cfg else None)
-        )
+        self.max_steps = max_steps if max_steps is not None else (cfg.target_steps if cfg else None)
         self.output_dir = Path(
             output_dir if output_dir is not None else (cfg.run.output_dir if cfg else "runs")
         )
@@ -171,8 +192,7 @@ class Trainer:
             lambda final: contextlib.nullcontext()
         )
         self.callbacks: list[Callback] = list(callbacks)
-        if coordinator is not None:
-            self.callbacks.append(CoordinatorCallback(coordinator))
+        self.callbacks += _legacy_callbacks(coordinator, logger, checkpoint_manager)
         self.distributed = distributed
         self._ddp: nn.parallel.DistributedDataParallel | None = None
         if self.multi_rank:
@@ -365,12 +385,13 @@ class Trainer:
         self._setup_data_parallel()
         self.optimizer.zero_grad(set_to_none=True)
         self._setup_compile()
-        self.fit_clock = FitClock(time.perf_counter(), start_step, self.samples, self.tokens)
         self.last_loss = None
         error: BaseException | None = None
         try:
             self.plan.emit(self, Event.SETUP, fit_ctx)
             self.plan.emit(self, Event.FIT_START, fit_ctx)
+            # Rates and elapsed_s measure training, not one-off setup (opening sinks, etc.).
+            self.fit_clock = FitClock(time.perf_counter(), start_step, self.samples, self.tokens)
             while self._keep_going(start_step):
                 run_global_step(self, self.step + 1)
             result = self._result(start_step)
@@ -419,7 +440,7 @@ class Trainer:
         config = self.config.to_dict(redact_secrets=True) if self.config is not None else None
         return {
             "format_version": STATE_FORMAT_VERSION,
-            "versions": {"speedtronic": __version__, "torch": torch.__version__},
+            "versions": {"speedtronic": __version__, "torch": str(torch.__version__)},
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
@@ -444,8 +465,12 @@ class Trainer:
                 f"unknown training-state format version {version!r} "
                 f"(this speedtronic reads version {STATE_FORMAT_VERSION})"
             )
-        self._load_model(cast(Mapping[str, torch.Tensor], state["model"]))
+        # Check the model first and load the optimizer (which validates its groups) before
+        # touching the weights, so a mismatched checkpoint leaves the trainer as it was.
+        weights = cast(Mapping[str, torch.Tensor], state["model"])
+        self._check_model(weights)
         self.optimizer.load_state_dict(cast(dict[str, object], state["optimizer"]))
+        self.model.load_state_dict(weights)
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(cast(dict[str, object], state["scheduler"]))
         if self.scaler is not None and state.get("scaler") is not None:
@@ -479,7 +504,7 @@ class Trainer:
         """Original API: restore a checkpoint's state."""
         self.load_state_dict(state)
 
-    def _load_model(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def _check_model(self, weights: Mapping[str, torch.Tensor]) -> None:
         own = self.model.state_dict()
         missing = sorted(set(own) - set(weights))
         unexpected = sorted(set(weights) - set(own))
@@ -497,7 +522,6 @@ class Trainer:
             problems.append(f"shape mismatch: {'; '.join(mismatched[:10])}")
         if problems:
             raise TrainingStateError("checkpoint does not match the model: " + " | ".join(problems))
-        self.model.load_state_dict(weights)
 
     def _load_callback_states(self, states: Mapping[str, Mapping[str, object]]) -> None:
         known = {cb.state_key: cb for cb in self.callbacks if cb.state_key is not None}

@@ -620,3 +620,23 @@ def test_learnable_data_trains_the_reference_model_toward_its_floor() -> None:
         losses.append(loss.item())
     assert losses[0] > math.log(16) - 0.5
     assert sum(losses[-20:]) / 20 < floor + 0.15
+
+
+def test_batch_stream_sets_the_epoch_of_epoch_aware_samplers() -> None:
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    data = list(range(12))
+
+    def loader() -> DataLoader[int]:
+        sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=5)
+        return DataLoader(data, batch_size=4, sampler=sampler)
+
+    straight = BatchStream(loader())
+    expected = [next(straight).tolist() for _ in range(8)]  # crosses two epoch boundaries
+    assert expected[0:3] != expected[3:6]  # the order changes with the epoch
+    partial = BatchStream(loader())
+    for _ in range(4):
+        next(partial)
+    resumed = BatchStream(loader())
+    resumed.load_state_dict(partial.state_dict())
+    assert [next(resumed).tolist() for _ in range(4)] == expected[4:]

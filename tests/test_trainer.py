@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -192,3 +193,61 @@ def test_mismatched_state_is_a_clear_error() -> None:
         trainer.load_state_dict(bad)
     with pytest.raises(TrainingStateError, match="format version 99"):
         trainer.load_state_dict(dict(state, format_version=99))
+
+
+def test_original_constructor_arguments_still_work(tmp_path: Path) -> None:
+    """The original Trainer(logger=..., checkpoint_manager=...) keeps its behaviour."""
+    import io
+
+    from speedtronic.checkpoint import CheckpointManager
+    from speedtronic.profiling import MetricLogger
+
+    model = MeanModel()
+    stream = io.StringIO()
+    events: list[str] = []
+    logger = MetricLogger(stream=stream, hooks=[lambda event, payload: events.append(event)])
+    manager = CheckpointManager(tmp_path / "checkpoints", every_steps=2)
+    data = [{"labels": torch.tensor([1.0])}]
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        data,
+        max_steps=3,
+        logger=logger,
+        checkpoint_manager=manager,
+        metrics_every=1,
+    )
+    result = trainer.fit()
+    assert result.steps == 3 and len(result.metrics) == 3
+    assert (tmp_path / "checkpoints" / "latest.json").is_file()
+    assert manager.latest_path() == manager.path_for(3)  # the final save
+    assert events.count("train_step") == 3 and "train_start" in events and "train_end" in events
+    assert "train_step" in stream.getvalue()
+
+
+def test_failed_load_leaves_the_trainer_untouched() -> None:
+    model = MeanModel()
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), [{"labels": torch.ones(1)}]
+    )
+    state = copy.deepcopy(trainer.state_dict())
+    state["model"] = {"v": torch.tensor(5.0)}
+    state["optimizer"] = {"state": {}, "param_groups": []}  # wrong number of groups
+    with pytest.raises(ValueError):
+        trainer.load_state_dict(state)
+    assert model.v.item() == 0.0
+
+
+def test_config_target_follows_data_max_steps() -> None:
+    from speedtronic.config import SpeedtronicConfig
+
+    config = SpeedtronicConfig.from_dict({"max_steps": 10, "data": {"max_steps": 4}})
+    model = MeanModel()
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        [{"labels": torch.ones(1)}],
+        config=config,
+        device="cpu",
+    )
+    assert trainer.fit().steps == 4

@@ -46,6 +46,11 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, cast
 
 from typing_extensions import Self
 
+from callbacks.diloco.collective import (
+    COLLECTIVE_OPTIONS_SCHEMA,
+    CollectiveDiLoCo,
+    CollectiveDiLoCoOptions,
+)
 from callbacks.diloco.lanes import ErrorReporter
 from callbacks.diloco.master import NODE_ID_PATTERN, MasterLoop, MasterSettings
 from callbacks.diloco.node import DiLoCoNode, NodeSettings
@@ -80,7 +85,7 @@ logger = logging.getLogger("speedtronic.diloco")
 
 _positive = {"type": "number", "exclusiveMinimum": 0}
 
-OPTIONS_SCHEMA: JSONSchema = {
+HUB_OPTIONS_SCHEMA: JSONSchema = {
     "type": "object",
     "additionalProperties": False,
     "not": {"required": ["hub_dir", "repo_id"]},
@@ -218,6 +223,36 @@ OPTIONS_SCHEMA: JSONSchema = {
         },
     },
 }
+
+
+def _plugin_schema() -> JSONSchema:
+    """One ``diloco`` schema for both modes: ``mode: hub`` (default; asynchronous, through a
+    shared directory or the Hugging Face Hub) and ``mode: collective`` (synchronous, over
+    torch.distributed). Each mode accepts only its own keys; ``propertyNames`` (not nested
+    closed schemas) keeps the ``name`` key that the config loader adds valid."""
+    hub = cast(dict[str, object], HUB_OPTIONS_SCHEMA["properties"])
+    collective = cast(dict[str, object], COLLECTIVE_OPTIONS_SCHEMA["properties"])
+    collective_keys = [key for key in collective if key != "mode"]
+    mode = {
+        "enum": ["hub", "collective"],
+        "default": "hub",
+        "description": "hub: asynchronous DiLoCo over a shared hub (this page's options); "
+        "collective: synchronous DiLoCo over torch.distributed all-reduce.",
+    }
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {**collective, **hub, "mode": mode},
+        "if": {"required": ["mode"], "properties": {"mode": {"const": "collective"}}},
+        "then": {"propertyNames": {"enum": [*collective_keys, "mode", "name"]}},
+        "else": {
+            "propertyNames": {"enum": [*hub, "mode", "name"]},
+            "not": HUB_OPTIONS_SCHEMA["not"],
+        },
+    }
+
+
+OPTIONS_SCHEMA: JSONSchema = _plugin_schema()
 
 
 @dataclass(frozen=True)
@@ -480,7 +515,11 @@ class DiLoCoCallback(Callback):
         section = getattr(context.config, "distributed", None)
         if section is not None and getattr(section, "enabled", False):
             merged.update(options_from_distributed_section(cast(DistributedSection, section)))
-        merged.update(options)
+        if options.get("mode") == "collective":
+            # Synchronous mode is its own callback class behind the same plugin name; the
+            # cast only widens what ``from_options`` may return to that sibling class.
+            return cast(Self, CollectiveDiLoCo(CollectiveDiLoCoOptions.from_mapping(options)))
+        merged.update((key, value) for key, value in options.items() if key != "mode")
         return cls(DiLoCoOptions.from_mapping(merged))
 
     # -- data seeding -------------------------------------------------------------------

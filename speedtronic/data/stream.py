@@ -265,6 +265,18 @@ def _resumable_sampler(source: object) -> _SamplerPosition | None:
     return None
 
 
+def _set_sampler_epoch(source: object, epoch: int) -> None:
+    """Tell an epoch-aware sampler (``DistributedSampler`` and the like) which epoch this is,
+    so its order depends on the epoch number alone and resumes exactly."""
+    if not isinstance(source, DataLoader):
+        return
+    for sampler in (source.sampler, getattr(source.batch_sampler, "sampler", None)):
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+            return
+
+
 class BatchStream(Iterator[BatchT], Generic[BatchT]):
     """Yields batches from ``source`` forever, one epoch (pass over ``source``) after another.
 
@@ -326,6 +338,7 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
                     raise ValueError(self._past_end_message(skip, available))
                 sampler.set_start(min(skip * position.batch_size, sampler.num_samples))
             return self._new_iterator()
+        _set_sampler_epoch(self.source, self.epoch)
         iterator = self._new_iterator()
         if skip:
             with _rng_preserved():

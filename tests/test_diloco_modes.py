@@ -1,0 +1,48 @@
+"""One ``diloco`` plugin, two modes: asynchronous hub (default) and synchronous collective."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from callbacks.diloco import DiLoCoCallback
+from callbacks.diloco.collective import CollectiveDiLoCo
+from speedtronic.config import ConfigError, SpeedtronicConfig
+from speedtronic.plugins import PluginContext, build_callback
+
+
+def config_with(options: dict[str, object]) -> SpeedtronicConfig:
+    return SpeedtronicConfig.from_dict({"callbacks": [{"name": "diloco", **options}]})
+
+
+def test_collective_mode_builds_the_synchronous_callback(tmp_path: Path) -> None:
+    config = config_with({"mode": "collective", "inner_steps": 4, "compression": "bf16"})
+    spec = config.callbacks[0]
+    context = PluginContext(config=config, output_dir=tmp_path, device=torch.device("cpu"))
+    callback = build_callback(spec.name, spec.options, context)
+    assert isinstance(callback, CollectiveDiLoCo)
+    assert callback.state_key == "diloco"
+
+
+def test_hub_mode_is_the_default(tmp_path: Path) -> None:
+    config = config_with({"hub_dir": str(tmp_path / "hub"), "role": "master"})
+    spec = config.callbacks[0]
+    context = PluginContext(config=config, output_dir=tmp_path, device=torch.device("cpu"))
+    assert isinstance(build_callback(spec.name, spec.options, context), DiLoCoCallback)
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        ({"mode": "collective", "hub_dir": "x"}, "hub_dir"),
+        ({"hub_dir": "x", "ranks_per_replica": 2}, "ranks_per_replica"),
+        ({"mode": "gossip"}, "gossip"),
+        ({"hub_dir": "x", "repo_id": "a/b"}, "callbacks[0]"),
+    ],
+)
+def test_each_mode_accepts_only_its_own_keys(options: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        config_with(options)
+    assert fragment in str(caught.value)
