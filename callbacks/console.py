@@ -20,11 +20,13 @@ from typing_extensions import Self
 
 from callbacks.sink import (
     MetricSink,
+    NumberFormat,
     Record,
     format_bytes,
     format_duration,
     format_float,
     format_si,
+    formatted_numbers,
     resolve_path,
 )
 from speedtronic.callback import JSONSchema
@@ -47,30 +49,21 @@ def describe_fit_start(trainer: Trainer, ctx: FitContext) -> str:
     )
 
 
+STEP_LINE_FIELDS: tuple[NumberFormat, ...] = (
+    ("loss", lambda v: f"loss {format_float(v)}"),
+    ("lr", lambda v: f"lr {v:.2e}"),
+    ("grad_norm", lambda v: f"grad_norm {format_float(v)}"),
+    ("steps_per_sec", lambda v: f"{v:.1f} steps/s"),
+    ("tokens_per_sec", lambda v: f"{format_si(v)} tok/s"),
+    ("memory_bytes", lambda v: f"mem {format_bytes(v)}"),
+    ("mfu", lambda v: f"mfu {100 * v:.1f}%"),
+)
+
+
 def describe_record(record: Record, target_step: int, extra_keys: Sequence[str] = ()) -> str:
     """One step line from a finished record; keys that are absent are left out."""
     parts = [f"step {record['step']}/{target_step}"]
-    loss = record.get("loss")
-    if isinstance(loss, (int, float)):
-        parts.append(f"loss {format_float(float(loss))}")
-    lr = record.get("lr")
-    if isinstance(lr, (int, float)):
-        parts.append(f"lr {float(lr):.2e}")
-    grad_norm = record.get("grad_norm")
-    if isinstance(grad_norm, (int, float)):
-        parts.append(f"grad_norm {format_float(float(grad_norm))}")
-    steps_per_sec = record.get("steps_per_sec")
-    if isinstance(steps_per_sec, (int, float)):
-        parts.append(f"{steps_per_sec:.1f} steps/s")
-    tokens_per_sec = record.get("tokens_per_sec")
-    if isinstance(tokens_per_sec, (int, float)):
-        parts.append(f"{format_si(float(tokens_per_sec))} tok/s")
-    memory = record.get("memory_bytes")
-    if isinstance(memory, (int, float)):
-        parts.append(f"mem {format_bytes(float(memory))}")
-    mfu = record.get("mfu")
-    if isinstance(mfu, (int, float)):
-        parts.append(f"mfu {100 * float(mfu):.1f}%")
+    parts += formatted_numbers(record, STEP_LINE_FIELDS)
     for key in extra_keys:
         value = record.get(key)
         if isinstance(value, float):

@@ -20,7 +20,14 @@ from typing import IO, TYPE_CHECKING, ClassVar, Literal
 from tqdm import tqdm
 from typing_extensions import Never, Self
 
-from callbacks.sink import Record, format_duration, format_float, format_si
+from callbacks.sink import (
+    NumberFormat,
+    Record,
+    format_duration,
+    format_float,
+    format_si,
+    formatted_numbers,
+)
 from speedtronic.callback import Callback, JSONSchema, RankPolicy
 from speedtronic.contexts import FitContext, FitEndContext, MetricsContext, TeardownContext
 
@@ -54,23 +61,20 @@ def _postfix(record: Record) -> str:
     return ", ".join(parts)
 
 
+PROGRESS_LINE_FIELDS: tuple[NumberFormat, ...] = (
+    ("loss", lambda v: f"loss {format_float(v)}"),
+    ("lr", lambda v: f"lr {v:.2e}"),
+    ("tokens_per_sec", lambda v: f"{format_si(v)} tok/s"),
+    ("elapsed_s", lambda v: f"elapsed {format_duration(v)}"),
+)
+
+
 def progress_line(record: Record, start_step: int, target_step: int) -> str:
     """The non-TTY line: ``step 10/100 (10%) | loss .. | lr .. | .. tok/s | elapsed | eta``."""
     step = int(record["step"])
     percent = 100.0 * step / target_step if target_step else 100.0
     parts = [f"step {step}/{target_step} ({percent:.0f}%)"]
-    loss = record.get("loss")
-    if isinstance(loss, (int, float)):
-        parts.append(f"loss {format_float(float(loss))}")
-    lr = record.get("lr")
-    if isinstance(lr, (int, float)):
-        parts.append(f"lr {float(lr):.2e}")
-    tokens_per_sec = record.get("tokens_per_sec")
-    if isinstance(tokens_per_sec, (int, float)):
-        parts.append(f"{format_si(float(tokens_per_sec))} tok/s")
-    elapsed = record.get("elapsed_s")
-    if isinstance(elapsed, (int, float)):
-        parts.append(f"elapsed {format_duration(float(elapsed))}")
+    parts += formatted_numbers(record, PROGRESS_LINE_FIELDS)
     rate = record.get("steps_per_sec")
     if isinstance(rate, (int, float)) and rate > 0 and step > start_step:
         parts.append(f"eta {format_duration((target_step - step) / float(rate))}")

@@ -12,7 +12,7 @@ import abc
 import math
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
@@ -58,6 +58,20 @@ def resolve_path(path: str | os.PathLike[str], output_dir: Path) -> Path:
     """``path`` itself when absolute, else ``output_dir / path`` (``~`` is expanded)."""
     candidate = Path(path).expanduser()
     return candidate if candidate.is_absolute() else output_dir / candidate
+
+
+NumberFormat = tuple[str, Callable[[float], str]]
+"""A record key and how to show its value on a text line."""
+
+
+def formatted_numbers(record: Record, fields: Sequence[NumberFormat]) -> list[str]:
+    """Each field's text, in order, for the keys whose value in ``record`` is a number."""
+    parts = []
+    for key, show in fields:
+        value = record.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            parts.append(show(float(value)))
+    return parts
 
 
 def numeric_items(record: Record) -> Iterator[tuple[str, float]]:

@@ -74,6 +74,7 @@ def _accumulate_microbatches(t: Trainer, step: int, k: int) -> torch.Tensor:
     """Forward/backward K microbatches; returns the sum of their unscaled losses."""
     plan = t.plan
     listens_mb = plan.listens(Event.MICROBATCH_START) or plan.listens(Event.MICROBATCH_END)
+    listens_bw = plan.listens(Event.BEFORE_BACKWARD) or plan.listens(Event.AFTER_BACKWARD)
     loss_sum: torch.Tensor | None = None
     for index in range(k):
         host_batch = next(t.stream)
@@ -88,13 +89,15 @@ def _accumulate_microbatches(t: Trainer, step: int, k: int) -> torch.Tensor:
             with t.autocast():
                 output = t.forward(batch)
             loss = resolve_loss(output, batch)
-            backward_ctx = BackwardContext(step, index, k, loss)
-            plan.emit(t, Event.BEFORE_BACKWARD, backward_ctx)
+            backward_ctx = BackwardContext(step, index, k, loss) if listens_bw else None
+            if backward_ctx is not None:
+                plan.emit(t, Event.BEFORE_BACKWARD, backward_ctx)
             scaled = loss / k
             if t.scaler is not None:
                 scaled = t.scaler.scale(scaled)
             scaled.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-            plan.emit(t, Event.AFTER_BACKWARD, backward_ctx)
+            if backward_ctx is not None:
+                plan.emit(t, Event.AFTER_BACKWARD, backward_ctx)
         detached = loss.detach()
         loss_sum = detached if loss_sum is None else loss_sum + detached
         if mb_ctx is not None:

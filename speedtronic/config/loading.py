@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from speedtronic.config.schema import ConfigError, format_path
+from speedtronic.config.schema import SECTIONS, ConfigError, format_path
 
 RawConfig = dict[str, object]
 """A configuration as plain data, before validation."""
@@ -28,19 +28,6 @@ OPTIMIZER_ALIASES = ("muon_plus", "cautious")
 SECTION_ALIASES = ("hub", "diloco")
 """Root sections that are accepted as ``distributed`` when that is absent."""
 REDACTED = "<redacted>"
-
-_SECTIONS = (
-    "run",
-    "model",
-    "data",
-    "optimizer",
-    "scheduler",
-    "precision",
-    "checkpoint",
-    "logging",
-    "distributed",
-    "shape_validation",
-)
 
 
 def _lower(value: str) -> str:
@@ -219,7 +206,7 @@ def normalise(raw: object) -> tuple[RawConfig, list[str]]:
     data = _root_mapping(raw, "<mapping>")
     data.pop("$schema", None)
     errors: list[str] = []
-    for section in (*_SECTIONS, "callbacks", "imports"):
+    for section in (*SECTIONS, "callbacks", "imports"):
         if section in data and data[section] is None:
             data[section] = [] if section in ("callbacks", "imports") else {}
     _move_run_aliases(data, errors)
