@@ -212,7 +212,9 @@ def main() -> None:
         h, o = statistics.median(hand_rates), statistics.median(our_rates)
         # The ratio is the median of each round's paired ratio: robust to the machine's
         # speed drifting between rounds, which moves both runs of a pair together.
-        paired = statistics.median(ours / hand for hand, ours in zip(hand_rates, our_rates))
+        paired = statistics.median(
+            ours / hand for hand, ours in zip(hand_rates, our_rates, strict=True)
+        )
         rows.append((name, h, o, paired))
     if args.markdown:
         print("| case | hand-written steps/s | other steps/s | paired ratio |")
