@@ -481,32 +481,6 @@ ReferenceModel = ReferenceTransformer
 GPTModel = ReferenceTransformer
 
 
-def build_reference_transformer(
-    *,
-    vocab_size: int = GPTConfig.vocab_size,
-    block_size: int | None = None,
-    max_seq_len: int | None = None,
-    n_layer: int = GPTConfig.n_layer,
-    n_head: int = GPTConfig.n_head,
-    n_kv_head: int | None = None,
-    d_model: int = GPTConfig.d_model,
-    d_ff: int | None = None,
-    dropout: float = GPTConfig.dropout,
-    tie_weights: bool = GPTConfig.tie_weights,
-    rope_base: float = GPTConfig.rope_base,
-) -> ReferenceTransformer:
-    """Model-registry entry point (``reference_transformer`` and ``gpt``): takes exactly the
-    standard model fields; any other keyword is a TypeError, nothing is dropped silently."""
-    return ReferenceTransformer(
-        vocab_size=vocab_size,
-        block_size=block_size,
-        max_seq_len=max_seq_len,
-        n_layer=n_layer,
-        n_head=n_head,
-        n_kv_head=n_kv_head,
-        d_model=d_model,
-        d_ff=d_ff,
-        dropout=dropout,
-        tie_weights=tie_weights,
-        rope_base=rope_base,
-    )
+build_reference_transformer = ReferenceTransformer
+"""Model-registry entry point (``reference_transformer`` and ``gpt``): the class itself, so
+it takes exactly the standard model fields and any other keyword is a TypeError."""
