@@ -57,14 +57,29 @@ _EXPORTS: dict[str, str] = {
     "MetricLogger": "speedtronic.profiling",
     "WandbHook": "speedtronic.integrations",
     "TensorboardHook": "speedtronic.integrations",
-    "HubClient": "speedtronic.hub",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+# Original names whose implementation is a plugin: resolved through the plugin's entry point
+# at first use, so the engine never imports the ``callbacks`` package itself.
+_PLUGIN_EXPORTS: dict[str, str] = {"HubClient": "diloco"}
+
+__all__ = ["__version__", *_EXPORTS, *_PLUGIN_EXPORTS]
+
+
+def _plugin_module(plugin: str) -> str:
+    from importlib import metadata
+
+    from speedtronic.plugins import CALLBACK_GROUP
+
+    for entry in metadata.entry_points(group=CALLBACK_GROUP, name=plugin):
+        return entry.module
+    raise AttributeError(f"the {plugin!r} plugin is not installed")
 
 
 def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
+    if module is None and name in _PLUGIN_EXPORTS:
+        module = _plugin_module(_PLUGIN_EXPORTS[name])
     if module is None:
         raise AttributeError(f"module 'speedtronic' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
@@ -74,14 +89,40 @@ def __getattr__(name: str) -> object:
 
 if TYPE_CHECKING:
     from speedtronic.callback import Callback as Callback
+    from speedtronic.checkpoint import CheckpointManager as CheckpointManager
+    from speedtronic.config import Config as Config
     from speedtronic.config import ConfigError as ConfigError
     from speedtronic.config import SpeedtronicConfig as SpeedtronicConfig
+    from speedtronic.config import load_config as load_config
+    from speedtronic.config import load_yaml_config as load_yaml_config
+    from speedtronic.coordinator import SyncCoordinator as SyncCoordinator
+    from speedtronic.data import build_dataloader as build_dataloader
+    from speedtronic.data import register_dataset as register_dataset
+    from speedtronic.dispatch import CallbackPlan as CallbackPlan
+    from speedtronic.dispatch import CallbackWarning as CallbackWarning
     from speedtronic.events import Event as Event
+    from speedtronic.integrations import TensorboardHook as TensorboardHook
+    from speedtronic.integrations import WandbHook as WandbHook
     from speedtronic.metrics import MetricRecord as MetricRecord
+    from speedtronic.model import GPT as GPT
+    from speedtronic.model import GPTConfig as GPTConfig
+    from speedtronic.model import ReferenceTransformer as ReferenceTransformer
+    from speedtronic.module_utils import set_gradient_checkpointing as set_gradient_checkpointing
     from speedtronic.plugins import PluginContext as PluginContext
+    from speedtronic.plugins import PluginError as PluginError
+    from speedtronic.plugins import callback_registry as callback_registry
     from speedtronic.plugins import register_callback as register_callback
+    from speedtronic.precision import PrecisionPlan as PrecisionPlan
+    from speedtronic.profiling import MetricLogger as MetricLogger
+    from speedtronic.registry import ModelRegistry as ModelRegistry
+    from speedtronic.registry import build_model as build_model
     from speedtronic.registry import register_model as register_model
+    from speedtronic.registry import registry as registry
     from speedtronic.result import TrainResult as TrainResult
+    from speedtronic.runtime import build_callbacks as build_callbacks
     from speedtronic.runtime import build_runtime as build_runtime
     from speedtronic.runtime import train_from_config as train_from_config
+    from speedtronic.trainer import SpeedtronicTrainer as SpeedtronicTrainer
     from speedtronic.trainer import Trainer as Trainer
+    from speedtronic.trainer import TrainingEngine as TrainingEngine
+    from speedtronic.trainer import TrainingStateError as TrainingStateError

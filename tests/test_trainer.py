@@ -251,3 +251,41 @@ def test_config_target_follows_data_max_steps() -> None:
         device="cpu",
     )
     assert trainer.fit().steps == 4
+
+
+def test_scaler_overflow_step_is_not_counted_and_is_retried() -> None:
+    """The fp16 path: a step the grad scaler skips is reported, not counted, and retried.
+
+    CUDA fp16 is the only place speedtronic makes a scaler; torch's CPU GradScaler exercises
+    the same loop logic here."""
+    from speedtronic import Callback
+    from speedtronic.contexts import OptimizerStepContext
+
+    class Overflows(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.v = nn.Parameter(torch.zeros(()))
+            self.calls = 0
+
+        def forward(self, labels: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            scale = float("inf") if self.calls == 1 else 1.0  # the first forward overflows
+            return (self.v * scale - labels.float().mean()) ** 2
+
+    class SeeSkips(Callback):
+        def __init__(self) -> None:
+            self.skipped: list[tuple[int, bool]] = []
+
+        def on_after_optimizer_step(self, trainer: Trainer, ctx: OptimizerStepContext) -> None:
+            self.skipped.append((ctx.step, ctx.skipped))
+
+    model = Overflows()
+    seen = SeeSkips()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(model, opt, [{"labels": torch.tensor([1.0])}], max_steps=2, callbacks=[seen])
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with pytest.warns(RuntimeWarning, match="step 1: the fp16 grad scaler skipped"):
+        result = trainer.fit()
+    assert seen.skipped == [(1, True), (1, False), (2, False)]
+    assert result.steps == 2 and trainer.skipped_steps == 1
+    assert torch.isfinite(model.v).all()
