@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "downstream"
 
@@ -29,3 +31,11 @@ def test_mypy_rejects_a_wrong_override_signature() -> None:
     )
     assert done.returncode == 1, done.stdout
     assert 'Argument 2 of "on_step_end" is incompatible with supertype' in done.stdout
+
+
+def test_reference_example_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    namespace = runpy.run_path(str(ROOT / "examples" / "train_reference.py"), run_name="example")
+    result = namespace["main"]()
+    assert (result.steps, result.samples, result.tokens) == (10, 20, 640)
+    assert (tmp_path / "runs" / "example" / "metrics.jsonl").is_file()
