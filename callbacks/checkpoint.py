@@ -54,7 +54,8 @@ import torch
 from typing_extensions import Self
 
 from speedtronic.callback import Callback, JSONSchema
-from speedtronic.checkpoint import AsyncCheckpointWriter, CheckpointError, CheckpointManager
+from speedtronic.checkpoint import CheckpointError, CheckpointManager, signal_stop_reason
+from speedtronic.checkpoint_async import AsyncCheckpointWriter
 from speedtronic.contexts import (
     CheckpointContext,
     ExceptionContext,
@@ -339,7 +340,7 @@ class CheckpointCallback(Callback):
                 signal.raise_signal(signum)
                 return
             self.signal_received = received
-            trainer.request_stop(f"signal {received.name}")
+            trainer.request_stop(signal_stop_reason(received))
             logger.warning(
                 "received %s: stopping after step %d and saving a checkpoint "
                 "(send it again to stop immediately)",

@@ -26,7 +26,6 @@ from speedtronic.checkpoint import (
     CheckpointError,
     CheckpointManager,
     CorruptCheckpointError,
-    StateSnapshot,
     UnsafeCheckpointError,
     atomic_json_dump,
     atomic_torch_save,
@@ -36,6 +35,7 @@ from speedtronic.checkpoint import (
     requeue_exit_code,
     restore_rng_state,
 )
+from speedtronic.checkpoint_async import StateSnapshot
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.contexts import FitContext, OptimizerStepContext, TeardownContext
 from speedtronic.plugins import PluginContext
