@@ -46,3 +46,19 @@ def test_each_mode_accepts_only_its_own_keys(options: dict[str, object], fragmen
     with pytest.raises(ConfigError) as caught:
         config_with(options)
     assert fragment in str(caught.value)
+
+
+def test_hub_mode_refuses_to_run_as_several_torchrun_ranks(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+    from typing import cast
+
+    from speedtronic import Trainer
+    from speedtronic.contexts import FitContext
+
+    config = config_with({"hub_dir": str(tmp_path / "hub"), "role": "worker"})
+    spec = config.callbacks[0]
+    context = PluginContext(config=config, output_dir=tmp_path, device=torch.device("cpu"))
+    callback = build_callback(spec.name, spec.options, context)
+    two_ranks = cast(Trainer, SimpleNamespace(multi_rank=True))
+    with pytest.raises(RuntimeError, match="mode: collective"):
+        callback.on_setup(two_ranks, FitContext(0, 10))

@@ -629,6 +629,13 @@ class DiLoCoCallback(Callback):
     # -- hooks --------------------------------------------------------------------------
 
     def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+        if trainer.multi_rank:
+            # Every rank would act as a separate hub node with diverging weights.
+            raise RuntimeError(
+                "diloco mode 'hub' runs one node per process and is not supported under "
+                "torchrun with several ranks; use mode: collective (synchronous DiLoCo over "
+                "torch.distributed), or start one single-process node per machine"
+            )
         if self.node is None or self._model_id != id(trainer.model):
             self.node = self._build_node(trainer)
             self._model_id = id(trainer.model)
