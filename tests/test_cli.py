@@ -181,3 +181,53 @@ def test_user_plugin_via_imports(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(wrong))
     invalid = speedtronic("validate", "--config", str(path), cwd=tmp_path)
     assert invalid.returncode == 2 and "callbacks[0].greeting" in invalid.stderr
+
+
+def test_stop_and_resume_from_the_cli_is_bitwise_identical(tmp_path: Path) -> None:
+    """The issue's user story: --max-steps 6, then --max-steps 12 --resume, equals one
+    uninterrupted 12-step run, loss for loss (shuffled data, K=2, dropout)."""
+    config = dict(
+        TINY,
+        model=dict(TINY["model"], dropout=0.1),
+        data=dict(TINY["data"], shuffle=True),
+        logging={"every_steps": 1},
+        checkpoint={"every_steps": 4},
+        scheduler={"warmup_steps": 3},
+    )
+    config["run"] = dict(TINY["run"], max_steps=12)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+
+    def losses(out: Path) -> list[float]:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["loss"] for line in lines]
+
+    straight = speedtronic(
+        "fit", "--config", str(path), "--output-dir", str(tmp_path / "a"), cwd=tmp_path
+    )
+    assert straight.returncode == 0, straight.stderr
+    first = speedtronic(
+        "fit",
+        "--config",
+        str(path),
+        "--output-dir",
+        str(tmp_path / "b"),
+        "--max-steps",
+        "6",
+        cwd=tmp_path,
+    )
+    assert first.returncode == 0, first.stderr
+    second = speedtronic(
+        "fit",
+        "--config",
+        str(path),
+        "--output-dir",
+        str(tmp_path / "b"),
+        "--max-steps",
+        "12",
+        "--resume",
+        cwd=tmp_path,
+    )
+    assert second.returncode == 0, second.stderr
+    assert len(losses(tmp_path / "a")) == 12
+    assert losses(tmp_path / "b") == losses(tmp_path / "a")
