@@ -31,13 +31,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from speedtronic.config import OptimizerConfig
 from speedtronic.data import LearnableLanguageDataset
 from speedtronic.model import ReferenceTransformer
 from speedtronic.optimizers import (
     CPU_BF16_MIN_SIDE,
-    DEFAULT_NS_COEFFICIENTS,
     Muon,
-    RoutingRule,
     build_optimizer,
     build_scheduler,
     ns_work_dtype,
@@ -53,28 +52,9 @@ END_MARK = "<!-- benchmark:end -->"
 # -- settings (structurally the config sections the builders read) ---------------------------
 
 
-@dataclass(frozen=True)
-class OptimizerChoice:
-    name: str = "adamw"
-    lr: float = 3e-3
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    fused: bool | None = None
-    grad_clip: float | None = None
-    muon_plus: bool = False
-    muon_plus_mode: str = "row_col"
-    cautious: bool = False
-    cautious_rescale: bool = False
-    muon_momentum: float = 0.95
-    muon_nesterov: bool = True
-    muon_ns_steps: int = 5
-    muon_ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS
-    muon_norm_eps: float = 1e-8
-    muon_lr: float | None = None
-    muon_lr_scale: str = "rms"
-    muon_weight_decay: float | None = None
-    routing: tuple[RoutingRule, ...] = ()
+def optimizer_choice(**settings: object) -> OptimizerConfig:
+    """The run's optimizer section: the validated config dataclass, lr 3e-3 unless given."""
+    return OptimizerConfig(**{"lr": 3e-3, **settings})  # type: ignore[arg-type]  # checked by the dataclass
 
 
 @dataclass(frozen=True)
@@ -108,11 +88,11 @@ class Family:
     """An optimizer and the values of its swept learning rate."""
 
     label: str
-    base: OptimizerChoice
+    base: OptimizerConfig
     sweep: tuple[float, ...]
     swept: str  # "lr" or "muon_lr"
 
-    def at(self, value: float) -> OptimizerChoice:
+    def at(self, value: float) -> OptimizerConfig:
         if self.swept == "lr":
             return replace(self.base, lr=value)
         return replace(self.base, muon_lr=value)
@@ -168,7 +148,7 @@ class Problem:
             out = model(self.inputs[start:], labels=self.labels[start:])
         return float(out["loss"])
 
-    def run(self, choice: OptimizerChoice, seed: int) -> RunResult:
+    def run(self, choice: OptimizerConfig, seed: int) -> RunResult:
         task = self.task
         model = self.model(seed)
         optimizer = build_optimizer(model, choice, torch.device("cpu"))
@@ -202,8 +182,8 @@ class Problem:
 
 
 def families(quick: bool) -> list[Family]:
-    adamw = OptimizerChoice(name="adamw")
-    muon = OptimizerChoice(name="muon")
+    adamw = optimizer_choice(name="adamw")
+    muon = optimizer_choice(name="muon")
     cautious = replace(muon, cautious=True)
     if quick:
         return [
