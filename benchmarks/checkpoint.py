@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from callbacks.checkpoint import CheckpointCallback
+from speedtronic_callbacks.checkpoint import CheckpointCallback
 from speedtronic.callback import Callback
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.contexts import CheckpointContext, FitContext, OptimizerStepContext, StepContext

@@ -45,8 +45,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset
 
-from callbacks.diloco import DiLoCoCallback
-from callbacks.diloco.tensors import build_layout
+from speedtronic_callbacks.diloco import DiLoCoCallback
+from speedtronic_callbacks.diloco.tensors import build_layout
 from speedtronic import Trainer
 from speedtronic.data import LearnableLanguageDataset
 from speedtronic.model import ReferenceTransformer

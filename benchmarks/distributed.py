@@ -5,7 +5,7 @@ and the steps/s of 2-rank data-parallel training versus one process, on 2 gloo r
    transformer with speedtronic's ``Trainer``:
    * DDP: a DDP communication hook counts the bytes of every gradient bucket it
      all-reduces;
-   * synchronous DiLoCo (``callbacks.diloco.collective``, H inner steps, fp32 or bf16 on
+   * synchronous DiLoCo (``speedtronic_callbacks.diloco.collective``, H inner steps, fp32 or bf16 on
      the wire): the callback counts the bytes it hands to its one all-reduce per round.
    The trainer's own tiny collectives (the metric reduction and the stop agreement, on
    logging steps only: here every 50 steps) are counted separately by wrapping
@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from callbacks.diloco.collective import CollectiveDiLoCo  # noqa: E402
+from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo  # noqa: E402
 from speedtronic.callback import Callback  # noqa: E402
 from speedtronic.contexts import FitContext  # noqa: E402
 from speedtronic.data import LearnableLanguageDataset, ResumableSampler, collate_batch  # noqa: E402

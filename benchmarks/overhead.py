@@ -115,16 +115,16 @@ def trainer_run(
 
 
 def default_callbacks(out: Path) -> list[Callback]:
-    from callbacks.console import ConsoleCallback
-    from callbacks.jsonl import JsonlCallback
+    from speedtronic_callbacks.console import ConsoleCallback
+    from speedtronic_callbacks.jsonl import JsonlCallback
 
     return [ConsoleCallback(file=out / "console.log"), JsonlCallback(out / "metrics.jsonl")]
 
 
 def all_sinks(out: Path) -> list[Callback]:
-    from callbacks.csv_sink import CsvCallback
-    from callbacks.progress import ProgressBarCallback
-    from callbacks.tensorboard import TensorBoardCallback
+    from speedtronic_callbacks.csv_sink import CsvCallback
+    from speedtronic_callbacks.progress import ProgressBarCallback
+    from speedtronic_callbacks.tensorboard import TensorBoardCallback
 
     progress_log = (out / "progress.log").open("w")
     return [

@@ -72,11 +72,11 @@ class Measurement:
 
 
 def file_sinks(out: Path) -> list[Callback]:
-    from callbacks.console import ConsoleCallback
-    from callbacks.csv_sink import CsvCallback
-    from callbacks.jsonl import JsonlCallback
-    from callbacks.progress import ProgressBarCallback
-    from callbacks.tensorboard import TensorBoardCallback
+    from speedtronic_callbacks.console import ConsoleCallback
+    from speedtronic_callbacks.csv_sink import CsvCallback
+    from speedtronic_callbacks.jsonl import JsonlCallback
+    from speedtronic_callbacks.progress import ProgressBarCallback
+    from speedtronic_callbacks.tensorboard import TensorBoardCallback
 
     return [
         ConsoleCallback(file=out / "console.log"),
@@ -88,7 +88,7 @@ def file_sinks(out: Path) -> list[Callback]:
 
 
 def all_sinks(out: Path) -> list[Callback]:
-    from callbacks.wandb import WandbCallback
+    from speedtronic_callbacks.wandb import WandbCallback
 
     wandb = WandbCallback(project="speedtronic-bench", mode="offline", directory=out)
     return [*file_sinks(out), wandb]

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from callbacks.diloco.collective import CollectiveDiLoCo  # noqa: E402
+from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo  # noqa: E402
 from speedtronic.callback import Callback  # noqa: E402
 from speedtronic.config import SpeedtronicConfig  # noqa: E402
 from speedtronic.contexts import StepContext  # noqa: E402

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from callbacks.checkpoint import CheckpointCallback
+from speedtronic_callbacks.checkpoint import CheckpointCallback
 from speedtronic.callback import Callback
 from speedtronic.checkpoint import (
     CheckpointError,
@@ -616,7 +616,7 @@ SIGTERM_CHILD = textwrap.dedent(
     import torch
     sys.path.insert(0, {tests!r})
     from test_checkpoint import tiny_trainer
-    from callbacks.checkpoint import CheckpointCallback
+    from speedtronic_callbacks.checkpoint import CheckpointCallback
     from speedtronic.callback import Callback
     from speedtronic.checkpoint import requeue_exit_code
 

@@ -155,7 +155,7 @@ def test_schema_and_plugins(tmp_path: Path) -> None:
     assert plugins.returncode == 0
     for name in ("reference_transformer", "learnable", "checkpoint", "console", "tensorboard"):
         assert name in plugins.stdout
-    assert "entry point callbacks.checkpoint:CheckpointCallback" in plugins.stdout
+    assert "entry point speedtronic_callbacks.checkpoint:CheckpointCallback" in plugins.stdout
 
 
 def test_user_plugin_via_imports(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from callbacks.checkpoint import CheckpointCallback
+from speedtronic_callbacks.checkpoint import CheckpointCallback
 from speedtronic.callback import Callback
 from speedtronic.checkpoint import POINTER_NAME, CheckpointManager, checkpoint_step
 from speedtronic.contexts import StepContext
@@ -98,7 +98,7 @@ def test_sigkill_at_random_moments_never_breaks_resume(tmp_path: Path) -> None:
     context = multiprocessing.get_context("forkserver")
     # torch._dynamo is imported lazily by the first optimizer: ~2 s that every child would pay.
     context.set_forkserver_preload(
-        ["torch", "torch._dynamo", "speedtronic.trainer", "callbacks.checkpoint"]
+        ["torch", "torch._dynamo", "speedtronic.trainer", "speedtronic_callbacks.checkpoint"]
     )
     directory = tmp_path / "ck"
     chooser = random.Random(20240601)

@@ -17,8 +17,8 @@ import torch
 from jsonschema import Draft202012Validator
 from torch.utils.data import DataLoader, Subset
 
-from callbacks.diloco import DiLoCoCallback, DiLoCoOptions, options_from_distributed_section
-from callbacks.diloco.tensors import POINTER_PATH, build_layout, decode_global, decode_pointer
+from speedtronic_callbacks.diloco import DiLoCoCallback, DiLoCoOptions, options_from_distributed_section
+from speedtronic_callbacks.diloco.tensors import POINTER_PATH, build_layout, decode_global, decode_pointer
 from speedtronic import Trainer
 from speedtronic.callback import Callback
 from speedtronic.config import SpeedtronicConfig
@@ -228,7 +228,7 @@ from speedtronic import Trainer
 from speedtronic.callback import Callback
 from speedtronic.data import LearnableLanguageDataset
 from speedtronic.model import ReferenceTransformer
-from callbacks.diloco import DiLoCoCallback
+from speedtronic_callbacks.diloco import DiLoCoCallback
 
 args = json.loads(sys.argv[1])
 hub, out = Path(args["hub"]), Path(args["out"])

@@ -16,14 +16,14 @@ import pytest
 import torch
 from torch import nn
 
-from callbacks.diloco.master import (
+from speedtronic_callbacks.diloco.master import (
     MasterConflictError,
     MasterLoop,
     MasterSettings,
     delta_path,
 )
-from callbacks.diloco.node import DiLoCoNode, NodeSettings
-from callbacks.diloco.tensors import (
+from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
+from speedtronic_callbacks.diloco.tensors import (
     POINTER_PATH,
     DeltaInfo,
     RejectionReason,
@@ -33,7 +33,7 @@ from callbacks.diloco.tensors import (
     encode_delta,
     parse_header,
 )
-from callbacks.diloco.transport import (
+from speedtronic_callbacks.diloco.transport import (
     DirectoryTransport,
     PermanentTransportError,
     RemoteFile,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from callbacks.diloco.math import (
+from speedtronic_callbacks.diloco.math import (
     DeltaMismatchError,
     NesterovOuterOptimizer,
     aggregate_deltas,
@@ -17,7 +17,7 @@ from callbacks.diloco.math import (
     pseudo_gradient,
     staleness_weight,
 )
-from callbacks.diloco.tensors import (
+from speedtronic_callbacks.diloco.tensors import (
     Compression,
     DeltaInfo,
     Ledger,

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from callbacks.diloco import DiLoCoCallback
-from callbacks.diloco.collective import CollectiveDiLoCo
+from speedtronic_callbacks.diloco import DiLoCoCallback
+from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
 from speedtronic.config import ConfigError, SpeedtronicConfig
 from speedtronic.plugins import PluginContext, build_callback
 

@@ -22,8 +22,8 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
 )
 
-from callbacks.diloco.lanes import ErrorReporter, Inbox, Lane
-from callbacks.diloco.transport import (
+from speedtronic_callbacks.diloco.lanes import ErrorReporter, Inbox, Lane
+from speedtronic_callbacks.diloco.transport import (
     DirectoryTransport,
     HubTransport,
     PermanentTransportError,

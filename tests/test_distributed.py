@@ -24,11 +24,11 @@ import yaml
 from distributed_worker import base_config
 from torch.utils.data import DataLoader, Dataset
 
-from callbacks.checkpoint import CheckpointCallback
-from callbacks.console import ConsoleCallback
-from callbacks.diloco.collective import CollectiveDiLoCo
-from callbacks.jsonl import JsonlCallback
-from callbacks.progress import ProgressBarCallback
+from speedtronic_callbacks.checkpoint import CheckpointCallback
+from speedtronic_callbacks.console import ConsoleCallback
+from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
+from speedtronic_callbacks.jsonl import JsonlCallback
+from speedtronic_callbacks.progress import ProgressBarCallback
 from speedtronic.callback import Callback
 from speedtronic.config import ConfigError, load_config
 from speedtronic.config.schema import cross_field_errors

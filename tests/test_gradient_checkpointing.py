@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from callbacks.gradient_checkpointing import CheckpointedForward, GradientCheckpointing
+from speedtronic_callbacks.gradient_checkpointing import CheckpointedForward, GradientCheckpointing
 from speedtronic.callback import Callback
 from speedtronic.contexts import FitContext, TeardownContext
 from speedtronic.model import ReferenceTransformer

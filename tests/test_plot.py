@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from sink_helpers import make_trainer
 
-from callbacks.jsonl import JsonlCallback
+from speedtronic_callbacks.jsonl import JsonlCallback
 from speedtronic.plotting import PlotError, load_series, plot_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from callbacks.checkpoint import CheckpointCallback
-from callbacks.jsonl import JsonlCallback
+from speedtronic_callbacks.checkpoint import CheckpointCallback
+from speedtronic_callbacks.jsonl import JsonlCallback
 from speedtronic.callback import Callback
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.config.sections import DataConfig

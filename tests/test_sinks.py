@@ -22,17 +22,17 @@ from sink_helpers import (
     read_jsonl,
 )
 
-from callbacks.background import BackgroundWorker
-from callbacks.console import ConsoleCallback
-from callbacks.csv_sink import CsvCallback
-from callbacks.early_stopping import EarlyStopping
-from callbacks.jsonl import JsonlCallback, encode_record
-from callbacks.nan_guard import NanGuard
-from callbacks.progress import ProgressBarCallback
-from callbacks.sink import MetricSink, Record
-from callbacks.system_metrics import SystemMetricsCallback
-from callbacks.tensorboard import TensorBoardCallback
-from callbacks.wandb import WandbCallback
+from speedtronic_callbacks.background import BackgroundWorker
+from speedtronic_callbacks.console import ConsoleCallback
+from speedtronic_callbacks.csv_sink import CsvCallback
+from speedtronic_callbacks.early_stopping import EarlyStopping
+from speedtronic_callbacks.jsonl import JsonlCallback, encode_record
+from speedtronic_callbacks.nan_guard import NanGuard
+from speedtronic_callbacks.progress import ProgressBarCallback
+from speedtronic_callbacks.sink import MetricSink, Record
+from speedtronic_callbacks.system_metrics import SystemMetricsCallback
+from speedtronic_callbacks.tensorboard import TensorBoardCallback
+from speedtronic_callbacks.wandb import WandbCallback
 from speedtronic.callback import Callback
 from speedtronic.contexts import MetricsContext, StepContext
 from speedtronic.dispatch import CallbackWarning
@@ -504,7 +504,7 @@ def test_hook_wrappers_and_callback_list() -> None:
 
 
 def test_metric_logger_callback_emits_the_original_events(tmp_path: Path) -> None:
-    from callbacks.checkpoint import CheckpointCallback
+    from speedtronic_callbacks.checkpoint import CheckpointCallback
 
     hook = RecordingHook()
     logger = MetricLogger(stream=io.StringIO(), hooks=[hook])

@@ -10,14 +10,14 @@ import pytest
 import torch
 from sink_helpers import make_batches, make_trainer, read_jsonl
 
-from callbacks.checkpoint import CheckpointCallback
-from callbacks.console import ConsoleCallback
-from callbacks.csv_sink import CsvCallback
-from callbacks.early_stopping import EarlyStopping, MonitorError
-from callbacks.jsonl import JsonlCallback
-from callbacks.nan_guard import SKIPPED_KEY, NanGuard, NonFiniteLossError
-from callbacks.sink import MetricSink
-from callbacks.tensorboard import TensorBoardCallback
+from speedtronic_callbacks.checkpoint import CheckpointCallback
+from speedtronic_callbacks.console import ConsoleCallback
+from speedtronic_callbacks.csv_sink import CsvCallback
+from speedtronic_callbacks.early_stopping import EarlyStopping, MonitorError
+from speedtronic_callbacks.jsonl import JsonlCallback
+from speedtronic_callbacks.nan_guard import SKIPPED_KEY, NanGuard, NonFiniteLossError
+from speedtronic_callbacks.sink import MetricSink
+from speedtronic_callbacks.tensorboard import TensorBoardCallback
 from speedtronic.callback import Callback
 from speedtronic.contexts import MetricsContext
 from speedtronic.trainer import Trainer

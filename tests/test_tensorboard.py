@@ -10,7 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import (  # type: ig
     EventAccumulator,
 )
 
-from callbacks.tensorboard import TensorBoardCallback
+from speedtronic_callbacks.tensorboard import TensorBoardCallback
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.integrations import TensorboardHook
 

@@ -13,8 +13,8 @@ import pytest
 import wandb
 from sink_helpers import StateAtStep, make_trainer
 
-from callbacks.early_stopping import EarlyStopping
-from callbacks.wandb import WandbCallback
+from speedtronic_callbacks.early_stopping import EarlyStopping
+from speedtronic_callbacks.wandb import WandbCallback
 from speedtronic.callback import Callback
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.contexts import StepContext

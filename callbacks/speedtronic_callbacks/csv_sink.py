@@ -16,7 +16,7 @@ from typing import IO, TYPE_CHECKING, ClassVar
 
 from typing_extensions import Self
 
-from callbacks.sink import MetricSink, Record, atomic_write_text, resolve_path
+from speedtronic_callbacks.sink import MetricSink, Record, atomic_write_text, resolve_path
 from speedtronic.callback import JSONSchema
 from speedtronic.contexts import FitContext, TeardownContext
 

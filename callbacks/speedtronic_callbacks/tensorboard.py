@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 from typing_extensions import Self
 
-from callbacks.background import BackgroundWorker
-from callbacks.sink import MetricSink, Record, numeric_items, resolve_path
+from speedtronic_callbacks.background import BackgroundWorker
+from speedtronic_callbacks.sink import MetricSink, Record, numeric_items, resolve_path
 from speedtronic.callback import JSONSchema
 from speedtronic.contexts import FitContext, FitEndContext, TeardownContext
 

@@ -36,16 +36,16 @@ from typing import Literal
 import torch
 from torch import nn
 
-from callbacks.diloco.lanes import ErrorReporter, Inbox, Lane
-from callbacks.diloco.master import (
+from speedtronic_callbacks.diloco.lanes import ErrorReporter, Inbox, Lane
+from speedtronic_callbacks.diloco.master import (
     MasterConflictError,
     MasterLoop,
     RoundReport,
     delta_path,
     parse_delta_path,
 )
-from callbacks.diloco.math import pseudo_gradient
-from callbacks.diloco.tensors import (
+from speedtronic_callbacks.diloco.math import pseudo_gradient
+from speedtronic_callbacks.diloco.tensors import (
     POINTER_PATH,
     Compression,
     DeltaInfo,
@@ -60,7 +60,7 @@ from callbacks.diloco.tensors import (
     parse_header,
     to_wire,
 )
-from callbacks.diloco.transport import RetryingTransport, TransportError
+from speedtronic_callbacks.diloco.transport import RetryingTransport, TransportError
 
 logger = logging.getLogger("speedtronic.diloco")
 

@@ -35,13 +35,13 @@ from pathlib import Path
 
 import torch
 
-from callbacks.diloco.math import (
+from speedtronic_callbacks.diloco.math import (
     NesterovOuterOptimizer,
     StateDict,
     aggregate_deltas,
     staleness_weight,
 )
-from callbacks.diloco.tensors import (
+from speedtronic_callbacks.diloco.tensors import (
     POINTER_PATH,
     DecodedDelta,
     Ledger,
@@ -62,7 +62,7 @@ from callbacks.diloco.tensors import (
     progress_from_json,
     progress_to_json,
 )
-from callbacks.diloco.transport import RemoteFile, Transport
+from speedtronic_callbacks.diloco.transport import RemoteFile, Transport
 
 logger = logging.getLogger("speedtronic.diloco")
 

@@ -1,4 +1,4 @@
-"""The built-in callbacks, one feature per module (``callbacks.checkpoint``, ...).
+"""The built-in callbacks, one feature per module (``speedtronic_callbacks.checkpoint``, ...).
 
 Each is a ``speedtronic.callback.Callback`` plugin found through the
 ``speedtronic.callbacks`` entry-point group, exactly like a third-party plugin. Nothing is

@@ -46,16 +46,16 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, cast
 
 from typing_extensions import Self
 
-from callbacks.diloco.collective import (
+from speedtronic_callbacks.diloco.collective import (
     COLLECTIVE_OPTIONS_SCHEMA,
     CollectiveDiLoCo,
     CollectiveDiLoCoOptions,
 )
-from callbacks.diloco.lanes import ErrorReporter
-from callbacks.diloco.master import NODE_ID_PATTERN, MasterLoop, MasterSettings
-from callbacks.diloco.node import DiLoCoNode, NodeSettings
-from callbacks.diloco.tensors import Compression, ModelLayout, build_layout
-from callbacks.diloco.transport import (
+from speedtronic_callbacks.diloco.lanes import ErrorReporter
+from speedtronic_callbacks.diloco.master import NODE_ID_PATTERN, MasterLoop, MasterSettings
+from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
+from speedtronic_callbacks.diloco.tensors import Compression, ModelLayout, build_layout
+from speedtronic_callbacks.diloco.transport import (
     DirectoryTransport,
     HubTransport,
     RetryingTransport,

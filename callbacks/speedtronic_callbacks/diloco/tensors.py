@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import safetensors.torch
 import torch
 
-from callbacks.diloco.math import StateDict, is_synchronised, wire_shape
+from speedtronic_callbacks.diloco.math import StateDict, is_synchronised, wire_shape
 
 FORMAT = "speedtronic-diloco/1"
 """The value of the ``format`` metadata field; other formats are rejected."""

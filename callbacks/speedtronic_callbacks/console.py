@@ -18,7 +18,7 @@ from typing import IO, TYPE_CHECKING, ClassVar, Literal
 from tqdm import tqdm
 from typing_extensions import Self
 
-from callbacks.sink import (
+from speedtronic_callbacks.sink import (
     MetricSink,
     NumberFormat,
     Record,

@@ -20,7 +20,7 @@ from typing import IO, TYPE_CHECKING, ClassVar, Literal
 from tqdm import tqdm
 from typing_extensions import Never, Self
 
-from callbacks.sink import (
+from speedtronic_callbacks.sink import (
     NumberFormat,
     Record,
     format_duration,

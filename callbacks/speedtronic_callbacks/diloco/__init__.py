@@ -1,7 +1,7 @@
 """DiLoCo: asynchronous low-communication training over a shared hub, as a callback.
 
 Registered as the ``diloco`` callback plugin (entry point
-``diloco = "callbacks.diloco:DiLoCoCallback"``). See ``docs/distributed.md``.
+``diloco = "speedtronic_callbacks.diloco:DiLoCoCallback"``). See ``docs/distributed.md``.
 
 Modules: ``math`` (pseudo-gradients, aggregation, the outer optimizer), ``tensors`` (the
 exchanged file formats and their validation), ``transport`` (shared directory and Hugging
@@ -11,23 +11,23 @@ Face Hub stores, retries), ``lanes`` (bounded background I/O), ``master`` (the o
 
 from __future__ import annotations
 
-from callbacks.diloco.callback import (
+from speedtronic_callbacks.diloco.callback import (
     DiLoCoCallback,
     DiLoCoOptions,
     DistributedSection,
     options_from_distributed_section,
 )
-from callbacks.diloco.master import MasterLoop, MasterSettings, RoundReport
-from callbacks.diloco.math import (
+from speedtronic_callbacks.diloco.master import MasterLoop, MasterSettings, RoundReport
+from speedtronic_callbacks.diloco.math import (
     NesterovOuterOptimizer,
     aggregate_deltas,
     average_deltas,
     pseudo_gradient,
     staleness_weight,
 )
-from callbacks.diloco.node import DiLoCoNode, NodeSettings
-from callbacks.diloco.tensors import Compression, Rejected, RejectionReason
-from callbacks.diloco.transport import (
+from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
+from speedtronic_callbacks.diloco.tensors import Compression, Rejected, RejectionReason
+from speedtronic_callbacks.diloco.transport import (
     DirectoryTransport,
     HubTransport,
     PermanentTransportError,

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from typing_extensions import Self
 
-from callbacks.background import BackgroundWorker
-from callbacks.sink import MetricSink, Record, resolve_path
+from speedtronic_callbacks.background import BackgroundWorker
+from speedtronic_callbacks.sink import MetricSink, Record, resolve_path
 from speedtronic.callback import JSONSchema
 from speedtronic.contexts import FitContext, FitEndContext, TeardownContext
 

@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
-from callbacks.diloco.math import NesterovOuterOptimizer, check_same_layout, pseudo_gradient
-from callbacks.diloco.tensors import Compression, ModelLayout, build_layout
+from speedtronic_callbacks.diloco.math import NesterovOuterOptimizer, check_same_layout, pseudo_gradient
+from speedtronic_callbacks.diloco.tensors import Compression, ModelLayout, build_layout
 from speedtronic.callback import Callback, JSONSchema, RankPolicy
 from speedtronic.contexts import CoordinateContext, FitContext, MetricsContext
 from speedtronic.distributed import DistributedContext, ReplicaGroups, replica_groups
