@@ -37,12 +37,12 @@ from pathlib import Path
 
 import torch
 
-from speedtronic_callbacks.checkpoint import CheckpointCallback
 from speedtronic.callback import Callback
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.contexts import CheckpointContext, FitContext, OptimizerStepContext, StepContext
 from speedtronic.model import ReferenceTransformer
 from speedtronic.trainer import Trainer
+from speedtronic_callbacks.checkpoint import CheckpointCallback
 
 
 def make_trainer(callbacks: list[Callback] | None = None, device: str = "cpu") -> Trainer:

@@ -45,11 +45,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Subset
 
-from speedtronic_callbacks.diloco import DiLoCoCallback
-from speedtronic_callbacks.diloco.tensors import build_layout
 from speedtronic import Trainer
 from speedtronic.data import LearnableLanguageDataset
 from speedtronic.model import ReferenceTransformer
+from speedtronic_callbacks.diloco import DiLoCoCallback
+from speedtronic_callbacks.diloco.tensors import build_layout
 
 VOCAB, BLOCK, BATCH = 64, 32, 16
 TRAIN_SAMPLES, EVAL_START, EVAL_SAMPLES = 6000, 50_000, 256

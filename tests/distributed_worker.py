@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo  # noqa: E402
 from speedtronic.callback import Callback  # noqa: E402
 from speedtronic.config import SpeedtronicConfig  # noqa: E402
 from speedtronic.contexts import StepContext  # noqa: E402
@@ -34,6 +33,7 @@ from speedtronic.result import TrainResult  # noqa: E402
 from speedtronic.rng import seed_everything  # noqa: E402
 from speedtronic.runtime import build_runtime  # noqa: E402
 from speedtronic.trainer import Trainer  # noqa: E402
+from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo  # noqa: E402
 
 torch.set_num_threads(1)
 

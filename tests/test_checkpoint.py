@@ -20,7 +20,6 @@ import pytest
 import torch
 from torch import nn
 
-from speedtronic_callbacks.checkpoint import CheckpointCallback
 from speedtronic.callback import Callback
 from speedtronic.checkpoint import (
     CheckpointError,
@@ -40,6 +39,7 @@ from speedtronic.config import SpeedtronicConfig
 from speedtronic.contexts import FitContext, OptimizerStepContext, TeardownContext
 from speedtronic.plugins import PluginContext
 from speedtronic.trainer import Trainer
+from speedtronic_callbacks.checkpoint import CheckpointCallback
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from speedtronic_callbacks.checkpoint import CheckpointCallback
 from speedtronic.callback import Callback
 from speedtronic.checkpoint import POINTER_NAME, CheckpointManager, checkpoint_step
 from speedtronic.contexts import StepContext
 from speedtronic.resume import resume_from
 from speedtronic.trainer import Trainer
+from speedtronic_callbacks.checkpoint import CheckpointCallback
 
 TRIALS = 24
 KEEP_LAST = 2

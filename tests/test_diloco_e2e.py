@@ -17,8 +17,6 @@ import torch
 from jsonschema import Draft202012Validator
 from torch.utils.data import DataLoader, Subset
 
-from speedtronic_callbacks.diloco import DiLoCoCallback, DiLoCoOptions, options_from_distributed_section
-from speedtronic_callbacks.diloco.tensors import POINTER_PATH, build_layout, decode_global, decode_pointer
 from speedtronic import Trainer
 from speedtronic.callback import Callback
 from speedtronic.config import SpeedtronicConfig
@@ -28,6 +26,17 @@ from speedtronic.data import LearnableLanguageDataset
 from speedtronic.model import ReferenceTransformer
 from speedtronic.plugins import PluginContext, callback_registry
 from speedtronic.runtime import build_callbacks
+from speedtronic_callbacks.diloco import (
+    DiLoCoCallback,
+    DiLoCoOptions,
+    options_from_distributed_section,
+)
+from speedtronic_callbacks.diloco.tensors import (
+    POINTER_PATH,
+    build_layout,
+    decode_global,
+    decode_pointer,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VOCAB, BLOCK = 32, 16

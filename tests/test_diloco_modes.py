@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from speedtronic_callbacks.diloco import DiLoCoCallback
-from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
 from speedtronic.config import ConfigError, SpeedtronicConfig
 from speedtronic.plugins import PluginContext, build_callback
+from speedtronic_callbacks.diloco import DiLoCoCallback
+from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
 
 
 def config_with(options: dict[str, object]) -> SpeedtronicConfig:

@@ -24,11 +24,6 @@ import yaml
 from distributed_worker import base_config
 from torch.utils.data import DataLoader, Dataset
 
-from speedtronic_callbacks.checkpoint import CheckpointCallback
-from speedtronic_callbacks.console import ConsoleCallback
-from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
-from speedtronic_callbacks.jsonl import JsonlCallback
-from speedtronic_callbacks.progress import ProgressBarCallback
 from speedtronic.callback import Callback
 from speedtronic.config import ConfigError, load_config
 from speedtronic.config.schema import cross_field_errors
@@ -44,6 +39,11 @@ from speedtronic.distributed import (
 from speedtronic.events import Event
 from speedtronic.runtime import build_runtime
 from speedtronic.trainer import Trainer
+from speedtronic_callbacks.checkpoint import CheckpointCallback
+from speedtronic_callbacks.console import ConsoleCallback
+from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
+from speedtronic_callbacks.jsonl import JsonlCallback
+from speedtronic_callbacks.progress import ProgressBarCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("distributed_worker.py")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from sink_helpers import make_trainer
 
-from speedtronic_callbacks.jsonl import JsonlCallback
 from speedtronic.plotting import PlotError, load_series, plot_run
+from speedtronic_callbacks.jsonl import JsonlCallback
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

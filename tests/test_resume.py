@@ -13,8 +13,6 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from speedtronic_callbacks.checkpoint import CheckpointCallback
-from speedtronic_callbacks.jsonl import JsonlCallback
 from speedtronic.callback import Callback
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.config.sections import DataConfig
@@ -23,6 +21,8 @@ from speedtronic.data import TextFileTokenDataset, build_dataloader
 from speedtronic.model import ReferenceTransformer
 from speedtronic.resume import resume_from
 from speedtronic.trainer import Trainer, TrainingStateError
+from speedtronic_callbacks.checkpoint import CheckpointCallback
+from speedtronic_callbacks.jsonl import JsonlCallback
 
 VOCAB = 48
 CONTEXT = 8

@@ -22,17 +22,6 @@ from sink_helpers import (
     read_jsonl,
 )
 
-from speedtronic_callbacks.background import BackgroundWorker
-from speedtronic_callbacks.console import ConsoleCallback
-from speedtronic_callbacks.csv_sink import CsvCallback
-from speedtronic_callbacks.early_stopping import EarlyStopping
-from speedtronic_callbacks.jsonl import JsonlCallback, encode_record
-from speedtronic_callbacks.nan_guard import NanGuard
-from speedtronic_callbacks.progress import ProgressBarCallback
-from speedtronic_callbacks.sink import MetricSink, Record
-from speedtronic_callbacks.system_metrics import SystemMetricsCallback
-from speedtronic_callbacks.tensorboard import TensorBoardCallback
-from speedtronic_callbacks.wandb import WandbCallback
 from speedtronic.callback import Callback
 from speedtronic.contexts import MetricsContext, StepContext
 from speedtronic.dispatch import CallbackWarning
@@ -46,6 +35,17 @@ from speedtronic.profiling import (
     memory_usage_bytes,
 )
 from speedtronic.trainer import Trainer
+from speedtronic_callbacks.background import BackgroundWorker
+from speedtronic_callbacks.console import ConsoleCallback
+from speedtronic_callbacks.csv_sink import CsvCallback
+from speedtronic_callbacks.early_stopping import EarlyStopping
+from speedtronic_callbacks.jsonl import JsonlCallback, encode_record
+from speedtronic_callbacks.nan_guard import NanGuard
+from speedtronic_callbacks.progress import ProgressBarCallback
+from speedtronic_callbacks.sink import MetricSink, Record
+from speedtronic_callbacks.system_metrics import SystemMetricsCallback
+from speedtronic_callbacks.tensorboard import TensorBoardCallback
+from speedtronic_callbacks.wandb import WandbCallback
 
 PLUGINS: list[type[Callback]] = [
     ConsoleCallback,

@@ -10,6 +10,9 @@ import pytest
 import torch
 from sink_helpers import make_batches, make_trainer, read_jsonl
 
+from speedtronic.callback import Callback
+from speedtronic.contexts import MetricsContext
+from speedtronic.trainer import Trainer
 from speedtronic_callbacks.checkpoint import CheckpointCallback
 from speedtronic_callbacks.console import ConsoleCallback
 from speedtronic_callbacks.csv_sink import CsvCallback
@@ -18,9 +21,6 @@ from speedtronic_callbacks.jsonl import JsonlCallback
 from speedtronic_callbacks.nan_guard import SKIPPED_KEY, NanGuard, NonFiniteLossError
 from speedtronic_callbacks.sink import MetricSink
 from speedtronic_callbacks.tensorboard import TensorBoardCallback
-from speedtronic.callback import Callback
-from speedtronic.contexts import MetricsContext
-from speedtronic.trainer import Trainer
 
 
 def open_sinks(tmp_path: Path) -> list[MetricSink]:

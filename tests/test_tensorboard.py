@@ -10,9 +10,9 @@ from tensorboard.backend.event_processing.event_accumulator import (  # type: ig
     EventAccumulator,
 )
 
-from speedtronic_callbacks.tensorboard import TensorBoardCallback
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.integrations import TensorboardHook
+from speedtronic_callbacks.tensorboard import TensorBoardCallback
 
 
 def load_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:

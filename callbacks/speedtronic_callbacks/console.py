@@ -18,6 +18,8 @@ from typing import IO, TYPE_CHECKING, ClassVar, Literal
 from tqdm import tqdm
 from typing_extensions import Self
 
+from speedtronic.callback import JSONSchema
+from speedtronic.contexts import ExceptionContext, FitContext, FitEndContext, TeardownContext
 from speedtronic_callbacks.sink import (
     MetricSink,
     NumberFormat,
@@ -29,8 +31,6 @@ from speedtronic_callbacks.sink import (
     formatted_numbers,
     resolve_path,
 )
-from speedtronic.callback import JSONSchema
-from speedtronic.contexts import ExceptionContext, FitContext, FitEndContext, TeardownContext
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext

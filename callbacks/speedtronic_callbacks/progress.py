@@ -20,6 +20,8 @@ from typing import IO, TYPE_CHECKING, ClassVar, Literal
 from tqdm import tqdm
 from typing_extensions import Never, Self
 
+from speedtronic.callback import Callback, JSONSchema, RankPolicy
+from speedtronic.contexts import FitContext, FitEndContext, MetricsContext, TeardownContext
 from speedtronic_callbacks.sink import (
     NumberFormat,
     Record,
@@ -28,8 +30,6 @@ from speedtronic_callbacks.sink import (
     format_si,
     formatted_numbers,
 )
-from speedtronic.callback import Callback, JSONSchema, RankPolicy
-from speedtronic.contexts import FitContext, FitEndContext, MetricsContext, TeardownContext
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext

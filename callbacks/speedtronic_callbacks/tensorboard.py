@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, ClassVar
 
 from typing_extensions import Self
 
-from speedtronic_callbacks.background import BackgroundWorker
-from speedtronic_callbacks.sink import MetricSink, Record, numeric_items, resolve_path
 from speedtronic.callback import JSONSchema
 from speedtronic.contexts import FitContext, FitEndContext, TeardownContext
+from speedtronic_callbacks.background import BackgroundWorker
+from speedtronic_callbacks.sink import MetricSink, Record, numeric_items, resolve_path
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter

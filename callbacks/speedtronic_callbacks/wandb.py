@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from typing_extensions import Self
 
-from speedtronic_callbacks.background import BackgroundWorker
-from speedtronic_callbacks.sink import MetricSink, Record, resolve_path
 from speedtronic.callback import JSONSchema
 from speedtronic.contexts import FitContext, FitEndContext, TeardownContext
+from speedtronic_callbacks.background import BackgroundWorker
+from speedtronic_callbacks.sink import MetricSink, Record, resolve_path
 
 if TYPE_CHECKING:
     from types import ModuleType

@@ -46,6 +46,13 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, cast
 
 from typing_extensions import Self
 
+from speedtronic.callback import Callback, JSONSchema
+from speedtronic.contexts import (
+    CoordinateContext,
+    FitContext,
+    MetricsContext,
+    TeardownContext,
+)
 from speedtronic_callbacks.diloco.collective import (
     COLLECTIVE_OPTIONS_SCHEMA,
     CollectiveDiLoCo,
@@ -61,13 +68,6 @@ from speedtronic_callbacks.diloco.transport import (
     RetryingTransport,
     RetryPolicy,
     Transport,
-)
-from speedtronic.callback import Callback, JSONSchema
-from speedtronic.contexts import (
-    CoordinateContext,
-    FitContext,
-    MetricsContext,
-    TeardownContext,
 )
 
 if TYPE_CHECKING:

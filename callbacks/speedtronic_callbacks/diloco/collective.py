@@ -48,11 +48,15 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
-from speedtronic_callbacks.diloco.math import NesterovOuterOptimizer, check_same_layout, pseudo_gradient
-from speedtronic_callbacks.diloco.tensors import Compression, ModelLayout, build_layout
 from speedtronic.callback import Callback, JSONSchema, RankPolicy
 from speedtronic.contexts import CoordinateContext, FitContext, MetricsContext
 from speedtronic.distributed import DistributedContext, ReplicaGroups, replica_groups
+from speedtronic_callbacks.diloco.math import (
+    NesterovOuterOptimizer,
+    check_same_layout,
+    pseudo_gradient,
+)
+from speedtronic_callbacks.diloco.tensors import Compression, ModelLayout, build_layout
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
