@@ -14,6 +14,8 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+from speedtronic.user_imports import search_dirs
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -224,15 +226,22 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     )
 
 
+def _user_module_dirs(args: argparse.Namespace) -> list[Path]:
+    """Where the config's ``imports:`` are looked for (after installed packages): the working
+    directory, then the config file's directory. Nothing else there is importable."""
+    dirs = [Path.cwd()]
+    if getattr(args, "config", None):
+        dirs.append(Path(args.config).parent)
+    return dirs
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     args = _parser().parse_args(argv)
-    # ``imports: [my_plugins]`` should find ./my_plugins.py as ``python -m`` would.
-    if "" not in sys.path and str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
     warnings.simplefilter("default")
     try:
-        return _COMMANDS[args.command](args)
+        with search_dirs(*_user_module_dirs(args)):
+            return _COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print("speedtronic: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
