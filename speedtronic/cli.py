@@ -146,9 +146,9 @@ def _routing_table(config: object) -> str:
     import torch
 
     from speedtronic.config import SpeedtronicConfig
+    from speedtronic.model_registry import build_model
     from speedtronic.optimizers import describe_routing, format_routing_table
     from speedtronic.plugins import import_modules
-    from speedtronic.registry import build_model
 
     assert isinstance(config, SpeedtronicConfig)
     import_modules(config.imports)
@@ -170,8 +170,8 @@ def _schema(args: argparse.Namespace) -> int:
 
 def _plugins(args: argparse.Namespace) -> int:
     from speedtronic.data import dataset_registry
+    from speedtronic.model_registry import registry
     from speedtronic.plugins import PluginRegistry, callback_registry
-    from speedtronic.registry import registry
 
     registries: list[tuple[str, PluginRegistry[object]]] = [
         ("models", registry),  # type: ignore[list-item]  # invariance: read-only use
