@@ -14,6 +14,8 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+from speedtronic.user_imports import search_dirs
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -182,9 +184,9 @@ def _routing_table(config: object) -> str:
     import torch
 
     from speedtronic.config import SpeedtronicConfig
+    from speedtronic.model_registry import build_model
     from speedtronic.optimizers import describe_routing, format_routing_table
     from speedtronic.plugins import import_modules
-    from speedtronic.registry import build_model
 
     assert isinstance(config, SpeedtronicConfig)
     import_modules(config.imports)
@@ -206,8 +208,8 @@ def _schema(args: argparse.Namespace) -> int:
 
 def _plugins(args: argparse.Namespace) -> int:
     from speedtronic.data import dataset_registry
+    from speedtronic.model_registry import registry
     from speedtronic.plugins import PluginRegistry, callback_registry
-    from speedtronic.registry import registry
 
     registries: list[tuple[str, PluginRegistry[object]]] = [
         ("models", registry),  # type: ignore[list-item]  # invariance: read-only use
@@ -271,12 +273,18 @@ def _silence_stdout() -> None:
     os.close(devnull)
 
 
+def _user_module_dirs(args: argparse.Namespace) -> list[Path]:
+    """Where the config's ``imports:`` are looked for (after installed packages): the working
+    directory, then the config file's directory. Nothing else there is importable."""
+    dirs = [Path.cwd()]
+    if getattr(args, "config", None):
+        dirs.append(Path(args.config).parent)
+    return dirs
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     args = _parser().parse_args(argv)
-    # ``imports: [my_plugins]`` should find ./my_plugins.py as ``python -m`` would.
-    if "" not in sys.path and str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
     with warnings.catch_warnings():
         warnings.simplefilter("default")
         warnings.showwarning = _show_warning
@@ -285,7 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        return _COMMANDS[args.command](args)
+        with search_dirs(*_user_module_dirs(args)):
+            return _COMMANDS[args.command](args)
     except BrokenPipeError:
         # ``speedtronic validate | head``: the reader left; say nothing more.
         _silence_stdout()

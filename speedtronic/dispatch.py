@@ -22,7 +22,9 @@ from speedtronic.events import Event
 if TYPE_CHECKING:
     from speedtronic.trainer import Trainer
 
-Hook = Callable[["Trainer", object], None]
+BoundHook = Callable[["Trainer", object], None]
+"""A callback's hook method bound to its instance, as the dispatch plan calls it
+(not ``speedtronic.hooks``, the 2.0 metric-logger hooks)."""
 
 
 class CallbackWarning(UserWarning):
@@ -44,7 +46,7 @@ class _GuardedHook:
 
     __slots__ = ("_hook", "_callback", "_event", "_reported")
 
-    def __init__(self, hook: Hook, callback: Callback, event: Event) -> None:
+    def __init__(self, hook: BoundHook, callback: Callback, event: Event) -> None:
         self._hook = hook
         self._callback = callback
         self._event = event
@@ -99,18 +101,18 @@ class CallbackPlan:
         self.local_rank = local_rank
         active = [cb for cb in callbacks if runs_on_rank(cb.rank_policy, rank, local_rank)]
         self._order: dict[Event, tuple[Callback, ...]] = {}
-        self._hooks: dict[Event, tuple[Hook, ...]] = {}
+        self._hooks: dict[Event, tuple[BoundHook, ...]] = {}
         for event in Event:
             ordered = _ordered_for(event, active)
             self._order[event] = tuple(ordered)
             self._hooks[event] = tuple(self._bind(cb, event) for cb in ordered)
 
     @staticmethod
-    def _bind(callback: Callback, event: Event) -> Hook:
-        hook: Hook = getattr(callback, event.hook_name)
+    def _bind(callback: Callback, event: Event) -> BoundHook:
+        hook: BoundHook = getattr(callback, event.hook_name)
         return _GuardedHook(hook, callback, event) if callback.is_observer else hook
 
-    def hooks(self, event: Event) -> tuple[Hook, ...]:
+    def hooks(self, event: Event) -> tuple[BoundHook, ...]:
         """The hooks to call for ``event``, in order (empty when nobody listens)."""
         return self._hooks[event]
 

@@ -24,15 +24,15 @@ from speedtronic.checkpoint import CheckpointManager
 from speedtronic.config import CallbackSpec, JSONValue, SpeedtronicConfig
 from speedtronic.data import build_dataloader
 from speedtronic.distributed import DistributedContext, setup_distributed, teardown_distributed
+from speedtronic.model_registry import build_model
 from speedtronic.optimizers import build_optimizer, build_scheduler
 from speedtronic.plugins import PluginContext, build_callback, callback_registry, import_modules
 from speedtronic.precision import resolve_device, resolve_precision
-from speedtronic.registry import build_model
 from speedtronic.result import TrainResult
 from speedtronic.resume import resume_from
 from speedtronic.rng import seed_everything
-from speedtronic.scheduling import StageStreamCallback, StageStreamScheduler
 from speedtronic.shapes import validate_startup_shapes
+from speedtronic.stage_streams import StageStreamCallback, StageStreamScheduler
 from speedtronic.trainer import Trainer
 
 ConfigSource = SpeedtronicConfig | Mapping[str, object] | str | Path
