@@ -87,6 +87,36 @@ def _load(args: argparse.Namespace, extra: Sequence[str] = ()) -> object:
     return load_config(path, overrides=[*args.overrides, *extra])
 
 
+def _preflight(config: object, *, device: str | None = None, max_steps: int | None = None) -> None:
+    """Stop on what cannot work on this machine (exit 2); print one line per warning."""
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.preflight import check
+
+    assert isinstance(config, SpeedtronicConfig)
+    outcome = check(config, device=device, max_steps=max_steps)
+    for message in outcome.warnings:
+        _print_warning(message)
+    if outcome.errors:
+        raise UserError("; ".join(outcome.errors))
+
+
+def _print_warning(message: str) -> None:
+    print(f"speedtronic: warning: {message}", file=sys.stderr)
+
+
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: object = None,
+    line: str | None = None,
+) -> None:
+    """Warnings in the CLI are one clean line each (no source line, no file:line)."""
+    del category, filename, lineno, file, line
+    _print_warning(str(message))
+
+
 def _fit(args: argparse.Namespace) -> int:
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.distributed import teardown_distributed
@@ -97,6 +127,7 @@ def _fit(args: argparse.Namespace) -> int:
     assert isinstance(config, SpeedtronicConfig)
     if args.max_steps is not None and args.max_steps <= 0:
         raise UserError(f"--max-steps must be positive, got {args.max_steps}")
+    _preflight(config, device=args.device, max_steps=args.max_steps)
     trainer, _ = build_runtime(
         config, resume=args.resume, device=args.device, max_steps=args.max_steps
     )
@@ -104,14 +135,16 @@ def _fit(args: argparse.Namespace) -> int:
         main_rank = trainer.distributed is None or trainer.distributed.is_main
         if main_rank:
             save_run_config(config, trainer.output_dir)
+        start_step = trainer.step
         result = trainer.fit()
     finally:
         teardown_distributed(trainer.distributed)
     if main_rank:
         loss = "None" if result.final_loss is None else f"{result.final_loss!r}"
+        this_run = f" (this run: {result.steps - start_step} steps)" if start_step else ""
         print(
             f"completed steps={result.steps} samples={result.samples} tokens={result.tokens} "
-            f"loss={loss}"
+            f"loss={loss}{this_run}"
         )
         if result.stop_reason:
             print(f"stopped early: {result.stop_reason}")
@@ -128,6 +161,7 @@ def _validate(args: argparse.Namespace) -> int:
 
     config = _load(args)
     assert isinstance(config, SpeedtronicConfig)
+    _preflight(config)
     if args.format == "json":
         print(json.dumps(config.to_dict(redact_secrets=True), indent=2))
     else:
@@ -138,6 +172,10 @@ def _validate(args: argparse.Namespace) -> int:
     print("\n".join("# " + line for line in format_plan(describe_classes(classes)).splitlines()))
     print("# optimizer routing (which parameter goes where, and why):")
     print("\n".join("# " + line for line in _routing_table(config).splitlines()))
+    print(
+        f"# OK: {args.config} is valid ({len(classes)} callbacks, "
+        f"{config.target_steps} steps, model {config.model.name!r})"
+    )
     return EXIT_OK
 
 
@@ -235,13 +273,31 @@ def _user_module_dirs(args: argparse.Namespace) -> list[Path]:
     return dirs
 
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     args = _parser().parse_args(argv)
-    warnings.simplefilter("default")
+    with warnings.catch_warnings(), search_dirs(*_user_module_dirs(args)):
+        warnings.simplefilter("default")
+        warnings.showwarning = _show_warning
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
-        with search_dirs(*_user_module_dirs(args)):
-            return _COMMANDS[args.command](args)
+        return _COMMANDS[args.command](args)
+    except BrokenPipeError:
+        # ``speedtronic validate | head``: the reader left; say nothing more.
+        _silence_stdout()
+        return EXIT_FAILED if args.command in ("fit", "train") else EXIT_OK
     except KeyboardInterrupt:
         print("speedtronic: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

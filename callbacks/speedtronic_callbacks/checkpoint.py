@@ -336,8 +336,14 @@ class CheckpointCallback(Callback):
             received = signal.Signals(signum)
             if self.signal_received is not None:
                 # Second signal: hand it to whoever handled it before us (Ctrl-C twice).
+                previous = self._previous_handlers.get(received)
                 self._restore_signal_handlers()
-                signal.raise_signal(signum)
+                if callable(previous):
+                    # Call it here, in this frame: re-raising the signal from inside a
+                    # handler leaves *when* the old handler runs to the interpreter.
+                    previous(signum, frame)
+                elif previous != signal.SIG_IGN:
+                    signal.raise_signal(signum)  # the default action (terminate)
                 return
             self.signal_received = received
             trainer.request_stop(signal_stop_reason(received))
