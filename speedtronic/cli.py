@@ -264,15 +264,6 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     )
 
 
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
-    import os
-
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-
-
 def _user_module_dirs(args: argparse.Namespace) -> list[Path]:
     """Where the config's ``imports:`` are looked for (after installed packages): the working
     directory, then the config file's directory. Nothing else there is importable."""
@@ -282,10 +273,19 @@ def _user_module_dirs(args: argparse.Namespace) -> list[Path]:
     return dirs
 
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     args = _parser().parse_args(argv)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), search_dirs(*_user_module_dirs(args)):
         warnings.simplefilter("default")
         warnings.showwarning = _show_warning
         return _run(args)
@@ -293,8 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        with search_dirs(*_user_module_dirs(args)):
-            return _COMMANDS[args.command](args)
+        return _COMMANDS[args.command](args)
     except BrokenPipeError:
         # ``speedtronic validate | head``: the reader left; say nothing more.
         _silence_stdout()

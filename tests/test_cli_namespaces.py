@@ -147,3 +147,31 @@ def test_nothing_in_the_working_directory_runs_unless_imported(
     fitted = run_cli(kind, "fit", "--config", "run.yaml", cwd=tmp_path)
     assert_default_sinks_ran(fitted, tmp_path)
     assert sorted(path.name for path in tmp_path.glob("*.ran")) == []
+
+
+def test_search_dirs_are_on_sys_path_only_while_a_named_module_imports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from speedtronic.user_imports import import_user_module, search_dirs
+
+    (tmp_path / "h3_probe_plugins.py").write_text(
+        "import sys\nSEEN = list(sys.path)\nimport h3_probe_sibling\n"
+    )
+    (tmp_path / "h3_probe_sibling.py").write_text("VALUE = 1\n")
+    (tmp_path / "h3_probe_broken.py").write_text("raise ImportError('broken on purpose')\n")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "h3_probe_plugins", raising=False)
+    before = list(sys.path)
+    with search_dirs(tmp_path, tmp_path):
+        module = import_user_module("h3_probe_plugins")
+        assert sys.path == before
+        with pytest.raises(ImportError, match="broken on purpose"):
+            import_user_module("h3_probe_broken")
+        assert sys.path == before
+    seen = module.SEEN
+    assert seen[: len(before)] == before and seen[len(before) :] == [str(tmp_path.resolve())]
+    (tmp_path / "h3_probe_outside.py").write_text("VALUE = 1\n")
+    with pytest.raises(ModuleNotFoundError):  # outside search_dirs nothing is added
+        import_user_module("h3_probe_outside")
+    for name in ("h3_probe_plugins", "h3_probe_sibling"):
+        sys.modules.pop(name, None)
