@@ -31,7 +31,7 @@ from speedtronic_callbacks.diloco import (
     DiLoCoOptions,
     options_from_distributed_section,
 )
-from speedtronic_callbacks.diloco.tensors import (
+from speedtronic_callbacks.diloco.wire import (
     POINTER_PATH,
     build_layout,
     decode_global,

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
 from speedtronic_callbacks.diloco.master import (
     MasterConflictError,
     MasterLoop,
@@ -23,7 +24,15 @@ from speedtronic_callbacks.diloco.master import (
     delta_path,
 )
 from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
-from speedtronic_callbacks.diloco.tensors import (
+from speedtronic_callbacks.diloco.transport_base import (
+    PermanentTransportError,
+    RemoteFile,
+    RetryingTransport,
+    RetryPolicy,
+    TransientTransportError,
+    Transport,
+)
+from speedtronic_callbacks.diloco.wire import (
     POINTER_PATH,
     DeltaInfo,
     RejectionReason,
@@ -32,15 +41,6 @@ from speedtronic_callbacks.diloco.tensors import (
     decode_pointer,
     encode_delta,
     parse_header,
-)
-from speedtronic_callbacks.diloco.transport import (
-    DirectoryTransport,
-    PermanentTransportError,
-    RemoteFile,
-    RetryingTransport,
-    RetryPolicy,
-    TransientTransportError,
-    Transport,
 )
 
 TRUE_WEIGHTS = torch.tensor([[1.0, -2.0, 3.0, 0.5]])

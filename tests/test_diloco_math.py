@@ -17,7 +17,7 @@ from speedtronic_callbacks.diloco.math import (
     pseudo_gradient,
     staleness_weight,
 )
-from speedtronic_callbacks.diloco.tensors import (
+from speedtronic_callbacks.diloco.wire import (
     Compression,
     DeltaInfo,
     Ledger,

@@ -22,10 +22,10 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
 )
 
+from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
+from speedtronic_callbacks.diloco.hub_transport import HubTransport, classify_hub_error, redact
 from speedtronic_callbacks.diloco.lanes import ErrorReporter, Inbox, Lane
-from speedtronic_callbacks.diloco.transport import (
-    DirectoryTransport,
-    HubTransport,
+from speedtronic_callbacks.diloco.transport_base import (
     PermanentTransportError,
     RemoteFile,
     RetryingTransport,
@@ -33,8 +33,6 @@ from speedtronic_callbacks.diloco.transport import (
     TransientTransportError,
     Transport,
     call_with_timeout,
-    classify_hub_error,
-    redact,
 )
 
 # -- shared directory ---------------------------------------------------------------------

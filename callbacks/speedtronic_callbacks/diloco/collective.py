@@ -56,7 +56,7 @@ from speedtronic_callbacks.diloco.math import (
     check_same_layout,
     pseudo_gradient,
 )
-from speedtronic_callbacks.diloco.tensors import Compression, ModelLayout, build_layout
+from speedtronic_callbacks.diloco.wire import Compression, ModelLayout, build_layout
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext

@@ -41,7 +41,8 @@ from speedtronic_callbacks.diloco.math import (
     aggregate_deltas,
     staleness_weight,
 )
-from speedtronic_callbacks.diloco.tensors import (
+from speedtronic_callbacks.diloco.transport_base import RemoteFile, Transport
+from speedtronic_callbacks.diloco.wire import (
     POINTER_PATH,
     DecodedDelta,
     Ledger,
@@ -62,7 +63,6 @@ from speedtronic_callbacks.diloco.tensors import (
     progress_from_json,
     progress_to_json,
 )
-from speedtronic_callbacks.diloco.transport import RemoteFile, Transport
 
 logger = logging.getLogger("speedtronic.diloco")
 

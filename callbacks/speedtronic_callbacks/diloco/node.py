@@ -45,7 +45,8 @@ from speedtronic_callbacks.diloco.master import (
     parse_delta_path,
 )
 from speedtronic_callbacks.diloco.math import pseudo_gradient
-from speedtronic_callbacks.diloco.tensors import (
+from speedtronic_callbacks.diloco.transport_base import RetryingTransport, TransportError
+from speedtronic_callbacks.diloco.wire import (
     POINTER_PATH,
     Compression,
     DeltaInfo,
@@ -60,7 +61,6 @@ from speedtronic_callbacks.diloco.tensors import (
     parse_header,
     to_wire,
 )
-from speedtronic_callbacks.diloco.transport import RetryingTransport, TransportError
 
 logger = logging.getLogger("speedtronic.diloco")
 
