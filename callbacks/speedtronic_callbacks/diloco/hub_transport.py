@@ -20,6 +20,7 @@ from speedtronic_callbacks.diloco.transport_base import (
     TransientTransportError,
     Transport,
     TransportError,
+    UnreadableFileError,
     check_remote_path,
 )
 
@@ -258,7 +259,11 @@ class HubTransport(Transport):
                 raise self._fail(f"get {path}", exc) from None
             if not isinstance(local, (str, os.PathLike)):
                 raise PermanentTransportError(f"get {path}", "download returned no file path")
-            return Path(local).read_bytes()
+            downloaded = Path(local)
+            if not downloaded.is_file():
+                raise UnreadableFileError(f"get {path}", "the download is not a regular file")
+            self.check_file_size(downloaded.stat().st_size, path)
+            return downloaded.read_bytes()
 
     def put(self, path: str, data: bytes) -> None:
         check_remote_path(path)

@@ -58,6 +58,17 @@ class PermanentTransportError(TransportError):
     transient = False
 
 
+class UnreadableFileError(PermanentTransportError):
+    """The store holds something at this path that must not be read: not a regular file
+    (a symlink, FIFO, device or directory), reached through a symbolic link, or larger than
+    the store's ``max_file_bytes``. ``too_large`` tells the two cases apart. Never retried:
+    the master records it as a rejection and the round goes on."""
+
+    def __init__(self, operation: str, message: str, *, too_large: bool = False) -> None:
+        super().__init__(operation, message)
+        self.too_large = too_large
+
+
 @dataclass(frozen=True)
 class RemoteFile:
     """A listed file. ``version`` changes whenever the content may have changed (mtime/
@@ -84,6 +95,24 @@ class Transport(abc.ABC):
     """
 
     atomic_commit: bool = False
+    max_file_bytes: int | None = None
+    """``get`` refuses (``UnreadableFileError``) files larger than this, checked before
+    reading them; ``None`` means no limit. Set with ``limit_file_size``."""
+
+    def limit_file_size(self, max_bytes: int) -> None:
+        """Refuse to read files larger than ``max_bytes`` (the smallest limit set wins)."""
+        if max_bytes < 1:
+            raise ValueError(f"max_file_bytes must be >= 1, got {max_bytes}")
+        current = self.max_file_bytes
+        self.max_file_bytes = max_bytes if current is None else min(current, max_bytes)
+
+    def check_file_size(self, size: int, path: str) -> None:
+        """``UnreadableFileError`` when ``size`` exceeds ``max_file_bytes``."""
+        limit = self.max_file_bytes
+        if limit is not None and size > limit:
+            raise UnreadableFileError(
+                f"get {path}", f"file is {size} bytes, the limit is {limit}", too_large=True
+            )
 
     @property
     @abc.abstractmethod
@@ -100,7 +129,8 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def get(self, path: str) -> bytes | None:
-        """The whole file, or ``None`` when it does not exist."""
+        """The whole file, or ``None`` when it does not exist. Only regular files no larger
+        than ``max_file_bytes`` are read; anything else raises ``UnreadableFileError``."""
 
     @abc.abstractmethod
     def put(self, path: str, data: bytes) -> None:
@@ -263,6 +293,10 @@ class RetryingTransport(Transport):
 
     def list_files(self, prefix: str) -> list[RemoteFile]:
         return self._call(f"list {prefix}", lambda: self.inner.list_files(prefix))
+
+    def limit_file_size(self, max_bytes: int) -> None:
+        super().limit_file_size(max_bytes)
+        self.inner.limit_file_size(max_bytes)
 
     def get(self, path: str) -> bytes | None:
         data = self._call(f"get {path}", lambda: self.inner.get(path))

@@ -28,6 +28,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import safetensors.torch
 import torch
 
@@ -38,6 +39,13 @@ FORMAT = "speedtronic-diloco/1"
 
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 """Refuse safetensors headers larger than this (a hostile file could claim gigabytes)."""
+
+MAX_POINTER_BYTES = 16 * 1024 * 1024
+"""Refuse pointer files larger than this (a real one is a few kilobytes per node)."""
+
+MAX_JSON_DEPTH = 8
+"""The deepest JSON nesting accepted anywhere in a hub file (real files nest 3 deep).
+Checked before parsing, so a 100,000-deep header is a rejection, not a RecursionError."""
 
 MODEL_FILE_PATTERN = re.compile(r"^global/model_(\d{8,})\.safetensors$")
 OUTER_FILE_PATTERN = re.compile(r"^global/outer_(\d{8,})\.safetensors$")
@@ -78,6 +86,8 @@ class RejectionReason(str, enum.Enum):
     BAD_HASH = "bad_hash"
     NON_FINITE = "non_finite"
     NAME_MISMATCH = "name_mismatch"
+    UNSAFE_FILE = "unsafe_file"
+    TOO_LARGE = "too_large"
     TOO_STALE = "too_stale"
     FUTURE_BASE = "future_base"
 
@@ -213,18 +223,82 @@ class Header:
     metadata: Mapping[str, str]
 
 
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_NESTING_CHUNK = 1 << 22
+
+
+def json_nesting_depth(text: bytes) -> int:
+    """The deepest ``[``/``{`` nesting of JSON ``text`` (brackets inside strings do not
+    count), in time linear in the length and without recursion."""
+    skeleton = _JSON_STRING.sub(b'""', text).translate(None, _NOT_BRACKETS)
+    brackets = np.frombuffer(skeleton, dtype=np.uint8)
+    depth = deepest = 0
+    for start in range(0, len(brackets), _NESTING_CHUNK):
+        chunk = brackets[start : start + _NESTING_CHUNK]
+        steps = np.where((chunk == ord("[")) | (chunk == ord("{")), 1, -1)
+        running = np.cumsum(steps, dtype=np.int64) + depth
+        deepest = max(deepest, int(running.max()))
+        depth = int(running[-1])
+    return deepest
+
+
+def load_json(data: bytes | str, what: str, *, max_depth: int = MAX_JSON_DEPTH) -> object:
+    """Parse untrusted JSON with bounded work; ``Rejected(CORRUPT)`` for anything that is
+    not UTF-8 JSON nested at most ``max_depth`` deep (huge integers included)."""
+    if isinstance(data, str):
+        data = data.encode("utf-8", errors="surrogatepass")  # a lone surrogate fails below
+    if json_nesting_depth(data) > max_depth:
+        raise Rejected(RejectionReason.CORRUPT, f"{what} nests deeper than {max_depth} levels")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise Rejected(RejectionReason.CORRUPT, f"{what} is not JSON: {exc}") from None
+
+
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4,
+    "U64": 8, "I64": 8, "F64": 8, "C64": 8,
+}  # fmt: skip
+"""Bytes per element of the safetensors dtypes a hub file may hold."""
+
+
+def _entry(key: str, entry: object) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """One tensor entry of a header: dtype tag, shape, data offsets (checked to agree)."""
+    if not isinstance(entry, dict):
+        raise Rejected(RejectionReason.CORRUPT, f"bad header entry for {key!r}")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or not isinstance(shape, list) or not isinstance(offsets, list):
+        raise Rejected(RejectionReason.CORRUPT, f"bad header entry for {key!r}")
+    if dtype not in _DTYPE_BYTES:
+        raise Rejected(RejectionReason.CORRUPT, f"unknown dtype {dtype[:20]!r} for {key!r}")
+    if not all(type(d) is int and d >= 0 for d in shape):
+        raise Rejected(RejectionReason.CORRUPT, f"bad shape for {key!r}")
+    if len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
+        raise Rejected(RejectionReason.CORRUPT, f"bad data offsets for {key!r}")
+    begin, end = offsets
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if end - begin != numel * _DTYPE_BYTES[dtype]:
+        raise Rejected(RejectionReason.CORRUPT, f"data offsets of {key!r} disagree with its shape")
+    return dtype, tuple(shape), (begin, end)
+
+
 def parse_header(data: bytes) -> Header:
     """Read a safetensors header without loading tensors; ``Rejected(CORRUPT)`` if the
-    bytes are not a well-formed safetensors file header."""
+    bytes are not a well-formed safetensors file header. The header's length, nesting and
+    tensor sizes are checked against the file's size before anything is loaded: every
+    entry's offsets must match its dtype and shape, and the entries must tile the rest of
+    the file exactly."""
     if len(data) < 8:
         raise Rejected(RejectionReason.CORRUPT, f"file too short ({len(data)} bytes)")
     (length,) = struct.unpack("<Q", data[:8])
     if length > MAX_HEADER_BYTES or 8 + length > len(data):
         raise Rejected(RejectionReason.CORRUPT, f"bad header length {length}")
-    try:
-        raw = json.loads(data[8 : 8 + length].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise Rejected(RejectionReason.CORRUPT, f"header is not JSON: {exc}") from None
+    raw = load_json(data[8 : 8 + length], "header")
     if not isinstance(raw, dict):
         raise Rejected(RejectionReason.CORRUPT, "header is not a JSON object")
     metadata_raw = raw.pop("__metadata__", {})
@@ -233,16 +307,27 @@ def parse_header(data: bytes) -> Header:
     ):
         raise Rejected(RejectionReason.CORRUPT, "header metadata is not a string map")
     entries: dict[str, tuple[str, tuple[int, ...]]] = {}
+    spans: list[tuple[int, int]] = []
     for key, entry in raw.items():
-        if not isinstance(entry, dict):
-            raise Rejected(RejectionReason.CORRUPT, f"bad header entry for {key!r}")
-        dtype, shape = entry.get("dtype"), entry.get("shape")
-        if not isinstance(dtype, str) or not isinstance(shape, list):
-            raise Rejected(RejectionReason.CORRUPT, f"bad header entry for {key!r}")
-        if not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise Rejected(RejectionReason.CORRUPT, f"bad shape for {key!r}")
-        entries[key] = (dtype, tuple(shape))
+        dtype, shape, span = _entry(key, entry)
+        entries[key] = (dtype, shape)
+        spans.append(span)
+    _check_spans(spans, len(data) - 8 - length)
     return Header(entries=entries, metadata=dict(metadata_raw))
+
+
+def _check_spans(spans: list[tuple[int, int]], payload_bytes: int) -> None:
+    """The tensors' byte ranges must cover the payload exactly, without gaps or overlaps."""
+    position = 0
+    for begin, end in sorted(spans):
+        if begin != position:
+            raise Rejected(RejectionReason.CORRUPT, "tensor data ranges overlap or leave gaps")
+        position = end
+    if position != payload_bytes:
+        raise Rejected(
+            RejectionReason.CORRUPT,
+            f"header describes {position} bytes of tensor data, the file holds {payload_bytes}",
+        )
 
 
 def encode_file(
@@ -558,7 +643,11 @@ class Ledger:
 
     @classmethod
     def from_json(cls, text: str) -> Ledger:
-        raw = json.loads(text)
+        """Parse ``to_json`` output; ``ValueError`` on anything else."""
+        try:
+            raw = load_json(text, "ledger")
+        except Rejected as exc:
+            raise ValueError(exc.detail) from None
         if not isinstance(raw, dict):
             raise ValueError("ledger is not a JSON object")
         applied = raw.get("applied", [])
@@ -613,6 +702,20 @@ def decode_outer(
     return decoded.tensors, ledger
 
 
+def largest_file_bytes(layout: ModelLayout) -> int:
+    """An upper bound on the size of any honest hub file of this model: every stored entry
+    at 8 bytes per element plus the largest header. Reads of larger files are refused from
+    their size alone (``Transport.limit_file_size``), so a huge or sparse file planted on
+    the hub is never loaded into memory."""
+    elements = 0
+    for key in (*layout.sync_keys, *layout.carried_keys):
+        count = 1
+        for dim in layout.state_shapes[key]:
+            count *= dim
+        elements += count
+    return 8 + MAX_HEADER_BYTES + 8 * elements
+
+
 # -- the pointer ------------------------------------------------------------------------
 
 
@@ -665,10 +768,9 @@ def decode_pointer(data: bytes, *, fingerprint: str, secret: bytes | None) -> Po
     """Validate the pointer: format, signature, fingerprint and file names on the
     allow-list (``global/model_<step>.safetensors``), so a writer cannot point nodes at an
     arbitrary file."""
-    try:
-        raw = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise Rejected(RejectionReason.CORRUPT, f"pointer is not JSON: {exc}") from None
+    if len(data) > MAX_POINTER_BYTES:
+        raise Rejected(RejectionReason.TOO_LARGE, f"pointer is {len(data)} bytes")
+    raw = load_json(data, "pointer")
     if not isinstance(raw, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in raw.items()
     ):
@@ -692,8 +794,8 @@ def decode_pointer(data: bytes, *, fingerprint: str, secret: bytes | None) -> Po
         raise Rejected(RejectionReason.BAD_METADATA, "pointer file names disagree on the step")
     applied = tuple(h for h in raw.get("applied", "").split(",") if h)
     try:
-        progress = progress_from_json(json.loads(raw.get("progress", "{}")))
-    except (ValueError, json.JSONDecodeError) as exc:
+        progress = progress_from_json(load_json(raw.get("progress", "{}"), "progress"))
+    except (ValueError, Rejected) as exc:
         raise Rejected(RejectionReason.BAD_METADATA, f"pointer progress: {exc}") from None
     return Pointer(
         outer_step=outer_step,
