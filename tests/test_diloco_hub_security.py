@@ -336,3 +336,25 @@ def test_a_reuploaded_applied_delta_is_still_removed_as_a_duplicate(tmp_path: Pa
 
     assert report.duplicates == 1 and report.rejected == () and not report.published
     assert not (root / applied).exists()
+
+
+def test_a_restarted_master_without_checkpoint_ignores_a_replayed_pointer(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "hub"
+    hub = DirectoryTransport(root)
+    first = make_master(hub)
+    advance(first, hub, rounds=1, first_step=1)
+    saved = global_files(root, 1)
+    advance(first, hub, rounds=4, first_step=2)
+    first.release()
+    for name, data in saved.items():  # the step-1 files put back ...
+        hub.put(name, data)
+    MasterLoop._active.clear()
+
+    restarted = make_master(hub)  # ... while the master restarts with no checkpoint
+
+    assert restarted.outer_step == 5 and hub_step(hub) == 5
+    put_delta(hub, "worker", 50, base=5)
+    report = restarted.sync_once()
+    assert report.published and report.outer_step == 6 and report.rejected == ()

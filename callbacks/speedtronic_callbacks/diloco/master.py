@@ -304,7 +304,9 @@ class MasterLoop:
           as outer step 0) -- the bootstrap;
         * the hub is ahead of (or equal to) our checkpoint: adopt the published global,
           momentum and ledger -- never publish an older step over a newer one;
-        * our checkpoint is ahead of the hub (a restored or wiped hub): republish it.
+        * our checkpoint is ahead of the hub (a restored or wiped hub): republish it;
+        * the hub holds complete files of a newer outer step than its pointer (an old
+          pointer put back): adopt the newest valid version and republish it.
         """
         with self._round_lock:
             local = self.snapshot()
@@ -336,44 +338,90 @@ class MasterLoop:
                     state = local
                     self._expected_pointer = (pointer.outer_step, pointer.master)
                 else:
-                    state = self._adopt(pointer)
-                    self._expected_pointer = (pointer.outer_step, pointer.master)
+                    state = self._adopt_newest(pointer)
             with self._lock:
                 self._state = state
                 self._reconciled = True
             return state
 
+    def _adopt_newest(self, pointer: Pointer) -> OuterState:
+        """Adopt ``pointer``'s version, unless the hub holds a newer complete version that
+        validates: then the pointer is an old one put back, and the newer version is
+        adopted and republished (versions only move forward)."""
+        newest = self._newest_published_step()
+        if newest > pointer.outer_step:
+            try:
+                state = self._adopt_files(newest, None, None)
+            except (Rejected, UnreadableFileError) as exc:
+                logger.warning(
+                    "diloco master: files of outer step %d are on the hub but unusable (%s)",
+                    newest,
+                    exc,
+                )
+            else:
+                logger.error(
+                    "diloco master %s rejected the hub pointer at outer step %d: the hub holds "
+                    "outer step %d (a replayed or rolled-back pointer); republishing %d",
+                    self.settings.node_id,
+                    pointer.outer_step,
+                    newest,
+                    newest,
+                )
+                self._publish(state, applied=(), deletes=self._stale_globals(newest))
+                return state
+        state = self._adopt(pointer)
+        self._expected_pointer = (pointer.outer_step, pointer.master)
+        return state
+
+    def _newest_published_step(self) -> int:
+        """The highest outer step with both a model and an outer file on the hub, or -1."""
+        models: set[int] = set()
+        outers: set[int] = set()
+        for entry in self.transport.list_files("global"):
+            step = _global_file_step(entry.path)
+            if step is not None:
+                (models if "/model_" in entry.path else outers).add(step)
+        return max(models & outers, default=-1)
+
     def _adopt(self, pointer: Pointer) -> OuterState:
         """Load the published global and outer state of ``pointer``."""
+        return self._adopt_files(pointer.outer_step, pointer.model_sha256, pointer.outer_sha256)
+
+    def _adopt_files(
+        self, outer_step: int, model_sha256: str | None, outer_sha256: str | None
+    ) -> OuterState:
+        """Load the global and outer state files of ``outer_step`` (with the content
+        hashes a pointer names, when adopting a pointer)."""
         secret = self.settings.secret
-        model_bytes = self.transport.get(pointer.model_file)
+        model_file, outer_file = model_file_name(outer_step), outer_file_name(outer_step)
+        model_bytes = self.transport.get(model_file)
         if model_bytes is None:
-            raise Rejected(RejectionReason.CORRUPT, f"{pointer.model_file} is missing")
+            raise Rejected(RejectionReason.CORRUPT, f"{model_file} is missing")
         global_state = decode_global(
             model_bytes,
             self.layout,
             secret=secret,
-            outer_step=pointer.outer_step,
-            expected_sha256=pointer.model_sha256,
+            outer_step=outer_step,
+            expected_sha256=model_sha256,
         )
         try:
-            outer_bytes = self.transport.get(pointer.outer_file)
+            outer_bytes = self.transport.get(outer_file)
             if outer_bytes is None:
-                raise Rejected(RejectionReason.CORRUPT, f"{pointer.outer_file} is missing")
+                raise Rejected(RejectionReason.CORRUPT, f"{outer_file} is missing")
             momentum, ledger = decode_outer(
                 outer_bytes,
                 self.layout,
                 secret=secret,
-                outer_step=pointer.outer_step,
-                expected_sha256=pointer.outer_sha256,
+                outer_step=outer_step,
+                expected_sha256=outer_sha256,
             )
-        except Rejected as exc:
+        except (Rejected, UnreadableFileError) as exc:
             # Without the ledger we cannot tell which waiting deltas were applied; treat
             # them all as applied so that nothing is applied twice (some work may be lost).
             logger.warning(
                 "diloco outer state for step %d unreadable (%s); momentum restarts at zero "
                 "and deltas already on the hub are skipped",
-                pointer.outer_step,
+                outer_step,
                 exc,
             )
             momentum = {}
@@ -385,10 +433,10 @@ class MasterLoop:
         logger.info(
             "diloco master %s adopted published outer step %d from %s",
             self.settings.node_id,
-            pointer.outer_step,
+            outer_step,
             self.transport.location,
         )
-        return OuterState(global_state, momentum, pointer.outer_step, ledger)
+        return OuterState(global_state, momentum, outer_step, ledger)
 
     # -- one round ---------------------------------------------------------------------
 
