@@ -23,7 +23,9 @@ from speedtronic_callbacks.diloco.master import (
     MasterSettings,
     delta_path,
 )
+from speedtronic_callbacks.diloco.model_layout import build_layout
 from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
+from speedtronic_callbacks.diloco.pointer import POINTER_PATH, decode_pointer
 from speedtronic_callbacks.diloco.transport_base import (
     PermanentTransportError,
     RemoteFile,
@@ -33,12 +35,9 @@ from speedtronic_callbacks.diloco.transport_base import (
     Transport,
 )
 from speedtronic_callbacks.diloco.wire import (
-    POINTER_PATH,
     DeltaInfo,
     RejectionReason,
-    build_layout,
     decode_delta,
-    decode_pointer,
     encode_delta,
     parse_header,
 )

@@ -21,24 +21,20 @@ from speedtronic_callbacks.diloco.master import (
     RoundReport,
     delta_path,
 )
+from speedtronic_callbacks.diloco.model_layout import ModelLayout, build_layout
 from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
+from speedtronic_callbacks.diloco.pointer import (
+    POINTER_PATH,
+    decode_pointer,
+    model_file_name,
+    outer_file_name,
+)
 from speedtronic_callbacks.diloco.transport_base import (
     RetryingTransport,
     RetryPolicy,
     UnreadableFileError,
 )
-from speedtronic_callbacks.diloco.wire import (
-    POINTER_PATH,
-    DeltaInfo,
-    ModelLayout,
-    RejectionReason,
-    build_layout,
-    decode_pointer,
-    encode_delta,
-    model_file_name,
-    outer_file_name,
-    parse_header,
-)
+from speedtronic_callbacks.diloco.wire import DeltaInfo, RejectionReason, encode_delta, parse_header
 
 SECRET = b"shared secret"
 

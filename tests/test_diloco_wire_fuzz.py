@@ -14,15 +14,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from speedtronic_callbacks.diloco.model_layout import build_layout
+from speedtronic_callbacks.diloco.pointer import Pointer, decode_pointer, encode_pointer
 from speedtronic_callbacks.diloco.wire import (
     DeltaInfo,
-    Pointer,
     Rejected,
-    build_layout,
     decode_delta,
-    decode_pointer,
     encode_delta,
-    encode_pointer,
     json_nesting_depth,
     parse_header,
 )

@@ -6,8 +6,10 @@ Registered as the ``diloco`` callback plugin (entry point
 Modules, one concept each:
 
 * ``math`` -- pseudo-gradients, aggregation, the outer Nesterov optimizer;
-* ``wire`` -- the exchanged file formats (safetensors + signed metadata, the pointer) and
-  their validation;
+* ``model_layout`` -- what a model's files must contain (exchanged keys, shapes, tied
+  weights) and its fingerprint;
+* ``wire`` -- the exchanged tensor files (safetensors + signed metadata) and their
+  validation; ``pointer`` -- the hub pointer naming the current global files;
 * ``transport_base`` -- the ``Transport`` interface, its errors, retries and timeouts;
   ``directory_transport`` and ``hub_transport`` -- one store per kind;
 * ``lanes`` -- bounded background I/O;

@@ -46,25 +46,27 @@ from speedtronic_callbacks.diloco.math import (
     aggregate_deltas,
     staleness_weight,
 )
+from speedtronic_callbacks.diloco.model_layout import ModelLayout
+from speedtronic_callbacks.diloco.pointer import (
+    POINTER_PATH,
+    Pointer,
+    decode_pointer,
+    encode_pointer,
+    model_file_name,
+    outer_file_name,
+)
 from speedtronic_callbacks.diloco.transport_base import RemoteFile, Transport, UnreadableFileError
 from speedtronic_callbacks.diloco.wire import (
-    POINTER_PATH,
     DecodedDelta,
     Ledger,
-    ModelLayout,
-    Pointer,
     Rejected,
     RejectionReason,
     decode_delta,
     decode_global,
     decode_outer,
-    decode_pointer,
     encode_global,
     encode_outer,
-    encode_pointer,
     largest_file_bytes,
-    model_file_name,
-    outer_file_name,
     parse_header,
     progress_from_json,
     progress_to_json,

@@ -45,16 +45,14 @@ from speedtronic_callbacks.diloco.master import (
     parse_delta_path,
 )
 from speedtronic_callbacks.diloco.math import pseudo_gradient
+from speedtronic_callbacks.diloco.model_layout import ModelLayout
+from speedtronic_callbacks.diloco.pointer import POINTER_PATH, Pointer, decode_pointer
 from speedtronic_callbacks.diloco.transport_base import RetryingTransport, TransportError
 from speedtronic_callbacks.diloco.wire import (
-    POINTER_PATH,
     Compression,
     DeltaInfo,
-    ModelLayout,
-    Pointer,
     Rejected,
     decode_global,
-    decode_pointer,
     encode_wire,
     expand_aliases,
     global_tensors,

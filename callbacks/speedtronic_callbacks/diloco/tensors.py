@@ -1,41 +1,45 @@
-"""The former name of ``wire`` (the exchanged file formats), kept so that old imports work."""
+"""The former name of ``wire`` (the exchanged file formats), kept so that old imports work.
+
+New code imports from ``wire``, ``model_layout`` and ``pointer``.
+"""
 
 from __future__ import annotations
 
-from speedtronic_callbacks.diloco.wire import (
-    FORMAT,
-    MAX_HEADER_BYTES,
+from speedtronic_callbacks.diloco.model_layout import ModelLayout, build_layout
+from speedtronic_callbacks.diloco.pointer import (
     MODEL_FILE_PATTERN,
     OUTER_FILE_PATTERN,
     POINTER_PATH,
+    Pointer,
+    decode_pointer,
+    encode_pointer,
+    model_file_name,
+    outer_file_name,
+)
+from speedtronic_callbacks.diloco.wire import (
+    FORMAT,
+    MAX_HEADER_BYTES,
     Compression,
     DecodedDelta,
     DecodedFile,
     DeltaInfo,
     Header,
     Ledger,
-    ModelLayout,
-    Pointer,
     Progress,
     Rejected,
     RejectionReason,
-    build_layout,
     check_signature,
     decode_delta,
     decode_file,
     decode_global,
     decode_outer,
-    decode_pointer,
     encode_delta,
     encode_file,
     encode_global,
     encode_outer,
-    encode_pointer,
     encode_wire,
     expand_aliases,
     global_tensors,
-    model_file_name,
-    outer_file_name,
     parse_header,
     payload_sha256,
     progress_from_json,

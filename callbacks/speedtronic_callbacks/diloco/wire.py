@@ -13,8 +13,8 @@ shared secret is configured, an HMAC-SHA256 signature over all other metadata fi
 
 Decoding never trusts a file: ``decode_*`` either returns validated float tensors or
 raises ``Rejected`` with a typed ``RejectionReason``; it never raises anything else on bad
-input. The small JSON pointer (``global/step_count.json``) that names the current global
-files is defined here too (``Pointer``).
+input. The pointer that names the current global files is in ``pointer``; what a model's
+files must contain (``ModelLayout``) in ``model_layout``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from speedtronic_callbacks.diloco.math import StateDict, is_synchronised, wire_shape
+from speedtronic_callbacks.diloco.math import StateDict, is_synchronised
+from speedtronic_callbacks.diloco.model_layout import ModelLayout
 
 FORMAT = "speedtronic-diloco/1"
 """The value of the ``format`` metadata field; other formats are rejected."""
@@ -40,15 +41,9 @@ FORMAT = "speedtronic-diloco/1"
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 """Refuse safetensors headers larger than this (a hostile file could claim gigabytes)."""
 
-MAX_POINTER_BYTES = 16 * 1024 * 1024
-"""Refuse pointer files larger than this (a real one is a few kilobytes per node)."""
-
 MAX_JSON_DEPTH = 8
 """The deepest JSON nesting accepted anywhere in a hub file (real files nest 3 deep).
 Checked before parsing, so a 100,000-deep header is a rejection, not a RecursionError."""
-
-MODEL_FILE_PATTERN = re.compile(r"^global/model_(\d{8,})\.safetensors$")
-OUTER_FILE_PATTERN = re.compile(r"^global/outer_(\d{8,})\.safetensors$")
 
 
 class Compression(str, enum.Enum):
@@ -99,81 +94,6 @@ class Rejected(Exception):
         super().__init__(f"{reason.value}: {detail}")
         self.reason = reason
         self.detail = detail
-
-
-# -- layout and fingerprint ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelLayout:
-    """What every node's files must look like, derived from the model's ``state_dict``.
-
-    ``sync_keys`` are the floating/complex entries exchanged in deltas (tied weights once:
-    ``aliases`` maps each duplicate key to the key it shares storage with); ``carried_keys``
-    are integer/boolean buffers that travel only in global files. ``fingerprint`` hashes the
-    structure plus an optional config string, so nodes running another model or config
-    reject each other's files instead of mixing them.
-    """
-
-    sync_keys: tuple[str, ...]
-    carried_keys: tuple[str, ...]
-    wire_shapes: Mapping[str, tuple[int, ...]]
-    state_shapes: Mapping[str, tuple[int, ...]]
-    aliases: Mapping[str, str]
-    fingerprint: str
-
-    @property
-    def sync_numel(self) -> int:
-        """Elements in one delta (what a data-parallel gradient all-reduce would move)."""
-        total = 0
-        for key in self.sync_keys:
-            count = 1
-            for dim in self.wire_shapes[key]:
-                count *= dim
-            total += count
-        return total
-
-
-def _storage_identity(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
-    return (
-        tensor.untyped_storage().data_ptr(),
-        int(tensor.storage_offset()),
-        tuple(tensor.shape),
-        tuple(tensor.stride()),
-    )
-
-
-def build_layout(state: StateDict, config_fingerprint: str = "") -> ModelLayout:
-    """The ``ModelLayout`` of a live model state (call it on ``model.state_dict()`` so that
-    tied weights are still recognisable by their shared storage)."""
-    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
-    aliases: dict[str, str] = {}
-    sync: list[str] = []
-    carried: list[str] = []
-    for key in sorted(state):
-        tensor = state[key]
-        if tensor.numel() > 0:
-            identity = _storage_identity(tensor)
-            if identity in seen:
-                aliases[key] = seen[identity]
-                continue
-            seen[identity] = key
-        (sync if is_synchronised(tensor) else carried).append(key)
-    wire = {key: wire_shape(state[key]) for key in sync}
-    shapes = {key: tuple(state[key].shape) for key in state}
-    digest = hashlib.sha256()
-    for key in sorted(state):
-        role = f"alias:{aliases[key]}" if key in aliases else ("sync" if key in wire else "carry")
-        digest.update(f"{key}|{role}|{shapes[key]}\n".encode())
-    digest.update(b"config:" + config_fingerprint.encode())
-    return ModelLayout(
-        sync_keys=tuple(sync),
-        carried_keys=tuple(carried),
-        wire_shapes=wire,
-        state_shapes=shapes,
-        aliases=aliases,
-        fingerprint=digest.hexdigest()[:32],
-    )
 
 
 # -- hashing and signing ---------------------------------------------------------------
@@ -357,13 +277,13 @@ def encode_file(
     return safetensors.torch.save(clean, metadata=metadata)
 
 
-def _require_fields(metadata: Mapping[str, str], names: Iterable[str], what: str) -> None:
+def require_fields(metadata: Mapping[str, str], names: Iterable[str], what: str) -> None:
     missing = [name for name in names if name not in metadata]
     if missing:
         raise Rejected(RejectionReason.BAD_METADATA, f"{what} lacks metadata {missing}")
 
 
-def _int_field(metadata: Mapping[str, str], name: str, what: str) -> int:
+def int_field(metadata: Mapping[str, str], name: str, what: str) -> int:
     try:
         return int(metadata[name])
     except (KeyError, ValueError):
@@ -396,7 +316,7 @@ def decode_file(
     and finiteness, in that order; raise ``Rejected`` at the first failure."""
     header = parse_header(data)
     meta = header.metadata
-    _require_fields(meta, ("format", "kind", "fingerprint", "numel", "sha256"), what)
+    require_fields(meta, ("format", "kind", "fingerprint", "numel", "sha256"), what)
     if meta["format"] != FORMAT:
         raise Rejected(RejectionReason.BAD_METADATA, f"{what} has format {meta['format']!r}")
     if meta["kind"] != kind:
@@ -418,7 +338,7 @@ def decode_file(
     except Exception as exc:  # the library raises several types for damaged payloads
         raise Rejected(RejectionReason.CORRUPT, f"{what} payload unreadable: {exc}") from None
     numel = sum(t.numel() for t in tensors.values())
-    if numel != _int_field(meta, "numel", what):
+    if numel != int_field(meta, "numel", what):
         raise Rejected(
             RejectionReason.ELEMENT_COUNT, f"{what} holds {numel} elements, says {meta['numel']}"
         )
@@ -521,11 +441,11 @@ def decode_delta(data: bytes, layout: ModelLayout, *, secret: bytes | None) -> D
         what="delta",
     )
     meta = decoded.metadata
-    _require_fields(meta, ("node_id", "local_step", "base_outer_step"), "delta")
+    require_fields(meta, ("node_id", "local_step", "base_outer_step"), "delta")
     info = DeltaInfo(
         node_id=meta["node_id"],
-        local_step=_int_field(meta, "local_step", "delta"),
-        base_outer_step=_int_field(meta, "base_outer_step", "delta"),
+        local_step=int_field(meta, "local_step", "delta"),
+        base_outer_step=int_field(meta, "base_outer_step", "delta"),
         incarnation=meta.get("incarnation", ""),
     )
     tensors = {key: value.to(torch.float32) for key, value in decoded.tensors.items()}
@@ -588,7 +508,7 @@ def decode_global(
     )
     _check_expected_hash(decoded, expected_sha256, "global model")
     if outer_step is not None:
-        found = _int_field(decoded.metadata, "outer_step", "global model")
+        found = int_field(decoded.metadata, "outer_step", "global model")
         if found != outer_step:
             raise Rejected(
                 RejectionReason.BAD_METADATA,
@@ -692,9 +612,9 @@ def decode_outer(
     for key, tensor in decoded.tensors.items():
         if layout.wire_shapes.get(key) != tuple(tensor.shape):
             raise Rejected(RejectionReason.WRONG_KEYS, f"outer state has stray key {key!r}")
-    if _int_field(decoded.metadata, "outer_step", "outer state") != outer_step:
+    if int_field(decoded.metadata, "outer_step", "outer state") != outer_step:
         raise Rejected(RejectionReason.BAD_METADATA, "outer state is for another outer step")
-    _require_fields(decoded.metadata, ("ledger",), "outer state")
+    require_fields(decoded.metadata, ("ledger",), "outer state")
     try:
         ledger = Ledger.from_json(decoded.metadata["ledger"])
     except (ValueError, json.JSONDecodeError) as exc:
@@ -714,109 +634,3 @@ def largest_file_bytes(layout: ModelLayout) -> int:
             count *= dim
         elements += count
     return 8 + MAX_HEADER_BYTES + 8 * elements
-
-
-# -- the pointer ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Pointer:
-    """``global/step_count.json``: which files hold the current global, and who wrote it.
-
-    Written last in a publication, after the files it names, so a reader never follows it
-    to a file that is not there yet. Only ``outer_step`` drives synchronisation.
-    """
-
-    outer_step: int
-    model_file: str
-    model_sha256: str
-    outer_file: str
-    outer_sha256: str
-    fingerprint: str
-    master: str
-    updated_at: str
-    applied: tuple[str, ...] = ()
-    progress: Mapping[str, tuple[str, int]] = field(default_factory=dict)
-
-    def fields(self) -> dict[str, str]:
-        return {
-            "format": FORMAT,
-            "algorithm": "diloco",
-            "optimizer": "nesterov_sgd",
-            "outer_step": str(self.outer_step),
-            "model_file": self.model_file,
-            "model_sha256": self.model_sha256,
-            "outer_file": self.outer_file,
-            "outer_sha256": self.outer_sha256,
-            "fingerprint": self.fingerprint,
-            "master": self.master,
-            "updated_at": self.updated_at,
-            "applied": ",".join(self.applied),
-            "progress": json.dumps(progress_to_json(self.progress), separators=(",", ":")),
-        }
-
-
-def encode_pointer(pointer: Pointer, *, secret: bytes | None) -> bytes:
-    """Pretty, sorted JSON with a trailing newline (signed like the tensor files)."""
-    fields = pointer.fields()
-    if secret is not None:
-        fields["signature"] = sign(fields, secret)
-    return (json.dumps(fields, indent=2, sort_keys=True) + "\n").encode()
-
-
-def decode_pointer(data: bytes, *, fingerprint: str, secret: bytes | None) -> Pointer:
-    """Validate the pointer: format, signature, fingerprint and file names on the
-    allow-list (``global/model_<step>.safetensors``), so a writer cannot point nodes at an
-    arbitrary file."""
-    if len(data) > MAX_POINTER_BYTES:
-        raise Rejected(RejectionReason.TOO_LARGE, f"pointer is {len(data)} bytes")
-    raw = load_json(data, "pointer")
-    if not isinstance(raw, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in raw.items()
-    ):
-        raise Rejected(RejectionReason.BAD_METADATA, "pointer must map strings to strings")
-    names = ("format", "outer_step", "model_file", "model_sha256", "outer_file", "outer_sha256")
-    _require_fields(raw, (*names, "fingerprint", "master", "updated_at"), "pointer")
-    if raw["format"] != FORMAT:
-        raise Rejected(RejectionReason.BAD_METADATA, f"pointer has format {raw['format']!r}")
-    check_signature(raw, secret, "pointer")
-    if raw["fingerprint"] != fingerprint:
-        raise Rejected(
-            RejectionReason.FOREIGN_FINGERPRINT,
-            f"hub holds model {raw['fingerprint']!r}, this run is {fingerprint!r}",
-        )
-    outer_step = _int_field(raw, "outer_step", "pointer")
-    model_match = MODEL_FILE_PATTERN.match(raw["model_file"])
-    outer_match = OUTER_FILE_PATTERN.match(raw["outer_file"])
-    if model_match is None or outer_match is None:
-        raise Rejected(RejectionReason.BAD_METADATA, "pointer names files off the allow-list")
-    if int(model_match.group(1)) != outer_step or int(outer_match.group(1)) != outer_step:
-        raise Rejected(RejectionReason.BAD_METADATA, "pointer file names disagree on the step")
-    applied = tuple(h for h in raw.get("applied", "").split(",") if h)
-    try:
-        progress = progress_from_json(load_json(raw.get("progress", "{}"), "progress"))
-    except (ValueError, Rejected) as exc:
-        raise Rejected(RejectionReason.BAD_METADATA, f"pointer progress: {exc}") from None
-    return Pointer(
-        outer_step=outer_step,
-        model_file=raw["model_file"],
-        model_sha256=raw["model_sha256"],
-        outer_file=raw["outer_file"],
-        outer_sha256=raw["outer_sha256"],
-        fingerprint=raw["fingerprint"],
-        master=raw["master"],
-        updated_at=raw["updated_at"],
-        applied=applied,
-        progress=progress,
-    )
-
-
-def model_file_name(outer_step: int) -> str:
-    return f"global/model_{outer_step:08d}.safetensors"
-
-
-def outer_file_name(outer_step: int) -> str:
-    return f"global/outer_{outer_step:08d}.safetensors"
-
-
-POINTER_PATH = "global/step_count.json"
