@@ -227,7 +227,10 @@ def load_checkpoint_file(path: PathLike) -> dict[str, object]:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist or is not a file")
+    _check_readable(path)
     try:
+        # The file opened and read: from here on an OSError is damage, not access. torch
+        # raises it (e.g. "[Errno 22] Invalid argument") for a zip cut short.
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         forbidden = _FORBIDDEN_GLOBAL.search(str(exc))
@@ -242,9 +245,7 @@ def load_checkpoint_file(path: PathLike) -> dict[str, object]:
             "If you wrote this file yourself and trust it, convert it with "
             "torch.load(weights_only=False) in a separate script."
         ) from exc
-    except OSError as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
-    except Exception as exc:  # torch raises RuntimeError/EOFError/KeyError/... for damage
+    except Exception as exc:  # torch: OSError/RuntimeError/EOFError/KeyError/... for damage
         raise CorruptCheckpointError(
             f"checkpoint {path} is unreadable (truncated or corrupt): "
             f"{type(exc).__name__}: {_first_line(exc)}"
@@ -255,6 +256,16 @@ def load_checkpoint_file(path: PathLike) -> dict[str, object]:
             "expected a dict"
         )
     return state
+
+
+def _check_readable(path: Path) -> None:
+    """``CheckpointError`` when ``path`` cannot be opened and read at all (permissions, an
+    I/O error): that is not a damaged checkpoint to step over, it is an environment problem."""
+    try:
+        with open(path, "rb") as handle:
+            handle.read(1)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
 
 
 @dataclass(frozen=True)
