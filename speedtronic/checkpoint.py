@@ -2,7 +2,8 @@
 
 Layout of a checkpoint directory::
 
-    latest.json                 {"step": 4, "file": "step_000000000004.pt"}
+    latest.json                 {"step": 4, "file": "step_000000000004.pt",
+                                 "checkpoints": {"step_000000000004.pt": {"sha256": ...}, ...}}
     step_000000000002.pt
     step_000000000004.pt
     .step_000000000006.pt.tmp-4242   a write in progress (or left by a killed process)
@@ -12,6 +13,12 @@ renamed onto its final name, and the directory is fsynced; only then is ``latest
 rewritten the same way, and only then are old checkpoints pruned. A process killed at any
 moment therefore leaves the previous checkpoint and pointer intact. ``latest.json`` is the
 commit record: it names the newest *complete* checkpoint and nothing outside the directory.
+
+Integrity: ``torch.save`` writes a zip archive that stores a CRC-32 of every record; a save
+records the SHA-256 of that record index (names, offsets, sizes, CRC-32s) in the pointer, and
+a load checks the index against it and every record's bytes against their CRC-32 before
+``torch.load``. A mismatch is damage (``CorruptCheckpointError``, fall back to an older
+checkpoint). This costs no second pass over the data at save time.
 
 Loads use ``torch.load(..., weights_only=True)``: a file that holds pickled Python objects is
 refused (``UnsafeCheckpointError``) instead of executing them. Saves check the same rule
@@ -26,15 +33,18 @@ This module is the storage layer; *when* to save is the checkpoint callback's bu
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import pickle
+import pickletools
 import re
 import shutil
 import signal
 import warnings
+import zipfile
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -49,7 +59,9 @@ __all__ = [
     "CheckpointManager",
     "CorruptCheckpointError",
     "LoadedCheckpoint",
+    "Pointer",
     "UnsafeCheckpointError",
+    "archive_checksum",
     "atomic_json_dump",
     "atomic_torch_save",
     "capture_rng_state",
@@ -134,10 +146,50 @@ def _atomic_write(path: Path, write_contents: Callable[[BinaryIO], None]) -> Non
         raise
 
 
-def atomic_torch_save(state: object, path: PathLike) -> None:
+def atomic_torch_save(state: object, path: PathLike) -> str:
     """``torch.save`` to ``path`` atomically and durably (a reader sees the old file or the
-    complete new one, also after a power loss)."""
-    _atomic_write(Path(path), lambda handle: torch.save(state, handle))
+    complete new one, also after a power loss). Returns the file's checksum: the SHA-256 of
+    its record index (``archive_checksum``), which commits to every record's CRC-32."""
+    checksum = ""
+
+    def write(handle: BinaryIO) -> None:
+        nonlocal checksum
+        with _crc32_records():
+            torch.save(state, handle)
+        handle.flush()
+        checksum = archive_checksum(Path(handle.name))
+
+    _atomic_write(Path(path), write)
+    return checksum
+
+
+@contextlib.contextmanager
+def _crc32_records() -> Iterator[None]:
+    """Make ``torch.save`` store the CRC-32 of every record (its default; a user may have
+    switched it off globally, and the integrity check depends on it)."""
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(True)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
+
+
+def archive_checksum(path: PathLike) -> str:
+    """SHA-256 (hex) of a checkpoint archive's record index: each record's name, offset,
+    sizes and CRC-32. Reads only the zip's central directory, not the data; together with
+    the per-record CRC-32s it detects any change to the stored data. ``zipfile.BadZipFile``
+    when ``path`` is not a zip archive."""
+    with zipfile.ZipFile(path) as archive:
+        return _index_checksum(archive)
+
+
+def _index_checksum(archive: zipfile.ZipFile) -> str:
+    index = [
+        [info.filename, info.header_offset, info.compress_size, info.file_size, info.CRC]
+        for info in archive.infolist()
+    ]
+    return hashlib.sha256(json.dumps(index).encode("utf-8")).hexdigest()
 
 
 def atomic_json_dump(value: object, path: PathLike) -> None:
@@ -218,33 +270,26 @@ def _first_line(exc: BaseException, limit: int = 200) -> str:
     return line if len(line) <= limit else line[:limit] + "..."
 
 
-def load_checkpoint_file(path: PathLike) -> dict[str, object]:
-    """Load one checkpoint with ``weights_only=True`` onto the CPU.
+def load_checkpoint_file(path: PathLike, *, checksum: str | None = None) -> dict[str, object]:
+    """Load one checkpoint with ``weights_only=True`` onto the CPU, after checking its
+    integrity: every record against its CRC-32 and, when given, the record index against
+    ``checksum`` (what ``atomic_torch_save`` returned).
 
     Raises ``UnsafeCheckpointError`` when it holds pickled objects, ``CorruptCheckpointError``
-    when it is truncated or damaged, ``CheckpointError`` when it is missing or not a dict.
+    when it is truncated, damaged or fails a check, ``CheckpointError`` when it is missing,
+    cannot be read at all or is not a dict.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist or is not a file")
     _check_readable(path)
+    _verify_archive(path, checksum)
     try:
         # The file opened and read: from here on an OSError is damage, not access. torch
         # raises it (e.g. "[Errno 22] Invalid argument") for a zip cut short.
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        forbidden = _FORBIDDEN_GLOBAL.search(str(exc))
-        if forbidden is None:
-            raise CorruptCheckpointError(
-                f"checkpoint {path} is unreadable (corrupt pickle data): {_first_line(exc)}"
-            ) from exc
-        raise UnsafeCheckpointError(
-            f"refusing to load {path}: it contains a pickled Python object "
-            f"({forbidden.group(1)}), and loading it could run arbitrary code. speedtronic "
-            "checkpoints hold only tensors and plain data (torch.load weights_only=True). "
-            "If you wrote this file yourself and trust it, convert it with "
-            "torch.load(weights_only=False) in a separate script."
-        ) from exc
+        raise _refusal(path, exc) from exc
     except Exception as exc:  # torch: OSError/RuntimeError/EOFError/KeyError/... for damage
         raise CorruptCheckpointError(
             f"checkpoint {path} is unreadable (truncated or corrupt): "
@@ -268,6 +313,119 @@ def _check_readable(path: Path) -> None:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
 
 
+def _refusal(path: Path, exc: pickle.UnpicklingError) -> CheckpointError:
+    """What a weights-only refusal means: a well-formed pickle stream that the safe
+    unpickler would not run is *unsafe* (any protocol, however deep the object sits); only
+    a stream that is not a pickle at all is damage."""
+    names = _pickled_globals(_pickle_stream(path))
+    if names is None:
+        return CorruptCheckpointError(
+            f"checkpoint {path} is unreadable (corrupt pickle data): {_first_line(exc)}"
+        )
+    named = _FORBIDDEN_GLOBAL.search(str(exc))
+    suspects = [name for name in names if name.split(".")[0] not in _ROUTINE_MODULES]
+    culprit = named.group(1) if named else (suspects or names or ["pickle opcodes"])[0]
+    return UnsafeCheckpointError(
+        f"refusing to load {path}: it contains a pickled Python object ({culprit}), and "
+        "loading it could run arbitrary code. speedtronic checkpoints hold only tensors and "
+        "plain data (torch.load weights_only=True). If you wrote this file yourself and "
+        "trust it, convert it with torch.load(weights_only=False) in a separate script."
+    )
+
+
+_ROUTINE_MODULES = frozenset({"torch", "collections", "builtins", "_codecs", "numpy"})
+"""Modules of the globals every checkpoint references (tensor rebuilds, OrderedDict): the
+error names another one when there is one."""
+_PICKLE_SCAN_LIMIT = 64 * 1024 * 1024
+
+
+def _pickle_stream(path: Path) -> bytes:
+    """The object pickle of a checkpoint: ``data.pkl`` of a zip archive (already verified
+    against its CRC-32), else the start of the file (a plain or legacy-format pickle)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickles = [n for n in archive.namelist() if n.rsplit("/", 1)[-1] == "data.pkl"]
+            if pickles:
+                with archive.open(min(pickles, key=len)) as record:
+                    return record.read(_PICKLE_SCAN_LIMIT)
+    except Exception:  # not a zip archive: the file itself is the pickle
+        pass
+    with open(path, "rb") as handle:
+        return handle.read(_PICKLE_SCAN_LIMIT)
+
+
+_STRING_ARGS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"})
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+_MEMO_GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
+
+
+def _pickled_globals(stream: bytes) -> list[str] | None:
+    """The ``module.name`` globals a pickle stream references, in order; ``None`` when the
+    bytes are not one well-formed pickle (bounded: a single linear pass, no objects built)."""
+    names: list[str] = []
+    memo: dict[object, object] = {}
+    recent: list[object] = []  # the arguments of the last pushes (for STACK_GLOBAL)
+    try:
+        for opcode, arg, _ in pickletools.genops(stream):
+            if opcode.name in ("GLOBAL", "INST"):
+                names.append(str(arg).replace(" ", "."))
+            elif opcode.name == "STACK_GLOBAL":
+                module, name = ([None, None, *recent])[-2:]
+                names.append(f"{module}.{name}")
+            elif opcode.name in _MEMO_PUTS or opcode.name == "MEMOIZE":
+                key = len(memo) if opcode.name == "MEMOIZE" else arg
+                memo[key] = recent[-1] if recent else None
+                continue
+            elif opcode.name in _MEMO_GETS:
+                recent = [*recent[-1:], memo.get(arg)]
+                continue
+            recent = [*recent[-1:], arg if opcode.name in _STRING_ARGS else None]
+    except Exception:  # ValueError for unknown opcodes, truncation, bad arguments
+        return None
+    return names
+
+
+_VERIFY_CHUNK = 16 * 1024 * 1024
+
+
+def _verify_archive(path: Path, checksum: str | None) -> None:
+    """``CorruptCheckpointError`` when the archive's index differs from ``checksum`` or a
+    record's bytes fail their CRC-32. A file that is not a zip archive at all is left to
+    ``torch.load`` when no checksum was recorded (an older or foreign format)."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile as exc:
+        if checksum is None:
+            return
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is unreadable (not an intact zip archive although a checksum "
+            f"was recorded for it: {_first_line(exc)})"
+        ) from exc
+    except Exception as exc:  # OSError/ValueError/... from a damaged directory record
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is unreadable (damaged zip directory): "
+            f"{type(exc).__name__}: {_first_line(exc)}"
+        ) from exc
+    with archive:
+        actual = _index_checksum(archive)
+        if checksum is not None and actual != checksum:
+            raise CorruptCheckpointError(
+                f"checkpoint {path} is unreadable (checksum mismatch: the pointer recorded "
+                f"{checksum[:16]}..., the file has {actual[:16]}...; it was changed or "
+                "replaced after it was saved)"
+            )
+        for info in archive.infolist():
+            try:
+                with archive.open(info) as record:
+                    while record.read(_VERIFY_CHUNK):
+                        pass
+            except Exception as exc:  # BadZipFile "Bad CRC-32", EOFError, OSError, ...
+                raise CorruptCheckpointError(
+                    f"checkpoint {path} is unreadable (record {info.filename} fails its "
+                    f"integrity check: {type(exc).__name__}: {_first_line(exc)})"
+                ) from exc
+
+
 @dataclass(frozen=True)
 class LoadedCheckpoint:
     """A checkpoint read from disk: where it came from and its state."""
@@ -275,6 +433,42 @@ class LoadedCheckpoint:
     path: Path
     step: int
     state: dict[str, object]
+
+
+# -- the pointer ------------------------------------------------------------------------------
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """``latest.json`` after validation: the checkpoint it names (``None`` when it names
+    none that is usable) and its per-file records (``{"sha256": ...}``) by file name."""
+
+    target: Path | None
+    records: dict[str, dict[str, object]]
+
+
+def _validate_records(value: object) -> tuple[dict[str, dict[str, object]], str | None]:
+    """The pointer's ``checkpoints`` table: ``{file name: {"sha256": 64 hex digits}}``."""
+    if not isinstance(value, dict):
+        return {}, '"checkpoints" must be an object mapping file names to records'
+    records: dict[str, dict[str, object]] = {}
+    for name, record in value.items():
+        if checkpoint_step(name) is None or not isinstance(record, dict):
+            return {}, f'"checkpoints" has an invalid entry {name[:80]!r}'
+        checksum = record.get("sha256")
+        if checksum is not None and not (
+            isinstance(checksum, str) and _SHA256_HEX.fullmatch(checksum)
+        ):
+            return {}, f'"checkpoints" records an invalid sha256 for {name!r}'
+        records[name] = record
+    return records, None
+
+
+def _recorded_checksum(records: Mapping[str, Mapping[str, object]], name: str) -> str | None:
+    checksum = records.get(name, {}).get("sha256")
+    return checksum if isinstance(checksum, str) else None
 
 
 # -- the manager ------------------------------------------------------------------------------
@@ -347,10 +541,24 @@ class CheckpointManager:
         it holds an object that a ``weights_only`` load would refuse.
         """
         path = self.path_for(step)
-        atomic_torch_save(plain_state(state), path)
-        atomic_json_dump({"step": step, "file": path.name}, self.pointer_path)
+        checksum = atomic_torch_save(plain_state(state), path)
+        records = self._surviving_records(exclude=path.name)
+        records[path.name] = {"sha256": checksum}
+        atomic_json_dump(
+            {"step": step, "file": path.name, "checkpoints": records}, self.pointer_path
+        )
         self.prune()
         return path
+
+    def _surviving_records(self, *, exclude: str) -> dict[str, dict[str, object]]:
+        """The pointer's per-file records of checkpoints that still exist (carried into the
+        next pointer, so older checkpoints stay verifiable as fall-backs)."""
+        pointer = self._read_pointer(warn=False)
+        return {
+            name: dict(record)
+            for name, record in pointer.records.items()
+            if name != exclude and (self.directory / name).is_file()
+        }
 
     def prune(self) -> list[Path]:
         """Delete all but the newest ``keep_last`` checkpoints (never the one ``latest.json``
@@ -434,13 +642,19 @@ class CheckpointManager:
     def _pointer_target(self, *, warn: bool) -> Path | None:
         """The checkpoint ``latest.json`` names, after validation; ``None`` (with a warning
         when ``warn``) when the pointer is absent, malformed, tampered or dangling."""
+        return self._read_pointer(warn=warn).target
+
+    def _read_pointer(self, *, warn: bool) -> Pointer:
+        """``latest.json``, validated; an empty ``Pointer`` (with a warning when ``warn``)
+        when it is absent, malformed, tampered or dangling."""
         pointer = self.pointer_path
         if not pointer.is_file():
-            return None
+            return Pointer(None, {})
         try:
-            target, problem = self._validate_pointer(json.loads(pointer.read_text("utf-8")))
+            content = json.loads(pointer.read_text("utf-8"))
+            parsed, problem = self._validate_pointer(content)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            target, problem = None, f"it is not readable JSON ({_first_line(exc)})"
+            parsed, problem = Pointer(None, {}), f"it is not readable JSON ({_first_line(exc)})"
         if problem is not None and warn:
             warnings.warn(
                 f"ignoring checkpoint pointer {pointer}: {problem}; "
@@ -448,12 +662,21 @@ class CheckpointManager:
                 UserWarning,
                 stacklevel=4,
             )
-        return target
+        return parsed
 
-    def _validate_pointer(self, content: object) -> tuple[Path | None, str | None]:
-        if not isinstance(content, dict) or not isinstance(content.get("file"), str):
+    def _validate_pointer(self, content: object) -> tuple[Pointer, str | None]:
+        if not isinstance(content, dict):
+            return Pointer(None, {}), 'it must be a JSON object with a string "file"'
+        records, problem = _validate_records(content.get("checkpoints", {}))
+        if problem is not None:
+            return Pointer(None, {}), problem
+        target, problem = self._validate_target(content)
+        return Pointer(target, records), problem
+
+    def _validate_target(self, content: dict[str, object]) -> tuple[Path | None, str | None]:
+        if not isinstance(content.get("file"), str):
             return None, 'it must be a JSON object with a string "file"'
-        name: str = content["file"]
+        name = str(content["file"])
         step = checkpoint_step(name)
         if step is None:
             # Also rejects "../x.pt", "/abs/step_1.pt", "sub/step_1.pt": no separators allowed.
@@ -476,8 +699,7 @@ class CheckpointManager:
         paths = self.checkpoint_paths()
         return paths[-1] if paths else None
 
-    def _resume_candidates(self) -> list[Path]:
-        target = self._pointer_target(warn=True)
+    def _resume_candidates(self, target: Path | None) -> list[Path]:
         newest_first = list(reversed(self.checkpoint_paths()))
         if target is None:
             return newest_first
@@ -491,8 +713,11 @@ class CheckpointManager:
     # -- loading ----------------------------------------------------------------------
 
     def load(self, path: PathLike) -> dict[str, object]:
-        """Load one checkpoint file (``weights_only=True``, onto the CPU)."""
-        return load_checkpoint_file(path)
+        """Load one checkpoint file (``weights_only=True``, onto the CPU), verified against
+        the checksum the pointer recorded for it, if any."""
+        path = Path(path)
+        records = self._read_pointer(warn=False).records if path.parent == self.directory else {}
+        return load_checkpoint_file(path, checksum=_recorded_checksum(records, path.name))
 
     def load_latest_checkpoint(self) -> LoadedCheckpoint | None:
         """The newest readable checkpoint with its path, or ``None`` when there is none.
@@ -503,11 +728,13 @@ class CheckpointManager:
         silently stepped over. ``CheckpointError`` when checkpoints exist but none is
         readable.
         """
-        candidates = self._resume_candidates()
+        pointer = self._read_pointer(warn=True)
+        candidates = self._resume_candidates(pointer.target)
         skipped: list[str] = []
         for path in candidates:
             try:
-                state = self.load(path)
+                checksum = _recorded_checksum(pointer.records, path.name)
+                state = load_checkpoint_file(path, checksum=checksum)
             except CorruptCheckpointError as exc:
                 skipped.append(path.name)
                 warnings.warn(

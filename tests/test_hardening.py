@@ -3,13 +3,23 @@ directories get a clear error or a safe fall-back, never a crash or a silent los
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
+import struct
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from speedtronic.checkpoint import CheckpointManager, CorruptCheckpointError
+from speedtronic.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    archive_checksum,
+)
 
 
 def sizable_state(value: float) -> dict[str, object]:
@@ -49,8 +59,6 @@ def test_truncated_newest_checkpoint_falls_back_at_every_cut(
 
 
 def test_an_unreadable_file_is_an_error_not_a_fall_back(tmp_path: Path) -> None:
-    import os
-
     if os.name != "posix" or os.geteuid() == 0:
         pytest.skip("needs POSIX permissions as a non-root user")
     manager = CheckpointManager(tmp_path, keep_last=2)
@@ -58,9 +66,136 @@ def test_an_unreadable_file_is_an_error_not_a_fall_back(tmp_path: Path) -> None:
     manager.save(2, sizable_state(2.0))
     manager.path_for(2).chmod(0)
     try:
-        from speedtronic.checkpoint import CheckpointError
-
         with pytest.raises(CheckpointError, match="cannot read checkpoint .*step_000000000002"):
             manager.load_latest_checkpoint()
     finally:
         manager.path_for(2).chmod(0o644)
+
+
+# -- 6. checksums: a flipped bit or a swapped file is damage, not data -------------------------
+
+
+def flip_float_in_tensor_data(path: Path, value: float) -> None:
+    """Change one stored float ``value`` (little-endian float32) into NaN, in place."""
+    content = bytearray(path.read_bytes())
+    offset = content.find(struct.pack("<f", value))
+    assert offset > 0, "value not found in the file"
+    content[offset : offset + 4] = struct.pack("<f", float("nan"))
+    path.write_bytes(bytes(content))
+
+
+def test_flipped_float_in_the_newest_checkpoint_falls_back(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    manager.save(4, sizable_state(4.0))
+    manager.save(6, sizable_state(6.0))
+    flip_float_in_tensor_data(manager.path_for(6), 9.0)  # layer3.weight of step 6
+    with pytest.raises(CorruptCheckpointError, match="step_000000000006.pt .*CRC-32"):
+        manager.load(manager.path_for(6))
+    loaded, messages = load_quietly(manager)
+    assert loaded is not None and loaded.step == 4  # type: ignore[attr-defined]
+    assert any("resuming from step_000000000004.pt" in m for m in messages), messages
+
+
+def test_flipped_float_is_caught_without_a_pointer_too(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    manager.save(4, sizable_state(4.0))
+    manager.save(6, sizable_state(6.0))
+    flip_float_in_tensor_data(manager.path_for(6), 9.0)
+    manager.pointer_path.unlink()
+    loaded, _ = load_quietly(manager)
+    assert loaded is not None and loaded.step == 4  # type: ignore[attr-defined]
+
+
+def test_a_valid_but_swapped_file_fails_its_recorded_checksum(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    manager.save(4, sizable_state(4.0))
+    manager.save(6, sizable_state(6.0))
+    other = CheckpointManager(tmp_path / "other")
+    other.save(6, sizable_state(66.0))  # a complete checkpoint of another run
+    manager.path_for(6).write_bytes(other.path_for(6).read_bytes())
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        manager.load(manager.path_for(6))
+    loaded, messages = load_quietly(manager)
+    assert loaded is not None and loaded.step == 4  # type: ignore[attr-defined]
+
+
+def test_pointer_records_the_checksum_of_every_kept_checkpoint(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    for step in (2, 4, 6):
+        manager.save(step, sizable_state(float(step)))
+    records = json.loads(manager.pointer_path.read_text())["checkpoints"]
+    for step in (4, 6):
+        name = manager.path_for(step).name
+        assert records[name]["sha256"] == archive_checksum(manager.path_for(step))
+    # Older records survive while their files do, so a fall-back is verified too.
+    manager.save(8, sizable_state(8.0))
+    records = json.loads(manager.pointer_path.read_text())["checkpoints"]
+    assert set(records) >= {manager.path_for(6).name, manager.path_for(8).name}
+    assert manager.path_for(2).name not in records
+
+
+def test_saves_store_crc32s_even_when_torch_is_told_not_to(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path)
+    torch.serialization.set_crc32_options(False)
+    try:
+        manager.save(1, sizable_state(1.0))
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert torch.serialization.get_crc32_options() is True
+    loaded = manager.load_latest_checkpoint()
+    assert loaded is not None and loaded.step == 1
+
+
+# -- 7. pickled objects of any protocol are unsafe, never "unreadable" ---------------------------
+
+
+class RunsCode:
+    """Pickles as a call to ``os.system``: unpickling it would run a command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def planted_payloads(marker: Path) -> dict[str, object]:
+    return {
+        "flat": {"model": {}, "payload": RunsCode(marker)},
+        "nested": {"model": {"a": [1, (2, {"deep": [RunsCode(marker)]})]}},
+    }
+
+
+@pytest.mark.parametrize("protocol", [0, 1, 2, 3, 4, 5])
+@pytest.mark.parametrize("shape", ["flat", "nested"])
+def test_pickled_object_of_any_protocol_is_refused_not_stepped_over(
+    tmp_path: Path, protocol: int, shape: str
+) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=None)
+    manager.save(1, sizable_state(1.0))
+    marker = tmp_path / "pwned"
+    planted = manager.path_for(2)
+    torch.save(planted_payloads(marker)[shape], planted, pickle_protocol=protocol)
+    with pytest.raises(UnsafeCheckpointError, match=r"step_000000000002.pt.*\(posix.system\)"):
+        manager.load(planted)
+    manager.pointer_path.unlink()  # the planted file is now the newest
+    with pytest.raises(UnsafeCheckpointError, match="step_000000000002.pt"):
+        manager.load_latest_checkpoint()
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("protocol", [0, 2, 4, 5])
+def test_a_bare_pickle_file_is_refused_too(tmp_path: Path, protocol: int) -> None:
+    marker = tmp_path / "pwned"
+    planted = tmp_path / "step_000000000002.pt"
+    planted.write_bytes(pickle.dumps({"x": RunsCode(marker)}, protocol=protocol))
+    with pytest.raises(UnsafeCheckpointError, match=r"\(posix.system\)"):
+        CheckpointManager(tmp_path).load(planted)
+    assert not marker.exists()
+
+
+def test_truncated_pickle_stream_is_damage_not_tampering(tmp_path: Path) -> None:
+    planted = tmp_path / "step_000000000002.pt"
+    planted.write_bytes(pickle.dumps({"x": list(range(100))}, protocol=2)[:40])
+    with pytest.raises(CorruptCheckpointError):
+        CheckpointManager(tmp_path).load(planted)
