@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import pickle
 import pickletools
@@ -466,6 +467,26 @@ def _validate_records(value: object) -> tuple[dict[str, dict[str, object]], str 
     return records, None
 
 
+def _loss_record(loss: float | None) -> dict[str, object]:
+    """The pointer's record of a checkpoint's loss: ``{"loss": 2.3, "finite_loss": true}``,
+    ``{"loss": "nan", "finite_loss": false}`` (JSON has no NaN), or nothing when unknown."""
+    if loss is None:
+        return {}
+    if math.isfinite(loss):
+        return {"loss": loss, "finite_loss": True}
+    return {"loss": str(loss), "finite_loss": False}
+
+
+def _newest_with_finite_loss(
+    paths: list[Path], records: Mapping[str, Mapping[str, object]]
+) -> Path | None:
+    """The newest checkpoint not recorded with a non-finite loss (unknown counts as finite)."""
+    for path in reversed(paths):
+        if records.get(path.name, {}).get("finite_loss") is not False:
+            return path
+    return None
+
+
 def _recorded_checksum(records: Mapping[str, Mapping[str, object]], name: str) -> str | None:
     checksum = records.get(name, {}).get("sha256")
     return checksum if isinstance(checksum, str) else None
@@ -511,6 +532,7 @@ class CheckpointManager:
         self.every_steps = every_steps
         self.keep_last = keep_last
         self.enabled = enabled
+        self._noted_losses: dict[int, float] = {}
 
     def __repr__(self) -> str:
         return (
@@ -534,16 +556,20 @@ class CheckpointManager:
 
     # -- writing ----------------------------------------------------------------------
 
-    def save(self, step: int, state: Mapping[str, object]) -> Path:
+    def save(self, step: int, state: Mapping[str, object], *, loss: float | None = None) -> Path:
         """Write the checkpoint of ``step``, then point ``latest.json`` at it, then prune.
 
         ``state`` goes through ``plain_state``: ``CheckpointError`` (nothing is written) when
-        it holds an object that a ``weights_only`` load would refuse.
+        it holds an object that a ``weights_only`` load would refuse. ``loss`` (the training
+        loss at ``step``; else what ``note_loss`` noted for it) is recorded in the pointer's
+        record of the file; a non-finite one is recorded as such, and retention keeps the
+        newest checkpoint whose loss was finite.
         """
+        noted = self._noted_losses.pop(step, None)
         path = self.path_for(step)
         checksum = atomic_torch_save(plain_state(state), path)
         records = self._surviving_records(exclude=path.name)
-        records[path.name] = {"sha256": checksum}
+        records[path.name] = {"sha256": checksum, **_loss_record(noted if loss is None else loss)}
         atomic_json_dump(
             {"step": step, "file": path.name, "checkpoints": records}, self.pointer_path
         )
@@ -560,15 +586,24 @@ class CheckpointManager:
             if name != exclude and (self.directory / name).is_file()
         }
 
+    def note_loss(self, step: int, loss: float | None) -> None:
+        """Note the training loss of ``step`` for its coming ``save`` (which may run on a
+        writer thread): the checkpoint callback's way to record it without changing how
+        ``save`` is called."""
+        if loss is not None:
+            self._noted_losses[step] = loss
+
     def prune(self) -> list[Path]:
         """Delete all but the newest ``keep_last`` checkpoints (never the one ``latest.json``
         names) and temp files left by processes that no longer run. Returns what was deleted."""
         removed = self._remove_stale_temp_files()
         if self.keep_last is None:
             return removed
-        protected = self._pointer_target(warn=False)
-        for path in self.checkpoint_paths()[: -self.keep_last]:
-            if path == protected:
+        pointer = self._read_pointer(warn=False)
+        paths = self.checkpoint_paths()
+        protected = {pointer.target, _newest_with_finite_loss(paths, pointer.records)}
+        for path in paths[: -self.keep_last]:
+            if path in protected:
                 continue
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()

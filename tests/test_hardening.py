@@ -13,13 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from speedtronic.callback import Callback
 from speedtronic.checkpoint import (
     CheckpointError,
     CheckpointManager,
     CorruptCheckpointError,
     UnsafeCheckpointError,
     archive_checksum,
+    checkpoint_step,
 )
+from speedtronic.contexts import OptimizerStepContext
+from speedtronic.trainer import Trainer
+from speedtronic_callbacks.checkpoint import CheckpointCallback
 
 
 def sizable_state(value: float) -> dict[str, object]:
@@ -199,3 +204,75 @@ def test_truncated_pickle_stream_is_damage_not_tampering(tmp_path: Path) -> None
     planted.write_bytes(pickle.dumps({"x": list(range(100))}, protocol=2)[:40])
     with pytest.raises(CorruptCheckpointError):
         CheckpointManager(tmp_path).load(planted)
+
+
+# -- 8. a NaN run never loses its last finite checkpoint -------------------------------------
+
+
+def test_retention_keeps_the_newest_checkpoint_with_a_finite_loss(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    manager.save(2, sizable_state(2.0), loss=1.5)
+    for step in (4, 6, 8):
+        manager.save(step, sizable_state(float(step)), loss=float("nan"))
+    assert [p.name for p in manager.checkpoint_paths()] == [
+        "step_000000000002.pt",
+        "step_000000000006.pt",
+        "step_000000000008.pt",
+    ]
+    records = json.loads(manager.pointer_path.read_text())["checkpoints"]
+    assert records["step_000000000008.pt"]["loss"] == "nan"
+    assert records["step_000000000008.pt"]["finite_loss"] is False
+    assert records["step_000000000002.pt"] == {
+        "sha256": archive_checksum(manager.path_for(2)),
+        "loss": 1.5,
+        "finite_loss": True,
+    }
+    manager.save(10, sizable_state(10.0), loss=0.5)  # finite again: the old one may go
+    assert [p.name for p in manager.checkpoint_paths()] == [
+        "step_000000000008.pt",
+        "step_000000000010.pt",
+    ]
+
+
+class PoisonWeights(Callback):
+    """Fills the weights with NaN after the optimizer step of ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_after_optimizer_step(self, trainer: Trainer, ctx: OptimizerStepContext) -> None:
+        if ctx.step == self.step:
+            with torch.no_grad():
+                for parameter in trainer.model.parameters():
+                    parameter.fill_(float("nan"))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_run_that_turns_nan_keeps_its_last_finite_checkpoint(
+    tmp_path: Path, async_save: bool
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+
+    class LM(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, object]:
+            return {"logits": self.net(input_ids)}
+
+    tokens = torch.randint(0, 16, (6, 2, 5))
+    batches = [{"input_ids": t[:, :-1], "labels": t[:, 1:]} for t in tokens]
+    checkpoint = CheckpointCallback(
+        tmp_path, every_steps=1, keep_last=1, save_on_signal=False, async_save=async_save
+    )
+    lm = LM()
+    optimizer = torch.optim.SGD(lm.parameters(), lr=0.1)
+    trainer = Trainer(lm, optimizer, batches, callbacks=[PoisonWeights(2), checkpoint])
+    trainer.fit(5)
+    manager = CheckpointManager(tmp_path)
+    assert [checkpoint_step(p.name) for p in manager.checkpoint_paths()] == [2, 5]
+    records = json.loads(manager.pointer_path.read_text())["checkpoints"]
+    assert records["step_000000000005.pt"]["finite_loss"] is False
+    assert records["step_000000000002.pt"]["finite_loss"] is True
