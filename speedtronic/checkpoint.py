@@ -40,6 +40,7 @@ import os
 import pickle
 import pickletools
 import re
+import reprlib
 import shutil
 import signal
 import warnings
@@ -68,6 +69,7 @@ __all__ = [
     "capture_rng_state",
     "checkpoint_step",
     "load_checkpoint_file",
+    "parse_pointer",
     "plain_state",
     "requeue_exit_code",
     "restore_rng_state",
@@ -78,7 +80,9 @@ POINTER_NAME = "latest.json"
 """The pointer file naming the newest complete checkpoint."""
 
 STEP_DIGITS = 12
-_CHECKPOINT_NAME = re.compile(r"step_(\d+)\.pt")
+MAX_STEP = 10**STEP_DIGITS - 1
+"""The highest step a checkpoint file name can carry (12 digits: 31 years at 1 step/ms)."""
+_CHECKPOINT_NAME = re.compile(rf"step_(\d{{{STEP_DIGITS}}})\.pt")
 _TEMP_NAME = re.compile(r"\.(?:step_\d+\.pt|latest\.json)\.tmp-(\d+)")
 _FORBIDDEN_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -100,8 +104,9 @@ class UnsafeCheckpointError(CheckpointError):
 def checkpoint_step(name: str) -> int | None:
     """The step of a checkpoint file name (``step_000000000012.pt`` -> 12), else ``None``.
 
-    Only the exact ``step_<digits>.pt`` form counts: temp files, directories' other
-    contents and anything with a path separator are not checkpoints.
+    Only the exact ``step_<12 digits>.pt`` form counts: temp files, directories' other
+    contents, anything with a path separator and junk such as ``step_99999999999999999.pt``
+    (more digits than any save writes) are not checkpoints.
     """
     match = _CHECKPOINT_NAME.fullmatch(name)
     return int(match.group(1)) if match else None
@@ -225,7 +230,7 @@ def plain_state(state: Mapping[str, object]) -> dict[str, object]:
     naming where it sits, e.g. ``state['callbacks']['ema']['fn'] is a builtins.function``.
     """
     try:
-        plain = _plain(dict(state), "state")
+        plain = _PlainWalk().plain(dict(state), "state")
     except _NotPlain as exc:
         raise CheckpointError(
             f"cannot checkpoint this state: {exc}; checkpoints may hold only tensors, numbers, "
@@ -236,30 +241,63 @@ def plain_state(state: Mapping[str, object]) -> dict[str, object]:
     return plain
 
 
-def _plain(value: object, where: str) -> object:
-    kind = type(value)
-    if kind in _TENSOR_TYPES or kind in _PLAIN_LEAVES or isinstance(value, _TORCH_LEAVES):
-        return value
-    if isinstance(value, torch.Tensor):
-        raise _NotPlain(f"{where} is a tensor subclass {kind.__module__}.{kind.__qualname__}")
-    if isinstance(value, str):
-        return str(value)
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return float(value)
-    if isinstance(value, dict):
-        items = [
-            (_plain(k, f"{where} key {k!r}"), _plain(v, f"{where}[{k!r}]"))
-            for k, v in value.items()
-        ]
-        return OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)
-    if isinstance(value, list | tuple | set):
-        parts = [_plain(item, f"{where}[{index}]") for index, item in enumerate(value)]
+MAX_STATE_DEPTH = 100
+"""Deepest nesting of containers a checkpointed state may have (a model's state is ~5)."""
+
+
+class _PlainWalk:
+    """One ``plain_state`` pass: the containers on the path from the root (for cycles)."""
+
+    def __init__(self) -> None:
+        self.ancestors: dict[int, str] = {}
+
+    def plain(self, value: object, where: str) -> object:
+        kind = type(value)
+        if kind in _TENSOR_TYPES or kind in _PLAIN_LEAVES or isinstance(value, _TORCH_LEAVES):
+            return value
+        if isinstance(value, torch.Tensor):
+            raise _NotPlain(f"{where} is a tensor subclass {kind.__module__}.{kind.__qualname__}")
+        if isinstance(value, str):
+            return str(value)
+        if isinstance(value, int):
+            return int(value)
+        if isinstance(value, float):
+            return float(value)
+        if isinstance(value, dict | list | tuple | set):
+            return self.container(value, where)
+        raise _NotPlain(f"{where} is a {kind.__module__}.{kind.__qualname__}")
+
+    def container(
+        self,
+        value: dict[object, object] | list[object] | tuple[object, ...] | set[object],
+        where: str,
+    ) -> object:
+        key = id(value)
+        if key in self.ancestors:
+            raise _NotPlain(f"{where} refers back to {self.ancestors[key]} (a cycle)")
+        if len(self.ancestors) >= MAX_STATE_DEPTH:
+            raise _NotPlain(f"{where} is nested more than {MAX_STATE_DEPTH} containers deep")
+        self.ancestors[key] = where
+        try:
+            return self.rebuild(value, where)
+        finally:
+            del self.ancestors[key]
+
+    def rebuild(
+        self,
+        value: dict[object, object] | list[object] | tuple[object, ...] | set[object],
+        where: str,
+    ) -> object:
+        if isinstance(value, dict):
+            items = [
+                (self.plain(k, f"{where} key {k!r}"), self.plain(v, f"{where}[{k!r}]"))
+                for k, v in value.items()
+            ]
+            return OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)
+        parts = [self.plain(item, f"{where}[{index}]") for index, item in enumerate(value)]
         if isinstance(value, list):
             return parts
         return tuple(parts) if isinstance(value, tuple) else set(parts)
-    raise _NotPlain(f"{where} is a {kind.__module__}.{kind.__qualname__}")
 
 
 # -- loading -------------------------------------------------------------------------------
@@ -450,6 +488,28 @@ class Pointer:
     records: dict[str, dict[str, object]]
 
 
+MAX_POINTER_BYTES = 16 * 1024 * 1024
+"""A larger ``latest.json`` is not one this module wrote (a record is ~150 bytes)."""
+
+
+def parse_pointer(
+    data: bytes, validate: Callable[[object], tuple[Pointer, str | None]]
+) -> tuple[Pointer, str | None]:
+    """Decode ``latest.json`` bytes and ``validate`` them: ``(pointer, None)``, or an empty
+    ``Pointer`` and the problem. Never raises for any input (bounded: size-capped, and JSON
+    nested too deeply is a problem, not a ``RecursionError``)."""
+    empty = Pointer(None, {})
+    if len(data) > MAX_POINTER_BYTES:
+        return empty, f"it is {len(data)} bytes, more than a pointer can be"
+    try:
+        content = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return empty, f"it is not readable JSON ({_first_line(exc)})"
+    except RecursionError:
+        return empty, "it is not readable JSON (nested too deeply)"
+    return validate(content)
+
+
 def _validate_records(value: object) -> tuple[dict[str, dict[str, object]], str | None]:
     """The pointer's ``checkpoints`` table: ``{file name: {"sha256": 64 hex digits}}``."""
     if not isinstance(value, dict):
@@ -550,8 +610,8 @@ class CheckpointManager:
 
     def path_for(self, step: int) -> Path:
         """``<directory>/step_<step, 12 digits>.pt``."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+        if not 0 <= step <= MAX_STEP:
+            raise ValueError(f"step must be in 0..{MAX_STEP}, got {step}")
         return self.directory / f"step_{step:0{STEP_DIGITS}d}.pt"
 
     # -- writing ----------------------------------------------------------------------
@@ -601,6 +661,10 @@ class CheckpointManager:
             return removed
         pointer = self._read_pointer(warn=False)
         paths = self.checkpoint_paths()
+        if pointer.target is not None:
+            # Files newer than the commit record were never committed (a killed save, or
+            # another run's): they neither take a keep_last slot nor get deleted here.
+            paths = paths[: paths.index(pointer.target) + 1]
         protected = {pointer.target, _newest_with_finite_loss(paths, pointer.records)}
         for path in paths[: -self.keep_last]:
             if path in protected:
@@ -686,10 +750,9 @@ class CheckpointManager:
         if not pointer.is_file():
             return Pointer(None, {})
         try:
-            content = json.loads(pointer.read_text("utf-8"))
-            parsed, problem = self._validate_pointer(content)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            parsed, problem = Pointer(None, {}), f"it is not readable JSON ({_first_line(exc)})"
+            parsed, problem = parse_pointer(pointer.read_bytes(), self._validate_pointer)
+        except OSError as exc:
+            parsed, problem = Pointer(None, {}), f"it cannot be read ({_first_line(exc)})"
         if problem is not None and warn:
             warnings.warn(
                 f"ignoring checkpoint pointer {pointer}: {problem}; "
@@ -717,7 +780,10 @@ class CheckpointManager:
             # Also rejects "../x.pt", "/abs/step_1.pt", "sub/step_1.pt": no separators allowed.
             return None, f"{name!r} is not a checkpoint file name (step_<digits>.pt) in it"
         if content.get("step") not in (None, step):
-            return None, f"its step {content.get('step')!r} does not match file {name!r}"
+            return (
+                None,
+                f"its step {reprlib.repr(content.get('step'))} does not match file {name!r}",
+            )
         target = self.directory / name
         if not self._inside(target):
             return None, f"{name!r} resolves outside the checkpoint directory"

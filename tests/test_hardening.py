@@ -276,3 +276,82 @@ def test_a_run_that_turns_nan_keeps_its_last_finite_checkpoint(
     records = json.loads(manager.pointer_path.read_text())["checkpoints"]
     assert records["step_000000000005.pt"]["finite_loss"] is False
     assert records["step_000000000002.pt"]["finite_loss"] is True
+
+
+# -- 11. junk names, hostile states, absurd pointers ----------------------------------------------
+
+
+def test_a_junk_step_name_takes_no_keep_last_slot(tmp_path: Path) -> None:
+    junk = tmp_path / "step_999999999999999999999.pt"
+    junk.write_bytes(b"junk")
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    for step in (1, 2, 3):
+        manager.save(step, sizable_state(float(step)))
+    assert [checkpoint_step(p.name) for p in manager.checkpoint_paths()] == [2, 3]
+    assert junk.exists()  # not ours: neither counted nor deleted
+    loaded, _ = load_quietly(manager)
+    assert loaded is not None and loaded.step == 3  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="step must be in"):
+        manager.path_for(10**12)
+
+
+def test_files_newer_than_the_pointer_take_no_keep_last_slot(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    (tmp_path / "step_999999999999.pt").write_bytes(b"junk with a plausible name")
+    for step in (1, 2, 3):
+        manager.save(step, sizable_state(float(step)))
+    assert [checkpoint_step(p.name) for p in manager.checkpoint_paths()] == [2, 3, 999999999999]
+
+
+def self_referential() -> dict[str, object]:
+    inner: dict[str, object] = {"w": torch.ones(1)}
+    inner["me"] = inner
+    return {"callbacks": {"ema": inner}}
+
+
+def deeply_nested(depth: int) -> dict[str, object]:
+    state: dict[str, object] = {"leaf": 1}
+    for _ in range(depth):
+        state = {"a": state}
+    return {"callbacks": state}
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        (self_referential(), r"state\['callbacks'\]\['ema'\]\['me'\] refers back to "
+                             r"state\['callbacks'\]\['ema'\] \(a cycle\)"),
+        (deeply_nested(5000), r"state\['callbacks'\]\['a'\].* is nested more than 100"),
+    ],
+    ids=["cycle", "5000-deep"],
+)  # fmt: skip
+def test_a_hostile_state_is_refused_at_save_naming_the_key(
+    tmp_path: Path, state: dict[str, object], message: str
+) -> None:
+    manager = CheckpointManager(tmp_path)
+    with pytest.raises(CheckpointError, match=message):
+        manager.save(1, state)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"[" * 200_000 + b"]" * 200_000,
+        b'{"file": ' * 200_000 + b"1" + b"}" * 200_000,
+        b'{"step": ' + b"[" * 900 + b"]" * 900 + b', "file": "step_000000000001.pt"}',
+        b"\xff\xfe not utf-8",
+        b" " * (17 * 1024 * 1024),
+    ],
+    ids=["deep-list", "deep-object", "deep-step", "not-utf-8", "huge"],
+)
+def test_an_absurd_pointer_is_ignored_with_a_warning(tmp_path: Path, content: bytes) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=None)
+    manager.save(1, sizable_state(1.0))
+    manager.save(3, sizable_state(3.0))
+    manager.pointer_path.write_bytes(content)
+    with pytest.warns(UserWarning, match="ignoring checkpoint pointer"):
+        loaded = manager.load_latest_checkpoint()
+    assert loaded is not None and loaded.step == 3
+    manager.save(5, sizable_state(5.0))  # and saving goes on, replacing it
+    assert manager.latest_path() == manager.path_for(5)
