@@ -33,6 +33,7 @@ This module is the storage layer; *when* to save is the checkpoint callback's bu
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -148,8 +149,34 @@ def _atomic_write(path: Path, write_contents: Callable[[BinaryIO], None]) -> Non
         with contextlib.suppress(OSError):
             temp.unlink()
         if isinstance(exc, Exception) and not isinstance(exc, CheckpointError):
-            raise CheckpointError(f"could not write {path}: {type(exc).__name__}: {exc}") from exc
+            raise _write_error(path, exc) from exc
         raise
+
+
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def _write_error(path: Path, exc: Exception) -> CheckpointError:
+    """The error of a failed write; a full disk (or quota) says so plainly, with the path
+    and what is left, wherever in the chain torch or the OS reported it."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _DISK_FULL:
+            return CheckpointError(
+                f"no space left on device: could not write {path} ({_free_space(path.parent)} "
+                "free there); free some space or point checkpoint.directory elsewhere, then "
+                "resume (--resume) from the last checkpoint, which is intact"
+            )
+        seen = seen.__cause__ or seen.__context__
+    return CheckpointError(f"could not write {path}: {type(exc).__name__}: {exc}")
+
+
+def _free_space(directory: Path) -> str:
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return "unknown space"
+    return f"{free / 2**20:.1f} MiB"
 
 
 def atomic_torch_save(state: object, path: PathLike) -> str:

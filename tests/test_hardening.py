@@ -3,6 +3,7 @@ directories get a clear error or a safe fall-back, never a crash or a silent los
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -355,3 +356,30 @@ def test_an_absurd_pointer_is_ignored_with_a_warning(tmp_path: Path, content: by
     assert loaded is not None and loaded.step == 3
     manager.save(5, sizable_state(5.0))  # and saving goes on, replacing it
     assert manager.latest_path() == manager.path_for(5)
+
+
+# -- 9. a full disk says so ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_disk_full_says_no_space_left_and_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=None)
+    manager.save(1, sizable_state(1.0))
+    real_save = torch.save
+
+    def fill_the_disk(obj: object, f: object, **options: object) -> None:
+        real_save({"partial": torch.ones(8)}, f)  # type: ignore[arg-type]  # the temp handle
+        raise RuntimeError("PytorchStreamWriter failed writing file") from OSError(
+            code, os.strerror(code)
+        )
+
+    monkeypatch.setattr(torch, "save", fill_the_disk)
+    with pytest.raises(CheckpointError) as caught:
+        manager.save(2, sizable_state(2.0))
+    message = str(caught.value)
+    assert message.startswith("no space left on device: could not write ")
+    assert str(manager.path_for(2)) in message and "free there" in message
+    assert manager.latest_path() == manager.path_for(1)  # the previous checkpoint is intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.json", "step_000000000001.pt"]
