@@ -128,6 +128,17 @@ def parse_yaml(text: str) -> object:
     or expanding (through aliases) to more than ``MAX_VALUES`` values -- checked on the
     composed node graph, before anything is built, so the work stays bounded."""
     _check_flow_nesting(text)
+    try:
+        return _compose_and_build(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML: {exc}") from None
+    except ConfigError:
+        raise
+    except Exception as exc:  # PyYAML's constructors: ValueError, IndexError ("!!int" alone)
+        raise ConfigError(f"invalid YAML value: {type(exc).__name__}: {exc}") from None
+
+
+def _compose_and_build(text: str) -> object:
     loader = _YamlLoader(text)  # a SafeLoader subclass: data only
     try:
         node = loader.get_single_node()
@@ -135,12 +146,6 @@ def parse_yaml(text: str) -> object:
             return None
         _check_expansion(node)
         return loader.construct_document(node)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"invalid YAML: {exc}") from None
-    except (ValueError, TypeError, OverflowError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"invalid YAML value: {type(exc).__name__}: {exc}") from None
     finally:
         loader.dispose()
 
