@@ -43,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
         fit.add_argument(
             "--resume", action="store_true", help="continue from the latest checkpoint"
         )
+        fit.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="replace an earlier run in the run directory (deletes its checkpoints and "
+            "metrics)",
+        )
         fit.add_argument("--traceback", action="store_true", help="show tracebacks of failures")
 
     validate = sub.add_parser("validate", help="check a config; print it and the callback plan")
@@ -120,6 +126,7 @@ def _show_warning(
 def _fit(args: argparse.Namespace) -> int:
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.distributed import teardown_distributed
+    from speedtronic.run_lock import claim_run_directory
     from speedtronic.runtime import build_runtime, save_run_config
 
     extra = [f"run.output_dir={json.dumps(args.output_dir)}"] if args.output_dir else []
@@ -128,17 +135,18 @@ def _fit(args: argparse.Namespace) -> int:
     if args.max_steps is not None and args.max_steps <= 0:
         raise UserError(f"--max-steps must be positive, got {args.max_steps}")
     _preflight(config, device=args.device, max_steps=args.max_steps)
-    trainer, _ = build_runtime(
-        config, resume=args.resume, device=args.device, max_steps=args.max_steps
-    )
-    try:
-        main_rank = trainer.distributed is None or trainer.distributed.is_main
-        if main_rank:
-            save_run_config(config, trainer.output_dir)
-        start_step = trainer.step
-        result = trainer.fit()
-    finally:
-        teardown_distributed(trainer.distributed)
+    with claim_run_directory(config, resume=args.resume, overwrite=args.overwrite):
+        trainer, _ = build_runtime(
+            config, resume=args.resume, device=args.device, max_steps=args.max_steps
+        )
+        try:
+            main_rank = trainer.distributed is None or trainer.distributed.is_main
+            if main_rank:
+                save_run_config(config, trainer.output_dir)
+            start_step = trainer.step
+            result = trainer.fit()
+        finally:
+            teardown_distributed(trainer.distributed)
     if main_rank:
         loss = "None" if result.final_loss is None else f"{result.final_loss!r}"
         this_run = f" (this run: {result.steps - start_step} steps)" if start_step else ""
@@ -249,6 +257,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from speedtronic.distributed import DistributedSetupError
     from speedtronic.plotting import PlotError
     from speedtronic.plugins import PluginError
+    from speedtronic.run_lock import RunDirectoryError
     from speedtronic.trainer import TrainingStateError
 
     return (
@@ -258,6 +267,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         PluginError,
         PlotError,
         CheckpointError,
+        RunDirectoryError,
         TrainingStateError,
         FileNotFoundError,
         yaml.YAMLError,

@@ -26,6 +26,7 @@ from speedtronic.checkpoint import (
     CheckpointManager,
     CorruptCheckpointError,
     UnsafeCheckpointError,
+    archive_checksum,
     atomic_json_dump,
     atomic_torch_save,
     capture_rng_state,
@@ -117,7 +118,11 @@ def test_save_writes_checkpoint_then_pointer_and_loads_back(tmp_path: Path) -> N
     path = manager.save(4, sample_state(4.0))
     assert path == manager.path_for(4)
     pointer = json.loads((tmp_path / "ck" / "latest.json").read_text())
-    assert pointer == {"step": 4, "file": "step_000000000004.pt"}
+    assert pointer == {
+        "step": 4,
+        "file": "step_000000000004.pt",
+        "checkpoints": {"step_000000000004.pt": {"sha256": archive_checksum(path)}},
+    }
     manager.save(8, sample_state(8.0))
     assert manager.latest_path() == manager.path_for(8)
     state = manager.load_latest()

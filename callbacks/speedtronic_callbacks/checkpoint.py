@@ -42,6 +42,7 @@ without the barrier (the other ranks may be gone).
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import warnings
@@ -293,6 +294,7 @@ class CheckpointCallback(Callback):
     ) -> None:
         """Write ``state`` (rank 0 only), then wait for the other ranks when ``meet_peers``."""
         if trainer.distributed is None or trainer.distributed.is_main:
+            self.manager.note_loss(step, _last_loss(trainer, step))
             if self._writer is not None:
                 self._writer.submit(step, state, defer=_changed_only_by_optimizer_step(trainer))
             else:
@@ -376,6 +378,23 @@ def _changed_only_by_optimizer_step(trainer: Trainer) -> frozenset[int]:
             if isinstance(value, torch.Tensor):
                 pointers.add(value.untyped_storage().data_ptr())
     return frozenset(pointers)
+
+
+def _last_loss(trainer: object, step: int) -> float | None:
+    """The training loss of the step being saved (one host sync per save), for the
+    checkpoint's record: retention keeps the newest checkpoint whose loss was finite."""
+    loss = getattr(trainer, "last_loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        return None
+    value = float(loss.detach().item())
+    if not math.isfinite(value):
+        logger.warning(
+            "checkpoint of step %d: the loss is %s; it is recorded as non-finite and the "
+            "newest checkpoint with a finite loss is kept",
+            step,
+            value,
+        )
+    return value
 
 
 def _barrier(trainer: Trainer) -> None:
