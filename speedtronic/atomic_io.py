@@ -41,19 +41,28 @@ def temporary_sibling(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
 
 
-def atomic_write(path: str | os.PathLike[str], write_contents: Callable[[BinaryIO], None]) -> None:
+def atomic_write(
+    path: str | os.PathLike[str],
+    write_contents: Callable[[BinaryIO], None],
+    *,
+    temporary: Path | None = None,
+) -> None:
     """Replace ``path`` with what ``write_contents`` writes into the binary handle it gets.
 
-    Missing parent directories are created (and their own entries fsynced).
+    Missing parent directories are created (and their own entries fsynced). ``temporary``
+    names the write-in-progress file when the caller recognises its own leftovers by name
+    (checkpoints put the writer's PID there); it is truncated if it exists.
     """
     target = Path(path)
     if not target.parent.is_dir():
         target.parent.mkdir(parents=True, exist_ok=True)
         fsync_directory(target.parent.parent)
-    temporary = temporary_sibling(target)
+    # Opened by name (not from a descriptor) so writers that look at ``handle.name``, such
+    # as torch.save, see a path; a name we chose ourselves must not exist yet.
+    mode = "xb" if temporary is None else "wb"
+    temporary = temporary_sibling(target) if temporary is None else temporary
     try:
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        with open(fd, "wb") as handle:
+        with open(temporary, mode) as handle:
             write_contents(handle)
             handle.flush()
             os.fsync(handle.fileno())

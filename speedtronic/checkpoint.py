@@ -57,6 +57,7 @@ from typing import BinaryIO
 
 import torch
 
+from speedtronic.atomic_io import atomic_write
 from speedtronic.rng import capture_rng_state, restore_rng_state
 
 __all__ = [
@@ -124,36 +125,14 @@ def _temp_path_for(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (POSIX; Windows cannot open directories)."""
-    if os.name != "posix":
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic_write(path: Path, write_contents: Callable[[BinaryIO], None]) -> None:
-    """Write via a temp file in the same directory: flush, fsync, rename, fsync the dir."""
-    if not path.parent.is_dir():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _fsync_directory(path.parent.parent)  # the new directory's own entry must last too
-    temp = _temp_path_for(path)
+    """``speedtronic.atomic_io.atomic_write`` with this module's temp names and errors."""
     try:
-        with open(temp, "wb") as handle:
-            write_contents(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, path)
-        _fsync_directory(path.parent)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            temp.unlink()
-        if isinstance(exc, Exception) and not isinstance(exc, CheckpointError):
-            raise _write_error(path, exc) from exc
-        raise
+        atomic_write(path, write_contents, temporary=_temp_path_for(path))
+    except Exception as exc:
+        if isinstance(exc, CheckpointError):
+            raise
+        raise _write_error(path, exc) from exc
 
 
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})

@@ -16,9 +16,10 @@ from typing import IO, TYPE_CHECKING, ClassVar
 
 from typing_extensions import Self
 
+from speedtronic.atomic_io import atomic_write_text
 from speedtronic.callback import JSONSchema
 from speedtronic.contexts import FitContext, TeardownContext
-from speedtronic_callbacks.sink import MetricSink, Record, atomic_write_text, resolve_path
+from speedtronic_callbacks.sink import MetricSink, Record, resolve_path
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
