@@ -59,10 +59,10 @@ def atomic_write(
         fsync_directory(target.parent.parent)
     # Opened by name (not from a descriptor) so writers that look at ``handle.name``, such
     # as torch.save, see a path; a name we chose ourselves must not exist yet.
-    mode = "xb" if temporary is None else "wb"
+    exclusive = temporary is None
     temporary = temporary_sibling(target) if temporary is None else temporary
     try:
-        with open(temporary, mode) as handle:
+        with open(temporary, "xb") if exclusive else open(temporary, "wb") as handle:
             write_contents(handle)
             handle.flush()
             os.fsync(handle.fileno())
