@@ -1,8 +1,11 @@
 """The composition root: config -> model, data, optimizer, callbacks, Trainer.
 
 ``build_runtime`` follows the original construction order (seed, device, model, precision
-and shape checks, data, optimizer, scheduler, checkpoint manager, callbacks, trainer,
-resume) and returns ``(trainer, checkpoint_manager)``; ``train_from_config`` also fits.
+and shape checks, data, optimizer, scheduler, callbacks, trainer, resume) and returns
+``(trainer, checkpoint_manager)``; ``train_from_config`` also fits. The runtime names no
+plugin: which callbacks a config turns on, and with which options, each plugin declares
+(``Callback.enabled_by_default``, ``legacy_sections``, ``options_from_legacy``); the
+checkpoint manager comes from the callback that is a ``ResumeSource``.
 
 Under ``torchrun`` the device step also joins the process group (``setup_distributed``):
 the device becomes the local rank's, the data loader shards by rank, and the trainer gets
@@ -15,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 
@@ -25,17 +28,28 @@ from speedtronic.config import CallbackSpec, JSONValue, SpeedtronicConfig
 from speedtronic.data import build_dataloader
 from speedtronic.distributed import DistributedContext, setup_distributed, teardown_distributed
 from speedtronic.optimizers import build_optimizer, build_scheduler
-from speedtronic.plugins import PluginContext, build_callback, callback_registry, import_modules
+from speedtronic.plugins import (
+    PluginContext,
+    build_callback,
+    callback_registry,
+    configurable_plugins,
+    import_modules,
+    legacy_sections_of,
+)
 from speedtronic.precision import resolve_device, resolve_precision
 from speedtronic.registry import build_model
 from speedtronic.result import TrainResult
-from speedtronic.resume import resume_from
+from speedtronic.resume import ResumeSource, resume_from
 from speedtronic.rng import seed_everything
 from speedtronic.scheduling import StageStreamCallback, StageStreamScheduler
 from speedtronic.shapes import validate_startup_shapes
 from speedtronic.trainer import Trainer
 
 ConfigSource = SpeedtronicConfig | Mapping[str, object] | str | Path
+
+DEFAULT_CHECKPOINT_DIRECTORY = "checkpoints"
+"""Where ``--resume`` looks (under the output directory) when no plugin of the run is a
+``ResumeSource``; the manager ``build_runtime`` then returns is disabled."""
 
 
 def as_config(config: ConfigSource) -> SpeedtronicConfig:
@@ -46,26 +60,38 @@ def as_config(config: ConfigSource) -> SpeedtronicConfig:
 
 
 def callback_specs(config: SpeedtronicConfig) -> list[CallbackSpec]:
-    """The callbacks a run uses, in order: default sinks, the configured list, then the
-    features implied by config sections (gradient checkpointing, DiLoCo, checkpoints)."""
-    configured = list(config.callbacks)
-    names = {spec.name for spec in configured}
-    head: list[CallbackSpec] = []
-    if config.logging.console and not names & {"console", "progress"}:
-        head.append(CallbackSpec(name="console", options={}))
-    if config.logging.jsonl and "jsonl" not in names:
-        jsonl_options: dict[str, JSONValue] = {}
-        if config.logging.json_file:
-            jsonl_options["path"] = config.logging.json_file
-        head.append(CallbackSpec(name="jsonl", options=jsonl_options))
-    tail: list[CallbackSpec] = []
-    if config.gradient_checkpointing and "gradient_checkpointing" not in names:
-        tail.append(CallbackSpec(name="gradient_checkpointing", options={}))
-    if config.distributed.enabled and "diloco" not in names:
-        tail.append(CallbackSpec(name="diloco", options={}))
-    if config.checkpoint.enabled and "checkpoint" not in names:
-        tail.append(CallbackSpec(name="checkpoint", options={}))
-    return head + configured + tail
+    """The callbacks a run uses, in order: the plugins the config turns on without naming
+    them (on by default, or through a 2.0 section) with a negative ``implied_order``, the
+    configured list, then the other implied plugins. Each plugin rewrites its own 2.0
+    sections into its options (``Callback.options_from_legacy``); the runtime knows no
+    plugin by name."""
+    data = config.to_dict()
+    configured = [_with_legacy_sections(spec, data) for spec in config.callbacks]
+    named = {spec.name for spec in config.callbacks}
+    implied: list[tuple[int, str, CallbackSpec]] = []
+    for name, plugin in configurable_plugins():
+        if name in named or named.intersection(plugin.default_replaced_by):
+            continue
+        options = plugin.options_from_legacy(legacy_sections_of(plugin, data), None)
+        if options is not None:
+            implied.append((plugin.implied_order, name, _spec(name, options)))
+    implied.sort(key=lambda item: (item[0], item[1]))
+    before = [spec for order, _, spec in implied if order < 0]
+    after = [spec for order, _, spec in implied if order >= 0]
+    return before + configured + after
+
+
+def _with_legacy_sections(spec: CallbackSpec, data: Mapping[str, object]) -> CallbackSpec:
+    """A configured entry with what its plugin takes from the 2.0 sections."""
+    plugin = callback_registry.get(spec.name)
+    if not plugin.legacy_sections:
+        return spec
+    options = plugin.options_from_legacy(legacy_sections_of(plugin, data), spec.options)
+    return spec if options is None else _spec(spec.name, options)
+
+
+def _spec(name: str, options: Mapping[str, object]) -> CallbackSpec:
+    return CallbackSpec(name=name, options=cast("dict[str, JSONValue]", dict(options)))
 
 
 def build_callbacks(config: SpeedtronicConfig, context: PluginContext) -> list[Callback]:
@@ -99,18 +125,12 @@ def data_shard(
     return 0, 1
 
 
-def _checkpoint_manager(
-    config: SpeedtronicConfig, callbacks: Sequence[Callback]
-) -> CheckpointManager:
+def _resume_source(callbacks: Sequence[Callback]) -> ResumeSource | None:
+    """The first callback that knows the run's checkpoints (the checkpoint plugin)."""
     for callback in callbacks:
-        manager = getattr(callback, "manager", None)
-        if isinstance(manager, CheckpointManager):
-            return manager
-    section = config.checkpoint
-    directory = Path(config.run.output_dir) / section.directory
-    return CheckpointManager(
-        directory, every_steps=section.every_steps, keep_last=section.keep_last, enabled=False
-    )
+        if isinstance(callback, ResumeSource):
+            return callback
+    return None
 
 
 def build_runtime(
@@ -159,7 +179,12 @@ def build_runtime(
     )
     optimizer = build_optimizer(net, cfg.optimizer, resolved_device)
     scheduler = build_scheduler(optimizer, cfg.scheduler, cfg.scheduler_steps)
-    manager = _checkpoint_manager(cfg, callbacks)
+    source = _resume_source(callbacks)
+    manager = (
+        source.checkpoint_manager
+        if source is not None
+        else CheckpointManager(output_dir / DEFAULT_CHECKPOINT_DIRECTORY, enabled=False)
+    )
     trainer = Trainer(
         net,
         optimizer,
@@ -174,9 +199,10 @@ def build_runtime(
         shape_report=shape_report,
         distributed=distributed,
     )
-    if resume or cfg.checkpoint.resume:
+    if resume or (source is not None and source.resume_requested):
         # resume_from warns (and the run starts fresh) when there is no checkpoint.
-        resume_from(trainer, manager, load_callback_state=cfg.checkpoint.load_callback_state)
+        load_callback_state = source.load_callback_state if source is not None else True
+        resume_from(trainer, manager, load_callback_state=load_callback_state)
     return trainer, manager
 
 

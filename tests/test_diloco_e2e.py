@@ -290,7 +290,11 @@ def launch(tmp_path: Path, **args: object) -> subprocess.Popen[bytes]:
     out = tmp_path / str(args["node"])
     out.mkdir(exist_ok=True)
     payload = {"hub": str(tmp_path / "hub"), "out": str(out), "pace": 0.02, **args}
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "callbacks")]),
+        "OMP_NUM_THREADS": "1",
+    }
     return subprocess.Popen(
         [sys.executable, "-c", NODE_SCRIPT, json.dumps(payload)],
         cwd=REPO_ROOT,

@@ -22,7 +22,7 @@ from typing import IO, TYPE_CHECKING, ClassVar
 
 from typing_extensions import Self
 
-from speedtronic.callback import JSONSchema
+from speedtronic.callback import JSONSchema, LegacySections, PluginOptions, legacy_section
 from speedtronic.contexts import FitContext, TeardownContext
 from speedtronic_callbacks.sink import MetricSink, Record, atomic_write_text, resolve_path
 
@@ -109,6 +109,25 @@ class JsonlCallback(MetricSink):
             },
         },
     }
+
+    # -- plugin configuration -------------------------------------------------------------
+    enabled_by_default: ClassVar[bool] = True
+    implied_order: ClassVar[int] = -10  # after the default console sink
+    legacy_sections: ClassVar[tuple[str, ...]] = ("logging",)
+
+    @classmethod
+    def options_from_legacy(
+        cls, sections: LegacySections, options: Mapping[str, object] | None
+    ) -> PluginOptions | None:
+        """2.0 ``logging.jsonl: false`` leaves the default sink out; ``logging.json_file``
+        is the path of the default sink (a configured entry keeps its own ``path``)."""
+        if options is not None:
+            return dict(options)
+        logging = legacy_section(sections, "logging")
+        if logging.get("jsonl", True) is False:
+            return None
+        json_file = logging.get("json_file")
+        return {} if json_file is None else {"path": json_file}
 
     def __init__(self, path: str | Path = DEFAULT_FILENAME) -> None:
         self.path = Path(path)

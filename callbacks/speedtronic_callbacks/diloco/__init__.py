@@ -6,17 +6,13 @@ Registered as the ``diloco`` callback plugin (entry point
 Modules: ``math`` (pseudo-gradients, aggregation, the outer optimizer), ``tensors`` (the
 exchanged file formats and their validation), ``transport`` (shared directory and Hugging
 Face Hub stores, retries), ``lanes`` (bounded background I/O), ``master`` (the outer loop),
-``node`` (the per-step state machine) and ``callback`` (the ``Callback`` itself).
+``node`` (the per-step state machine), ``options`` (the plugin's options and its 2.0
+``distributed:`` section) and ``callback`` (the ``Callback`` itself and the plugin's builder).
 """
 
 from __future__ import annotations
 
-from speedtronic_callbacks.diloco.callback import (
-    DiLoCoCallback,
-    DiLoCoOptions,
-    DistributedSection,
-    options_from_distributed_section,
-)
+from speedtronic_callbacks.diloco.callback import DiLoCoCallback, build_diloco
 from speedtronic_callbacks.diloco.master import MasterLoop, MasterSettings, RoundReport
 from speedtronic_callbacks.diloco.math import (
     NesterovOuterOptimizer,
@@ -26,6 +22,11 @@ from speedtronic_callbacks.diloco.math import (
     staleness_weight,
 )
 from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
+from speedtronic_callbacks.diloco.options import (
+    DiLoCoOptions,
+    DistributedSection,
+    options_from_distributed_section,
+)
 from speedtronic_callbacks.diloco.tensors import Compression, Rejected, RejectionReason
 from speedtronic_callbacks.diloco.transport import (
     DirectoryTransport,
@@ -69,6 +70,7 @@ __all__ = [
     "TransportError",
     "aggregate_deltas",
     "average_deltas",
+    "build_diloco",
     "compute_pseudo_gradient",
     "options_from_distributed_section",
     "pseudo_gradient",
