@@ -137,11 +137,11 @@ class Callback:
         return cls.from_options(options, context)
 
     @classmethod
-    def normalise_legacy(cls, key: str, value: object) -> object:
-        """Rewrite one legacy section before validation (case folding, shorthands); the
-        default returns it unchanged. Must be idempotent and never raise."""
-        del key
-        return value
+    def normalise_legacy(cls, data: dict[str, object]) -> None:
+        """Rewrite the plugin's 2.0 keys in a raw config mapping, in place, before
+        validation (case folding, derived values). Must be idempotent, must leave values
+        of a wrong type alone (the schema reports them) and never raise. Default: nothing."""
+        del data
 
     @classmethod
     def legacy_errors(cls, sections: LegacySections) -> Iterator[str]:

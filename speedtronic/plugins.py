@@ -85,6 +85,13 @@ class PluginRegistry(Generic[T]):
 
         return decorate if obj is None else decorate(obj)
 
+    def unregister(self, name: str) -> None:
+        """Forget a registration (tests, examples); an entry point of that name stays."""
+        with self._lock:
+            self._items.pop(name, None)
+            self._origins.pop(name, None)
+            self.version += 1
+
     def _entry_points(self) -> dict[str, metadata.EntryPoint]:
         """The group's entry points, read once per process (installing a distribution
         while a process runs is not supported)."""

@@ -106,7 +106,7 @@ def callback_classes(config: SpeedtronicConfig) -> list[tuple[str, type[Callback
 
 @runtime_checkable
 class ShardsData(Protocol):
-    """A callback that trains on one shard of the data (a DiLoCo node, say)."""
+    """A callback that trains on one shard of the data (a node of a hub-synchronised run, say)."""
 
     @property
     def data_shard(self) -> tuple[int, int] | None: ...
@@ -116,7 +116,7 @@ def data_shard(
     callbacks: Sequence[Callback], distributed: DistributedContext | None
 ) -> tuple[int, int]:
     """``(index, count)`` of the data this process reads: its torch.distributed rank, or the
-    shard a callback such as a DiLoCo node asks for, or all of it."""
+    shard a callback (a node of a hub-synchronised run) asks for, or all of it."""
     if distributed is not None and distributed.world_size > 1:
         return distributed.rank, distributed.world_size
     for callback in callbacks:

@@ -90,6 +90,62 @@ SignalHandler = Callable[[int, FrameType | None], object] | int | signal.Handler
 """What ``signal.signal`` returns: the handler that was installed before."""
 
 
+CHECKPOINT_SECTION_SCHEMA: JSONSchema = {
+    "title": "checkpoint",
+    "description": "Checkpointing (2.0 section, read by the checkpoint plugin: the defaults "
+    "of its options).",
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "enabled": {"type": "boolean", "default": True, "description": "Save checkpoints."},
+        "directory": {
+            "type": "string",
+            "default": "checkpoints",
+            "description": "Checkpoint directory; relative paths are under run.output_dir.",
+            "minLength": 1,
+        },
+        "every_steps": {
+            "type": "integer",
+            "default": 500,
+            "description": "Save every N global steps (and at the end of a successful fit).",
+            "minimum": 1,
+        },
+        "keep_last": {
+            "type": ["integer", "null"],
+            "default": 3,
+            "description": "Keep the newest N checkpoints. Null keeps all.",
+            "minimum": 1,
+        },
+        "resume": {
+            "type": "boolean",
+            "default": False,
+            "description": "Resume from the latest checkpoint when one exists.",
+        },
+        "async_save": {
+            "type": "boolean",
+            "default": False,
+            "description": "Write checkpoints on a background thread after a snapshot.",
+        },
+        "save_on_exception": {
+            "type": "boolean",
+            "default": False,
+            "description": "Save a checkpoint when the fit fails with an exception.",
+        },
+        "save_on_signal": {
+            "type": "boolean",
+            "default": True,
+            "description": "Save a checkpoint and stop cleanly on SIGTERM/SIGINT.",
+        },
+        "load_callback_state": {
+            "type": "boolean",
+            "default": True,
+            "description": "Restore callback state on resume.",
+        },
+    },
+}
+"""The 2.0 ``checkpoint:`` section, which this plugin reads (``options_from_legacy``)."""
+
+
 class CheckpointCallback(Callback):
     """Saves ``trainer.state_dict()`` through a ``CheckpointManager``.
 
@@ -162,6 +218,7 @@ class CheckpointCallback(Callback):
     enabled_by_default: ClassVar[bool] = True
     implied_order: ClassVar[int] = 90  # last: it saves what the others did in the step
     legacy_sections: ClassVar[tuple[str, ...]] = ("checkpoint",)
+    legacy_schema: ClassVar[Mapping[str, JSONSchema]] = {"checkpoint": CHECKPOINT_SECTION_SCHEMA}
 
     def __init__(
         self,

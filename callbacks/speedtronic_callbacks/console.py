@@ -120,6 +120,17 @@ class ConsoleCallback(MetricSink):
     default_replaced_by: ClassVar[tuple[str, ...]] = ("progress",)
     implied_order: ClassVar[int] = -20  # the first sink, before the configured callbacks
     legacy_sections: ClassVar[tuple[str, ...]] = ("logging",)
+    legacy_schema: ClassVar[Mapping[str, JSONSchema]] = {
+        "logging": {
+            "properties": {
+                "console": {
+                    "type": "boolean",
+                    "default": True,
+                    "description": "Add the default console metric sink.",
+                },
+            },
+        },
+    }
 
     @classmethod
     def options_from_legacy(

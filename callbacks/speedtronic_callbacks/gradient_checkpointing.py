@@ -70,7 +70,38 @@ class GradientCheckpointing(Callback):
 
     # -- plugin configuration -------------------------------------------------------------
     implied_order: ClassVar[int] = 10
-    legacy_sections: ClassVar[tuple[str, ...]] = ("gradient_checkpointing",)
+    legacy_sections: ClassVar[tuple[str, ...]] = ("gradient_checkpointing", "model")
+    legacy_schema: ClassVar[Mapping[str, JSONSchema]] = {
+        "gradient_checkpointing": {
+            "type": "boolean",
+            "default": False,
+            "description": "Enable gradient checkpointing (same as model.gradient_checkpointing).",
+        },
+        "model": {
+            "properties": {
+                "gradient_checkpointing": {
+                    "type": "boolean",
+                    "default": False,
+                    "description": "Recompute activations in backward; kept in sync with "
+                    "the root gradient_checkpointing flag.",
+                },
+            },
+        },
+    }
+
+    @classmethod
+    def normalise_legacy(cls, data: dict[str, object]) -> None:
+        """The root flag and ``model.gradient_checkpointing`` are one setting (2.0): when
+        either is true both become true."""
+        model = data.get("model")
+        root = data.get("gradient_checkpointing")
+        in_model = model.get("gradient_checkpointing") if isinstance(model, dict) else None
+        if root is True or in_model is True:
+            data["gradient_checkpointing"] = True
+            if isinstance(model, dict):
+                model["gradient_checkpointing"] = True
+            elif model is None:
+                data["model"] = {"gradient_checkpointing": True}
 
     @classmethod
     def options_from_legacy(

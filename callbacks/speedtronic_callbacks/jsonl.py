@@ -114,6 +114,24 @@ class JsonlCallback(MetricSink):
     enabled_by_default: ClassVar[bool] = True
     implied_order: ClassVar[int] = -10  # after the default console sink
     legacy_sections: ClassVar[tuple[str, ...]] = ("logging",)
+    legacy_schema: ClassVar[Mapping[str, JSONSchema]] = {
+        "logging": {
+            "properties": {
+                "json_file": {
+                    "type": ["string", "null"],
+                    "default": None,
+                    "description": "Path of the metrics JSONL file written by the default "
+                    "jsonl sink (relative to run.output_dir). Null means metrics.jsonl.",
+                    "minLength": 1,
+                },
+                "jsonl": {
+                    "type": "boolean",
+                    "default": True,
+                    "description": "Add the default JSON-lines metric sink.",
+                },
+            },
+        },
+    }
 
     @classmethod
     def options_from_legacy(

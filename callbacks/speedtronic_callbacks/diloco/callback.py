@@ -68,6 +68,7 @@ from speedtronic_callbacks.diloco.options import (
     DistributedSection,
     distributed_section_problems,
     hub_option_problems,
+    normalise_distributed_section,
     options_from_distributed_section,
 )
 from speedtronic_callbacks.diloco.tensors import Compression, ModelLayout, build_layout
@@ -184,6 +185,12 @@ class DiLoCoCallback(Callback):
         return {**options_from_distributed_section(section), **options}
 
     @classmethod
+    def normalise_legacy(cls, data: dict[str, object]) -> None:
+        section = data.get("distributed")
+        if isinstance(section, dict):
+            normalise_distributed_section(section)
+
+    @classmethod
     def legacy_errors(cls, sections: LegacySections) -> Iterator[str]:
         return distributed_section_problems(legacy_section(sections, "distributed"))
 
@@ -195,7 +202,11 @@ class DiLoCoCallback(Callback):
         if options.get("mode") == "collective":
             yield from _collective_timeout_problems(entry, options, step_timeout)
             return
-        values = {key: value for key, value in options.items() if key != "mode"}
+        try:  # the entry as it will be built: with the 2.0 section's keys beneath it
+            merged = cls.options_from_legacy(sections, options) or dict(options)
+        except ValueError:
+            return  # a section that cannot be mapped fails when the plugin is built
+        values = {key: value for key, value in merged.items() if key != "mode"}
         for problem in hub_option_problems(values, cross_field_only=True):
             yield f"{entry}.{problem}"
 

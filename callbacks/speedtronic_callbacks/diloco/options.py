@@ -39,6 +39,7 @@ __all__ = [
     "DistributedSection",
     "distributed_section_problems",
     "hub_option_problems",
+    "normalise_distributed_section",
     "options_from_distributed_section",
 ]
 
@@ -577,3 +578,25 @@ def _node_problems(section: Mapping[str, object]) -> Iterator[str]:
     for index, name in enumerate(collaborators if isinstance(collaborators, list) else []):
         if isinstance(name, str) and name and not name.strip():
             yield f"distributed.collaborators[{index}]: must not be blank"
+
+
+REDACTED = "<redacted>"
+"""How a saved config writes a secret (``speedtronic.config``): never a real token."""
+
+
+def normalise_distributed_section(section: dict[str, object]) -> None:
+    """Before validation: enumerated strings are case-insensitive, ``node_id`` is stripped,
+    a redacted token means none, and an enabled section's ``role: single`` becomes
+    ``master`` with a hub (``repo_id``/``hub_dir``), else ``worker`` (the 2.0 inference)."""
+    for key in ("mode", "role", "delta_upload_overflow"):
+        value = section.get(key)
+        if isinstance(value, str):
+            section[key] = value.strip().lower()
+    node_id = section.get("node_id")
+    if isinstance(node_id, str):
+        section["node_id"] = node_id.strip()
+    if section.get("token") == REDACTED:
+        section["token"] = None
+    if section.get("enabled") is True and section.get("role", "single") == "single":
+        has_hub = section.get("repo_id") is not None or section.get("hub_dir") is not None
+        section["role"] = "master" if has_hub else "worker"
