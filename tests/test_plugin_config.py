@@ -342,3 +342,14 @@ def test_a_2_0_config_resumes_through_the_resume_source(tmp_path: Path) -> None:
     source = sources[0]
     assert (source.resume_requested, source.load_callback_state) == (True, False)
     assert source.checkpoint_manager.directory == tmp_path / "ck"
+
+
+def test_diloco_hub_options_are_declared_once_the_dataclass_mirrors_the_schema() -> None:
+    from speedtronic_callbacks.diloco.options import HUB_OPTIONS_SCHEMA, DiLoCoOptions
+
+    properties = HUB_OPTIONS_SCHEMA["properties"]
+    assert isinstance(properties, dict)
+    fields = {item.name: item.default for item in dataclasses.fields(DiLoCoOptions)}
+    assert list(fields) == list(properties)
+    for name, default in fields.items():
+        assert properties[name].get("default") == default, name
