@@ -344,12 +344,17 @@ def test_a_2_0_config_resumes_through_the_resume_source(tmp_path: Path) -> None:
     assert source.checkpoint_manager.directory == tmp_path / "ck"
 
 
-def test_diloco_hub_options_are_declared_once_the_dataclass_mirrors_the_schema() -> None:
-    from speedtronic_callbacks.diloco.options import HUB_OPTIONS_SCHEMA, DiLoCoOptions
+@pytest.mark.parametrize("mode", ["hub", "collective"])
+def test_diloco_options_are_declared_once_each_dataclass_mirrors_its_schema(mode: str) -> None:
+    from speedtronic_callbacks.diloco import options
 
-    properties = HUB_OPTIONS_SCHEMA["properties"]
+    schema, dataclass = {
+        "hub": (options.HUB_OPTIONS_SCHEMA, options.DiLoCoOptions),
+        "collective": (options.COLLECTIVE_OPTIONS_SCHEMA, options.CollectiveDiLoCoOptions),
+    }[mode]
+    properties = schema["properties"]
     assert isinstance(properties, dict)
-    fields = {item.name: item.default for item in dataclasses.fields(DiLoCoOptions)}
+    fields = {item.name: item.default for item in dataclasses.fields(dataclass)}
     assert list(fields) == list(properties)
     for name, default in fields.items():
-        assert properties[name].get("default") == default, name
+        assert properties[name].get("default", properties[name].get("const")) == default, name

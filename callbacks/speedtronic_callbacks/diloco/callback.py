@@ -57,13 +57,14 @@ from speedtronic.contexts import (
     MetricsContext,
     TeardownContext,
 )
-from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo, CollectiveDiLoCoOptions
+from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
 from speedtronic_callbacks.diloco.lanes import ErrorReporter
 from speedtronic_callbacks.diloco.master import NODE_ID_PATTERN, MasterLoop, MasterSettings
 from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
 from speedtronic_callbacks.diloco.options import (
     DISTRIBUTED_SECTION_SCHEMA,
     OPTIONS_SCHEMA,
+    CollectiveDiLoCoOptions,
     DiLoCoOptions,
     DistributedSection,
     distributed_section_problems,

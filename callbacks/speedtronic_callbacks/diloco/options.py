@@ -24,17 +24,15 @@ from typing import Literal, Protocol, cast
 from jsonschema import Draft202012Validator
 
 from speedtronic.callback import JSONSchema
-from speedtronic_callbacks.diloco.collective import (
-    COLLECTIVE_OPTIONS_SCHEMA,
-    CollectiveDiLoCoOptions,
-)
 from speedtronic_callbacks.diloco.master import NODE_ID_PATTERN
 
 __all__ = [
+    "COLLECTIVE_OPTIONS_SCHEMA",
     "DISTRIBUTED_SECTION_SCHEMA",
     "HUB_OPTIONS_SCHEMA",
     "OPTIONS_SCHEMA",
     "CollectiveDiLoCoOptions",
+    "collective_option_problems",
     "DiLoCoOptions",
     "DistributedSection",
     "distributed_section_problems",
@@ -182,6 +180,57 @@ HUB_OPTIONS_SCHEMA: JSONSchema = {
             "type": "boolean",
             "default": True,
             "description": "Master appends every round to <output_dir>/diloco/rounds.jsonl.",
+        },
+    },
+}
+
+
+COLLECTIVE_OPTIONS_SCHEMA: JSONSchema = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "mode": {
+            "const": "collective",
+            "description": "Synchronous DiLoCo over torch.distributed collectives.",
+        },
+        "inner_steps": {
+            "type": "integer",
+            "minimum": 1,
+            "default": 500,
+            "description": "Inner optimizer steps between two outer rounds (H).",
+        },
+        "outer_lr": {**_positive, "default": 0.7, "description": "Outer Nesterov learning rate."},
+        "outer_momentum": {
+            "type": "number",
+            "minimum": 0,
+            "exclusiveMaximum": 1,
+            "default": 0.9,
+            "description": "Outer Nesterov momentum.",
+        },
+        "compression": {
+            "enum": ["none", "bf16", "fp16"],
+            "default": "none",
+            "description": "Precision of the pseudo-gradient all-reduce (bf16/fp16 halve "
+            "the bytes; the outer step itself is float32).",
+        },
+        "reset_optimizer": {
+            "type": "boolean",
+            "default": True,
+            "description": "Clear the inner optimizer state after every outer round.",
+        },
+        "ranks_per_replica": {
+            "type": "integer",
+            "minimum": 1,
+            "default": 1,
+            "description": "Consecutive ranks forming one model replica (DDP inside it); "
+            "must divide the world size.",
+        },
+        "sync_timeout_s": {
+            "type": ["number", "null"],
+            "exclusiveMinimum": 0,
+            "default": None,
+            "description": "Timeout of the outer all-reduce (null: distributed.timeout_s). "
+            "Give slow links or large models more time than the per-step collectives.",
         },
     },
 }
@@ -464,6 +513,54 @@ def _is_number(value: object) -> bool:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class CollectiveDiLoCoOptions:
+    """Options of the ``diloco`` callback in ``mode: collective`` (synchronous DiLoCo; see
+    ``COLLECTIVE_OPTIONS_SCHEMA``, where each is documented). Construction checks the values
+    against that schema; a problem is a ``ValueError``."""
+
+    mode: Literal["collective"] = "collective"
+    inner_steps: int = 500
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    compression: Literal["none", "bf16", "fp16"] = "none"
+    reset_optimizer: bool = True
+    ranks_per_replica: int = 1
+    sync_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        problems = collective_option_problems(dataclasses.asdict(self))
+        if problems:
+            raise ValueError("diloco (collective): " + "; ".join(problems))
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, object]) -> CollectiveDiLoCoOptions:
+        """Build from a mapping of options; a ``ValueError`` lists every problem, unknown
+        keys included."""
+        unknown = sorted(set(options) - {item.name for item in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"diloco (collective): unknown option(s) {unknown}")
+        problems = collective_option_problems(options)
+        if problems:
+            raise ValueError("diloco (collective): " + "; ".join(problems))
+        return cls(**dict(options))  # type: ignore[arg-type]  # checked by the schema just now
+
+
+_COLLECTIVE_VALIDATOR = Draft202012Validator(COLLECTIVE_OPTIONS_SCHEMA)
+
+
+def collective_option_problems(values: Mapping[str, object]) -> list[str]:
+    """Every schema problem of collective-mode options, each starting with its key."""
+    return _schema_problems(_COLLECTIVE_VALIDATOR, values)
+
+
+def _schema_problems(validator: Draft202012Validator, values: Mapping[str, object]) -> list[str]:
+    return [
+        f"{'.'.join(str(part) for part in error.absolute_path) or 'options'}: {error.message}"
+        for error in sorted(validator.iter_errors(dict(values)), key=str)
+    ]
 
 
 # -- the 2.0 ``distributed:`` section ----------------------------------------------------
