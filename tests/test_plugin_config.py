@@ -358,3 +358,21 @@ def test_diloco_options_are_declared_once_each_dataclass_mirrors_its_schema(mode
     assert list(fields) == list(properties)
     for name, default in fields.items():
         assert properties[name].get("default", properties[name].get("const")) == default, name
+
+
+def test_2_0_keys_stay_readable_and_count_for_equality() -> None:
+    config = SpeedtronicConfig.load(
+        {
+            "checkpoint": {"every_steps": 3},
+            "logging": {"console": False},
+            "hub": {"enabled": True, "hub_dir": "/h"},
+        }
+    )
+    assert config.checkpoint.every_steps == 3
+    assert (config.logging.console, config.logging.jsonl) == (False, True)
+    assert (config.distributed.role, config.distributed.timeout_s) == ("master", 1800.0)
+    assert config != SpeedtronicConfig.load({"hub": {"enabled": True, "hub_dir": "/h"}})
+    assert config == SpeedtronicConfig.load(config.to_dict())
+    config.checkpoint.every_steps = 0
+    with pytest.raises(ConfigError, match="checkpoint.every_steps: 0 is less than the minimum"):
+        config.validate()

@@ -27,7 +27,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal, TypeAlias, cast
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeAlias, cast
 
 import yaml
 from typing_extensions import Self
@@ -202,6 +202,17 @@ class _PluginKeysAsAttributes:
     Typed as plain JSON values; a plugin's own options are the typed way in."""
 
     extensions: dict[str, JSONValue]
+    if TYPE_CHECKING:  # provided by _Section, which comes after this mixin
+
+        def to_dict(self) -> dict[str, JSONValue]: ...
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        assert isinstance(other, _PluginKeysAsAttributes)
+        return self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the other sections
 
     def __getattr__(self, name: str) -> JSONValue:
         extensions = self.__dict__.get("_extensions")
@@ -242,7 +253,7 @@ class RunConfig(_Section):
     log_every: int | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # equality includes the plugin keys (the mixin's)
 class ModelConfig(_PluginKeysAsAttributes, _Section):
     """``model:`` -- the registered model name and reference-transformer dimensions (plugins
     may add 2.0 keys, readable as attributes: ``model.gradient_checkpointing``)."""
@@ -410,7 +421,7 @@ class PrecisionConfig(_Section):
     dtype: Literal["bf16", "fp16", "fp32"] | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # equality includes the plugin keys (the mixin's)
 class LoggingConfig(_PluginKeysAsAttributes, _Section):
     """``logging:`` -- log level and file, and the metric cadence. Sink plugins add their
     2.0 switches (``console``, ``jsonl``, ``json_file``), readable as attributes."""
@@ -422,7 +433,7 @@ class LoggingConfig(_PluginKeysAsAttributes, _Section):
     every_steps: int = 1
 
 
-@dataclass
+@dataclass(eq=False)  # equality includes the plugin keys (the mixin's)
 class DistributedConfig(_PluginKeysAsAttributes, _Section):
     """``distributed:`` -- settings of torch.distributed runs (``timeout_s``, the per-step
     collective timeout). Plugins add their 2.0 keys, readable as attributes."""
@@ -563,6 +574,14 @@ class SpeedtronicConfig:
             self.plugin_keys[name] = _jsonable(value)
         else:
             raise AttributeError(f"SpeedtronicConfig has no section {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when every setting is, the keys plugins declare included."""
+        if not isinstance(other, SpeedtronicConfig):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
 
     def _normalise_plugin_keys(self) -> None:
         """Let every installed plugin rewrite its 2.0 keys (``Callback.normalise_legacy``)
