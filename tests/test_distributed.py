@@ -409,7 +409,10 @@ def test_torchrun_runs_the_cli_data_parallel(tmp_path: Path) -> None:
     config_path.write_text(yaml.safe_dump(config), encoding="utf-8")
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # The checkout's own code, both packages (not whatever an editable install points at).
+    env.update(
+        OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "callbacks")])
+    )
     completed = subprocess.run(
         [
             str(torchrun),
