@@ -8,7 +8,7 @@ these signatures.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, ClassVar, Literal, cast
 
 from typing_extensions import Self
@@ -41,6 +41,22 @@ EMPTY_OPTIONS_SCHEMA: JSONSchema = {"type": "object", "additionalProperties": Fa
 RankPolicy = Literal["all", "main", "local_main"]
 """Which ranks of a distributed run call a callback's hooks (``Callback.rank_policy``)."""
 
+# == plugin configuration (types) =====================================================
+
+LegacySections = Mapping[str, object]
+"""The 2.0 top-level keys a plugin declared in ``legacy_sections``, as validated plain data
+(``{"checkpoint": {"every_steps": 500, ...}}``); a key the config leaves out holds its
+schema defaults."""
+
+PluginOptions = dict[str, object]
+"""Options of one ``callbacks:`` entry (``name`` excluded), as ``from_options`` gets them."""
+
+
+def legacy_section(sections: LegacySections, key: str) -> Mapping[str, object]:
+    """The mapping under ``key`` of ``sections`` (``{}`` when absent or not a mapping)."""
+    value = sections.get(key)
+    return cast("Mapping[str, object]", value) if isinstance(value, Mapping) else {}
+
 
 class Callback:
     """Base class for everything that plugs into the training loop.
@@ -68,6 +84,82 @@ class Callback:
     plugin_name: ClassVar[str | None] = None
     options_schema: ClassVar[JSONSchema] = EMPTY_OPTIONS_SCHEMA
     rank_policy: ClassVar[RankPolicy] = "all"
+
+    # == plugin configuration ===========================================================
+    # Read by the composition root (``speedtronic.runtime``) and by config validation,
+    # never by the training loop. See docs/callbacks.md, "Declaring configuration".
+
+    enabled_by_default: ClassVar[bool] = False
+    """Add this plugin to every run whose config does not name it (unless its 2.0 sections
+    turn it off, see ``options_from_legacy``)."""
+
+    default_replaced_by: ClassVar[tuple[str, ...]] = ()
+    """Plugins that, when named in ``callbacks:``, stand in for this default one (the
+    ``progress`` bar replaces the default ``console`` sink)."""
+
+    implied_order: ClassVar[int] = 0
+    """Where the plugin goes when the config turns it on without naming it: a negative
+    value before the ``callbacks:`` list, otherwise after it; ascending, ties by name."""
+
+    legacy_sections: ClassVar[tuple[str, ...]] = ()
+    """The top-level keys of a 2.0 config this plugin reads (``("checkpoint",)``)."""
+
+    legacy_schema: ClassVar[Mapping[str, JSONSchema]] = {}
+    """JSON Schema of what the plugin adds to those keys, by key. An object schema whose
+    key the core also declares (``logging``) contributes its ``properties`` to it; any
+    other becomes the key's whole schema. Composed into the run schema generically."""
+
+    legacy_aliases: ClassVar[Mapping[str, str]] = {}
+    """Other top-level spellings of a legacy section (``{"hub": "distributed"}``), used
+    when the canonical key is absent."""
+
+    @classmethod
+    def options_from_legacy(
+        cls, sections: LegacySections, options: Mapping[str, object] | None
+    ) -> PluginOptions | None:
+        """The one place a plugin rewrites its 2.0 sections into its options.
+
+        ``options`` are those of the plugin's ``callbacks:`` entry, or ``None`` when the
+        config does not name it. Return the options to build the plugin with, or ``None``
+        to leave an unnamed plugin out. The default: a named plugin gets its own options,
+        an unnamed one is added (with no options) only when ``enabled_by_default``.
+        """
+        del sections
+        if options is not None:
+            return dict(options)
+        return {} if cls.enabled_by_default else None
+
+    @classmethod
+    def build(cls, options: Mapping[str, object], context: PluginContext) -> Callback:
+        """Build the callback of one ``callbacks:`` entry (what the runtime calls). The
+        default is ``from_options``; a plugin whose options choose among several callback
+        classes overrides this builder, so that ``from_options`` always returns ``cls``."""
+        return cls.from_options(options, context)
+
+    @classmethod
+    def normalise_legacy(cls, data: dict[str, object]) -> None:
+        """Rewrite the plugin's 2.0 keys in a raw config mapping, in place, before
+        validation (case folding, derived values). Must be idempotent, must leave values
+        of a wrong type alone (the schema reports them) and never raise. Default: nothing."""
+        del data
+
+    @classmethod
+    def legacy_errors(cls, sections: LegacySections) -> Iterator[str]:
+        """Cross-field rules of the plugin's 2.0 sections, run after the schema pass of
+        every config (installed plugins only). Yield messages starting with their path
+        (``distributed.hub_dir: ...``). Default: none."""
+        del sections
+        return iter(())
+
+    @classmethod
+    def options_errors(
+        cls, entry: str, options: Mapping[str, object], sections: LegacySections
+    ) -> Iterator[str]:
+        """Cross-field rules of one ``callbacks:`` entry naming this plugin, run after the
+        schema pass; ``entry`` is its path (``callbacks[2]``), to start each message with.
+        ``sections`` are the plugin's 2.0 sections. Default: none."""
+        del entry, options, sections
+        return iter(())
 
     # -- construction from config -----------------------------------------------------
 

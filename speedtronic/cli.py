@@ -135,9 +135,13 @@ def _fit(args: argparse.Namespace) -> int:
     if args.max_steps is not None and args.max_steps <= 0:
         raise UserError(f"--max-steps must be positive, got {args.max_steps}")
     _preflight(config, device=args.device, max_steps=args.max_steps)
-    with claim_run_directory(config, resume=args.resume, overwrite=args.overwrite):
+    with claim_run_directory(config.run.output_dir):
         trainer, _ = build_runtime(
-            config, resume=args.resume, device=args.device, max_steps=args.max_steps
+            config,
+            resume=args.resume,
+            device=args.device,
+            max_steps=args.max_steps,
+            overwrite=args.overwrite,
         )
         try:
             main_rank = trainer.distributed is None or trainer.distributed.is_main

@@ -8,6 +8,7 @@ entry-point groups below -- exactly how the built-in callbacks in ``callbacks/``
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -59,6 +60,9 @@ class PluginRegistry(Generic[T]):
         self._items: dict[str, T] = {}
         self._origins: dict[str, str] = {}
         self._lock = threading.Lock()
+        self._declared: dict[str, metadata.EntryPoint] | None = None
+        self.version = 0
+        """Bumped by every registration (lets callers cache what they derive)."""
 
     @overload
     def register(self, name: str, obj: None = None) -> Callable[[T], T]: ...
@@ -76,14 +80,26 @@ class PluginRegistry(Generic[T]):
                 self._items[name] = item
                 module = getattr(item, "__module__", None) or "<unknown>"
                 self._origins[name] = f"registered in {module}"
+                self.version += 1
             return item
 
         return decorate if obj is None else decorate(obj)
 
+    def unregister(self, name: str) -> None:
+        """Forget a registration (tests, examples); an entry point of that name stays."""
+        with self._lock:
+            self._items.pop(name, None)
+            self._origins.pop(name, None)
+            self.version += 1
+
     def _entry_points(self) -> dict[str, metadata.EntryPoint]:
+        """The group's entry points, read once per process (installing a distribution
+        while a process runs is not supported)."""
         if self.group is None:
             return {}
-        return {ep.name: ep for ep in metadata.entry_points(group=self.group)}
+        if self._declared is None:
+            self._declared = {ep.name: ep for ep in metadata.entry_points(group=self.group)}
+        return self._declared
 
     def names(self) -> tuple[str, ...]:
         """Every known name, registered or declared by an entry point, sorted."""
@@ -160,4 +176,32 @@ def callback_options_schema(name: str) -> Mapping[str, object]:
 
 def build_callback(name: str, options: Mapping[str, object], context: PluginContext) -> Callback:
     """Instantiate the callback plugin ``name`` from already-validated options."""
-    return callback_registry.get(name).from_options(options, context)
+    return callback_registry.get(name).build(options, context)
+
+
+def configurable_plugins() -> tuple[tuple[str, type[Callback]], ...]:
+    """``(name, class)`` of every known callback plugin that declares configuration the
+    core composes: on by default, or reading 2.0 sections. Plugins that fail to load are
+    left out here (naming one in ``callbacks:`` reports its error)."""
+    return _configurable_plugins(callback_registry.version)
+
+
+@functools.lru_cache(maxsize=4)
+def _configurable_plugins(version: int) -> tuple[tuple[str, type[Callback]], ...]:
+    del version  # the cache key: a registration may add or replace a plugin
+    found: list[tuple[str, type[Callback]]] = []
+    for name in callback_registry.names():
+        try:
+            plugin = callback_registry.get(name)
+        except PluginError:
+            continue
+        if not (isinstance(plugin, type) and issubclass(plugin, Callback)):
+            continue
+        if plugin.enabled_by_default or plugin.legacy_sections:
+            found.append((name, plugin))
+    return tuple(found)
+
+
+def legacy_sections_of(plugin: type[Callback], data: Mapping[str, object]) -> dict[str, object]:
+    """The 2.0 sections ``plugin`` declared, taken from a normalised config mapping."""
+    return {key: data[key] for key in plugin.legacy_sections if key in data}

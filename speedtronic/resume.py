@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.trainer import TrainingStateError
@@ -18,9 +18,31 @@ from speedtronic.trainer import TrainingStateError
 if TYPE_CHECKING:
     from speedtronic.trainer import Trainer
 
-__all__ = ["resume_from"]
+__all__ = ["ResumeSource", "resume_from"]
 
 logger = logging.getLogger("speedtronic.checkpoint")
+
+
+@runtime_checkable
+class ResumeSource(Protocol):
+    """A plugin that keeps the run's checkpoints and says how to resume from them (the
+    checkpoint callback is one). The runtime asks the first such callback of a run; a run
+    without one resumes only on ``--resume``, from ``<output_dir>/checkpoints``."""
+
+    @property
+    def checkpoint_manager(self) -> CheckpointManager:
+        """Where the checkpoints are (what ``build_runtime`` returns beside the trainer)."""
+        ...
+
+    @property
+    def resume_requested(self) -> bool:
+        """Resume before the fit even without ``--resume`` (2.0 ``checkpoint.resume``)."""
+        ...
+
+    @property
+    def load_callback_state(self) -> bool:
+        """Restore every callback's saved state on resume."""
+        ...
 
 
 def resume_from(

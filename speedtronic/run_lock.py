@@ -10,7 +10,8 @@ lock cannot be checked from here is refused (delete the file once that run is go
 
 ``check_earlier_run`` refuses a fresh (non-resumed) run in a directory that holds an earlier
 run's checkpoints or metrics: continue it with ``--resume``, or replace it with
-``--overwrite`` (which deletes those files first, with a warning).
+``--overwrite`` (which deletes those files first, with a warning). Which files count is
+said by the plugins that write them (``LeavesRunFiles``): this module names none.
 """
 
 from __future__ import annotations
@@ -21,13 +22,10 @@ import json
 import os
 import socket
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO
-
-from speedtronic.checkpoint import POINTER_NAME, checkpoint_step
-from speedtronic.config import SpeedtronicConfig
+from typing import IO, Protocol, runtime_checkable
 
 try:
     import fcntl
@@ -37,9 +35,11 @@ except ImportError:  # pragma: no cover - Windows: the PID in the file is all we
 __all__ = [
     "LOCK_NAME",
     "RunDirectoryError",
+    "LeavesRunFiles",
     "RunDirectoryLock",
     "check_earlier_run",
     "claim_run_directory",
+    "earlier_run_files",
     "launched_as_main_process",
     "locked_run_directory",
 ]
@@ -186,50 +186,55 @@ def _read_holder(handle: IO[str]) -> dict[str, object]:
 # -- an earlier run's files -----------------------------------------------------------------
 
 
-def check_earlier_run(
-    checkpoint_directory: Path,
-    metrics_files: Iterable[Path],
-    *,
-    resume: bool,
-    overwrite: bool,
-) -> None:
-    """Refuse a fresh run that would silently truncate an earlier run's metrics or mix with
-    (and later prune) its checkpoints. ``resume`` continues that run, so it passes;
-    ``overwrite`` deletes those files first, with a warning. ``RunDirectoryError`` otherwise."""
-    if resume:
-        return
-    checkpoints = _checkpoint_files(checkpoint_directory)
-    metrics = [path for path in metrics_files if path.is_file() and path.stat().st_size > 0]
-    if not checkpoints and not metrics:
-        return
-    found = [*(str(path) for path in metrics)]
-    if checkpoints:
-        found.append(f"{len(checkpoints)} checkpoint file(s) in {checkpoint_directory}")
-    if not overwrite:
-        raise RunDirectoryError(
-            f"the run directory holds an earlier run ({'; '.join(found)}); a fresh run would "
-            "truncate its metrics and mix with its checkpoints. Continue it with --resume, "
-            "or replace it with --overwrite (deletes those files), or use another --output-dir"
-        )
-    for path in [*metrics, *checkpoints]:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-    warnings.warn(
-        f"--overwrite: deleted the earlier run's files ({'; '.join(found)})",
-        UserWarning,
-        stacklevel=2,
+@runtime_checkable
+class LeavesRunFiles(Protocol):
+    """A plugin that writes files into the run directory which a fresh run would truncate or
+    mix with (checkpoints, a metrics log). The runtime asks every such callback of a run."""
+
+    def earlier_run_files(self) -> list[Path]:
+        """The files an earlier run left where this plugin will write (empty: none)."""
+        ...
+
+
+def earlier_run_files(callbacks: Iterable[object]) -> list[Path]:
+    """What the run's plugins say an earlier run left behind, in callback order."""
+    found: list[Path] = []
+    for callback in callbacks:
+        if isinstance(callback, LeavesRunFiles):
+            found.extend(path for path in callback.earlier_run_files() if path not in found)
+    return found
+
+
+def _describe(files: Sequence[Path]) -> str:
+    """``a/metrics.jsonl; 3 files in a/checkpoints``: one entry per directory."""
+    by_directory: dict[Path, list[Path]] = {}
+    for path in files:
+        by_directory.setdefault(path.parent, []).append(path)
+    return "; ".join(
+        str(group[0]) if len(group) == 1 else f"{len(group)} files in {directory}"
+        for directory, group in by_directory.items()
     )
 
 
-def _checkpoint_files(directory: Path) -> list[Path]:
-    if not directory.is_dir():
-        return []
-    return [
-        entry
-        for entry in directory.iterdir()
-        if (checkpoint_step(entry.name) is not None or entry.name == POINTER_NAME)
-        and entry.is_file()
-    ]
+def check_earlier_run(files: Sequence[Path], *, resume: bool, overwrite: bool) -> None:
+    """Refuse a fresh run that would silently truncate an earlier run's metrics or mix with
+    (and later prune) its checkpoints. ``resume`` continues that run, so it passes;
+    ``overwrite`` deletes those files first, with a warning. ``RunDirectoryError`` otherwise."""
+    if resume or not files:
+        return
+    found = _describe(files)
+    if not overwrite:
+        raise RunDirectoryError(
+            f"the run directory holds an earlier run ({found}); a fresh run would "
+            "truncate its metrics and mix with its checkpoints. Continue it with --resume, "
+            "or replace it with --overwrite (deletes those files), or use another --output-dir"
+        )
+    for path in files:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    warnings.warn(
+        f"--overwrite: deleted the earlier run's files ({found})", UserWarning, stacklevel=2
+    )
 
 
 @contextlib.contextmanager
@@ -243,41 +248,11 @@ def locked_run_directory(directory: Path, *, enabled: bool = True) -> Iterator[N
 
 
 @contextlib.contextmanager
-def claim_run_directory(
-    config: SpeedtronicConfig, *, resume: bool, overwrite: bool
-) -> Iterator[Path]:
+def claim_run_directory(output_dir: str | os.PathLike[str]) -> Iterator[Path]:
     """What the CLI and ``train_from_config`` hold around building and fitting a run: the
-    lock of ``run.output_dir`` (rank 0 only), after which an earlier run's files there are
-    refused or, with ``overwrite``, deleted (``check_earlier_run``). Yields the directory."""
-    output_dir = Path(config.run.output_dir).expanduser().resolve()
-    main = launched_as_main_process()
-    with locked_run_directory(output_dir, enabled=main):
-        if main:
-            check_earlier_run(
-                _checkpoint_directory(config, output_dir),
-                _metrics_files(config, output_dir),
-                resume=resume or config.checkpoint.resume,
-                overwrite=overwrite,
-            )
-        yield output_dir
-
-
-def _checkpoint_directory(config: SpeedtronicConfig, output_dir: Path) -> Path:
-    directory: object = config.checkpoint.directory
-    for spec in config.callbacks:
-        if spec.name == "checkpoint" and "directory" in spec.options:
-            directory = spec.options["directory"]
-    path = Path(str(directory)).expanduser()
-    return path if path.is_absolute() else output_dir / path
-
-
-def _metrics_files(config: SpeedtronicConfig, output_dir: Path) -> list[Path]:
-    from speedtronic.runtime import callback_specs  # the runtime imports this module
-
-    names = [
-        spec.options.get("path", "metrics.jsonl")
-        for spec in callback_specs(config)
-        if spec.name == "jsonl"
-    ]
-    paths = [Path(str(name)).expanduser() for name in names]
-    return [path if path.is_absolute() else output_dir / path for path in paths]
+    lock of the run directory, taken by rank 0 only (the ranks of one run share it). The
+    earlier-run check happens once the plugins are built (``build_runtime(overwrite=...)``),
+    since they know which files they write. Yields the absolute directory."""
+    directory = Path(output_dir).expanduser().resolve()
+    with locked_run_directory(directory, enabled=launched_as_main_process()):
+        yield directory

@@ -1,8 +1,11 @@
 """The composition root: config -> model, data, optimizer, callbacks, Trainer.
 
 ``build_runtime`` follows the original construction order (seed, device, model, precision
-and shape checks, data, optimizer, scheduler, checkpoint manager, callbacks, trainer,
-resume) and returns ``(trainer, checkpoint_manager)``; ``train_from_config`` also fits.
+and shape checks, data, optimizer, scheduler, callbacks, trainer, resume) and returns
+``(trainer, checkpoint_manager)``; ``train_from_config`` also fits. The runtime names no
+plugin: which callbacks a config turns on, and with which options, each plugin declares
+(``Callback.enabled_by_default``, ``legacy_sections``, ``options_from_legacy``); the
+checkpoint manager comes from the callback that is a ``ResumeSource``.
 
 Under ``torchrun`` the device step also joins the process group (``setup_distributed``):
 the device becomes the local rank's, the data loader shards by rank, and the trainer gets
@@ -15,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 
@@ -26,17 +29,33 @@ from speedtronic.data import build_dataloader
 from speedtronic.distributed import DistributedContext, setup_distributed, teardown_distributed
 from speedtronic.model_registry import build_model
 from speedtronic.optimizers import build_optimizer, build_scheduler
-from speedtronic.plugins import PluginContext, build_callback, callback_registry, import_modules
+from speedtronic.plugins import (
+    PluginContext,
+    build_callback,
+    callback_registry,
+    configurable_plugins,
+    import_modules,
+    legacy_sections_of,
+)
 from speedtronic.precision import resolve_device, resolve_precision
 from speedtronic.result import TrainResult
-from speedtronic.resume import resume_from
+from speedtronic.resume import ResumeSource, resume_from
 from speedtronic.rng import seed_everything
-from speedtronic.run_lock import claim_run_directory
+from speedtronic.run_lock import (
+    check_earlier_run,
+    claim_run_directory,
+    earlier_run_files,
+    launched_as_main_process,
+)
 from speedtronic.shapes import validate_startup_shapes
 from speedtronic.stage_streams import StageStreamCallback, StageStreamScheduler
 from speedtronic.trainer import Trainer
 
 ConfigSource = SpeedtronicConfig | Mapping[str, object] | str | Path
+
+DEFAULT_CHECKPOINT_DIRECTORY = "checkpoints"
+"""Where ``--resume`` looks (under the output directory) when no plugin of the run is a
+``ResumeSource``; the manager ``build_runtime`` then returns is disabled."""
 
 
 def as_config(config: ConfigSource) -> SpeedtronicConfig:
@@ -47,26 +66,38 @@ def as_config(config: ConfigSource) -> SpeedtronicConfig:
 
 
 def callback_specs(config: SpeedtronicConfig) -> list[CallbackSpec]:
-    """The callbacks a run uses, in order: default sinks, the configured list, then the
-    features implied by config sections (gradient checkpointing, DiLoCo, checkpoints)."""
-    configured = list(config.callbacks)
-    names = {spec.name for spec in configured}
-    head: list[CallbackSpec] = []
-    if config.logging.console and not names & {"console", "progress"}:
-        head.append(CallbackSpec(name="console", options={}))
-    if config.logging.jsonl and "jsonl" not in names:
-        jsonl_options: dict[str, JSONValue] = {}
-        if config.logging.json_file:
-            jsonl_options["path"] = config.logging.json_file
-        head.append(CallbackSpec(name="jsonl", options=jsonl_options))
-    tail: list[CallbackSpec] = []
-    if config.gradient_checkpointing and "gradient_checkpointing" not in names:
-        tail.append(CallbackSpec(name="gradient_checkpointing", options={}))
-    if config.distributed.enabled and "diloco" not in names:
-        tail.append(CallbackSpec(name="diloco", options={}))
-    if config.checkpoint.enabled and "checkpoint" not in names:
-        tail.append(CallbackSpec(name="checkpoint", options={}))
-    return head + configured + tail
+    """The callbacks a run uses, in order: the plugins the config turns on without naming
+    them (on by default, or through a 2.0 section) with a negative ``implied_order``, the
+    configured list, then the other implied plugins. Each plugin rewrites its own 2.0
+    sections into its options (``Callback.options_from_legacy``); the runtime knows no
+    plugin by name."""
+    data = config.to_dict()
+    configured = [_with_legacy_sections(spec, data) for spec in config.callbacks]
+    named = {spec.name for spec in config.callbacks}
+    implied: list[tuple[int, str, CallbackSpec]] = []
+    for name, plugin in configurable_plugins():
+        if name in named or named.intersection(plugin.default_replaced_by):
+            continue
+        options = plugin.options_from_legacy(legacy_sections_of(plugin, data), None)
+        if options is not None:
+            implied.append((plugin.implied_order, name, _spec(name, options)))
+    implied.sort(key=lambda item: (item[0], item[1]))
+    before = [spec for order, _, spec in implied if order < 0]
+    after = [spec for order, _, spec in implied if order >= 0]
+    return before + configured + after
+
+
+def _with_legacy_sections(spec: CallbackSpec, data: Mapping[str, object]) -> CallbackSpec:
+    """A configured entry with what its plugin takes from the 2.0 sections."""
+    plugin = callback_registry.get(spec.name)
+    if not plugin.legacy_sections:
+        return spec
+    options = plugin.options_from_legacy(legacy_sections_of(plugin, data), spec.options)
+    return spec if options is None else _spec(spec.name, options)
+
+
+def _spec(name: str, options: Mapping[str, object]) -> CallbackSpec:
+    return CallbackSpec(name=name, options=cast("dict[str, JSONValue]", dict(options)))
 
 
 def build_callbacks(config: SpeedtronicConfig, context: PluginContext) -> list[Callback]:
@@ -81,7 +112,7 @@ def callback_classes(config: SpeedtronicConfig) -> list[tuple[str, type[Callback
 
 @runtime_checkable
 class ShardsData(Protocol):
-    """A callback that trains on one shard of the data (a DiLoCo node, say)."""
+    """A callback that trains on one shard of the data (a node of a hub-synchronised run, say)."""
 
     @property
     def data_shard(self) -> tuple[int, int] | None: ...
@@ -91,7 +122,7 @@ def data_shard(
     callbacks: Sequence[Callback], distributed: DistributedContext | None
 ) -> tuple[int, int]:
     """``(index, count)`` of the data this process reads: its torch.distributed rank, or the
-    shard a callback such as a DiLoCo node asks for, or all of it."""
+    shard a callback (a node of a hub-synchronised run) asks for, or all of it."""
     if distributed is not None and distributed.world_size > 1:
         return distributed.rank, distributed.world_size
     for callback in callbacks:
@@ -100,18 +131,12 @@ def data_shard(
     return 0, 1
 
 
-def _checkpoint_manager(
-    config: SpeedtronicConfig, callbacks: Sequence[Callback]
-) -> CheckpointManager:
+def _resume_source(callbacks: Sequence[Callback]) -> ResumeSource | None:
+    """The first callback that knows the run's checkpoints (the checkpoint plugin)."""
     for callback in callbacks:
-        manager = getattr(callback, "manager", None)
-        if isinstance(manager, CheckpointManager):
-            return manager
-    section = config.checkpoint
-    directory = Path(config.run.output_dir) / section.directory
-    return CheckpointManager(
-        directory, every_steps=section.every_steps, keep_last=section.keep_last, enabled=False
-    )
+        if isinstance(callback, ResumeSource):
+            return callback
+    return None
 
 
 def build_runtime(
@@ -123,9 +148,14 @@ def build_runtime(
     model: torch.nn.Module | None = None,
     dataloader: Iterable[object] | None = None,
     extra_callbacks: Sequence[Callback] = (),
+    overwrite: bool | None = None,
 ) -> tuple[Trainer, CheckpointManager]:
     """Build everything a run needs. ``max_steps`` is the absolute step to stop at (it does
-    not change the LR schedule's horizon, so a stopped run resumes on the same schedule)."""
+    not change the LR schedule's horizon, so a stopped run resumes on the same schedule).
+
+    ``overwrite`` checks the run directory for an earlier run's files (the plugins say which,
+    ``speedtronic.run_lock.LeavesRunFiles``): ``False`` refuses a fresh run over them,
+    ``True`` deletes them first; ``None`` (the default, as in 2.0) does not look."""
     cfg = as_config(config)
     import_modules(cfg.imports)
     logging.getLogger("speedtronic").setLevel(cfg.logging.level)
@@ -160,7 +190,12 @@ def build_runtime(
     )
     optimizer = build_optimizer(net, cfg.optimizer, resolved_device)
     scheduler = build_scheduler(optimizer, cfg.scheduler, cfg.scheduler_steps)
-    manager = _checkpoint_manager(cfg, callbacks)
+    source = _resume_source(callbacks)
+    manager = (
+        source.checkpoint_manager
+        if source is not None
+        else CheckpointManager(output_dir / DEFAULT_CHECKPOINT_DIRECTORY, enabled=False)
+    )
     trainer = Trainer(
         net,
         optimizer,
@@ -175,9 +210,13 @@ def build_runtime(
         shape_report=shape_report,
         distributed=distributed,
     )
-    if resume or cfg.checkpoint.resume:
+    resuming = resume or (source is not None and source.resume_requested)
+    if overwrite is not None and launched_as_main_process():
+        check_earlier_run(earlier_run_files(callbacks), resume=resuming, overwrite=overwrite)
+    if resuming:
         # resume_from warns (and the run starts fresh) when there is no checkpoint.
-        resume_from(trainer, manager, load_callback_state=cfg.checkpoint.load_callback_state)
+        load_callback_state = source.load_callback_state if source is not None else True
+        resume_from(trainer, manager, load_callback_state=load_callback_state)
     return trainer, manager
 
 
@@ -199,8 +238,10 @@ def train_from_config(
     directory is locked meanwhile; an earlier run's files there need ``resume`` (continue)
     or ``overwrite`` (replace), see ``speedtronic.run_lock``."""
     cfg = as_config(config)
-    with claim_run_directory(cfg, resume=resume, overwrite=overwrite):
-        trainer, _ = build_runtime(cfg, resume=resume, device=device, max_steps=max_steps)
+    with claim_run_directory(cfg.run.output_dir):
+        trainer, _ = build_runtime(
+            cfg, resume=resume, device=device, max_steps=max_steps, overwrite=overwrite
+        )
         try:
             assert trainer.config is not None
             if _writes_run_files(trainer.distributed):

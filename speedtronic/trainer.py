@@ -169,7 +169,9 @@ class Trainer:
         self.metrics_every = self._pick(metrics_every, cfg.logging.every_steps if cfg else None, 1)
         self.allow_optimizer_reset = bool(
             self._pick(
-                allow_optimizer_reset, cfg.distributed.reset_inner_optimizer if cfg else None, True
+                allow_optimizer_reset,
+                (cfg.distributed.reset_inner_optimizer is not False) if cfg else None,
+                True,
             )
         )
         self.max_steps = max_steps if max_steps is not None else (cfg.target_steps if cfg else None)

@@ -449,21 +449,27 @@ def test_warns_about_newer_checkpoints_of_another_run(tmp_path: Path) -> None:
         tiny_trainer([CheckpointCallback(tmp_path, every_steps=100)]).fit(1)
 
 
-def test_from_options_falls_back_to_the_config_section(tmp_path: Path) -> None:
+def test_options_fall_back_to_the_2_0_section(tmp_path: Path) -> None:
+    """Options left out come from the 2.0 ``checkpoint:`` section (the plugin's
+    ``options_from_legacy``, which the runtime applies to every entry)."""
     config = SpeedtronicConfig.from_dict(
         {"checkpoint": {"every_steps": 7, "keep_last": None, "async_save": True}}
     )
     context = PluginContext(config=config, output_dir=tmp_path, device=torch.device("cpu"))
-    from_config = CheckpointCallback.from_options({}, context)
+
+    def build(options: dict[str, object]) -> CheckpointCallback:
+        merged = CheckpointCallback.options_from_legacy(config.to_dict(), options)
+        assert merged is not None
+        return CheckpointCallback.from_options(merged, context)
+
+    from_config = build({})
     assert from_config.directory == tmp_path / "checkpoints"
     assert (from_config.manager.every_steps, from_config.manager.keep_last) == (7, None)
     assert from_config.async_save and from_config.save_final and from_config.save_on_signal
-    explicit = CheckpointCallback.from_options(
-        {"directory": str(tmp_path / "abs"), "every_steps": 3, "keep_last": 1}, context
-    )
+    explicit = build({"directory": str(tmp_path / "abs"), "every_steps": 3, "keep_last": 1})
     assert explicit.directory == tmp_path / "abs"
     assert (explicit.manager.every_steps, explicit.manager.keep_last) == (3, 1)
-    relative = CheckpointCallback.from_options({"directory": "ck", "save_final": False}, context)
+    relative = build({"directory": "ck", "save_final": False})
     assert relative.directory == tmp_path / "ck" and not relative.save_final
 
 
@@ -683,7 +689,11 @@ SIGTERM_CHILD = textwrap.dedent(
 
 def test_sigterm_saves_and_exits_with_requeue_code(tmp_path: Path) -> None:
     script = SIGTERM_CHILD.format(tests=str(REPO / "tests"), directory=str(tmp_path / "ck"))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "callbacks")]),
+        "OMP_NUM_THREADS": "1",
+    }
     child = subprocess.Popen(
         [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO
     )

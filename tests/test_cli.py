@@ -37,7 +37,12 @@ TINY = {
 
 
 def speedtronic(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    # The checkout's own code, both packages (not whatever an editable install points at).
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "callbacks")]),
+        OMP_NUM_THREADS="1",
+    )
     return subprocess.run(
         [sys.executable, "-m", "speedtronic", *args],
         cwd=cwd,

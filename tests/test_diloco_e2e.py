@@ -135,14 +135,17 @@ def test_options_schema_is_valid_and_strict() -> None:
 
 
 def test_the_original_distributed_section_maps_onto_the_options() -> None:
-    section = DistributedConfig(
-        enabled=True,
-        role="single",
-        node_id="boss",
-        hub_dir="/mnt/hub",
-        inner_steps=50,
-        reset_inner_optimizer=False,
-        delta_upload_shutdown_timeout=2.0,
+    # The 2.0 keys of ``distributed:`` are the plugin's: the typed section takes them as data.
+    section = DistributedConfig.from_dict(
+        {
+            "enabled": True,
+            "role": "single",
+            "node_id": "boss",
+            "hub_dir": "/mnt/hub",
+            "inner_steps": 50,
+            "reset_inner_optimizer": False,
+            "delta_upload_shutdown_timeout": 2.0,
+        }
     )
     options = options_from_distributed_section(section)
     assert options["role"] == "master"
@@ -150,11 +153,11 @@ def test_the_original_distributed_section_maps_onto_the_options() -> None:
     assert (options["inner_steps"], options["reset_optimizer"]) == (50, False)
     assert options["shutdown_timeout"] == 2.0
     DiLoCoOptions.from_mapping(options)  # valid as callback options
-    worker = DistributedConfig(enabled=True, role="worker", repo_id="team/run")
+    worker = DistributedConfig.from_dict({"enabled": True, "role": "worker", "repo_id": "team/run"})
     assert options_from_distributed_section(worker)["role"] == "worker"
     with pytest.raises(ValueError, match="HF_TOKEN"):
         options_from_distributed_section(
-            DistributedConfig(enabled=True, repo_id="team/run", token="hf_secret")
+            DistributedConfig.from_dict({"enabled": True, "repo_id": "team/run", "token": "hf_x"})
         )
     with pytest.raises(ValueError, match="enabled is false"):
         options_from_distributed_section(DistributedConfig())
@@ -287,7 +290,11 @@ def launch(tmp_path: Path, **args: object) -> subprocess.Popen[bytes]:
     out = tmp_path / str(args["node"])
     out.mkdir(exist_ok=True)
     payload = {"hub": str(tmp_path / "hub"), "out": str(out), "pace": 0.02, **args}
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "callbacks")]),
+        "OMP_NUM_THREADS": "1",
+    }
     return subprocess.Popen(
         [sys.executable, "-c", NODE_SCRIPT, json.dumps(payload)],
         cwd=REPO_ROOT,

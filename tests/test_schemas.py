@@ -21,7 +21,13 @@ from speedtronic.config import (
     load_config,
     write_schemas,
 )
-from speedtronic.config.schema import CORE_SCHEMA_ID, callback_schema_id
+from speedtronic.config.schema import (
+    CORE_SCHEMA_ID,
+    callback_schema_id,
+    packaged_core_schema,
+    plugin_root_keys,
+    plugin_section_keys,
+)
 from speedtronic.config.sections import _SECTION_TYPES
 from speedtronic.plugins import register_callback
 
@@ -54,7 +60,8 @@ def test_packaged_core_schema_is_a_valid_documented_2020_12_schema() -> None:
     assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     assert schema["$id"] == CORE_SCHEMA_ID
     packaged = resources.files("speedtronic").joinpath("schemas", "run.schema.json")
-    assert json.loads(packaged.read_text(encoding="utf-8")) == schema
+    # The packaged file holds the core's keys; core_schema() adds what plugins declare.
+    assert json.loads(packaged.read_text(encoding="utf-8")) == packaged_core_schema()
     properties = schema["properties"]
     assert isinstance(properties, dict)
     for section in _SECTION_TYPES:
@@ -68,9 +75,17 @@ def test_core_schema_matches_the_dataclasses() -> None:
     properties = core_schema()["properties"]
     assert isinstance(properties, dict)
     for section, section_type in _SECTION_TYPES.items():
-        schema_keys = properties[section]["properties"]
+        # Keys plugins add to a section are kept beside its fields (``extensions``).
+        added = plugin_section_keys(section)
+        schema_keys = {
+            key: spec for key, spec in properties[section]["properties"].items() if key not in added
+        }
         fields = {item.name: item for item in dataclasses.fields(section_type)}
         assert list(schema_keys) == list(fields), section
+        extensions = section_type().extensions
+        assert list(extensions) == list(added), section
+        for key in added:
+            assert extensions[key] == properties[section]["properties"][key]["default"]
         for name, item in fields.items():
             if item.default_factory is not dataclasses.MISSING:
                 default: object = item.default_factory()
@@ -80,7 +95,9 @@ def test_core_schema_matches_the_dataclasses() -> None:
                 default = list(default)
             assert schema_keys[name]["default"] == default, f"{section}.{name}"
     root_fields = [item.name for item in dataclasses.fields(SpeedtronicConfig)]
-    assert [key for key in properties if key != "$schema"] == root_fields
+    plugin_keys = plugin_root_keys()
+    assert [k for k in properties if k != "$schema" and k not in plugin_keys] == root_fields
+    assert list(SpeedtronicConfig().plugin_keys) == list(plugin_keys)
 
 
 def test_default_config_is_valid_against_the_published_schema() -> None:

@@ -145,8 +145,14 @@ def test_relative_paths_resolve_under_the_output_dir(tmp_path: Path) -> None:
     context = plugin_context(tmp_path, {"logging": {"file": "train.log"}})
     assert JsonlCallback.from_options({}, context).path == tmp_path / "metrics.jsonl"
     assert CsvCallback.from_options({"path": "m/x.csv"}, context).path == tmp_path / "m/x.csv"
-    assert ConsoleCallback.from_options({}, context).file == tmp_path / "train.log"
-    assert ConsoleCallback.from_options({"file": None}, context).file is None
+    # logging.file reaches the console's options through the plugin's 2.0 rewrite.
+    legacy = context.config.to_dict()
+    with_file = ConsoleCallback.options_from_legacy(legacy, {})
+    assert with_file is not None
+    assert ConsoleCallback.from_options(with_file, context).file == tmp_path / "train.log"
+    without_file = ConsoleCallback.options_from_legacy(legacy, {"file": None})
+    assert without_file is not None
+    assert ConsoleCallback.from_options(without_file, context).file is None
     tensorboard = TensorBoardCallback.from_options({}, context)
     assert tensorboard.log_dir == tmp_path / "tensorboard"
     absolute = tmp_path / "elsewhere.jsonl"

@@ -3,11 +3,16 @@
     callbacks:
       - {name: checkpoint, every_steps: 200, keep_last: 3}
 
-Options left out come from the config's ``checkpoint:`` section; a relative ``directory`` is
-under the run's output directory. What is saved is ``trainer.state_dict()`` -- model,
-optimizer, scheduler, grad scaler, counters, RNG, data position and every callback's state --
-so a resumed run continues bit for bit. Files, the pointer and retention are
-``speedtronic.checkpoint.CheckpointManager``'s job; this callback decides *when*.
+The plugin is on by default (after the configured callbacks) and reads the 2.0
+``checkpoint:`` section: its keys are the defaults of this plugin's options
+(``options_from_legacy``), and ``checkpoint: {enabled: false}`` leaves the plugin out unless
+``callbacks:`` names it. A relative ``directory`` is under the run's output directory. The
+callback is the run's ``ResumeSource``: ``resume: true`` resumes before the fit.
+
+What is saved is ``trainer.state_dict()`` -- model, optimizer, scheduler, grad scaler,
+counters, RNG, data position and every callback's state -- so a resumed run continues bit
+for bit. Files, the pointer and retention are ``speedtronic.checkpoint.CheckpointManager``'s
+job; this callback decides *when*.
 
 When a save happens:
 
@@ -54,7 +59,13 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from typing_extensions import Self
 
-from speedtronic.callback import Callback, JSONSchema
+from speedtronic.callback import (
+    Callback,
+    JSONSchema,
+    LegacySections,
+    PluginOptions,
+    legacy_section,
+)
 from speedtronic.checkpoint import CheckpointError, CheckpointManager, signal_stop_reason
 from speedtronic.checkpoint_async import AsyncCheckpointWriter
 from speedtronic.contexts import (
@@ -78,6 +89,62 @@ logger = logging.getLogger("speedtronic.checkpoint")
 HANDLED_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
 SignalHandler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
 """What ``signal.signal`` returns: the handler that was installed before."""
+
+
+CHECKPOINT_SECTION_SCHEMA: JSONSchema = {
+    "title": "checkpoint",
+    "description": "Checkpointing (2.0 section, read by the checkpoint plugin: the defaults "
+    "of its options).",
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "enabled": {"type": "boolean", "default": True, "description": "Save checkpoints."},
+        "directory": {
+            "type": "string",
+            "default": "checkpoints",
+            "description": "Checkpoint directory; relative paths are under run.output_dir.",
+            "minLength": 1,
+        },
+        "every_steps": {
+            "type": "integer",
+            "default": 500,
+            "description": "Save every N global steps (and at the end of a successful fit).",
+            "minimum": 1,
+        },
+        "keep_last": {
+            "type": ["integer", "null"],
+            "default": 3,
+            "description": "Keep the newest N checkpoints. Null keeps all.",
+            "minimum": 1,
+        },
+        "resume": {
+            "type": "boolean",
+            "default": False,
+            "description": "Resume from the latest checkpoint when one exists.",
+        },
+        "async_save": {
+            "type": "boolean",
+            "default": False,
+            "description": "Write checkpoints on a background thread after a snapshot.",
+        },
+        "save_on_exception": {
+            "type": "boolean",
+            "default": False,
+            "description": "Save a checkpoint when the fit fails with an exception.",
+        },
+        "save_on_signal": {
+            "type": "boolean",
+            "default": True,
+            "description": "Save a checkpoint and stop cleanly on SIGTERM/SIGINT.",
+        },
+        "load_callback_state": {
+            "type": "boolean",
+            "default": True,
+            "description": "Restore callback state on resume.",
+        },
+    },
+}
+"""The 2.0 ``checkpoint:`` section, which this plugin reads (``options_from_legacy``)."""
 
 
 class CheckpointCallback(Callback):
@@ -135,8 +202,24 @@ class CheckpointCallback(Callback):
                 "description": "Write on a background thread after a CPU snapshot "
                 "(default: checkpoint.async_save).",
             },
+            "resume": {
+                "type": "boolean",
+                "description": "Resume from the newest checkpoint before the fit, as "
+                "--resume does (default: checkpoint.resume).",
+            },
+            "load_callback_state": {
+                "type": "boolean",
+                "description": "On resume, restore every callback's saved state "
+                "(default: checkpoint.load_callback_state).",
+            },
         },
     }
+
+    # -- plugin configuration -------------------------------------------------------------
+    enabled_by_default: ClassVar[bool] = True
+    implied_order: ClassVar[int] = 90  # last: it saves what the others did in the step
+    legacy_sections: ClassVar[tuple[str, ...]] = ("checkpoint",)
+    legacy_schema: ClassVar[Mapping[str, JSONSchema]] = {"checkpoint": CHECKPOINT_SECTION_SCHEMA}
 
     def __init__(
         self,
@@ -150,6 +233,8 @@ class CheckpointCallback(Callback):
         save_on_signal: bool = True,
         async_save: bool = False,
         manager: CheckpointManager | None = None,
+        resume: bool = False,
+        load_callback_state: bool = True,
     ) -> None:
         if manager is None:
             if directory is None:
@@ -160,6 +245,8 @@ class CheckpointCallback(Callback):
         elif directory is not None:
             raise ValueError("CheckpointCallback takes a directory or a manager, not both")
         self.manager = manager
+        self.resume_requested = resume
+        self.load_callback_state = load_callback_state
         self.save_final = save_final
         self.save_on_exception = save_on_exception
         self.save_on_signal = save_on_signal
@@ -175,20 +262,23 @@ class CheckpointCallback(Callback):
         )
 
     @classmethod
+    def options_from_legacy(
+        cls, sections: LegacySections, options: Mapping[str, object] | None
+    ) -> PluginOptions | None:
+        """The ``checkpoint:`` section's keys are the defaults of the options; a disabled
+        section leaves the plugin out unless ``callbacks:`` names it."""
+        values = legacy_section(sections, "checkpoint")
+        if options is None and values.get("enabled", True) is False:
+            return None
+        merged: PluginOptions = {key: values[key] for key in _LEGACY_KEYS if key in values}
+        merged.update(options or {})
+        return merged
+
+    @classmethod
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
-        """Options not given come from the config's ``checkpoint:`` section."""
-        section = context.config.checkpoint
-        merged: dict[str, object] = {
-            "directory": section.directory,
-            "every_steps": section.every_steps,
-            "keep_last": section.keep_last,
-            "enabled": section.enabled,
-            "save_on_exception": section.save_on_exception,
-            "save_on_signal": section.save_on_signal,
-            "async_save": section.async_save,
-            "save_final": True,
-        }
-        merged.update(options)
+        """Options left out take the defaults of ``CheckpointCallback``'s constructor and
+        ``checkpoints`` as the directory (under the run's output directory)."""
+        merged = {**_OPTION_DEFAULTS, **options}
         directory = Path(str(merged.pop("directory")))
         if not directory.is_absolute():
             directory = context.output_dir / directory
@@ -202,11 +292,29 @@ class CheckpointCallback(Callback):
             save_on_exception=bool(merged["save_on_exception"]),
             save_on_signal=bool(merged["save_on_signal"]),
             async_save=bool(merged["async_save"]),
+            resume=bool(merged["resume"]),
+            load_callback_state=bool(merged["load_callback_state"]),
         )
+
+    # -- ResumeSource ---------------------------------------------------------------------
+
+    @property
+    def checkpoint_manager(self) -> CheckpointManager:
+        """Where this run's checkpoints are (``speedtronic.resume.ResumeSource``)."""
+        return self.manager
 
     @property
     def directory(self) -> Path:
         return self.manager.directory
+
+    def earlier_run_files(self) -> list[Path]:
+        """Checkpoints (and their pointer) already in the directory this run saves to
+        (``speedtronic.run_lock.LeavesRunFiles``): a fresh run there would mix with them."""
+        if not self.manager.enabled:
+            return []
+        pointer = self.manager.pointer_path
+        found = self.manager.checkpoint_paths()
+        return [*found, pointer] if pointer.is_file() else found
 
     # -- fit lifecycle ------------------------------------------------------------------
 
@@ -401,6 +509,24 @@ def _barrier(trainer: Trainer) -> None:
     """Wait for every rank of a distributed run (nothing to wait for in one process)."""
     if trainer.distributed is not None and trainer.distributed.world_size > 1:
         trainer.distributed.barrier()
+
+
+_OPTION_DEFAULTS: dict[str, object] = {
+    "directory": "checkpoints",
+    "every_steps": 500,
+    "keep_last": 3,
+    "enabled": True,
+    "save_final": True,
+    "save_on_exception": False,
+    "save_on_signal": True,
+    "async_save": False,
+    "resume": False,
+    "load_callback_state": True,
+}
+"""Option values when neither ``callbacks:`` nor the 2.0 section gives one."""
+
+_LEGACY_KEYS = tuple(key for key in _OPTION_DEFAULTS if key != "save_final")
+"""Keys of the 2.0 ``checkpoint:`` section that are also options of this plugin."""
 
 
 def _as_int(value: object) -> int:

@@ -18,7 +18,7 @@ from typing import IO, TYPE_CHECKING, ClassVar, Literal
 from tqdm import tqdm
 from typing_extensions import Self
 
-from speedtronic.callback import JSONSchema
+from speedtronic.callback import JSONSchema, LegacySections, PluginOptions, legacy_section
 from speedtronic.contexts import ExceptionContext, FitContext, FitEndContext, TeardownContext
 from speedtronic_callbacks.sink import (
     MetricSink,
@@ -99,7 +99,7 @@ class ConsoleCallback(MetricSink):
             "file": {
                 "type": ["string", "null"],
                 "description": "Write lines to this text file (relative to the output "
-                "directory) instead of the terminal. Defaults to logging.file.",
+                "directory) instead of the terminal. Defaults to the 2.0 logging.file.",
             },
             "stream": {
                 "enum": ["stdout", "stderr"],
@@ -114,6 +114,37 @@ class ConsoleCallback(MetricSink):
             },
         },
     }
+
+    # -- plugin configuration -------------------------------------------------------------
+    enabled_by_default: ClassVar[bool] = True
+    default_replaced_by: ClassVar[tuple[str, ...]] = ("progress",)
+    implied_order: ClassVar[int] = -20  # the first sink, before the configured callbacks
+    legacy_sections: ClassVar[tuple[str, ...]] = ("logging",)
+    legacy_schema: ClassVar[Mapping[str, JSONSchema]] = {
+        "logging": {
+            "properties": {
+                "console": {
+                    "type": "boolean",
+                    "default": True,
+                    "description": "Add the default console metric sink.",
+                },
+            },
+        },
+    }
+
+    @classmethod
+    def options_from_legacy(
+        cls, sections: LegacySections, options: Mapping[str, object] | None
+    ) -> PluginOptions | None:
+        """2.0 ``logging.console: false`` leaves the default sink out; ``logging.file`` is
+        the default of ``file``."""
+        logging = legacy_section(sections, "logging")
+        if options is None and logging.get("console", True) is False:
+            return None
+        merged: PluginOptions = dict(options or {})
+        if "file" not in merged and logging.get("file") is not None:
+            merged["file"] = logging["file"]
+        return merged
 
     def __init__(
         self,
@@ -130,7 +161,7 @@ class ConsoleCallback(MetricSink):
 
     @classmethod
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
-        file = options.get("file", context.config.logging.file)
+        file = options.get("file")
         stream = options.get("stream", "stdout")
         keys = options.get("keys", [])
         return cls(

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from speedtronic.callback import Callback, JSONSchema
+from speedtronic.callback import Callback, JSONSchema, LegacySections, PluginOptions
 from speedtronic.contexts import FitContext, TeardownContext
 
 if TYPE_CHECKING:
@@ -67,6 +67,52 @@ class GradientCheckpointing(Callback):
             "enabled": {"type": "boolean", "default": True},
         },
     }
+
+    # -- plugin configuration -------------------------------------------------------------
+    implied_order: ClassVar[int] = 10
+    legacy_sections: ClassVar[tuple[str, ...]] = ("gradient_checkpointing", "model")
+    legacy_schema: ClassVar[Mapping[str, JSONSchema]] = {
+        "gradient_checkpointing": {
+            "type": "boolean",
+            "default": False,
+            "description": "Enable gradient checkpointing (same as model.gradient_checkpointing).",
+        },
+        "model": {
+            "properties": {
+                "gradient_checkpointing": {
+                    "type": "boolean",
+                    "default": False,
+                    "description": "Recompute activations in backward; kept in sync with "
+                    "the root gradient_checkpointing flag.",
+                },
+            },
+        },
+    }
+
+    @classmethod
+    def normalise_legacy(cls, data: dict[str, object]) -> None:
+        """The root flag and ``model.gradient_checkpointing`` are one setting (2.0): when
+        either is true both become true."""
+        model = data.get("model")
+        root = data.get("gradient_checkpointing")
+        in_model = model.get("gradient_checkpointing") if isinstance(model, dict) else None
+        if root is True or in_model is True:
+            data["gradient_checkpointing"] = True
+            if isinstance(model, dict):
+                model["gradient_checkpointing"] = True
+            elif model is None:
+                data["model"] = {"gradient_checkpointing": True}
+
+    @classmethod
+    def options_from_legacy(
+        cls, sections: LegacySections, options: Mapping[str, object] | None
+    ) -> PluginOptions | None:
+        """The 2.0 root flag ``gradient_checkpointing: true`` (or
+        ``model.gradient_checkpointing``, which the config keeps in step with it) adds the
+        plugin with no options."""
+        if options is not None:
+            return dict(options)
+        return {} if sections.get("gradient_checkpointing") is True else None
 
     def __init__(self, modules: Sequence[str] = (), enabled: bool = True) -> None:
         self.modules = tuple(modules)

@@ -23,7 +23,7 @@ from typing import IO, TYPE_CHECKING, ClassVar
 from typing_extensions import Self
 
 from speedtronic.atomic_io import atomic_write_text
-from speedtronic.callback import JSONSchema
+from speedtronic.callback import JSONSchema, LegacySections, PluginOptions, legacy_section
 from speedtronic.contexts import FitContext, TeardownContext
 from speedtronic_callbacks.sink import MetricSink, Record, resolve_path
 
@@ -111,6 +111,43 @@ class JsonlCallback(MetricSink):
         },
     }
 
+    # -- plugin configuration -------------------------------------------------------------
+    enabled_by_default: ClassVar[bool] = True
+    implied_order: ClassVar[int] = -10  # after the default console sink
+    legacy_sections: ClassVar[tuple[str, ...]] = ("logging",)
+    legacy_schema: ClassVar[Mapping[str, JSONSchema]] = {
+        "logging": {
+            "properties": {
+                "json_file": {
+                    "type": ["string", "null"],
+                    "default": None,
+                    "description": "Path of the metrics JSONL file written by the default "
+                    "jsonl sink (relative to run.output_dir). Null means metrics.jsonl.",
+                    "minLength": 1,
+                },
+                "jsonl": {
+                    "type": "boolean",
+                    "default": True,
+                    "description": "Add the default JSON-lines metric sink.",
+                },
+            },
+        },
+    }
+
+    @classmethod
+    def options_from_legacy(
+        cls, sections: LegacySections, options: Mapping[str, object] | None
+    ) -> PluginOptions | None:
+        """2.0 ``logging.jsonl: false`` leaves the default sink out; ``logging.json_file``
+        is the path of the default sink (a configured entry keeps its own ``path``)."""
+        if options is not None:
+            return dict(options)
+        logging = legacy_section(sections, "logging")
+        if logging.get("jsonl", True) is False:
+            return None
+        json_file = logging.get("json_file")
+        return {} if json_file is None else {"path": json_file}
+
     def __init__(self, path: str | Path = DEFAULT_FILENAME) -> None:
         self.path = Path(path)
         self._handle: IO[str] | None = None
@@ -120,6 +157,12 @@ class JsonlCallback(MetricSink):
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
         path = options.get("path", DEFAULT_FILENAME)
         return cls(resolve_path(str(path), context.output_dir))
+
+    def earlier_run_files(self) -> list[Path]:
+        """A non-empty metrics file where this run will write (``LeavesRunFiles``); a path
+        still relative to the run directory is only known at ``setup``, so it is not checked."""
+        path = self.path
+        return [path] if path.is_absolute() and path.is_file() and path.stat().st_size else []
 
     @property
     def closed(self) -> bool:

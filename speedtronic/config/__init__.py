@@ -1,5 +1,9 @@
 """Run configuration: typed sections, JSON Schema validation, loading, overrides, schemas.
 
+The core's sections are typed here; the 2.0 keys a plugin reads (``checkpoint:``, the
+default sinks' switches, the synchronisation keys of ``distributed:``) are declared by that plugin
+and composed in (see ``speedtronic.config.schema``).
+
 ``load_config("run.yaml", overrides=["optimizer.lr=1e-3"])`` returns a validated
 ``SpeedtronicConfig`` or raises ``ConfigError`` listing every problem with its path.
 """
@@ -9,7 +13,6 @@ from __future__ import annotations
 from speedtronic.config.loading import (
     OPTIMIZER_ALIASES,
     RUN_ALIASES,
-    SECTION_ALIASES,
     RawConfig,
     apply_overrides,
     normalise,
@@ -23,12 +26,13 @@ from speedtronic.config.schema import (
     config_errors,
     core_schema,
     format_path,
+    packaged_core_schema,
+    section_aliases,
     write_schemas,
 )
 from speedtronic.config.sections import (
     SECRET_KEYS,
     CallbackSpec,
-    CheckpointConfig,
     Config,
     ConfigSource,
     DataConfig,
@@ -41,6 +45,7 @@ from speedtronic.config.sections import (
     RoutingRule,
     RunConfig,
     SchedulerConfig,
+    SectionView,
     ShapeValidationConfig,
     SpeedtronicConfig,
     load_config,
@@ -52,9 +57,7 @@ __all__ = [
     "OPTIMIZER_ALIASES",
     "RUN_ALIASES",
     "SECRET_KEYS",
-    "SECTION_ALIASES",
     "CallbackSpec",
-    "CheckpointConfig",
     "Config",
     "ConfigError",
     "ConfigSource",
@@ -69,6 +72,7 @@ __all__ = [
     "RoutingRule",
     "RunConfig",
     "SchedulerConfig",
+    "SectionView",
     "ShapeValidationConfig",
     "SpeedtronicConfig",
     "apply_overrides",
@@ -80,8 +84,10 @@ __all__ = [
     "load_config",
     "load_yaml_config",
     "normalise",
+    "packaged_core_schema",
     "parse_override",
     "read_source",
     "redact_secrets",
+    "section_aliases",
     "write_schemas",
 ]

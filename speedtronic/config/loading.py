@@ -16,7 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from speedtronic.config.schema import SECTIONS, ConfigError, format_path
+from speedtronic import plugins
+from speedtronic.config.schema import ConfigError, format_path, section_aliases, section_names
 
 RawConfig = dict[str, object]
 """A configuration as plain data, before validation."""
@@ -25,8 +26,6 @@ RUN_ALIASES = ("name", "seed", "device", "output_dir", "max_steps", "log_every")
 """Root keys that are shorthands for ``run.<key>``."""
 OPTIMIZER_ALIASES = ("muon_plus", "cautious")
 """Root keys that are shorthands for ``optimizer.<key>``."""
-SECTION_ALIASES = ("hub", "diloco")
-"""Root sections that are accepted as ``distributed`` when that is absent."""
 REDACTED = "<redacted>"
 
 
@@ -46,14 +45,11 @@ CASE_FOLDS: dict[tuple[str, str], Callable[[str], str]] = {
     ("precision", "mode"): _lower,
     ("precision", "dtype"): _lower,
     ("data", "synthetic_kind"): _lower,
-    ("distributed", "mode"): _lower,
-    ("distributed", "role"): _lower,
-    ("distributed", "delta_upload_overflow"): _lower,
-    ("distributed", "node_id"): str.strip,
     ("shape_validation", "alignment"): _lower,
     ("logging", "level"): _upper,
 }
-"""Enumerated string settings are case- and whitespace-insensitive, as in the original."""
+"""Enumerated string settings of the core are case- and whitespace-insensitive, as in the
+original (plugins fold their own keys in ``Callback.normalise_legacy``)."""
 
 
 # -- YAML -------------------------------------------------------------------------------
@@ -324,19 +320,20 @@ def normalise(raw: object) -> tuple[RawConfig, list[str]]:
 
     * root ``name``/``seed``/``device``/``output_dir``/``max_steps``/``log_every`` ->
       ``run.*``; root ``muon_plus``/``cautious`` -> ``optimizer.*``;
-    * ``hub:``/``diloco:`` -> ``distributed:`` (when that is absent);
+    * a section alias that a plugin declares (``Callback.legacy_aliases``) -> its section
+      (when that is absent);
     * ``optimizer: muon`` -> ``{name: muon}``; ``precision: bf16`` -> ``{mode: bf16}``;
       a ``callbacks`` entry ``"name"`` -> ``{name: name}``; empty sections -> ``{}``;
     * ``run.log_every`` fills ``logging.every_steps`` when that is absent;
     * enumerated strings are case-folded; ``shape_validation.alignment: null`` -> ``auto``;
-      a ``"<redacted>"`` token (from a saved config) -> ``null``.
+    * then every installed plugin rewrites its own 2.0 keys (``Callback.normalise_legacy``).
 
     The same setting given twice with different values is a conflict error. Idempotent.
     """
     data = _root_mapping(raw, "<mapping>")
     data.pop("$schema", None)
     errors: list[str] = []
-    for section in (*SECTIONS, "callbacks", "imports"):
+    for section in (*section_names(), "callbacks", "imports"):
         if section in data and data[section] is None:
             data[section] = [] if section in ("callbacks", "imports") else {}
     _move_run_aliases(data, errors)
@@ -349,6 +346,8 @@ def normalise(raw: object) -> tuple[RawConfig, list[str]]:
         data["callbacks"] = [{"name": e} if isinstance(e, str) else e for e in callbacks]
     _link_log_every(data, errors)
     _fold_values(data)
+    for _, plugin in plugins.configurable_plugins():
+        plugin.normalise_legacy(data)
     return data, errors
 
 
@@ -375,15 +374,15 @@ def _move_run_aliases(data: RawConfig, errors: list[str]) -> None:
 
 
 def _move_section_aliases(data: RawConfig, errors: list[str]) -> None:
-    for alias in SECTION_ALIASES:
+    for alias, section in section_aliases().items():
         if alias not in data:
             continue
-        if "distributed" in data:
+        if section in data:
             data.pop(alias)
-            errors.append(f"{alias}: alias of distributed, which is also given")
+            errors.append(f"{alias}: alias of {section}, which is also given")
         else:
             value = data.pop(alias)
-            data["distributed"] = {} if value is None else value
+            data[section] = {} if value is None else value
 
 
 def _expand_optimizer(data: RawConfig, errors: list[str]) -> None:
@@ -428,9 +427,6 @@ def _fold_values(data: RawConfig) -> None:
     shapes = data.get("shape_validation")
     if isinstance(shapes, dict) and "alignment" in shapes and shapes["alignment"] is None:
         shapes["alignment"] = "auto"
-    distributed = data.get("distributed")
-    if isinstance(distributed, dict) and distributed.get("token") == REDACTED:
-        distributed["token"] = None  # a saved config never carries the real token
 
 
 # -- overrides --------------------------------------------------------------------------
@@ -492,8 +488,9 @@ def _canonical(parts: list[str | int]) -> list[str | int]:
         return ["run", head, *rest]
     if head in OPTIMIZER_ALIASES:
         return ["optimizer", head, *rest]
-    if head in SECTION_ALIASES:
-        return ["distributed", *rest]
+    aliases = section_aliases()
+    if isinstance(head, str) and head in aliases:
+        return [aliases[head], *rest]
     return parts
 
 
@@ -509,12 +506,12 @@ def _drop_shadowed_aliases(data: RawConfig, path: list[str | int]) -> None:
         for alias in OPTIMIZER_ALIASES if key is None else (key,):
             if isinstance(alias, str) and alias in OPTIMIZER_ALIASES:
                 data.pop(alias, None)
-    elif head == "distributed" and "distributed" not in data:
-        for alias in SECTION_ALIASES:
-            if alias in data:
-                data["distributed"] = data.pop(alias)
+    elif isinstance(head, str) and head not in data:
+        for alias, section in section_aliases().items():
+            if section == head and alias in data:
+                data[head] = data.pop(alias)
                 break
-    elif head == "logging" and key in (None, "every_steps"):
+    if head == "logging" and key in (None, "every_steps"):
         data.pop("log_every", None)
         run = data.get("run")
         if isinstance(run, dict):

@@ -6,6 +6,12 @@ installed wheel validates without the repository checkout. Each ``callbacks:`` e
 checked by its plugin's own options schema, composed into the core schema as
 ``if name == X then <X's schema>`` so that one ``jsonschema`` pass reports every error.
 
+Plugins own their configuration: the 2.0 top-level keys a plugin reads (``checkpoint:``,
+the sink switches of ``logging:``, ...) are declared by the plugin (``Callback.legacy_schema``)
+and composed into the run schema here, generically, for every installed plugin; the plugin's
+own cross-field rules (``Callback.legacy_errors``/``options_errors``) run with the core's.
+Nothing in this module knows a plugin by name.
+
 ``config_errors`` is the single validation entry point: imports, plugin lookup, schema and
 cross-field rules, every problem as one ``"<path>: <message>"`` string.
 """
@@ -26,6 +32,7 @@ from jsonschema import Draft202012Validator, ValidationError
 from jsonschema.exceptions import SchemaError
 
 from speedtronic import plugins
+from speedtronic.callback import Callback
 
 SchemaDict = dict[str, object]
 """A JSON Schema document as a plain (JSON-compatible) dict."""
@@ -42,11 +49,11 @@ SECTIONS = (
     "optimizer",
     "scheduler",
     "precision",
-    "checkpoint",
     "logging",
     "distributed",
     "shape_validation",
 )
+"""The core's sections (plugins may add keys to them, and sections of their own)."""
 
 _PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle")
 
@@ -101,9 +108,47 @@ def _core() -> SchemaDict:
     return loaded
 
 
-def core_schema() -> SchemaDict:
-    """A fresh copy of the packaged core schema (every section, no plugin schemas)."""
+def packaged_core_schema() -> SchemaDict:
+    """A fresh copy of the packaged core schema: the core's keys only."""
     return copy.deepcopy(_core())
+
+
+def _merge_plugin_keys(schema: SchemaDict, key: str, declared: Mapping[str, object]) -> None:
+    """Add what a plugin declares for the top-level ``key`` to ``schema``: properties of a
+    section the core (or an earlier plugin) already has, else the whole key. Keys that are
+    already declared keep their first declaration."""
+    root = schema["properties"]
+    assert isinstance(root, dict)
+    existing = root.get(key)
+    if not isinstance(existing, dict):
+        root[key] = json.loads(json.dumps(declared))
+        return
+    properties = existing.setdefault("properties", {})
+    assert isinstance(properties, dict)
+    for name, spec in _mapping(declared.get("properties")).items():
+        properties.setdefault(name, json.loads(json.dumps(spec)))
+
+
+@functools.lru_cache(maxsize=4)
+def _base(version: int) -> SchemaDict:
+    """The core schema plus every installed plugin's 2.0 keys (shared: never mutate)."""
+    del version  # the cache key: registering a plugin may declare more keys
+    schema = copy.deepcopy(_core())
+    for _, plugin in plugins.configurable_plugins():
+        for key, declared in plugin.legacy_schema.items():
+            _merge_plugin_keys(schema, key, declared)
+    return schema
+
+
+def base() -> SchemaDict:
+    """The run schema without the per-callback options (shared: never mutate)."""
+    return _base(plugins.callback_registry.version)
+
+
+def core_schema() -> SchemaDict:
+    """A fresh copy of the run schema without the per-callback options: the packaged core
+    plus the 2.0 keys that installed plugins declare (``Callback.legacy_schema``)."""
+    return copy.deepcopy(base())
 
 
 def _mapping(value: object) -> Mapping[str, object]:
@@ -116,15 +161,52 @@ def section_schema(schema: Mapping[str, object], section: str) -> Mapping[str, o
     return _mapping(_mapping(root.get(section)).get("properties"))
 
 
-@functools.cache
-def _defaults(section: str) -> Mapping[str, object]:
-    props = section_schema(_core(), section)
+@functools.lru_cache(maxsize=64)
+def _defaults(section: str, version: int) -> Mapping[str, object]:
+    del version
+    props = section_schema(base(), section)
     return {key: _mapping(spec).get("default") for key, spec in props.items()}
 
 
 def schema_defaults(section: str) -> dict[str, object]:
-    """The documented default of every key of ``section`` in the core schema."""
-    return copy.deepcopy(dict(_defaults(section)))
+    """The documented default of every key of ``section`` in the run schema."""
+    return copy.deepcopy(dict(_defaults(section, plugins.callback_registry.version)))
+
+
+def root_default(key: str) -> object:
+    """The documented default of a top-level key of the run schema (of a section: the
+    mapping of its keys' defaults)."""
+    spec = _mapping(_mapping(base().get("properties")).get(key))
+    if "properties" in spec:
+        return schema_defaults(key)
+    return copy.deepcopy(spec.get("default"))
+
+
+def plugin_root_keys() -> tuple[str, ...]:
+    """Top-level keys that only plugins declare (not in the packaged core)."""
+    core = _mapping(_core().get("properties"))
+    return tuple(key for key in _mapping(base().get("properties")) if key not in core)
+
+
+def plugin_section_keys(section: str) -> tuple[str, ...]:
+    """Keys that plugins add to a core section."""
+    core = section_schema(_core(), section)
+    return tuple(key for key in section_schema(base(), section) if key not in core)
+
+
+def section_names() -> tuple[str, ...]:
+    """Top-level keys of the run schema that are sections (mappings of settings)."""
+    root = _mapping(base().get("properties"))
+    return tuple(key for key, spec in root.items() if "properties" in _mapping(spec))
+
+
+def section_aliases() -> dict[str, str]:
+    """Other top-level spellings of sections, as plugins declare them (alias -> key)."""
+    aliases: dict[str, str] = {}
+    for _, plugin in plugins.configurable_plugins():
+        for alias, key in plugin.legacy_aliases.items():
+            aliases.setdefault(alias, key)
+    return aliases
 
 
 # -- composition with plugin schemas ----------------------------------------------------
@@ -176,14 +258,15 @@ def composed_schema(plugin_names: Iterable[str] | None = None) -> SchemaDict:
     return _compose({name: plugins.callback_options_schema(name) for name in names})
 
 
-@functools.lru_cache(maxsize=1)
-def _core_validator() -> Draft202012Validator:
-    return Draft202012Validator(_core())
+@functools.lru_cache(maxsize=4)
+def _base_validator(version: int) -> Draft202012Validator:
+    del version
+    return Draft202012Validator(base())
 
 
 def _validator(plugin_schemas: Mapping[str, Mapping[str, object]]) -> Draft202012Validator:
     if not plugin_schemas:
-        return _core_validator()
+        return _base_validator(plugins.callback_registry.version)
     return Draft202012Validator(_compose(plugin_schemas))
 
 
@@ -350,7 +433,8 @@ def _suggestion(key: object, allowed: Sequence[str], parts: Sequence[str | int])
     if close:
         return f" (did you mean {close[0]!r}?)"
     if not parts:  # a section key written at the root: point at its section
-        homes = [section for section in SECTIONS if key in section_schema(_core(), section)]
+        sections = [name for name, spec in _mapping(base().get("properties")).items()]
+        homes = [section for section in sections if key in section_schema(base(), section)]
         if homes:
             return f" (did you mean {homes[0]}.{key}?)"
     return ""
@@ -403,7 +487,7 @@ class _Values:
             return None
         if key in values:
             return values[key]
-        return _defaults(section).get(key)  # read-only use: no copy needed
+        return _defaults(section, plugins.callback_registry.version).get(key)  # read-only
 
     def integer(self, section: str, key: str) -> int | None:
         value = self.get(section, key)
@@ -430,6 +514,18 @@ class _Values:
     def flag(self, section: str, key: str) -> bool:
         return self.get(section, key) is True
 
+    def plugin_sections(self, plugin: type[Callback]) -> dict[str, object]:
+        """The 2.0 keys ``plugin`` reads, schema defaults filled in."""
+        root = _mapping(base().get("properties"))
+        found: dict[str, object] = {}
+        for key in plugin.legacy_sections:
+            if "properties" in _mapping(root.get(key)):  # a section: defaults under values
+                defaults = _defaults(key, plugins.callback_registry.version)
+                found[key] = {**defaults, **_mapping(self._data.get(key))}
+            else:
+                found[key] = self._data[key] if key in self._data else root_default(key)
+        return found
+
     def callback_entries(self) -> list[tuple[int, Mapping[str, object]]]:
         """``(index, entry)`` of every well-formed ``callbacks:`` entry."""
         entries = self._data.get("callbacks")
@@ -447,10 +543,9 @@ def cross_field_errors(data: Mapping[str, object]) -> list[str]:
         _model_rules,
         _optimizer_rules,
         _data_rules,
-        _distributed_rules,
-        _collective_timeout_rules,
     ):
         errors.extend(rule(values))
+    errors.extend(_plugin_rules(values))
     return errors
 
 
@@ -512,66 +607,20 @@ def _data_rules(values: _Values) -> Iterator[str]:
         )
 
 
-def _distributed_rules(values: _Values) -> Iterator[str]:
-    initial = values.number("distributed", "retry_initial")
-    maximum = values.number("distributed", "retry_max")
-    if initial is not None and maximum is not None and maximum < initial:
-        yield (
-            f"distributed.retry_max: {maximum:g} is less than "
-            f"distributed.retry_initial ({initial:g})"
-        )
-    yield from _node_rules(values)
-    if not values.flag("distributed", "enabled"):
-        return
-    mode = values.text("distributed", "mode")
-    if mode is not None and mode != "dumb_diloco":
-        yield (
-            "distributed.mode: must be 'dumb_diloco' when distributed.enabled is true "
-            f"(got {mode!r})"
-        )
-    repo_id = values.get("distributed", "repo_id")
-    hub_dir = values.get("distributed", "hub_dir")
-    if repo_id is None and hub_dir is None:
-        yield (
-            "distributed.repo_id: required when distributed.enabled is true "
-            "(or set distributed.hub_dir for a shared-directory hub)"
-        )
-    elif repo_id is not None and hub_dir is not None:
-        yield "distributed.hub_dir: set distributed.repo_id or distributed.hub_dir, not both"
-
-
-def _collective_timeout_rules(values: _Values) -> Iterator[str]:
-    """The timeouts of torch.distributed collectives must fit together: a callback's
-    outer-round timeout (``sync_timeout_s``, synchronous DiLoCo) may not be shorter than
-    the per-step collective timeout ``distributed.timeout_s``. A round all-reduces the whole
-    model and waits for the slowest replica, so it is the longest collective of a run."""
-    step_timeout = values.number("distributed", "timeout_s")
-    if step_timeout is None:
-        return
+def _plugin_rules(values: _Values) -> Iterator[str]:
+    """Each installed plugin's rules for its 2.0 keys, then each ``callbacks:`` entry's
+    rules, from the plugin it names."""
+    for _, plugin in plugins.configurable_plugins():
+        yield from plugin.legacy_errors(values.plugin_sections(plugin))
     for index, entry in values.callback_entries():
-        round_timeout = entry.get("sync_timeout_s")
-        if isinstance(round_timeout, bool) or not isinstance(round_timeout, (int, float)):
+        name = entry.get("name")
+        if not isinstance(name, str) or name not in plugins.callback_registry:
             continue
-        if round_timeout < step_timeout:
-            yield (
-                f"callbacks[{index}].sync_timeout_s: {round_timeout:g} s is shorter than "
-                f"distributed.timeout_s ({step_timeout:g} s); an outer round all-reduces the "
-                "whole model and waits for the slowest replica, so give it at least the "
-                "per-step collective timeout"
-            )
-
-
-def _node_rules(values: _Values) -> Iterator[str]:
-    node_id = values.text("distributed", "node_id")
-    if node_id is not None:
-        stripped = node_id.strip()
-        if not stripped:
-            yield "distributed.node_id: must not be blank"
-        elif stripped in (".", ".."):
-            yield f"distributed.node_id: {node_id!r} is not a valid node id"
-        elif "/" in stripped or "\\" in stripped:
-            yield f"distributed.node_id: {node_id!r} must not contain '/' or '\\'"
-    collaborators = values.get("distributed", "collaborators")
-    for index, name in enumerate(collaborators if isinstance(collaborators, list) else []):
-        if isinstance(name, str) and name and not name.strip():
-            yield f"distributed.collaborators[{index}]: must not be blank"
+        try:
+            plugin = plugins.callback_registry.get(name)
+        except plugins.PluginError:
+            continue  # reported with the plugin names
+        options = {key: value for key, value in entry.items() if key != "name"}
+        yield from plugin.options_errors(
+            f"callbacks[{index}]", options, values.plugin_sections(plugin)
+        )

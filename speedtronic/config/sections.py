@@ -1,4 +1,12 @@
-"""Typed configuration: one dataclass per ``run.yaml`` section plus the ``SpeedtronicConfig`` root.
+"""Typed configuration: one dataclass per core ``run.yaml`` section plus the ``SpeedtronicConfig``
+root.
+
+Plugins own their 2.0 keys (``Callback.legacy_schema``): keys a plugin adds to a core section
+are kept beside the section's fields (``section.extensions``; ``logging`` and ``distributed``
+also read them as attributes, ``cfg.logging.console``), and top-level keys only plugins
+declare are kept on the root (``cfg.plugin_keys``; read as attributes too,
+``cfg.checkpoint.every_steps``, through ``SectionView``). These views are plain data: new code
+reads a plugin's options instead.
 
 Every way in -- ``SpeedtronicConfig.load``/``from_dict``/``from_yaml``, direct construction,
 ``validate()`` after mutation -- goes through the same JSON Schema and cross-field rules
@@ -9,6 +17,7 @@ collected and raised together as ``ConfigError``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import os
@@ -18,7 +27,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal, TypeAlias, cast
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeAlias, cast
 
 import yaml
 from typing_extensions import Self
@@ -32,7 +41,15 @@ from speedtronic.config.loading import (
     read_file,
     read_source,
 )
-from speedtronic.config.schema import ConfigError, config_errors
+from speedtronic.config.schema import (
+    ConfigError,
+    config_errors,
+    plugin_root_keys,
+    plugin_section_keys,
+    root_default,
+    schema_defaults,
+)
+from speedtronic.plugins import configurable_plugins
 
 JSONValue: TypeAlias = None | bool | int | float | str | list["JSONValue"] | dict[str, "JSONValue"]
 """A value that JSON (and YAML) can represent."""
@@ -123,6 +140,18 @@ class _Section:
 
     section_name: ClassVar[str] = ""
 
+    @property
+    def extensions(self) -> dict[str, JSONValue]:
+        """Keys that installed plugins add to this section (``Callback.legacy_schema``)."""
+        extensions = self.__dict__.get("_extensions")
+        if extensions is None:
+            extensions = {
+                key: cast(JSONValue, schema_defaults(self.section_name).get(key))
+                for key in plugin_section_keys(self.section_name)
+            }
+            self.__dict__["_extensions"] = extensions
+        return cast("dict[str, JSONValue]", extensions)
+
     def __post_init__(self) -> None:
         hints = _field_hints(type(self))
         for item in dataclasses.fields(self):
@@ -140,8 +169,13 @@ class _Section:
         """Derive defaults that depend on other keys of the section."""
 
     def to_dict(self) -> dict[str, JSONValue]:
-        """The section as JSON-compatible data, keys in declaration order."""
-        return {item.name: _jsonable(getattr(self, item.name)) for item in dataclasses.fields(self)}
+        """The section as JSON-compatible data, keys in declaration order (the fields, then
+        the keys plugins add)."""
+        values = {
+            item.name: _jsonable(getattr(self, item.name)) for item in dataclasses.fields(self)
+        }
+        values.update((key, _jsonable(value)) for key, value in self.extensions.items())
+        return values
 
     @classmethod
     def from_dict(cls, values: Mapping[str, object] | None = None) -> Self:
@@ -154,8 +188,51 @@ class _Section:
 
     @classmethod
     def _from_valid(cls, values: Mapping[str, object]) -> Self:
+        names = {item.name for item in dataclasses.fields(cls)}
         factory = cast("Callable[..., Self]", cls)
-        return factory(**values)
+        section = factory(**{key: value for key, value in values.items() if key in names})
+        section.extensions.update(
+            (key, cast(JSONValue, value)) for key, value in values.items() if key not in names
+        )
+        return section
+
+
+class _PluginKeysAsAttributes:
+    """Read (and set) the keys plugins add to a section as attributes: ``logging.console``.
+    Typed as plain JSON values; a plugin's own options are the typed way in."""
+
+    extensions: dict[str, JSONValue]
+    if TYPE_CHECKING:  # provided by _Section, which comes after this mixin
+
+        def to_dict(self) -> dict[str, JSONValue]: ...
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        assert isinstance(other, _PluginKeysAsAttributes)
+        return self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the other sections
+
+    def __getattr__(self, name: str) -> JSONValue:
+        extensions = self.__dict__.get("_extensions")
+        if extensions is None and not name.startswith("_"):
+            extensions = self.extensions
+        if isinstance(extensions, dict) and name in extensions:
+            return cast(JSONValue, extensions[name])
+        raise AttributeError(f"{type(self).__name__} has no setting {name!r}")
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _field_names(type(self)) or name.startswith("_"):
+            object.__setattr__(self, name, value)
+        elif name in self.extensions:
+            self.extensions[name] = cast(JSONValue, value)
+        else:
+            raise AttributeError(f"{type(self).__name__} has no setting {name!r}")
+
+
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(item.name for item in dataclasses.fields(cls))
 
 
 def _as_mapping(value: object) -> Mapping[str, object]:
@@ -176,9 +253,10 @@ class RunConfig(_Section):
     log_every: int | None = None
 
 
-@dataclass
-class ModelConfig(_Section):
-    """``model:`` -- the registered model name and reference-transformer dimensions."""
+@dataclass(eq=False)  # equality includes the plugin keys (the mixin's)
+class ModelConfig(_PluginKeysAsAttributes, _Section):
+    """``model:`` -- the registered model name and reference-transformer dimensions (plugins
+    may add 2.0 keys, readable as attributes: ``model.gradient_checkpointing``)."""
 
     section_name: ClassVar[str] = "model"
 
@@ -193,7 +271,6 @@ class ModelConfig(_Section):
     dropout: float = 0.0
     tie_weights: bool = True
     rope_base: float = 10000.0
-    gradient_checkpointing: bool = False
 
     def _fill_defaults(self) -> None:
         if self.n_kv_head is None:
@@ -344,72 +421,26 @@ class PrecisionConfig(_Section):
     dtype: Literal["bf16", "fp16", "fp32"] | None = None
 
 
-@dataclass
-class CheckpointConfig(_Section):
-    """``checkpoint:`` -- what the checkpoint callback saves, when, and what resume restores."""
-
-    section_name: ClassVar[str] = "checkpoint"
-
-    enabled: bool = True
-    directory: str = "checkpoints"
-    every_steps: int = 500
-    keep_last: int | None = 3
-    resume: bool = False
-    async_save: bool = False
-    save_on_exception: bool = False
-    save_on_signal: bool = True
-    load_callback_state: bool = True
-
-
-@dataclass
-class LoggingConfig(_Section):
-    """``logging:`` -- log level and files, metric cadence, and the default sinks."""
+@dataclass(eq=False)  # equality includes the plugin keys (the mixin's)
+class LoggingConfig(_PluginKeysAsAttributes, _Section):
+    """``logging:`` -- log level and file, and the metric cadence. Sink plugins add their
+    2.0 switches (``console``, ``jsonl``, ``json_file``), readable as attributes."""
 
     section_name: ClassVar[str] = "logging"
 
     level: str = "INFO"
     file: str | None = None
     every_steps: int = 1
-    json_file: str | None = None
-    console: bool = True
-    jsonl: bool = True
 
 
-@dataclass
-class DistributedConfig(_Section):
-    """``distributed:`` (aliases ``hub:``, ``diloco:``) -- asynchronous DiLoCo through a
-    Hugging Face repository (``repo_id``) or a shared directory (``hub_dir``)."""
+@dataclass(eq=False)  # equality includes the plugin keys (the mixin's)
+class DistributedConfig(_PluginKeysAsAttributes, _Section):
+    """``distributed:`` -- settings of torch.distributed runs (``timeout_s``, the per-step
+    collective timeout). Plugins add their 2.0 keys, readable as attributes."""
 
     section_name: ClassVar[str] = "distributed"
 
-    enabled: bool = False
-    mode: Literal["dumb_diloco", "single"] = "dumb_diloco"
-    role: Literal["single", "master", "worker"] = "single"
-    node_id: str | None = None
-    collaborators: list[str] = field(default_factory=list)
-    inner_steps: int = 500
-    poll_interval: float = 60.0
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    repo_id: str | None = None
-    hub_dir: str | None = None
-    token: str | None = field(default=None, repr=False)  # a secret: never in reprs or logs
-    cache_dir: str = ".speedtronic/hub"
-    state_dir: str = ".speedtronic/diloco"
-    retry_initial: float = 1.0
-    retry_max: float = 60.0
-    retry_attempts: int = 6
-    reset_inner_optimizer: bool = True
-    async_delta_upload: bool = True
-    delta_upload_queue_size: int = 1
-    delta_upload_overflow: Literal["skip"] = "skip"
-    delta_upload_shutdown_timeout: float = 5.0
-    async_global_poll: bool = True
     timeout_s: float = 1800.0
-
-    def _fill_defaults(self) -> None:
-        if self.token == REDACTED:
-            self.token = None  # a redacted copy carries no token
 
 
 @dataclass
@@ -465,7 +496,6 @@ _SECTION_TYPES: dict[str, type[_Section]] = {
     "optimizer": OptimizerConfig,
     "scheduler": SchedulerConfig,
     "precision": PrecisionConfig,
-    "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "distributed": DistributedConfig,
     "shape_validation": ShapeValidationConfig,
@@ -482,7 +512,7 @@ class SpeedtronicConfig:
     Build it with ``SpeedtronicConfig.load(source, overrides)`` (mapping, YAML/JSON file or
     text, or another config), ``from_dict``/``from_yaml``, or directly. Construction fills
     derived defaults (``data.block_size``/``vocab_size``/``seed``, ``logging.every_steps`` from
-    ``run.log_every``, the distributed role, gradient checkpointing in both places) and then
+    ``run.log_every``, and what plugins derive from their 2.0 keys) and then
     validates everything; after mutating fields call ``validate()`` again.
     """
 
@@ -492,11 +522,9 @@ class SpeedtronicConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     shape_validation: ShapeValidationConfig = field(default_factory=ShapeValidationConfig)
-    gradient_checkpointing: bool = False
     compile: bool = False
     ooo_backprop: bool = False
     ooo_streams: int = 4
@@ -514,13 +542,68 @@ class SpeedtronicConfig:
                     f"got {type(value).__name__}"
                 )
         self._derive_defaults()
+        self._normalise_plugin_keys()
         self.validate()
 
+    # -- keys plugins declare ---------------------------------------------------------
+
+    @property
+    def plugin_keys(self) -> dict[str, JSONValue]:
+        """Top-level keys only plugins declare (``checkpoint``, ...), as plain data."""
+        keys = self.__dict__.get("_plugin_keys")
+        if keys is None:
+            keys = {key: cast(JSONValue, root_default(key)) for key in plugin_root_keys()}
+            self.__dict__["_plugin_keys"] = keys
+        return cast("dict[str, JSONValue]", keys)
+
+    def __getattr__(self, name: str) -> SectionView | JSONValue:
+        """A top-level key a plugin declares: a ``SectionView`` of a section, else the
+        value (``cfg.checkpoint.every_steps``, ``cfg.gradient_checkpointing``)."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        keys = self.plugin_keys
+        if name not in keys:
+            raise AttributeError(f"SpeedtronicConfig has no section {name!r}")
+        value = keys[name]
+        return SectionView(name, value) if isinstance(value, dict) else value
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _field_names(type(self)) or name.startswith("_"):
+            object.__setattr__(self, name, value)
+        elif name in self.plugin_keys:
+            self.plugin_keys[name] = _jsonable(value)
+        else:
+            raise AttributeError(f"SpeedtronicConfig has no section {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when every setting is, the keys plugins declare included."""
+        if not isinstance(other, SpeedtronicConfig):
+            return NotImplemented
+        return self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def _normalise_plugin_keys(self) -> None:
+        """Let every installed plugin rewrite its 2.0 keys (``Callback.normalise_legacy``)
+        and take back what changed, core sections included."""
+        data: dict[str, object] = dict(self.to_dict())
+        for _, plugin in configurable_plugins():
+            plugin.normalise_legacy(data)
+        for key in self.plugin_keys:
+            if key in data:
+                self.plugin_keys[key] = _jsonable(data[key])
+        for name in _SECTION_TYPES:
+            section = getattr(self, name)
+            values = data.get(name)
+            if not isinstance(values, dict):
+                continue
+            for key, value in values.items():
+                if key in section.extensions:
+                    section.extensions[key] = _jsonable(value)
+                elif value != _jsonable(getattr(section, key)):
+                    object.__setattr__(section, key, value)
+
     def _derive_defaults(self) -> None:
-        distributed = self.distributed
-        if distributed.enabled and distributed.role == "single":
-            has_hub = distributed.repo_id is not None or distributed.hub_dir is not None
-            distributed.role = "master" if has_hub else "worker"
         if self.data.block_size is None:
             self.data.block_size = self.model.max_seq_len
         if self.data.target_batch_size is None:
@@ -531,8 +614,6 @@ class SpeedtronicConfig:
             self.data.seed = self.run.seed
         if self.run.log_every is not None and self.logging.every_steps == 1:
             self.logging.every_steps = self.run.log_every
-        if self.gradient_checkpointing or self.model.gradient_checkpointing:
-            self.gradient_checkpointing = self.model.gradient_checkpointing = True
 
     # -- derived values ---------------------------------------------------------------
 
@@ -567,7 +648,7 @@ class SpeedtronicConfig:
         values: dict[str, JSONValue] = {
             name: getattr(self, name).to_dict() for name in _SECTION_TYPES
         }
-        values["gradient_checkpointing"] = self.gradient_checkpointing
+        values.update(copy.deepcopy(self.plugin_keys))
         values["compile"] = self.compile
         values["ooo_backprop"] = self.ooo_backprop
         values["ooo_streams"] = self.ooo_streams
@@ -619,15 +700,19 @@ class SpeedtronicConfig:
         callbacks = data.get("callbacks", [])
         imports = data.get("imports", [])
         factory = cast("Callable[..., SpeedtronicConfig]", cls)
-        return factory(
+        config = factory(
             **sections,
-            gradient_checkpointing=data.get("gradient_checkpointing", False) is True,
             compile=compile_value is True,
             ooo_backprop=data.get("ooo_backprop", False) is True,
             ooo_streams=data.get("ooo_streams", 4),
             callbacks=[CallbackSpec.from_dict(_as_mapping(entry)) for entry in _as_list(callbacks)],
             imports=[str(module) for module in _as_list(imports)],
         )
+        given = {key: data[key] for key in config.plugin_keys if key in data}
+        if given:
+            config.plugin_keys.update((key, _jsonable(value)) for key, value in given.items())
+            config.validate()
+        return config
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> SpeedtronicConfig:
@@ -653,6 +738,43 @@ class SpeedtronicConfig:
             origin = str(os.fspath(source))
         data = apply_overrides(read_source(source), overrides)
         return _with_source(lambda: cls.from_dict(data), origin)
+
+
+class SectionView:
+    """Attribute access to a section only plugins declare (``cfg.checkpoint.every_steps``):
+    a live view of the plain data in ``SpeedtronicConfig.plugin_keys``. Setting a key
+    changes the config; call ``validate()`` afterwards, as for any change."""
+
+    def __init__(self, name: str, values: dict[str, JSONValue]) -> None:
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_values", values)
+
+    def __getattr__(self, key: str) -> JSONValue:
+        values: dict[str, JSONValue] = self.__dict__["_values"]
+        if key not in values:
+            raise AttributeError(f"{self.__dict__['_name']} has no setting {key!r}")
+        return values[key]
+
+    def __setattr__(self, key: str, value: object) -> None:
+        values: dict[str, JSONValue] = self.__dict__["_values"]
+        if key not in values:
+            raise AttributeError(f"{self.__dict__['_name']} has no setting {key!r}")
+        values[key] = _jsonable(value)
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        """The section as plain data (a copy)."""
+        return copy.deepcopy(self.__dict__["_values"])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SectionView):
+            return self.to_dict() == other.to_dict()
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass sections
+
+    def __repr__(self) -> str:
+        values = redact_secrets(self.__dict__["_values"])
+        return f"SectionView({self.__dict__['_name']!r}, {values!r})"
 
 
 ConfigSource: TypeAlias = Mapping[str, object] | str | os.PathLike[str] | SpeedtronicConfig | None

@@ -14,19 +14,16 @@ Modules, one concept each:
   ``directory_transport`` and ``hub_transport`` -- one store per kind;
 * ``lanes`` -- bounded background I/O;
 * ``master`` -- the outer loop; ``node`` -- the per-step state machine;
-* ``callback`` -- the ``Callback`` itself; ``collective`` -- the torch.distributed mode.
+* ``options`` -- the plugin's options and its 2.0 ``distributed:`` section;
+* ``callback`` -- the ``Callback`` itself and the plugin's builder; ``collective`` -- the
+  torch.distributed mode.
 
 ``tensors`` and ``transport`` are the former module names, kept as re-exports.
 """
 
 from __future__ import annotations
 
-from speedtronic_callbacks.diloco.callback import (
-    DiLoCoCallback,
-    DiLoCoOptions,
-    DistributedSection,
-    options_from_distributed_section,
-)
+from speedtronic_callbacks.diloco.callback import DiLoCoCallback, build_diloco
 from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
 from speedtronic_callbacks.diloco.hub_transport import HubTransport
 from speedtronic_callbacks.diloco.master import MasterLoop, MasterSettings, RoundReport
@@ -38,6 +35,11 @@ from speedtronic_callbacks.diloco.math import (
     staleness_weight,
 )
 from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
+from speedtronic_callbacks.diloco.options import (
+    DiLoCoOptions,
+    DistributedSection,
+    options_from_distributed_section,
+)
 from speedtronic_callbacks.diloco.transport_base import (
     PermanentTransportError,
     RetryingTransport,
@@ -79,6 +81,7 @@ __all__ = [
     "TransportError",
     "aggregate_deltas",
     "average_deltas",
+    "build_diloco",
     "compute_pseudo_gradient",
     "options_from_distributed_section",
     "pseudo_gradient",

@@ -19,9 +19,11 @@ asks for an ``optimizer_reset`` only when a newer global was installed and
 its full state -- baseline, unsent work, counters and, for the master, the global model,
 outer momentum and ledger -- in the trainer checkpoint under ``state_key = "diloco"``.
 
-The original ``distributed:`` config section still works: when it is enabled the runtime
-adds this callback with no options, and ``from_options`` maps the section onto the
-options (``options_from_distributed_section``); explicit options win.
+The original ``distributed:`` config section still works: the plugin declares it
+(``legacy_sections``) and, when it is enabled, ``options_from_legacy`` rewrites it into
+options (``options.options_from_distributed_section``); explicit options win. The plugin's
+builder (``build_diloco``) picks the callback class for the ``mode`` option, so
+``DiLoCoCallback.from_options`` only ever builds a ``DiLoCoCallback``.
 
 Per-node data: ``data_seed_offset`` (the ``node_index`` option, else a stable hash of the
 node id) is meant to be added to the data seed, and ``data_shard`` (``node_index``,
@@ -30,40 +32,49 @@ node id) is meant to be added to the data seed, and ``data_shard`` (``node_index
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
 import os
 import re
 import socket
-import types
-import typing
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, cast
+from typing import TYPE_CHECKING, ClassVar
 
 from typing_extensions import Self
 
-from speedtronic.callback import Callback, JSONSchema
+from speedtronic.callback import (
+    Callback,
+    JSONSchema,
+    LegacySections,
+    PluginOptions,
+    legacy_section,
+)
 from speedtronic.contexts import (
     CoordinateContext,
     FitContext,
     MetricsContext,
     TeardownContext,
 )
-from speedtronic_callbacks.diloco.collective import (
-    COLLECTIVE_OPTIONS_SCHEMA,
-    CollectiveDiLoCo,
-    CollectiveDiLoCoOptions,
-)
+from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
 from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
 from speedtronic_callbacks.diloco.hub_transport import HubTransport
 from speedtronic_callbacks.diloco.lanes import ErrorReporter
 from speedtronic_callbacks.diloco.master import NODE_ID_PATTERN, MasterLoop, MasterSettings
 from speedtronic_callbacks.diloco.model_layout import ModelLayout, build_layout
 from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
+from speedtronic_callbacks.diloco.options import (
+    DISTRIBUTED_SECTION_SCHEMA,
+    OPTIONS_SCHEMA,
+    CollectiveDiLoCoOptions,
+    DiLoCoOptions,
+    DistributedSection,
+    distributed_section_problems,
+    hub_option_problems,
+    normalise_distributed_section,
+    options_from_distributed_section,
+)
 from speedtronic_callbacks.diloco.transport_base import RetryingTransport, RetryPolicy, Transport
 from speedtronic_callbacks.diloco.wire import Compression
 
@@ -75,396 +86,11 @@ __all__ = [
     "DiLoCoCallback",
     "DiLoCoOptions",
     "DistributedSection",
+    "build_diloco",
     "options_from_distributed_section",
 ]
 
 logger = logging.getLogger("speedtronic.diloco")
-
-_positive = {"type": "number", "exclusiveMinimum": 0}
-
-HUB_OPTIONS_SCHEMA: JSONSchema = {
-    "type": "object",
-    "additionalProperties": False,
-    "not": {"required": ["hub_dir", "repo_id"]},
-    "properties": {
-        "role": {
-            "enum": ["master", "worker"],
-            "default": "worker",
-            "description": "master: trains and runs the outer loop (one per hub); worker: "
-            "trains and syncs.",
-        },
-        "node_id": {
-            "type": "string",
-            "pattern": NODE_ID_PATTERN.pattern,
-            "description": "Unique node name (letters, digits, '.', '_', '-'; default: "
-            "$SPEEDTRONIC_NODE_ID, else '<host>-<pid>').",
-        },
-        "inner_steps": {
-            "type": "integer",
-            "minimum": 1,
-            "default": 500,
-            "description": "Local optimizer steps between uploads (H).",
-        },
-        "outer_lr": {**_positive, "default": 0.7, "description": "Outer Nesterov learning rate."},
-        "outer_momentum": {
-            "type": "number",
-            "minimum": 0,
-            "exclusiveMaximum": 1,
-            "default": 0.9,
-            "description": "Outer Nesterov momentum.",
-        },
-        "hub_dir": {
-            "type": "string",
-            "minLength": 1,
-            "description": "Shared directory used as the hub (local disk or network FS).",
-        },
-        "repo_id": {
-            "type": "string",
-            "pattern": "^[^/\\s]+/[^/\\s]+$",
-            "description": "Hugging Face Hub model repository used as the hub "
-            "(needs the 'hub' extra).",
-        },
-        "token_env": {
-            "type": "string",
-            "minLength": 1,
-            "default": "HF_TOKEN",
-            "description": "Environment variable holding the Hub token (never put tokens "
-            "in config files).",
-        },
-        "private_repo": {
-            "type": "boolean",
-            "default": True,
-            "description": "Create the Hub repository as private (master).",
-        },
-        "poll_interval": {
-            **_positive,
-            "default": 60.0,
-            "description": "Seconds between polls for a new global (workers) and between "
-            "outer rounds (master).",
-        },
-        "retry_attempts": {
-            "type": "integer",
-            "minimum": 1,
-            "default": 6,
-            "description": "Tries per hub request, the first included.",
-        },
-        "retry_initial": {**_positive, "default": 1.0, "description": "First backoff (s)."},
-        "retry_max": {**_positive, "default": 60.0, "description": "Longest backoff (s)."},
-        "request_timeout": {
-            **_positive,
-            "default": 600.0,
-            "description": "Give up waiting for one hub request after this many seconds "
-            "(longer than the slowest full-model transfer).",
-        },
-        "reset_optimizer": {
-            "type": "boolean",
-            "default": True,
-            "description": "Clear the inner optimizer state when a newer global is installed.",
-        },
-        "compression": {
-            "enum": ["none", "bf16", "fp16"],
-            "default": "none",
-            "description": "Delta precision on the wire (bf16/fp16 halve the bytes).",
-        },
-        "staleness_power": {
-            "type": "number",
-            "minimum": 0,
-            "default": 0.5,
-            "description": "A delta s outer steps stale counts (1 + s) ** -power (0: equal).",
-        },
-        "max_staleness": {
-            "type": ["integer", "null"],
-            "minimum": 0,
-            "default": None,
-            "description": "Reject deltas more than this many outer steps stale (null: never).",
-        },
-        "signing_secret_env": {
-            "type": ["string", "null"],
-            "minLength": 1,
-            "default": None,
-            "description": "Environment variable with a shared secret: files are signed "
-            "(HMAC-SHA256) and unsigned or wrongly signed files are rejected.",
-        },
-        "delete_applied_deltas": {
-            "type": "boolean",
-            "default": True,
-            "description": "Master removes deltas from the hub once applied.",
-        },
-        "keep_global_versions": {
-            "type": "integer",
-            "minimum": 1,
-            "default": 2,
-            "description": "Global model versions kept on the hub.",
-        },
-        "shutdown_timeout": {
-            **_positive,
-            "default": 5.0,
-            "description": "Seconds an upload in flight may take to finish at the end of a fit.",
-        },
-        "node_index": {
-            "type": ["integer", "null"],
-            "minimum": 0,
-            "default": None,
-            "description": "This node's index for data seeding/sharding.",
-        },
-        "num_nodes": {
-            "type": ["integer", "null"],
-            "minimum": 1,
-            "default": None,
-            "description": "Number of data shards (with node_index).",
-        },
-        "audit_log": {
-            "type": "boolean",
-            "default": True,
-            "description": "Master appends every round to <output_dir>/diloco/rounds.jsonl.",
-        },
-    },
-}
-
-
-def _plugin_schema() -> JSONSchema:
-    """One ``diloco`` schema for both modes: ``mode: hub`` (default; asynchronous, through a
-    shared directory or the Hugging Face Hub) and ``mode: collective`` (synchronous, over
-    torch.distributed). Each mode accepts only its own keys; ``propertyNames`` (not nested
-    closed schemas) keeps the ``name`` key that the config loader adds valid."""
-    hub = cast(dict[str, object], HUB_OPTIONS_SCHEMA["properties"])
-    collective = cast(dict[str, object], COLLECTIVE_OPTIONS_SCHEMA["properties"])
-    collective_keys = [key for key in collective if key != "mode"]
-    mode = {
-        "enum": ["hub", "collective"],
-        "default": "hub",
-        "description": "hub: asynchronous DiLoCo over a shared hub (this page's options); "
-        "collective: synchronous DiLoCo over torch.distributed all-reduce.",
-    }
-    return {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {**collective, **hub, "mode": mode},
-        "if": {"required": ["mode"], "properties": {"mode": {"const": "collective"}}},
-        "then": {"propertyNames": {"enum": [*collective_keys, "mode", "name"]}},
-        "else": {
-            "propertyNames": {"enum": [*hub, "mode", "name"]},
-            "not": HUB_OPTIONS_SCHEMA["not"],
-        },
-    }
-
-
-OPTIONS_SCHEMA: JSONSchema = _plugin_schema()
-
-
-@dataclass(frozen=True)
-class DiLoCoOptions:
-    """Validated options of the ``diloco`` callback (see ``OPTIONS_SCHEMA``)."""
-
-    role: Literal["master", "worker"] = "worker"
-    node_id: str | None = None
-    inner_steps: int = 500
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    hub_dir: str | None = None
-    repo_id: str | None = None
-    token_env: str = "HF_TOKEN"
-    private_repo: bool = True
-    poll_interval: float = 60.0
-    retry_attempts: int = 6
-    retry_initial: float = 1.0
-    retry_max: float = 60.0
-    request_timeout: float = 600.0
-    reset_optimizer: bool = True
-    compression: Literal["none", "bf16", "fp16"] = "none"
-    staleness_power: float = 0.5
-    max_staleness: int | None = None
-    signing_secret_env: str | None = None
-    delete_applied_deltas: bool = True
-    keep_global_versions: int = 2
-    shutdown_timeout: float = 5.0
-    node_index: int | None = None
-    num_nodes: int | None = None
-    audit_log: bool = True
-
-    def __post_init__(self) -> None:
-        problems = _type_problems(self)
-        if problems:
-            raise ValueError("diloco: " + "; ".join(problems))
-        if self.role not in ("master", "worker"):
-            problems.append(f"role must be 'master' or 'worker', got {self.role!r}")
-        if (self.hub_dir is None) == (self.repo_id is None):
-            problems.append("set exactly one of hub_dir (shared directory) or repo_id (HF Hub)")
-        if self.node_id is not None and not NODE_ID_PATTERN.match(self.node_id):
-            problems.append(f"node_id {self.node_id!r} must match {NODE_ID_PATTERN.pattern}")
-        if self.inner_steps < 1:
-            problems.append(f"inner_steps must be >= 1, got {self.inner_steps}")
-        if self.outer_lr <= 0:
-            problems.append(f"outer_lr must be > 0, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
-            problems.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        if self.retry_attempts < 1:
-            problems.append("retry_attempts must be >= 1")
-        if not 0 < self.retry_initial <= self.retry_max:
-            problems.append("retry delays need 0 < retry_initial <= retry_max")
-        if min(self.poll_interval, self.request_timeout, self.shutdown_timeout) <= 0:
-            problems.append("poll_interval, request_timeout and shutdown_timeout must be > 0")
-        if self.compression not in ("none", "bf16", "fp16"):
-            problems.append(f"compression must be none, bf16 or fp16, got {self.compression!r}")
-        if self.staleness_power < 0:
-            problems.append("staleness_power must be >= 0")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            problems.append("max_staleness must be >= 0")
-        if self.keep_global_versions < 1:
-            problems.append("keep_global_versions must be >= 1")
-        if self.node_index is not None and self.node_index < 0:
-            problems.append("node_index must be >= 0")
-        if self.num_nodes is not None and self.node_index is None:
-            problems.append("num_nodes needs node_index")
-        if (
-            self.num_nodes is not None
-            and self.node_index is not None
-            and not 0 <= self.node_index < self.num_nodes
-        ):
-            problems.append(f"node_index {self.node_index} is not below num_nodes {self.num_nodes}")
-        if problems:
-            raise ValueError("diloco: " + "; ".join(problems))
-
-    @classmethod
-    def from_mapping(cls, options: Mapping[str, object]) -> DiLoCoOptions:
-        """Build from a (schema-validated) mapping; unknown keys are a ``ValueError``."""
-        names = {item.name for item in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - names)
-        if unknown:
-            raise ValueError(f"diloco: unknown option(s) {unknown}")
-        return cls(**dict(options))  # type: ignore[arg-type]  # types are checked by __post_init__
-
-
-def _accepts(hint: object, value: object) -> bool:
-    """Whether ``value`` fits a field annotation (``int``, ``float``, ``str``, ``bool``,
-    ``Literal[...]`` and unions of those with ``None``)."""
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        return value in typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_accepts(arg, value) for arg in typing.get_args(hint))
-    return True
-
-
-def _type_problems(options: DiLoCoOptions) -> list[str]:
-    hints = typing.get_type_hints(type(options))
-    return [
-        f"{item.name}: {getattr(options, item.name)!r} is not a valid value"
-        for item in dataclasses.fields(options)
-        if not _accepts(hints[item.name], getattr(options, item.name))
-    ]
-
-
-# -- the original ``distributed:`` section --------------------------------------------
-
-
-class DistributedSection(Protocol):
-    """The attributes of the original ``distributed:`` config section (plus ``hub_dir``)."""
-
-    @property
-    def enabled(self) -> bool: ...
-    @property
-    def mode(self) -> str: ...
-    @property
-    def role(self) -> str: ...
-    @property
-    def node_id(self) -> str | None: ...
-    @property
-    def collaborators(self) -> list[str]: ...
-    @property
-    def inner_steps(self) -> int: ...
-    @property
-    def poll_interval(self) -> float: ...
-    @property
-    def outer_lr(self) -> float: ...
-    @property
-    def outer_momentum(self) -> float: ...
-    @property
-    def repo_id(self) -> str | None: ...
-    @property
-    def hub_dir(self) -> str | None: ...
-    @property
-    def token(self) -> str | None: ...
-    @property
-    def cache_dir(self) -> str: ...
-    @property
-    def state_dir(self) -> str: ...
-    @property
-    def retry_initial(self) -> float: ...
-    @property
-    def retry_max(self) -> float: ...
-    @property
-    def retry_attempts(self) -> int: ...
-    @property
-    def reset_inner_optimizer(self) -> bool: ...
-    @property
-    def async_delta_upload(self) -> bool: ...
-    @property
-    def async_global_poll(self) -> bool: ...
-    @property
-    def delta_upload_queue_size(self) -> int: ...
-    @property
-    def delta_upload_overflow(self) -> str: ...
-    @property
-    def delta_upload_shutdown_timeout(self) -> float: ...
-
-
-def options_from_distributed_section(section: DistributedSection) -> dict[str, object]:
-    """Map an enabled original ``distributed:`` section onto ``diloco`` options.
-
-    * ``role: single`` becomes ``master`` (what the original inferred for an enabled
-      section with a hub); ``reset_inner_optimizer`` becomes ``reset_optimizer`` and
-      ``delta_upload_shutdown_timeout`` becomes ``shutdown_timeout``.
-    * ``cache_dir``/``state_dir`` are dropped: downloads stay in memory and the state lives
-      in the trainer checkpoint. The async flags and queue settings are dropped: I/O is
-      always on bounded background lanes (the original's only supported queue size, 1).
-    * ``collaborators`` are dropped with a warning: grant access on the Hub itself.
-    * A ``token`` in the section is refused: tokens come only from the environment
-      (``HF_TOKEN``), so they never end up in config files, checkpoints or logs.
-    """
-    if not section.enabled:
-        raise ValueError("distributed.enabled is false: there is nothing to map")
-    if section.mode != "dumb_diloco":
-        raise ValueError(f"distributed.mode must be 'dumb_diloco', got {section.mode!r}")
-    if section.token:
-        raise ValueError(
-            "distributed.token is not supported: put the Hub token in the HF_TOKEN "
-            "environment variable instead of the config file"
-        )
-    if section.collaborators:
-        logger.warning(
-            "distributed.collaborators %s ignored: grant write access on the Hub instead",
-            list(section.collaborators),
-        )
-    options: dict[str, object] = {
-        "role": "master" if section.role in ("single", "master") else "worker",
-        "inner_steps": section.inner_steps,
-        "poll_interval": section.poll_interval,
-        "outer_lr": section.outer_lr,
-        "outer_momentum": section.outer_momentum,
-        "retry_initial": section.retry_initial,
-        "retry_max": section.retry_max,
-        "retry_attempts": section.retry_attempts,
-        "reset_optimizer": section.reset_inner_optimizer,
-        "shutdown_timeout": section.delta_upload_shutdown_timeout,
-    }
-    if section.node_id is not None:
-        options["node_id"] = section.node_id
-    if section.hub_dir is not None:
-        options["hub_dir"] = section.hub_dir
-    if section.repo_id is not None:
-        options["repo_id"] = section.repo_id
-    return options
 
 
 def default_node_id() -> str:
@@ -472,6 +98,37 @@ def default_node_id() -> str:
     raw = os.environ.get("SPEEDTRONIC_NODE_ID") or f"{socket.gethostname()}-{os.getpid()}"
     cleaned = re.sub(r"[^A-Za-z0-9_.-]+", "-", raw).strip(".-_")[:64] or "node"
     return cleaned if NODE_ID_PATTERN.match(cleaned) else f"n{cleaned}"[:64]
+
+
+def build_diloco(options: Mapping[str, object]) -> DiLoCoCallback | CollectiveDiLoCo:
+    """The ``diloco`` plugin's callback for these options: ``CollectiveDiLoCo`` for
+    ``mode: collective``, else a hub-mode ``DiLoCoCallback``."""
+    if options.get("mode") == "collective":
+        return CollectiveDiLoCo(CollectiveDiLoCoOptions.from_mapping(options))
+    return DiLoCoCallback(DiLoCoOptions.from_mapping(options))
+
+
+def _collective_timeout_problems(
+    entry: str, options: Mapping[str, object], step_timeout: object
+) -> Iterator[str]:
+    """The outer-round timeout (``sync_timeout_s``) may not be shorter than the per-step
+    collective timeout ``distributed.timeout_s``: a round all-reduces the whole model and
+    waits for the slowest replica, so it is the longest collective of a run."""
+    round_timeout = options.get("sync_timeout_s")
+    if not (_is_number(round_timeout) and _is_number(step_timeout)):
+        return
+    assert isinstance(round_timeout, (int, float)) and isinstance(step_timeout, (int, float))
+    if round_timeout < step_timeout:
+        yield (
+            f"{entry}.sync_timeout_s: {round_timeout:g} s is shorter than "
+            f"distributed.timeout_s ({step_timeout:g} s); an outer round all-reduces the "
+            "whole model and waits for the slowest replica, so give it at least the "
+            "per-step collective timeout"
+        )
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # -- the callback -----------------------------------------------------------------------
@@ -505,19 +162,67 @@ class DiLoCoCallback(Callback):
         self._staged: Mapping[str, object] | None = None
         self.reporter = ErrorReporter()
 
+    # -- plugin configuration -------------------------------------------------------------
+    implied_order: ClassVar[int] = 20
+    legacy_sections: ClassVar[tuple[str, ...]] = ("distributed",)
+    legacy_schema: ClassVar[Mapping[str, JSONSchema]] = {"distributed": DISTRIBUTED_SECTION_SCHEMA}
+    legacy_aliases: ClassVar[Mapping[str, str]] = {"hub": "distributed", "diloco": "distributed"}
+
+    @classmethod
+    def options_from_legacy(
+        cls, sections: LegacySections, options: Mapping[str, object] | None
+    ) -> PluginOptions | None:
+        """An enabled 2.0 ``distributed:`` section adds the plugin in hub mode; under a
+        configured hub-mode entry its keys are defaults (explicit options win)."""
+        section = legacy_section(sections, "distributed")
+        enabled = section.get("enabled") is True
+        if options is None:
+            return options_from_distributed_section(section) if enabled else None
+        if not enabled or options.get("mode") == "collective":
+            return dict(options)
+        return {**options_from_distributed_section(section), **options}
+
+    @classmethod
+    def normalise_legacy(cls, data: dict[str, object]) -> None:
+        section = data.get("distributed")
+        if isinstance(section, dict):
+            normalise_distributed_section(section)
+
+    @classmethod
+    def legacy_errors(cls, sections: LegacySections) -> Iterator[str]:
+        return distributed_section_problems(legacy_section(sections, "distributed"))
+
+    @classmethod
+    def options_errors(
+        cls, entry: str, options: Mapping[str, object], sections: LegacySections
+    ) -> Iterator[str]:
+        step_timeout = legacy_section(sections, "distributed").get("timeout_s")
+        if options.get("mode") == "collective":
+            yield from _collective_timeout_problems(entry, options, step_timeout)
+            return
+        try:  # the entry as it will be built: with the 2.0 section's keys beneath it
+            merged = cls.options_from_legacy(sections, options) or dict(options)
+        except ValueError:
+            return  # a section that cannot be mapped fails when the plugin is built
+        values = {key: value for key, value in merged.items() if key != "mode"}
+        for problem in hub_option_problems(values, cross_field_only=True):
+            yield f"{entry}.{problem}"
+
+    @classmethod
+    def build(cls, options: Mapping[str, object], context: PluginContext) -> Callback:
+        """The plugin-level builder: the ``mode`` option picks the callback class."""
+        del context
+        return build_diloco(options)
+
     @classmethod
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
-        """Options not given come from an enabled ``distributed:`` section."""
-        merged: dict[str, object] = {}
-        section = getattr(context.config, "distributed", None)
-        if section is not None and getattr(section, "enabled", False):
-            merged.update(options_from_distributed_section(cast(DistributedSection, section)))
-        if options.get("mode") == "collective":
-            # Synchronous mode is its own callback class behind the same plugin name; the
-            # cast only widens what ``from_options`` may return to that sibling class.
-            return cast(Self, CollectiveDiLoCo(CollectiveDiLoCoOptions.from_mapping(options)))
-        merged.update((key, value) for key, value in options.items() if key != "mode")
-        return cls(DiLoCoOptions.from_mapping(merged))
+        """Build from validated hub-mode options (``mode: hub`` allowed)."""
+        del context
+        if options.get("mode", "hub") != "hub":
+            raise ValueError(
+                "DiLoCoCallback is diloco's hub mode; build other modes with build_diloco"
+            )
+        return cls(DiLoCoOptions.from_mapping(options))
 
     # -- data seeding -------------------------------------------------------------------
 

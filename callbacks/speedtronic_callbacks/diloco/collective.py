@@ -37,12 +37,10 @@ new weights: plain data-parallel training (tested against DDP with SGD).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal, cast
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -57,6 +55,10 @@ from speedtronic_callbacks.diloco.math import (
     pseudo_gradient,
 )
 from speedtronic_callbacks.diloco.model_layout import ModelLayout, build_layout
+from speedtronic_callbacks.diloco.options import (
+    COLLECTIVE_OPTIONS_SCHEMA,
+    CollectiveDiLoCoOptions,
+)
 from speedtronic_callbacks.diloco.wire import Compression
 
 if TYPE_CHECKING:
@@ -73,100 +75,6 @@ logger = logging.getLogger("speedtronic.diloco")
 
 STATE_FORMAT = 1
 """Version of ``CollectiveDiLoCo.state_dict``'s layout."""
-
-_positive = {"type": "number", "exclusiveMinimum": 0}
-
-COLLECTIVE_OPTIONS_SCHEMA: JSONSchema = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {
-        "mode": {
-            "const": "collective",
-            "description": "Synchronous DiLoCo over torch.distributed collectives.",
-        },
-        "inner_steps": {
-            "type": "integer",
-            "minimum": 1,
-            "default": 500,
-            "description": "Inner optimizer steps between two outer rounds (H).",
-        },
-        "outer_lr": {**_positive, "default": 0.7, "description": "Outer Nesterov learning rate."},
-        "outer_momentum": {
-            "type": "number",
-            "minimum": 0,
-            "exclusiveMaximum": 1,
-            "default": 0.9,
-            "description": "Outer Nesterov momentum.",
-        },
-        "compression": {
-            "enum": ["none", "bf16", "fp16"],
-            "default": "none",
-            "description": "Precision of the pseudo-gradient all-reduce (bf16/fp16 halve "
-            "the bytes; the outer step itself is float32).",
-        },
-        "reset_optimizer": {
-            "type": "boolean",
-            "default": True,
-            "description": "Clear the inner optimizer state after every outer round.",
-        },
-        "ranks_per_replica": {
-            "type": "integer",
-            "minimum": 1,
-            "default": 1,
-            "description": "Consecutive ranks forming one model replica (DDP inside it); "
-            "must divide the world size.",
-        },
-        "sync_timeout_s": {
-            "type": ["number", "null"],
-            "exclusiveMinimum": 0,
-            "default": None,
-            "description": "Timeout of the outer all-reduce (null: distributed.timeout_s). "
-            "Give slow links or large models more time than the per-step collectives.",
-        },
-    },
-}
-
-
-@dataclass(frozen=True)
-class CollectiveDiLoCoOptions:
-    """Validated options of synchronous DiLoCo (see ``COLLECTIVE_OPTIONS_SCHEMA``)."""
-
-    mode: Literal["collective"] = "collective"
-    inner_steps: int = 500
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    compression: Literal["none", "bf16", "fp16"] = "none"
-    reset_optimizer: bool = True
-    ranks_per_replica: int = 1
-    sync_timeout_s: float | None = None
-
-    def __post_init__(self) -> None:
-        problems: list[str] = []
-        if self.mode != "collective":
-            problems.append(f"mode must be 'collective', got {self.mode!r}")
-        if self.inner_steps < 1:
-            problems.append(f"inner_steps must be >= 1, got {self.inner_steps}")
-        if self.outer_lr <= 0:
-            problems.append(f"outer_lr must be > 0, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
-            problems.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        if self.compression not in ("none", "bf16", "fp16"):
-            problems.append(f"compression must be none, bf16 or fp16, got {self.compression!r}")
-        if self.ranks_per_replica < 1:
-            problems.append(f"ranks_per_replica must be >= 1, got {self.ranks_per_replica}")
-        if self.sync_timeout_s is not None and self.sync_timeout_s <= 0:
-            problems.append(f"sync_timeout_s must be > 0, got {self.sync_timeout_s}")
-        if problems:
-            raise ValueError("diloco (collective): " + "; ".join(problems))
-
-    @classmethod
-    def from_mapping(cls, options: Mapping[str, object]) -> CollectiveDiLoCoOptions:
-        """Build from a (schema-validated) mapping; unknown keys are a ``ValueError``."""
-        names = {item.name for item in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - names)
-        if unknown:
-            raise ValueError(f"diloco (collective): unknown option(s) {unknown}")
-        return cls(**dict(options))  # type: ignore[arg-type]  # values checked in __post_init__
 
 
 def _baseline_copy(tensor: torch.Tensor) -> torch.Tensor:

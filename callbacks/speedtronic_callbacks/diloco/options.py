@@ -1,0 +1,699 @@
+"""The ``diloco`` plugin's options: declared once, validated once, by the schema.
+
+Both modes share one plugin name and one options schema (``OPTIONS_SCHEMA``): ``mode: hub``
+(the default; asynchronous, through a shared directory or the Hugging Face Hub, options
+``DiLoCoOptions``) and ``mode: collective`` (synchronous over torch.distributed, options
+``CollectiveDiLoCoOptions``). Config validation checks a ``callbacks:`` entry against that
+schema plus ``hub_option_problems``' cross-field rules; building ``DiLoCoOptions`` directly
+in Python runs the same checks, so nothing is validated twice by different code.
+
+The 2.0 ``distributed:`` section (aliases ``hub:`` and ``diloco:``) belongs to this plugin
+as well: ``DISTRIBUTED_SECTION_SCHEMA`` declares its keys, ``distributed_section_problems``
+its cross-field rules, and ``options_from_distributed_section`` rewrites it into options --
+the one place that mapping lives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Literal, Protocol, cast
+
+from jsonschema import Draft202012Validator
+
+from speedtronic.callback import JSONSchema
+from speedtronic_callbacks.diloco.master import NODE_ID_PATTERN
+
+__all__ = [
+    "COLLECTIVE_OPTIONS_SCHEMA",
+    "DISTRIBUTED_SECTION_SCHEMA",
+    "HUB_OPTIONS_SCHEMA",
+    "OPTIONS_SCHEMA",
+    "CollectiveDiLoCoOptions",
+    "collective_option_problems",
+    "DiLoCoOptions",
+    "DistributedSection",
+    "distributed_section_problems",
+    "hub_option_problems",
+    "normalise_distributed_section",
+    "options_from_distributed_section",
+]
+
+logger = logging.getLogger("speedtronic.diloco")
+
+_positive = {"type": "number", "exclusiveMinimum": 0}
+
+HUB_OPTIONS_SCHEMA: JSONSchema = {
+    "type": "object",
+    "additionalProperties": False,
+    "not": {"required": ["hub_dir", "repo_id"]},
+    "properties": {
+        "role": {
+            "enum": ["master", "worker"],
+            "default": "worker",
+            "description": "master: trains and runs the outer loop (one per hub); worker: "
+            "trains and syncs.",
+        },
+        "node_id": {
+            "type": "string",
+            "pattern": NODE_ID_PATTERN.pattern,
+            "description": "Unique node name (letters, digits, '.', '_', '-'; default: "
+            "$SPEEDTRONIC_NODE_ID, else '<host>-<pid>').",
+        },
+        "inner_steps": {
+            "type": "integer",
+            "minimum": 1,
+            "default": 500,
+            "description": "Local optimizer steps between uploads (H).",
+        },
+        "outer_lr": {**_positive, "default": 0.7, "description": "Outer Nesterov learning rate."},
+        "outer_momentum": {
+            "type": "number",
+            "minimum": 0,
+            "exclusiveMaximum": 1,
+            "default": 0.9,
+            "description": "Outer Nesterov momentum.",
+        },
+        "hub_dir": {
+            "type": "string",
+            "minLength": 1,
+            "description": "Shared directory used as the hub (local disk or network FS).",
+        },
+        "repo_id": {
+            "type": "string",
+            "pattern": "^[^/\\s]+/[^/\\s]+$",
+            "description": "Hugging Face Hub model repository used as the hub "
+            "(needs the 'hub' extra).",
+        },
+        "token_env": {
+            "type": "string",
+            "minLength": 1,
+            "default": "HF_TOKEN",
+            "description": "Environment variable holding the Hub token (never put tokens "
+            "in config files).",
+        },
+        "private_repo": {
+            "type": "boolean",
+            "default": True,
+            "description": "Create the Hub repository as private (master).",
+        },
+        "poll_interval": {
+            **_positive,
+            "default": 60.0,
+            "description": "Seconds between polls for a new global (workers) and between "
+            "outer rounds (master).",
+        },
+        "retry_attempts": {
+            "type": "integer",
+            "minimum": 1,
+            "default": 6,
+            "description": "Tries per hub request, the first included.",
+        },
+        "retry_initial": {**_positive, "default": 1.0, "description": "First backoff (s)."},
+        "retry_max": {**_positive, "default": 60.0, "description": "Longest backoff (s)."},
+        "request_timeout": {
+            **_positive,
+            "default": 600.0,
+            "description": "Give up waiting for one hub request after this many seconds "
+            "(longer than the slowest full-model transfer).",
+        },
+        "reset_optimizer": {
+            "type": "boolean",
+            "default": True,
+            "description": "Clear the inner optimizer state when a newer global is installed.",
+        },
+        "compression": {
+            "enum": ["none", "bf16", "fp16"],
+            "default": "none",
+            "description": "Delta precision on the wire (bf16/fp16 halve the bytes).",
+        },
+        "staleness_power": {
+            "type": "number",
+            "minimum": 0,
+            "default": 0.5,
+            "description": "A delta s outer steps stale counts (1 + s) ** -power (0: equal).",
+        },
+        "max_staleness": {
+            "type": ["integer", "null"],
+            "minimum": 0,
+            "default": None,
+            "description": "Reject deltas more than this many outer steps stale (null: never).",
+        },
+        "signing_secret_env": {
+            "type": ["string", "null"],
+            "minLength": 1,
+            "default": None,
+            "description": "Environment variable with a shared secret: files are signed "
+            "(HMAC-SHA256) and unsigned or wrongly signed files are rejected.",
+        },
+        "delete_applied_deltas": {
+            "type": "boolean",
+            "default": True,
+            "description": "Master removes deltas from the hub once applied.",
+        },
+        "keep_global_versions": {
+            "type": "integer",
+            "minimum": 1,
+            "default": 2,
+            "description": "Global model versions kept on the hub.",
+        },
+        "shutdown_timeout": {
+            **_positive,
+            "default": 5.0,
+            "description": "Seconds an upload in flight may take to finish at the end of a fit.",
+        },
+        "node_index": {
+            "type": ["integer", "null"],
+            "minimum": 0,
+            "default": None,
+            "description": "This node's index for data seeding/sharding.",
+        },
+        "num_nodes": {
+            "type": ["integer", "null"],
+            "minimum": 1,
+            "default": None,
+            "description": "Number of data shards (with node_index).",
+        },
+        "audit_log": {
+            "type": "boolean",
+            "default": True,
+            "description": "Master appends every round to <output_dir>/diloco/rounds.jsonl.",
+        },
+    },
+}
+
+
+COLLECTIVE_OPTIONS_SCHEMA: JSONSchema = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "mode": {
+            "const": "collective",
+            "description": "Synchronous DiLoCo over torch.distributed collectives.",
+        },
+        "inner_steps": {
+            "type": "integer",
+            "minimum": 1,
+            "default": 500,
+            "description": "Inner optimizer steps between two outer rounds (H).",
+        },
+        "outer_lr": {**_positive, "default": 0.7, "description": "Outer Nesterov learning rate."},
+        "outer_momentum": {
+            "type": "number",
+            "minimum": 0,
+            "exclusiveMaximum": 1,
+            "default": 0.9,
+            "description": "Outer Nesterov momentum.",
+        },
+        "compression": {
+            "enum": ["none", "bf16", "fp16"],
+            "default": "none",
+            "description": "Precision of the pseudo-gradient all-reduce (bf16/fp16 halve "
+            "the bytes; the outer step itself is float32).",
+        },
+        "reset_optimizer": {
+            "type": "boolean",
+            "default": True,
+            "description": "Clear the inner optimizer state after every outer round.",
+        },
+        "ranks_per_replica": {
+            "type": "integer",
+            "minimum": 1,
+            "default": 1,
+            "description": "Consecutive ranks forming one model replica (DDP inside it); "
+            "must divide the world size.",
+        },
+        "sync_timeout_s": {
+            "type": ["number", "null"],
+            "exclusiveMinimum": 0,
+            "default": None,
+            "description": "Timeout of the outer all-reduce (null: distributed.timeout_s). "
+            "Give slow links or large models more time than the per-step collectives.",
+        },
+    },
+}
+
+
+def _plugin_schema() -> JSONSchema:
+    """One ``diloco`` schema for both modes: ``mode: hub`` (default; asynchronous, through a
+    shared directory or the Hugging Face Hub) and ``mode: collective`` (synchronous, over
+    torch.distributed). Each mode accepts only its own keys; ``propertyNames`` (not nested
+    closed schemas) keeps the ``name`` key that the config loader adds valid."""
+    hub = cast(dict[str, object], HUB_OPTIONS_SCHEMA["properties"])
+    collective = cast(dict[str, object], COLLECTIVE_OPTIONS_SCHEMA["properties"])
+    collective_keys = [key for key in collective if key != "mode"]
+    mode = {
+        "enum": ["hub", "collective"],
+        "default": "hub",
+        "description": "hub: asynchronous DiLoCo over a shared hub (this page's options); "
+        "collective: synchronous DiLoCo over torch.distributed all-reduce.",
+    }
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {**collective, **hub, "mode": mode},
+        "if": {"required": ["mode"], "properties": {"mode": {"const": "collective"}}},
+        "then": {"propertyNames": {"enum": [*collective_keys, "mode", "name"]}},
+        "else": {
+            "propertyNames": {"enum": [*hub, "mode", "name"]},
+            "not": HUB_OPTIONS_SCHEMA["not"],
+        },
+    }
+
+
+OPTIONS_SCHEMA: JSONSchema = _plugin_schema()
+
+
+DISTRIBUTED_SECTION_SCHEMA: JSONSchema = {
+    "title": "distributed",
+    "description": "2.0 asynchronous DiLoCo through a shared hub (read by the diloco plugin; "
+    "'hub' and 'diloco' are aliases of this section).",
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "enabled": {
+            "type": "boolean",
+            "default": False,
+            "description": "Take part in DiLoCo synchronisation.",
+        },
+        "mode": {
+            "type": "string",
+            "default": "dumb_diloco",
+            "description": "Synchronisation mode; must be 'dumb_diloco' when enabled.",
+            "enum": ["dumb_diloco", "single"],
+        },
+        "role": {
+            "type": "string",
+            "default": "single",
+            "description": "'master', 'worker', or 'single' (inferred when enabled: master when "
+            "a hub is given).",
+            "enum": ["single", "master", "worker"],
+        },
+        "node_id": {
+            "type": ["string", "null"],
+            "default": None,
+            "description": "This node's id (no '/', '\\\\', '.' or '..'). Null: HF_USERNAME, "
+            "USER, then 'local'.",
+        },
+        "collaborators": {
+            "type": "array",
+            "default": [],
+            "description": "Hub user names the master grants write access.",
+            "items": {"type": "string", "minLength": 1},
+        },
+        "inner_steps": {
+            "type": "integer",
+            "default": 500,
+            "description": "Local optimizer steps between delta uploads.",
+            "minimum": 1,
+        },
+        "poll_interval": {
+            "type": "number",
+            "default": 60.0,
+            "description": "Seconds between hub polls (and between master rounds).",
+            "exclusiveMinimum": 0,
+        },
+        "outer_lr": {
+            "type": "number",
+            "default": 0.7,
+            "description": "Outer (Nesterov) learning rate.",
+            "exclusiveMinimum": 0,
+        },
+        "outer_momentum": {
+            "type": "number",
+            "default": 0.9,
+            "description": "Outer momentum in [0, 1).",
+            "minimum": 0,
+            "exclusiveMaximum": 1,
+        },
+        "repo_id": {
+            "type": ["string", "null"],
+            "default": None,
+            "description": "Hugging Face repository id of the hub.",
+            "minLength": 1,
+        },
+        "hub_dir": {
+            "type": ["string", "null"],
+            "default": None,
+            "description": "Shared directory used as the hub instead of a Hugging Face repository.",
+            "minLength": 1,
+        },
+        "token": {
+            "type": ["string", "null"],
+            "default": None,
+            "description": "Hub token. Prefer the HF_TOKEN environment variable; never written "
+            "to disk or logs.",
+        },
+        "cache_dir": {
+            "type": "string",
+            "default": ".speedtronic/hub",
+            "description": "Hub download cache (relative to the working directory).",
+            "minLength": 1,
+        },
+        "state_dir": {
+            "type": "string",
+            "default": ".speedtronic/diloco",
+            "description": "Coordinator state; relative paths are under run.output_dir/<node_id>.",
+            "minLength": 1,
+        },
+        "retry_initial": {
+            "type": "number",
+            "default": 1.0,
+            "description": "First retry delay in seconds.",
+            "exclusiveMinimum": 0,
+        },
+        "retry_max": {
+            "type": "number",
+            "default": 60.0,
+            "description": "Largest retry delay in seconds (>= retry_initial).",
+            "exclusiveMinimum": 0,
+        },
+        "retry_attempts": {
+            "type": "integer",
+            "default": 6,
+            "description": "Total attempts per hub operation.",
+            "minimum": 1,
+        },
+        "reset_inner_optimizer": {
+            "type": "boolean",
+            "default": True,
+            "description": "Clear the inner optimizer state after adopting new global weights.",
+        },
+        "async_delta_upload": {
+            "type": "boolean",
+            "default": True,
+            "description": "Upload deltas on a background lane.",
+        },
+        "delta_upload_queue_size": {
+            "type": "integer",
+            "default": 1,
+            "description": "Pending delta uploads (must be 1).",
+            "enum": [1],
+        },
+        "delta_upload_overflow": {
+            "type": "string",
+            "default": "skip",
+            "description": "What to do with a delta while one is pending (must be 'skip').",
+            "enum": ["skip"],
+        },
+        "delta_upload_shutdown_timeout": {
+            "type": "number",
+            "default": 5.0,
+            "description": "Seconds to wait for each background lane at stop.",
+            "exclusiveMinimum": 0,
+        },
+        "async_global_poll": {
+            "type": "boolean",
+            "default": True,
+            "description": "Poll for global weights on a background lane.",
+        },
+    },
+}
+"""The keys the plugin adds to the 2.0 ``distributed:`` section (the core declares
+``timeout_s``, the torch.distributed collective timeout, which every distributed run uses)."""
+
+
+@dataclass(frozen=True)
+class DiLoCoOptions:
+    """Options of the ``diloco`` callback in ``mode: hub`` (see ``HUB_OPTIONS_SCHEMA``, where
+    each is documented). ``None`` means "not set". Construction checks the values against
+    the schema and ``hub_option_problems``; a problem is a ``ValueError``."""
+
+    role: Literal["master", "worker"] = "worker"
+    node_id: str | None = None
+    inner_steps: int = 500
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    hub_dir: str | None = None
+    repo_id: str | None = None
+    token_env: str = "HF_TOKEN"
+    private_repo: bool = True
+    poll_interval: float = 60.0
+    retry_attempts: int = 6
+    retry_initial: float = 1.0
+    retry_max: float = 60.0
+    request_timeout: float = 600.0
+    reset_optimizer: bool = True
+    compression: Literal["none", "bf16", "fp16"] = "none"
+    staleness_power: float = 0.5
+    max_staleness: int | None = None
+    signing_secret_env: str | None = None
+    delete_applied_deltas: bool = True
+    keep_global_versions: int = 2
+    shutdown_timeout: float = 5.0
+    node_index: int | None = None
+    num_nodes: int | None = None
+    audit_log: bool = True
+
+    def __post_init__(self) -> None:
+        values = {
+            item.name: getattr(self, item.name)
+            for item in dataclasses.fields(self)
+            if getattr(self, item.name) is not None
+        }
+        problems = hub_option_problems(values)
+        if problems:
+            raise ValueError("diloco: " + "; ".join(problems))
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, object]) -> DiLoCoOptions:
+        """Build from a mapping of options (``mode: hub`` allowed); a ``ValueError`` lists
+        every problem, unknown keys included."""
+        values = {key: value for key, value in options.items() if key != "mode"}
+        names = {item.name for item in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"diloco: unknown option(s) {unknown}")
+        problems = hub_option_problems(values)
+        if problems:
+            raise ValueError("diloco: " + "; ".join(problems))
+        # The schema has just checked every value's type.
+        return cls(**values)  # type: ignore[arg-type]  # checked by hub_option_problems
+
+
+_HUB_VALIDATOR = Draft202012Validator(HUB_OPTIONS_SCHEMA)
+
+
+def hub_option_problems(
+    values: Mapping[str, object], *, cross_field_only: bool = False
+) -> list[str]:
+    """Every problem of hub-mode options, each starting with its key: the JSON Schema
+    first (skipped with ``cross_field_only``, when config validation has already run it),
+    then the rules that relate several keys."""
+    problems = []
+    if not cross_field_only:
+        problems = [
+            f"{'.'.join(str(part) for part in error.absolute_path) or 'options'}: " + error.message
+            for error in sorted(_HUB_VALIDATOR.iter_errors(dict(values)), key=str)
+        ]
+    problems.extend(_hub_cross_field_problems(values))
+    return problems
+
+
+def _hub_cross_field_problems(values: Mapping[str, object]) -> Iterator[str]:
+    if ("hub_dir" in values) == ("repo_id" in values):
+        yield "hub_dir: set exactly one of hub_dir (shared directory) or repo_id (HF Hub)"
+    initial, maximum = values.get("retry_initial", 1.0), values.get("retry_max", 60.0)
+    if isinstance(initial, (int, float)) and isinstance(maximum, (int, float)):
+        if _is_number(initial) and _is_number(maximum) and maximum < initial:
+            yield f"retry_max: {maximum:g} is less than retry_initial ({initial:g})"
+    index, count = values.get("node_index"), values.get("num_nodes")
+    if count is not None and index is None:
+        yield "num_nodes: needs node_index"
+    if isinstance(index, int) and isinstance(count, int) and _is_int(index) and _is_int(count):
+        if not index < count:
+            yield f"node_index: {index} is not below num_nodes {count}"
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class CollectiveDiLoCoOptions:
+    """Options of the ``diloco`` callback in ``mode: collective`` (synchronous DiLoCo; see
+    ``COLLECTIVE_OPTIONS_SCHEMA``, where each is documented). Construction checks the values
+    against that schema; a problem is a ``ValueError``."""
+
+    mode: Literal["collective"] = "collective"
+    inner_steps: int = 500
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    compression: Literal["none", "bf16", "fp16"] = "none"
+    reset_optimizer: bool = True
+    ranks_per_replica: int = 1
+    sync_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        problems = collective_option_problems(dataclasses.asdict(self))
+        if problems:
+            raise ValueError("diloco (collective): " + "; ".join(problems))
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, object]) -> CollectiveDiLoCoOptions:
+        """Build from a mapping of options; a ``ValueError`` lists every problem, unknown
+        keys included."""
+        unknown = sorted(set(options) - {item.name for item in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"diloco (collective): unknown option(s) {unknown}")
+        problems = collective_option_problems(options)
+        if problems:
+            raise ValueError("diloco (collective): " + "; ".join(problems))
+        return cls(**dict(options))  # type: ignore[arg-type]  # checked by the schema just now
+
+
+_COLLECTIVE_VALIDATOR = Draft202012Validator(COLLECTIVE_OPTIONS_SCHEMA)
+
+
+def collective_option_problems(values: Mapping[str, object]) -> list[str]:
+    """Every schema problem of collective-mode options, each starting with its key."""
+    return _schema_problems(_COLLECTIVE_VALIDATOR, values)
+
+
+def _schema_problems(validator: Draft202012Validator, values: Mapping[str, object]) -> list[str]:
+    return [
+        f"{'.'.join(str(part) for part in error.absolute_path) or 'options'}: {error.message}"
+        for error in sorted(validator.iter_errors(dict(values)), key=str)
+    ]
+
+
+# -- the 2.0 ``distributed:`` section ----------------------------------------------------
+
+
+class DistributedSection(Protocol):
+    """A typed 2.0 ``distributed:`` section (anything with ``to_dict``)."""
+
+    def to_dict(self) -> Mapping[str, object]: ...
+
+
+def options_from_distributed_section(
+    section: Mapping[str, object] | DistributedSection,
+) -> dict[str, object]:
+    """Map an enabled 2.0 ``distributed:`` section onto ``diloco`` options.
+
+    * ``role: single`` becomes ``master`` (what the original inferred for an enabled
+      section with a hub); ``reset_inner_optimizer`` becomes ``reset_optimizer`` and
+      ``delta_upload_shutdown_timeout`` becomes ``shutdown_timeout``.
+    * ``cache_dir``/``state_dir`` are dropped: downloads stay in memory and the state lives
+      in the trainer checkpoint. The async flags and queue settings are dropped: I/O is
+      always on bounded background lanes (the original's only supported queue size, 1).
+    * ``collaborators`` are dropped with a warning: grant access on the Hub itself.
+    * A ``token`` in the section is refused: tokens come only from the environment
+      (``HF_TOKEN``), so they never end up in config files, checkpoints or logs.
+    """
+    values = {
+        **_section_defaults(),
+        **(section if isinstance(section, Mapping) else section.to_dict()),
+    }
+    get = values.get
+    if get("enabled") is not True:
+        raise ValueError("distributed.enabled is false: there is nothing to map")
+    if get("mode") != "dumb_diloco":
+        raise ValueError(f"distributed.mode must be 'dumb_diloco', got {get('mode')!r}")
+    if get("token"):
+        raise ValueError(
+            "distributed.token is not supported: put the Hub token in the HF_TOKEN "
+            "environment variable instead of the config file"
+        )
+    collaborators = get("collaborators")
+    if collaborators:
+        logger.warning(
+            "distributed.collaborators %s ignored: grant write access on the Hub instead",
+            list(cast("list[object]", collaborators)),
+        )
+    options: dict[str, object] = {
+        "role": "worker" if get("role") == "worker" else "master",
+        "inner_steps": get("inner_steps"),
+        "poll_interval": get("poll_interval"),
+        "outer_lr": get("outer_lr"),
+        "outer_momentum": get("outer_momentum"),
+        "retry_initial": get("retry_initial"),
+        "retry_max": get("retry_max"),
+        "retry_attempts": get("retry_attempts"),
+        "reset_optimizer": get("reset_inner_optimizer"),
+        "shutdown_timeout": get("delta_upload_shutdown_timeout"),
+    }
+    for key in ("node_id", "hub_dir", "repo_id"):
+        if get(key) is not None:
+            options[key] = get(key)
+    return options
+
+
+def _section_defaults() -> dict[str, object]:
+    properties = cast(
+        "Mapping[str, Mapping[str, object]]", DISTRIBUTED_SECTION_SCHEMA["properties"]
+    )
+    return {key: spec.get("default") for key, spec in properties.items()}
+
+
+def distributed_section_problems(section: Mapping[str, object]) -> Iterator[str]:
+    """Cross-field rules of the 2.0 ``distributed:`` section (defaults filled in)."""
+    initial, maximum = section.get("retry_initial"), section.get("retry_max")
+    if _is_number(initial) and _is_number(maximum):
+        assert isinstance(initial, (int, float)) and isinstance(maximum, (int, float))
+        if maximum < initial:
+            yield (
+                f"distributed.retry_max: {maximum:g} is less than "
+                f"distributed.retry_initial ({initial:g})"
+            )
+    yield from _node_problems(section)
+    if section.get("enabled") is not True:
+        return
+    mode = section.get("mode")
+    if isinstance(mode, str) and mode != "dumb_diloco":
+        yield (
+            "distributed.mode: must be 'dumb_diloco' when distributed.enabled is true "
+            f"(got {mode!r})"
+        )
+    repo_id, hub_dir = section.get("repo_id"), section.get("hub_dir")
+    if repo_id is None and hub_dir is None:
+        yield (
+            "distributed.repo_id: required when distributed.enabled is true "
+            "(or set distributed.hub_dir for a shared-directory hub)"
+        )
+    elif repo_id is not None and hub_dir is not None:
+        yield "distributed.hub_dir: set distributed.repo_id or distributed.hub_dir, not both"
+
+
+def _node_problems(section: Mapping[str, object]) -> Iterator[str]:
+    node_id = section.get("node_id")
+    if isinstance(node_id, str):
+        stripped = node_id.strip()
+        if not stripped:
+            yield "distributed.node_id: must not be blank"
+        elif stripped in (".", ".."):
+            yield f"distributed.node_id: {node_id!r} is not a valid node id"
+        elif "/" in stripped or "\\" in stripped:
+            yield f"distributed.node_id: {node_id!r} must not contain '/' or '\\'"
+    collaborators = section.get("collaborators")
+    for index, name in enumerate(collaborators if isinstance(collaborators, list) else []):
+        if isinstance(name, str) and name and not name.strip():
+            yield f"distributed.collaborators[{index}]: must not be blank"
+
+
+REDACTED = "<redacted>"
+"""How a saved config writes a secret (``speedtronic.config``): never a real token."""
+
+
+def normalise_distributed_section(section: dict[str, object]) -> None:
+    """Before validation: enumerated strings are case-insensitive, ``node_id`` is stripped,
+    a redacted token means none, and an enabled section's ``role: single`` becomes
+    ``master`` with a hub (``repo_id``/``hub_dir``), else ``worker`` (the 2.0 inference)."""
+    for key in ("mode", "role", "delta_upload_overflow"):
+        value = section.get(key)
+        if isinstance(value, str):
+            section[key] = value.strip().lower()
+    node_id = section.get("node_id")
+    if isinstance(node_id, str):
+        section["node_id"] = node_id.strip()
+    if section.get("token") == REDACTED:
+        section["token"] = None
+    if section.get("enabled") is True and section.get("role", "single") == "single":
+        has_hub = section.get("repo_id") is not None or section.get("hub_dir") is not None
+        section["role"] = "master" if has_hub else "worker"
