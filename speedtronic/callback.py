@@ -31,7 +31,7 @@ from speedtronic.contexts import (
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 JSONSchema = Mapping[str, object]
 """A JSON Schema document (draft 2020-12) as a mapping."""
@@ -92,61 +92,61 @@ class Callback:
 
     # -- fit-level events ---------------------------------------------------------------
 
-    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         """Before anything runs: the model is on its device, counters are final."""
 
-    def on_fit_start(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
         """Right before the first global step of this fit."""
 
-    def on_fit_end(self, trainer: Trainer, ctx: FitEndContext) -> None:
+    def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
         """After the last step of a successful fit (target reached or stopped cleanly)."""
 
-    def on_exception(self, trainer: Trainer, ctx: ExceptionContext) -> None:
+    def on_exception(self, trainer: TrainerView, ctx: ExceptionContext) -> None:
         """The fit is failing with ``ctx.error``; ``teardown`` follows."""
 
-    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+    def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         """Always runs last, after success or failure: close files, stop threads."""
 
     # -- per global step ----------------------------------------------------------------
 
-    def on_step_start(self, trainer: Trainer, ctx: StepContext) -> None:
+    def on_step_start(self, trainer: TrainerView, ctx: StepContext) -> None:
         """A global step begins."""
 
-    def on_microbatch_start(self, trainer: Trainer, ctx: MicrobatchContext) -> None:
+    def on_microbatch_start(self, trainer: TrainerView, ctx: MicrobatchContext) -> None:
         """A microbatch is on the device; the forward pass is next."""
 
-    def on_before_backward(self, trainer: Trainer, ctx: BackwardContext) -> None:
+    def on_before_backward(self, trainer: TrainerView, ctx: BackwardContext) -> None:
         """The forward pass produced ``ctx.loss``; backward of ``loss / K`` is next."""
 
-    def on_after_backward(self, trainer: Trainer, ctx: BackwardContext) -> None:
+    def on_after_backward(self, trainer: TrainerView, ctx: BackwardContext) -> None:
         """This microbatch's gradients have been accumulated."""
 
-    def on_microbatch_end(self, trainer: Trainer, ctx: MicrobatchContext) -> None:
+    def on_microbatch_end(self, trainer: TrainerView, ctx: MicrobatchContext) -> None:
         """The microbatch is done."""
 
-    def on_before_optimizer_step(self, trainer: Trainer, ctx: OptimizerStepContext) -> None:
+    def on_before_optimizer_step(self, trainer: TrainerView, ctx: OptimizerStepContext) -> None:
         """Gradients are complete and unscaled (clipping, norms, NaN checks live here)."""
 
-    def on_after_optimizer_step(self, trainer: Trainer, ctx: OptimizerStepContext) -> None:
+    def on_after_optimizer_step(self, trainer: TrainerView, ctx: OptimizerStepContext) -> None:
         """The optimizer stepped (or the grad scaler skipped the step: ``ctx.skipped``)."""
 
-    def on_after_scheduler_step(self, trainer: Trainer, ctx: SchedulerContext) -> None:
+    def on_after_scheduler_step(self, trainer: TrainerView, ctx: SchedulerContext) -> None:
         """The learning-rate scheduler stepped."""
 
-    def on_coordinate(self, trainer: Trainer, ctx: CoordinateContext) -> None:
+    def on_coordinate(self, trainer: TrainerView, ctx: CoordinateContext) -> None:
         """Synchronisation point (DiLoCo). Call ``trainer.request_optimizer_reset`` to ask
         for an ``optimizer_reset`` in this step."""
 
-    def on_optimizer_reset(self, trainer: Trainer, ctx: OptimizerResetContext) -> None:
+    def on_optimizer_reset(self, trainer: TrainerView, ctx: OptimizerResetContext) -> None:
         """The inner optimizer state is about to be cleared."""
 
-    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         """Contribute keys to ``ctx.record`` or, as a sink, consume it when ``ctx.due``."""
 
-    def on_checkpoint(self, trainer: Trainer, ctx: CheckpointContext) -> None:
+    def on_checkpoint(self, trainer: TrainerView, ctx: CheckpointContext) -> None:
         """Checkpoint point of the step."""
 
-    def on_step_end(self, trainer: Trainer, ctx: StepContext) -> None:
+    def on_step_end(self, trainer: TrainerView, ctx: StepContext) -> None:
         """The global step is complete."""
 
     # -- helpers ------------------------------------------------------------------------

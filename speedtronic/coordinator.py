@@ -11,7 +11,7 @@ from speedtronic.callback import Callback
 from speedtronic.contexts import CoordinateContext, FitContext, TeardownContext
 
 if TYPE_CHECKING:
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 
 @runtime_checkable
@@ -44,7 +44,7 @@ class CoordinatorCallback(Callback):
         self._pending_state: dict[str, object] | None = None
         self._started = False
 
-    def on_fit_start(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
         if ctx.start_step >= ctx.target_step:
             return
         self.coordinator.start()
@@ -53,11 +53,11 @@ class CoordinatorCallback(Callback):
             self.coordinator.load_state_dict(self._pending_state)
             self._pending_state = None
 
-    def on_coordinate(self, trainer: Trainer, ctx: CoordinateContext) -> None:
+    def on_coordinate(self, trainer: TrainerView, ctx: CoordinateContext) -> None:
         if self.coordinator.after_optimizer_step(trainer.model, ctx.step):
             trainer.request_optimizer_reset(type(self.coordinator).__name__)
 
-    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+    def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         # The original stopped the coordinator in a ``finally`` on every fit.
         self.coordinator.stop()
         self._started = False

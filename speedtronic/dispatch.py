@@ -21,8 +21,9 @@ from speedtronic.events import Event
 
 if TYPE_CHECKING:
     from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
-Hook = Callable[["Trainer", object], None]
+Hook = Callable[["TrainerView", object], None]
 
 
 class CallbackWarning(UserWarning):
@@ -50,7 +51,7 @@ class _GuardedHook:
         self._event = event
         self._reported = False
 
-    def __call__(self, trainer: Trainer, ctx: object) -> None:
+    def __call__(self, trainer: TrainerView, ctx: object) -> None:
         try:
             self._hook(trainer, ctx)
         except Exception as exc:  # observers never stop training (DESIGN §3)

@@ -43,7 +43,7 @@ from speedtronic.contexts import MetricsContext
 from speedtronic.precision import resolve_device
 
 if TYPE_CHECKING:
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 __all__ = [
     "TORCHRUN_VARIABLES",
@@ -470,7 +470,7 @@ class RankMetricReducer(Callback):
     def __init__(self, context: DistributedContext) -> None:
         self.context = context
 
-    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         if not ctx.due:
             return  # no collective on steps nobody logs
         record = ctx.record

@@ -17,7 +17,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, ClassVar, Literal, Protocol, TextIO, runtime_checkable
@@ -37,7 +37,7 @@ from speedtronic.contexts import (
 )
 
 if TYPE_CHECKING:
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 __all__ = [
     "CallbackList",
@@ -294,9 +294,11 @@ class MetricLoggerCallback(Callback):
     def display_name(self) -> str:
         return "metric_logger"
 
-    def on_fit_start(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
         # Found once per fit: a per-step isinstance() against a Protocol is not free.
-        self._savers = tuple(cb for cb in trainer.callbacks if isinstance(cb, ReportsCheckpoints))
+        self._savers = tuple(
+            cb for cb in _callbacks_of(trainer) if isinstance(cb, ReportsCheckpoints)
+        )
         self._reported_saves = self._saves()  # saves before this fit are not news
         self.logger.emit(
             "train_start",
@@ -304,29 +306,29 @@ class MetricLoggerCallback(Callback):
                 "start_step": ctx.start_step,
                 "target_step": ctx.target_step,
                 "device": str(trainer.device),
-                "precision": trainer.precision.mode,
+                "precision": trainer.precision_mode,
                 "accumulation_steps": trainer.accumulation_steps,
                 "parameters": sum(p.numel() for p in trainer.model.parameters()),
             },
         )
 
-    def on_after_optimizer_step(self, trainer: Trainer, ctx: OptimizerStepContext) -> None:
+    def on_after_optimizer_step(self, trainer: TrainerView, ctx: OptimizerStepContext) -> None:
         if ctx.skipped:
             self.logger.emit("optimizer_step_skipped", {"step": ctx.step})
 
-    def on_optimizer_reset(self, trainer: Trainer, ctx: OptimizerResetContext) -> None:
+    def on_optimizer_reset(self, trainer: TrainerView, ctx: OptimizerResetContext) -> None:
         self.logger.emit(
             "optimizer_reset", {"step": ctx.step, "requested_by": ",".join(ctx.requested_by)}
         )
 
-    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         if ctx.due:
             self.logger.emit("train_step", ctx.record.values())
 
-    def on_step_end(self, trainer: Trainer, ctx: StepContext) -> None:
+    def on_step_end(self, trainer: TrainerView, ctx: StepContext) -> None:
         self._emit_new_saves()
 
-    def on_fit_end(self, trainer: Trainer, ctx: FitEndContext) -> None:
+    def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
         result = ctx.result
         payload: Payload = {
             "steps": result.steps,
@@ -337,13 +339,13 @@ class MetricLoggerCallback(Callback):
             payload["stop_reason"] = ctx.stop_reason
         self.logger.emit("train_end", payload)
 
-    def on_exception(self, trainer: Trainer, ctx: ExceptionContext) -> None:
+    def on_exception(self, trainer: TrainerView, ctx: ExceptionContext) -> None:
         error = ctx.error
         self.logger.emit(
             "train_error", {"step": ctx.step, "error": f"{type(error).__name__}: {error}"}
         )
 
-    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+    def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         try:
             self._emit_new_saves()  # the final save happens at fit_end
         finally:
@@ -362,3 +364,11 @@ class MetricLoggerCallback(Callback):
         for step, path in sorted(self._saves() - self._reported_saves):
             self._reported_saves.add((step, path))
             self.logger.emit("checkpoint", {"step": step, "path": path})
+
+
+def _callbacks_of(trainer: TrainerView) -> Sequence[Callback]:
+    """The callbacks of the run: the 2.0 logger reports the checkpoint callback's saves.
+    A shim of the original API may know the concrete trainer; plugins may not."""
+    from speedtronic.trainer import Trainer
+
+    return trainer.callbacks if isinstance(trainer, Trainer) else ()

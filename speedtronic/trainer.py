@@ -286,6 +286,42 @@ class Trainer:
     def raw_model(self) -> nn.Module:
         return self.model
 
+    # -- the TrainerView members that are not plain attributes ---------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, object]]:
+        """The optimizer's parameter groups."""
+        return self.optimizer.param_groups
+
+    def optimizer_state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor in the optimizer's per-parameter state."""
+        return [
+            value
+            for per_param in self.optimizer.state.values()
+            for value in per_param.values()
+            if isinstance(value, torch.Tensor)
+        ]
+
+    @property
+    def precision_mode(self) -> str:
+        return self.precision.mode
+
+    @property
+    def uses_grad_scaler(self) -> bool:
+        return self.scaler is not None
+
+    @property
+    def run_config(self) -> Mapping[str, object] | None:
+        """The config as plain data, secrets redacted (``None`` without a config)."""
+        return self.config.to_dict(redact_secrets=True) if self.config is not None else None
+
+    def data_position(self) -> Mapping[str, int]:
+        return self.stream.state_dict()
+
+    def skip_update(self) -> None:
+        """Drop this step's gradients: the optimizer step that follows is a no-op."""
+        self.optimizer.zero_grad(set_to_none=True)
+
     # -- forward ---------------------------------------------------------------------
 
     def autocast(self) -> contextlib.AbstractContextManager[object]:

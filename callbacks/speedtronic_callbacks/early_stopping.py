@@ -29,7 +29,7 @@ from speedtronic.contexts import FitContext, MetricsContext
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 Mode = Literal["min", "max"]
 
@@ -134,10 +134,10 @@ class EarlyStopping(Callback):
             return value < self.best - self.min_delta
         return value > self.best + self.min_delta
 
-    def on_fit_start(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
         self.stopped_step = None
 
-    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         if not ctx.due or self.stopped_step is not None:
             return
         value = self._read(ctx)

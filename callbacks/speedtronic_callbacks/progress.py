@@ -33,7 +33,7 @@ from speedtronic_callbacks.sink import (
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 Mode = Literal["auto", "bar", "lines"]
 StreamName = Literal["stdout", "stderr"]
@@ -165,7 +165,7 @@ class ProgressBarCallback(Callback):
 
     # -- hooks --------------------------------------------------------------------------
 
-    def on_fit_start(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
         stream = self._resolve_stream()
         self._start_step = ctx.start_step
         self._last_line_time = float("-inf")
@@ -184,7 +184,7 @@ class ProgressBarCallback(Callback):
         else:
             self._lines_stream = stream
 
-    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         bar = self._bar
         if bar is not None:
             if ctx.due:
@@ -200,7 +200,7 @@ class ProgressBarCallback(Callback):
             line = progress_line(ctx.record.values(), self._start_step, trainer.target_step)
             tqdm.write(line, file=self._lines_stream)
 
-    def on_fit_end(self, trainer: Trainer, ctx: FitEndContext) -> None:
+    def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
         if self._bar is not None:
             self._close_bar()
         elif self._lines_stream is not None and ctx.stop_reason is not None:
@@ -208,7 +208,7 @@ class ProgressBarCallback(Callback):
                 f"stopped at step {ctx.result.steps}: {ctx.stop_reason}", file=self._lines_stream
             )
 
-    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+    def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         self._close_bar()
         self._lines_stream = None
 

@@ -21,7 +21,7 @@ from speedtronic.contexts import MetricsContext
 from speedtronic.metrics import MetricValue
 
 if TYPE_CHECKING:
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 Record = Mapping[str, MetricValue]
 """A finished metric record as plain Python values (``MetricRecord.values()``)."""
@@ -39,12 +39,12 @@ class MetricSink(Callback, abc.ABC):
     metrics_phase: ClassVar[Literal["contribute", "consume"]] = "consume"
     rank_policy: ClassVar[RankPolicy] = "main"  # one copy of the logs per run, from rank 0
 
-    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         if ctx.due:
             self.write_record(trainer, ctx.record.values())
 
     @abc.abstractmethod
-    def write_record(self, trainer: Trainer, record: Record) -> None:
+    def write_record(self, trainer: TrainerView, record: Record) -> None:
         """Write one finished record (all values already plain numbers or strings)."""
 
     @property

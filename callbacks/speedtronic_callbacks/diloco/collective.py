@@ -60,7 +60,7 @@ from speedtronic_callbacks.diloco.tensors import Compression, ModelLayout, build
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 __all__ = [
     "COLLECTIVE_OPTIONS_SCHEMA",
@@ -209,7 +209,7 @@ class CollectiveDiLoCo(Callback):
 
     # -- setup ----------------------------------------------------------------------------
 
-    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         self._context = trainer.distributed
         self._groups = self._replica_groups(trainer.distributed)
         state = trainer.model.state_dict()
@@ -263,14 +263,14 @@ class CollectiveDiLoCo(Callback):
 
     # -- the outer round ------------------------------------------------------------------
 
-    def on_coordinate(self, trainer: Trainer, ctx: CoordinateContext) -> None:
+    def on_coordinate(self, trainer: TrainerView, ctx: CoordinateContext) -> None:
         if ctx.step % self.options.inner_steps:
             return
         self.outer_round(trainer)
         if self.options.reset_optimizer:
             trainer.request_optimizer_reset("diloco")
 
-    def outer_round(self, trainer: Trainer) -> None:
+    def outer_round(self, trainer: TrainerView) -> None:
         """Average the pseudo-gradients, step the global model, load it everywhere."""
         assert self.layout is not None, "on_setup has not run"
         keys = self.layout.sync_keys
@@ -311,7 +311,7 @@ class CollectiveDiLoCo(Callback):
 
     # -- metrics --------------------------------------------------------------------------
 
-    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         if not ctx.due:
             return
         ctx.record.set("diloco/outer_steps", self.outer_steps)
