@@ -12,18 +12,20 @@ their own. Every rank still *owns* all callbacks (their state is saved and resto
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from speedtronic.callback import Callback, RankPolicy
-from speedtronic.events import Event
+from speedtronic.events import EVENT_KEYS, Event, EventKey, EventSpec
 
 if TYPE_CHECKING:
-    from speedtronic.trainer import Trainer
     from speedtronic.view import TrainerView
 
 Hook = Callable[["TrainerView", object], None]
+CtxT = TypeVar("CtxT")
+HOOK_NAMES: frozenset[str] = frozenset(event.hook_name for event in Event)
 
 
 class CallbackWarning(UserWarning):
@@ -32,6 +34,41 @@ class CallbackWarning(UserWarning):
 
 class DuplicateStateKeyError(ValueError):
     """Two callbacks share a ``state_key``: their checkpoints would overwrite each other."""
+
+
+class UnknownHookError(TypeError):
+    """A callback defines an ``on_*`` method that is not an event's hook (a typo would
+    otherwise never be called)."""
+
+
+def unknown_hooks(cls: type[Callback]) -> list[str]:
+    """``on_*`` methods of ``cls`` (and its bases below ``Callback``) that are no event's hook."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is Callback or not issubclass(klass, Callback):
+            continue
+        names.update(
+            name
+            for name, value in vars(klass).items()
+            if name.startswith("on_") and name not in HOOK_NAMES and callable(value)
+        )
+    return sorted(names)
+
+
+def check_hook_names(cls: type[Callback], display_name: str | None = None) -> None:
+    """Raise ``UnknownHookError`` naming the first ``on_*`` method of ``cls`` that is not an
+    event hook, with the nearest event hook as a suggestion."""
+    unknown = unknown_hooks(cls)
+    if not unknown:
+        return
+    name = unknown[0]
+    close = difflib.get_close_matches(name, sorted(HOOK_NAMES), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise UnknownHookError(
+        f"callback {display_name or cls.__name__!r} defines {name!r}, which is not an event "
+        f"hook: {hint}(hooks are on_<event> for the events in speedtronic.events.Event; "
+        "rename the method, or drop the on_ prefix for a helper)"
+    )
 
 
 def overrides(callback: Callback, event: Event) -> bool:
@@ -94,6 +131,8 @@ class CallbackPlan:
     def __init__(
         self, callbacks: Sequence[Callback], *, rank: int = 0, local_rank: int = 0
     ) -> None:
+        for callback in callbacks:
+            check_hook_names(type(callback), callback.display_name)
         check_state_keys(callbacks)
         self.callbacks: tuple[Callback, ...] = tuple(callbacks)
         self.rank = rank
@@ -101,10 +140,12 @@ class CallbackPlan:
         active = [cb for cb in callbacks if runs_on_rank(cb.rank_policy, rank, local_rank)]
         self._order: dict[Event, tuple[Callback, ...]] = {}
         self._hooks: dict[Event, tuple[Hook, ...]] = {}
+        self._by_key: dict[EventKey, tuple[Hook, ...]] = {}
         for event in Event:
             ordered = _ordered_for(event, active)
             self._order[event] = tuple(ordered)
             self._hooks[event] = tuple(self._bind(cb, event) for cb in ordered)
+            self._by_key[EVENT_KEYS[event]] = self._hooks[event]
 
     @staticmethod
     def _bind(callback: Callback, event: Event) -> Hook:
@@ -118,8 +159,10 @@ class CallbackPlan:
     def listens(self, event: Event) -> bool:
         return bool(self._hooks[event])
 
-    def emit(self, trainer: Trainer, event: Event, ctx: object) -> None:
-        for hook in self._hooks[event]:
+    def emit(self, trainer: TrainerView, key: EventSpec[CtxT], ctx: CtxT) -> None:
+        """Call every hook of ``key``'s event with ``ctx`` (typed: mypy rejects a context
+        that is not the event's, see ``speedtronic.events.On``)."""
+        for hook in self._by_key[key]:
             hook(trainer, ctx)
 
     def describe(self) -> list[tuple[Event, list[str]]]:
@@ -144,6 +187,8 @@ def describe_classes(named: Sequence[tuple[str, type[Callback]]]) -> list[tuple[
                 x for x in listening if x[1].metrics_phase == "consume"
             ]
         rows.append((event, [name for name, _ in listening]))
+    for name, cls in named:
+        check_hook_names(cls, name)
     return rows
 
 

@@ -26,7 +26,7 @@ from speedtronic.contexts import (
     StepContext,
 )
 from speedtronic.data.collate import batch_size_and_tokens
-from speedtronic.events import Event
+from speedtronic.events import Event, On
 from speedtronic.metrics import MetricRecord
 
 if TYPE_CHECKING:
@@ -39,17 +39,17 @@ def run_global_step(t: Trainer, step: int) -> bool:
     plan = t.plan
     k = t.accumulation_steps
     step_ctx = StepContext(step, k)
-    plan.emit(t, Event.STEP_START, step_ctx)
+    plan.emit(t, On.STEP_START, step_ctx)
 
     loss_sum = _accumulate_microbatches(t, step, k)
 
     grad_norm = _prepare_gradients(t)
-    plan.emit(t, Event.BEFORE_OPTIMIZER_STEP, OptimizerStepContext(step, False, grad_norm))
+    plan.emit(t, On.BEFORE_OPTIMIZER_STEP, OptimizerStepContext(step, False, grad_norm))
     skipped = _optimizer_step(t)
-    plan.emit(t, Event.AFTER_OPTIMIZER_STEP, OptimizerStepContext(step, skipped, grad_norm))
+    plan.emit(t, On.AFTER_OPTIMIZER_STEP, OptimizerStepContext(step, skipped, grad_norm))
     if skipped:
         t.note_skipped_step(step)
-        plan.emit(t, Event.STEP_END, step_ctx)
+        plan.emit(t, On.STEP_END, step_ctx)
         return False
 
     t.step = step
@@ -58,15 +58,15 @@ def run_global_step(t: Trainer, step: int) -> bool:
         t.scheduler.step()
     if plan.listens(Event.AFTER_SCHEDULER_STEP):
         lrs = tuple(float(group["lr"]) for group in t.optimizer.param_groups)
-        plan.emit(t, Event.AFTER_SCHEDULER_STEP, SchedulerContext(step, lrs))
+        plan.emit(t, On.AFTER_SCHEDULER_STEP, SchedulerContext(step, lrs))
 
-    plan.emit(t, Event.COORDINATE, CoordinateContext(step))
+    plan.emit(t, On.COORDINATE, CoordinateContext(step))
     _maybe_reset_optimizer(t, step)
 
     if plan.listens(Event.METRICS) or t.is_metric_due(step):
         _emit_metrics(t, step, t.last_loss, grad_norm)
-    plan.emit(t, Event.CHECKPOINT, CheckpointContext(step))
-    plan.emit(t, Event.STEP_END, step_ctx)
+    plan.emit(t, On.CHECKPOINT, CheckpointContext(step))
+    plan.emit(t, On.STEP_END, step_ctx)
     return True
 
 
@@ -84,24 +84,24 @@ def _accumulate_microbatches(t: Trainer, step: int, k: int) -> torch.Tensor:
         t.tokens += tokens
         mb_ctx = MicrobatchContext(step, index, k, batch) if listens_mb else None
         if mb_ctx is not None:
-            plan.emit(t, Event.MICROBATCH_START, mb_ctx)
+            plan.emit(t, On.MICROBATCH_START, mb_ctx)
         with t.grad_sync_context(index == k - 1):
             with t.autocast():
                 output = t.forward(batch)
             loss = resolve_loss(output, batch)
             backward_ctx = BackwardContext(step, index, k, loss) if listens_bw else None
             if backward_ctx is not None:
-                plan.emit(t, Event.BEFORE_BACKWARD, backward_ctx)
+                plan.emit(t, On.BEFORE_BACKWARD, backward_ctx)
             scaled = loss / k
             if t.scaler is not None:
                 scaled = t.scaler.scale(scaled)
             scaled.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
             if backward_ctx is not None:
-                plan.emit(t, Event.AFTER_BACKWARD, backward_ctx)
+                plan.emit(t, On.AFTER_BACKWARD, backward_ctx)
         detached = loss.detach()
         loss_sum = detached if loss_sum is None else loss_sum + detached
         if mb_ctx is not None:
-            plan.emit(t, Event.MICROBATCH_END, mb_ctx)
+            plan.emit(t, On.MICROBATCH_END, mb_ctx)
     assert loss_sum is not None  # k >= 1 is enforced by the Trainer
     return loss_sum
 
@@ -133,7 +133,7 @@ def _maybe_reset_optimizer(t: Trainer, step: int) -> None:
     requested = t.take_reset_requests()
     if not requested or not t.allow_optimizer_reset:
         return
-    t.plan.emit(t, Event.OPTIMIZER_RESET, OptimizerResetContext(step, requested))
+    t.plan.emit(t, On.OPTIMIZER_RESET, OptimizerResetContext(step, requested))
     t.reset_optimizer_state()
 
 
@@ -159,6 +159,6 @@ def _emit_metrics(
     record.set("micro_batches", t.accumulation_steps)
     record.set("elapsed_s", elapsed)
     due = t.is_metric_due(step)
-    t.plan.emit(t, Event.METRICS, MetricsContext(step, due, record))
+    t.plan.emit(t, On.METRICS, MetricsContext(step, due, record))
     if due:
         t.due_records.append(record.values())

@@ -47,7 +47,7 @@ from speedtronic.distributed import (
     replica_groups,
     wrap_data_parallel,
 )
-from speedtronic.events import Event
+from speedtronic.events import On
 from speedtronic.loop import run_global_step
 from speedtronic.metrics import MetricValue
 from speedtronic.plugins import callback_registry
@@ -424,24 +424,24 @@ class Trainer:
         self.last_loss = None
         error: BaseException | None = None
         try:
-            self.plan.emit(self, Event.SETUP, fit_ctx)
-            self.plan.emit(self, Event.FIT_START, fit_ctx)
+            self.plan.emit(self, On.SETUP, fit_ctx)
+            self.plan.emit(self, On.FIT_START, fit_ctx)
             # Rates and elapsed_s measure training, not one-off setup (opening sinks, etc.).
             self.fit_clock = FitClock(time.perf_counter(), start_step, self.samples, self.tokens)
             while self._keep_going(start_step):
                 run_global_step(self, self.step + 1)
             result = self._result(start_step)
-            self.plan.emit(self, Event.FIT_END, FitEndContext(result, self.stop_reason))
+            self.plan.emit(self, On.FIT_END, FitEndContext(result, self.stop_reason))
             return result
         except BaseException as exc:
             error = exc
-            self.plan.emit(self, Event.EXCEPTION, ExceptionContext(exc, self.step))
+            self.plan.emit(self, On.EXCEPTION, ExceptionContext(exc, self.step))
             failure = collective_failure(exc, self.distributed)
             if failure is not None:
                 raise failure from exc
             raise
         finally:
-            self.plan.emit(self, Event.TEARDOWN, TeardownContext(self.step, error))
+            self.plan.emit(self, On.TEARDOWN, TeardownContext(self.step, error))
 
     train = fit
 
