@@ -9,6 +9,7 @@ these signatures.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar, Literal, cast
 
 from typing_extensions import Self
@@ -28,6 +29,8 @@ from speedtronic.contexts import (
     StepContext,
     TeardownContext,
 )
+from speedtronic.events import Event
+from speedtronic.filters import StepFilter
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
@@ -56,6 +59,10 @@ class Callback:
       (in order) before all ``"consume"`` callbacks (sinks), so a sink sees every key.
     * ``plugin_name`` / ``options_schema`` -- the name used in ``callbacks:`` in config and
       the JSON Schema of its options (the ``name`` key excluded).
+    * ``due_when`` -- per event, the steps on which the hook is due (``speedtronic.filters``:
+      ``every(n)``, ``once(step)``, ``final_step()``, ``logging_steps()``); the trainer does
+      not call the hook on other steps. Set it on the class or, for a cadence that comes from
+      options, on the instance in ``__init__``. Hooks without an entry run on every step.
     * ``rank_policy`` -- where the callback runs in a distributed run: ``"all"`` ranks (the
       default; anything that takes part in collectives or changes training), rank 0 only
       (``"main"``: sinks and loggers) or once per node (``"local_main"``, local rank 0).
@@ -68,6 +75,7 @@ class Callback:
     plugin_name: ClassVar[str | None] = None
     options_schema: ClassVar[JSONSchema] = EMPTY_OPTIONS_SCHEMA
     rank_policy: ClassVar[RankPolicy] = "all"
+    due_when: Mapping[Event, StepFilter] = MappingProxyType({})
 
     # -- construction from config -----------------------------------------------------
 

@@ -26,7 +26,7 @@ from speedtronic.contexts import (
     StepContext,
 )
 from speedtronic.data.collate import batch_size_and_tokens
-from speedtronic.events import Event, On
+from speedtronic.events import On
 from speedtronic.metrics import MetricRecord
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ def run_global_step(t: Trainer, step: int) -> bool:
     """Run global step number ``step``. Returns False when the grad scaler skipped the
     update (fp16 overflow): the step is not counted and will be retried."""
     plan = t.plan
+    plan.begin_step(step, t.target_step, t.metrics_every)
     k = t.accumulation_steps
     step_ctx = StepContext(step, k)
     plan.emit(t, On.STEP_START, step_ctx)
@@ -56,14 +57,15 @@ def run_global_step(t: Trainer, step: int) -> bool:
     t.last_loss = loss_sum / k
     if t.scheduler is not None:
         t.scheduler.step()
-    if plan.listens(Event.AFTER_SCHEDULER_STEP):
+    if plan.due(On.AFTER_SCHEDULER_STEP):
         lrs = tuple(float(group["lr"]) for group in t.optimizer.param_groups)
         plan.emit(t, On.AFTER_SCHEDULER_STEP, SchedulerContext(step, lrs))
 
     plan.emit(t, On.COORDINATE, CoordinateContext(step))
     _maybe_reset_optimizer(t, step)
 
-    if plan.listens(Event.METRICS) or t.is_metric_due(step):
+    # The record is built only when a metrics hook is due or the step is a logging step.
+    if plan.due(On.METRICS) or t.is_metric_due(step):
         _emit_metrics(t, step, t.last_loss, grad_norm)
     plan.emit(t, On.CHECKPOINT, CheckpointContext(step))
     plan.emit(t, On.STEP_END, step_ctx)
@@ -73,8 +75,8 @@ def run_global_step(t: Trainer, step: int) -> bool:
 def _accumulate_microbatches(t: Trainer, step: int, k: int) -> torch.Tensor:
     """Forward/backward K microbatches; returns the sum of their unscaled losses."""
     plan = t.plan
-    listens_mb = plan.listens(Event.MICROBATCH_START) or plan.listens(Event.MICROBATCH_END)
-    listens_bw = plan.listens(Event.BEFORE_BACKWARD) or plan.listens(Event.AFTER_BACKWARD)
+    listens_mb = plan.due(On.MICROBATCH_START) or plan.due(On.MICROBATCH_END)
+    listens_bw = plan.due(On.BEFORE_BACKWARD) or plan.due(On.AFTER_BACKWARD)
     loss_sum: torch.Tensor | None = None
     for index in range(k):
         host_batch = next(t.stream)

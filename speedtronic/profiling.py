@@ -35,6 +35,7 @@ from speedtronic.contexts import (
     StepContext,
     TeardownContext,
 )
+from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 
 if TYPE_CHECKING:
     from speedtronic.view import TrainerView
@@ -283,6 +284,7 @@ class MetricLoggerCallback(Callback):
     is_observer: ClassVar[bool] = True
     metrics_phase: ClassVar[Literal["contribute", "consume"]] = "consume"
     rank_policy: ClassVar[RankPolicy] = "main"
+    due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
 
     def __init__(self, logger: MetricLogger, *, close_logger: bool = False) -> None:
         self.logger = logger
@@ -322,8 +324,7 @@ class MetricLoggerCallback(Callback):
         )
 
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
-        if ctx.due:
-            self.logger.emit("train_step", ctx.record.values())
+        self.logger.emit("train_step", ctx.record.values())
 
     def on_step_end(self, trainer: TrainerView, ctx: StepContext) -> None:
         self._emit_new_saves()

@@ -8,6 +8,7 @@ assert recorder.events[:2] == [Event.SETUP, Event.FIT_START]
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ from speedtronic.contexts import (
     TeardownContext,
 )
 from speedtronic.events import Event, expected_step_trace
+from speedtronic.filters import StepFilter
 
 if TYPE_CHECKING:
     from speedtronic.view import TrainerView
@@ -45,12 +47,21 @@ class TraceEntry:
 
 
 class EventRecorder(Callback):
-    """A callback that listens to every event and keeps the trace in order."""
+    """A callback that listens to every event and keeps the trace in order.
+
+    ``due_when`` (optional) filters its per-step hooks like any callback's
+    (``speedtronic.filters``), so a test can assert on which steps a filtered hook ran."""
 
     is_observer = False  # a recorder that fails should fail the test
 
-    def __init__(self) -> None:
+    def __init__(self, due_when: Mapping[Event, StepFilter] | None = None) -> None:
         self.trace: list[TraceEntry] = []
+        if due_when is not None:
+            self.due_when = dict(due_when)
+
+    def steps_of(self, event: Event) -> list[int | None]:
+        """The steps at which ``event`` was recorded, in order."""
+        return [entry.step for entry in self.trace if entry.event is event]
 
     @property
     def events(self) -> list[Event]:

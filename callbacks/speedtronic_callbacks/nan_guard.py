@@ -41,6 +41,8 @@ from typing_extensions import Self
 
 from speedtronic.callback import Callback, JSONSchema
 from speedtronic.contexts import BackwardContext, FitContext, MetricsContext, OptimizerStepContext
+from speedtronic.events import Event
+from speedtronic.filters import every, logging_steps
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
@@ -135,6 +137,12 @@ class NanGuard(Callback):
         self.consecutive = 0
         self.last_problem: str | None = None
         self._loss_sum: torch.Tensor | None = None
+        checked = every(check_every)
+        self.due_when = {
+            Event.AFTER_BACKWARD: checked,
+            Event.BEFORE_OPTIMIZER_STEP: checked,
+            Event.METRICS: logging_steps(),
+        }
 
     @classmethod
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
@@ -159,22 +167,17 @@ class NanGuard(Callback):
 
     # -- hooks --------------------------------------------------------------------------
 
-    def _checks(self, step: int) -> bool:
-        return step % self.check_every == 0
-
     def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
         self.consecutive = 0
         self._loss_sum = None
 
     def on_after_backward(self, trainer: TrainerView, ctx: BackwardContext) -> None:
-        if not self._checks(ctx.step):
-            return
         loss = ctx.loss.detach()
         self._loss_sum = loss if ctx.index == 0 or self._loss_sum is None else self._loss_sum + loss
 
     def on_before_optimizer_step(self, trainer: TrainerView, ctx: OptimizerStepContext) -> None:
         loss_sum, self._loss_sum = self._loss_sum, None
-        if loss_sum is None or not self._checks(ctx.step):
+        if loss_sum is None:
             return
         grad_norm = ctx.grad_norm
         if grad_norm is None and self.check_grads and not trainer.uses_grad_scaler:
@@ -221,5 +224,5 @@ class NanGuard(Callback):
         trainer.request_stop(reason)
 
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
-        if self.action == "skip" and ctx.due:
+        if self.action == "skip":
             ctx.record.set(SKIPPED_KEY, self.skipped_steps)

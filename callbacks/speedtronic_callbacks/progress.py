@@ -21,7 +21,14 @@ from tqdm import tqdm
 from typing_extensions import Never, Self
 
 from speedtronic.callback import Callback, JSONSchema, RankPolicy
-from speedtronic.contexts import FitContext, FitEndContext, MetricsContext, TeardownContext
+from speedtronic.contexts import (
+    FitContext,
+    FitEndContext,
+    MetricsContext,
+    StepContext,
+    TeardownContext,
+)
+from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic_callbacks.sink import (
     NumberFormat,
     Record,
@@ -88,6 +95,7 @@ class ProgressBarCallback(Callback):
     is_observer: ClassVar[bool] = True
     metrics_phase: ClassVar[Literal["contribute", "consume"]] = "consume"
     rank_policy: ClassVar[RankPolicy] = "main"  # one bar per run, drawn by rank 0
+    due_when = METRICS_ON_LOGGING_STEPS  # the bar advances at step_end, records on logging steps
     options_schema: ClassVar[JSONSchema] = {
         "type": "object",
         "additionalProperties": False,
@@ -187,11 +195,9 @@ class ProgressBarCallback(Callback):
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         bar = self._bar
         if bar is not None:
-            if ctx.due:
-                bar.set_postfix_str(_postfix(ctx.record.values()), refresh=False)
-            bar.update(ctx.step - bar.n)
+            bar.set_postfix_str(_postfix(ctx.record.values()), refresh=False)
             return
-        if not ctx.due or self._lines_stream is None:
+        if self._lines_stream is None:
             return
         now = time.monotonic()
         final = ctx.step >= trainer.target_step
@@ -199,6 +205,11 @@ class ProgressBarCallback(Callback):
             self._last_line_time = now
             line = progress_line(ctx.record.values(), self._start_step, trainer.target_step)
             tqdm.write(line, file=self._lines_stream)
+
+    def on_step_end(self, trainer: TrainerView, ctx: StepContext) -> None:
+        bar = self._bar
+        if bar is not None and trainer.step > bar.n:  # not after a skipped (fp16) step
+            bar.update(trainer.step - bar.n)
 
     def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
         if self._bar is not None:

@@ -26,6 +26,7 @@ from typing_extensions import Self
 
 from speedtronic.callback import Callback, JSONSchema, RankPolicy
 from speedtronic.contexts import FitContext, MetricsContext
+from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.profiling import memory_usage_bytes
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ class SystemMetricsCallback(Callback):
     plugin_name: ClassVar[str | None] = "system_metrics"
     is_observer: ClassVar[bool] = True  # a failing probe must not stop training
     rank_policy: ClassVar[RankPolicy] = "main"  # feeds the sinks, which run on rank 0
+    due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
     options_schema: ClassVar[JSONSchema] = {
         "type": "object",
         "additionalProperties": False,
@@ -127,8 +129,6 @@ class SystemMetricsCallback(Callback):
             torch.cuda.reset_peak_memory_stats(trainer.device)
 
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
-        if not ctx.due:
-            return
         if self.memory:
             self._add_memory(trainer, ctx)
         if self.mfu:

@@ -53,6 +53,7 @@ from speedtronic.contexts import (
     MetricsContext,
     TeardownContext,
 )
+from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic_callbacks.diloco.collective import (
     COLLECTIVE_OPTIONS_SCHEMA,
     CollectiveDiLoCo,
@@ -490,6 +491,7 @@ class DiLoCoCallback(Callback):
     plugin_name: ClassVar[str | None] = "diloco"
     options_schema: ClassVar[JSONSchema] = OPTIONS_SCHEMA
     state_key = "diloco"
+    due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
 
     def __init__(
         self,
@@ -661,7 +663,7 @@ class DiLoCoCallback(Callback):
             trainer.request_optimizer_reset("diloco")
 
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
-        if self.node is None or not ctx.due:
+        if self.node is None:
             return
         for key, value in self.node.metrics().items():
             ctx.record.set(key, value)

@@ -51,6 +51,7 @@ from typing_extensions import Self
 from speedtronic.callback import Callback, JSONSchema, RankPolicy
 from speedtronic.contexts import CoordinateContext, FitContext, MetricsContext
 from speedtronic.distributed import DistributedContext, ReplicaGroups, replica_groups
+from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic_callbacks.diloco.math import (
     NesterovOuterOptimizer,
     check_same_layout,
@@ -184,6 +185,7 @@ class CollectiveDiLoCo(Callback):
     plugin_name: ClassVar[str | None] = "diloco"
     options_schema: ClassVar[JSONSchema] = COLLECTIVE_OPTIONS_SCHEMA
     rank_policy: ClassVar[RankPolicy] = "all"
+    due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
     state_key = "diloco"
 
     def __init__(self, options: CollectiveDiLoCoOptions | None = None, **values: object) -> None:
@@ -312,8 +314,6 @@ class CollectiveDiLoCo(Callback):
     # -- metrics --------------------------------------------------------------------------
 
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
-        if not ctx.due:
-            return
         ctx.record.set("diloco/outer_steps", self.outer_steps)
         ctx.record.set("diloco/bytes_reduced", self.bytes_reduced)
         if self.last_pseudo_grad_norm is not None:
