@@ -35,7 +35,7 @@ from speedtronic.contexts import (
 )
 from speedtronic.coordinator import CoordinatorCallback, SyncCoordinator
 from speedtronic.data import BatchStream
-from speedtronic.dispatch import CallbackPlan
+from speedtronic.dispatch import CallbackPlan, HookFailure, attach_failures
 from speedtronic.distributed import (
     DistributedContext,
     RankMetricReducer,
@@ -94,6 +94,14 @@ def _is_compile_failure(exc: BaseException) -> bool:
     if isinstance(exc, dynamo_exc.TorchRuntimeError):
         return False  # the model's own error, surfaced through dynamo
     return isinstance(exc, dynamo_exc.TorchDynamoException)
+
+
+def _raise_first(failures: Sequence[HookFailure]) -> None:
+    """Raise the first hook failure, with the later ones attached as notes."""
+    if failures:
+        first = failures[0].error
+        attach_failures(first, failures[1:])
+        raise first
 
 
 def _legacy_callbacks(
@@ -423,6 +431,7 @@ class Trainer:
         self._setup_compile()
         self.last_loss = None
         error: BaseException | None = None
+        raised: BaseException | None = None
         try:
             self.plan.emit(self, On.SETUP, fit_ctx)
             self.plan.emit(self, On.FIT_START, fit_ctx)
@@ -431,17 +440,27 @@ class Trainer:
             while self._keep_going(start_step):
                 run_global_step(self, self.step + 1)
             result = self._result(start_step)
-            self.plan.emit(self, On.FIT_END, FitEndContext(result, self.stop_reason))
+            # Every fit_end hook runs (the final checkpoint is saved even when a callback
+            # before it fails); the first failure then fails the fit.
+            _raise_first(
+                self.plan.emit_isolated(self, On.FIT_END, FitEndContext(result, self.stop_reason))
+            )
             return result
         except BaseException as exc:
-            error = exc
-            self.plan.emit(self, On.EXCEPTION, ExceptionContext(exc, self.step))
+            error = raised = exc
+            failures = self.plan.emit_isolated(self, On.EXCEPTION, ExceptionContext(exc, self.step))
+            attach_failures(exc, failures)
             failure = collective_failure(exc, self.distributed)
             if failure is not None:
+                raised = failure
                 raise failure from exc
             raise
         finally:
-            self.plan.emit(self, On.TEARDOWN, TeardownContext(self.step, error))
+            failures = self.plan.emit_isolated(self, On.TEARDOWN, TeardownContext(self.step, error))
+            if raised is not None:
+                attach_failures(raised, failures)  # the fit's own error stays the one raised
+            else:
+                _raise_first(failures)
 
     train = fit
 
