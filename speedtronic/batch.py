@@ -25,7 +25,8 @@ class ModelOutputError(TypeError):
 def move_to_device(batch: object, device: torch.device) -> object:
     """Move every tensor inside ``batch`` (dicts, tuples, lists) to ``device``."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        # Already there (CPU training, a loader that pins to the GPU): no .to() call at all.
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
         return {key: move_to_device(value, device) for key, value in batch.items()}
     if isinstance(batch, tuple):

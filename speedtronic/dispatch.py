@@ -198,8 +198,9 @@ class CallbackPlan:
                 self._filtered[EVENT_KEYS[event]] = tuple(
                     zip(filters, self._hooks[event], strict=True)
                 )
-        # The hooks due in the current step (``begin_step``); the full lists until then.
-        self._current: dict[EventKey, tuple[Hook, ...]] = self._by_key
+        # The hooks due in the current step, per event key (``begin_step``); the loop reads
+        # it to skip events nobody is due to hear. The full lists until a step begins.
+        self.due_hooks: dict[EventKey, tuple[Hook, ...]] = self._by_key
 
     @staticmethod
     def _bind(callback: Callback, event: Event) -> Hook:
@@ -226,16 +227,16 @@ class CallbackPlan:
                 for when, hook in entries
                 if when is None or when.due(step, target_step, metrics_every)
             )
-        self._current = current
+        self.due_hooks = current
 
     def due(self, key: EventKey) -> bool:
         """Whether any hook of ``key``'s event is due in the current step."""
-        return bool(self._current[key])
+        return bool(self.due_hooks[key])
 
     def emit(self, trainer: TrainerView, key: EventSpec[CtxT], ctx: CtxT) -> None:
         """Call the hooks of ``key``'s event that are due in the current step with ``ctx``
         (typed: mypy rejects a context that is not the event's, see ``speedtronic.events.On``)."""
-        for hook in self._current[key]:
+        for hook in self.due_hooks[key]:
             hook(trainer, ctx)
 
     def emit_isolated(
@@ -245,7 +246,7 @@ class CallbackPlan:
         order (for ``fit_end``, ``exception`` and ``teardown``: one failing callback must not
         keep the others from saving, closing files or stopping threads)."""
         failures: list[HookFailure] = []
-        for callback, hook in zip(self._order[key.event], self._current[key], strict=True):
+        for callback, hook in zip(self._order[key.event], self.due_hooks[key], strict=True):
             try:
                 hook(trainer, ctx)
             except BaseException as exc:  # every hook runs; the caller decides what to raise
