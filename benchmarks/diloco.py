@@ -49,7 +49,7 @@ from speedtronic import Trainer
 from speedtronic.data import LearnableLanguageDataset
 from speedtronic.model import ReferenceTransformer
 from speedtronic_callbacks.diloco import DiLoCoCallback
-from speedtronic_callbacks.diloco.tensors import build_layout
+from speedtronic_callbacks.diloco.model_layout import build_layout
 
 VOCAB, BLOCK, BATCH = 64, 32, 16
 TRAIN_SAMPLES, EVAL_START, EVAL_SAMPLES = 6000, 50_000, 256

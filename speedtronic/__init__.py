@@ -1,7 +1,11 @@
 """speedtronic: an event-driven PyTorch training framework with typed callbacks.
 
 Public names are imported lazily so that ``import speedtronic`` stays cheap for tools
-(``speedtronic validate`` / ``schema``) that do not train.
+(``speedtronic validate`` / ``schema``) that do not train. Every name in ``__all__`` is
+declared for type checkers under ``TYPE_CHECKING`` with the same type it has at run time, in
+any import order: no public name is also the name of a submodule (a submodule, once imported,
+would replace the package attribute -- hence ``speedtronic.model_registry`` holds the
+``registry`` instance). ``tests/test_static_types.py`` checks this.
 """
 
 from __future__ import annotations
@@ -39,10 +43,10 @@ _EXPORTS: dict[str, str] = {
     "PluginError": "speedtronic.plugins",
     "register_callback": "speedtronic.plugins",
     "callback_registry": "speedtronic.plugins",
-    "ModelRegistry": "speedtronic.registry",
-    "register_model": "speedtronic.registry",
-    "build_model": "speedtronic.registry",
-    "registry": "speedtronic.registry",
+    "ModelRegistry": "speedtronic.model_registry",
+    "register_model": "speedtronic.model_registry",
+    "build_model": "speedtronic.model_registry",
+    "registry": "speedtronic.model_registry",
     "register_dataset": "speedtronic.data",
     "build_dataloader": "speedtronic.data",
     # model
@@ -60,7 +64,8 @@ _EXPORTS: dict[str, str] = {
 }
 
 # Original names whose implementation is a plugin: resolved through the plugin's entry point
-# at first use, so the engine never imports the ``callbacks`` package itself.
+# at first use, so the engine never imports ``speedtronic_callbacks`` itself at run time
+# (the static declaration below names the class, for type checkers only).
 _PLUGIN_EXPORTS: dict[str, str] = {"HubClient": "diloco"}
 
 __all__ = ["__version__", *_EXPORTS, *_PLUGIN_EXPORTS]
@@ -107,6 +112,10 @@ if TYPE_CHECKING:
     from speedtronic.model import GPT as GPT
     from speedtronic.model import GPTConfig as GPTConfig
     from speedtronic.model import ReferenceTransformer as ReferenceTransformer
+    from speedtronic.model_registry import ModelRegistry as ModelRegistry
+    from speedtronic.model_registry import build_model as build_model
+    from speedtronic.model_registry import register_model as register_model
+    from speedtronic.model_registry import registry as registry
     from speedtronic.module_utils import set_gradient_checkpointing as set_gradient_checkpointing
     from speedtronic.plugins import PluginContext as PluginContext
     from speedtronic.plugins import PluginError as PluginError
@@ -114,10 +123,6 @@ if TYPE_CHECKING:
     from speedtronic.plugins import register_callback as register_callback
     from speedtronic.precision import PrecisionPlan as PrecisionPlan
     from speedtronic.profiling import MetricLogger as MetricLogger
-    from speedtronic.registry import ModelRegistry as ModelRegistry
-    from speedtronic.registry import build_model as build_model
-    from speedtronic.registry import register_model as register_model
-    from speedtronic.registry import registry as registry
     from speedtronic.result import TrainResult as TrainResult
     from speedtronic.runtime import build_callbacks as build_callbacks
     from speedtronic.runtime import build_runtime as build_runtime
@@ -126,3 +131,4 @@ if TYPE_CHECKING:
     from speedtronic.trainer import Trainer as Trainer
     from speedtronic.trainer import TrainingEngine as TrainingEngine
     from speedtronic.trainer import TrainingStateError as TrainingStateError
+    from speedtronic_callbacks.diloco import HubClient as HubClient

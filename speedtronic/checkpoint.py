@@ -2,7 +2,8 @@
 
 Layout of a checkpoint directory::
 
-    latest.json                 {"step": 4, "file": "step_000000000004.pt"}
+    latest.json                 {"step": 4, "file": "step_000000000004.pt",
+                                 "checkpoints": {"step_000000000004.pt": {"sha256": ...}, ...}}
     step_000000000002.pt
     step_000000000004.pt
     .step_000000000006.pt.tmp-4242   a write in progress (or left by a killed process)
@@ -12,6 +13,12 @@ renamed onto its final name, and the directory is fsynced; only then is ``latest
 rewritten the same way, and only then are old checkpoints pruned. A process killed at any
 moment therefore leaves the previous checkpoint and pointer intact. ``latest.json`` is the
 commit record: it names the newest *complete* checkpoint and nothing outside the directory.
+
+Integrity: ``torch.save`` writes a zip archive that stores a CRC-32 of every record; a save
+records the SHA-256 of that record index (names, offsets, sizes, CRC-32s) in the pointer, and
+a load checks the index against it and every record's bytes against their CRC-32 before
+``torch.load``. A mismatch is damage (``CorruptCheckpointError``, fall back to an older
+checkpoint). This costs no second pass over the data at save time.
 
 Loads use ``torch.load(..., weights_only=True)``: a file that holds pickled Python objects is
 refused (``UnsafeCheckpointError``) instead of executing them. Saves check the same rule
@@ -26,15 +33,21 @@ This module is the storage layer; *when* to save is the checkpoint callback's bu
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import json
+import math
 import os
 import pickle
+import pickletools
 import re
+import reprlib
 import shutil
 import signal
 import warnings
+import zipfile
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -49,12 +62,15 @@ __all__ = [
     "CheckpointManager",
     "CorruptCheckpointError",
     "LoadedCheckpoint",
+    "Pointer",
     "UnsafeCheckpointError",
+    "archive_checksum",
     "atomic_json_dump",
     "atomic_torch_save",
     "capture_rng_state",
     "checkpoint_step",
     "load_checkpoint_file",
+    "parse_pointer",
     "plain_state",
     "requeue_exit_code",
     "restore_rng_state",
@@ -65,7 +81,9 @@ POINTER_NAME = "latest.json"
 """The pointer file naming the newest complete checkpoint."""
 
 STEP_DIGITS = 12
-_CHECKPOINT_NAME = re.compile(r"step_(\d+)\.pt")
+MAX_STEP = 10**STEP_DIGITS - 1
+"""The highest step a checkpoint file name can carry (12 digits: 31 years at 1 step/ms)."""
+_CHECKPOINT_NAME = re.compile(rf"step_(\d{{{STEP_DIGITS}}})\.pt")
 _TEMP_NAME = re.compile(r"\.(?:step_\d+\.pt|latest\.json)\.tmp-(\d+)")
 _FORBIDDEN_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -87,8 +105,9 @@ class UnsafeCheckpointError(CheckpointError):
 def checkpoint_step(name: str) -> int | None:
     """The step of a checkpoint file name (``step_000000000012.pt`` -> 12), else ``None``.
 
-    Only the exact ``step_<digits>.pt`` form counts: temp files, directories' other
-    contents and anything with a path separator are not checkpoints.
+    Only the exact ``step_<12 digits>.pt`` form counts: temp files, directories' other
+    contents, anything with a path separator and junk such as ``step_99999999999999999.pt``
+    (more digits than any save writes) are not checkpoints.
     """
     match = _CHECKPOINT_NAME.fullmatch(name)
     return int(match.group(1)) if match else None
@@ -130,14 +149,80 @@ def _atomic_write(path: Path, write_contents: Callable[[BinaryIO], None]) -> Non
         with contextlib.suppress(OSError):
             temp.unlink()
         if isinstance(exc, Exception) and not isinstance(exc, CheckpointError):
-            raise CheckpointError(f"could not write {path}: {type(exc).__name__}: {exc}") from exc
+            raise _write_error(path, exc) from exc
         raise
 
 
-def atomic_torch_save(state: object, path: PathLike) -> None:
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def _write_error(path: Path, exc: Exception) -> CheckpointError:
+    """The error of a failed write; a full disk (or quota) says so plainly, with the path
+    and what is left, wherever in the chain torch or the OS reported it."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _DISK_FULL:
+            return CheckpointError(
+                f"no space left on device: could not write {path} ({_free_space(path.parent)} "
+                "free there); free some space or point checkpoint.directory elsewhere, then "
+                "resume (--resume) from the last checkpoint, which is intact"
+            )
+        seen = seen.__cause__ or seen.__context__
+    return CheckpointError(f"could not write {path}: {type(exc).__name__}: {exc}")
+
+
+def _free_space(directory: Path) -> str:
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return "unknown space"
+    return f"{free / 2**20:.1f} MiB"
+
+
+def atomic_torch_save(state: object, path: PathLike) -> str:
     """``torch.save`` to ``path`` atomically and durably (a reader sees the old file or the
-    complete new one, also after a power loss)."""
-    _atomic_write(Path(path), lambda handle: torch.save(state, handle))
+    complete new one, also after a power loss). Returns the file's checksum: the SHA-256 of
+    its record index (``archive_checksum``), which commits to every record's CRC-32."""
+    checksum = ""
+
+    def write(handle: BinaryIO) -> None:
+        nonlocal checksum
+        with _crc32_records():
+            torch.save(state, handle)
+        handle.flush()
+        checksum = archive_checksum(Path(handle.name))
+
+    _atomic_write(Path(path), write)
+    return checksum
+
+
+@contextlib.contextmanager
+def _crc32_records() -> Iterator[None]:
+    """Make ``torch.save`` store the CRC-32 of every record (its default; a user may have
+    switched it off globally, and the integrity check depends on it)."""
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(True)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
+
+
+def archive_checksum(path: PathLike) -> str:
+    """SHA-256 (hex) of a checkpoint archive's record index: each record's name, offset,
+    sizes and CRC-32. Reads only the zip's central directory, not the data; together with
+    the per-record CRC-32s it detects any change to the stored data. ``zipfile.BadZipFile``
+    when ``path`` is not a zip archive."""
+    with zipfile.ZipFile(path) as archive:
+        return _index_checksum(archive)
+
+
+def _index_checksum(archive: zipfile.ZipFile) -> str:
+    index = [
+        [info.filename, info.header_offset, info.compress_size, info.file_size, info.CRC]
+        for info in archive.infolist()
+    ]
+    return hashlib.sha256(json.dumps(index).encode("utf-8")).hexdigest()
 
 
 def atomic_json_dump(value: object, path: PathLike) -> None:
@@ -172,7 +257,7 @@ def plain_state(state: Mapping[str, object]) -> dict[str, object]:
     naming where it sits, e.g. ``state['callbacks']['ema']['fn'] is a builtins.function``.
     """
     try:
-        plain = _plain(dict(state), "state")
+        plain = _PlainWalk().plain(dict(state), "state")
     except _NotPlain as exc:
         raise CheckpointError(
             f"cannot checkpoint this state: {exc}; checkpoints may hold only tensors, numbers, "
@@ -183,30 +268,63 @@ def plain_state(state: Mapping[str, object]) -> dict[str, object]:
     return plain
 
 
-def _plain(value: object, where: str) -> object:
-    kind = type(value)
-    if kind in _TENSOR_TYPES or kind in _PLAIN_LEAVES or isinstance(value, _TORCH_LEAVES):
-        return value
-    if isinstance(value, torch.Tensor):
-        raise _NotPlain(f"{where} is a tensor subclass {kind.__module__}.{kind.__qualname__}")
-    if isinstance(value, str):
-        return str(value)
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return float(value)
-    if isinstance(value, dict):
-        items = [
-            (_plain(k, f"{where} key {k!r}"), _plain(v, f"{where}[{k!r}]"))
-            for k, v in value.items()
-        ]
-        return OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)
-    if isinstance(value, list | tuple | set):
-        parts = [_plain(item, f"{where}[{index}]") for index, item in enumerate(value)]
+MAX_STATE_DEPTH = 100
+"""Deepest nesting of containers a checkpointed state may have (a model's state is ~5)."""
+
+
+class _PlainWalk:
+    """One ``plain_state`` pass: the containers on the path from the root (for cycles)."""
+
+    def __init__(self) -> None:
+        self.ancestors: dict[int, str] = {}
+
+    def plain(self, value: object, where: str) -> object:
+        kind = type(value)
+        if kind in _TENSOR_TYPES or kind in _PLAIN_LEAVES or isinstance(value, _TORCH_LEAVES):
+            return value
+        if isinstance(value, torch.Tensor):
+            raise _NotPlain(f"{where} is a tensor subclass {kind.__module__}.{kind.__qualname__}")
+        if isinstance(value, str):
+            return str(value)
+        if isinstance(value, int):
+            return int(value)
+        if isinstance(value, float):
+            return float(value)
+        if isinstance(value, dict | list | tuple | set):
+            return self.container(value, where)
+        raise _NotPlain(f"{where} is a {kind.__module__}.{kind.__qualname__}")
+
+    def container(
+        self,
+        value: dict[object, object] | list[object] | tuple[object, ...] | set[object],
+        where: str,
+    ) -> object:
+        key = id(value)
+        if key in self.ancestors:
+            raise _NotPlain(f"{where} refers back to {self.ancestors[key]} (a cycle)")
+        if len(self.ancestors) >= MAX_STATE_DEPTH:
+            raise _NotPlain(f"{where} is nested more than {MAX_STATE_DEPTH} containers deep")
+        self.ancestors[key] = where
+        try:
+            return self.rebuild(value, where)
+        finally:
+            del self.ancestors[key]
+
+    def rebuild(
+        self,
+        value: dict[object, object] | list[object] | tuple[object, ...] | set[object],
+        where: str,
+    ) -> object:
+        if isinstance(value, dict):
+            items = [
+                (self.plain(k, f"{where} key {k!r}"), self.plain(v, f"{where}[{k!r}]"))
+                for k, v in value.items()
+            ]
+            return OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)
+        parts = [self.plain(item, f"{where}[{index}]") for index, item in enumerate(value)]
         if isinstance(value, list):
             return parts
         return tuple(parts) if isinstance(value, tuple) else set(parts)
-    raise _NotPlain(f"{where} is a {kind.__module__}.{kind.__qualname__}")
 
 
 # -- loading -------------------------------------------------------------------------------
@@ -218,33 +336,27 @@ def _first_line(exc: BaseException, limit: int = 200) -> str:
     return line if len(line) <= limit else line[:limit] + "..."
 
 
-def load_checkpoint_file(path: PathLike) -> dict[str, object]:
-    """Load one checkpoint with ``weights_only=True`` onto the CPU.
+def load_checkpoint_file(path: PathLike, *, checksum: str | None = None) -> dict[str, object]:
+    """Load one checkpoint with ``weights_only=True`` onto the CPU, after checking its
+    integrity: every record against its CRC-32 and, when given, the record index against
+    ``checksum`` (what ``atomic_torch_save`` returned).
 
     Raises ``UnsafeCheckpointError`` when it holds pickled objects, ``CorruptCheckpointError``
-    when it is truncated or damaged, ``CheckpointError`` when it is missing or not a dict.
+    when it is truncated, damaged or fails a check, ``CheckpointError`` when it is missing,
+    cannot be read at all or is not a dict.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist or is not a file")
+    _check_readable(path)
+    _verify_archive(path, checksum)
     try:
+        # The file opened and read: from here on an OSError is damage, not access. torch
+        # raises it (e.g. "[Errno 22] Invalid argument") for a zip cut short.
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        forbidden = _FORBIDDEN_GLOBAL.search(str(exc))
-        if forbidden is None:
-            raise CorruptCheckpointError(
-                f"checkpoint {path} is unreadable (corrupt pickle data): {_first_line(exc)}"
-            ) from exc
-        raise UnsafeCheckpointError(
-            f"refusing to load {path}: it contains a pickled Python object "
-            f"({forbidden.group(1)}), and loading it could run arbitrary code. speedtronic "
-            "checkpoints hold only tensors and plain data (torch.load weights_only=True). "
-            "If you wrote this file yourself and trust it, convert it with "
-            "torch.load(weights_only=False) in a separate script."
-        ) from exc
-    except OSError as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
-    except Exception as exc:  # torch raises RuntimeError/EOFError/KeyError/... for damage
+        raise _refusal(path, exc) from exc
+    except Exception as exc:  # torch: OSError/RuntimeError/EOFError/KeyError/... for damage
         raise CorruptCheckpointError(
             f"checkpoint {path} is unreadable (truncated or corrupt): "
             f"{type(exc).__name__}: {_first_line(exc)}"
@@ -257,6 +369,129 @@ def load_checkpoint_file(path: PathLike) -> dict[str, object]:
     return state
 
 
+def _check_readable(path: Path) -> None:
+    """``CheckpointError`` when ``path`` cannot be opened and read at all (permissions, an
+    I/O error): that is not a damaged checkpoint to step over, it is an environment problem."""
+    try:
+        with open(path, "rb") as handle:
+            handle.read(1)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+
+
+def _refusal(path: Path, exc: pickle.UnpicklingError) -> CheckpointError:
+    """What a weights-only refusal means: a well-formed pickle stream that the safe
+    unpickler would not run is *unsafe* (any protocol, however deep the object sits); only
+    a stream that is not a pickle at all is damage."""
+    names = _pickled_globals(_pickle_stream(path))
+    if names is None:
+        return CorruptCheckpointError(
+            f"checkpoint {path} is unreadable (corrupt pickle data): {_first_line(exc)}"
+        )
+    named = _FORBIDDEN_GLOBAL.search(str(exc))
+    suspects = [name for name in names if name.split(".")[0] not in _ROUTINE_MODULES]
+    culprit = named.group(1) if named else (suspects or names or ["pickle opcodes"])[0]
+    return UnsafeCheckpointError(
+        f"refusing to load {path}: it contains a pickled Python object ({culprit}), and "
+        "loading it could run arbitrary code. speedtronic checkpoints hold only tensors and "
+        "plain data (torch.load weights_only=True). If you wrote this file yourself and "
+        "trust it, convert it with torch.load(weights_only=False) in a separate script."
+    )
+
+
+_ROUTINE_MODULES = frozenset({"torch", "collections", "builtins", "_codecs", "numpy"})
+"""Modules of the globals every checkpoint references (tensor rebuilds, OrderedDict): the
+error names another one when there is one."""
+_PICKLE_SCAN_LIMIT = 64 * 1024 * 1024
+
+
+def _pickle_stream(path: Path) -> bytes:
+    """The object pickle of a checkpoint: ``data.pkl`` of a zip archive (already verified
+    against its CRC-32), else the start of the file (a plain or legacy-format pickle)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickles = [n for n in archive.namelist() if n.rsplit("/", 1)[-1] == "data.pkl"]
+            if pickles:
+                with archive.open(min(pickles, key=len)) as record:
+                    return record.read(_PICKLE_SCAN_LIMIT)
+    except Exception:  # not a zip archive: the file itself is the pickle
+        pass
+    with open(path, "rb") as handle:
+        return handle.read(_PICKLE_SCAN_LIMIT)
+
+
+_STRING_ARGS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"})
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+_MEMO_GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
+
+
+def _pickled_globals(stream: bytes) -> list[str] | None:
+    """The ``module.name`` globals a pickle stream references, in order; ``None`` when the
+    bytes are not one well-formed pickle (bounded: a single linear pass, no objects built)."""
+    names: list[str] = []
+    memo: dict[object, object] = {}
+    recent: list[object] = []  # the arguments of the last pushes (for STACK_GLOBAL)
+    try:
+        for opcode, arg, _ in pickletools.genops(stream):
+            if opcode.name in ("GLOBAL", "INST"):
+                names.append(str(arg).replace(" ", "."))
+            elif opcode.name == "STACK_GLOBAL":
+                module, name = ([None, None, *recent])[-2:]
+                names.append(f"{module}.{name}")
+            elif opcode.name in _MEMO_PUTS or opcode.name == "MEMOIZE":
+                key = len(memo) if opcode.name == "MEMOIZE" else arg
+                memo[key] = recent[-1] if recent else None
+                continue
+            elif opcode.name in _MEMO_GETS:
+                recent = [*recent[-1:], memo.get(arg)]
+                continue
+            recent = [*recent[-1:], arg if opcode.name in _STRING_ARGS else None]
+    except Exception:  # ValueError for unknown opcodes, truncation, bad arguments
+        return None
+    return names
+
+
+_VERIFY_CHUNK = 16 * 1024 * 1024
+
+
+def _verify_archive(path: Path, checksum: str | None) -> None:
+    """``CorruptCheckpointError`` when the archive's index differs from ``checksum`` or a
+    record's bytes fail their CRC-32. A file that is not a zip archive at all is left to
+    ``torch.load`` when no checksum was recorded (an older or foreign format)."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except zipfile.BadZipFile as exc:
+        if checksum is None:
+            return
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is unreadable (not an intact zip archive although a checksum "
+            f"was recorded for it: {_first_line(exc)})"
+        ) from exc
+    except Exception as exc:  # OSError/ValueError/... from a damaged directory record
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is unreadable (damaged zip directory): "
+            f"{type(exc).__name__}: {_first_line(exc)}"
+        ) from exc
+    with archive:
+        actual = _index_checksum(archive)
+        if checksum is not None and actual != checksum:
+            raise CorruptCheckpointError(
+                f"checkpoint {path} is unreadable (checksum mismatch: the pointer recorded "
+                f"{checksum[:16]}..., the file has {actual[:16]}...; it was changed or "
+                "replaced after it was saved)"
+            )
+        for info in archive.infolist():
+            try:
+                with archive.open(info) as record:
+                    while record.read(_VERIFY_CHUNK):
+                        pass
+            except Exception as exc:  # BadZipFile "Bad CRC-32", EOFError, OSError, ...
+                raise CorruptCheckpointError(
+                    f"checkpoint {path} is unreadable (record {info.filename} fails its "
+                    f"integrity check: {type(exc).__name__}: {_first_line(exc)})"
+                ) from exc
+
+
 @dataclass(frozen=True)
 class LoadedCheckpoint:
     """A checkpoint read from disk: where it came from and its state."""
@@ -264,6 +499,84 @@ class LoadedCheckpoint:
     path: Path
     step: int
     state: dict[str, object]
+
+
+# -- the pointer ------------------------------------------------------------------------------
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """``latest.json`` after validation: the checkpoint it names (``None`` when it names
+    none that is usable) and its per-file records (``{"sha256": ...}``) by file name."""
+
+    target: Path | None
+    records: dict[str, dict[str, object]]
+
+
+MAX_POINTER_BYTES = 16 * 1024 * 1024
+"""A larger ``latest.json`` is not one this module wrote (a record is ~150 bytes)."""
+
+
+def parse_pointer(
+    data: bytes, validate: Callable[[object], tuple[Pointer, str | None]]
+) -> tuple[Pointer, str | None]:
+    """Decode ``latest.json`` bytes and ``validate`` them: ``(pointer, None)``, or an empty
+    ``Pointer`` and the problem. Never raises for any input (bounded: size-capped, and JSON
+    nested too deeply is a problem, not a ``RecursionError``)."""
+    empty = Pointer(None, {})
+    if len(data) > MAX_POINTER_BYTES:
+        return empty, f"it is {len(data)} bytes, more than a pointer can be"
+    try:
+        content = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return empty, f"it is not readable JSON ({_first_line(exc)})"
+    except RecursionError:
+        return empty, "it is not readable JSON (nested too deeply)"
+    return validate(content)
+
+
+def _validate_records(value: object) -> tuple[dict[str, dict[str, object]], str | None]:
+    """The pointer's ``checkpoints`` table: ``{file name: {"sha256": 64 hex digits}}``."""
+    if not isinstance(value, dict):
+        return {}, '"checkpoints" must be an object mapping file names to records'
+    records: dict[str, dict[str, object]] = {}
+    for name, record in value.items():
+        if checkpoint_step(name) is None or not isinstance(record, dict):
+            return {}, f'"checkpoints" has an invalid entry {name[:80]!r}'
+        checksum = record.get("sha256")
+        if checksum is not None and not (
+            isinstance(checksum, str) and _SHA256_HEX.fullmatch(checksum)
+        ):
+            return {}, f'"checkpoints" records an invalid sha256 for {name!r}'
+        records[name] = record
+    return records, None
+
+
+def _loss_record(loss: float | None) -> dict[str, object]:
+    """The pointer's record of a checkpoint's loss: ``{"loss": 2.3, "finite_loss": true}``,
+    ``{"loss": "nan", "finite_loss": false}`` (JSON has no NaN), or nothing when unknown."""
+    if loss is None:
+        return {}
+    if math.isfinite(loss):
+        return {"loss": loss, "finite_loss": True}
+    return {"loss": str(loss), "finite_loss": False}
+
+
+def _newest_with_finite_loss(
+    paths: list[Path], records: Mapping[str, Mapping[str, object]]
+) -> Path | None:
+    """The newest checkpoint not recorded with a non-finite loss (unknown counts as finite)."""
+    for path in reversed(paths):
+        if records.get(path.name, {}).get("finite_loss") is not False:
+            return path
+    return None
+
+
+def _recorded_checksum(records: Mapping[str, Mapping[str, object]], name: str) -> str | None:
+    checksum = records.get(name, {}).get("sha256")
+    return checksum if isinstance(checksum, str) else None
 
 
 # -- the manager ------------------------------------------------------------------------------
@@ -306,6 +619,7 @@ class CheckpointManager:
         self.every_steps = every_steps
         self.keep_last = keep_last
         self.enabled = enabled
+        self._noted_losses: dict[int, float] = {}
 
     def __repr__(self) -> str:
         return (
@@ -323,23 +637,48 @@ class CheckpointManager:
 
     def path_for(self, step: int) -> Path:
         """``<directory>/step_<step, 12 digits>.pt``."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+        if not 0 <= step <= MAX_STEP:
+            raise ValueError(f"step must be in 0..{MAX_STEP}, got {step}")
         return self.directory / f"step_{step:0{STEP_DIGITS}d}.pt"
 
     # -- writing ----------------------------------------------------------------------
 
-    def save(self, step: int, state: Mapping[str, object]) -> Path:
+    def save(self, step: int, state: Mapping[str, object], *, loss: float | None = None) -> Path:
         """Write the checkpoint of ``step``, then point ``latest.json`` at it, then prune.
 
         ``state`` goes through ``plain_state``: ``CheckpointError`` (nothing is written) when
-        it holds an object that a ``weights_only`` load would refuse.
+        it holds an object that a ``weights_only`` load would refuse. ``loss`` (the training
+        loss at ``step``; else what ``note_loss`` noted for it) is recorded in the pointer's
+        record of the file; a non-finite one is recorded as such, and retention keeps the
+        newest checkpoint whose loss was finite.
         """
+        noted = self._noted_losses.pop(step, None)
         path = self.path_for(step)
-        atomic_torch_save(plain_state(state), path)
-        atomic_json_dump({"step": step, "file": path.name}, self.pointer_path)
+        checksum = atomic_torch_save(plain_state(state), path)
+        records = self._surviving_records(exclude=path.name)
+        records[path.name] = {"sha256": checksum, **_loss_record(noted if loss is None else loss)}
+        atomic_json_dump(
+            {"step": step, "file": path.name, "checkpoints": records}, self.pointer_path
+        )
         self.prune()
         return path
+
+    def _surviving_records(self, *, exclude: str) -> dict[str, dict[str, object]]:
+        """The pointer's per-file records of checkpoints that still exist (carried into the
+        next pointer, so older checkpoints stay verifiable as fall-backs)."""
+        pointer = self._read_pointer(warn=False)
+        return {
+            name: dict(record)
+            for name, record in pointer.records.items()
+            if name != exclude and (self.directory / name).is_file()
+        }
+
+    def note_loss(self, step: int, loss: float | None) -> None:
+        """Note the training loss of ``step`` for its coming ``save`` (which may run on a
+        writer thread): the checkpoint callback's way to record it without changing how
+        ``save`` is called."""
+        if loss is not None:
+            self._noted_losses[step] = loss
 
     def prune(self) -> list[Path]:
         """Delete all but the newest ``keep_last`` checkpoints (never the one ``latest.json``
@@ -347,9 +686,15 @@ class CheckpointManager:
         removed = self._remove_stale_temp_files()
         if self.keep_last is None:
             return removed
-        protected = self._pointer_target(warn=False)
-        for path in self.checkpoint_paths()[: -self.keep_last]:
-            if path == protected:
+        pointer = self._read_pointer(warn=False)
+        paths = self.checkpoint_paths()
+        if pointer.target is not None:
+            # Files newer than the commit record were never committed (a killed save, or
+            # another run's): they neither take a keep_last slot nor get deleted here.
+            paths = paths[: paths.index(pointer.target) + 1]
+        protected = {pointer.target, _newest_with_finite_loss(paths, pointer.records)}
+        for path in paths[: -self.keep_last]:
+            if path in protected:
                 continue
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -423,13 +768,18 @@ class CheckpointManager:
     def _pointer_target(self, *, warn: bool) -> Path | None:
         """The checkpoint ``latest.json`` names, after validation; ``None`` (with a warning
         when ``warn``) when the pointer is absent, malformed, tampered or dangling."""
+        return self._read_pointer(warn=warn).target
+
+    def _read_pointer(self, *, warn: bool) -> Pointer:
+        """``latest.json``, validated; an empty ``Pointer`` (with a warning when ``warn``)
+        when it is absent, malformed, tampered or dangling."""
         pointer = self.pointer_path
         if not pointer.is_file():
-            return None
+            return Pointer(None, {})
         try:
-            target, problem = self._validate_pointer(json.loads(pointer.read_text("utf-8")))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            target, problem = None, f"it is not readable JSON ({_first_line(exc)})"
+            parsed, problem = parse_pointer(pointer.read_bytes(), self._validate_pointer)
+        except OSError as exc:
+            parsed, problem = Pointer(None, {}), f"it cannot be read ({_first_line(exc)})"
         if problem is not None and warn:
             warnings.warn(
                 f"ignoring checkpoint pointer {pointer}: {problem}; "
@@ -437,18 +787,30 @@ class CheckpointManager:
                 UserWarning,
                 stacklevel=4,
             )
-        return target
+        return parsed
 
-    def _validate_pointer(self, content: object) -> tuple[Path | None, str | None]:
-        if not isinstance(content, dict) or not isinstance(content.get("file"), str):
+    def _validate_pointer(self, content: object) -> tuple[Pointer, str | None]:
+        if not isinstance(content, dict):
+            return Pointer(None, {}), 'it must be a JSON object with a string "file"'
+        records, problem = _validate_records(content.get("checkpoints", {}))
+        if problem is not None:
+            return Pointer(None, {}), problem
+        target, problem = self._validate_target(content)
+        return Pointer(target, records), problem
+
+    def _validate_target(self, content: dict[str, object]) -> tuple[Path | None, str | None]:
+        if not isinstance(content.get("file"), str):
             return None, 'it must be a JSON object with a string "file"'
-        name: str = content["file"]
+        name = str(content["file"])
         step = checkpoint_step(name)
         if step is None:
             # Also rejects "../x.pt", "/abs/step_1.pt", "sub/step_1.pt": no separators allowed.
             return None, f"{name!r} is not a checkpoint file name (step_<digits>.pt) in it"
         if content.get("step") not in (None, step):
-            return None, f"its step {content.get('step')!r} does not match file {name!r}"
+            return (
+                None,
+                f"its step {reprlib.repr(content.get('step'))} does not match file {name!r}",
+            )
         target = self.directory / name
         if not self._inside(target):
             return None, f"{name!r} resolves outside the checkpoint directory"
@@ -465,8 +827,7 @@ class CheckpointManager:
         paths = self.checkpoint_paths()
         return paths[-1] if paths else None
 
-    def _resume_candidates(self) -> list[Path]:
-        target = self._pointer_target(warn=True)
+    def _resume_candidates(self, target: Path | None) -> list[Path]:
         newest_first = list(reversed(self.checkpoint_paths()))
         if target is None:
             return newest_first
@@ -480,8 +841,11 @@ class CheckpointManager:
     # -- loading ----------------------------------------------------------------------
 
     def load(self, path: PathLike) -> dict[str, object]:
-        """Load one checkpoint file (``weights_only=True``, onto the CPU)."""
-        return load_checkpoint_file(path)
+        """Load one checkpoint file (``weights_only=True``, onto the CPU), verified against
+        the checksum the pointer recorded for it, if any."""
+        path = Path(path)
+        records = self._read_pointer(warn=False).records if path.parent == self.directory else {}
+        return load_checkpoint_file(path, checksum=_recorded_checksum(records, path.name))
 
     def load_latest_checkpoint(self) -> LoadedCheckpoint | None:
         """The newest readable checkpoint with its path, or ``None`` when there is none.
@@ -492,11 +856,13 @@ class CheckpointManager:
         silently stepped over. ``CheckpointError`` when checkpoints exist but none is
         readable.
         """
-        candidates = self._resume_candidates()
+        pointer = self._read_pointer(warn=True)
+        candidates = self._resume_candidates(pointer.target)
         skipped: list[str] = []
         for path in candidates:
             try:
-                state = self.load(path)
+                checksum = _recorded_checksum(pointer.records, path.name)
+                state = load_checkpoint_file(path, checksum=checksum)
             except CorruptCheckpointError as exc:
                 skipped.append(path.name)
                 warnings.warn(

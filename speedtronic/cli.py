@@ -14,6 +14,8 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
+from speedtronic.user_imports import search_dirs
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -40,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
         fit.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps")
         fit.add_argument(
             "--resume", action="store_true", help="continue from the latest checkpoint"
+        )
+        fit.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="replace an earlier run in the run directory (deletes its checkpoints and "
+            "metrics)",
         )
         fit.add_argument("--traceback", action="store_true", help="show tracebacks of failures")
 
@@ -85,9 +93,40 @@ def _load(args: argparse.Namespace, extra: Sequence[str] = ()) -> object:
     return load_config(path, overrides=[*args.overrides, *extra])
 
 
+def _preflight(config: object, *, device: str | None = None, max_steps: int | None = None) -> None:
+    """Stop on what cannot work on this machine (exit 2); print one line per warning."""
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.preflight import check
+
+    assert isinstance(config, SpeedtronicConfig)
+    outcome = check(config, device=device, max_steps=max_steps)
+    for message in outcome.warnings:
+        _print_warning(message)
+    if outcome.errors:
+        raise UserError("; ".join(outcome.errors))
+
+
+def _print_warning(message: str) -> None:
+    print(f"speedtronic: warning: {message}", file=sys.stderr)
+
+
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: object = None,
+    line: str | None = None,
+) -> None:
+    """Warnings in the CLI are one clean line each (no source line, no file:line)."""
+    del category, filename, lineno, file, line
+    _print_warning(str(message))
+
+
 def _fit(args: argparse.Namespace) -> int:
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.distributed import teardown_distributed
+    from speedtronic.run_lock import claim_run_directory
     from speedtronic.runtime import build_runtime, save_run_config
 
     extra = [f"run.output_dir={json.dumps(args.output_dir)}"] if args.output_dir else []
@@ -95,21 +134,25 @@ def _fit(args: argparse.Namespace) -> int:
     assert isinstance(config, SpeedtronicConfig)
     if args.max_steps is not None and args.max_steps <= 0:
         raise UserError(f"--max-steps must be positive, got {args.max_steps}")
-    trainer, _ = build_runtime(
-        config, resume=args.resume, device=args.device, max_steps=args.max_steps
-    )
-    try:
-        main_rank = trainer.distributed is None or trainer.distributed.is_main
-        if main_rank:
-            save_run_config(config, trainer.output_dir)
-        result = trainer.fit()
-    finally:
-        teardown_distributed(trainer.distributed)
+    _preflight(config, device=args.device, max_steps=args.max_steps)
+    with claim_run_directory(config, resume=args.resume, overwrite=args.overwrite):
+        trainer, _ = build_runtime(
+            config, resume=args.resume, device=args.device, max_steps=args.max_steps
+        )
+        try:
+            main_rank = trainer.distributed is None or trainer.distributed.is_main
+            if main_rank:
+                save_run_config(config, trainer.output_dir)
+            start_step = trainer.step
+            result = trainer.fit()
+        finally:
+            teardown_distributed(trainer.distributed)
     if main_rank:
         loss = "None" if result.final_loss is None else f"{result.final_loss!r}"
+        this_run = f" (this run: {result.steps - start_step} steps)" if start_step else ""
         print(
             f"completed steps={result.steps} samples={result.samples} tokens={result.tokens} "
-            f"loss={loss}"
+            f"loss={loss}{this_run}"
         )
         if result.stop_reason:
             print(f"stopped early: {result.stop_reason}")
@@ -126,6 +169,7 @@ def _validate(args: argparse.Namespace) -> int:
 
     config = _load(args)
     assert isinstance(config, SpeedtronicConfig)
+    _preflight(config)
     if args.format == "json":
         print(json.dumps(config.to_dict(redact_secrets=True), indent=2))
     else:
@@ -136,6 +180,10 @@ def _validate(args: argparse.Namespace) -> int:
     print("\n".join("# " + line for line in format_plan(describe_classes(classes)).splitlines()))
     print("# optimizer routing (which parameter goes where, and why):")
     print("\n".join("# " + line for line in _routing_table(config).splitlines()))
+    print(
+        f"# OK: {args.config} is valid ({len(classes)} callbacks, "
+        f"{config.target_steps} steps, model {config.model.name!r})"
+    )
     return EXIT_OK
 
 
@@ -144,9 +192,9 @@ def _routing_table(config: object) -> str:
     import torch
 
     from speedtronic.config import SpeedtronicConfig
+    from speedtronic.model_registry import build_model
     from speedtronic.optimizers import describe_routing, format_routing_table
     from speedtronic.plugins import import_modules
-    from speedtronic.registry import build_model
 
     assert isinstance(config, SpeedtronicConfig)
     import_modules(config.imports)
@@ -168,8 +216,8 @@ def _schema(args: argparse.Namespace) -> int:
 
 def _plugins(args: argparse.Namespace) -> int:
     from speedtronic.data import dataset_registry
+    from speedtronic.model_registry import registry
     from speedtronic.plugins import PluginRegistry, callback_registry
-    from speedtronic.registry import registry
 
     registries: list[tuple[str, PluginRegistry[object]]] = [
         ("models", registry),  # type: ignore[list-item]  # invariance: read-only use
@@ -209,6 +257,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from speedtronic.distributed import DistributedSetupError
     from speedtronic.plotting import PlotError
     from speedtronic.plugins import PluginError
+    from speedtronic.run_lock import RunDirectoryError
     from speedtronic.trainer import TrainingStateError
 
     return (
@@ -218,21 +267,47 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         PluginError,
         PlotError,
         CheckpointError,
+        RunDirectoryError,
         TrainingStateError,
         FileNotFoundError,
         yaml.YAMLError,
     )
 
 
+def _user_module_dirs(args: argparse.Namespace) -> list[Path]:
+    """Where the config's ``imports:`` are looked for (after installed packages): the working
+    directory, then the config file's directory. Nothing else there is importable."""
+    dirs = [Path.cwd()]
+    if getattr(args, "config", None):
+        dirs.append(Path(args.config).parent)
+    return dirs
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     args = _parser().parse_args(argv)
-    # ``imports: [my_plugins]`` should find ./my_plugins.py as ``python -m`` would.
-    if "" not in sys.path and str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
-    warnings.simplefilter("default")
+    with warnings.catch_warnings(), search_dirs(*_user_module_dirs(args)):
+        warnings.simplefilter("default")
+        warnings.showwarning = _show_warning
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return _COMMANDS[args.command](args)
+    except BrokenPipeError:
+        # ``speedtronic validate | head``: the reader left; say nothing more.
+        _silence_stdout()
+        return EXIT_FAILED if args.command in ("fit", "train") else EXIT_OK
     except KeyboardInterrupt:
         print("speedtronic: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

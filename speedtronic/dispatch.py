@@ -25,7 +25,9 @@ from speedtronic.filters import StepFilter
 if TYPE_CHECKING:
     from speedtronic.view import TrainerView
 
-Hook = Callable[["TrainerView", object], None]
+BoundHook = Callable[["TrainerView", object], None]
+"""A callback's hook method bound to its instance, as the dispatch plan calls it
+(not ``speedtronic.hooks``, the 2.0 metric-logger hooks)."""
 CtxT = TypeVar("CtxT")
 HOOK_NAMES: frozenset[str] = frozenset(event.hook_name for event in Event)
 
@@ -126,7 +128,7 @@ class _GuardedHook:
 
     __slots__ = ("_hook", "_callback", "_event", "_reported")
 
-    def __init__(self, hook: Hook, callback: Callback, event: Event) -> None:
+    def __init__(self, hook: BoundHook, callback: Callback, event: Event) -> None:
         self._hook = hook
         self._callback = callback
         self._event = event
@@ -184,10 +186,10 @@ class CallbackPlan:
         self.local_rank = local_rank
         active = [cb for cb in callbacks if runs_on_rank(cb.rank_policy, rank, local_rank)]
         self._order: dict[Event, tuple[Callback, ...]] = {}
-        self._hooks: dict[Event, tuple[Hook, ...]] = {}
-        self._by_key: dict[EventKey, tuple[Hook, ...]] = {}
+        self._hooks: dict[Event, tuple[BoundHook, ...]] = {}
+        self._by_key: dict[EventKey, tuple[BoundHook, ...]] = {}
         # Events with at least one filtered hook: (filter or None, hook), in order.
-        self._filtered: dict[EventKey, tuple[tuple[StepFilter | None, Hook], ...]] = {}
+        self._filtered: dict[EventKey, tuple[tuple[StepFilter | None, BoundHook], ...]] = {}
         for event in Event:
             ordered = _ordered_for(event, active)
             self._order[event] = tuple(ordered)
@@ -200,14 +202,14 @@ class CallbackPlan:
                 )
         # The hooks due in the current step, per event key (``begin_step``); the loop reads
         # it to skip events nobody is due to hear. The full lists until a step begins.
-        self.due_hooks: dict[EventKey, tuple[Hook, ...]] = self._by_key
+        self.due_hooks: dict[EventKey, tuple[BoundHook, ...]] = self._by_key
 
     @staticmethod
-    def _bind(callback: Callback, event: Event) -> Hook:
-        hook: Hook = getattr(callback, event.hook_name)
+    def _bind(callback: Callback, event: Event) -> BoundHook:
+        hook: BoundHook = getattr(callback, event.hook_name)
         return _GuardedHook(hook, callback, event) if callback.is_observer else hook
 
-    def hooks(self, event: Event) -> tuple[Hook, ...]:
+    def hooks(self, event: Event) -> tuple[BoundHook, ...]:
         """The hooks to call for ``event``, in order (empty when nobody listens)."""
         return self._hooks[event]
 

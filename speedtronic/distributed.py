@@ -400,7 +400,8 @@ def wrap_data_parallel(
 def no_sync_on_non_final(
     ddp: DistributedDataParallel,
 ) -> Callable[[bool], contextlib.AbstractContextManager[object]]:
-    """A ``trainer.grad_sync_context``: accumulate locally, all-reduce on the last microbatch."""
+    """A ``ForwardPath.grad_sync_context``: accumulate locally, all-reduce on the last
+    microbatch."""
 
     def context(final: bool) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext() if final else ddp.no_sync()

@@ -8,7 +8,6 @@ entry-point groups below -- exactly how the built-in callbacks in ``callbacks/``
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar, overload
 import torch
 
 from speedtronic.callback import Callback
+from speedtronic.user_imports import import_user_module
 
 if TYPE_CHECKING:
     from speedtronic.config import SpeedtronicConfig
@@ -144,10 +144,11 @@ def register_callback(name: str) -> Callable[[CallbackClass], CallbackClass]:
 
 
 def import_modules(modules: Iterable[str]) -> None:
-    """Import user modules (the config's ``imports:``) so their registrations run."""
+    """Import user modules (the config's ``imports:``) so their registrations run; the CLI
+    also looks for them in the working and config directories (``speedtronic.user_imports``)."""
     for module in modules:
         try:
-            importlib.import_module(module)
+            import_user_module(module)
         except ImportError as exc:
             raise PluginError(f"imports: cannot import {module!r}: {exc}") from exc
 

@@ -24,15 +24,16 @@ from speedtronic.checkpoint import CheckpointManager
 from speedtronic.config import CallbackSpec, JSONValue, SpeedtronicConfig
 from speedtronic.data import build_dataloader
 from speedtronic.distributed import DistributedContext, setup_distributed, teardown_distributed
+from speedtronic.model_registry import build_model
 from speedtronic.optimizers import build_optimizer, build_scheduler
 from speedtronic.plugins import PluginContext, build_callback, callback_registry, import_modules
 from speedtronic.precision import resolve_device, resolve_precision
-from speedtronic.registry import build_model
 from speedtronic.result import TrainResult
 from speedtronic.resume import resume_from
 from speedtronic.rng import seed_everything
-from speedtronic.scheduling import StageStreamCallback, StageStreamScheduler
+from speedtronic.run_lock import claim_run_directory
 from speedtronic.shapes import validate_startup_shapes
+from speedtronic.stage_streams import StageStreamCallback, StageStreamScheduler
 from speedtronic.trainer import Trainer
 
 ConfigSource = SpeedtronicConfig | Mapping[str, object] | str | Path
@@ -192,16 +193,21 @@ def train_from_config(
     resume: bool = False,
     device: str | torch.device | None = None,
     max_steps: int | None = None,
+    overwrite: bool = False,
 ) -> TrainResult:
-    """Build the runtime, write the resolved config to the run directory, and fit."""
-    trainer, _ = build_runtime(config, resume=resume, device=device, max_steps=max_steps)
-    try:
-        assert trainer.config is not None
-        if _writes_run_files(trainer.distributed):
-            save_run_config(trainer.config, trainer.output_dir)
-        return trainer.fit()
-    finally:
-        teardown_distributed(trainer.distributed)
+    """Build the runtime, write the resolved config to the run directory, and fit. The run
+    directory is locked meanwhile; an earlier run's files there need ``resume`` (continue)
+    or ``overwrite`` (replace), see ``speedtronic.run_lock``."""
+    cfg = as_config(config)
+    with claim_run_directory(cfg, resume=resume, overwrite=overwrite):
+        trainer, _ = build_runtime(cfg, resume=resume, device=device, max_steps=max_steps)
+        try:
+            assert trainer.config is not None
+            if _writes_run_files(trainer.distributed):
+                save_run_config(trainer.config, trainer.output_dir)
+            return trainer.fit()
+        finally:
+            teardown_distributed(trainer.distributed)
 
 
 def _writes_run_files(distributed: DistributedContext | None) -> bool:

@@ -28,7 +28,7 @@ from speedtronic.config import SpeedtronicConfig  # noqa: E402
 from speedtronic.contexts import StepContext  # noqa: E402
 from speedtronic.data import build_dataloader  # noqa: E402
 from speedtronic.distributed import setup_distributed  # noqa: E402
-from speedtronic.registry import build_model  # noqa: E402
+from speedtronic.model_registry import build_model  # noqa: E402
 from speedtronic.result import TrainResult  # noqa: E402
 from speedtronic.rng import seed_everything  # noqa: E402
 from speedtronic.runtime import build_runtime  # noqa: E402

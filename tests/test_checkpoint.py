@@ -26,6 +26,7 @@ from speedtronic.checkpoint import (
     CheckpointManager,
     CorruptCheckpointError,
     UnsafeCheckpointError,
+    archive_checksum,
     atomic_json_dump,
     atomic_torch_save,
     capture_rng_state,
@@ -117,7 +118,11 @@ def test_save_writes_checkpoint_then_pointer_and_loads_back(tmp_path: Path) -> N
     path = manager.save(4, sample_state(4.0))
     assert path == manager.path_for(4)
     pointer = json.loads((tmp_path / "ck" / "latest.json").read_text())
-    assert pointer == {"step": 4, "file": "step_000000000004.pt"}
+    assert pointer == {
+        "step": 4,
+        "file": "step_000000000004.pt",
+        "checkpoints": {"step_000000000004.pt": {"sha256": archive_checksum(path)}},
+    }
     manager.save(8, sample_state(8.0))
     assert manager.latest_path() == manager.path_for(8)
     state = manager.load_latest()
@@ -597,6 +602,18 @@ def default_signal_handlers() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("default_signal_handlers")
+@pytest.fixture()
+def python_sigint_handler() -> Iterator[None]:
+    """Python's own Ctrl-C handler, whatever an earlier test or plugin left installed (the
+    test below used to depend on it and failed when another handler was in place)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.usefixtures("python_sigint_handler")
 def test_first_signal_stops_cleanly_second_interrupts(tmp_path: Path) -> None:
     callback = CheckpointCallback(tmp_path)
     trainer = tiny_trainer([callback])
@@ -608,6 +625,35 @@ def test_first_signal_stops_cleanly_second_interrupts(tmp_path: Path) -> None:
         signal.raise_signal(signal.SIGINT)  # the previous handler runs again
     callback.on_teardown(trainer, TeardownContext(0, None))
     assert signal.getsignal(signal.SIGINT) is previous
+
+
+@pytest.mark.usefixtures("python_sigint_handler")
+def test_second_signal_reaches_the_previous_handler_every_time(tmp_path: Path) -> None:
+    # The previous handler runs inside our handler's frame, so Ctrl-C twice interrupts at
+    # once and deterministically (it used to re-raise the signal and occasionally missed).
+    for _ in range(50):
+        callback = CheckpointCallback(tmp_path)
+        trainer = tiny_trainer([callback])
+        callback.on_setup(trainer, FitContext(0, 10))
+        signal.raise_signal(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        callback.on_teardown(trainer, TeardownContext(0, None))
+
+
+def test_second_signal_is_ignored_when_it_was_ignored_before(tmp_path: Path) -> None:
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        callback = CheckpointCallback(tmp_path)
+        trainer = tiny_trainer([callback])
+        callback.on_setup(trainer, FitContext(0, 10))
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # handed to SIG_IGN: nothing happens
+        assert trainer.stop_requested
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        callback.on_teardown(trainer, TeardownContext(0, None))
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 SIGTERM_CHILD = textwrap.dedent(

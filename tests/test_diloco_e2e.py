@@ -31,12 +31,9 @@ from speedtronic_callbacks.diloco import (
     DiLoCoOptions,
     options_from_distributed_section,
 )
-from speedtronic_callbacks.diloco.tensors import (
-    POINTER_PATH,
-    build_layout,
-    decode_global,
-    decode_pointer,
-)
+from speedtronic_callbacks.diloco.model_layout import build_layout
+from speedtronic_callbacks.diloco.pointer import POINTER_PATH, decode_pointer
+from speedtronic_callbacks.diloco.wire import decode_global
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VOCAB, BLOCK = 32, 16

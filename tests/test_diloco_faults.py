@@ -16,31 +16,30 @@ import pytest
 import torch
 from torch import nn
 
+from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
 from speedtronic_callbacks.diloco.master import (
     MasterConflictError,
     MasterLoop,
     MasterSettings,
     delta_path,
 )
+from speedtronic_callbacks.diloco.model_layout import build_layout
 from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
-from speedtronic_callbacks.diloco.tensors import (
-    POINTER_PATH,
-    DeltaInfo,
-    RejectionReason,
-    build_layout,
-    decode_delta,
-    decode_pointer,
-    encode_delta,
-    parse_header,
-)
-from speedtronic_callbacks.diloco.transport import (
-    DirectoryTransport,
+from speedtronic_callbacks.diloco.pointer import POINTER_PATH, decode_pointer
+from speedtronic_callbacks.diloco.transport_base import (
     PermanentTransportError,
     RemoteFile,
     RetryingTransport,
     RetryPolicy,
     TransientTransportError,
     Transport,
+)
+from speedtronic_callbacks.diloco.wire import (
+    DeltaInfo,
+    RejectionReason,
+    decode_delta,
+    encode_delta,
+    parse_header,
 )
 
 TRUE_WEIGHTS = torch.tensor([[1.0, -2.0, 3.0, 0.5]])

@@ -17,25 +17,27 @@ from speedtronic_callbacks.diloco.math import (
     pseudo_gradient,
     staleness_weight,
 )
-from speedtronic_callbacks.diloco.tensors import (
+from speedtronic_callbacks.diloco.model_layout import build_layout
+from speedtronic_callbacks.diloco.pointer import (
+    Pointer,
+    decode_pointer,
+    encode_pointer,
+    model_file_name,
+    outer_file_name,
+)
+from speedtronic_callbacks.diloco.wire import (
     Compression,
     DeltaInfo,
     Ledger,
-    Pointer,
     Rejected,
     RejectionReason,
-    build_layout,
     decode_delta,
     decode_global,
     decode_outer,
-    decode_pointer,
     encode_delta,
     encode_global,
     encode_outer,
-    encode_pointer,
     expand_aliases,
-    model_file_name,
-    outer_file_name,
     parse_header,
 )
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx2  # the HTTP client huggingface_hub builds its errors from
 import pytest
+import torch
 from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 from huggingface_hub.errors import (
     HfHubHTTPError,
@@ -22,20 +23,22 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
 )
 
+from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
+from speedtronic_callbacks.diloco.hub_transport import HubTransport, classify_hub_error, redact
 from speedtronic_callbacks.diloco.lanes import ErrorReporter, Inbox, Lane
-from speedtronic_callbacks.diloco.transport import (
-    DirectoryTransport,
-    HubTransport,
+from speedtronic_callbacks.diloco.master import MasterLoop, MasterSettings
+from speedtronic_callbacks.diloco.model_layout import build_layout
+from speedtronic_callbacks.diloco.transport_base import (
     PermanentTransportError,
     RemoteFile,
     RetryingTransport,
     RetryPolicy,
     TransientTransportError,
     Transport,
+    UnreadableFileError,
     call_with_timeout,
-    classify_hub_error,
-    redact,
 )
+from speedtronic_callbacks.diloco.wire import RejectionReason
 
 # -- shared directory ---------------------------------------------------------------------
 
@@ -551,3 +554,42 @@ def test_error_reporter_reports_permanent_errors_once(caplog: pytest.LogCaptureF
     assert any("works again" in r.getMessage() for r in caplog.records)
     assert reporter.errors == 7
     assert reporter.permanent_errors == 5
+
+
+def test_hub_files_over_the_size_limit_are_refused_before_they_are_read() -> None:
+    class CountingApi(FakeHfApi):
+        downloads: list[str] = []
+
+        def hf_hub_download(
+            self,
+            repo_id: str,
+            filename: str,
+            *,
+            repo_type: str | None = None,
+            local_dir: str | None = None,
+        ) -> object:
+            self.downloads.append(filename)
+            return super().hf_hub_download(
+                repo_id, filename, repo_type=repo_type, local_dir=local_dir
+            )
+
+    api = CountingApi()
+    hub = HubTransport("team/run", api=api)
+    model = torch.nn.Linear(4, 1)
+    master = MasterLoop(
+        RetryingTransport(hub, RetryPolicy(attempts=1)),
+        build_layout(model.state_dict()),
+        MasterSettings(node_id="master", max_file_bytes=4096),
+    )
+    master.reconcile(model.state_dict())
+    big = "nodes/w/delta_1_0123456789abcdef.safetensors"
+    api.files[big] = b"\0" * 5000
+    api.downloads.clear()
+
+    report = master.sync_once()
+
+    assert [(r.path, r.reason) for r in report.rejected] == [(big, RejectionReason.TOO_LARGE)]
+    assert big not in api.downloads  # judged by the listed size alone
+    with pytest.raises(UnreadableFileError) as refused:
+        hub.get(big)  # a direct read checks the downloaded size before reading it
+    assert refused.value.too_large

@@ -42,6 +42,13 @@ def test_original_api_names_keep_working() -> None:
         ), name
 
 
+def test_original_module_path_of_stage_streams_keeps_working() -> None:
+    from speedtronic import scheduling, stage_streams
+
+    assert scheduling.StageStreamScheduler is stage_streams.StageStreamScheduler
+    assert scheduling.StageInfo is stage_streams.StageInfo
+
+
 def test_engine_modules_never_import_callbacks() -> None:
     engine = sorted(
         "speedtronic." + ".".join(path.relative_to(ROOT / "speedtronic").with_suffix("").parts)

@@ -10,7 +10,7 @@ import torch
 from speedtronic import Callback, build_runtime, train_from_config
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.runtime import callback_specs, data_shard
-from speedtronic.scheduling import StageStreamCallback
+from speedtronic.stage_streams import StageStreamCallback
 
 
 def tiny(tmp_path: Path, **extra: object) -> dict[str, object]:

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from speedtronic.precision import resolve_precision
-from speedtronic.scheduling import StageStreamScheduler
 from speedtronic.shapes import ShapeReport, resolve_shape_profile, validate_startup_shapes
+from speedtronic.stage_streams import StageStreamScheduler
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # a device object only: nothing runs on it here

@@ -6,9 +6,7 @@ from pathlib import Path
 
 import pytest
 from sink_helpers import StateAtStep, make_trainer
-from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped]  # tensorboard ships no type information
-    EventAccumulator,
-)
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.integrations import TensorboardHook

@@ -42,6 +42,7 @@ without the barrier (the other ranks may be gone).
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import warnings
@@ -292,6 +293,7 @@ class CheckpointCallback(Callback):
     ) -> None:
         """Write ``state`` (rank 0 only), then wait for the other ranks when ``meet_peers``."""
         if trainer.distributed is None or trainer.distributed.is_main:
+            self.manager.note_loss(step, _last_loss(trainer, step))
             if self._writer is not None:
                 self._writer.submit(step, state, defer=_changed_only_by_optimizer_step(trainer))
             else:
@@ -335,8 +337,14 @@ class CheckpointCallback(Callback):
             received = signal.Signals(signum)
             if self.signal_received is not None:
                 # Second signal: hand it to whoever handled it before us (Ctrl-C twice).
+                previous = self._previous_handlers.get(received)
                 self._restore_signal_handlers()
-                signal.raise_signal(signum)
+                if callable(previous):
+                    # Call it here, in this frame: re-raising the signal from inside a
+                    # handler leaves *when* the old handler runs to the interpreter.
+                    previous(signum, frame)
+                elif previous != signal.SIG_IGN:
+                    signal.raise_signal(signum)  # the default action (terminate)
                 return
             self.signal_received = received
             trainer.request_stop(signal_stop_reason(received))
@@ -367,6 +375,23 @@ def _changed_only_by_optimizer_step(trainer: TrainerView) -> frozenset[int]:
     for value in trainer.optimizer_state_tensors():
         pointers.add(value.untyped_storage().data_ptr())
     return frozenset(pointers)
+
+
+def _last_loss(trainer: TrainerView, step: int) -> float | None:
+    """The training loss of the step being saved (one host sync per save), for the
+    checkpoint's record: retention keeps the newest checkpoint whose loss was finite."""
+    loss = trainer.last_loss
+    if loss is None or loss.numel() != 1:
+        return None
+    value = float(loss.detach().item())
+    if not math.isfinite(value):
+        logger.warning(
+            "checkpoint of step %d: the loss is %s; it is recorded as non-finite and the "
+            "newest checkpoint with a finite loss is kept",
+            step,
+            value,
+        )
+    return value
 
 
 def _barrier(trainer: TrainerView) -> None:

@@ -49,9 +49,7 @@ SummaryBuilder = Callable[[list[tuple[str, float]]], object]
 
 def summary_builder() -> SummaryBuilder:
     """A ``SummaryBuilder`` bound to tensorboard's protobuf classes (imported on first use)."""
-    from tensorboard.compat.proto.summary_pb2 import (  # type: ignore[import-untyped]  # tensorboard ships no type information
-        Summary,
-    )
+    from tensorboard.compat.proto.summary_pb2 import Summary  # typed by typings/tensorboard
 
     def build(scalars: list[tuple[str, float]]) -> object:
         return Summary(value=[Summary.Value(tag=tag, simple_value=v) for tag, v in scalars])

@@ -59,9 +59,34 @@ CASE_FOLDS: dict[tuple[str, str], Callable[[str], str]] = {
 # -- YAML -------------------------------------------------------------------------------
 
 
+MAX_NESTING = 64
+"""Deepest nesting of mappings/lists a configuration may have (aliases expanded)."""
+MAX_VALUES = 100_000
+"""Most values (scalars, lists, mappings) a configuration may expand to: a bound on the work
+that an alias bomb (``&a [*b, *b, ...]`` nested a few times) can cause."""
+
+
 class _YamlLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that reads ``3e-4`` as a float (YAML 1.2; PyYAML's 1.1 resolver
-    makes it a string) and rejects duplicate keys instead of keeping the last one."""
+    makes it a string), rejects duplicate keys instead of keeping the last one, and refuses
+    nesting deeper than ``MAX_NESTING`` while composing (before any recursion runs deep)."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.nesting = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        self.nesting += 1
+        try:
+            if self.nesting > MAX_NESTING:
+                mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]  # untyped in types-PyYAML
+                raise ConfigError(
+                    f"YAML nested more than {MAX_NESTING} levels deep (at line "
+                    f"{mark.line + 1}, column {mark.column + 1})"
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self.nesting -= 1
 
 
 _YamlLoader.add_implicit_resolver(
@@ -98,11 +123,106 @@ _YamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _con
 
 
 def parse_yaml(text: str) -> object:
-    """Parse YAML (or JSON) text; ``ConfigError`` on syntax errors."""
+    """Parse YAML (or JSON) text; ``ConfigError`` on syntax errors, on values YAML cannot
+    build (``2001-13-45`` as a date), and on documents nested deeper than ``MAX_NESTING``
+    or expanding (through aliases) to more than ``MAX_VALUES`` values -- checked on the
+    composed node graph, before anything is built, so the work stays bounded."""
+    _check_flow_nesting(text)
     try:
-        return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: data only
+        return _compose_and_build(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"invalid YAML: {exc}") from None
+    except ConfigError:
+        raise
+    except Exception as exc:  # PyYAML's constructors: ValueError, IndexError ("!!int" alone)
+        raise ConfigError(f"invalid YAML value: {type(exc).__name__}: {exc}") from None
+
+
+def _compose_and_build(text: str) -> object:
+    loader = _YamlLoader(text)  # a SafeLoader subclass: data only
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+_FLOW_OPENERS = re.compile(r"[\[\]{}]")
+_FLOW_SCAN_LIMIT = 4 * MAX_NESTING
+
+
+def _check_flow_nesting(text: str) -> None:
+    """A fast guard in front of PyYAML, whose scanner slows down quadratically with the
+    number of open ``[``/``{`` (100,000 of them take seconds before the composer can see
+    the depth): refuse bracket nesting far beyond ``MAX_NESTING``. Brackets inside quoted
+    strings count too, so the bound is generous; the composer enforces the exact limit."""
+    if text.count("[") + text.count("{") <= _FLOW_SCAN_LIMIT:
+        return
+    depth = 0
+    for match in _FLOW_OPENERS.finditer(text):
+        depth += 1 if match.group() in "[{" else -1
+        if depth > _FLOW_SCAN_LIMIT:
+            line = text.count("\n", 0, match.start()) + 1
+            raise ConfigError(f"YAML nested more than {MAX_NESTING} levels deep (at line {line})")
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """``ConfigError`` when ``root`` expands (aliases followed) to more than ``MAX_VALUES``
+    values, deeper than ``MAX_NESTING``, or into a cycle. Each node is measured once."""
+    measured: dict[int, tuple[int, int]] = {}  # id(node) -> (values, height)
+    in_progress: set[int] = set()
+
+    def measure(node: yaml.Node, depth: int) -> tuple[int, int]:
+        key = id(node)
+        known = measured.get(key)
+        if known is None:
+            if key in in_progress:
+                raise ConfigError("YAML alias refers to its own ancestor (a cycle)")
+            in_progress.add(key)
+            known = measure_children(node, depth)
+            in_progress.discard(key)
+            measured[key] = known
+        if depth + known[1] > MAX_NESTING:
+            raise ConfigError(
+                f"YAML nested more than {MAX_NESTING} levels deep once aliases are expanded"
+            )
+        return known
+
+    def measure_children(node: yaml.Node, depth: int) -> tuple[int, int]:
+        values, height = 1, 0
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        for child in children:
+            child_values, child_height = measure(child, depth + 1)
+            values += child_values
+            height = max(height, child_height + 1)
+            if values > MAX_VALUES:
+                raise ConfigError(
+                    f"YAML expands to more than {MAX_VALUES} values once aliases are "
+                    "followed (an alias bomb?); refusing to build it"
+                )
+        return values, height
+
+    measure(root, 0)
+
+
+def _check_plain_nesting(value: object, origin: str) -> None:
+    """``ConfigError`` when parsed JSON nests deeper than ``MAX_NESTING`` (iterative)."""
+    pending: list[tuple[object, int]] = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if depth > MAX_NESTING:
+            raise ConfigError(f"JSON nested more than {MAX_NESTING} levels deep", source=origin)
+        if isinstance(item, dict):
+            pending.extend((child, depth + 1) for child in item.values())
+        elif isinstance(item, list):
+            pending.extend((child, depth + 1) for child in item)
 
 
 # -- sources ----------------------------------------------------------------------------
@@ -135,7 +255,12 @@ def read_file(path: str | os.PathLike[str], *, yaml_only: bool = False) -> RawCo
     """A configuration file: ``.yaml``/``.yml`` (or ``yaml_only``) as YAML, anything else
     as JSON. A missing file raises ``FileNotFoundError``."""
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"<root>: not UTF-8 text ({exc.reason} at byte {exc.start})", source=str(path)
+        ) from None
     if yaml_only or path.suffix.lower() in (".yaml", ".yml"):
         try:
             parsed = parse_yaml(text)
@@ -146,6 +271,11 @@ def read_file(path: str | os.PathLike[str], *, yaml_only: bool = False) -> RawCo
             parsed = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"invalid JSON: {exc}", source=str(path)) from None
+        except RecursionError:
+            raise ConfigError(
+                f"JSON nested more than {MAX_NESTING} levels deep", source=str(path)
+            ) from None
+        _check_plain_nesting(parsed, str(path))
     return _root_mapping(parsed, str(path))
 
 

@@ -3,10 +3,20 @@
 Registered as the ``diloco`` callback plugin (entry point
 ``diloco = "speedtronic_callbacks.diloco:DiLoCoCallback"``). See ``docs/distributed.md``.
 
-Modules: ``math`` (pseudo-gradients, aggregation, the outer optimizer), ``tensors`` (the
-exchanged file formats and their validation), ``transport`` (shared directory and Hugging
-Face Hub stores, retries), ``lanes`` (bounded background I/O), ``master`` (the outer loop),
-``node`` (the per-step state machine) and ``callback`` (the ``Callback`` itself).
+Modules, one concept each:
+
+* ``math`` -- pseudo-gradients, aggregation, the outer Nesterov optimizer;
+* ``model_layout`` -- what a model's files must contain (exchanged keys, shapes, tied
+  weights) and its fingerprint;
+* ``wire`` -- the exchanged tensor files (safetensors + signed metadata) and their
+  validation; ``pointer`` -- the hub pointer naming the current global files;
+* ``transport_base`` -- the ``Transport`` interface, its errors, retries and timeouts;
+  ``directory_transport`` and ``hub_transport`` -- one store per kind;
+* ``lanes`` -- bounded background I/O;
+* ``master`` -- the outer loop; ``node`` -- the per-step state machine;
+* ``callback`` -- the ``Callback`` itself; ``collective`` -- the torch.distributed mode.
+
+``tensors`` and ``transport`` are the former module names, kept as re-exports.
 """
 
 from __future__ import annotations
@@ -17,6 +27,8 @@ from speedtronic_callbacks.diloco.callback import (
     DistributedSection,
     options_from_distributed_section,
 )
+from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
+from speedtronic_callbacks.diloco.hub_transport import HubTransport
 from speedtronic_callbacks.diloco.master import MasterLoop, MasterSettings, RoundReport
 from speedtronic_callbacks.diloco.math import (
     NesterovOuterOptimizer,
@@ -26,10 +38,7 @@ from speedtronic_callbacks.diloco.math import (
     staleness_weight,
 )
 from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
-from speedtronic_callbacks.diloco.tensors import Compression, Rejected, RejectionReason
-from speedtronic_callbacks.diloco.transport import (
-    DirectoryTransport,
-    HubTransport,
+from speedtronic_callbacks.diloco.transport_base import (
     PermanentTransportError,
     RetryingTransport,
     RetryPolicy,
@@ -37,6 +46,7 @@ from speedtronic_callbacks.diloco.transport import (
     Transport,
     TransportError,
 )
+from speedtronic_callbacks.diloco.wire import Compression, Rejected, RejectionReason
 
 # Names of the original implementation's public API, for code that imported them. The
 # behaviour is this package's (see docs/distributed.md), not the original's.

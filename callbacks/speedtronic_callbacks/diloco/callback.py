@@ -59,17 +59,14 @@ from speedtronic_callbacks.diloco.collective import (
     CollectiveDiLoCo,
     CollectiveDiLoCoOptions,
 )
+from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
+from speedtronic_callbacks.diloco.hub_transport import HubTransport
 from speedtronic_callbacks.diloco.lanes import ErrorReporter
 from speedtronic_callbacks.diloco.master import NODE_ID_PATTERN, MasterLoop, MasterSettings
+from speedtronic_callbacks.diloco.model_layout import ModelLayout, build_layout
 from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
-from speedtronic_callbacks.diloco.tensors import Compression, ModelLayout, build_layout
-from speedtronic_callbacks.diloco.transport import (
-    DirectoryTransport,
-    HubTransport,
-    RetryingTransport,
-    RetryPolicy,
-    Transport,
-)
+from speedtronic_callbacks.diloco.transport_base import RetryingTransport, RetryPolicy, Transport
+from speedtronic_callbacks.diloco.wire import Compression
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext

@@ -57,7 +57,8 @@ from speedtronic_callbacks.diloco.math import (
     check_same_layout,
     pseudo_gradient,
 )
-from speedtronic_callbacks.diloco.tensors import Compression, ModelLayout, build_layout
+from speedtronic_callbacks.diloco.model_layout import ModelLayout, build_layout
+from speedtronic_callbacks.diloco.wire import Compression
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext

@@ -3,11 +3,15 @@
 ``MasterLoop`` is synchronous and thread-safe; the callback runs it on a background lane.
 One round (``sync_once``):
 
-1. list ``nodes/``; skip files whose content hash is already in the ledger and files that
-   were rejected before in the same version (a rejected file is examined and reported
-   once, not downloaded every round);
-2. download and validate each new candidate (signature, fingerprint, keys, shapes, hash,
-   NaN/Inf, name/header agreement, staleness); dedupe by content hash;
+0. read the hub pointer: an unreadable one pauses the round (the next looks again), an
+   older one than this master's state is a replay and is overwritten (versions only move
+   forward), a newer one from another master halts this one (see ``_check_pointer``);
+1. list ``nodes/``; skip files examined before in the same version (a rejected file is
+   reported once, not downloaded every round; a known applied one is only removed);
+2. download and validate each new candidate: only regular files within the size limit are
+   read, then signature, fingerprint, keys, shapes, hash, NaN/Inf, name/header agreement;
+   a delta whose content hash is in the ledger is a duplicate (removed), otherwise its
+   staleness is checked. Every failure is a logged rejection; the file stays on the hub;
 3. weight each delta by its staleness, aggregate, and apply the outer Nesterov step to a
    *copy* of the global state;
 4. publish model file, outer-state file, then the pointer (last, so readers never follow
@@ -16,9 +20,10 @@ One round (``sync_once``):
    the new state committed in memory; a failed publication leaves everything as it was and
    the same deltas are applied (exactly once) by a later round.
 
-Restart: ``reconcile`` treats the published pointer as the source of truth. A master
-resumed from an older checkpoint adopts the newer published global, momentum and ledger
-instead of rolling the hub back, so nothing is applied twice.
+Restart: ``reconcile`` treats the published pointer as the source of truth unless this
+master's checkpoint is ahead of it. A master resumed from an older checkpoint adopts the
+newer published global, momentum and ledger instead of rolling the hub back, so nothing is
+applied twice.
 """
 
 from __future__ import annotations
@@ -41,28 +46,31 @@ from speedtronic_callbacks.diloco.math import (
     aggregate_deltas,
     staleness_weight,
 )
-from speedtronic_callbacks.diloco.tensors import (
+from speedtronic_callbacks.diloco.model_layout import ModelLayout
+from speedtronic_callbacks.diloco.pointer import (
     POINTER_PATH,
+    Pointer,
+    decode_pointer,
+    encode_pointer,
+    model_file_name,
+    outer_file_name,
+)
+from speedtronic_callbacks.diloco.transport_base import RemoteFile, Transport, UnreadableFileError
+from speedtronic_callbacks.diloco.wire import (
     DecodedDelta,
     Ledger,
-    ModelLayout,
-    Pointer,
     Rejected,
     RejectionReason,
     decode_delta,
     decode_global,
     decode_outer,
-    decode_pointer,
     encode_global,
     encode_outer,
-    encode_pointer,
-    model_file_name,
-    outer_file_name,
+    largest_file_bytes,
     parse_header,
     progress_from_json,
     progress_to_json,
 )
-from speedtronic_callbacks.diloco.transport import RemoteFile, Transport
 
 logger = logging.getLogger("speedtronic.diloco")
 
@@ -126,6 +134,8 @@ class MasterSettings:
     delete_applied: bool = True
     keep_global_versions: int = 2
     secret: bytes | None = field(default=None, repr=False)
+    max_file_bytes: int | None = None
+    """Largest hub file read; ``None``: derived from the model (``largest_file_bytes``)."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +167,8 @@ class RoundReport:
     rejected: tuple[DeltaRejection, ...] = ()
     duplicates: int = 0
     latency_s: float = 0.0
+    paused: str | None = None
+    """Why the round did nothing (the hub pointer is unreadable), or ``None``."""
 
     @property
     def included(self) -> int:
@@ -198,6 +210,9 @@ class MasterLoop:
         self._rejected: dict[str, str] = {}
         self.halted: str | None = None
         self._expected_pointer: tuple[int, str] | None = None
+        self._known_applied: dict[str, str] = {}
+        self._paused: str | None = None
+        transport.limit_file_size(settings.max_file_bytes or largest_file_bytes(layout))
 
     # -- single master per hub (per process) -------------------------------------------
 
@@ -291,7 +306,9 @@ class MasterLoop:
           as outer step 0) -- the bootstrap;
         * the hub is ahead of (or equal to) our checkpoint: adopt the published global,
           momentum and ledger -- never publish an older step over a newer one;
-        * our checkpoint is ahead of the hub (a restored or wiped hub): republish it.
+        * our checkpoint is ahead of the hub (a restored or wiped hub): republish it;
+        * the hub holds complete files of a newer outer step than its pointer (an old
+          pointer put back): adopt the newest valid version and republish it.
         """
         with self._round_lock:
             local = self.snapshot()
@@ -323,44 +340,90 @@ class MasterLoop:
                     state = local
                     self._expected_pointer = (pointer.outer_step, pointer.master)
                 else:
-                    state = self._adopt(pointer)
-                    self._expected_pointer = (pointer.outer_step, pointer.master)
+                    state = self._adopt_newest(pointer)
             with self._lock:
                 self._state = state
                 self._reconciled = True
             return state
 
+    def _adopt_newest(self, pointer: Pointer) -> OuterState:
+        """Adopt ``pointer``'s version, unless the hub holds a newer complete version that
+        validates: then the pointer is an old one put back, and the newer version is
+        adopted and republished (versions only move forward)."""
+        newest = self._newest_published_step()
+        if newest > pointer.outer_step:
+            try:
+                state = self._adopt_files(newest, None, None)
+            except (Rejected, UnreadableFileError) as exc:
+                logger.warning(
+                    "diloco master: files of outer step %d are on the hub but unusable (%s)",
+                    newest,
+                    exc,
+                )
+            else:
+                logger.error(
+                    "diloco master %s rejected the hub pointer at outer step %d: the hub holds "
+                    "outer step %d (a replayed or rolled-back pointer); republishing %d",
+                    self.settings.node_id,
+                    pointer.outer_step,
+                    newest,
+                    newest,
+                )
+                self._publish(state, applied=(), deletes=self._stale_globals(newest))
+                return state
+        state = self._adopt(pointer)
+        self._expected_pointer = (pointer.outer_step, pointer.master)
+        return state
+
+    def _newest_published_step(self) -> int:
+        """The highest outer step with both a model and an outer file on the hub, or -1."""
+        models: set[int] = set()
+        outers: set[int] = set()
+        for entry in self.transport.list_files("global"):
+            step = _global_file_step(entry.path)
+            if step is not None:
+                (models if "/model_" in entry.path else outers).add(step)
+        return max(models & outers, default=-1)
+
     def _adopt(self, pointer: Pointer) -> OuterState:
         """Load the published global and outer state of ``pointer``."""
+        return self._adopt_files(pointer.outer_step, pointer.model_sha256, pointer.outer_sha256)
+
+    def _adopt_files(
+        self, outer_step: int, model_sha256: str | None, outer_sha256: str | None
+    ) -> OuterState:
+        """Load the global and outer state files of ``outer_step`` (with the content
+        hashes a pointer names, when adopting a pointer)."""
         secret = self.settings.secret
-        model_bytes = self.transport.get(pointer.model_file)
+        model_file, outer_file = model_file_name(outer_step), outer_file_name(outer_step)
+        model_bytes = self.transport.get(model_file)
         if model_bytes is None:
-            raise Rejected(RejectionReason.CORRUPT, f"{pointer.model_file} is missing")
+            raise Rejected(RejectionReason.CORRUPT, f"{model_file} is missing")
         global_state = decode_global(
             model_bytes,
             self.layout,
             secret=secret,
-            outer_step=pointer.outer_step,
-            expected_sha256=pointer.model_sha256,
+            outer_step=outer_step,
+            expected_sha256=model_sha256,
         )
         try:
-            outer_bytes = self.transport.get(pointer.outer_file)
+            outer_bytes = self.transport.get(outer_file)
             if outer_bytes is None:
-                raise Rejected(RejectionReason.CORRUPT, f"{pointer.outer_file} is missing")
+                raise Rejected(RejectionReason.CORRUPT, f"{outer_file} is missing")
             momentum, ledger = decode_outer(
                 outer_bytes,
                 self.layout,
                 secret=secret,
-                outer_step=pointer.outer_step,
-                expected_sha256=pointer.outer_sha256,
+                outer_step=outer_step,
+                expected_sha256=outer_sha256,
             )
-        except Rejected as exc:
+        except (Rejected, UnreadableFileError) as exc:
             # Without the ledger we cannot tell which waiting deltas were applied; treat
             # them all as applied so that nothing is applied twice (some work may be lost).
             logger.warning(
                 "diloco outer state for step %d unreadable (%s); momentum restarts at zero "
                 "and deltas already on the hub are skipped",
-                pointer.outer_step,
+                outer_step,
                 exc,
             )
             momentum = {}
@@ -372,10 +435,10 @@ class MasterLoop:
         logger.info(
             "diloco master %s adopted published outer step %d from %s",
             self.settings.node_id,
-            pointer.outer_step,
+            outer_step,
             self.transport.location,
         )
-        return OuterState(global_state, momentum, pointer.outer_step, ledger)
+        return OuterState(global_state, momentum, outer_step, ledger)
 
     # -- one round ---------------------------------------------------------------------
 
@@ -387,16 +450,21 @@ class MasterLoop:
             raise MasterConflictError(self.halted)
         with self._round_lock:
             started = self._clock()
-            self._check_no_other_master()
+            paused = self._check_pointer()
             state = self.snapshot()
             assert state is not None  # set by reconcile
+            if paused is not None:
+                return RoundReport(state.outer_step, published=False, found=0, paused=paused)
             report, new_state, cleanup = self._round(state, started)
             if new_state is None:
                 self._delete(cleanup)
                 if report.rejected:
                     self._audit(report)
                 return report
-            self._check_no_other_master()
+            paused = self._check_pointer()
+            if paused is not None or self.outer_step != state.outer_step:
+                # The pointer broke or moved during the round: these deltas wait for the next.
+                return RoundReport(self.outer_step, published=False, found=report.found)
             removable = cleanup if self.settings.delete_applied else []
             self._publish(
                 new_state,
@@ -420,46 +488,45 @@ class MasterLoop:
     def _round(
         self, state: OuterState, started: float
     ) -> tuple[RoundReport, OuterState | None, list[str]]:
-        applied_prefixes = {digest[:16] for digest in state.ledger.applied}
         cleanup: list[str] = []
         candidates: list[tuple[RemoteFile, DeltaName]] = []
         for entry in self.transport.list_files("nodes"):
             name = parse_delta_path(entry.path)
             if name is None:
                 continue
-            if name.hash_prefix in applied_prefixes:
-                cleanup.append(entry.path)  # already applied: only needs removing
+            if self._known_applied.get(entry.path) == entry.version:
+                cleanup.append(entry.path)  # checked before: an applied delta, unchanged
                 continue
             if self._rejected.get(entry.path) == entry.version:
                 continue  # examined before, unchanged: reported once already
             candidates.append((entry, name))
         candidates.sort(key=lambda item: (item[1].node_id, item[1].local_step, item[0].path))
 
-        accepted: list[tuple[str, DecodedDelta, int]] = []
+        accepted: list[tuple[RemoteFile, DecodedDelta, int]] = []
         rejected: list[DeltaRejection] = []
-        seen: set[str] = set(state.ledger.applied)
+        seen: set[str] = set()  # content hashes accepted in this round
         duplicates = 0
         for entry, name in candidates:
-            data = self.transport.get(entry.path)
-            if data is None:
-                continue  # removed since listing
             try:
-                decoded, staleness = self._validate(data, name, state.outer_step)
+                decoded = self._download(entry, name)
+                if decoded is None:
+                    continue  # removed since listing
+                if _is_applied(decoded.sha256, state.ledger.applied):
+                    duplicates += 1
+                    cleanup.append(entry.path)
+                    with self._lock:
+                        self._known_applied[entry.path] = entry.version
+                    continue
+                staleness = self._staleness(decoded, state.outer_step)
             except Rejected as exc:
-                rejection = DeltaRejection(entry.path, exc.reason, exc.detail)
-                rejected.append(rejection)
-                with self._lock:
-                    self._rejected[entry.path] = entry.version
-                logger.warning(
-                    "diloco master rejected %s (%s): %s", entry.path, exc.reason.value, exc.detail
-                )
+                rejected.append(self._reject(entry, exc))
                 continue
             if decoded.sha256 in seen:
                 duplicates += 1
                 cleanup.append(entry.path)
                 continue
             seen.add(decoded.sha256)
-            accepted.append((entry.path, decoded, staleness))
+            accepted.append((entry, decoded, staleness))
 
         if not accepted:
             report = RoundReport(
@@ -484,7 +551,8 @@ class MasterLoop:
 
         ledger = Ledger(set(state.ledger.applied), dict(state.ledger.progress))
         applied: list[AppliedDelta] = []
-        for (path, decoded, staleness), weight in zip(accepted, weights, strict=True):
+        for (entry, decoded, staleness), weight in zip(accepted, weights, strict=True):
+            path = entry.path
             info = decoded.info
             ledger.applied.add(decoded.sha256)
             ledger.progress[info.node_id] = (info.incarnation, info.local_step)
@@ -511,7 +579,21 @@ class MasterLoop:
         )
         return report, new_state, cleanup
 
-    def _validate(self, data: bytes, name: DeltaName, outer_step: int) -> tuple[DecodedDelta, int]:
+    def _download(self, entry: RemoteFile, name: DeltaName) -> DecodedDelta | None:
+        """Read and decode one candidate (``None`` if it vanished). Files that are not
+        regular files or exceed the size limit are refused before any byte is read."""
+        limit = self.transport.max_file_bytes
+        if limit is not None and entry.size > limit:
+            raise Rejected(
+                RejectionReason.TOO_LARGE, f"file is {entry.size} bytes, the limit is {limit}"
+            )
+        try:
+            data = self.transport.get(entry.path)
+        except UnreadableFileError as exc:
+            reason = RejectionReason.TOO_LARGE if exc.too_large else RejectionReason.UNSAFE_FILE
+            raise Rejected(reason, exc.message) from None
+        if data is None:
+            return None
         decoded = decode_delta(data, self.layout, secret=self.settings.secret)
         info = decoded.info
         if (
@@ -524,6 +606,12 @@ class MasterLoop:
                 f"header says node {info.node_id!r} step {info.local_step}, hash "
                 f"{decoded.sha256[:16]}; the path disagrees",
             )
+        return decoded
+
+    def _staleness(self, decoded: DecodedDelta, outer_step: int) -> int:
+        """How many outer steps old the delta's base is; ``Rejected`` when it has no base,
+        a base from the future, or is older than ``max_staleness``."""
+        info = decoded.info
         if info.base_outer_step < 0:
             raise Rejected(RejectionReason.BAD_METADATA, "delta has no base outer step")
         if info.base_outer_step > outer_step:
@@ -537,47 +625,100 @@ class MasterLoop:
             raise Rejected(
                 RejectionReason.TOO_STALE, f"staleness {staleness} exceeds max_staleness {limit}"
             )
-        return decoded, staleness
+        return staleness
+
+    def _reject(self, entry: RemoteFile, exc: Rejected) -> DeltaRejection:
+        """Record and log a rejected file. It stays on the hub for inspection; it is not
+        examined again until it changes."""
+        with self._lock:
+            self._rejected[entry.path] = entry.version
+        logger.warning(
+            "diloco master rejected %s (%s): %s", entry.path, exc.reason.value, exc.detail
+        )
+        return DeltaRejection(entry.path, exc.reason, exc.detail)
 
     # -- publication -------------------------------------------------------------------
 
-    def _check_no_other_master(self) -> None:
-        """Halt when the pointer is no longer the one this master last saw or wrote: some
-        other master published (there is no compare-and-swap on a plain file store, so
-        this detects a second master at its next round rather than preventing it)."""
-        expected = self._expected_pointer
-        raw = self.transport.get(POINTER_PATH)
-        if raw is None:
-            self._halt("the hub pointer disappeared; refusing to publish over a reset hub")
-            return
+    def _check_pointer(self) -> str | None:
+        """Compare the hub pointer with what this master last saw or wrote, before a round
+        and again before publishing. Returns why the round must pause, or ``None``.
+
+        * unreadable (junk, unsigned, not a regular file, too large): pause -- logged once;
+          the next round looks again, and once the pointer is valid the master goes on;
+        * missing: halt (the hub was reset; publishing over it could fork the run);
+        * older than this master's outer step: a replay or rollback of old files -- rejected,
+          logged, and the current state republished (versions only move forward);
+        * newer, written under this node id: our own publication that was reported as
+          failed but landed -- adopted;
+        * anything else: a second master -- halt.
+        """
         try:
-            pointer = decode_pointer(
-                raw, fingerprint=self.layout.fingerprint, secret=self.settings.secret
-            )
-        except Rejected as exc:
-            self._halt(f"the hub pointer is no longer readable by this master ({exc})")
-            return
+            raw = self.transport.get(POINTER_PATH)
+            pointer = None if raw is None else self._decode_pointer(raw)
+        except (Rejected, UnreadableFileError) as exc:
+            return self._pause(f"the hub pointer is unusable ({exc})")
+        self._resume()
+        if pointer is None:
+            self._halt("the hub pointer disappeared; refusing to publish over a reset hub")
+            return None
+        expected = self._expected_pointer
         if expected is None or (pointer.outer_step, pointer.master) == expected:
-            return
-        if pointer.master == self.settings.node_id:
-            # Our own publication that we counted as failed (a timed-out request that
-            # completed after all) or an earlier run of this master: the hub is the truth.
-            logger.warning(
-                "diloco master %s: the hub holds outer step %d written under this node id; "
-                "adopting it",
-                self.settings.node_id,
-                pointer.outer_step,
+            return None
+        current = self.outer_step
+        if pointer.outer_step < current:
+            self._reject_replay(pointer, current)
+        elif pointer.master == self.settings.node_id and pointer.outer_step > expected[0]:
+            self._adopt_own(pointer)
+        else:
+            self._halt(
+                f"master {pointer.master!r} published outer step {pointer.outer_step} while "
+                f"this master ({self.settings.node_id!r}) was at {expected[0]}; only one "
+                "master may serve a hub"
             )
-            state = self._adopt(pointer)
-            with self._lock:
-                self._state = state
-            self._expected_pointer = (pointer.outer_step, pointer.master)
-            return
-        self._halt(
-            f"master {pointer.master!r} published outer step {pointer.outer_step} while "
-            f"this master ({self.settings.node_id!r}) was at {expected[0]}; only one "
-            "master may serve a hub"
+        return None
+
+    def _decode_pointer(self, raw: bytes) -> Pointer:
+        return decode_pointer(raw, fingerprint=self.layout.fingerprint, secret=self.settings.secret)
+
+    def _pause(self, reason: str) -> str:
+        if reason != self._paused:
+            logger.warning("diloco master pauses aggregation: %s", reason)
+        self._paused = reason
+        return reason
+
+    def _resume(self) -> None:
+        if self._paused is not None:
+            logger.info("diloco master: the hub pointer is valid again; aggregation resumes")
+        self._paused = None
+
+    def _reject_replay(self, pointer: Pointer, current: int) -> None:
+        """An older pointer than this master's state: never adopt it; put ours back."""
+        logger.error(
+            "diloco master %s rejected the hub pointer at outer step %d written under %r: "
+            "this master is at outer step %d (a replayed or rolled-back file); republishing "
+            "outer step %d",
+            self.settings.node_id,
+            pointer.outer_step,
+            pointer.master,
+            current,
+            current,
         )
+        state = self.snapshot()
+        assert state is not None  # reconciled
+        self._publish(state, applied=(), deletes=self._stale_globals(state.outer_step))
+
+    def _adopt_own(self, pointer: Pointer) -> None:
+        """Our own publication that we counted as failed (a timed-out request that
+        completed after all): the hub is the truth."""
+        logger.warning(
+            "diloco master %s: the hub holds outer step %d written under this node id; adopting it",
+            self.settings.node_id,
+            pointer.outer_step,
+        )
+        state = self._adopt(pointer)
+        with self._lock:
+            self._state = state
+        self._expected_pointer = (pointer.outer_step, pointer.master)
 
     def _halt(self, reason: str) -> None:
         self.halted = reason
@@ -672,6 +813,12 @@ class MasterLoop:
                 handle.write(json.dumps(record, sort_keys=True) + "\n")
         except OSError as exc:
             logger.warning("diloco master could not write its audit log: %s", exc)
+
+
+def _is_applied(sha256: str, applied: set[str]) -> bool:
+    """Whether a delta's content hash is in a ledger (which may hold bare 16-character
+    prefixes when it was rebuilt from file names after the outer state was lost)."""
+    return sha256 in applied or sha256[:16] in applied
 
 
 def _global_file_step(path: str) -> int | None:

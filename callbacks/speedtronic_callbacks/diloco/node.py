@@ -45,22 +45,21 @@ from speedtronic_callbacks.diloco.master import (
     parse_delta_path,
 )
 from speedtronic_callbacks.diloco.math import pseudo_gradient
-from speedtronic_callbacks.diloco.tensors import (
-    POINTER_PATH,
+from speedtronic_callbacks.diloco.model_layout import ModelLayout
+from speedtronic_callbacks.diloco.pointer import POINTER_PATH, Pointer, decode_pointer
+from speedtronic_callbacks.diloco.transport_base import RetryingTransport, TransportError
+from speedtronic_callbacks.diloco.wire import (
     Compression,
     DeltaInfo,
-    ModelLayout,
-    Pointer,
     Rejected,
     decode_global,
-    decode_pointer,
     encode_wire,
     expand_aliases,
     global_tensors,
+    largest_file_bytes,
     parse_header,
     to_wire,
 )
-from speedtronic_callbacks.diloco.transport import RetryingTransport, TransportError
 
 logger = logging.getLogger("speedtronic.diloco")
 
@@ -80,6 +79,8 @@ class NodeSettings:
     compression: Compression = Compression.NONE
     shutdown_timeout: float = 5.0
     secret: bytes | None = field(default=None, repr=False)
+    max_file_bytes: int | None = None
+    """Largest hub file read; ``None``: derived from the model (``largest_file_bytes``)."""
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,8 @@ class DiLoCoNode:
         self._rounds: Inbox[MasterEvent] = Inbox()
         self.stats = NodeStats()
         self._started = False
+        self._replays_logged: set[tuple[int, int]] = set()
+        transport.limit_file_size(settings.max_file_bytes or largest_file_bytes(layout))
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -412,10 +415,15 @@ class DiLoCoNode:
         latency = self._clock() - started
         self._uploads.put(UploadResult(job, path, len(data), latency, None, residual))
 
-    def _poll(self, installed_step: int, fetch: bool, checkpoint_step: int | None) -> None:
+    def _poll(
+        self, installed_step: int, seen_step: int, fetch: bool, checkpoint_step: int | None
+    ) -> None:
         started = self._clock()
         try:
             pointer = self._read_pointer()
+            if pointer is not None and pointer.outer_step < seen_step:
+                self._reject_replay(pointer.outer_step, seen_step)
+                pointer = None
             resent = None
             if checkpoint_step is not None:
                 resent = self._sent_after(checkpoint_step, pointer)
@@ -439,6 +447,20 @@ class DiLoCoNode:
                 resent=resent,
                 latency_s=self._clock() - started,
             )
+        )
+
+    def _reject_replay(self, pointer_step: int, seen_step: int) -> None:
+        """A pointer older than one this node has seen (a replayed or rolled-back file) is
+        never followed; logged once per pair of steps."""
+        if (pointer_step, seen_step) in self._replays_logged:
+            return
+        self._replays_logged.add((pointer_step, seen_step))
+        logger.warning(
+            "diloco node %s rejected the hub pointer at outer step %d: it has seen outer step "
+            "%d (a replayed or rolled-back pointer); waiting for a newer one",
+            self.settings.node_id,
+            pointer_step,
+            seen_step,
         )
 
     def _read_pointer(self) -> Pointer | None:
@@ -587,8 +609,9 @@ class DiLoCoNode:
             return
         self._last_poll = now
         installed = self.installed_step
+        seen = max(installed, self.stats.hub_outer_step)
         checkpoint_step = None if self._startup_done else self._checkpoint_step
-        self.poll_lane.try_submit(lambda: self._poll(installed, fetch, checkpoint_step))
+        self.poll_lane.try_submit(lambda: self._poll(installed, seen, fetch, checkpoint_step))
 
     # -- checkpoint state ---------------------------------------------------------------
 

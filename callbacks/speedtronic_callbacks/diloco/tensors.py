@@ -1,720 +1,91 @@
-"""The files DiLoCo nodes exchange: safetensors with signed, self-describing metadata.
+"""The former name of ``wire`` (the exchanged file formats), kept so that old imports work.
 
-Three kinds of tensor file share one format (``FORMAT``):
-
-* ``delta``  -- a node's pseudo-gradient (float32, or bf16/fp16 when compressed);
-* ``global`` -- the master's full model state after an outer step (native dtypes);
-* ``outer``  -- the master's outer-optimizer momentum plus its ledger (float32).
-
-Every file carries, as safetensors header metadata (all strings): the format, its kind, a
-model/config fingerprint, the element count, the sha256 of the tensor payload and, when a
-shared secret is configured, an HMAC-SHA256 signature over all other metadata fields
-(which includes the payload hash, so the signature covers the tensors too).
-
-Decoding never trusts a file: ``decode_*`` either returns validated float tensors or
-raises ``Rejected`` with a typed ``RejectionReason``; it never raises anything else on bad
-input. The small JSON pointer (``global/step_count.json``) that names the current global
-files is defined here too (``Pointer``).
+New code imports from ``wire``, ``model_layout`` and ``pointer``.
 """
 
 from __future__ import annotations
 
-import enum
-import hashlib
-import hmac
-import json
-import re
-import struct
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-
-import safetensors.torch
-import torch
-
-from speedtronic_callbacks.diloco.math import StateDict, is_synchronised, wire_shape
-
-FORMAT = "speedtronic-diloco/1"
-"""The value of the ``format`` metadata field; other formats are rejected."""
-
-MAX_HEADER_BYTES = 64 * 1024 * 1024
-"""Refuse safetensors headers larger than this (a hostile file could claim gigabytes)."""
-
-MODEL_FILE_PATTERN = re.compile(r"^global/model_(\d{8,})\.safetensors$")
-OUTER_FILE_PATTERN = re.compile(r"^global/outer_(\d{8,})\.safetensors$")
-
-
-class Compression(str, enum.Enum):
-    """How a delta's values travel: float32, or halved to bfloat16 / float16."""
-
-    NONE = "none"
-    BF16 = "bf16"
-    FP16 = "fp16"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return {
-            Compression.NONE: torch.float32,
-            Compression.BF16: torch.bfloat16,
-            Compression.FP16: torch.float16,
-        }[self]
-
-
-_WIRE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-_FP16_MAX = 65504.0
-
-
-class RejectionReason(str, enum.Enum):
-    """Why a file from another node was not used. Every bad input maps to one of these."""
-
-    CORRUPT = "corrupt"
-    BAD_METADATA = "bad_metadata"
-    UNSIGNED = "unsigned"
-    BAD_SIGNATURE = "bad_signature"
-    FOREIGN_FINGERPRINT = "foreign_fingerprint"
-    WRONG_KEYS = "wrong_keys"
-    WRONG_SHAPES = "wrong_shapes"
-    WRONG_DTYPE = "wrong_dtype"
-    ELEMENT_COUNT = "element_count"
-    BAD_HASH = "bad_hash"
-    NON_FINITE = "non_finite"
-    NAME_MISMATCH = "name_mismatch"
-    TOO_STALE = "too_stale"
-    FUTURE_BASE = "future_base"
-
-
-class Rejected(Exception):
-    """A file failed validation; ``reason`` is machine-readable, ``detail`` is for people."""
-
-    def __init__(self, reason: RejectionReason, detail: str) -> None:
-        super().__init__(f"{reason.value}: {detail}")
-        self.reason = reason
-        self.detail = detail
-
-
-# -- layout and fingerprint ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelLayout:
-    """What every node's files must look like, derived from the model's ``state_dict``.
-
-    ``sync_keys`` are the floating/complex entries exchanged in deltas (tied weights once:
-    ``aliases`` maps each duplicate key to the key it shares storage with); ``carried_keys``
-    are integer/boolean buffers that travel only in global files. ``fingerprint`` hashes the
-    structure plus an optional config string, so nodes running another model or config
-    reject each other's files instead of mixing them.
-    """
-
-    sync_keys: tuple[str, ...]
-    carried_keys: tuple[str, ...]
-    wire_shapes: Mapping[str, tuple[int, ...]]
-    state_shapes: Mapping[str, tuple[int, ...]]
-    aliases: Mapping[str, str]
-    fingerprint: str
-
-    @property
-    def sync_numel(self) -> int:
-        """Elements in one delta (what a data-parallel gradient all-reduce would move)."""
-        total = 0
-        for key in self.sync_keys:
-            count = 1
-            for dim in self.wire_shapes[key]:
-                count *= dim
-            total += count
-        return total
-
-
-def _storage_identity(tensor: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
-    return (
-        tensor.untyped_storage().data_ptr(),
-        int(tensor.storage_offset()),
-        tuple(tensor.shape),
-        tuple(tensor.stride()),
-    )
-
-
-def build_layout(state: StateDict, config_fingerprint: str = "") -> ModelLayout:
-    """The ``ModelLayout`` of a live model state (call it on ``model.state_dict()`` so that
-    tied weights are still recognisable by their shared storage)."""
-    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
-    aliases: dict[str, str] = {}
-    sync: list[str] = []
-    carried: list[str] = []
-    for key in sorted(state):
-        tensor = state[key]
-        if tensor.numel() > 0:
-            identity = _storage_identity(tensor)
-            if identity in seen:
-                aliases[key] = seen[identity]
-                continue
-            seen[identity] = key
-        (sync if is_synchronised(tensor) else carried).append(key)
-    wire = {key: wire_shape(state[key]) for key in sync}
-    shapes = {key: tuple(state[key].shape) for key in state}
-    digest = hashlib.sha256()
-    for key in sorted(state):
-        role = f"alias:{aliases[key]}" if key in aliases else ("sync" if key in wire else "carry")
-        digest.update(f"{key}|{role}|{shapes[key]}\n".encode())
-    digest.update(b"config:" + config_fingerprint.encode())
-    return ModelLayout(
-        sync_keys=tuple(sync),
-        carried_keys=tuple(carried),
-        wire_shapes=wire,
-        state_shapes=shapes,
-        aliases=aliases,
-        fingerprint=digest.hexdigest()[:32],
-    )
-
-
-# -- hashing and signing ---------------------------------------------------------------
-
-
-def payload_sha256(tensors: StateDict) -> str:
-    """sha256 over the tensors' names, dtypes, shapes and raw bytes, in key order. It is the
-    content identity of a file: the same numbers give the same hash whatever the file name."""
-    digest = hashlib.sha256()
-    for key in sorted(tensors):
-        tensor = tensors[key].detach().cpu().contiguous()
-        digest.update(f"{key}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
-        if tensor.numel():
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
-    return digest.hexdigest()
-
-
-def _signing_message(metadata: Mapping[str, str]) -> bytes:
-    unsigned = {key: value for key, value in metadata.items() if key != "signature"}
-    return json.dumps(unsigned, sort_keys=True, separators=(",", ":")).encode()
-
-
-def sign(metadata: Mapping[str, str], secret: bytes) -> str:
-    """HMAC-SHA256 (hex) of every metadata field except ``signature``."""
-    return hmac.new(secret, _signing_message(metadata), hashlib.sha256).hexdigest()
-
-
-def check_signature(metadata: Mapping[str, str], secret: bytes | None, what: str) -> None:
-    """With a secret, the file must carry a valid signature; without one, any is ignored."""
-    if secret is None:
-        return
-    signature = metadata.get("signature")
-    if not signature:
-        raise Rejected(RejectionReason.UNSIGNED, f"{what} is not signed but a secret is set")
-    if not hmac.compare_digest(signature, sign(metadata, secret)):
-        raise Rejected(RejectionReason.BAD_SIGNATURE, f"{what} signature does not verify")
-
-
-# -- generic file encoding -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Header:
-    """A parsed safetensors header: tensor entries (dtype tag, shape) and metadata."""
-
-    entries: Mapping[str, tuple[str, tuple[int, ...]]]
-    metadata: Mapping[str, str]
-
-
-def parse_header(data: bytes) -> Header:
-    """Read a safetensors header without loading tensors; ``Rejected(CORRUPT)`` if the
-    bytes are not a well-formed safetensors file header."""
-    if len(data) < 8:
-        raise Rejected(RejectionReason.CORRUPT, f"file too short ({len(data)} bytes)")
-    (length,) = struct.unpack("<Q", data[:8])
-    if length > MAX_HEADER_BYTES or 8 + length > len(data):
-        raise Rejected(RejectionReason.CORRUPT, f"bad header length {length}")
-    try:
-        raw = json.loads(data[8 : 8 + length].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise Rejected(RejectionReason.CORRUPT, f"header is not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise Rejected(RejectionReason.CORRUPT, "header is not a JSON object")
-    metadata_raw = raw.pop("__metadata__", {})
-    if not isinstance(metadata_raw, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata_raw.items()
-    ):
-        raise Rejected(RejectionReason.CORRUPT, "header metadata is not a string map")
-    entries: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for key, entry in raw.items():
-        if not isinstance(entry, dict):
-            raise Rejected(RejectionReason.CORRUPT, f"bad header entry for {key!r}")
-        dtype, shape = entry.get("dtype"), entry.get("shape")
-        if not isinstance(dtype, str) or not isinstance(shape, list):
-            raise Rejected(RejectionReason.CORRUPT, f"bad header entry for {key!r}")
-        if not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise Rejected(RejectionReason.CORRUPT, f"bad shape for {key!r}")
-        entries[key] = (dtype, tuple(shape))
-    return Header(entries=entries, metadata=dict(metadata_raw))
-
-
-def encode_file(
-    kind: str,
-    tensors: StateDict,
-    fields: Mapping[str, str],
-    *,
-    fingerprint: str,
-    secret: bytes | None,
-) -> bytes:
-    """Serialise ``tensors`` with the common metadata, hashed and (optionally) signed.
-
-    Tensors are detached, moved to CPU and cloned (a tied weight would otherwise share
-    storage, which safetensors refuses).
-    """
-    clean = {key: value.detach().to("cpu").contiguous().clone() for key, value in tensors.items()}
-    metadata: dict[str, str] = {
-        "format": FORMAT,
-        "kind": kind,
-        "fingerprint": fingerprint,
-        "numel": str(sum(t.numel() for t in clean.values())),
-        "sha256": payload_sha256(clean),
-        **fields,
-    }
-    if secret is not None:
-        metadata["signature"] = sign(metadata, secret)
-    return safetensors.torch.save(clean, metadata=metadata)
-
-
-def _require_fields(metadata: Mapping[str, str], names: Iterable[str], what: str) -> None:
-    missing = [name for name in names if name not in metadata]
-    if missing:
-        raise Rejected(RejectionReason.BAD_METADATA, f"{what} lacks metadata {missing}")
-
-
-def _int_field(metadata: Mapping[str, str], name: str, what: str) -> int:
-    try:
-        return int(metadata[name])
-    except (KeyError, ValueError):
-        raise Rejected(
-            RejectionReason.BAD_METADATA, f"{what} field {name!r} is not an integer"
-        ) from None
-
-
-@dataclass(frozen=True)
-class DecodedFile:
-    """A validated file: its tensors as stored, its metadata and payload hash."""
-
-    tensors: dict[str, torch.Tensor]
-    metadata: Mapping[str, str]
-    sha256: str
-    size: int
-
-
-def decode_file(
-    data: bytes,
-    kind: str,
-    *,
-    fingerprint: str,
-    secret: bytes | None,
-    expected_shapes: Mapping[str, tuple[int, ...]] | None,
-    allowed_dtypes: Mapping[str, torch.dtype] | None,
-    what: str,
-) -> DecodedFile:
-    """Check format, kind, signature, fingerprint, keys/shapes, element count, payload hash
-    and finiteness, in that order; raise ``Rejected`` at the first failure."""
-    header = parse_header(data)
-    meta = header.metadata
-    _require_fields(meta, ("format", "kind", "fingerprint", "numel", "sha256"), what)
-    if meta["format"] != FORMAT:
-        raise Rejected(RejectionReason.BAD_METADATA, f"{what} has format {meta['format']!r}")
-    if meta["kind"] != kind:
-        raise Rejected(RejectionReason.BAD_METADATA, f"{what} is a {meta['kind']!r} file")
-    check_signature(meta, secret, what)
-    if meta["fingerprint"] != fingerprint:
-        raise Rejected(
-            RejectionReason.FOREIGN_FINGERPRINT,
-            f"{what} was made by model {meta['fingerprint']!r}, this run is {fingerprint!r}",
-        )
-    if expected_shapes is not None:
-        _check_entries(header, expected_shapes, what)
-    if allowed_dtypes is not None:
-        bad = sorted(k for k, (dtype, _) in header.entries.items() if dtype not in allowed_dtypes)
-        if bad:
-            raise Rejected(RejectionReason.WRONG_DTYPE, f"{what} has unexpected dtypes in {bad}")
-    try:
-        tensors = safetensors.torch.load(data)
-    except Exception as exc:  # the library raises several types for damaged payloads
-        raise Rejected(RejectionReason.CORRUPT, f"{what} payload unreadable: {exc}") from None
-    numel = sum(t.numel() for t in tensors.values())
-    if numel != _int_field(meta, "numel", what):
-        raise Rejected(
-            RejectionReason.ELEMENT_COUNT, f"{what} holds {numel} elements, says {meta['numel']}"
-        )
-    digest = payload_sha256(tensors)
-    if not hmac.compare_digest(digest, meta["sha256"]):
-        raise Rejected(RejectionReason.BAD_HASH, f"{what} payload hash does not match")
-    for key, tensor in tensors.items():
-        if is_synchronised(tensor) and not bool(torch.isfinite(tensor).all()):
-            raise Rejected(RejectionReason.NON_FINITE, f"{what} has NaN/Inf in {key!r}")
-    return DecodedFile(tensors=tensors, metadata=meta, sha256=digest, size=len(data))
-
-
-def _check_entries(header: Header, expected: Mapping[str, tuple[int, ...]], what: str) -> None:
-    missing = sorted(set(expected) - set(header.entries))
-    extra = sorted(set(header.entries) - set(expected))
-    if missing or extra:
-        raise Rejected(
-            RejectionReason.WRONG_KEYS,
-            f"{what} keys differ: missing {missing[:5] or 'none'}, "
-            f"unexpected {extra[:5] or 'none'}",
-        )
-    for key, shape in expected.items():
-        if header.entries[key][1] != tuple(shape):
-            raise Rejected(
-                RejectionReason.WRONG_SHAPES,
-                f"{what} shape for {key!r} is {header.entries[key][1]}, expected {shape}",
-            )
-
-
-# -- deltas -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DeltaInfo:
-    """Who made a delta and from which global it started."""
-
-    node_id: str
-    local_step: int
-    base_outer_step: int
-    incarnation: str = ""
-
-
-def to_wire(
-    delta: StateDict, layout: ModelLayout, compression: Compression = Compression.NONE
-) -> dict[str, torch.Tensor]:
-    """The delta's tensors as they travel: cast to the compression dtype. An fp16 delta
-    with values beyond the fp16 range is sent in float32 instead of overflowing to Inf."""
-    dtype = compression.dtype
-    if compression is Compression.FP16 and any(
-        bool(t.abs().max() > _FP16_MAX) for t in delta.values() if t.numel()
-    ):
-        dtype = torch.float32
-    return {key: delta[key].to(dtype) for key in layout.sync_keys}
-
-
-def encode_wire(
-    wire: StateDict, info: DeltaInfo, layout: ModelLayout, *, secret: bytes | None = None
-) -> bytes:
-    """A delta file from tensors already in their wire dtype (see ``to_wire``)."""
-    fields = {
-        "node_id": info.node_id,
-        "local_step": str(info.local_step),
-        "base_outer_step": str(info.base_outer_step),
-        "incarnation": info.incarnation,
-    }
-    return encode_file("delta", wire, fields, fingerprint=layout.fingerprint, secret=secret)
-
-
-def encode_delta(
-    delta: StateDict,
-    info: DeltaInfo,
-    layout: ModelLayout,
-    *,
-    compression: Compression = Compression.NONE,
-    secret: bytes | None = None,
-) -> bytes:
-    """A delta file (float32, or halved to bf16/fp16 with ``compression``)."""
-    return encode_wire(to_wire(delta, layout, compression), info, layout, secret=secret)
-
-
-@dataclass(frozen=True)
-class DecodedDelta:
-    """A validated delta as float32 tensors, with its origin and content hash."""
-
-    info: DeltaInfo
-    tensors: dict[str, torch.Tensor]
-    sha256: str
-    size: int
-
-
-def decode_delta(data: bytes, layout: ModelLayout, *, secret: bytes | None) -> DecodedDelta:
-    """Validate a delta file against ``layout``; ``Rejected`` on any problem."""
-    decoded = decode_file(
-        data,
-        "delta",
-        fingerprint=layout.fingerprint,
-        secret=secret,
-        expected_shapes=layout.wire_shapes,
-        allowed_dtypes=_WIRE_DTYPES,
-        what="delta",
-    )
-    meta = decoded.metadata
-    _require_fields(meta, ("node_id", "local_step", "base_outer_step"), "delta")
-    info = DeltaInfo(
-        node_id=meta["node_id"],
-        local_step=_int_field(meta, "local_step", "delta"),
-        base_outer_step=_int_field(meta, "base_outer_step", "delta"),
-        incarnation=meta.get("incarnation", ""),
-    )
-    tensors = {key: value.to(torch.float32) for key, value in decoded.tensors.items()}
-    return DecodedDelta(info=info, tensors=tensors, sha256=decoded.sha256, size=decoded.size)
-
-
-# -- global model and outer state ------------------------------------------------------
-
-
-def global_tensors(state: StateDict, layout: ModelLayout) -> dict[str, torch.Tensor]:
-    """The entries a global file stores: synchronised and carried keys, aliases dropped."""
-    return {key: state[key] for key in (*layout.sync_keys, *layout.carried_keys)}
-
-
-def expand_aliases(state: StateDict, layout: ModelLayout) -> dict[str, torch.Tensor]:
-    """A full ``state_dict`` for ``load_state_dict``: each tied key points at its source."""
-    full = dict(state)
-    for alias, source in layout.aliases.items():
-        full[alias] = state[source]
-    return full
-
-
-def encode_global(
-    state: StateDict, outer_step: int, layout: ModelLayout, *, secret: bytes | None
-) -> bytes:
-    """The published global model after ``outer_step`` outer steps (native dtypes)."""
-    return encode_file(
-        "global",
-        global_tensors(state, layout),
-        {"outer_step": str(outer_step)},
-        fingerprint=layout.fingerprint,
-        secret=secret,
-    )
-
-
-def _check_expected_hash(decoded: DecodedFile, expected: str | None, what: str) -> None:
-    if expected is not None and not hmac.compare_digest(decoded.sha256, expected):
-        raise Rejected(RejectionReason.BAD_HASH, f"{what} is not the file the pointer names")
-
-
-def decode_global(
-    data: bytes,
-    layout: ModelLayout,
-    *,
-    secret: bytes | None,
-    outer_step: int | None = None,
-    expected_sha256: str | None = None,
-) -> dict[str, torch.Tensor]:
-    """Validate a global file; ``outer_step`` and ``expected_sha256`` (from the pointer)
-    must match it."""
-    shapes = {key: layout.state_shapes[key] for key in (*layout.sync_keys, *layout.carried_keys)}
-    decoded = decode_file(
-        data,
-        "global",
-        fingerprint=layout.fingerprint,
-        secret=secret,
-        expected_shapes=shapes,
-        allowed_dtypes=None,
-        what="global model",
-    )
-    _check_expected_hash(decoded, expected_sha256, "global model")
-    if outer_step is not None:
-        found = _int_field(decoded.metadata, "outer_step", "global model")
-        if found != outer_step:
-            raise Rejected(
-                RejectionReason.BAD_METADATA,
-                f"global model is outer step {found}, the pointer says {outer_step}",
-            )
-    return decoded.tensors
-
-
-Progress = dict[str, tuple[str, int]]
-"""node id -> (incarnation, highest local step applied from that incarnation)."""
-
-
-def progress_to_json(progress: Mapping[str, tuple[str, int]]) -> dict[str, dict[str, object]]:
-    return {
-        node: {"incarnation": incarnation, "step": step}
-        for node, (incarnation, step) in sorted(progress.items())
-    }
-
-
-def progress_from_json(raw: object) -> Progress:
-    """Parse ``progress_to_json`` output; ``ValueError`` on anything else."""
-    if not isinstance(raw, dict):
-        raise ValueError("progress must be a JSON object")
-    progress: Progress = {}
-    for node, entry in raw.items():
-        if not isinstance(entry, dict):
-            raise ValueError(f"bad progress entry for {node!r}")
-        incarnation, step = entry.get("incarnation"), entry.get("step")
-        if not isinstance(incarnation, str) or not isinstance(step, int):
-            raise ValueError(f"bad progress entry for {node!r}")
-        progress[str(node)] = (incarnation, step)
-    return progress
-
-
-@dataclass
-class Ledger:
-    """The master's memory of what it has done, published with every outer step.
-
-    ``applied`` holds the content hash of every delta ever applied (so a re-uploaded or
-    renamed copy is never applied twice); ``progress`` the highest local step applied per
-    node incarnation (a resumed node uses it to drop work it had already sent).
-    """
-
-    applied: set[str] = field(default_factory=set)
-    progress: Progress = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {"applied": sorted(self.applied), "progress": progress_to_json(self.progress)},
-            separators=(",", ":"),
-        )
-
-    @classmethod
-    def from_json(cls, text: str) -> Ledger:
-        raw = json.loads(text)
-        if not isinstance(raw, dict):
-            raise ValueError("ledger is not a JSON object")
-        applied = raw.get("applied", [])
-        if not isinstance(applied, list) or not all(isinstance(h, str) for h in applied):
-            raise ValueError("ledger 'applied' must be a list of strings")
-        return cls(applied=set(applied), progress=progress_from_json(raw.get("progress", {})))
-
-
-def encode_outer(
-    momentum: StateDict,
-    ledger: Ledger,
-    outer_step: int,
-    layout: ModelLayout,
-    *,
-    secret: bytes | None,
-) -> bytes:
-    """The master's outer state (momentum + ledger) after ``outer_step`` outer steps."""
-    tensors = {key: momentum[key] for key in sorted(momentum)}
-    fields = {"outer_step": str(outer_step), "ledger": ledger.to_json()}
-    return encode_file("outer", tensors, fields, fingerprint=layout.fingerprint, secret=secret)
-
-
-def decode_outer(
-    data: bytes,
-    layout: ModelLayout,
-    *,
-    secret: bytes | None,
-    outer_step: int,
-    expected_sha256: str | None = None,
-) -> tuple[dict[str, torch.Tensor], Ledger]:
-    """Validate an outer-state file; momentum keys must be a subset of the delta keys."""
-    decoded = decode_file(
-        data,
-        "outer",
-        fingerprint=layout.fingerprint,
-        secret=secret,
-        expected_shapes=None,
-        allowed_dtypes={"F32": torch.float32},
-        what="outer state",
-    )
-    _check_expected_hash(decoded, expected_sha256, "outer state")
-    for key, tensor in decoded.tensors.items():
-        if layout.wire_shapes.get(key) != tuple(tensor.shape):
-            raise Rejected(RejectionReason.WRONG_KEYS, f"outer state has stray key {key!r}")
-    if _int_field(decoded.metadata, "outer_step", "outer state") != outer_step:
-        raise Rejected(RejectionReason.BAD_METADATA, "outer state is for another outer step")
-    _require_fields(decoded.metadata, ("ledger",), "outer state")
-    try:
-        ledger = Ledger.from_json(decoded.metadata["ledger"])
-    except (ValueError, json.JSONDecodeError) as exc:
-        raise Rejected(RejectionReason.BAD_METADATA, f"outer state ledger: {exc}") from None
-    return decoded.tensors, ledger
-
-
-# -- the pointer ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Pointer:
-    """``global/step_count.json``: which files hold the current global, and who wrote it.
-
-    Written last in a publication, after the files it names, so a reader never follows it
-    to a file that is not there yet. Only ``outer_step`` drives synchronisation.
-    """
-
-    outer_step: int
-    model_file: str
-    model_sha256: str
-    outer_file: str
-    outer_sha256: str
-    fingerprint: str
-    master: str
-    updated_at: str
-    applied: tuple[str, ...] = ()
-    progress: Mapping[str, tuple[str, int]] = field(default_factory=dict)
-
-    def fields(self) -> dict[str, str]:
-        return {
-            "format": FORMAT,
-            "algorithm": "diloco",
-            "optimizer": "nesterov_sgd",
-            "outer_step": str(self.outer_step),
-            "model_file": self.model_file,
-            "model_sha256": self.model_sha256,
-            "outer_file": self.outer_file,
-            "outer_sha256": self.outer_sha256,
-            "fingerprint": self.fingerprint,
-            "master": self.master,
-            "updated_at": self.updated_at,
-            "applied": ",".join(self.applied),
-            "progress": json.dumps(progress_to_json(self.progress), separators=(",", ":")),
-        }
-
-
-def encode_pointer(pointer: Pointer, *, secret: bytes | None) -> bytes:
-    """Pretty, sorted JSON with a trailing newline (signed like the tensor files)."""
-    fields = pointer.fields()
-    if secret is not None:
-        fields["signature"] = sign(fields, secret)
-    return (json.dumps(fields, indent=2, sort_keys=True) + "\n").encode()
-
-
-def decode_pointer(data: bytes, *, fingerprint: str, secret: bytes | None) -> Pointer:
-    """Validate the pointer: format, signature, fingerprint and file names on the
-    allow-list (``global/model_<step>.safetensors``), so a writer cannot point nodes at an
-    arbitrary file."""
-    try:
-        raw = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise Rejected(RejectionReason.CORRUPT, f"pointer is not JSON: {exc}") from None
-    if not isinstance(raw, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in raw.items()
-    ):
-        raise Rejected(RejectionReason.BAD_METADATA, "pointer must map strings to strings")
-    names = ("format", "outer_step", "model_file", "model_sha256", "outer_file", "outer_sha256")
-    _require_fields(raw, (*names, "fingerprint", "master", "updated_at"), "pointer")
-    if raw["format"] != FORMAT:
-        raise Rejected(RejectionReason.BAD_METADATA, f"pointer has format {raw['format']!r}")
-    check_signature(raw, secret, "pointer")
-    if raw["fingerprint"] != fingerprint:
-        raise Rejected(
-            RejectionReason.FOREIGN_FINGERPRINT,
-            f"hub holds model {raw['fingerprint']!r}, this run is {fingerprint!r}",
-        )
-    outer_step = _int_field(raw, "outer_step", "pointer")
-    model_match = MODEL_FILE_PATTERN.match(raw["model_file"])
-    outer_match = OUTER_FILE_PATTERN.match(raw["outer_file"])
-    if model_match is None or outer_match is None:
-        raise Rejected(RejectionReason.BAD_METADATA, "pointer names files off the allow-list")
-    if int(model_match.group(1)) != outer_step or int(outer_match.group(1)) != outer_step:
-        raise Rejected(RejectionReason.BAD_METADATA, "pointer file names disagree on the step")
-    applied = tuple(h for h in raw.get("applied", "").split(",") if h)
-    try:
-        progress = progress_from_json(json.loads(raw.get("progress", "{}")))
-    except (ValueError, json.JSONDecodeError) as exc:
-        raise Rejected(RejectionReason.BAD_METADATA, f"pointer progress: {exc}") from None
-    return Pointer(
-        outer_step=outer_step,
-        model_file=raw["model_file"],
-        model_sha256=raw["model_sha256"],
-        outer_file=raw["outer_file"],
-        outer_sha256=raw["outer_sha256"],
-        fingerprint=raw["fingerprint"],
-        master=raw["master"],
-        updated_at=raw["updated_at"],
-        applied=applied,
-        progress=progress,
-    )
-
-
-def model_file_name(outer_step: int) -> str:
-    return f"global/model_{outer_step:08d}.safetensors"
-
-
-def outer_file_name(outer_step: int) -> str:
-    return f"global/outer_{outer_step:08d}.safetensors"
-
-
-POINTER_PATH = "global/step_count.json"
+from speedtronic_callbacks.diloco.model_layout import ModelLayout, build_layout
+from speedtronic_callbacks.diloco.pointer import (
+    MODEL_FILE_PATTERN,
+    OUTER_FILE_PATTERN,
+    POINTER_PATH,
+    Pointer,
+    decode_pointer,
+    encode_pointer,
+    model_file_name,
+    outer_file_name,
+)
+from speedtronic_callbacks.diloco.wire import (
+    FORMAT,
+    MAX_HEADER_BYTES,
+    Compression,
+    DecodedDelta,
+    DecodedFile,
+    DeltaInfo,
+    Header,
+    Ledger,
+    Progress,
+    Rejected,
+    RejectionReason,
+    check_signature,
+    decode_delta,
+    decode_file,
+    decode_global,
+    decode_outer,
+    encode_delta,
+    encode_file,
+    encode_global,
+    encode_outer,
+    encode_wire,
+    expand_aliases,
+    global_tensors,
+    parse_header,
+    payload_sha256,
+    progress_from_json,
+    progress_to_json,
+    sign,
+    to_wire,
+)
+
+__all__ = [
+    "Compression",
+    "DecodedDelta",
+    "DecodedFile",
+    "DeltaInfo",
+    "FORMAT",
+    "Header",
+    "Ledger",
+    "MAX_HEADER_BYTES",
+    "MODEL_FILE_PATTERN",
+    "ModelLayout",
+    "OUTER_FILE_PATTERN",
+    "POINTER_PATH",
+    "Pointer",
+    "Progress",
+    "Rejected",
+    "RejectionReason",
+    "build_layout",
+    "check_signature",
+    "decode_delta",
+    "decode_file",
+    "decode_global",
+    "decode_outer",
+    "decode_pointer",
+    "encode_delta",
+    "encode_file",
+    "encode_global",
+    "encode_outer",
+    "encode_pointer",
+    "encode_wire",
+    "expand_aliases",
+    "global_tensors",
+    "model_file_name",
+    "outer_file_name",
+    "parse_header",
+    "payload_sha256",
+    "progress_from_json",
+    "progress_to_json",
+    "sign",
+    "to_wire",
+]

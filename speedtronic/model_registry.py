@@ -1,5 +1,9 @@
 """The model registry (original API): ``register_model``, ``build_model``, ``ModelRegistry``.
 
+The process-global instance is ``registry`` here and ``speedtronic.registry`` at the top
+level. This module is named ``model_registry`` so that no module shares the instance's name:
+a submodule ``speedtronic.registry`` would replace the package attribute once imported.
+
 Built-in models (``reference_transformer``, ``gpt``) and third-party ones are declared as
 entry points in the ``speedtronic.models`` group and load lazily on first use.
 """

@@ -1,0 +1,636 @@
+"""The wire format: what DiLoCo nodes exchange, safetensors with signed metadata.
+
+Three kinds of tensor file share one format (``FORMAT``):
+
+* ``delta``  -- a node's pseudo-gradient (float32, or bf16/fp16 when compressed);
+* ``global`` -- the master's full model state after an outer step (native dtypes);
+* ``outer``  -- the master's outer-optimizer momentum plus its ledger (float32).
+
+Every file carries, as safetensors header metadata (all strings): the format, its kind, a
+model/config fingerprint, the element count, the sha256 of the tensor payload and, when a
+shared secret is configured, an HMAC-SHA256 signature over all other metadata fields
+(which includes the payload hash, so the signature covers the tensors too).
+
+Decoding never trusts a file: ``decode_*`` either returns validated float tensors or
+raises ``Rejected`` with a typed ``RejectionReason``; it never raises anything else on bad
+input. The pointer that names the current global files is in ``pointer``; what a model's
+files must contain (``ModelLayout``) in ``model_layout``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import json
+import re
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from speedtronic_callbacks.diloco.math import StateDict, is_synchronised
+from speedtronic_callbacks.diloco.model_layout import ModelLayout
+
+FORMAT = "speedtronic-diloco/1"
+"""The value of the ``format`` metadata field; other formats are rejected."""
+
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+"""Refuse safetensors headers larger than this (a hostile file could claim gigabytes)."""
+
+MAX_JSON_DEPTH = 8
+"""The deepest JSON nesting accepted anywhere in a hub file (real files nest 3 deep).
+Checked before parsing, so a 100,000-deep header is a rejection, not a RecursionError."""
+
+
+class Compression(str, enum.Enum):
+    """How a delta's values travel: float32, or halved to bfloat16 / float16."""
+
+    NONE = "none"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return {
+            Compression.NONE: torch.float32,
+            Compression.BF16: torch.bfloat16,
+            Compression.FP16: torch.float16,
+        }[self]
+
+
+_WIRE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_FP16_MAX = 65504.0
+
+
+class RejectionReason(str, enum.Enum):
+    """Why a file from another node was not used. Every bad input maps to one of these."""
+
+    CORRUPT = "corrupt"
+    BAD_METADATA = "bad_metadata"
+    UNSIGNED = "unsigned"
+    BAD_SIGNATURE = "bad_signature"
+    FOREIGN_FINGERPRINT = "foreign_fingerprint"
+    WRONG_KEYS = "wrong_keys"
+    WRONG_SHAPES = "wrong_shapes"
+    WRONG_DTYPE = "wrong_dtype"
+    ELEMENT_COUNT = "element_count"
+    BAD_HASH = "bad_hash"
+    NON_FINITE = "non_finite"
+    NAME_MISMATCH = "name_mismatch"
+    UNSAFE_FILE = "unsafe_file"
+    TOO_LARGE = "too_large"
+    TOO_STALE = "too_stale"
+    FUTURE_BASE = "future_base"
+
+
+class Rejected(Exception):
+    """A file failed validation; ``reason`` is machine-readable, ``detail`` is for people."""
+
+    def __init__(self, reason: RejectionReason, detail: str) -> None:
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+# -- hashing and signing ---------------------------------------------------------------
+
+
+def payload_sha256(tensors: StateDict) -> str:
+    """sha256 over the tensors' names, dtypes, shapes and raw bytes, in key order. It is the
+    content identity of a file: the same numbers give the same hash whatever the file name."""
+    digest = hashlib.sha256()
+    for key in sorted(tensors):
+        tensor = tensors[key].detach().cpu().contiguous()
+        digest.update(f"{key}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        if tensor.numel():
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def _signing_message(metadata: Mapping[str, str]) -> bytes:
+    unsigned = {key: value for key, value in metadata.items() if key != "signature"}
+    return json.dumps(unsigned, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sign(metadata: Mapping[str, str], secret: bytes) -> str:
+    """HMAC-SHA256 (hex) of every metadata field except ``signature``."""
+    return hmac.new(secret, _signing_message(metadata), hashlib.sha256).hexdigest()
+
+
+def check_signature(metadata: Mapping[str, str], secret: bytes | None, what: str) -> None:
+    """With a secret, the file must carry a valid signature; without one, any is ignored."""
+    if secret is None:
+        return
+    signature = metadata.get("signature")
+    if not signature:
+        raise Rejected(RejectionReason.UNSIGNED, f"{what} is not signed but a secret is set")
+    if not hmac.compare_digest(signature, sign(metadata, secret)):
+        raise Rejected(RejectionReason.BAD_SIGNATURE, f"{what} signature does not verify")
+
+
+# -- generic file encoding -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed safetensors header: tensor entries (dtype tag, shape) and metadata."""
+
+    entries: Mapping[str, tuple[str, tuple[int, ...]]]
+    metadata: Mapping[str, str]
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_NESTING_CHUNK = 1 << 22
+
+
+def json_nesting_depth(text: bytes) -> int:
+    """The deepest ``[``/``{`` nesting of JSON ``text`` (brackets inside strings do not
+    count), in time linear in the length and without recursion."""
+    skeleton = _JSON_STRING.sub(b'""', text).translate(None, _NOT_BRACKETS)
+    brackets = np.frombuffer(skeleton, dtype=np.uint8)
+    depth = deepest = 0
+    for start in range(0, len(brackets), _NESTING_CHUNK):
+        chunk = brackets[start : start + _NESTING_CHUNK]
+        steps = np.where((chunk == ord("[")) | (chunk == ord("{")), 1, -1)
+        running = np.cumsum(steps, dtype=np.int64) + depth
+        deepest = max(deepest, int(running.max()))
+        depth = int(running[-1])
+    return deepest
+
+
+def load_json(data: bytes | str, what: str, *, max_depth: int = MAX_JSON_DEPTH) -> object:
+    """Parse untrusted JSON with bounded work; ``Rejected(CORRUPT)`` for anything that is
+    not UTF-8 JSON nested at most ``max_depth`` deep (huge integers included)."""
+    if isinstance(data, str):
+        data = data.encode("utf-8", errors="surrogatepass")  # a lone surrogate fails below
+    if json_nesting_depth(data) > max_depth:
+        raise Rejected(RejectionReason.CORRUPT, f"{what} nests deeper than {max_depth} levels")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise Rejected(RejectionReason.CORRUPT, f"{what} is not JSON: {exc}") from None
+
+
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4,
+    "U64": 8, "I64": 8, "F64": 8, "C64": 8,
+}  # fmt: skip
+"""Bytes per element of the safetensors dtypes a hub file may hold."""
+
+
+def _entry(key: str, entry: object) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """One tensor entry of a header: dtype tag, shape, data offsets (checked to agree)."""
+    if not isinstance(entry, dict):
+        raise Rejected(RejectionReason.CORRUPT, f"bad header entry for {key!r}")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or not isinstance(shape, list) or not isinstance(offsets, list):
+        raise Rejected(RejectionReason.CORRUPT, f"bad header entry for {key!r}")
+    if dtype not in _DTYPE_BYTES:
+        raise Rejected(RejectionReason.CORRUPT, f"unknown dtype {dtype[:20]!r} for {key!r}")
+    if not all(type(d) is int and d >= 0 for d in shape):
+        raise Rejected(RejectionReason.CORRUPT, f"bad shape for {key!r}")
+    if len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
+        raise Rejected(RejectionReason.CORRUPT, f"bad data offsets for {key!r}")
+    begin, end = offsets
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    if end - begin != numel * _DTYPE_BYTES[dtype]:
+        raise Rejected(RejectionReason.CORRUPT, f"data offsets of {key!r} disagree with its shape")
+    return dtype, tuple(shape), (begin, end)
+
+
+def parse_header(data: bytes) -> Header:
+    """Read a safetensors header without loading tensors; ``Rejected(CORRUPT)`` if the
+    bytes are not a well-formed safetensors file header. The header's length, nesting and
+    tensor sizes are checked against the file's size before anything is loaded: every
+    entry's offsets must match its dtype and shape, and the entries must tile the rest of
+    the file exactly."""
+    if len(data) < 8:
+        raise Rejected(RejectionReason.CORRUPT, f"file too short ({len(data)} bytes)")
+    (length,) = struct.unpack("<Q", data[:8])
+    if length > MAX_HEADER_BYTES or 8 + length > len(data):
+        raise Rejected(RejectionReason.CORRUPT, f"bad header length {length}")
+    raw = load_json(data[8 : 8 + length], "header")
+    if not isinstance(raw, dict):
+        raise Rejected(RejectionReason.CORRUPT, "header is not a JSON object")
+    metadata_raw = raw.pop("__metadata__", {})
+    if not isinstance(metadata_raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata_raw.items()
+    ):
+        raise Rejected(RejectionReason.CORRUPT, "header metadata is not a string map")
+    entries: dict[str, tuple[str, tuple[int, ...]]] = {}
+    spans: list[tuple[int, int]] = []
+    for key, entry in raw.items():
+        dtype, shape, span = _entry(key, entry)
+        entries[key] = (dtype, shape)
+        spans.append(span)
+    _check_spans(spans, len(data) - 8 - length)
+    return Header(entries=entries, metadata=dict(metadata_raw))
+
+
+def _check_spans(spans: list[tuple[int, int]], payload_bytes: int) -> None:
+    """The tensors' byte ranges must cover the payload exactly, without gaps or overlaps."""
+    position = 0
+    for begin, end in sorted(spans):
+        if begin != position:
+            raise Rejected(RejectionReason.CORRUPT, "tensor data ranges overlap or leave gaps")
+        position = end
+    if position != payload_bytes:
+        raise Rejected(
+            RejectionReason.CORRUPT,
+            f"header describes {position} bytes of tensor data, the file holds {payload_bytes}",
+        )
+
+
+def encode_file(
+    kind: str,
+    tensors: StateDict,
+    fields: Mapping[str, str],
+    *,
+    fingerprint: str,
+    secret: bytes | None,
+) -> bytes:
+    """Serialise ``tensors`` with the common metadata, hashed and (optionally) signed.
+
+    Tensors are detached, moved to CPU and cloned (a tied weight would otherwise share
+    storage, which safetensors refuses).
+    """
+    clean = {key: value.detach().to("cpu").contiguous().clone() for key, value in tensors.items()}
+    metadata: dict[str, str] = {
+        "format": FORMAT,
+        "kind": kind,
+        "fingerprint": fingerprint,
+        "numel": str(sum(t.numel() for t in clean.values())),
+        "sha256": payload_sha256(clean),
+        **fields,
+    }
+    if secret is not None:
+        metadata["signature"] = sign(metadata, secret)
+    return safetensors.torch.save(clean, metadata=metadata)
+
+
+def require_fields(metadata: Mapping[str, str], names: Iterable[str], what: str) -> None:
+    missing = [name for name in names if name not in metadata]
+    if missing:
+        raise Rejected(RejectionReason.BAD_METADATA, f"{what} lacks metadata {missing}")
+
+
+def int_field(metadata: Mapping[str, str], name: str, what: str) -> int:
+    try:
+        return int(metadata[name])
+    except (KeyError, ValueError):
+        raise Rejected(
+            RejectionReason.BAD_METADATA, f"{what} field {name!r} is not an integer"
+        ) from None
+
+
+@dataclass(frozen=True)
+class DecodedFile:
+    """A validated file: its tensors as stored, its metadata and payload hash."""
+
+    tensors: dict[str, torch.Tensor]
+    metadata: Mapping[str, str]
+    sha256: str
+    size: int
+
+
+def decode_file(
+    data: bytes,
+    kind: str,
+    *,
+    fingerprint: str,
+    secret: bytes | None,
+    expected_shapes: Mapping[str, tuple[int, ...]] | None,
+    allowed_dtypes: Mapping[str, torch.dtype] | None,
+    what: str,
+) -> DecodedFile:
+    """Check format, kind, signature, fingerprint, keys/shapes, element count, payload hash
+    and finiteness, in that order; raise ``Rejected`` at the first failure."""
+    header = parse_header(data)
+    meta = header.metadata
+    require_fields(meta, ("format", "kind", "fingerprint", "numel", "sha256"), what)
+    if meta["format"] != FORMAT:
+        raise Rejected(RejectionReason.BAD_METADATA, f"{what} has format {meta['format']!r}")
+    if meta["kind"] != kind:
+        raise Rejected(RejectionReason.BAD_METADATA, f"{what} is a {meta['kind']!r} file")
+    check_signature(meta, secret, what)
+    if meta["fingerprint"] != fingerprint:
+        raise Rejected(
+            RejectionReason.FOREIGN_FINGERPRINT,
+            f"{what} was made by model {meta['fingerprint']!r}, this run is {fingerprint!r}",
+        )
+    if expected_shapes is not None:
+        _check_entries(header, expected_shapes, what)
+    if allowed_dtypes is not None:
+        bad = sorted(k for k, (dtype, _) in header.entries.items() if dtype not in allowed_dtypes)
+        if bad:
+            raise Rejected(RejectionReason.WRONG_DTYPE, f"{what} has unexpected dtypes in {bad}")
+    try:
+        tensors = safetensors.torch.load(data)
+    except Exception as exc:  # the library raises several types for damaged payloads
+        raise Rejected(RejectionReason.CORRUPT, f"{what} payload unreadable: {exc}") from None
+    numel = sum(t.numel() for t in tensors.values())
+    if numel != int_field(meta, "numel", what):
+        raise Rejected(
+            RejectionReason.ELEMENT_COUNT, f"{what} holds {numel} elements, says {meta['numel']}"
+        )
+    digest = payload_sha256(tensors)
+    if not hmac.compare_digest(digest, meta["sha256"]):
+        raise Rejected(RejectionReason.BAD_HASH, f"{what} payload hash does not match")
+    for key, tensor in tensors.items():
+        if is_synchronised(tensor) and not bool(torch.isfinite(tensor).all()):
+            raise Rejected(RejectionReason.NON_FINITE, f"{what} has NaN/Inf in {key!r}")
+    return DecodedFile(tensors=tensors, metadata=meta, sha256=digest, size=len(data))
+
+
+def _check_entries(header: Header, expected: Mapping[str, tuple[int, ...]], what: str) -> None:
+    missing = sorted(set(expected) - set(header.entries))
+    extra = sorted(set(header.entries) - set(expected))
+    if missing or extra:
+        raise Rejected(
+            RejectionReason.WRONG_KEYS,
+            f"{what} keys differ: missing {missing[:5] or 'none'}, "
+            f"unexpected {extra[:5] or 'none'}",
+        )
+    for key, shape in expected.items():
+        if header.entries[key][1] != tuple(shape):
+            raise Rejected(
+                RejectionReason.WRONG_SHAPES,
+                f"{what} shape for {key!r} is {header.entries[key][1]}, expected {shape}",
+            )
+
+
+# -- deltas -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeltaInfo:
+    """Who made a delta and from which global it started."""
+
+    node_id: str
+    local_step: int
+    base_outer_step: int
+    incarnation: str = ""
+
+
+def to_wire(
+    delta: StateDict, layout: ModelLayout, compression: Compression = Compression.NONE
+) -> dict[str, torch.Tensor]:
+    """The delta's tensors as they travel: cast to the compression dtype. An fp16 delta
+    with values beyond the fp16 range is sent in float32 instead of overflowing to Inf."""
+    dtype = compression.dtype
+    if compression is Compression.FP16 and any(
+        bool(t.abs().max() > _FP16_MAX) for t in delta.values() if t.numel()
+    ):
+        dtype = torch.float32
+    return {key: delta[key].to(dtype) for key in layout.sync_keys}
+
+
+def encode_wire(
+    wire: StateDict, info: DeltaInfo, layout: ModelLayout, *, secret: bytes | None = None
+) -> bytes:
+    """A delta file from tensors already in their wire dtype (see ``to_wire``)."""
+    fields = {
+        "node_id": info.node_id,
+        "local_step": str(info.local_step),
+        "base_outer_step": str(info.base_outer_step),
+        "incarnation": info.incarnation,
+    }
+    return encode_file("delta", wire, fields, fingerprint=layout.fingerprint, secret=secret)
+
+
+def encode_delta(
+    delta: StateDict,
+    info: DeltaInfo,
+    layout: ModelLayout,
+    *,
+    compression: Compression = Compression.NONE,
+    secret: bytes | None = None,
+) -> bytes:
+    """A delta file (float32, or halved to bf16/fp16 with ``compression``)."""
+    return encode_wire(to_wire(delta, layout, compression), info, layout, secret=secret)
+
+
+@dataclass(frozen=True)
+class DecodedDelta:
+    """A validated delta as float32 tensors, with its origin and content hash."""
+
+    info: DeltaInfo
+    tensors: dict[str, torch.Tensor]
+    sha256: str
+    size: int
+
+
+def decode_delta(data: bytes, layout: ModelLayout, *, secret: bytes | None) -> DecodedDelta:
+    """Validate a delta file against ``layout``; ``Rejected`` on any problem."""
+    decoded = decode_file(
+        data,
+        "delta",
+        fingerprint=layout.fingerprint,
+        secret=secret,
+        expected_shapes=layout.wire_shapes,
+        allowed_dtypes=_WIRE_DTYPES,
+        what="delta",
+    )
+    meta = decoded.metadata
+    require_fields(meta, ("node_id", "local_step", "base_outer_step"), "delta")
+    info = DeltaInfo(
+        node_id=meta["node_id"],
+        local_step=int_field(meta, "local_step", "delta"),
+        base_outer_step=int_field(meta, "base_outer_step", "delta"),
+        incarnation=meta.get("incarnation", ""),
+    )
+    tensors = {key: value.to(torch.float32) for key, value in decoded.tensors.items()}
+    return DecodedDelta(info=info, tensors=tensors, sha256=decoded.sha256, size=decoded.size)
+
+
+# -- global model and outer state ------------------------------------------------------
+
+
+def global_tensors(state: StateDict, layout: ModelLayout) -> dict[str, torch.Tensor]:
+    """The entries a global file stores: synchronised and carried keys, aliases dropped."""
+    return {key: state[key] for key in (*layout.sync_keys, *layout.carried_keys)}
+
+
+def expand_aliases(state: StateDict, layout: ModelLayout) -> dict[str, torch.Tensor]:
+    """A full ``state_dict`` for ``load_state_dict``: each tied key points at its source."""
+    full = dict(state)
+    for alias, source in layout.aliases.items():
+        full[alias] = state[source]
+    return full
+
+
+def encode_global(
+    state: StateDict, outer_step: int, layout: ModelLayout, *, secret: bytes | None
+) -> bytes:
+    """The published global model after ``outer_step`` outer steps (native dtypes)."""
+    return encode_file(
+        "global",
+        global_tensors(state, layout),
+        {"outer_step": str(outer_step)},
+        fingerprint=layout.fingerprint,
+        secret=secret,
+    )
+
+
+def _check_expected_hash(decoded: DecodedFile, expected: str | None, what: str) -> None:
+    if expected is not None and not hmac.compare_digest(decoded.sha256, expected):
+        raise Rejected(RejectionReason.BAD_HASH, f"{what} is not the file the pointer names")
+
+
+def decode_global(
+    data: bytes,
+    layout: ModelLayout,
+    *,
+    secret: bytes | None,
+    outer_step: int | None = None,
+    expected_sha256: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Validate a global file; ``outer_step`` and ``expected_sha256`` (from the pointer)
+    must match it."""
+    shapes = {key: layout.state_shapes[key] for key in (*layout.sync_keys, *layout.carried_keys)}
+    decoded = decode_file(
+        data,
+        "global",
+        fingerprint=layout.fingerprint,
+        secret=secret,
+        expected_shapes=shapes,
+        allowed_dtypes=None,
+        what="global model",
+    )
+    _check_expected_hash(decoded, expected_sha256, "global model")
+    if outer_step is not None:
+        found = int_field(decoded.metadata, "outer_step", "global model")
+        if found != outer_step:
+            raise Rejected(
+                RejectionReason.BAD_METADATA,
+                f"global model is outer step {found}, the pointer says {outer_step}",
+            )
+    return decoded.tensors
+
+
+Progress = dict[str, tuple[str, int]]
+"""node id -> (incarnation, highest local step applied from that incarnation)."""
+
+
+def progress_to_json(progress: Mapping[str, tuple[str, int]]) -> dict[str, dict[str, object]]:
+    return {
+        node: {"incarnation": incarnation, "step": step}
+        for node, (incarnation, step) in sorted(progress.items())
+    }
+
+
+def progress_from_json(raw: object) -> Progress:
+    """Parse ``progress_to_json`` output; ``ValueError`` on anything else."""
+    if not isinstance(raw, dict):
+        raise ValueError("progress must be a JSON object")
+    progress: Progress = {}
+    for node, entry in raw.items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"bad progress entry for {node!r}")
+        incarnation, step = entry.get("incarnation"), entry.get("step")
+        if not isinstance(incarnation, str) or not isinstance(step, int):
+            raise ValueError(f"bad progress entry for {node!r}")
+        progress[str(node)] = (incarnation, step)
+    return progress
+
+
+@dataclass
+class Ledger:
+    """The master's memory of what it has done, published with every outer step.
+
+    ``applied`` holds the content hash of every delta ever applied (so a re-uploaded or
+    renamed copy is never applied twice); ``progress`` the highest local step applied per
+    node incarnation (a resumed node uses it to drop work it had already sent).
+    """
+
+    applied: set[str] = field(default_factory=set)
+    progress: Progress = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"applied": sorted(self.applied), "progress": progress_to_json(self.progress)},
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Ledger:
+        """Parse ``to_json`` output; ``ValueError`` on anything else."""
+        try:
+            raw = load_json(text, "ledger")
+        except Rejected as exc:
+            raise ValueError(exc.detail) from None
+        if not isinstance(raw, dict):
+            raise ValueError("ledger is not a JSON object")
+        applied = raw.get("applied", [])
+        if not isinstance(applied, list) or not all(isinstance(h, str) for h in applied):
+            raise ValueError("ledger 'applied' must be a list of strings")
+        return cls(applied=set(applied), progress=progress_from_json(raw.get("progress", {})))
+
+
+def encode_outer(
+    momentum: StateDict,
+    ledger: Ledger,
+    outer_step: int,
+    layout: ModelLayout,
+    *,
+    secret: bytes | None,
+) -> bytes:
+    """The master's outer state (momentum + ledger) after ``outer_step`` outer steps."""
+    tensors = {key: momentum[key] for key in sorted(momentum)}
+    fields = {"outer_step": str(outer_step), "ledger": ledger.to_json()}
+    return encode_file("outer", tensors, fields, fingerprint=layout.fingerprint, secret=secret)
+
+
+def decode_outer(
+    data: bytes,
+    layout: ModelLayout,
+    *,
+    secret: bytes | None,
+    outer_step: int,
+    expected_sha256: str | None = None,
+) -> tuple[dict[str, torch.Tensor], Ledger]:
+    """Validate an outer-state file; momentum keys must be a subset of the delta keys."""
+    decoded = decode_file(
+        data,
+        "outer",
+        fingerprint=layout.fingerprint,
+        secret=secret,
+        expected_shapes=None,
+        allowed_dtypes={"F32": torch.float32},
+        what="outer state",
+    )
+    _check_expected_hash(decoded, expected_sha256, "outer state")
+    for key, tensor in decoded.tensors.items():
+        if layout.wire_shapes.get(key) != tuple(tensor.shape):
+            raise Rejected(RejectionReason.WRONG_KEYS, f"outer state has stray key {key!r}")
+    if int_field(decoded.metadata, "outer_step", "outer state") != outer_step:
+        raise Rejected(RejectionReason.BAD_METADATA, "outer state is for another outer step")
+    require_fields(decoded.metadata, ("ledger",), "outer state")
+    try:
+        ledger = Ledger.from_json(decoded.metadata["ledger"])
+    except (ValueError, json.JSONDecodeError) as exc:
+        raise Rejected(RejectionReason.BAD_METADATA, f"outer state ledger: {exc}") from None
+    return decoded.tensors, ledger
+
+
+def largest_file_bytes(layout: ModelLayout) -> int:
+    """An upper bound on the size of any honest hub file of this model: every stored entry
+    at 8 bytes per element plus the largest header. Reads of larger files are refused from
+    their size alone (``Transport.limit_file_size``), so a huge or sparse file planted on
+    the hub is never loaded into memory."""
+    elements = 0
+    for key in (*layout.sync_keys, *layout.carried_keys):
+        count = 1
+        for dim in layout.state_shapes[key]:
+            count *= dim
+        elements += count
+    return 8 + MAX_HEADER_BYTES + 8 * elements

@@ -1,0 +1,283 @@
+"""One run per run directory, and nothing an earlier run wrote lost without being asked.
+
+``RunDirectoryLock`` is held while a run uses its output directory: the lock file
+``<output_dir>/.speedtronic-run.lock`` names the holder (host, PID, start time) and the
+holder keeps an exclusive ``flock`` on it (POSIX). A second run finds the lock held and stops
+at once with ``RunDirectoryError`` naming the holder. The lock is released by emptying the
+file; a process that dies without releasing it loses the ``flock`` with it, so the next run
+on the same host takes the stale lock over with a warning. A lock naming another host whose
+lock cannot be checked from here is refused (delete the file once that run is gone).
+
+``check_earlier_run`` refuses a fresh (non-resumed) run in a directory that holds an earlier
+run's checkpoints or metrics: continue it with ``--resume``, or replace it with
+``--overwrite`` (which deletes those files first, with a warning).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import socket
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from speedtronic.checkpoint import POINTER_NAME, checkpoint_step
+from speedtronic.config import SpeedtronicConfig
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: the PID in the file is all we have
+    fcntl = None  # type: ignore[assignment]  # optional module
+
+__all__ = [
+    "LOCK_NAME",
+    "RunDirectoryError",
+    "RunDirectoryLock",
+    "check_earlier_run",
+    "claim_run_directory",
+    "launched_as_main_process",
+    "locked_run_directory",
+]
+
+LOCK_NAME = ".speedtronic-run.lock"
+"""The lock file in a run directory (empty when no run holds it)."""
+
+
+class RunDirectoryError(RuntimeError):
+    """A run directory is in use by another run, or holds an earlier run's files."""
+
+
+def launched_as_main_process() -> bool:
+    """True unless a launcher (``torchrun``) started this process as a rank other than 0;
+    only rank 0 locks the run directory (the ranks of one run share it)."""
+    return os.environ.get("RANK", "0").strip() in ("", "0")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, owned by someone else
+        return True
+    return True
+
+
+class RunDirectoryLock:
+    """The lock of one run directory; use as a context manager or ``acquire``/``release``."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self.path = self.directory / LOCK_NAME
+        self._handle: IO[str] | None = None
+
+    def __enter__(self) -> RunDirectoryLock:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    @property
+    def held(self) -> bool:
+        return self._handle is not None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise ``RunDirectoryError`` naming the run that holds it."""
+        if self._handle is not None:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115  # held until release
+        try:
+            self._lock_or_refuse(handle)
+        except BaseException:
+            handle.close()
+            raise
+        self._handle = handle
+
+    def _lock_or_refuse(self, handle: IO[str]) -> None:
+        holder = _read_holder(handle)
+        if fcntl is not None:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                raise self._in_use(holder) from None
+        if holder:
+            self._take_over_or_refuse(holder)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps(_this_process()) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+    def _take_over_or_refuse(self, holder: dict[str, object]) -> None:
+        """The file names a holder although nobody holds the ``flock`` (or there is none)."""
+        pid = holder.get("pid")
+        same_host = holder.get("host") == socket.gethostname()
+        if not same_host or not isinstance(pid, int):
+            raise self._in_use(holder, hint="if that run is gone, delete the lock file")
+        if fcntl is None and _pid_alive(pid) and pid != os.getpid():
+            raise self._in_use(holder)
+        warnings.warn(
+            f"taking over the stale lock {self.path} of PID {pid} on this host, which no "
+            "longer runs (it ended without releasing it)",
+            UserWarning,
+            stacklevel=4,
+        )
+
+    def _in_use(self, holder: dict[str, object], hint: str = "") -> RunDirectoryError:
+        who = (
+            f"PID {holder.get('pid')} on host {holder.get('host')}"
+            f" (since {holder.get('started', '?')})"
+            if holder
+            else "another process"
+        )
+        advice = hint or "wait for it to finish, or give this run another --output-dir"
+        return RunDirectoryError(
+            f"run directory {self.directory} is in use by {who}; lock file {self.path}: {advice}"
+        )
+
+    def release(self) -> None:
+        """Empty the lock file and drop the ``flock`` (the file stays: deleting it would let
+        a newcomer lock a fresh file while a waiter still locks the old one)."""
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return
+        with contextlib.suppress(OSError):
+            handle.seek(0)
+            handle.truncate()
+            handle.flush()
+        handle.close()  # closing drops the flock
+
+
+def _this_process() -> dict[str, object]:
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
+
+
+def _read_holder(handle: IO[str]) -> dict[str, object]:
+    """Who the lock file names (``{}`` when it is empty: free). Unreadable content counts as
+    a holder on an unknown host, so it is refused rather than overwritten."""
+    handle.seek(0)
+    text = handle.read(4096).strip()
+    if not text:
+        return {}
+    try:
+        holder = json.loads(text)
+    except ValueError:
+        holder = None
+    if not isinstance(holder, dict):
+        return {"host": "<unreadable lock file>", "pid": None}
+    return holder
+
+
+# -- an earlier run's files -----------------------------------------------------------------
+
+
+def check_earlier_run(
+    checkpoint_directory: Path,
+    metrics_files: Iterable[Path],
+    *,
+    resume: bool,
+    overwrite: bool,
+) -> None:
+    """Refuse a fresh run that would silently truncate an earlier run's metrics or mix with
+    (and later prune) its checkpoints. ``resume`` continues that run, so it passes;
+    ``overwrite`` deletes those files first, with a warning. ``RunDirectoryError`` otherwise."""
+    if resume:
+        return
+    checkpoints = _checkpoint_files(checkpoint_directory)
+    metrics = [path for path in metrics_files if path.is_file() and path.stat().st_size > 0]
+    if not checkpoints and not metrics:
+        return
+    found = [*(str(path) for path in metrics)]
+    if checkpoints:
+        found.append(f"{len(checkpoints)} checkpoint file(s) in {checkpoint_directory}")
+    if not overwrite:
+        raise RunDirectoryError(
+            f"the run directory holds an earlier run ({'; '.join(found)}); a fresh run would "
+            "truncate its metrics and mix with its checkpoints. Continue it with --resume, "
+            "or replace it with --overwrite (deletes those files), or use another --output-dir"
+        )
+    for path in [*metrics, *checkpoints]:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    warnings.warn(
+        f"--overwrite: deleted the earlier run's files ({'; '.join(found)})",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+def _checkpoint_files(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        return []
+    return [
+        entry
+        for entry in directory.iterdir()
+        if (checkpoint_step(entry.name) is not None or entry.name == POINTER_NAME)
+        and entry.is_file()
+    ]
+
+
+@contextlib.contextmanager
+def locked_run_directory(directory: Path, *, enabled: bool = True) -> Iterator[None]:
+    """Hold ``RunDirectoryLock(directory)`` for the block (nothing when not ``enabled``)."""
+    if not enabled:
+        yield
+        return
+    with RunDirectoryLock(directory):
+        yield
+
+
+@contextlib.contextmanager
+def claim_run_directory(
+    config: SpeedtronicConfig, *, resume: bool, overwrite: bool
+) -> Iterator[Path]:
+    """What the CLI and ``train_from_config`` hold around building and fitting a run: the
+    lock of ``run.output_dir`` (rank 0 only), after which an earlier run's files there are
+    refused or, with ``overwrite``, deleted (``check_earlier_run``). Yields the directory."""
+    output_dir = Path(config.run.output_dir).expanduser().resolve()
+    main = launched_as_main_process()
+    with locked_run_directory(output_dir, enabled=main):
+        if main:
+            check_earlier_run(
+                _checkpoint_directory(config, output_dir),
+                _metrics_files(config, output_dir),
+                resume=resume or config.checkpoint.resume,
+                overwrite=overwrite,
+            )
+        yield output_dir
+
+
+def _checkpoint_directory(config: SpeedtronicConfig, output_dir: Path) -> Path:
+    directory: object = config.checkpoint.directory
+    for spec in config.callbacks:
+        if spec.name == "checkpoint" and "directory" in spec.options:
+            directory = spec.options["directory"]
+    path = Path(str(directory)).expanduser()
+    return path if path.is_absolute() else output_dir / path
+
+
+def _metrics_files(config: SpeedtronicConfig, output_dir: Path) -> list[Path]:
+    from speedtronic.runtime import callback_specs  # the runtime imports this module
+
+    names = [
+        spec.options.get("path", "metrics.jsonl")
+        for spec in callback_specs(config)
+        if spec.name == "jsonl"
+    ]
+    paths = [Path(str(name)).expanduser() for name in names]
+    return [path if path.is_absolute() else output_dir / path for path in paths]

@@ -1,0 +1,225 @@
+"""Property tests of the parsers that take untrusted input (issue 12, fuzzing): the run
+config (YAML text and ``--set`` strings) and the checkpoint pointer ``latest.json``.
+
+Property: every input gives a valid object or the project's own error with a message --
+never another exception -- in bounded time. Derandomized (the same examples every run, no
+example database), a few hundred examples each, so CI stays fast and deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from speedtronic.checkpoint import CheckpointError, CheckpointManager, Pointer, parse_pointer
+from speedtronic.config import ConfigError, SpeedtronicConfig, load_config
+from speedtronic.config.loading import apply_overrides, parse_yaml
+
+EXAMPLES = 300
+BOUND_S = 5.0  # per example, generous for a loaded CI machine; typical is milliseconds
+
+fuzz = settings(
+    derandomize=True,
+    database=None,
+    max_examples=EXAMPLES,
+    deadline=None,  # the bound is asserted per example below, with a clear message
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+def within_bound(start: float, what: object) -> None:
+    elapsed = time.perf_counter() - start
+    assert elapsed < BOUND_S, f"{elapsed:.2f} s for {what!r:.200}"
+
+
+# -- input strategies -------------------------------------------------------------------------
+
+YAML_TOKENS = [
+    "[", "]", "{", "}", ": ", ":", "- ", ",", "\n", "  ", "    ", "&a ", "*a", "&b ", "*b",
+    "<<: ", "? ", "|\n", ">\n", "# c\n", "'", '"', "!!binary ", "!!python/object:os.system ",
+    "!!int ", "!!float ", "!!timestamp ", "!!set ", "!!omap ", "2001-13-45", "1e5", "3e-4",
+    ".nan", "-.inf", "0x1F", "0o17", "1_000", "null", "~", "true", "NO", "x", "run", "model",
+    "optimizer", "lr", "max_steps", "callbacks", "name", "checkpoint", "every_steps", "9" * 40,
+    "\t", "\x00", "\ufeff", "%YAML 1.1\n", "---\n", "...\n",
+]  # fmt: skip
+SECTION_KEYS = [
+    "run", "model", "data", "optimizer", "scheduler", "checkpoint", "logging", "callbacks",
+    "precision", "distributed", "imports", "compile", "max_steps",
+]  # fmt: skip
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**30), max_value=10**30),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20),
+)
+plain_data = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.dictionaries(st.sampled_from(SECTION_KEYS) | st.text(max_size=8), inner, max_size=4),
+    ),
+    max_leaves=20,
+)
+token_soup = st.lists(st.sampled_from(YAML_TOKENS), max_size=40).map("".join)
+yaml_text = st.one_of(
+    st.text(max_size=200),
+    token_soup,
+    plain_data.map(lambda data: json.dumps(data, default=str)),
+    st.dictionaries(st.sampled_from(SECTION_KEYS), plain_data, max_size=5).map(
+        lambda data: json.dumps(data, default=str)
+    ),
+)
+override_keys = st.one_of(
+    st.text(max_size=30),
+    st.lists(
+        st.sampled_from(
+            [
+                "run",
+                "max_steps",
+                "optimizer",
+                "lr",
+                "callbacks",
+                "[0]",
+                "[99]",
+                ".",
+                "[",
+                "]",
+                "name",
+                "betas",
+                "[1]",
+                "model",
+                "x",
+            ]
+        ),  # fmt: skip
+        max_size=6,
+    ).map("".join),
+)
+overrides = st.lists(
+    st.tuples(override_keys, st.sampled_from(["=", "", "=="]), yaml_text).map("".join),
+    max_size=3,
+)
+
+
+# -- the run config ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workdir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="speedtronic-fuzz-") as directory:
+        yield Path(directory)
+
+
+@fuzz
+@given(text=yaml_text)
+def test_yaml_text_gives_data_or_a_config_error(text: str) -> None:
+    start = time.perf_counter()
+    try:
+        parse_yaml(text)
+    except ConfigError as exc:
+        assert str(exc)
+    within_bound(start, text)
+
+
+@fuzz
+@given(text=yaml_text, sets=overrides)
+def test_config_file_and_set_strings_give_a_config_or_a_config_error(
+    workdir: Path, text: str, sets: list[str]
+) -> None:
+    path = workdir / "run.yaml"
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    start = time.perf_counter()
+    try:
+        config = load_config(path, overrides=sets)
+    except ConfigError as exc:
+        assert str(exc)
+    else:
+        assert isinstance(config, SpeedtronicConfig)
+    within_bound(start, (text, sets))
+
+
+@fuzz
+@given(sets=overrides)
+def test_set_strings_on_a_valid_config_give_data_or_a_config_error(sets: list[str]) -> None:
+    start = time.perf_counter()
+    try:
+        apply_overrides({"run": {"max_steps": 3}, "callbacks": [{"name": "jsonl"}]}, sets)
+    except ConfigError as exc:
+        assert str(exc)
+    within_bound(start, sets)
+
+
+# -- the checkpoint pointer ---------------------------------------------------------------------
+
+STEP_NAMES = ["step_000000000001.pt", "step_000000000003.pt", "step_000000000009.pt",
+              "../step_000000000001.pt", "latest.json", "step_1.pt"]  # fmt: skip
+pointer_objects = st.recursive(
+    scalars | st.sampled_from(STEP_NAMES) | st.just("a" * 64),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.dictionaries(
+            st.sampled_from(["file", "step", "checkpoints", "sha256", "loss", "finite_loss"])
+            | st.sampled_from(STEP_NAMES),
+            inner,
+            max_size=4,
+        ),
+    ),
+    max_leaves=16,
+)
+pointer_bytes = st.one_of(
+    st.binary(max_size=300),
+    pointer_objects.map(lambda value: json.dumps(value).encode("utf-8")),
+    st.integers(min_value=1, max_value=50_000).map(lambda depth: b"[" * depth + b"]" * depth),
+    st.fixed_dictionaries(
+        {"file": st.sampled_from(STEP_NAMES), "step": scalars, "checkpoints": pointer_objects}
+    ).map(lambda value: json.dumps(value).encode("utf-8")),
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(workdir: Path) -> CheckpointManager:
+    manager = CheckpointManager(workdir / "checkpoints", keep_last=None)
+    for step in (1, 3):
+        manager.save(step, {"weights": torch.full((4,), float(step))})
+    return manager
+
+
+@fuzz
+@given(data=pointer_bytes)
+def test_pointer_bytes_give_a_pointer_or_a_stated_problem(
+    checkpoints: CheckpointManager, data: bytes
+) -> None:
+    start = time.perf_counter()
+    pointer, problem = parse_pointer(data, checkpoints._validate_pointer)
+    assert isinstance(pointer, Pointer)
+    assert problem is None or (isinstance(problem, str) and problem)
+    assert problem is not None or pointer.target is not None
+    within_bound(start, data)
+
+
+@settings(fuzz, max_examples=100)
+@given(data=pointer_bytes)
+def test_resume_with_any_pointer_loads_a_checkpoint_or_says_why(
+    checkpoints: CheckpointManager, data: bytes
+) -> None:
+    checkpoints.pointer_path.write_bytes(data)
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            loaded = checkpoints.load_latest_checkpoint()
+        except CheckpointError as exc:
+            assert str(exc)
+        else:
+            assert loaded is not None and loaded.step in (1, 3)
+    within_bound(start, data)

@@ -1,0 +1,176 @@
+"""Every public name has the same type at run time as type checkers see (issue 10, item 9).
+
+For each name in ``speedtronic.__all__`` and ``speedtronic_callbacks.__all__``, a fresh
+interpreter describes the runtime object (module, class, function or instance of a class) --
+once straight after ``import speedtronic`` and once after importing every submodule first,
+since a submodule import rebinds a package attribute of the same name. mypy describes the
+static declaration of the same name (``reveal_type``), and the two must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("speedtronic", "speedtronic_callbacks")
+ORDERS = ("fresh import", "every submodule first")
+
+DESCRIBE_RUNTIME = """
+import importlib, inspect, json, pkgutil, sys, types
+
+packages = [importlib.import_module(name) for name in {packages!r}]
+if sys.argv[1] == "every submodule first":
+    for package in packages:
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            if info.name.rpartition(".")[2] != "__main__":  # __main__ runs the CLI
+                importlib.import_module(info.name)
+
+def full_name(obj):
+    return obj.__module__ + "." + obj.__qualname__
+
+def describe(value):
+    if isinstance(value, types.ModuleType):
+        return ["module", value.__name__]
+    if isinstance(value, type):
+        return ["class", full_name(value)]
+    if inspect.isfunction(value) or inspect.isbuiltin(value):
+        return ["function", full_name(value)]
+    return ["instance", full_name(type(value))]
+
+print(json.dumps({{
+    package.__name__ + "." + name: describe(getattr(package, name))
+    for package in packages
+    for name in package.__all__
+}}))
+"""
+
+
+def public_names() -> list[str]:
+    code = "import json\n" + "".join(f"import {p}\n" for p in PACKAGES)
+    code += f"print(json.dumps([p + '.' + n for p in {PACKAGES!r} for n in __import__(p).__all__]))"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    names: list[str] = json.loads(done.stdout)
+    return names
+
+
+def runtime_kinds(order: str) -> dict[str, list[str]]:
+    code = DESCRIBE_RUNTIME.format(packages=PACKAGES)
+    done = subprocess.run(
+        [sys.executable, "-c", code, order], capture_output=True, text=True, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    kinds: dict[str, list[str]] = json.loads(done.stdout)
+    return kinds
+
+
+class StaticView:
+    """mypy's view of each public name: its revealed type and whether it is a class."""
+
+    def __init__(self, revealed: dict[str, str], classes: set[str]) -> None:
+        self.revealed = revealed
+        self.classes = classes
+
+
+@pytest.fixture(scope="module")
+def static_view(tmp_path_factory: pytest.TempPathFactory) -> StaticView:
+    names = public_names()
+    probe_dir = tmp_path_factory.mktemp("static-types")
+    lines = [f"import {package}" for package in PACKAGES]
+    reveal_line: dict[int, str] = {}
+    class_probe_line: dict[int, str] = {}
+    for index, name in enumerate(names):
+        lines.append(f"reveal_type({name})")
+        reveal_line[len(lines)] = name
+        # Only a class object has ``__mro__`` (mypy reports an error for anything else).
+        lines.append(f"_probe_{index} = {name}.__mro__")
+        class_probe_line[len(lines)] = name
+    (probe_dir / "probe.py").write_text("\n".join(lines) + "\n")
+    cache = tmp_path_factory.getbasetemp() / "mypy-cache"
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(cache), "probe.py"],
+        cwd=probe_dir,
+        env=dict(os.environ, MYPYPATH=""),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    revealed: dict[str, str] = {}
+    not_classes: set[str] = set()
+    unexpected: list[str] = []
+    for line in done.stdout.splitlines():
+        match = re.match(r"probe\.py:(\d+): (note|error): (.*)", line)
+        if match is None:
+            continue
+        number, kind, message = int(match[1]), match[2], match[3]
+        if kind == "note" and number in reveal_line:
+            revealed[reveal_line[number]] = message.removeprefix("Revealed type is ").strip('"')
+        elif kind == "error" and number in class_probe_line:
+            not_classes.add(class_probe_line[number])
+        else:
+            unexpected.append(line)
+    assert not unexpected, done.stdout
+    assert set(revealed) == set(names), done.stdout
+    return StaticView(revealed, set(names) - not_classes)
+
+
+def static_mismatch(name: str, runtime: list[str], view: StaticView) -> str | None:
+    """Why ``name``'s static declaration disagrees with its runtime ``[kind, full name]``."""
+    kind, full_name = runtime
+    full_name = full_name.removeprefix("builtins.")  # mypy writes builtins unqualified
+    revealed = view.revealed[name]
+    if kind == "class":
+        returns_exactly = re.search(rf"-> {re.escape(full_name)}(\[.*\])?\)?$", revealed)
+        if name in view.classes and returns_exactly:
+            return None
+    elif kind == "function":
+        if name not in view.classes and revealed.startswith(("def ", "Overload(")):
+            return None
+    elif kind == "instance":
+        if revealed == full_name or revealed.startswith(full_name + "["):
+            return None
+    elif revealed == "types.ModuleType":
+        return None
+    return f"{name}: at run time a {kind} {full_name}, statically {revealed!r}"
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_public_names_have_their_declared_type_at_run_time(
+    order: str, static_view: StaticView
+) -> None:
+    runtime = runtime_kinds(order)
+    assert set(runtime) == set(static_view.revealed)
+    mismatches = [
+        problem
+        for name, kind in sorted(runtime.items())
+        if (problem := static_mismatch(name, kind, static_view)) is not None
+    ]
+    assert mismatches == []
+
+
+def test_no_public_name_is_also_a_submodule() -> None:
+    """A submodule import rebinds the package attribute of its name (the old
+    ``speedtronic.registry`` bug), so the two name spaces must not overlap."""
+    for package, folder in (
+        ("speedtronic", ROOT / "speedtronic"),
+        ("speedtronic_callbacks", ROOT / "callbacks" / "speedtronic_callbacks"),
+    ):
+        submodules = {path.stem for path in folder.glob("*.py")} | {
+            path.parent.name for path in folder.glob("*/__init__.py")
+        }
+        exported = set(__import__(package).__all__)
+        assert exported & submodules == set(), package
+
+
+def test_hub_client_is_a_real_class() -> None:
+    import speedtronic
+
+    assert isinstance(speedtronic.HubClient, type)
