@@ -11,10 +11,12 @@ baseline (1.00 = as fast as raw; higher is faster).
 
 Rows:
   save              trainer.state_dict() + CheckpointManager.save (plain-state check, temp
-                    file, fsync, rename, directory fsync, latest.json the same way) vs
+                    file, checksum of the zip record index, fsync, rename, directory
+                    fsync, latest.json the same way) vs
                     torch.save(state, path) + fsync of the same state (the same durability)
                     and vs a bare torch.save (page cache only: what durability costs)
-  load              CheckpointManager.load_latest_checkpoint() (pointer validation +
+  load              CheckpointManager.load_latest_checkpoint() (pointer validation, the
+                    integrity check: record-index checksum and every record's CRC-32, then
                     torch.load weights_only) vs torch.load(path, weights_only=True), same file
   async vs sync     interleaved fit segments (6 steps, a save every 3) with async save,
                     synchronous save and no checkpoints: "blocked" is the time the checkpoint

@@ -37,6 +37,7 @@ import errno
 import hashlib
 import json
 import math
+import mmap
 import os
 import pickle
 import pickletools
@@ -44,8 +45,10 @@ import re
 import reprlib
 import shutil
 import signal
+import struct
 import warnings
 import zipfile
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -480,16 +483,56 @@ def _verify_archive(path: Path, checksum: str | None) -> None:
                 f"{checksum[:16]}..., the file has {actual[:16]}...; it was changed or "
                 "replaced after it was saved)"
             )
-        for info in archive.infolist():
+        with (
+            open(path, "rb") as handle,
+            mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
+        ):
+            view = memoryview(mapped)
             try:
-                with archive.open(info) as record:
-                    while record.read(_VERIFY_CHUNK):
-                        pass
-            except Exception as exc:  # BadZipFile "Bad CRC-32", EOFError, OSError, ...
-                raise CorruptCheckpointError(
-                    f"checkpoint {path} is unreadable (record {info.filename} fails its "
-                    f"integrity check: {type(exc).__name__}: {_first_line(exc)})"
-                ) from exc
+                for info in archive.infolist():
+                    problem = _record_problem(archive, view, info)
+                    if problem is not None:
+                        raise CorruptCheckpointError(
+                            f"checkpoint {path} is unreadable (record {info.filename} fails "
+                            f"its integrity check: {problem})"
+                        )
+            finally:
+                view.release()
+
+
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
+_LOCAL_SIGNATURE = b"PK\x03\x04"
+
+
+def _record_problem(
+    archive: zipfile.ZipFile, view: memoryview, info: zipfile.ZipInfo
+) -> str | None:
+    """Why a record's bytes do not match its CRC-32, or ``None``. Stored records (all that
+    ``torch.save`` writes) are checked in place through the memory map, without copying;
+    anything else through ``zipfile``."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        try:
+            with archive.open(info) as record:
+                while record.read(_VERIFY_CHUNK):
+                    pass
+        except Exception as exc:  # BadZipFile "Bad CRC-32", EOFError, zlib.error, ...
+            return f"{type(exc).__name__}: {_first_line(exc)}"
+        return None
+    header_end = info.header_offset + _LOCAL_HEADER.size
+    if header_end > len(view):
+        return "its header lies beyond the end of the file"
+    signature, name_length, extra_length = _LOCAL_HEADER.unpack(
+        view[info.header_offset : header_end]
+    )
+    if signature != _LOCAL_SIGNATURE:
+        return "no local header where the directory says"
+    start = header_end + name_length + extra_length
+    end = start + info.compress_size
+    if end > len(view):
+        return "the file is cut short"
+    if zlib.crc32(view[start:end]) != info.CRC:
+        return "Bad CRC-32 (its bytes changed after it was saved)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -688,7 +731,7 @@ class CheckpointManager:
             return removed
         pointer = self._read_pointer(warn=False)
         paths = self.checkpoint_paths()
-        if pointer.target is not None:
+        if pointer.target in paths:
             # Files newer than the commit record were never committed (a killed save, or
             # another run's): they neither take a keep_last slot nor get deleted here.
             paths = paths[: paths.index(pointer.target) + 1]

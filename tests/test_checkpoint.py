@@ -601,7 +601,6 @@ def default_signal_handlers() -> Iterator[None]:
         signal.signal(sig, handler)
 
 
-@pytest.mark.usefixtures("default_signal_handlers")
 @pytest.fixture()
 def python_sigint_handler() -> Iterator[None]:
     """Python's own Ctrl-C handler, whatever an earlier test or plugin left installed (the
@@ -613,7 +612,7 @@ def python_sigint_handler() -> Iterator[None]:
         signal.signal(signal.SIGINT, before)
 
 
-@pytest.mark.usefixtures("python_sigint_handler")
+@pytest.mark.usefixtures("default_signal_handlers", "python_sigint_handler")
 def test_first_signal_stops_cleanly_second_interrupts(tmp_path: Path) -> None:
     callback = CheckpointCallback(tmp_path)
     trainer = tiny_trainer([callback])

@@ -464,7 +464,18 @@ class MasterLoop:
             paused = self._check_pointer()
             if paused is not None or self.outer_step != state.outer_step:
                 # The pointer broke or moved during the round: these deltas wait for the next.
-                return RoundReport(self.outer_step, published=False, found=report.found)
+                report = RoundReport(
+                    self.outer_step,
+                    published=False,
+                    found=report.found,
+                    rejected=report.rejected,
+                    duplicates=report.duplicates,
+                    latency_s=self._clock() - started,
+                    paused=paused,
+                )
+                if report.rejected:
+                    self._audit(report)
+                return report
             removable = cleanup if self.settings.delete_applied else []
             self._publish(
                 new_state,
