@@ -25,24 +25,28 @@ class ModelOutputError(TypeError):
 def move_to_device(batch: object, device: torch.device) -> object:
     """Move every tensor inside ``batch`` (dicts, tuples, lists) to ``device``."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return {key: move_to_device(value, device) for key, value in batch.items()}
+        # Already there (CPU training, a loader that pins to the GPU): no .to() call at all.
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
+    # Tuples and lists first: they skip the (slower) abstract Mapping check.
     if isinstance(batch, tuple):
         return tuple(move_to_device(value, device) for value in batch)
     if isinstance(batch, list):
         return [move_to_device(value, device) for value in batch]
+    if isinstance(batch, Mapping):
+        return {key: move_to_device(value, device) for key, value in batch.items()}
     return batch
 
 
 def run_model(model: nn.Module, batch: object) -> object:
     """Call ``model`` on a batch following the batch protocol."""
+    if isinstance(batch, (tuple, list)):  # before the (slower) abstract Mapping check
+        if len(batch) >= 2:
+            return model(batch[0], batch[1])
+        if len(batch) == 1:
+            return model(batch[0])
+        return model(batch)
     if isinstance(batch, Mapping):
         return model(**batch)
-    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
-        return model(batch[0], batch[1])
-    if isinstance(batch, (tuple, list)) and len(batch) == 1:
-        return model(batch[0])
     return model(batch)
 
 

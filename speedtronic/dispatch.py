@@ -12,19 +12,24 @@ their own. Every rank still *owns* all callbacks (their state is saved and resto
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 from speedtronic.callback import Callback, RankPolicy
-from speedtronic.events import Event
+from speedtronic.events import EVENT_KEYS, FIT_EVENTS, Event, EventKey, EventSpec
+from speedtronic.filters import StepFilter
 
 if TYPE_CHECKING:
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
-BoundHook = Callable[["Trainer", object], None]
+BoundHook = Callable[["TrainerView", object], None]
 """A callback's hook method bound to its instance, as the dispatch plan calls it
 (not ``speedtronic.hooks``, the 2.0 metric-logger hooks)."""
+CtxT = TypeVar("CtxT")
+HOOK_NAMES: frozenset[str] = frozenset(event.hook_name for event in Event)
 
 
 class CallbackWarning(UserWarning):
@@ -33,6 +38,83 @@ class CallbackWarning(UserWarning):
 
 class DuplicateStateKeyError(ValueError):
     """Two callbacks share a ``state_key``: their checkpoints would overwrite each other."""
+
+
+class FilterError(ValueError):
+    """A callback's ``due_when`` names an event it cannot filter or does not listen to."""
+
+
+def check_filters(callback: Callback) -> None:
+    """Raise ``FilterError`` for a filter on a fit-level event or on a hook not overridden."""
+    for event in callback.due_when:
+        if event in FIT_EVENTS:
+            raise FilterError(
+                f"callback {callback.display_name!r} filters {event.value!r}, a fit-level event "
+                "that runs once; filters apply to the events inside a global step"
+            )
+        if not overrides(callback, event):
+            raise FilterError(
+                f"callback {callback.display_name!r} declares when {event.hook_name} is due "
+                "but does not define it"
+            )
+
+
+class UnknownHookError(TypeError):
+    """A callback defines an ``on_*`` method that is not an event's hook (a typo would
+    otherwise never be called)."""
+
+
+def unknown_hooks(cls: type[Callback]) -> list[str]:
+    """``on_*`` methods of ``cls`` (and its bases below ``Callback``) that are no event's hook."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is Callback or not issubclass(klass, Callback):
+            continue
+        names.update(
+            name
+            for name, value in vars(klass).items()
+            if name.startswith("on_") and name not in HOOK_NAMES and callable(value)
+        )
+    return sorted(names)
+
+
+def check_hook_names(cls: type[Callback], display_name: str | None = None) -> None:
+    """Raise ``UnknownHookError`` naming the first ``on_*`` method of ``cls`` that is not an
+    event hook, with the nearest event hook as a suggestion."""
+    unknown = unknown_hooks(cls)
+    if not unknown:
+        return
+    name = unknown[0]
+    close = difflib.get_close_matches(name, sorted(HOOK_NAMES), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise UnknownHookError(
+        f"callback {display_name or cls.__name__!r} defines {name!r}, which is not an event "
+        f"hook: {hint}(hooks are on_<event> for the events in speedtronic.events.Event; "
+        "rename the method, or drop the on_ prefix for a helper)"
+    )
+
+
+@dataclass(frozen=True)
+class HookFailure:
+    """A hook that raised during an isolated emit (``CallbackPlan.emit_isolated``)."""
+
+    callback: str
+    event: Event
+    error: BaseException
+
+    def describe(self) -> str:
+        return (
+            f"callback {self.callback!r} also failed in {self.event.value!r}: "
+            f"{type(self.error).__name__}: {self.error}"
+        )
+
+
+def attach_failures(error: BaseException, failures: Sequence[HookFailure]) -> None:
+    """Attach later hook failures to ``error`` as notes: the user sees the original error
+    first and every later failure below it, none replacing it."""
+    for failure in failures:
+        if failure.error is not error:
+            error.add_note(failure.describe())
 
 
 def overrides(callback: Callback, event: Event) -> bool:
@@ -52,7 +134,7 @@ class _GuardedHook:
         self._event = event
         self._reported = False
 
-    def __call__(self, trainer: Trainer, ctx: object) -> None:
+    def __call__(self, trainer: TrainerView, ctx: object) -> None:
         try:
             self._hook(trainer, ctx)
         except Exception as exc:  # observers never stop training (DESIGN §3)
@@ -95,6 +177,9 @@ class CallbackPlan:
     def __init__(
         self, callbacks: Sequence[Callback], *, rank: int = 0, local_rank: int = 0
     ) -> None:
+        for callback in callbacks:
+            check_hook_names(type(callback), callback.display_name)
+            check_filters(callback)
         check_state_keys(callbacks)
         self.callbacks: tuple[Callback, ...] = tuple(callbacks)
         self.rank = rank
@@ -102,10 +187,22 @@ class CallbackPlan:
         active = [cb for cb in callbacks if runs_on_rank(cb.rank_policy, rank, local_rank)]
         self._order: dict[Event, tuple[Callback, ...]] = {}
         self._hooks: dict[Event, tuple[BoundHook, ...]] = {}
+        self._by_key: dict[EventKey, tuple[BoundHook, ...]] = {}
+        # Events with at least one filtered hook: (filter or None, hook), in order.
+        self._filtered: dict[EventKey, tuple[tuple[StepFilter | None, BoundHook], ...]] = {}
         for event in Event:
             ordered = _ordered_for(event, active)
             self._order[event] = tuple(ordered)
             self._hooks[event] = tuple(self._bind(cb, event) for cb in ordered)
+            self._by_key[EVENT_KEYS[event]] = self._hooks[event]
+            filters = [cb.due_when.get(event) for cb in ordered]
+            if any(f is not None for f in filters):
+                self._filtered[EVENT_KEYS[event]] = tuple(
+                    zip(filters, self._hooks[event], strict=True)
+                )
+        # The hooks due in the current step, per event key (``begin_step``); the loop reads
+        # it to skip events nobody is due to hear. The full lists until a step begins.
+        self.due_hooks: dict[EventKey, tuple[BoundHook, ...]] = self._by_key
 
     @staticmethod
     def _bind(callback: Callback, event: Event) -> BoundHook:
@@ -117,11 +214,46 @@ class CallbackPlan:
         return self._hooks[event]
 
     def listens(self, event: Event) -> bool:
+        """Whether any callback listens to ``event`` at all (on any step)."""
         return bool(self._hooks[event])
 
-    def emit(self, trainer: Trainer, event: Event, ctx: object) -> None:
-        for hook in self._hooks[event]:
+    def begin_step(self, step: int, target_step: int, metrics_every: int) -> None:
+        """Select the hooks due in global step ``step`` (their ``due_when`` filters). Without
+        filtered callbacks this does nothing: every hook is due on every step."""
+        if not self._filtered:
+            return
+        current = dict(self._by_key)
+        for key, entries in self._filtered.items():
+            current[key] = tuple(
+                hook
+                for when, hook in entries
+                if when is None or when.due(step, target_step, metrics_every)
+            )
+        self.due_hooks = current
+
+    def due(self, key: EventKey) -> bool:
+        """Whether any hook of ``key``'s event is due in the current step."""
+        return bool(self.due_hooks[key])
+
+    def emit(self, trainer: TrainerView, key: EventSpec[CtxT], ctx: CtxT) -> None:
+        """Call the hooks of ``key``'s event that are due in the current step with ``ctx``
+        (typed: mypy rejects a context that is not the event's, see ``speedtronic.events.On``)."""
+        for hook in self.due_hooks[key]:
             hook(trainer, ctx)
+
+    def emit_isolated(
+        self, trainer: TrainerView, key: EventSpec[CtxT], ctx: CtxT
+    ) -> list[HookFailure]:
+        """Call every hook of ``key``'s event even when some raise; returns the failures in
+        order (for ``fit_end``, ``exception`` and ``teardown``: one failing callback must not
+        keep the others from saving, closing files or stopping threads)."""
+        failures: list[HookFailure] = []
+        for callback, hook in zip(self._order[key.event], self.due_hooks[key], strict=True):
+            try:
+                hook(trainer, ctx)
+            except BaseException as exc:  # every hook runs; the caller decides what to raise
+                failures.append(HookFailure(callback.display_name, key.event, exc))
+        return failures
 
     def describe(self) -> list[tuple[Event, list[str]]]:
         """The plan as (event, callback names) rows, for ``speedtronic validate``."""
@@ -145,6 +277,8 @@ def describe_classes(named: Sequence[tuple[str, type[Callback]]]) -> list[tuple[
                 x for x in listening if x[1].metrics_phase == "consume"
             ]
         rows.append((event, [name for name, _ in listening]))
+    for name, cls in named:
+        check_hook_names(cls, name)
     return rows
 
 

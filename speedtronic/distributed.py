@@ -40,10 +40,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from speedtronic.callback import Callback
 from speedtronic.contexts import MetricsContext
+from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.precision import resolve_device
 
 if TYPE_CHECKING:
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 __all__ = [
     "TORCHRUN_VARIABLES",
@@ -399,7 +400,8 @@ def wrap_data_parallel(
 def no_sync_on_non_final(
     ddp: DistributedDataParallel,
 ) -> Callable[[bool], contextlib.AbstractContextManager[object]]:
-    """A ``trainer.grad_sync_context``: accumulate locally, all-reduce on the last microbatch."""
+    """A ``ForwardPath.grad_sync_context``: accumulate locally, all-reduce on the last
+    microbatch."""
 
     def context(final: bool) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext() if final else ddp.no_sync()
@@ -466,13 +468,12 @@ class RankMetricReducer(Callback):
 
     MEAN_KEYS: ClassVar[tuple[str, ...]] = ("loss", "grad_norm")
     SUM_KEYS: ClassVar[tuple[str, ...]] = ("samples", "tokens", "samples_per_sec", "tokens_per_sec")
+    due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
 
     def __init__(self, context: DistributedContext) -> None:
         self.context = context
 
-    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
-        if not ctx.due:
-            return  # no collective on steps nobody logs
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         record = ctx.record
         present = [key for key in (*self.MEAN_KEYS, *self.SUM_KEYS) if key in record]
         values = record.values()  # one host transfer; sinks reuse the materialised values

@@ -8,6 +8,26 @@ This file is the single source of truth for the event contract. The per-step loo
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from typing import Generic, TypeVar, final
+
+from speedtronic.contexts import (
+    BackwardContext,
+    CheckpointContext,
+    CoordinateContext,
+    ExceptionContext,
+    FitContext,
+    FitEndContext,
+    MetricsContext,
+    MicrobatchContext,
+    OptimizerResetContext,
+    OptimizerStepContext,
+    SchedulerContext,
+    StepContext,
+    TeardownContext,
+)
+
+CtxT = TypeVar("CtxT")
 
 
 class Event(str, enum.Enum):
@@ -35,6 +55,79 @@ class Event(str, enum.Enum):
     @property
     def hook_name(self) -> str:
         return f"on_{self.value}"
+
+
+class EventKey:
+    """An event and the type of the context its hooks receive (untyped view of ``EventSpec``)."""
+
+    __slots__ = ("event", "context_type")
+
+    def __init__(self, event: Event, context_type: type[object]) -> None:
+        self.event = event
+        self.context_type = context_type
+
+    def __repr__(self) -> str:
+        return f"On.{self.event.name}({self.context_type.__name__})"
+
+
+@final
+class EventSpec(EventKey, Generic[CtxT]):
+    """The typed key the engine emits an event with: ``plan.emit(trainer, On.STEP_END, ctx)``
+    only type-checks when ``ctx`` is the event's context type. Hashing is by identity (fast)."""
+
+    __slots__ = ()
+
+    def __init__(self, event: Event, context_type: type[CtxT]) -> None:
+        super().__init__(event, context_type)
+
+
+class On:
+    """THE event table: every event with its context type, in emission order.
+
+    The engine emits with these keys (mypy rejects a wrong context for an event), the
+    ``Callback`` hooks are typed to match (a test checks each signature against this table),
+    and ``CONTEXT_TYPES`` is derived from it.
+    """
+
+    SETUP = EventSpec(Event.SETUP, FitContext)
+    FIT_START = EventSpec(Event.FIT_START, FitContext)
+    STEP_START = EventSpec(Event.STEP_START, StepContext)
+    MICROBATCH_START = EventSpec(Event.MICROBATCH_START, MicrobatchContext)
+    BEFORE_BACKWARD = EventSpec(Event.BEFORE_BACKWARD, BackwardContext)
+    AFTER_BACKWARD = EventSpec(Event.AFTER_BACKWARD, BackwardContext)
+    MICROBATCH_END = EventSpec(Event.MICROBATCH_END, MicrobatchContext)
+    BEFORE_OPTIMIZER_STEP = EventSpec(Event.BEFORE_OPTIMIZER_STEP, OptimizerStepContext)
+    AFTER_OPTIMIZER_STEP = EventSpec(Event.AFTER_OPTIMIZER_STEP, OptimizerStepContext)
+    AFTER_SCHEDULER_STEP = EventSpec(Event.AFTER_SCHEDULER_STEP, SchedulerContext)
+    COORDINATE = EventSpec(Event.COORDINATE, CoordinateContext)
+    OPTIMIZER_RESET = EventSpec(Event.OPTIMIZER_RESET, OptimizerResetContext)
+    METRICS = EventSpec(Event.METRICS, MetricsContext)
+    CHECKPOINT = EventSpec(Event.CHECKPOINT, CheckpointContext)
+    STEP_END = EventSpec(Event.STEP_END, StepContext)
+    FIT_END = EventSpec(Event.FIT_END, FitEndContext)
+    EXCEPTION = EventSpec(Event.EXCEPTION, ExceptionContext)
+    TEARDOWN = EventSpec(Event.TEARDOWN, TeardownContext)
+
+
+EVENT_KEYS: Mapping[Event, EventKey] = {
+    key.event: key for key in vars(On).values() if isinstance(key, EventKey)
+}
+"""Each event's key in the table above."""
+
+CONTEXT_TYPES: Mapping[Event, type[object]] = {
+    event: key.context_type for event, key in EVENT_KEYS.items()
+}
+"""Each event's context type, from the table above."""
+
+FIT_EVENTS: frozenset[Event] = frozenset(
+    {Event.SETUP, Event.FIT_START, Event.FIT_END, Event.EXCEPTION, Event.TEARDOWN}
+)
+"""Events of the fit around the steps (once per fit)."""
+
+STEP_EVENTS: frozenset[Event] = frozenset(Event) - FIT_EVENTS
+"""Events inside a global step; their contexts carry the step number (filters apply)."""
+
+assert set(EVENT_KEYS) == set(Event), "every Event needs a row in the table On"
 
 
 #: Events emitted once per microbatch, K times per global step.

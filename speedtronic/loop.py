@@ -26,7 +26,7 @@ from speedtronic.contexts import (
     StepContext,
 )
 from speedtronic.data.collate import batch_size_and_tokens
-from speedtronic.events import Event
+from speedtronic.events import On
 from speedtronic.metrics import MetricRecord
 
 if TYPE_CHECKING:
@@ -35,75 +35,106 @@ if TYPE_CHECKING:
 
 def run_global_step(t: Trainer, step: int) -> bool:
     """Run global step number ``step``. Returns False when the grad scaler skipped the
-    update (fp16 overflow): the step is not counted and will be retried."""
+    update (fp16 overflow): the step is not counted and will be retried.
+
+    Events nobody is due to hear this step are not emitted and their contexts are not built
+    (``due`` holds this step's hooks per event): the loop's own cost stays a few µs."""
     plan = t.plan
+    plan.begin_step(step, t.target_step, t.metrics_every)
+    due = plan.due_hooks
     k = t.accumulation_steps
-    step_ctx = StepContext(step, k)
-    plan.emit(t, Event.STEP_START, step_ctx)
+    if due[On.STEP_START]:
+        plan.emit(t, On.STEP_START, StepContext(step, k))
 
     loss_sum = _accumulate_microbatches(t, step, k)
 
     grad_norm = _prepare_gradients(t)
-    plan.emit(t, Event.BEFORE_OPTIMIZER_STEP, OptimizerStepContext(step, False, grad_norm))
+    if due[On.BEFORE_OPTIMIZER_STEP]:
+        plan.emit(t, On.BEFORE_OPTIMIZER_STEP, OptimizerStepContext(step, False, grad_norm))
     skipped = _optimizer_step(t)
-    plan.emit(t, Event.AFTER_OPTIMIZER_STEP, OptimizerStepContext(step, skipped, grad_norm))
+    if due[On.AFTER_OPTIMIZER_STEP]:
+        plan.emit(t, On.AFTER_OPTIMIZER_STEP, OptimizerStepContext(step, skipped, grad_norm))
     if skipped:
         t.note_skipped_step(step)
-        plan.emit(t, Event.STEP_END, step_ctx)
+        if due[On.STEP_END]:
+            plan.emit(t, On.STEP_END, StepContext(step, k))
         return False
 
     t.step = step
-    t.last_loss = loss_sum / k
+    t.last_loss = loss_sum if k == 1 else loss_sum / k
     if t.scheduler is not None:
         t.scheduler.step()
-    if plan.listens(Event.AFTER_SCHEDULER_STEP):
+    if due[On.AFTER_SCHEDULER_STEP]:
         lrs = tuple(float(group["lr"]) for group in t.optimizer.param_groups)
-        plan.emit(t, Event.AFTER_SCHEDULER_STEP, SchedulerContext(step, lrs))
+        plan.emit(t, On.AFTER_SCHEDULER_STEP, SchedulerContext(step, lrs))
 
-    plan.emit(t, Event.COORDINATE, CoordinateContext(step))
-    _maybe_reset_optimizer(t, step)
+    if due[On.COORDINATE]:
+        plan.emit(t, On.COORDINATE, CoordinateContext(step))
+    if t.reset_requested:
+        _maybe_reset_optimizer(t, step)
 
-    if plan.listens(Event.METRICS) or t.is_metric_due(step):
+    # The record is built only when a metrics hook is due or the step is a logging step.
+    if due[On.METRICS] or t.is_metric_due(step):
         _emit_metrics(t, step, t.last_loss, grad_norm)
-    plan.emit(t, Event.CHECKPOINT, CheckpointContext(step))
-    plan.emit(t, Event.STEP_END, step_ctx)
+    if due[On.CHECKPOINT]:
+        plan.emit(t, On.CHECKPOINT, CheckpointContext(step))
+    if due[On.STEP_END]:
+        plan.emit(t, On.STEP_END, StepContext(step, k))
     return True
 
 
 def _accumulate_microbatches(t: Trainer, step: int, k: int) -> torch.Tensor:
-    """Forward/backward K microbatches; returns the sum of their unscaled losses."""
+    """Forward/backward K microbatches; returns the sum of their unscaled losses (detached)."""
     plan = t.plan
-    listens_mb = plan.listens(Event.MICROBATCH_START) or plan.listens(Event.MICROBATCH_END)
-    listens_bw = plan.listens(Event.BEFORE_BACKWARD) or plan.listens(Event.AFTER_BACKWARD)
+    due = plan.due_hooks
+    listens_mb = bool(due[On.MICROBATCH_START] or due[On.MICROBATCH_END])
+    stream, device, path = t.stream, t.device, t.forward_path
     loss_sum: torch.Tensor | None = None
     for index in range(k):
-        host_batch = next(t.stream)
+        host_batch = next(stream)
         samples, tokens = batch_size_and_tokens(host_batch)  # before the move: no device sync
-        batch = move_to_device(host_batch, t.device)
+        batch = move_to_device(host_batch, device)
         t.samples += samples
         t.tokens += tokens
         mb_ctx = MicrobatchContext(step, index, k, batch) if listens_mb else None
         if mb_ctx is not None:
-            plan.emit(t, Event.MICROBATCH_START, mb_ctx)
-        with t.grad_sync_context(index == k - 1):
-            with t.autocast():
-                output = t.forward(batch)
-            loss = resolve_loss(output, batch)
-            backward_ctx = BackwardContext(step, index, k, loss) if listens_bw else None
-            if backward_ctx is not None:
-                plan.emit(t, Event.BEFORE_BACKWARD, backward_ctx)
-            scaled = loss / k
-            if t.scaler is not None:
-                scaled = t.scaler.scale(scaled)
-            scaled.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-            if backward_ctx is not None:
-                plan.emit(t, Event.AFTER_BACKWARD, backward_ctx)
+            plan.emit(t, On.MICROBATCH_START, mb_ctx)
+        if path.plain:  # no DDP, no autocast: no context managers to enter
+            loss = _forward_backward(t, batch, step, index, k, autocast=False)
+        else:
+            with path.grad_sync_context(index == k - 1):
+                loss = _forward_backward(t, batch, step, index, k, autocast=True)
         detached = loss.detach()
         loss_sum = detached if loss_sum is None else loss_sum + detached
         if mb_ctx is not None:
-            plan.emit(t, Event.MICROBATCH_END, mb_ctx)
+            plan.emit(t, On.MICROBATCH_END, mb_ctx)
     assert loss_sum is not None  # k >= 1 is enforced by the Trainer
     return loss_sum
+
+
+def _forward_backward(
+    t: Trainer, batch: object, step: int, index: int, k: int, *, autocast: bool
+) -> torch.Tensor:
+    """One microbatch's forward and backward; returns its unscaled loss."""
+    path = t.forward_path
+    if autocast:
+        with path.autocast():
+            output = path.forward(batch)
+    else:
+        output = path.forward(batch)
+    loss = resolve_loss(output, batch)
+    due = t.plan.due_hooks
+    listens_bw = due[On.BEFORE_BACKWARD] or due[On.AFTER_BACKWARD]
+    backward_ctx = BackwardContext(step, index, k, loss) if listens_bw else None
+    if backward_ctx is not None:
+        t.plan.emit(t, On.BEFORE_BACKWARD, backward_ctx)
+    scaled = loss if k == 1 else loss / k  # x / 1 is x: skip the op (bitwise the same grads)
+    if t.scaler is not None:
+        scaled = t.scaler.scale(scaled)
+    scaled.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+    if backward_ctx is not None:
+        t.plan.emit(t, On.AFTER_BACKWARD, backward_ctx)
+    return loss
 
 
 def _prepare_gradients(t: Trainer) -> torch.Tensor | None:
@@ -133,7 +164,7 @@ def _maybe_reset_optimizer(t: Trainer, step: int) -> None:
     requested = t.take_reset_requests()
     if not requested or not t.allow_optimizer_reset:
         return
-    t.plan.emit(t, Event.OPTIMIZER_RESET, OptimizerResetContext(step, requested))
+    t.plan.emit(t, On.OPTIMIZER_RESET, OptimizerResetContext(step, requested))
     t.reset_optimizer_state()
 
 
@@ -159,6 +190,6 @@ def _emit_metrics(
     record.set("micro_batches", t.accumulation_steps)
     record.set("elapsed_s", elapsed)
     due = t.is_metric_due(step)
-    t.plan.emit(t, Event.METRICS, MetricsContext(step, due, record))
+    t.plan.emit(t, On.METRICS, MetricsContext(step, due, record))
     if due:
         t.due_records.append(record.values())

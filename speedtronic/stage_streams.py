@@ -26,7 +26,7 @@ from speedtronic.callback import Callback
 from speedtronic.contexts import BackwardContext, FitContext, MicrobatchContext, TeardownContext
 
 if TYPE_CHECKING:
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 __all__ = [
     "MAX_STREAMS",
@@ -253,15 +253,15 @@ class StageStreamCallback(Callback):
     def __init__(self, scheduler: StageStreamScheduler) -> None:
         self.scheduler = scheduler
 
-    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         if not self.scheduler.enabled and self.scheduler.reason:
             _LOGGER.info("out-of-order backprop disabled: %s", self.scheduler.reason)
 
-    def on_microbatch_start(self, trainer: Trainer, ctx: MicrobatchContext) -> None:
+    def on_microbatch_start(self, trainer: TrainerView, ctx: MicrobatchContext) -> None:
         self.scheduler.begin()
 
-    def on_before_backward(self, trainer: Trainer, ctx: BackwardContext) -> None:
+    def on_before_backward(self, trainer: TrainerView, ctx: BackwardContext) -> None:
         self.scheduler.finish()
 
-    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+    def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         self.scheduler.dispose()

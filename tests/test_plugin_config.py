@@ -31,8 +31,22 @@ CONFIGS: dict[str, object] = json.loads((DATA / "legacy_configs.json").read_text
 RECORDED: dict[str, list[list[object]]] = json.loads((DATA / "legacy_callbacks.json").read_text())
 
 CORE_FILES = (
-    REPO / "speedtronic" / "runtime.py",
-    REPO / "speedtronic" / "trainer.py",
+    *(
+        REPO / "speedtronic" / f"{name}.py"
+        for name in (
+            "runtime",
+            "trainer",
+            "loop",
+            "dispatch",
+            "events",
+            "view",
+            "filters",
+            "forward_path",
+            "training_state",
+            "step_state",
+            "run_lock",
+        )
+    ),
     *sorted((REPO / "speedtronic" / "config").glob("*.py")),
 )
 
@@ -116,23 +130,7 @@ def _names_in_code(path: Path, plugin_names: set[str]) -> Iterator[tuple[int, st
             yield node.lineno, node.target.id
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(
-            path,
-            marks=pytest.mark.xfail(
-                reason="trainer.py (H1's engine branch) still adapts the legacy "
-                "checkpoint_manager argument by name and reads reset_inner_optimizer",
-                strict=False,
-            ),
-        )
-        if path.name == "trainer.py"
-        else path
-        for path in CORE_FILES
-    ],
-    ids=lambda path: path.name,
-)
+@pytest.mark.parametrize("path", CORE_FILES, ids=lambda path: path.name)
 def test_the_core_names_no_builtin_plugin_and_no_diloco_key(path: Path) -> None:
     plugin_names = builtin_plugin_names()
     forbidden = plugin_names | SECTION_ALIASES | DILOCO_KEYS

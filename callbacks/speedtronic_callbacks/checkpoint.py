@@ -56,7 +56,6 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, ClassVar
 
-import torch
 from typing_extensions import Self
 
 from speedtronic.callback import (
@@ -80,7 +79,7 @@ from speedtronic.rng import capture_rng_state
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 __all__ = ["CheckpointCallback"]
 
@@ -318,7 +317,7 @@ class CheckpointCallback(Callback):
 
     # -- fit lifecycle ------------------------------------------------------------------
 
-    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         self.signal_received = None
         self._step_end_state = None
         start_path = self.manager.path_for(ctx.start_step)
@@ -331,24 +330,24 @@ class CheckpointCallback(Callback):
         if self.save_on_signal:
             self._install_signal_handlers(trainer)
 
-    def on_checkpoint(self, trainer: Trainer, ctx: CheckpointContext) -> None:
+    def on_checkpoint(self, trainer: TrainerView, ctx: CheckpointContext) -> None:
         if self._writer is not None:
             self._writer.poll()  # a failed background write stops the run here
         if self.save_on_exception:
             # What a mid-step failure cannot recover from the live trainer: where the data
             # and the RNG stood when the last step completed.
             counters = {"step": ctx.step, "samples": trainer.samples, "tokens": trainer.tokens}
-            self._step_end_state = (counters, capture_rng_state(), trainer.stream.state_dict())
+            self._step_end_state = (counters, capture_rng_state(), trainer.data_position())
         if self.manager.should_save(ctx.step):
             self._save(trainer, ctx.step, trainer.state_dict())
 
-    def on_before_optimizer_step(self, trainer: Trainer, ctx: OptimizerStepContext) -> None:
+    def on_before_optimizer_step(self, trainer: TrainerView, ctx: OptimizerStepContext) -> None:
         if self._writer is not None:
             # The async snapshot copies weights and optimizer state during this step's
             # forward/backward; the optimizer must not change them before it is done.
             self._writer.wait_for_snapshot()
 
-    def on_fit_end(self, trainer: Trainer, ctx: FitEndContext) -> None:
+    def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
         step = trainer.step
         wanted = self.save_final or self.signal_received is not None
         if self.manager.enabled and wanted and step > 0 and step != self.last_saved_step:
@@ -364,7 +363,7 @@ class CheckpointCallback(Callback):
                 self.last_path,
             )
 
-    def on_exception(self, trainer: Trainer, ctx: ExceptionContext) -> None:
+    def on_exception(self, trainer: TrainerView, ctx: ExceptionContext) -> None:
         if not (self.manager.enabled and self.save_on_exception):
             return
         try:
@@ -383,7 +382,7 @@ class CheckpointCallback(Callback):
                 stacklevel=2,
             )
 
-    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+    def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         self._restore_signal_handlers()
         writer, self._writer = self._writer, None
         if writer is None:
@@ -398,7 +397,7 @@ class CheckpointCallback(Callback):
     # -- saving -------------------------------------------------------------------------
 
     def _save(
-        self, trainer: Trainer, step: int, state: dict[str, object], *, meet_peers: bool = True
+        self, trainer: TrainerView, step: int, state: dict[str, object], *, meet_peers: bool = True
     ) -> None:
         """Write ``state`` (rank 0 only), then wait for the other ranks when ``meet_peers``."""
         if trainer.distributed is None or trainer.distributed.is_main:
@@ -412,7 +411,7 @@ class CheckpointCallback(Callback):
         if meet_peers and self._writer is None:
             _barrier(trainer)
 
-    def _state_at_last_step_end(self, trainer: Trainer) -> dict[str, object]:
+    def _state_at_last_step_end(self, trainer: TrainerView) -> dict[str, object]:
         """The trainer's state, with the counters, RNG and data position of the end of the
         last completed step when the failure happened part-way through the next one (which
         had already pulled batches and drawn random numbers)."""
@@ -437,7 +436,7 @@ class CheckpointCallback(Callback):
 
     # -- signals ------------------------------------------------------------------------
 
-    def _install_signal_handlers(self, trainer: Trainer) -> None:
+    def _install_signal_handlers(self, trainer: TrainerView) -> None:
         if threading.current_thread() is not threading.main_thread():
             logger.info("not in the main thread: SIGTERM/SIGINT handling left to the caller")
             return
@@ -475,24 +474,22 @@ class CheckpointCallback(Callback):
             signal.signal(sig, handler)
 
 
-def _changed_only_by_optimizer_step(trainer: Trainer) -> frozenset[int]:
+def _changed_only_by_optimizer_step(trainer: TrainerView) -> frozenset[int]:
     """Storages of the parameters and the optimizer state: between a step's checkpoint and
     the next optimizer update nothing in the loop writes to them (forward and backward only
     read the weights and write gradients), so an async save may copy them meanwhile.
     Buffers (BatchNorm statistics, ...), callback and RNG state are copied at the save."""
     pointers = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
-    for per_param in trainer.optimizer.state.values():
-        for value in per_param.values():
-            if isinstance(value, torch.Tensor):
-                pointers.add(value.untyped_storage().data_ptr())
+    for value in trainer.optimizer_state_tensors():
+        pointers.add(value.untyped_storage().data_ptr())
     return frozenset(pointers)
 
 
-def _last_loss(trainer: object, step: int) -> float | None:
+def _last_loss(trainer: TrainerView, step: int) -> float | None:
     """The training loss of the step being saved (one host sync per save), for the
     checkpoint's record: retention keeps the newest checkpoint whose loss was finite."""
-    loss = getattr(trainer, "last_loss", None)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+    loss = trainer.last_loss
+    if loss is None or loss.numel() != 1:
         return None
     value = float(loss.detach().item())
     if not math.isfinite(value):
@@ -505,7 +502,7 @@ def _last_loss(trainer: object, step: int) -> float | None:
     return value
 
 
-def _barrier(trainer: Trainer) -> None:
+def _barrier(trainer: TrainerView) -> None:
     """Wait for every rank of a distributed run (nothing to wait for in one process)."""
     if trainer.distributed is not None and trainer.distributed.world_size > 1:
         trainer.distributed.barrier()

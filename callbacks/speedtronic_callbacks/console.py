@@ -34,17 +34,17 @@ from speedtronic_callbacks.sink import (
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 StreamName = Literal["stdout", "stderr"]
 
 
-def describe_fit_start(trainer: Trainer, ctx: FitContext) -> str:
+def describe_fit_start(trainer: TrainerView, ctx: FitContext) -> str:
     """The start line: where the fit starts and ends, on what, with what."""
     parameters = sum(p.numel() for p in trainer.model.parameters())
     return (
         f"fit start: step {ctx.start_step} -> {ctx.target_step} | device {trainer.device} | "
-        f"precision {trainer.precision.mode} | accumulation {trainer.accumulation_steps} | "
+        f"precision {trainer.precision_mode} | accumulation {trainer.accumulation_steps} | "
         f"{format_si(parameters)} parameters"
     )
 
@@ -197,21 +197,21 @@ class ConsoleCallback(MetricSink):
 
     # -- hooks --------------------------------------------------------------------------
 
-    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         self._open()
 
-    def on_fit_start(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
         self._write(describe_fit_start(trainer, ctx))
 
-    def write_record(self, trainer: Trainer, record: Record) -> None:
+    def write_record(self, trainer: TrainerView, record: Record) -> None:
         self._write(describe_record(record, trainer.target_step, self.extra_keys))
 
-    def on_fit_end(self, trainer: Trainer, ctx: FitEndContext) -> None:
+    def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
         self._write(describe_fit_end(ctx))
 
-    def on_exception(self, trainer: Trainer, ctx: ExceptionContext) -> None:
+    def on_exception(self, trainer: TrainerView, ctx: ExceptionContext) -> None:
         error = ctx.error
         self._write(f"fit failed after step {ctx.step}: {type(error).__name__}: {error}")
 
-    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+    def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         self._close()

@@ -23,7 +23,7 @@ from speedtronic_callbacks.sink import MetricSink, Record, resolve_path
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 DEFAULT_FILENAME = "metrics.csv"
 
@@ -85,7 +85,7 @@ class CsvCallback(MetricSink):
     def closed(self) -> bool:
         return self._handle is None
 
-    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         path = resolve_path(self.path, trainer.output_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path
@@ -127,7 +127,7 @@ class CsvCallback(MetricSink):
             atomic_write_text(self._file, _render(self._columns, []))
         self._reopen()
 
-    def write_record(self, trainer: Trainer, record: Record) -> None:
+    def write_record(self, trainer: TrainerView, record: Record) -> None:
         if self._file is None:
             raise RuntimeError("the csv sink received a record before setup")
         if self._writer is None or not self._known.issuperset(record):
@@ -136,7 +136,7 @@ class CsvCallback(MetricSink):
         self._writer.writerow(record)
         self._handle.flush()
 
-    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+    def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         handle, self._handle = self._handle, None
         self._writer = None
         if handle is not None:

@@ -26,10 +26,11 @@ from typing_extensions import Self
 
 from speedtronic.callback import Callback, JSONSchema
 from speedtronic.contexts import FitContext, MetricsContext
+from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 Mode = Literal["min", "max"]
 
@@ -45,6 +46,7 @@ class EarlyStopping(Callback):
     state_key: str | None = "early_stopping"
     # Reads the finished record, like a sink; but a missing key is a real error.
     metrics_phase: ClassVar[Literal["contribute", "consume"]] = "consume"
+    due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
     options_schema: ClassVar[JSONSchema] = {
         "type": "object",
         "additionalProperties": False,
@@ -134,11 +136,11 @@ class EarlyStopping(Callback):
             return value < self.best - self.min_delta
         return value > self.best + self.min_delta
 
-    def on_fit_start(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
         self.stopped_step = None
 
-    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
-        if not ctx.due or self.stopped_step is not None:
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
+        if self.stopped_step is not None:
             return
         value = self._read(ctx)
         reason = self._update(value, ctx.step)

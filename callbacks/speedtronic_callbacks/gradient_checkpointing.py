@@ -29,7 +29,7 @@ from speedtronic.callback import Callback, JSONSchema, LegacySections, PluginOpt
 from speedtronic.contexts import FitContext, TeardownContext
 
 if TYPE_CHECKING:
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 __all__ = ["CheckpointedForward", "GradientCheckpointing"]
 
@@ -131,11 +131,11 @@ class GradientCheckpointing(Callback):
         """Whether the model's own ``set_gradient_checkpointing`` is in use."""
         return self._hooked_model is not None
 
-    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         del ctx
         self.apply(trainer.model)
 
-    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+    def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         del trainer, ctx
         self.remove()
 

@@ -29,7 +29,7 @@ from speedtronic_callbacks.sink import MetricSink, Record, resolve_path
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 DEFAULT_FILENAME = "metrics.jsonl"
 
@@ -169,11 +169,11 @@ class JsonlCallback(MetricSink):
         """True when the file is not held open (before setup and after teardown)."""
         return self._handle is None
 
-    def resolved_path(self, trainer: Trainer) -> Path:
+    def resolved_path(self, trainer: TrainerView) -> Path:
         """The file this sink writes (a relative path is under the trainer's output dir)."""
         return resolve_path(self.path, trainer.output_dir)
 
-    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         path = self.resolved_path(trainer)
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
@@ -188,14 +188,14 @@ class JsonlCallback(MetricSink):
                 )
         self._handle = path.open("a", encoding="utf-8")
 
-    def write_record(self, trainer: Trainer, record: Record) -> None:
+    def write_record(self, trainer: TrainerView, record: Record) -> None:
         handle = self._handle
         if handle is None:
             raise RuntimeError("the jsonl sink received a record before setup")
         handle.write(encode_record(record) + "\n")
         handle.flush()
 
-    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+    def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         handle, self._handle = self._handle, None
         if handle is not None:
             handle.close()

@@ -41,10 +41,12 @@ from typing_extensions import Self
 
 from speedtronic.callback import Callback, JSONSchema
 from speedtronic.contexts import BackwardContext, FitContext, MetricsContext, OptimizerStepContext
+from speedtronic.events import Event
+from speedtronic.filters import every, logging_steps
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 Action = Literal["stop", "raise", "skip"]
 SKIPPED_KEY = "nan_guard/skipped_steps"
@@ -135,6 +137,12 @@ class NanGuard(Callback):
         self.consecutive = 0
         self.last_problem: str | None = None
         self._loss_sum: torch.Tensor | None = None
+        checked = every(check_every)
+        self.due_when = {
+            Event.AFTER_BACKWARD: checked,
+            Event.BEFORE_OPTIMIZER_STEP: checked,
+            Event.METRICS: logging_steps(),
+        }
 
     @classmethod
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
@@ -159,27 +167,22 @@ class NanGuard(Callback):
 
     # -- hooks --------------------------------------------------------------------------
 
-    def _checks(self, step: int) -> bool:
-        return step % self.check_every == 0
-
-    def on_fit_start(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
         self.consecutive = 0
         self._loss_sum = None
 
-    def on_after_backward(self, trainer: Trainer, ctx: BackwardContext) -> None:
-        if not self._checks(ctx.step):
-            return
+    def on_after_backward(self, trainer: TrainerView, ctx: BackwardContext) -> None:
         loss = ctx.loss.detach()
         self._loss_sum = loss if ctx.index == 0 or self._loss_sum is None else self._loss_sum + loss
 
-    def on_before_optimizer_step(self, trainer: Trainer, ctx: OptimizerStepContext) -> None:
+    def on_before_optimizer_step(self, trainer: TrainerView, ctx: OptimizerStepContext) -> None:
         loss_sum, self._loss_sum = self._loss_sum, None
-        if loss_sum is None or not self._checks(ctx.step):
+        if loss_sum is None:
             return
         grad_norm = ctx.grad_norm
-        if grad_norm is None and self.check_grads and trainer.scaler is None:
+        if grad_norm is None and self.check_grads and not trainer.uses_grad_scaler:
             grad_norm = total_grad_norm(trainer.trainable_parameters)
-        if grad_norm is not None and trainer.scaler is not None:
+        if grad_norm is not None and trainer.uses_grad_scaler:
             grad_norm = None  # overflowing fp16 grads are the scaler's business
         watched = [loss_sum.float().reshape(())]
         if grad_norm is not None:
@@ -192,13 +195,13 @@ class NanGuard(Callback):
             return
         self._handle(trainer, ctx.step, describe_problem(loss_value, grad_value))
 
-    def _handle(self, trainer: Trainer, step: int, problem: str) -> None:
+    def _handle(self, trainer: TrainerView, step: int, problem: str) -> None:
         message = f"nan_guard: {problem} at step {step}"
         self.last_problem = message
         if self.action == "raise":
             raise NonFiniteLossError(message)
         # Without gradients the optimizer step is a no-op: the bad update never lands.
-        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.skip_update()
         if self.action == "stop":
             self._stop(trainer, f"{message}; update not applied, stopping")
             return
@@ -216,10 +219,10 @@ class NanGuard(Callback):
         )
 
     @staticmethod
-    def _stop(trainer: Trainer, reason: str) -> None:
+    def _stop(trainer: TrainerView, reason: str) -> None:
         warnings.warn(reason, RuntimeWarning, stacklevel=3)
         trainer.request_stop(reason)
 
-    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
-        if self.action == "skip" and ctx.due:
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
+        if self.action == "skip":
             ctx.record.set(SKIPPED_KEY, self.skipped_steps)

@@ -21,7 +21,14 @@ from tqdm import tqdm
 from typing_extensions import Never, Self
 
 from speedtronic.callback import Callback, JSONSchema, RankPolicy
-from speedtronic.contexts import FitContext, FitEndContext, MetricsContext, TeardownContext
+from speedtronic.contexts import (
+    FitContext,
+    FitEndContext,
+    MetricsContext,
+    StepContext,
+    TeardownContext,
+)
+from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic_callbacks.sink import (
     NumberFormat,
     Record,
@@ -33,7 +40,7 @@ from speedtronic_callbacks.sink import (
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 Mode = Literal["auto", "bar", "lines"]
 StreamName = Literal["stdout", "stderr"]
@@ -88,6 +95,7 @@ class ProgressBarCallback(Callback):
     is_observer: ClassVar[bool] = True
     metrics_phase: ClassVar[Literal["contribute", "consume"]] = "consume"
     rank_policy: ClassVar[RankPolicy] = "main"  # one bar per run, drawn by rank 0
+    due_when = METRICS_ON_LOGGING_STEPS  # the bar advances at step_end, records on logging steps
     options_schema: ClassVar[JSONSchema] = {
         "type": "object",
         "additionalProperties": False,
@@ -165,7 +173,7 @@ class ProgressBarCallback(Callback):
 
     # -- hooks --------------------------------------------------------------------------
 
-    def on_fit_start(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
         stream = self._resolve_stream()
         self._start_step = ctx.start_step
         self._last_line_time = float("-inf")
@@ -184,14 +192,12 @@ class ProgressBarCallback(Callback):
         else:
             self._lines_stream = stream
 
-    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         bar = self._bar
         if bar is not None:
-            if ctx.due:
-                bar.set_postfix_str(_postfix(ctx.record.values()), refresh=False)
-            bar.update(ctx.step - bar.n)
+            bar.set_postfix_str(_postfix(ctx.record.values()), refresh=False)
             return
-        if not ctx.due or self._lines_stream is None:
+        if self._lines_stream is None:
             return
         now = time.monotonic()
         final = ctx.step >= trainer.target_step
@@ -200,7 +206,12 @@ class ProgressBarCallback(Callback):
             line = progress_line(ctx.record.values(), self._start_step, trainer.target_step)
             tqdm.write(line, file=self._lines_stream)
 
-    def on_fit_end(self, trainer: Trainer, ctx: FitEndContext) -> None:
+    def on_step_end(self, trainer: TrainerView, ctx: StepContext) -> None:
+        bar = self._bar
+        if bar is not None and trainer.step > bar.n:  # not after a skipped (fp16) step
+            bar.update(trainer.step - bar.n)
+
+    def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
         if self._bar is not None:
             self._close_bar()
         elif self._lines_stream is not None and ctx.stop_reason is not None:
@@ -208,7 +219,7 @@ class ProgressBarCallback(Callback):
                 f"stopped at step {ctx.result.steps}: {ctx.stop_reason}", file=self._lines_stream
             )
 
-    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+    def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         self._close_bar()
         self._lines_stream = None
 

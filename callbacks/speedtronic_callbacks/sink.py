@@ -2,8 +2,9 @@
 
 A sink is an observer callback (``is_observer = True``: its failures warn once and
 training goes on) that runs in the ``consume`` phase of the ``metrics`` event, after every
-contributor added its keys. It only touches the record when ``ctx.due`` is true, so a step
-on which nothing is logged never pays for a device-to-host copy.
+contributor added its keys. Its ``on_metrics`` is due only on the run's logging steps
+(``due_when``), so a step on which nothing is logged builds no record and never pays for a
+device-to-host copy.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from speedtronic.callback import Callback, RankPolicy
 from speedtronic.contexts import MetricsContext
+from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.metrics import MetricValue
 
 if TYPE_CHECKING:
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 Record = Mapping[str, MetricValue]
 """A finished metric record as plain Python values (``MetricRecord.values()``)."""
@@ -37,13 +39,13 @@ class MetricSink(Callback, abc.ABC):
     is_observer: ClassVar[bool] = True
     metrics_phase: ClassVar[Literal["contribute", "consume"]] = "consume"
     rank_policy: ClassVar[RankPolicy] = "main"  # one copy of the logs per run, from rank 0
+    due_when = METRICS_ON_LOGGING_STEPS
 
-    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
-        if ctx.due:
-            self.write_record(trainer, ctx.record.values())
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
+        self.write_record(trainer, ctx.record.values())
 
     @abc.abstractmethod
-    def write_record(self, trainer: Trainer, record: Record) -> None:
+    def write_record(self, trainer: TrainerView, record: Record) -> None:
         """Write one finished record (all values already plain numbers or strings)."""
 
     @property

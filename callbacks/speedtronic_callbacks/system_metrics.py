@@ -26,11 +26,12 @@ from typing_extensions import Self
 
 from speedtronic.callback import Callback, JSONSchema, RankPolicy
 from speedtronic.contexts import FitContext, MetricsContext
+from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.profiling import memory_usage_bytes
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks from the vendors' data sheets, FLOP/s.
 # Matched against torch.cuda.get_device_name() in order, first hit wins.
@@ -71,6 +72,7 @@ class SystemMetricsCallback(Callback):
     plugin_name: ClassVar[str | None] = "system_metrics"
     is_observer: ClassVar[bool] = True  # a failing probe must not stop training
     rank_policy: ClassVar[RankPolicy] = "main"  # feeds the sinks, which run on rank 0
+    due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
     options_schema: ClassVar[JSONSchema] = {
         "type": "object",
         "additionalProperties": False,
@@ -117,24 +119,22 @@ class SystemMetricsCallback(Callback):
             peak_flops=float(peak) if isinstance(peak, (int, float)) else None,
         )
 
-    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         self._window = (time.perf_counter(), trainer.samples, trainer.tokens)
         self._flops_cache.clear()
         self._resolved_peak = self.peak_flops or known_peak_flops(
-            trainer.device, trainer.precision.mode
+            trainer.device, trainer.precision_mode
         )
         if self.memory and trainer.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.device)
 
-    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
-        if not ctx.due:
-            return
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         if self.memory:
             self._add_memory(trainer, ctx)
         if self.mfu:
             self._add_flops(trainer, ctx)
 
-    def _add_memory(self, trainer: Trainer, ctx: MetricsContext) -> None:
+    def _add_memory(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         allocated = memory_usage_bytes(trainer.device)
         if allocated is not None:
             ctx.record.set("memory_bytes", allocated)
@@ -147,11 +147,11 @@ class SystemMetricsCallback(Callback):
             cached = self._flops_cache[seq_len] = int(model.flops_per_token(seq_len))
         return cached
 
-    def _add_flops(self, trainer: Trainer, ctx: MetricsContext) -> None:
+    def _add_flops(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         now = time.perf_counter()
         start, samples0, tokens0 = self._window
         self._window = (now, trainer.samples, trainer.tokens)
-        model = trainer.raw_model
+        model = trainer.model
         samples, tokens = trainer.samples - samples0, trainer.tokens - tokens0
         if not isinstance(model, CountsFlops) or samples <= 0 or tokens <= 0 or now <= start:
             return

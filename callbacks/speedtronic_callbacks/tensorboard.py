@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
     from speedtronic.plugins import PluginContext
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 DEFAULT_LOG_DIR = "tensorboard"
 _INSTALL_HINT = "the tensorboard sink needs tensorboard: pip install 'speedtronic[logging]'"
@@ -128,7 +128,7 @@ class TensorBoardCallback(MetricSink):
     def closed(self) -> bool:
         return self.writer is None
 
-    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         log_dir = resolve_path(self.log_dir, trainer.output_dir)
@@ -140,13 +140,14 @@ class TensorBoardCallback(MetricSink):
             max_queue=1000,
             flush_secs=self.flush_secs,
         )
-        if self.log_config and trainer.config is not None:
-            text = json.dumps(trainer.config.to_dict(redact_secrets=True), indent=2, default=str)
+        run_config = trainer.run_config if self.log_config else None
+        if run_config is not None:
+            text = json.dumps(run_config, indent=2, default=str)
             # Four-space indent renders as a code block in TensorBoard's markdown view.
             self.writer.add_text("config", "    " + text.replace("\n", "\n    "), ctx.start_step)
         self._worker = BackgroundWorker("speedtronic-tensorboard", self._write_event)
 
-    def write_record(self, trainer: Trainer, record: Record) -> None:
+    def write_record(self, trainer: TrainerView, record: Record) -> None:
         if self._worker is None:
             raise RuntimeError("the tensorboard sink received a record before setup")
         scalars = [(self.prefix + key, value) for key, value in numeric_items(record)]
@@ -161,13 +162,13 @@ class TensorBoardCallback(MetricSink):
         file_writer = writer._get_file_writer()  # type: ignore[no-untyped-call]  # torch leaves this helper unannotated
         file_writer.add_summary(build(scalars), step)
 
-    def on_fit_end(self, trainer: Trainer, ctx: FitEndContext) -> None:
+    def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
         if self._worker is not None:
             self._worker.drain()
         if self.writer is not None:
             self.writer.flush()
 
-    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+    def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         worker, self._worker = self._worker, None
         try:
             if worker is not None:

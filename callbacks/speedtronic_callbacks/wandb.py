@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run
 
     from speedtronic.plugins import PluginContext
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 WandbMode = Literal["online", "offline", "disabled"]
 _INSTALL_HINT = "the wandb sink needs wandb: pip install 'speedtronic[logging]'"
@@ -171,14 +171,13 @@ class WandbCallback(MetricSink):
 
     # -- hooks --------------------------------------------------------------------------
 
-    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         import wandb  # present: __init__ checked it (with the install hint)
 
         directory = resolve_path(self.directory, trainer.output_dir)
         directory.mkdir(parents=True, exist_ok=True)
-        config = None
-        if self.log_config and trainer.config is not None:
-            config = trainer.config.to_dict(redact_secrets=True)
+        run_config = trainer.run_config if self.log_config else None
+        config = dict(run_config) if run_config is not None else None
         run = wandb.init(
             project=self.project,
             entity=self.entity,
@@ -208,19 +207,19 @@ class WandbCallback(MetricSink):
             {key: value for key, value in record.items() if key != "step"}, step=int(record["step"])
         )
 
-    def write_record(self, trainer: Trainer, record: Record) -> None:
+    def write_record(self, trainer: TrainerView, record: Record) -> None:
         if self._worker is not None:
             self._worker.submit(record)
         else:
             self._log(record)
 
-    def on_fit_end(self, trainer: Trainer, ctx: FitEndContext) -> None:
+    def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
         if self._worker is not None:
             self._worker.drain()
         if self.run is not None and ctx.stop_reason is not None:
             self.run.summary["stop_reason"] = ctx.stop_reason
 
-    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+    def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         worker, self._worker = self._worker, None
         try:
             if worker is not None:

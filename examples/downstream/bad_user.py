@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from speedtronic import Callback, Trainer
+from speedtronic import Callback
+from speedtronic.view import TrainerView
 
 
 class WrongSignature(Callback):
     # ``on_step_end`` takes (trainer, ctx: StepContext); an int is not a StepContext.
-    def on_step_end(self, trainer: Trainer, ctx: int) -> None:
+    def on_step_end(self, trainer: TrainerView, ctx: int) -> None:
         print(ctx + 1)

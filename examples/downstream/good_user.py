@@ -11,6 +11,7 @@ from torch import nn
 
 from speedtronic import Callback, Trainer, register_model
 from speedtronic.contexts import MetricsContext, StepContext
+from speedtronic.view import TrainerView
 
 
 @register_model("downstream_mlp")
@@ -28,13 +29,13 @@ class LossPrinter(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
 
-    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         if ctx.due:
             loss = ctx.record.get("loss")
             assert isinstance(loss, float)
             self.losses.append(loss)
 
-    def on_step_end(self, trainer: Trainer, ctx: StepContext) -> None:
+    def on_step_end(self, trainer: TrainerView, ctx: StepContext) -> None:
         if ctx.step >= 50:
             trainer.request_stop("enough")
 

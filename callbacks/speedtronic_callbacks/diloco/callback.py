@@ -57,6 +57,7 @@ from speedtronic.contexts import (
     MetricsContext,
     TeardownContext,
 )
+from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
 from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
 from speedtronic_callbacks.diloco.hub_transport import HubTransport
@@ -80,7 +81,7 @@ from speedtronic_callbacks.diloco.wire import Compression
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 __all__ = [
     "DiLoCoCallback",
@@ -144,6 +145,7 @@ class DiLoCoCallback(Callback):
     plugin_name: ClassVar[str | None] = "diloco"
     options_schema: ClassVar[JSONSchema] = OPTIONS_SCHEMA
     state_key = "diloco"
+    due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
 
     def __init__(
         self,
@@ -275,20 +277,18 @@ class DiLoCoCallback(Callback):
         return RetryingTransport(inner, policy)
 
     @staticmethod
-    def _config_fingerprint(trainer: Trainer) -> str:
+    def _config_fingerprint(trainer: TrainerView) -> str:
         """The model section of the run config (minus settings that do not change the
         weights), so that nodes with another model configuration are told apart."""
-        model_section = getattr(trainer.config, "model", None)
-        to_dict = getattr(model_section, "to_dict", None)
-        if not callable(to_dict):
+        run_config = trainer.run_config
+        model_section = run_config.get("model") if run_config is not None else None
+        if not isinstance(model_section, Mapping):
             return ""
-        values = to_dict()
-        if not isinstance(values, dict):
-            return ""
+        values = dict(model_section)
         values.pop("gradient_checkpointing", None)
         return json.dumps(values, sort_keys=True, default=str)
 
-    def _build_node(self, trainer: Trainer) -> DiLoCoNode:
+    def _build_node(self, trainer: TrainerView) -> DiLoCoNode:
         options = self.options
         secret = self._secret()
         layout: ModelLayout = build_layout(
@@ -330,7 +330,7 @@ class DiLoCoCallback(Callback):
 
     # -- hooks --------------------------------------------------------------------------
 
-    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         if trainer.multi_rank:
             # Every rank would act as a separate hub node with diverging weights.
             raise RuntimeError(
@@ -353,24 +353,24 @@ class DiLoCoCallback(Callback):
             self.node.load_state_dict(self._staged)
             self._staged = None
 
-    def on_fit_start(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
         if self.node is not None and ctx.start_step < ctx.target_step:
             self.node.start(ctx.start_step)
 
-    def on_coordinate(self, trainer: Trainer, ctx: CoordinateContext) -> None:
+    def on_coordinate(self, trainer: TrainerView, ctx: CoordinateContext) -> None:
         if self.node is None:
             return
         outcome = self.node.on_step(ctx.step)
         if outcome.installed is not None and self.options.reset_optimizer:
             trainer.request_optimizer_reset("diloco")
 
-    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
-        if self.node is None or not ctx.due:
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
+        if self.node is None:
             return
         for key, value in self.node.metrics().items():
             ctx.record.set(key, value)
 
-    def on_teardown(self, trainer: Trainer, ctx: TeardownContext) -> None:
+    def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         if self.node is not None:
             self.node.stop()
 

@@ -49,6 +49,7 @@ from typing_extensions import Self
 from speedtronic.callback import Callback, JSONSchema, RankPolicy
 from speedtronic.contexts import CoordinateContext, FitContext, MetricsContext
 from speedtronic.distributed import DistributedContext, ReplicaGroups, replica_groups
+from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic_callbacks.diloco.math import (
     NesterovOuterOptimizer,
     check_same_layout,
@@ -63,7 +64,7 @@ from speedtronic_callbacks.diloco.wire import Compression
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
-    from speedtronic.trainer import Trainer
+    from speedtronic.view import TrainerView
 
 __all__ = [
     "COLLECTIVE_OPTIONS_SCHEMA",
@@ -93,6 +94,7 @@ class CollectiveDiLoCo(Callback):
     plugin_name: ClassVar[str | None] = "diloco"
     options_schema: ClassVar[JSONSchema] = COLLECTIVE_OPTIONS_SCHEMA
     rank_policy: ClassVar[RankPolicy] = "all"
+    due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
     state_key = "diloco"
 
     def __init__(self, options: CollectiveDiLoCoOptions | None = None, **values: object) -> None:
@@ -118,7 +120,7 @@ class CollectiveDiLoCo(Callback):
 
     # -- setup ----------------------------------------------------------------------------
 
-    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+    def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         self._context = trainer.distributed
         self._groups = self._replica_groups(trainer.distributed)
         state = trainer.model.state_dict()
@@ -172,14 +174,14 @@ class CollectiveDiLoCo(Callback):
 
     # -- the outer round ------------------------------------------------------------------
 
-    def on_coordinate(self, trainer: Trainer, ctx: CoordinateContext) -> None:
+    def on_coordinate(self, trainer: TrainerView, ctx: CoordinateContext) -> None:
         if ctx.step % self.options.inner_steps:
             return
         self.outer_round(trainer)
         if self.options.reset_optimizer:
             trainer.request_optimizer_reset("diloco")
 
-    def outer_round(self, trainer: Trainer) -> None:
+    def outer_round(self, trainer: TrainerView) -> None:
         """Average the pseudo-gradients, step the global model, load it everywhere."""
         assert self.layout is not None, "on_setup has not run"
         keys = self.layout.sync_keys
@@ -220,9 +222,7 @@ class CollectiveDiLoCo(Callback):
 
     # -- metrics --------------------------------------------------------------------------
 
-    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
-        if not ctx.due:
-            return
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         ctx.record.set("diloco/outer_steps", self.outer_steps)
         ctx.record.set("diloco/bytes_reduced", self.bytes_reduced)
         if self.last_pseudo_grad_norm is not None:

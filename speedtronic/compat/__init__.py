@@ -1,0 +1,14 @@
+"""The original (2.0) API's shims, kept together outside the engine core.
+
+* ``metric_logger`` -- ``MetricLogger``, its hooks and ``MetricLoggerCallback``
+  (``Trainer(logger=...)``)
+* ``hooks`` -- ``on_event``
+* ``integrations`` -- ``WandbHook`` and ``TensorboardHook`` for ``MetricLogger(hooks=[...])``
+* ``coordinator`` -- the ``SyncCoordinator`` protocol and its adapter (``Trainer(coordinator=...)``)
+* ``trainer_args`` -- the ``Trainer``'s legacy arguments: ``config=`` defaults,
+  ``logger=``, ``checkpoint_manager=``, ``coordinator=``
+
+The old import paths (``speedtronic.profiling``, ``speedtronic.hooks``,
+``speedtronic.integrations``, ``speedtronic.coordinator``) re-export these names, so 2.0 code
+keeps working unchanged. New code should use the callbacks in ``speedtronic_callbacks``.
+"""

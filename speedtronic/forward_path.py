@@ -1,0 +1,137 @@
+"""The forward path: the module a microbatch's forward pass calls, and the contexts around it.
+
+One object owns everything between "a batch on the device" and "its model output": the DDP
+wrapper of a data-parallel run (``no_sync`` on all but the last microbatch), ``torch.compile``
+with its fallback to eager when the compiler itself fails, and autocast for mixed precision.
+``plain`` is true when none of the contexts is needed, so the loop enters no context manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Sequence
+from typing import cast
+
+import torch
+from torch import nn
+
+from speedtronic.batch import run_model
+from speedtronic.callback import Callback
+from speedtronic.distributed import (
+    DistributedContext,
+    ReplicaSync,
+    no_sync_on_non_final,
+    replica_groups,
+    wrap_data_parallel,
+)
+from speedtronic.precision import PrecisionPlan, autocast_context
+
+__all__ = ["ForwardPath", "is_compile_failure"]
+
+GradSyncContext = Callable[[bool], contextlib.AbstractContextManager[object]]
+
+
+def _no_grad_sync_context(final: bool) -> contextlib.AbstractContextManager[object]:
+    return contextlib.nullcontext()
+
+
+def is_compile_failure(exc: BaseException) -> bool:
+    """True for failures of the compiler itself, not errors raised by the model's code."""
+    try:
+        from torch._dynamo import exc as dynamo_exc
+    except ImportError:  # pragma: no cover - very old torch
+        return False
+    if isinstance(exc, dynamo_exc.TorchRuntimeError):
+        return False  # the model's own error, surfaced through dynamo
+    return isinstance(exc, dynamo_exc.TorchDynamoException)
+
+
+class ForwardPath:
+    """Compile / DDP / autocast / no_sync around the raw ``model`` (see module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        precision: PrecisionPlan,
+        device: torch.device,
+        distributed: DistributedContext | None,
+        *,
+        compile: bool,
+    ) -> None:
+        self.model = model
+        self.precision = precision
+        self.device = device
+        self.distributed = distributed
+        self.compile_requested = compile
+        self.ddp: nn.parallel.DistributedDataParallel | None = None
+        self.compiled: nn.Module | None = None
+        self.grad_sync_context: GradSyncContext = _no_grad_sync_context
+        self.plain = False
+        """No DDP and no autocast: the loop calls ``forward`` without entering contexts."""
+
+    @property
+    def train_module(self) -> nn.Module:
+        """The module the forward pass calls: the DDP wrapper in a data-parallel run, else
+        the raw model."""
+        return self.ddp if self.ddp is not None else self.model
+
+    def prepare(self, model: nn.Module, callbacks: Sequence[Callback]) -> None:
+        """Before a fit: wrap ``model`` in DDP when data-parallel (once per model; a
+        collective), compile when asked, and decide whether the path is ``plain``."""
+        self.model = model
+        self._setup_data_parallel(callbacks)
+        self.plain = self.ddp is None and not self.precision.autocast_enabled
+        self._setup_compile()
+
+    def autocast(self) -> contextlib.AbstractContextManager[object]:
+        return autocast_context(self.precision, self.device)
+
+    def forward(self, batch: object) -> object:
+        """The model's output for a batch, compiled when compilation is on and works."""
+        if self.compiled is None:
+            return run_model(self.train_module, batch)
+        try:
+            return run_model(self.compiled, batch)
+        except Exception as exc:
+            if not is_compile_failure(exc):
+                raise
+            warnings.warn(
+                f"torch.compile failed ({type(exc).__name__}: {exc}); continuing in eager mode",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.compiled = None
+            return run_model(self.train_module, batch)
+
+    def _setup_compile(self) -> None:
+        if not self.compile_requested or self.compiled is not None:
+            return
+        try:
+            self.compiled = cast(nn.Module, torch.compile(self.train_module))
+        except Exception as exc:  # compile unavailable on this platform: stay eager
+            warnings.warn(
+                f"torch.compile unavailable ({exc}); running eagerly", RuntimeWarning, stacklevel=2
+            )
+
+    def _ranks_per_replica(self, context: DistributedContext, callbacks: Sequence[Callback]) -> int:
+        """Ranks per model replica: the world, unless a ``ReplicaSync`` callback says."""
+        sizes = {cb.ranks_per_replica for cb in callbacks if isinstance(cb, ReplicaSync)}
+        if len(sizes) > 1:
+            raise ValueError(f"callbacks disagree on ranks_per_replica: {sorted(sizes)}")
+        return sizes.pop() if sizes else context.world_size
+
+    def _setup_data_parallel(self, callbacks: Sequence[Callback]) -> None:
+        context = self.distributed
+        if context is None or context.world_size <= 1:
+            return
+        if self.ddp is not None and self.ddp.module is self.model:
+            return
+        size = self._ranks_per_replica(context, callbacks)
+        self.ddp = None
+        self.grad_sync_context = _no_grad_sync_context
+        if size > 1:
+            group = replica_groups(context, size).replica if size < context.world_size else None
+            self.ddp = wrap_data_parallel(self.model, context, group)
+            self.grad_sync_context = no_sync_on_non_final(self.ddp)
+        self.compiled = None  # compile what the forward pass now calls

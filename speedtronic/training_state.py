@@ -1,0 +1,148 @@
+"""What a training state holds, and how the Trainer saves and restores it.
+
+``capture_training_state`` returns everything needed to continue a run exactly -- model,
+optimizer, scheduler, grad scaler, counters, RNG, data position, every callback's state, the
+redacted config -- as tensors and plain data only (checkpoints load with
+``weights_only=True``). ``restore_training_state`` checks the model first and loads the
+optimizer before touching the weights, so a state that does not fit leaves the trainer as it
+was and raises ``TrainingStateError`` naming what does not fit.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from speedtronic import __version__
+from speedtronic.rng import capture_rng_state, restore_rng_state
+
+if TYPE_CHECKING:
+    from speedtronic.trainer import Trainer
+
+__all__ = [
+    "STATE_FORMAT_VERSION",
+    "TrainingStateError",
+    "capture_training_state",
+    "restore_training_state",
+]
+
+STATE_FORMAT_VERSION = 1
+"""Version of the layout returned by ``Trainer.state_dict`` (stored in checkpoints)."""
+
+
+class TrainingStateError(ValueError):
+    """A saved training state does not fit this trainer (format, model keys, shapes)."""
+
+
+def capture_training_state(self: Trainer) -> dict[str, object]:
+    """Everything needed to continue this run exactly (loads with weights_only=True)."""
+    config = self.config.to_dict(redact_secrets=True) if self.config is not None else None
+    return {
+        "format_version": STATE_FORMAT_VERSION,
+        "versions": {"speedtronic": __version__, "torch": str(torch.__version__)},
+        "model": self.model.state_dict(),
+        "optimizer": self.optimizer.state_dict(),
+        "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+        "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        "counters": {"step": self.step, "samples": self.samples, "tokens": self.tokens},
+        "rng": capture_rng_state(),
+        "data": self.stream.state_dict(),
+        "callbacks": self.callback_states(),
+        "config": config,
+        "precision": {
+            "mode": self.precision.mode,
+            "autocast_enabled": self.precision.autocast_enabled,
+            "use_scaler": self.precision.use_scaler,
+        },
+    }
+
+
+def restore_training_state(
+    self: Trainer, state: Mapping[str, object], *, load_callbacks: bool = True
+) -> None:
+    """Restore a ``state_dict``; raises ``TrainingStateError`` naming what does not fit."""
+    version = state.get("format_version")
+    if version != STATE_FORMAT_VERSION:
+        raise TrainingStateError(
+            f"unknown training-state format version {version!r} "
+            f"(this speedtronic reads version {STATE_FORMAT_VERSION})"
+        )
+    # Check the model first and load the optimizer (which validates its groups) before
+    # touching the weights, so a mismatched checkpoint leaves the trainer as it was.
+    weights = cast(Mapping[str, torch.Tensor], state["model"])
+    _check_model(self, weights)
+    self.optimizer.load_state_dict(cast(dict[str, object], state["optimizer"]))
+    self.model.load_state_dict(weights)
+    if self.scheduler is not None and state.get("scheduler") is not None:
+        self.scheduler.load_state_dict(cast(dict[str, object], state["scheduler"]))
+    if self.scaler is not None and state.get("scaler") is not None:
+        self.scaler.load_state_dict(cast(dict[str, object], state["scaler"]))
+    counters = cast(Mapping[str, int], state["counters"])
+    self.step, self.samples, self.tokens = (
+        int(counters["step"]),
+        int(counters["samples"]),
+        int(counters["tokens"]),
+    )
+    restore_rng_state(cast(Mapping[str, object] | None, state.get("rng")))
+    _adopt_saved_cuda_rng(self, state.get("rng"))
+    data_state = state.get("data")
+    if isinstance(data_state, Mapping):
+        self.stream.load_state_dict(cast(Mapping[str, int], data_state))
+    if load_callbacks:
+        _load_callback_states(
+            self, cast(Mapping[str, Mapping[str, object]], state.get("callbacks") or {})
+        )
+
+
+def _adopt_saved_cuda_rng(self: Trainer, rng: object) -> None:
+    """Rank 0 saved the generator of *its* GPU (index 0 on its node); every rank ran the
+    same random ops on its own GPU, so that state is the one this rank's GPU needs."""
+    if not self.multi_rank or self.device.type != "cuda" or not isinstance(rng, Mapping):
+        return
+    saved = rng.get("cuda")
+    if isinstance(saved, list) and saved and isinstance(saved[0], torch.Tensor):
+        torch.cuda.set_rng_state(saved[0], self.device)
+
+
+def _check_model(self: Trainer, weights: Mapping[str, torch.Tensor]) -> None:
+    own = self.model.state_dict()
+    missing = sorted(set(own) - set(weights))
+    unexpected = sorted(set(weights) - set(own))
+    mismatched = [
+        f"{k}: checkpoint {tuple(weights[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in own
+        if k in weights and tuple(weights[k].shape) != tuple(own[k].shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {', '.join(missing[:10])}")
+    if unexpected:
+        problems.append(f"unexpected keys: {', '.join(unexpected[:10])}")
+    if mismatched:
+        problems.append(f"shape mismatch: {'; '.join(mismatched[:10])}")
+    if problems:
+        raise TrainingStateError("checkpoint does not match the model: " + " | ".join(problems))
+
+
+def _load_callback_states(self: Trainer, states: Mapping[str, Mapping[str, object]]) -> None:
+    known = {cb.state_key: cb for cb in self.callbacks if cb.state_key is not None}
+    for key, callback in known.items():
+        if key in states:
+            callback.load_state_dict(states[key])
+        else:
+            warnings.warn(
+                f"checkpoint has no state for callback {callback.display_name!r} "
+                f"(state_key {key!r}); it starts fresh",
+                UserWarning,
+                stacklevel=3,
+            )
+    for key in sorted(set(states) - set(known)):
+        warnings.warn(
+            f"checkpoint holds state for state_key {key!r} but no callback of this run "
+            "uses that key; it is ignored",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,139 @@
+"""Event filters (``due_when``): the plan calls a filtered hook only on its due steps, and the
+metric record is not built on steps where no metrics hook is due."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from speedtronic import Callback, Event, Trainer
+from speedtronic.contexts import FitContext, StepContext
+from speedtronic.dispatch import FilterError
+from speedtronic.filters import StepFilter, every, final_step, logging_steps, once
+from speedtronic.metrics import MetricRecord
+from speedtronic.testing import EventRecorder
+from speedtronic.view import TrainerView
+
+
+class Scalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.v * x - y) ** 2).mean()
+
+
+def fit(*callbacks: Callback, steps: int = 5, metrics_every: int = 2, k: int = 1) -> Trainer:
+    model = Scalar()
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        [(torch.ones(2), torch.full((2,), float(i))) for i in range(4)],
+        callbacks=list(callbacks),
+        max_steps=steps,
+        metrics_every=metrics_every,
+        accumulation_steps=k,
+    )
+    trainer.fit()
+    return trainer
+
+
+def test_every_n_calls_the_hook_on_multiples_only() -> None:
+    filtered = EventRecorder({Event.STEP_END: every(2), Event.AFTER_BACKWARD: every(3)})
+    plain = EventRecorder()
+    fit(filtered, plain, steps=7, k=2)
+    assert filtered.steps_of(Event.STEP_END) == [2, 4, 6]
+    assert filtered.steps_of(Event.AFTER_BACKWARD) == [3, 3, 6, 6]  # K=2 microbatches
+    assert filtered.steps_of(Event.STEP_START) == [1, 2, 3, 4, 5, 6, 7]  # unfiltered hook
+    assert plain.steps_of(Event.STEP_END) == [1, 2, 3, 4, 5, 6, 7]  # others unaffected
+
+
+def test_once_final_and_logging_steps() -> None:
+    recorder = EventRecorder(
+        {
+            Event.CHECKPOINT: once(3),
+            Event.COORDINATE: final_step(),
+            Event.METRICS: logging_steps(),
+            Event.STEP_START: every(4) | once(1),
+        }
+    )
+    fit(recorder, steps=5, metrics_every=2)
+    assert recorder.steps_of(Event.CHECKPOINT) == [3]
+    assert recorder.steps_of(Event.COORDINATE) == [5]
+    assert recorder.steps_of(Event.METRICS) == [2, 4, 5]  # every 2, and the final step
+    assert recorder.steps_of(Event.STEP_START) == [1, 4]
+    # fit-level events are never filtered
+    assert recorder.events[:2] == [Event.SETUP, Event.FIT_START]
+    assert recorder.events[-2:] == [Event.FIT_END, Event.TEARDOWN]
+
+
+def test_a_filtered_hook_keeps_its_place_in_the_order() -> None:
+    calls: list[tuple[str, int]] = []
+
+    class Named(Callback):
+        def __init__(self, name: str, when: StepFilter | None) -> None:
+            self.name = name
+            if when is not None:
+                self.due_when = {Event.STEP_END: when}
+
+        def on_step_end(self, trainer: TrainerView, ctx: StepContext) -> None:
+            calls.append((self.name, ctx.step))
+
+    fit(Named("a", None), Named("b", every(2)), Named("c", None), steps=2)
+    assert calls == [("a", 1), ("c", 1), ("a", 2), ("b", 2), ("c", 2)]
+
+
+def test_the_record_is_built_only_when_a_metrics_hook_is_due(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    built: list[int] = []
+    original_init = MetricRecord.__init__
+
+    def counting_init(self: MetricRecord, step: int) -> None:
+        built.append(step)
+        original_init(self, step)
+
+    monkeypatch.setattr(MetricRecord, "__init__", counting_init)
+    fit(EventRecorder({Event.METRICS: logging_steps()}), steps=5, metrics_every=100)
+    assert built == [5]  # only the final (logging) step
+    built.clear()
+    fit(EventRecorder(), steps=3, metrics_every=100)
+    assert built == [1, 2, 3]  # an unfiltered metrics hook wants every step
+
+
+def test_filters_on_fit_events_or_missing_hooks_are_errors() -> None:
+    class FitFiltered(Callback):
+        due_when = {Event.FIT_START: every(2)}
+
+        def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None: ...
+
+    class NoHook(Callback):
+        due_when = {Event.STEP_END: every(2)}
+
+    with pytest.raises(FilterError, match="fit-level event"):
+        fit(FitFiltered())
+    with pytest.raises(FilterError, match="on_step_end"):
+        fit(NoHook())
+
+
+def test_step_filter_rules() -> None:
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        every(0)
+    with pytest.raises(ValueError, match="one cadence"):
+        every(2) | every(3)
+    both = every(3) | final_step()
+    assert [s for s in range(1, 11) if both.due(s, 10, 1)] == [3, 6, 9, 10]
+    assert (every(3) | once(4)).describe() == "every 3 | at 4"
+
+
+def test_built_in_sinks_and_contributors_are_filtered_to_logging_steps() -> None:
+    from speedtronic_callbacks.early_stopping import EarlyStopping
+    from speedtronic_callbacks.jsonl import JsonlCallback
+    from speedtronic_callbacks.nan_guard import NanGuard
+
+    for callback_type in (JsonlCallback, EarlyStopping):
+        assert callback_type.due_when == {Event.METRICS: logging_steps()}
+    guard = NanGuard(check_every=4)
+    assert guard.due_when[Event.BEFORE_OPTIMIZER_STEP] == every(4)

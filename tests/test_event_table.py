@@ -1,0 +1,112 @@
+"""The one event table (``speedtronic.events.On``): every event has its context type there,
+the hooks are typed to match, the engine's emits are type-checked against it, and an
+``on_*`` method that is no event's hook is an error when the trainer is built."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from speedtronic import Callback, Event, Trainer
+from speedtronic.contexts import StepContext
+from speedtronic.dispatch import CallbackPlan, UnknownHookError, describe_classes
+from speedtronic.events import CONTEXT_TYPES, EVENT_KEYS, On
+from speedtronic.view import TrainerView
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_event_has_exactly_one_row() -> None:
+    rows = [key for key in vars(On).values() if hasattr(key, "context_type")]
+    assert [key.event for key in rows] == list(Event)  # in emission order, none missing
+    assert set(EVENT_KEYS) == set(Event)
+
+
+@pytest.mark.parametrize("event", list(Event), ids=lambda e: e.value)
+def test_callback_hooks_are_typed_by_the_table(event: Event) -> None:
+    parameters = inspect.signature(getattr(Callback, event.hook_name)).parameters
+    assert parameters["ctx"].annotation == CONTEXT_TYPES[event].__name__
+    assert parameters["trainer"].annotation == "TrainerView"
+
+
+class Typo(Callback):
+    def on_step_ended(self, trainer: TrainerView, ctx: StepContext) -> None:
+        raise AssertionError("never called")
+
+
+class Regression(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.linear(x), y)
+
+
+def tiny_trainer(*callbacks: Callback) -> Trainer:
+    model = Regression()
+    data = [(torch.ones(2), torch.ones(1))]
+    return Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        data,
+        callbacks=list(callbacks),
+        max_steps=1,
+    )
+
+
+def test_a_typod_hook_is_an_error_naming_the_nearest_event() -> None:
+    with pytest.raises(UnknownHookError, match="'on_step_ended'.*did you mean 'on_step_end'"):
+        tiny_trainer(Typo())
+    with pytest.raises(UnknownHookError, match="on_step_ended"):
+        CallbackPlan([Typo()])
+    with pytest.raises(UnknownHookError, match="did you mean 'on_step_end'"):
+        describe_classes([("typo", Typo)])
+
+
+def test_an_inherited_typo_is_found_and_helpers_without_on_are_fine() -> None:
+    class Child(Typo):
+        def step_helper(self) -> None: ...
+
+    class Fine(Callback):
+        on_label = "not a method"
+
+        def helper(self) -> None: ...
+
+    with pytest.raises(UnknownHookError, match="on_step_ended"):
+        CallbackPlan([Child()])
+    CallbackPlan([Fine()])
+    tiny_trainer(Fine()).fit()
+
+
+def test_mypy_rejects_a_wrong_context_for_an_event(tmp_path: Path) -> None:
+    wrong = tmp_path / "wrong_emit.py"
+    wrong.write_text(
+        "from speedtronic.contexts import FitContext, StepContext\n"
+        "from speedtronic.dispatch import CallbackPlan\n"
+        "from speedtronic.events import On\n"
+        "from speedtronic.view import TrainerView\n\n"
+        "def emit_all(plan: CallbackPlan, trainer: TrainerView) -> None:\n"
+        "    plan.emit(trainer, On.STEP_END, StepContext(1, 1))\n"
+        "    plan.emit(trainer, On.STEP_END, FitContext(0, 1))\n",
+        encoding="utf-8",
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", str(wrong)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 1, done.stdout
+    errors = [line for line in done.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == 1, done.stdout
+    # mypy words it "Cannot infer value of type parameter CtxT" or names FitContext.
+    assert "wrong_emit.py:8:" in errors[0], errors
+    assert "CtxT" in errors[0] or '"FitContext"' in errors[0], errors
