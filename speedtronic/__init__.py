@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "SyncCoordinator": "speedtronic.coordinator",
     # trainer and runtime
     "Trainer": "speedtronic.trainer",
+    "TrainerView": "speedtronic.view",
     "TrainingEngine": "speedtronic.trainer",
     "SpeedtronicTrainer": "speedtronic.trainer",
     "TrainingStateError": "speedtronic.trainer",
@@ -131,4 +132,5 @@ if TYPE_CHECKING:
     from speedtronic.trainer import Trainer as Trainer
     from speedtronic.trainer import TrainingEngine as TrainingEngine
     from speedtronic.trainer import TrainingStateError as TrainingStateError
+    from speedtronic.view import TrainerView as TrainerView
     from speedtronic_callbacks.diloco import HubClient as HubClient

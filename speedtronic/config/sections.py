@@ -16,12 +16,10 @@ collected and raised together as ``ConfigError``.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
 import os
-import tempfile
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +30,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, TypeAlias, cast
 import yaml
 from typing_extensions import Self
 
+from speedtronic.atomic_io import atomic_write_text
 from speedtronic.config.loading import (
     CASE_FOLDS,
     REDACTED,
@@ -674,7 +673,7 @@ class SpeedtronicConfig:
             text = self.to_yaml(redact_secrets=True)
         else:
             text = json.dumps(self.to_dict(redact_secrets=True), indent=2) + "\n"
-        _atomic_write_text(path, text)
+        atomic_write_text(path, text)
         return path
 
     # -- construction -----------------------------------------------------------------
@@ -800,30 +799,6 @@ def _with_source(build: Callable[[], SpeedtronicConfig], origin: str | None) -> 
         if origin is None or exc.source is not None:
             raise
         raise ConfigError(exc.errors, source=origin) from None
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temporary file in the same directory, fsync, then rename: readers see
-    the old file or the new one, never a torn write."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle_fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle_fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temporary, 0o644)  # mkstemp creates 0600; a config file is not private
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        raise
-    with contextlib.suppress(OSError):  # directory fsync is not possible everywhere
-        directory_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory_fd)
-        finally:
-            os.close(directory_fd)
 
 
 def load_config(source: ConfigSource = None, overrides: Sequence[str] = ()) -> SpeedtronicConfig:
