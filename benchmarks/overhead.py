@@ -19,6 +19,9 @@ Cases:
                      metrics due every 100 steps, Trainer without callbacks
   mlp_20_callbacks   the same with 20 no-op callbacks, each listening to one per-step event
   mlp_lightning      Lightning on the tiny MLP (when installed)
+  scalar_bare        a four-weight model and SGD, 3000 steps: a step is almost all loop
+                     overhead, so the Trainer's own µs/step stand out of the machine's noise
+  scalar_20_callbacks  the same with the 20 no-op callbacks
 
 The MLP cases are reported as the Trainer's extra cost in µs/step over the hand-written loop
 (median of the per-round paired differences, and the difference of the best rounds) next to
@@ -292,6 +295,65 @@ def mlp_trainer_run(
     return MLP_STEPS / (clock() - start)
 
 
+# -- a near-empty model: nothing but the framework's own cost ------------------------------
+
+SCALAR_STEPS = 3000
+
+
+class ScalarModel(torch.nn.Module):
+    """Four weights and a squared error: a step is almost only loop overhead, so the
+    Trainer's extra µs/step stand out of the machine's noise (on a shared VM the MLP's
+    step time swings by more than the overhead being measured)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.w * x).sum() - y).square()
+
+
+def scalar_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(2)
+    return [(torch.randn(4, generator=generator), torch.randn((), generator=generator))] * 32
+
+
+def scalar_hand_loop(batches: list[tuple[torch.Tensor, torch.Tensor]], log_path: Path) -> float:
+    model = ScalarModel()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model.train()
+    start = clock()
+    with log_path.open("w") as log:
+        for step in range(1, SCALAR_STEPS + 1):
+            x, y = batches[(step - 1) % len(batches)]
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step % MLP_LOG_EVERY == 0:
+                log.write(f"step {step} loss {loss.item():.4f}\n")
+    return SCALAR_STEPS / (clock() - start)
+
+
+def scalar_trainer_run(
+    batches: list[tuple[torch.Tensor, torch.Tensor]], callbacks: int, out: Path
+) -> float:
+    model = ScalarModel()
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1e-3),
+        batches,
+        device="cpu",
+        callbacks=no_op_callbacks(callbacks),
+        max_steps=SCALAR_STEPS,
+        metrics_every=MLP_LOG_EVERY,
+        output_dir=out,
+    )
+    start = clock()
+    trainer.fit()
+    return SCALAR_STEPS / (clock() - start)
+
+
 def mlp_lightning_run(batches: list[tuple[torch.Tensor, torch.Tensor]], out: Path) -> float:
     import lightning as L  # optional: pip install lightning "torch==<your torch>"
 
@@ -373,6 +435,15 @@ def main() -> None:
     cases["mlp_20_callbacks"] = (
         lambda d: mlp_hand_loop(small, d / "hand.log"),
         lambda d: mlp_trainer_run(small, 20, d),
+    )
+    scalar = scalar_batches()
+    cases["scalar_bare"] = (
+        lambda d: scalar_hand_loop(scalar, d / "hand.log"),
+        lambda d: scalar_trainer_run(scalar, 0, d),
+    )
+    cases["scalar_20_callbacks"] = (
+        lambda d: scalar_hand_loop(scalar, d / "hand.log"),
+        lambda d: scalar_trainer_run(scalar, 20, d),
     )
     try:
         import lightning  # noqa: F401
