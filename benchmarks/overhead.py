@@ -38,6 +38,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -223,13 +224,26 @@ def mlp_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def mlp_hand_loop(batches: list[tuple[torch.Tensor, torch.Tensor]], log_path: Path) -> float:
-    model = make_mlp()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class SmallCase:
+    """A model small enough that the loop's own cost shows: how to build it, its
+    optimizer, and how many steps one run takes."""
+
+    make_model: Callable[[], torch.nn.Module]
+    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]
+    steps: int
+
+
+def small_hand_loop(case: SmallCase, batches: Batches, log_path: Path) -> float:
+    model = case.make_model()
+    opt = case.make_optimizer(model)
     model.train()
     start = clock()
     with log_path.open("w") as log:
-        for step in range(1, MLP_STEPS + 1):
+        for step in range(1, case.steps + 1):
             x, y = batches[(step - 1) % len(batches)]
             loss = model(x, y)
             loss.backward()
@@ -237,7 +251,7 @@ def mlp_hand_loop(batches: list[tuple[torch.Tensor, torch.Tensor]], log_path: Pa
             opt.zero_grad(set_to_none=True)
             if step % MLP_LOG_EVERY == 0:
                 log.write(f"step {step} loss {loss.item():.4f}\n")
-    return MLP_STEPS / (clock() - start)
+    return case.steps / (clock() - start)
 
 
 class NoOp(Callback):
@@ -276,29 +290,29 @@ def no_op_callbacks(count: int) -> list[Callback]:
     return made
 
 
-def mlp_trainer_run(
-    batches: list[tuple[torch.Tensor, torch.Tensor]], callbacks: int, out: Path
-) -> float:
-    model = make_mlp()
+def small_trainer_run(case: SmallCase, batches: Batches, callbacks: int, out: Path) -> float:
+    model = case.make_model()
     trainer = Trainer(
         model,
-        torch.optim.Adam(model.parameters(), lr=1e-3),
+        case.make_optimizer(model),
         batches,
         device="cpu",
         callbacks=no_op_callbacks(callbacks),
-        max_steps=MLP_STEPS,
+        max_steps=case.steps,
         metrics_every=MLP_LOG_EVERY,
         output_dir=out,
     )
     start = clock()
     trainer.fit()
-    return MLP_STEPS / (clock() - start)
+    return case.steps / (clock() - start)
+
+
+MLP_CASE = SmallCase(
+    make_mlp, lambda model: torch.optim.Adam(model.parameters(), lr=1e-3), MLP_STEPS
+)
 
 
 # -- a near-empty model: nothing but the framework's own cost ------------------------------
-
-SCALAR_STEPS = 3000
-
 
 class ScalarModel(torch.nn.Module):
     """Four weights and a squared error: a step is almost only loop overhead, so the
@@ -318,40 +332,9 @@ def scalar_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(4, generator=generator), torch.randn((), generator=generator))] * 32
 
 
-def scalar_hand_loop(batches: list[tuple[torch.Tensor, torch.Tensor]], log_path: Path) -> float:
-    model = ScalarModel()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    model.train()
-    start = clock()
-    with log_path.open("w") as log:
-        for step in range(1, SCALAR_STEPS + 1):
-            x, y = batches[(step - 1) % len(batches)]
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if step % MLP_LOG_EVERY == 0:
-                log.write(f"step {step} loss {loss.item():.4f}\n")
-    return SCALAR_STEPS / (clock() - start)
-
-
-def scalar_trainer_run(
-    batches: list[tuple[torch.Tensor, torch.Tensor]], callbacks: int, out: Path
-) -> float:
-    model = ScalarModel()
-    trainer = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=1e-3),
-        batches,
-        device="cpu",
-        callbacks=no_op_callbacks(callbacks),
-        max_steps=SCALAR_STEPS,
-        metrics_every=MLP_LOG_EVERY,
-        output_dir=out,
-    )
-    start = clock()
-    trainer.fit()
-    return SCALAR_STEPS / (clock() - start)
+SCALAR_CASE = SmallCase(
+    ScalarModel, lambda model: torch.optim.SGD(model.parameters(), lr=1e-3), 3000
+)
 
 
 def mlp_lightning_run(batches: list[tuple[torch.Tensor, torch.Tensor]], out: Path) -> float:
@@ -429,21 +412,21 @@ def main() -> None:
         ),
     }
     cases["mlp_bare"] = (
-        lambda d: mlp_hand_loop(small, d / "hand.log"),
-        lambda d: mlp_trainer_run(small, 0, d),
+        lambda d: small_hand_loop(MLP_CASE, small, d / "hand.log"),
+        lambda d: small_trainer_run(MLP_CASE, small, 0, d),
     )
     cases["mlp_20_callbacks"] = (
-        lambda d: mlp_hand_loop(small, d / "hand.log"),
-        lambda d: mlp_trainer_run(small, 20, d),
+        lambda d: small_hand_loop(MLP_CASE, small, d / "hand.log"),
+        lambda d: small_trainer_run(MLP_CASE, small, 20, d),
     )
     scalar = scalar_batches()
     cases["scalar_bare"] = (
-        lambda d: scalar_hand_loop(scalar, d / "hand.log"),
-        lambda d: scalar_trainer_run(scalar, 0, d),
+        lambda d: small_hand_loop(SCALAR_CASE, scalar, d / "hand.log"),
+        lambda d: small_trainer_run(SCALAR_CASE, scalar, 0, d),
     )
     cases["scalar_20_callbacks"] = (
-        lambda d: scalar_hand_loop(scalar, d / "hand.log"),
-        lambda d: scalar_trainer_run(scalar, 20, d),
+        lambda d: small_hand_loop(SCALAR_CASE, scalar, d / "hand.log"),
+        lambda d: small_trainer_run(SCALAR_CASE, scalar, 20, d),
     )
     try:
         import lightning  # noqa: F401
@@ -453,7 +436,7 @@ def main() -> None:
             lambda d: lightning_run(batches, d),
         )
         cases["mlp_lightning"] = (
-            lambda d: mlp_hand_loop(small, d / "hand.log"),
+            lambda d: small_hand_loop(MLP_CASE, small, d / "hand.log"),
             lambda d: mlp_lightning_run(small, d),
         )
     except ImportError:
