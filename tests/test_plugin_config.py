@@ -38,7 +38,6 @@ CORE_FILES = (
             "trainer",
             "loop",
             "dispatch",
-            "events",
             "view",
             "filters",
             "forward_path",
