@@ -8,11 +8,14 @@ import json
 import os
 import pickle
 import struct
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from speedtronic.callback import Callback
 from speedtronic.checkpoint import (
@@ -383,3 +386,52 @@ def test_disk_full_says_no_space_left_and_the_path(
     assert str(manager.path_for(2)) in message and "free there" in message
     assert manager.latest_path() == manager.path_for(1)  # the previous checkpoint is intact
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.json", "step_000000000001.pt"]
+
+
+# -- the reproductions, through the CLI ----------------------------------------------------
+
+CLI_CONFIG = {
+    "run": {"name": "harden", "device": "cpu", "max_steps": 40, "seed": 3},
+    "model": {"vocab_size": 32, "max_seq_len": 8, "n_layer": 1, "n_head": 2, "d_model": 16},
+    "data": {"synthetic_kind": "learnable", "num_tokens": 64, "micro_batch_size": 2},
+    "logging": {"every_steps": 5, "console": False},
+    "checkpoint": {"every_steps": 5, "keep_last": 2},
+}
+
+
+def speedtronic_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "callbacks")]))
+    return subprocess.run(
+        [sys.executable, "-m", "speedtronic", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_cli_resumes_past_a_truncated_newest_checkpoint_and_refuses_a_planted_pickle(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(CLI_CONFIG))
+    out = tmp_path / "out"
+    first = speedtronic_cli("fit", "--config", str(config), "--output-dir", str(out), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    newest = out / "checkpoints" / "step_000000000040.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    resumed = speedtronic_cli("fit", "--config", str(config), "--output-dir", str(out),
+                              "--resume", "--max-steps", "45", cwd=tmp_path)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from step_000000000035.pt" in resumed.stderr
+    assert "steps=45" in resumed.stdout
+    planted = out / "checkpoints" / "step_000000000050.pt"
+    torch.save({"model": {}, "x": RunsCode(tmp_path / "pwned")}, planted, pickle_protocol=4)
+    (out / "checkpoints" / "latest.json").unlink()
+    refused = speedtronic_cli("fit", "--config", str(config), "--output-dir", str(out),
+                              "--resume", "--max-steps", "50", cwd=tmp_path)  # fmt: skip
+    assert refused.returncode == 2, refused.stderr
+    assert "refusing to load" in refused.stderr and str(planted) in refused.stderr
+    assert not (tmp_path / "pwned").exists()
