@@ -310,10 +310,16 @@ def describe_classes(named: Sequence[tuple[str, type[Callback]]]) -> list[tuple[
             listening = [x for x in listening if x[1].metrics_phase == "contribute"] + [
                 x for x in listening if x[1].metrics_phase == "consume"
             ]
-        rows.append((event, [name for name, _ in listening]))
+        names = [_with_filter(name, cls.due_when.get(event)) for name, cls in listening]
+        rows.append((event, names))
     for name, cls in named:
         check_hook_names(cls, name)
     return rows
+
+
+def _with_filter(name: str, when: StepFilter | None) -> str:
+    """``name``, and the steps it is due on when a ``due_when`` filter limits them."""
+    return name if when is None else f"{name} [{when.describe()}]"
 
 
 def format_plan(rows: Sequence[tuple[Event, Sequence[str]]]) -> str:

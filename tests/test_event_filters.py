@@ -11,7 +11,7 @@ from torch import nn
 
 from speedtronic import Callback, Event, Trainer
 from speedtronic.contexts import FitContext, StepContext
-from speedtronic.dispatch import FilterError
+from speedtronic.dispatch import FilterError, describe_classes
 from speedtronic.filters import StepFilter, every, final_step, logging_steps, once
 from speedtronic.metrics import MetricRecord
 from speedtronic.testing import EventRecorder
@@ -176,3 +176,18 @@ def test_quiet_stretches_follow_a_new_target_and_a_step_moved_back() -> None:
     trainer.step = 1  # same target as before: only the step moved back
     trainer.fit(9)
     assert recorder.steps_of(Event.STEP_END) == [2, 5, 9, 2, 9]
+
+
+def test_the_validate_plan_shows_each_hooks_filter() -> None:
+    class Every3(Callback):
+        due_when = {Event.STEP_END: every(3)}
+
+        def on_step_end(self, trainer: TrainerView, ctx: StepContext) -> None:
+            del trainer, ctx
+
+        def on_step_start(self, trainer: TrainerView, ctx: StepContext) -> None:
+            del trainer, ctx
+
+    rows = dict(describe_classes([("every3", Every3)]))
+    assert rows[Event.STEP_END] == ["every3 [every 3]"]
+    assert rows[Event.STEP_START] == ["every3"]  # unfiltered hook: no bracket
