@@ -1,14 +1,19 @@
-"""Typed, frozen arguments for each event's hook.
+"""Typed, immutable arguments for each event's hook.
 
-Every hook receives ``(trainer, ctx)``; ``ctx`` is one of the dataclasses below. They are
-frozen so a callback cannot change what the next callback sees; things a callback may act
+Every hook receives ``(trainer, ctx)``; ``ctx`` is one of the named tuples below. They are
+immutable so a callback cannot change what the next callback sees; things a callback may act
 on (stop the run, ask for an optimizer reset, add a metric) go through the trainer's
 methods or the metric record, which are documented for that purpose.
+
+Why named tuples and not frozen dataclasses: the loop builds one context per listened event
+per step, and a frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field) costs
+several times what a named tuple's construction does -- with 20 per-step callbacks that was
+most of the framework's own per-step cost. Fields, defaults, ``repr`` and typing are the same.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -16,34 +21,30 @@ from speedtronic.metrics import MetricRecord
 from speedtronic.result import TrainResult
 
 
-@dataclass(frozen=True, slots=True)
-class FitContext:
+class FitContext(NamedTuple):
     """``setup`` and ``fit_start``: the step the fit starts from and the absolute target."""
 
     start_step: int
     target_step: int
 
 
-@dataclass(frozen=True, slots=True)
-class StepContext:
+class StepContext(NamedTuple):
     """``step_start`` and ``step_end``. ``step`` is the 1-based number of this global step."""
 
     step: int
     accumulation_steps: int
 
 
-@dataclass(frozen=True, slots=True)
-class MicrobatchContext:
+class MicrobatchContext(NamedTuple):
     """``microbatch_start`` and ``microbatch_end``; ``index`` runs 0..K-1."""
 
     step: int
-    index: int
+    index: int  # type: ignore[assignment]  # a field named index shadows tuple.index: intended
     accumulation_steps: int
     batch: object
 
 
-@dataclass(frozen=True, slots=True)
-class BackwardContext:
+class BackwardContext(NamedTuple):
     """``before_backward`` and ``after_backward``.
 
     ``loss`` is this microbatch's unscaled loss (a 0-d tensor still on the device; reading
@@ -51,13 +52,12 @@ class BackwardContext:
     """
 
     step: int
-    index: int
+    index: int  # type: ignore[assignment]  # a field named index shadows tuple.index: intended
     accumulation_steps: int
     loss: torch.Tensor
 
 
-@dataclass(frozen=True, slots=True)
-class OptimizerStepContext:
+class OptimizerStepContext(NamedTuple):
     """``before_optimizer_step`` / ``after_optimizer_step``.
 
     Before the step the gradients are complete and unscaled. ``skipped`` is true after a step
@@ -70,24 +70,21 @@ class OptimizerStepContext:
     grad_norm: torch.Tensor | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class SchedulerContext:
+class SchedulerContext(NamedTuple):
     """``after_scheduler_step``: the learning rate of each param group for the next step."""
 
     step: int
     lrs: tuple[float, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class CoordinateContext:
+class CoordinateContext(NamedTuple):
     """``coordinate``: sync callbacks act here; ``trainer.request_optimizer_reset`` asks for
     an ``optimizer_reset`` event later in the same step."""
 
     step: int
 
 
-@dataclass(frozen=True, slots=True)
-class OptimizerResetContext:
+class OptimizerResetContext(NamedTuple):
     """``optimizer_reset``: who asked for it. The trainer clears the optimizer state after
     this event's callbacks ran."""
 
@@ -95,8 +92,7 @@ class OptimizerResetContext:
     requested_by: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class MetricsContext:
+class MetricsContext(NamedTuple):
     """``metrics``: the step's record. ``due`` is true on logging-cadence steps and on the
     final step of a fit; contributors add keys to ``record``, sinks read it when due."""
 
@@ -105,31 +101,27 @@ class MetricsContext:
     record: MetricRecord
 
 
-@dataclass(frozen=True, slots=True)
-class CheckpointContext:
+class CheckpointContext(NamedTuple):
     """``checkpoint``: the checkpoint callback saves here when its interval is due."""
 
     step: int
 
 
-@dataclass(frozen=True, slots=True)
-class FitEndContext:
+class FitEndContext(NamedTuple):
     """``fit_end``: the fit completed (target reached or a callback stopped it)."""
 
     result: TrainResult
     stop_reason: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class ExceptionContext:
+class ExceptionContext(NamedTuple):
     """``exception``: the error that is ending the fit, and the last completed step."""
 
     error: BaseException
     step: int
 
 
-@dataclass(frozen=True, slots=True)
-class TeardownContext:
+class TeardownContext(NamedTuple):
     """``teardown``: always runs last; ``error`` is set when the fit is failing."""
 
     step: int

@@ -13,6 +13,7 @@ their own. Every rank still *owns* all callbacks (their state is saved and resto
 from __future__ import annotations
 
 import difflib
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -203,6 +204,12 @@ class CallbackPlan:
         # The hooks due in the current step, per event key (``begin_step``); the loop reads
         # it to skip events nobody is due to hear. The full lists until a step begins.
         self.due_hooks: dict[EventKey, tuple[BoundHook, ...]] = self._by_key
+        # A step where no filtered hook is due gets the unfiltered hooks only; steps in
+        # [_quiet_from, _quiet_until) for one (target, cadence) are such steps (begin_step).
+        self._quiet_hooks: dict[EventKey, tuple[BoundHook, ...]] = dict(self._by_key)
+        for key, entries in self._filtered.items():
+            self._quiet_hooks[key] = tuple(hook for when, hook in entries if when is None)
+        self._quiet_from = self._quiet_until = self._quiet_target = self._quiet_every = 0
 
     @staticmethod
     def _bind(callback: Callback, event: Event) -> BoundHook:
@@ -219,8 +226,35 @@ class CallbackPlan:
 
     def begin_step(self, step: int, target_step: int, metrics_every: int) -> None:
         """Select the hooks due in global step ``step`` (their ``due_when`` filters). Without
-        filtered callbacks this does nothing: every hook is due on every step."""
+        filtered callbacks this does nothing: every hook is due on every step.
+
+        Filters are sparse (every N steps, logging steps, the final step), so most steps
+        have none due: the plan remembers the stretch of steps until the next one that is
+        and hands out the same "only unfiltered hooks" table there, without evaluating a
+        filter or building a table per step."""
         if not self._filtered:
+            return
+        if (
+            self._quiet_from <= step < self._quiet_until
+            and target_step == self._quiet_target
+            and metrics_every == self._quiet_every
+        ):
+            self.due_hooks = self._quiet_hooks
+            return
+        next_due = min(
+            (
+                due_at
+                for entries in self._filtered.values()
+                for when, _ in entries
+                if when is not None
+                and (due_at := when.next_due(step, target_step, metrics_every)) is not None
+            ),
+            default=None,
+        )
+        if next_due is None or next_due > step:
+            self._quiet_from, self._quiet_until = step, next_due or sys.maxsize
+            self._quiet_target, self._quiet_every = target_step, metrics_every
+            self.due_hooks = self._quiet_hooks
             return
         current = dict(self._by_key)
         for key, entries in self._filtered.items():
@@ -276,10 +310,16 @@ def describe_classes(named: Sequence[tuple[str, type[Callback]]]) -> list[tuple[
             listening = [x for x in listening if x[1].metrics_phase == "contribute"] + [
                 x for x in listening if x[1].metrics_phase == "consume"
             ]
-        rows.append((event, [name for name, _ in listening]))
+        names = [_with_filter(name, cls.due_when.get(event)) for name, cls in listening]
+        rows.append((event, names))
     for name, cls in named:
         check_hook_names(cls, name)
     return rows
+
+
+def _with_filter(name: str, when: StepFilter | None) -> str:
+    """``name``, and the steps it is due on when a ``due_when`` filter limits them."""
+    return name if when is None else f"{name} [{when.describe()}]"
 
 
 def format_plan(rows: Sequence[tuple[Event, Sequence[str]]]) -> str:

@@ -70,6 +70,18 @@ class StepFilter:
             return True
         return self.logging and step % metrics_every == 0
 
+    def next_due(self, step: int, target_step: int, metrics_every: int) -> int | None:
+        """The first step ``>= step`` this filter is due on (``None``: never again), so the
+        plan can skip re-evaluating filters on the steps in between."""
+        candidates: list[int] = [s for s in self.at if s >= step]
+        if self.every is not None:
+            candidates.append(-(-step // self.every) * self.every)
+        if (self.final or self.logging) and target_step >= step:
+            candidates.append(target_step)
+        if self.logging:
+            candidates.append(-(-step // metrics_every) * metrics_every)
+        return min(candidates, default=None)
+
     def describe(self) -> str:
         parts = []
         if self.every is not None:

@@ -89,8 +89,8 @@ class ForwardPath:
 
     def forward(self, batch: object) -> object:
         """The model's output for a batch, compiled when compilation is on and works."""
-        if self.compiled is None:
-            return run_model(self.train_module, batch)
+        if self.compiled is None:  # the eager module, without a property call per step
+            return run_model(self.ddp if self.ddp is not None else self.model, batch)
         try:
             return run_model(self.compiled, batch)
         except Exception as exc:

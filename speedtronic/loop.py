@@ -40,24 +40,34 @@ def run_global_step(t: Trainer, step: int) -> bool:
     Events nobody is due to hear this step are not emitted and their contexts are not built
     (``due`` holds this step's hooks per event): the loop's own cost stays a few µs."""
     plan = t.plan
-    plan.begin_step(step, t.target_step, t.metrics_every)
+    target_step, metrics_every = t.target_step, t.metrics_every
+    plan.begin_step(step, target_step, metrics_every)
     due = plan.due_hooks
     k = t.accumulation_steps
+    step_ctx: StepContext | None = None  # shared by step_start and step_end (immutable)
     if due[On.STEP_START]:
-        plan.emit(t, On.STEP_START, StepContext(step, k))
+        step_ctx = StepContext(step, k)
+        plan.emit(t, On.STEP_START, step_ctx)
 
     loss_sum = _accumulate_microbatches(t, step, k)
 
-    grad_norm = _prepare_gradients(t)
+    scaler = t.scaler
+    plain_update = scaler is None and t.grad_clip is None  # no unscale, no clipping
+    grad_norm = None if plain_update else _prepare_gradients(t)
     if due[On.BEFORE_OPTIMIZER_STEP]:
         plan.emit(t, On.BEFORE_OPTIMIZER_STEP, OptimizerStepContext(step, False, grad_norm))
-    skipped = _optimizer_step(t)
+    if scaler is None:
+        t.optimizer.step()
+        t.optimizer.zero_grad(set_to_none=True)
+        skipped = False
+    else:
+        skipped = _scaled_optimizer_step(t, scaler)
     if due[On.AFTER_OPTIMIZER_STEP]:
         plan.emit(t, On.AFTER_OPTIMIZER_STEP, OptimizerStepContext(step, skipped, grad_norm))
     if skipped:
         t.note_skipped_step(step)
         if due[On.STEP_END]:
-            plan.emit(t, On.STEP_END, StepContext(step, k))
+            plan.emit(t, On.STEP_END, step_ctx or StepContext(step, k))
         return False
 
     t.step = step
@@ -65,21 +75,22 @@ def run_global_step(t: Trainer, step: int) -> bool:
     if t.scheduler is not None:
         t.scheduler.step()
     if due[On.AFTER_SCHEDULER_STEP]:
-        lrs = tuple(float(group["lr"]) for group in t.optimizer.param_groups)
+        lrs = tuple([float(group["lr"]) for group in t.optimizer.param_groups])
         plan.emit(t, On.AFTER_SCHEDULER_STEP, SchedulerContext(step, lrs))
 
     if due[On.COORDINATE]:
         plan.emit(t, On.COORDINATE, CoordinateContext(step))
-    if t.reset_requested:
+    if t.requests.resets:
         _maybe_reset_optimizer(t, step)
 
-    # The record is built only when a metrics hook is due or the step is a logging step.
-    if due[On.METRICS] or t.is_metric_due(step):
+    # The record is built only when a metrics hook is due or the step is a logging step
+    # (``Trainer.is_metric_due``, spelled out: this runs every step).
+    if due[On.METRICS] or step % metrics_every == 0 or step == target_step:
         _emit_metrics(t, step, t.last_loss, grad_norm)
     if due[On.CHECKPOINT]:
         plan.emit(t, On.CHECKPOINT, CheckpointContext(step))
     if due[On.STEP_END]:
-        plan.emit(t, On.STEP_END, StepContext(step, k))
+        plan.emit(t, On.STEP_END, step_ctx or StepContext(step, k))
     return True
 
 
@@ -88,22 +99,26 @@ def _accumulate_microbatches(t: Trainer, step: int, k: int) -> torch.Tensor:
     plan = t.plan
     due = plan.due_hooks
     listens_mb = bool(due[On.MICROBATCH_START] or due[On.MICROBATCH_END])
+    listens_bw = bool(due[On.BEFORE_BACKWARD] or due[On.AFTER_BACKWARD])
     stream, device, path = t.stream, t.device, t.forward_path
+    # On the CPU there is nowhere to move a batch to: skip walking it tensor by tensor.
+    moves = device.type != "cpu"
     loss_sum: torch.Tensor | None = None
     for index in range(k):
-        host_batch = next(stream)
-        samples, tokens = batch_size_and_tokens(host_batch)  # before the move: no device sync
-        batch = move_to_device(host_batch, device)
+        batch = next(stream)
+        samples, tokens = batch_size_and_tokens(batch)  # before the move: no device sync
+        if moves:
+            batch = move_to_device(batch, device)
         t.samples += samples
         t.tokens += tokens
         mb_ctx = MicrobatchContext(step, index, k, batch) if listens_mb else None
         if mb_ctx is not None:
             plan.emit(t, On.MICROBATCH_START, mb_ctx)
         if path.plain:  # no DDP, no autocast: no context managers to enter
-            loss = _forward_backward(t, batch, step, index, k, autocast=False)
+            loss = _forward_backward(t, batch, step, index, k, listens_bw, autocast=False)
         else:
             with path.grad_sync_context(index == k - 1):
-                loss = _forward_backward(t, batch, step, index, k, autocast=True)
+                loss = _forward_backward(t, batch, step, index, k, listens_bw, autocast=True)
         detached = loss.detach()
         loss_sum = detached if loss_sum is None else loss_sum + detached
         if mb_ctx is not None:
@@ -113,7 +128,7 @@ def _accumulate_microbatches(t: Trainer, step: int, k: int) -> torch.Tensor:
 
 
 def _forward_backward(
-    t: Trainer, batch: object, step: int, index: int, k: int, *, autocast: bool
+    t: Trainer, batch: object, step: int, index: int, k: int, listens_bw: bool, *, autocast: bool
 ) -> torch.Tensor:
     """One microbatch's forward and backward; returns its unscaled loss."""
     path = t.forward_path
@@ -123,8 +138,6 @@ def _forward_backward(
     else:
         output = path.forward(batch)
     loss = resolve_loss(output, batch)
-    due = t.plan.due_hooks
-    listens_bw = due[On.BEFORE_BACKWARD] or due[On.AFTER_BACKWARD]
     backward_ctx = BackwardContext(step, index, k, loss) if listens_bw else None
     if backward_ctx is not None:
         t.plan.emit(t, On.BEFORE_BACKWARD, backward_ctx)
@@ -146,18 +159,13 @@ def _prepare_gradients(t: Trainer) -> torch.Tensor | None:
     return torch.nn.utils.clip_grad_norm_(t.trainable_parameters, t.grad_clip)
 
 
-def _optimizer_step(t: Trainer) -> bool:
-    """Step the optimizer; True when the grad scaler skipped the step (overflow)."""
-    skipped = False
-    if t.scaler is not None:
-        scale_before = t.scaler.get_scale()  # one host read, fp16 on CUDA only
-        t.scaler.step(t.optimizer)
-        t.scaler.update()
-        skipped = t.scaler.get_scale() < scale_before
-    else:
-        t.optimizer.step()
+def _scaled_optimizer_step(t: Trainer, scaler: torch.amp.GradScaler) -> bool:
+    """The fp16 step through the grad scaler; True when it skipped the step (overflow)."""
+    scale_before = scaler.get_scale()  # one host read, fp16 on CUDA only
+    scaler.step(t.optimizer)
+    scaler.update()
     t.optimizer.zero_grad(set_to_none=True)
-    return skipped
+    return scaler.get_scale() < scale_before
 
 
 def _maybe_reset_optimizer(t: Trainer, step: int) -> None:

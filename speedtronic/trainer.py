@@ -133,7 +133,8 @@ class Trainer:
         self.max_steps = settings.max_steps
         self.output_dir = settings.output_dir
         self.shape_report = shape_report
-        self._target_step = self.max_steps or 0
+        self.target_step = self.max_steps or 0
+        """The absolute step this fit trains up to (set by ``fit``)."""
         self.step = start_step
         self.samples = 0
         self.tokens = 0
@@ -145,6 +146,8 @@ class Trainer:
         self.callbacks: list[Callback] = list(callbacks)
         self.callbacks += legacy_callbacks(coordinator, logger, checkpoint_manager)
         self.distributed = distributed
+        self.multi_rank = distributed is not None and distributed.world_size > 1
+        """True in a distributed run with more than one rank (fixed for the trainer's life)."""
         if self.multi_rank:
             assert distributed is not None
             self.callbacks.append(RankMetricReducer(distributed))  # the last contributor
@@ -177,11 +180,6 @@ class Trainer:
         effect on every rank at the next logging step (``agree_on_stop``)."""
         requests = self.requests
         return requests.agreed_stop if self.multi_rank else requests.stop_reason
-
-    @property
-    def multi_rank(self) -> bool:
-        """True in a distributed run with more than one rank."""
-        return self.distributed is not None and self.distributed.world_size > 1
 
     def request_optimizer_reset(self, requested_by: str) -> None:
         """Ask for an ``optimizer_reset`` in this step (honoured when resets are allowed)."""
@@ -267,7 +265,7 @@ class Trainer:
     def _keep_going(self, start_step: int) -> bool:
         """Whether to run another step. A multi-rank run agrees on stopping at logging
         steps only (one tiny all-reduce), so every rank stops at the same step."""
-        if self.step >= self._target_step:
+        if self.step >= self.target_step:
             return False
         if not self.multi_rank:
             return self.requests.stop_reason is None
@@ -281,20 +279,16 @@ class Trainer:
 
     # -- fit ---------------------------------------------------------------------------
 
-    @property
-    def target_step(self) -> int:
-        return self._target_step
-
     def fit(self, max_steps: int | None = None) -> TrainResult:
         """Train until the absolute step ``max_steps`` (or the configured target)."""
         requested = max_steps if max_steps is not None else self.max_steps
         if requested is None or requested <= 0:
             raise ValueError(f"max_steps must be a positive integer, got {requested!r}")
-        self._target_step = max(self.step, requested)
+        self.target_step = max(self.step, requested)
         self.requests.begin_fit()
         self.due_records = []
         start_step = self.step
-        fit_ctx = FitContext(start_step, self._target_step)
+        fit_ctx = FitContext(start_step, self.target_step)
         self.model.to(self.device)
         self.model.train()
         self.forward_path.prepare(self.model, self.callbacks)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from speedtronic import Callback, Event, Trainer
 from speedtronic.contexts import FitContext, StepContext
-from speedtronic.dispatch import FilterError
+from speedtronic.dispatch import FilterError, describe_classes
 from speedtronic.filters import StepFilter, every, final_step, logging_steps, once
 from speedtronic.metrics import MetricRecord
 from speedtronic.testing import EventRecorder
@@ -137,3 +139,55 @@ def test_built_in_sinks_and_contributors_are_filtered_to_logging_steps() -> None
         assert callback_type.due_when == {Event.METRICS: logging_steps()}
     guard = NanGuard(check_every=4)
     assert guard.due_when[Event.BEFORE_OPTIMIZER_STEP] == every(4)
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(
+    every_n=st.none() | st.integers(1, 7),
+    at=st.frozensets(st.integers(1, 40), max_size=3),
+    final=st.booleans(),
+    logging=st.booleans(),
+    step=st.integers(1, 40),
+    target=st.integers(1, 40),
+    cadence=st.integers(1, 9),
+)
+def test_next_due_is_the_first_due_step(
+    every_n: int | None,
+    at: frozenset[int],
+    final: bool,
+    logging: bool,
+    step: int,
+    target: int,
+    cadence: int,
+) -> None:
+    # The plan skips filter evaluation until ``next_due``: it must never skip a due step.
+    rule = StepFilter(every=every_n, at=at, final=final, logging=logging)
+    due_steps = [s for s in range(step, 200) if rule.due(s, target, cadence)]
+    assert rule.next_due(step, target, cadence) == (due_steps[0] if due_steps else None)
+
+
+def test_quiet_stretches_follow_a_new_target_and_a_step_moved_back() -> None:
+    # The plan remembers the steps until the next due one; a second fit with another target,
+    # and a trainer moved back to an earlier step (resume), must not reuse a stale stretch.
+    recorder = EventRecorder({Event.STEP_END: final_step() | once(2)})
+    trainer = fit(recorder, steps=5)
+    trainer.fit(9)
+    assert recorder.steps_of(Event.STEP_END) == [2, 5, 9]
+    trainer.step = 1  # same target as before: only the step moved back
+    trainer.fit(9)
+    assert recorder.steps_of(Event.STEP_END) == [2, 5, 9, 2, 9]
+
+
+def test_the_validate_plan_shows_each_hooks_filter() -> None:
+    class Every3(Callback):
+        due_when = {Event.STEP_END: every(3)}
+
+        def on_step_end(self, trainer: TrainerView, ctx: StepContext) -> None:
+            del trainer, ctx
+
+        def on_step_start(self, trainer: TrainerView, ctx: StepContext) -> None:
+            del trainer, ctx
+
+    rows = dict(describe_classes([("every3", Every3)]))
+    assert rows[Event.STEP_END] == ["every3 [every 3]"]
+    assert rows[Event.STEP_START] == ["every3"]  # unfiltered hook: no bracket

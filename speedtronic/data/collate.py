@@ -149,18 +149,21 @@ def batch_size_and_tokens(batch: object) -> tuple[int, int]:
     (padding is then counted), so count before moving the batch for exact numbers.
     Anything else counts as one sample of one token.
     """
+    # Runs once per microbatch: concrete types first, the (slower) abstract Mapping last.
     source: object = None
-    if isinstance(batch, Mapping):
-        source = batch.get("input_ids", batch.get("inputs"))
-    elif isinstance(batch, (tuple, list)) and batch:
-        source = batch[0]
+    mapping: Mapping[str, object] | None = None
+    if isinstance(batch, (tuple, list)):
+        source = batch[0] if batch else None
     elif isinstance(batch, torch.Tensor):
         source = batch
+    elif isinstance(batch, Mapping):
+        mapping = batch
+        source = batch.get("input_ids", batch.get("inputs"))
     if not isinstance(source, torch.Tensor) or source.dim() == 0:
         return 1, 1
-    samples, tokens = int(source.shape[0]), int(source.numel())
-    if isinstance(batch, Mapping) and source.dim() > 1:
-        mask = batch.get("attention_mask")
+    samples, tokens = source.shape[0], source.numel()
+    if mapping is not None and source.dim() > 1:
+        mask = mapping.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.device.type == "cpu":
             tokens = int(mask.sum())
     return samples, tokens
