@@ -207,7 +207,7 @@ class WandbCallback(MetricSink):
             self._worker = BackgroundWorker("speedtronic-wandb", self._log)
 
     def _init(self, wandb: ModuleType, directory: Path, config: dict[str, object] | None) -> Run:
-        return wandb.init(
+        run: Run = wandb.init(
             project=self.project,
             entity=self.entity,
             name=self.name,
@@ -222,6 +222,7 @@ class WandbCallback(MetricSink):
             # W&B's console capture wraps sys.stdout; the console/progress sinks own it.
             settings=wandb.Settings(console="off"),
         )
+        return run
 
     def _log(self, record: Record) -> None:
         run = self.run
