@@ -346,6 +346,8 @@ def test_seed_everything_is_public_and_seeds_every_generator() -> None:
     first = draw()
     speedtronic.seed_everything(7)
     assert draw() == first
+    speedtronic.seed_everything(np.int64(7))  # type: ignore[arg-type]  # NumPy ints work too
+    assert draw() == first
     with pytest.raises(TypeError):
         speedtronic.seed_everything("7")  # type: ignore[arg-type]  # the check under test
 
