@@ -333,6 +333,12 @@ def test_the_start_line_shows_world_size_and_strategy() -> None:
     line = describe_fit_start(trainer, FitContext(0, 5))  # type: ignore[arg-type]  # duck
     threads = torch.get_num_threads()
     assert f"| device cpu | threads {threads} | world 4 (ddp, gloo) | precision fp32 |" in line
+    trainer.run_config = {
+        "run": {"threads": "auto"},
+        "callbacks": [{"name": "diloco", "mode": "collective", "ranks_per_replica": 2}],
+    }
+    line = describe_fit_start(trainer, FitContext(0, 5))  # type: ignore[arg-type]  # duck
+    assert f"| threads {threads} (auto) | world 4 (diloco, 2 replicas, gloo) |" in line
 
 
 # -- item 12: seed_everything, the model summary --------------------------------------------

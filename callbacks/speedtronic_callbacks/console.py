@@ -54,13 +54,27 @@ def describe_fit_start(trainer: TrainerView, ctx: FitContext) -> str:
     ]
     distributed = trainer.distributed
     if distributed is not None and distributed.world_size > 1:
-        parts.append(f"world {distributed.world_size} (ddp, {distributed.backend})")
+        strategy = _strategy(trainer.run_config, distributed.world_size)
+        parts.append(f"world {distributed.world_size} ({strategy}, {distributed.backend})")
     parts += [
         f"precision {trainer.precision_mode}",
         f"accumulation {trainer.accumulation_steps}",
         f"{format_si(parameters)} parameters",
     ]
     return " | ".join(parts)
+
+
+def _strategy(run_config: Mapping[str, object] | None, world_size: int) -> str:
+    """``ddp``, or ``diloco`` with its replica size when a synchronous DiLoCo entry splits
+    the world into replicas (read from the run's config, which says how it trains)."""
+    callbacks = run_config.get("callbacks") if run_config is not None else None
+    for entry in callbacks if isinstance(callbacks, list) else []:
+        if isinstance(entry, Mapping) and entry.get("name") == "diloco":
+            if entry.get("mode") == "collective":
+                size = entry.get("ranks_per_replica", 1)
+                size = size if isinstance(size, int) and size > 0 else 1
+                return f"diloco, {world_size // size} replicas"
+    return "ddp"
 
 
 def _describe_threads(run_config: Mapping[str, object] | None) -> str:
