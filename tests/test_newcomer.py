@@ -318,6 +318,22 @@ def test_an_error_every_rank_raises_prints_on_rank_zero_only(
     assert capsys.readouterr().err.count("diloco mode 'hub'") == 1
 
 
+def test_diloco_hub_mode_refusal_under_torchrun_is_the_same_on_every_rank(tmp_path: Path) -> None:
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.contexts import FitContext
+    from speedtronic.distributed import SameOnEveryRankError
+    from speedtronic.plugins import PluginContext, build_callback
+
+    config = SpeedtronicConfig.from_dict(
+        {"callbacks": [{"name": "diloco", "hub_dir": str(tmp_path / "hub"), "role": "worker"}]}
+    )
+    spec = config.callbacks[0]
+    context = PluginContext(config=config, output_dir=tmp_path, device=CPU)
+    callback = build_callback(spec.name, spec.options, context)
+    with pytest.raises(SameOnEveryRankError, match="mode: collective"):
+        callback.on_setup(SimpleNamespace(multi_rank=True), FitContext(0, 10))  # type: ignore[arg-type]  # the hook reads multi_rank first
+
+
 def test_the_start_line_shows_world_size_and_strategy() -> None:
     from speedtronic.contexts import FitContext
     from speedtronic_callbacks.console import describe_fit_start
