@@ -56,6 +56,8 @@ _EXPORTS: dict[str, str] = {
     "ReferenceTransformer": "speedtronic.model",
     # precision
     "PrecisionPlan": "speedtronic.precision",
+    # reproducibility
+    "seed_everything": "speedtronic.rng",
     # utilities of the original API
     "set_gradient_checkpointing": "speedtronic.module_utils",
     "CheckpointManager": "speedtronic.checkpoint",
@@ -125,6 +127,7 @@ if TYPE_CHECKING:
     from speedtronic.precision import PrecisionPlan as PrecisionPlan
     from speedtronic.profiling import MetricLogger as MetricLogger
     from speedtronic.result import TrainResult as TrainResult
+    from speedtronic.rng import seed_everything as seed_everything
     from speedtronic.runtime import build_callbacks as build_callbacks
     from speedtronic.runtime import build_runtime as build_runtime
     from speedtronic.runtime import train_from_config as train_from_config

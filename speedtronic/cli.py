@@ -13,8 +13,12 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from speedtronic.user_imports import search_dirs
+
+if TYPE_CHECKING:
+    import torch
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -57,8 +61,16 @@ def _parser() -> argparse.ArgumentParser:
 
     schema = sub.add_parser("schema", help="print the composed JSON Schema of run.yaml")
     schema.add_argument("--write", metavar="DIR", help="write the published schema files to DIR")
+    schema.add_argument(
+        "--config", help="also import the config's imports: and include their plugins"
+    )
 
-    sub.add_parser("plugins", help="list models, datasets and callbacks, and where each comes from")
+    plugins = sub.add_parser(
+        "plugins", help="list models, datasets and callbacks, and where each comes from"
+    )
+    plugins.add_argument(
+        "--config", help="also import the config's imports: and list their plugins"
+    )
 
     plot = sub.add_parser("plot", help="draw a PNG of a run from its metrics.jsonl")
     plot.add_argument("output_dir", help="the run directory")
@@ -182,8 +194,11 @@ def _validate(args: argparse.Namespace) -> int:
     print("\n# callbacks: " + (", ".join(name for name, _ in classes) or "none"))
     print("# per-event plan (callbacks run in this order):")
     print("\n".join("# " + line for line in format_plan(describe_classes(classes)).splitlines()))
+    model = _meta_model(config)
+    print("# model summary (parameters per top-level module):")
+    print("\n".join("# " + line for line in _model_summary(model).splitlines()))
     print("# optimizer routing (which parameter goes where, and why):")
-    print("\n".join("# " + line for line in _routing_table(config).splitlines()))
+    print("\n".join("# " + line for line in _routing_table(config, model).splitlines()))
     print(
         f"# OK: {args.config} is valid ({len(classes)} callbacks, "
         f"{config.target_steps} steps, model {config.model.name!r})"
@@ -191,48 +206,114 @@ def _validate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _routing_table(config: object) -> str:
-    """Build the model on the meta device (no memory, no init cost) and route its parameters."""
+def _meta_model(config: object) -> torch.nn.Module:
+    """The config's model built on the meta device (no memory, no init cost)."""
     import torch
 
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.model_registry import build_model
-    from speedtronic.optimizers import describe_routing, format_routing_table
     from speedtronic.plugins import import_modules
 
     assert isinstance(config, SpeedtronicConfig)
     import_modules(config.imports)
     with torch.device("meta"):
-        model = build_model(config.model)
+        return build_model(config.model)
+
+
+def _model_summary(model: torch.nn.Module) -> str:
+    from speedtronic.model_summary import format_model_summary, summarize_model
+
+    return format_model_summary(summarize_model(model))
+
+
+def _routing_table(config: object, model: torch.nn.Module) -> str:
+    """Route the (meta) model's parameters as the optimizer will."""
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.optimizers import describe_routing, format_routing_table
+
+    assert isinstance(config, SpeedtronicConfig)
     return format_routing_table(describe_routing(model, config.optimizer))
+
+
+def _import_config_modules(args: argparse.Namespace) -> None:
+    """``--config``: import the modules its ``imports:`` lists (their registrations run).
+    Only ``imports:`` is read, so a config that is otherwise invalid still lists them."""
+    if not getattr(args, "config", None):
+        return
+    from speedtronic.config.loading import read_file
+    from speedtronic.plugins import import_modules
+
+    path = Path(args.config)
+    if not path.is_file():
+        raise UserError(f"config file not found: {path}")
+    imports = read_file(path).get("imports", [])
+    if not isinstance(imports, list) or not all(isinstance(name, str) for name in imports):
+        raise UserError(f"{path}: imports must be a list of module names")
+    import_modules(imports)
 
 
 def _schema(args: argparse.Namespace) -> int:
     from speedtronic.config import composed_schema, write_schemas
 
+    _import_config_modules(args)
     if args.write:
-        for path in write_schemas(Path(args.write)):
+        names = None
+        if args.config:
+            from speedtronic.plugins import callback_registry
+
+            names = callback_registry.names()
+        for path in write_schemas(Path(args.write), names):
             print(f"wrote {path}")
     else:
-        print(json.dumps(composed_schema(), indent=2))
+        print(json.dumps(composed_schema(model_options=True), indent=2))
     return EXIT_OK
 
 
 def _plugins(args: argparse.Namespace) -> int:
-    from speedtronic.data import dataset_registry
+    from speedtronic.data import collate_registry, dataset_registry
     from speedtronic.model_registry import registry
     from speedtronic.plugins import PluginRegistry, callback_registry
 
+    _import_config_modules(args)
     registries: list[tuple[str, PluginRegistry[object]]] = [
         ("models", registry),  # type: ignore[list-item]  # invariance: read-only use
         ("datasets", dataset_registry),  # type: ignore[list-item]  # invariance: read-only use
+        ("collates", collate_registry),  # type: ignore[list-item]  # invariance: read-only use
         ("callbacks", callback_registry),  # type: ignore[list-item]  # invariance: read-only use
     ]
     for title, reg in registries:
         print(f"{title}:")
         for name in reg.names():
             print(f"  {name:<24} {reg.origin(name)}")
+            schema = _options_schema(title, name)
+            if schema:
+                print(f"    options: {_schema_keys(schema)}")
     return EXIT_OK
+
+
+def _options_schema(kind: str, name: str) -> dict[str, object] | None:
+    """The options schema a model or callback plugin declares (None for the others)."""
+    from speedtronic.model_registry import registry
+    from speedtronic.plugins import PluginError, callback_options_schema
+
+    try:
+        if kind == "models":
+            declared = registry.options_schema(name)
+        elif kind == "callbacks":
+            declared = callback_options_schema(name)
+        else:
+            return None
+    except PluginError:
+        return None
+    return dict(declared) if declared else None
+
+
+def _schema_keys(schema: dict[str, object]) -> str:
+    """The option names an object schema declares (``speedtronic schema`` has the rest)."""
+    properties = schema.get("properties")
+    if not isinstance(properties, dict) or not properties:
+        return "none"
+    return ", ".join(str(key) for key in properties)
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -316,6 +397,8 @@ def _run(args: argparse.Namespace) -> int:
         print("speedtronic: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:
+        if _reported_by_rank_zero(exc):
+            return EXIT_FAILED
         if isinstance(exc, _user_error_types()):
             print(f"speedtronic: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
@@ -324,3 +407,12 @@ def _run(args: argparse.Namespace) -> int:
         print(f"speedtronic: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         print("(run again with --traceback for the full stack)", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _reported_by_rank_zero(exc: BaseException) -> bool:
+    """An error every rank raises alike is printed by rank 0 only (once per job)."""
+    import os
+
+    from speedtronic.distributed import SameOnEveryRankError
+
+    return isinstance(exc, SameOnEveryRankError) and os.environ.get("RANK", "0") != "0"

@@ -437,6 +437,11 @@ def reduce_run_totals(
     return mean_loss, int(round(total_samples)), int(round(total_tokens))
 
 
+class SameOnEveryRankError(RuntimeError):
+    """An error every rank of a job raises alike (a refused setting, say): the CLI prints
+    it on rank 0 only, so a job reports it once rather than once per rank."""
+
+
 def collective_failure(
     exc: BaseException, context: DistributedContext | None
 ) -> CollectiveError | None:

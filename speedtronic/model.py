@@ -21,8 +21,9 @@ never produce NaN (those positions carry label -100 and do not reach the loss).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import cast
+from typing import ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -325,6 +326,14 @@ def _dense_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 class ReferenceTransformer(nn.Module):
     """Decoder-only transformer; keyword arguments are the ``GPTConfig`` fields, plus
     ``max_seq_len`` as another name for ``block_size``. An unknown keyword is a TypeError."""
+
+    options_schema: ClassVar[Mapping[str, object]] = {
+        "type": "object",
+        "properties": {},
+        "additionalProperties": False,
+        "description": "The reference transformer takes no model.options; its settings are "
+        "the model: fields.",
+    }
 
     def __init__(
         self,

@@ -6,11 +6,17 @@ a submodule ``speedtronic.registry`` would replace the package attribute once im
 
 Built-in models (``reference_transformer``, ``gpt``) and third-party ones are declared as
 entry points in the ``speedtronic.models`` group and load lazily on first use.
+
+A factory receives the standard ``model:`` fields and the free-form ``model.options`` as
+keyword arguments. It may declare a JSON Schema of its options -- an ``options_schema``
+attribute (a class attribute of a model class, a function attribute), or
+``register_model(name, options_schema=...)`` -- which ``model.options`` is validated against
+with the rest of the config.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol, overload
 
 from torch import nn
@@ -42,19 +48,47 @@ class ModelRegistry(PluginRegistry[ModelFactory]):
 
     def __init__(self) -> None:
         super().__init__("model", MODEL_GROUP)
+        self._options_schemas: dict[str, Mapping[str, object]] = {}
 
     @overload
     def register(
-        self, name: str, factory: None = None
+        self,
+        name: str,
+        factory: None = None,
+        *,
+        options_schema: Mapping[str, object] | None = None,
     ) -> Callable[[ModelFactory], ModelFactory]: ...
 
     @overload
-    def register(self, name: str, factory: ModelFactory) -> ModelFactory: ...
+    def register(
+        self,
+        name: str,
+        factory: ModelFactory,
+        *,
+        options_schema: Mapping[str, object] | None = None,
+    ) -> ModelFactory: ...
 
     def register(
-        self, name: str, factory: ModelFactory | None = None
+        self,
+        name: str,
+        factory: ModelFactory | None = None,
+        *,
+        options_schema: Mapping[str, object] | None = None,
     ) -> ModelFactory | Callable[[ModelFactory], ModelFactory]:
+        """Register ``factory`` under ``name`` (without it: a decorator); ``options_schema``
+        is the JSON Schema of its ``model.options``."""
+        if options_schema is None:
+            self._options_schemas.pop(name, None)
+        else:
+            self._options_schemas[name] = options_schema
         return super().register(name, factory)
+
+    def options_schema(self, name: str) -> Mapping[str, object] | None:
+        """The JSON Schema ``model.options`` of ``name`` must match, when it declares one."""
+        if name in self._options_schemas:
+            return self._options_schemas[name]
+        declared = getattr(self.get(name), "options_schema", None)
+        return declared if isinstance(declared, Mapping) else None
 
     def build(self, name: str, **kwargs: object) -> nn.Module:
         model = self.get(name)(**kwargs)
@@ -70,22 +104,31 @@ registry = ModelRegistry()
 
 
 @overload
-def register_model(name: str, factory: None = None) -> Callable[[ModelFactory], ModelFactory]: ...
+def register_model(
+    name: str, factory: None = None, *, options_schema: Mapping[str, object] | None = None
+) -> Callable[[ModelFactory], ModelFactory]: ...
 
 
 @overload
-def register_model(name: str, factory: ModelFactory) -> ModelFactory: ...
+def register_model(
+    name: str, factory: ModelFactory, *, options_schema: Mapping[str, object] | None = None
+) -> ModelFactory: ...
 
 
 def register_model(
-    name: str, factory: ModelFactory | None = None
+    name: str,
+    factory: ModelFactory | None = None,
+    *,
+    options_schema: Mapping[str, object] | None = None,
 ) -> ModelFactory | Callable[[ModelFactory], ModelFactory]:
-    """Register a model factory on the global registry (decorator or direct call)."""
-    return registry.register(name, factory)
+    """Register a model factory on the global registry (decorator or direct call);
+    ``options_schema`` is the JSON Schema of its ``model.options``."""
+    return registry.register(name, factory, options_schema=options_schema)
 
 
 def standard_model_fields(config: ModelSettings) -> dict[str, object]:
-    """The fields every factory receives (custom factories should accept ``**kwargs``)."""
+    """The fields every factory receives (custom factories should accept ``**kwargs``);
+    ``build_model`` adds ``model.options``."""
     return {
         "vocab_size": config.vocab_size,
         "block_size": config.max_seq_len,
@@ -101,5 +144,7 @@ def standard_model_fields(config: ModelSettings) -> dict[str, object]:
 
 
 def build_model(config: ModelSettings, **overrides: object) -> nn.Module:
-    """Build ``config.name`` from the global registry with the standard fields."""
-    return registry.build(config.name, **{**standard_model_fields(config), **overrides})
+    """Build ``config.name`` from the global registry with the standard fields and
+    ``config.options`` (which win over a standard field of the same name)."""
+    options = dict(getattr(config, "options", None) or {})
+    return registry.build(config.name, **{**standard_model_fields(config), **options, **overrides})

@@ -6,6 +6,8 @@ survives ``torch.load(weights_only=True)`` (no pickled objects in checkpoints).
 
 from __future__ import annotations
 
+import operator
+import os
 import random
 from collections.abc import Mapping
 
@@ -65,11 +67,19 @@ def restore_rng_state(state: Mapping[str, object] | None) -> None:
             torch.cuda.set_rng_state(device_state, index)
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy, torch CPU and all CUDA devices."""
-    import os
-
+def seed_everything(seed: int) -> int:
+    """Seed every random number generator a run uses: Python ``random``, NumPy's global
+    generator, torch on the CPU and on every CUDA device (``PYTHONHASHSEED`` is set too, for
+    subprocesses such as DataLoader workers started afterwards). ``seed`` is an int (or a
+    NumPy integer); NumPy gets it modulo 2**32. Returns ``seed``. A run built from config
+    calls it with ``run.seed`` first."""
+    if isinstance(seed, bool):
+        raise TypeError("seed must be an int, got bool")
+    seed = operator.index(seed)  # ints and integer-like values (NumPy integers); else TypeError
     random.seed(seed)
     os.environ["PYTHONHASHSEED"] = str(seed)
     np.random.seed(seed % (2**32))
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # the CPU generator and, lazily, every CUDA device's
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+    return seed

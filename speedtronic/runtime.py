@@ -16,6 +16,8 @@ the ``DistributedContext`` (``trainer.distributed``). The group is destroyed by
 from __future__ import annotations
 
 import logging
+import os
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, cast, runtime_checkable
@@ -28,6 +30,7 @@ from speedtronic.config import CallbackSpec, JSONValue, SpeedtronicConfig
 from speedtronic.data import build_dataloader
 from speedtronic.distributed import DistributedContext, setup_distributed, teardown_distributed
 from speedtronic.model_registry import build_model
+from speedtronic.model_summary import parameter_count
 from speedtronic.optimizers import build_optimizer, build_scheduler
 from speedtronic.plugins import (
     PluginContext,
@@ -139,6 +142,51 @@ def _resume_source(callbacks: Sequence[Callback]) -> ResumeSource | None:
     return None
 
 
+AUTO_THREADS_MAX_PARAMETERS = 20_000_000
+"""``run.threads: auto`` trains models below this many parameters on one CPU thread."""
+
+
+def choose_threads(
+    setting: int | str, device: torch.device, parameters: int
+) -> tuple[int | None, str]:
+    """``(threads, why)`` for ``run.threads``; ``threads`` is None where torch's default is
+    kept. ``auto`` on the CPU: one thread for a model under ``AUTO_THREADS_MAX_PARAMETERS``
+    parameters (its per-op work is too small to split, and on a busy machine extra threads
+    wait for each other), torch's default for larger models. On an accelerator the CPU only
+    feeds the device, so ``auto`` keeps torch's default; an ``OMP_NUM_THREADS`` set in the
+    environment is always respected."""
+    if not isinstance(setting, str):
+        return setting, "run.threads"
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None, "OMP_NUM_THREADS"
+    if device.type != "cpu":
+        return None, f"auto, {device.type}"
+    if parameters < AUTO_THREADS_MAX_PARAMETERS:
+        return 1, "auto"
+    return None, "auto, large model"
+
+
+def apply_threads(setting: int | str, device: torch.device, model: torch.nn.Module) -> int:
+    """Set torch's intra-op thread count as ``run.threads`` says; returns the count in use."""
+    threads, _ = choose_threads(setting, device, parameter_count(model))
+    if threads is not None and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def epoch_step_limit(loader: object, max_epochs: int | None, accumulation: int) -> int | None:
+    """The global steps ``max_epochs`` passes over ``loader`` make (a step the last epoch
+    cannot fill is not taken), or None when the loader has no length (an iterable
+    dataset: the data stream then ends the fit when it runs out)."""
+    if max_epochs is None:
+        return None
+    try:
+        batches = len(loader)  # type: ignore[arg-type]  # any Sized loader; TypeError otherwise
+    except TypeError:
+        return None
+    return max(1, max_epochs * batches // accumulation)
+
+
 def build_runtime(
     config: ConfigSource,
     *,
@@ -167,6 +215,7 @@ def build_runtime(
     )
     net = model if model is not None else build_model(cfg.model)
     net.to(resolved_device)
+    apply_threads(cfg.run.threads, resolved_device, net)
     precision = resolve_precision(cfg.precision, resolved_device)
     shape_report = validate_startup_shapes(cfg, net, resolved_device, precision)
     # Absolute, so plugins resolving paths at build time and at setup agree.
@@ -188,8 +237,22 @@ def build_runtime(
             world_size=shard_count,
         )
     )
+    target_step = max_steps if max_steps is not None else cfg.target_steps
+    horizon = cfg.scheduler_steps
+    epoch_steps = epoch_step_limit(loader, cfg.run.max_epochs, cfg.accumulation_steps)
+    if epoch_steps is not None:
+        if epoch_steps > target_step:
+            warnings.warn(
+                f"run.max_epochs: {cfg.run.max_epochs} epoch(s) are {epoch_steps} steps, but the "
+                f"run stops at step {target_step} first (run.max_steps); raise run.max_steps to "
+                "train every epoch",
+                stacklevel=2,
+            )
+        target_step = min(target_step, epoch_steps)
+        if cfg.scheduler.max_steps is None:
+            horizon = min(horizon, epoch_steps)
     optimizer = build_optimizer(net, cfg.optimizer, resolved_device)
-    scheduler = build_scheduler(optimizer, cfg.scheduler, cfg.scheduler_steps)
+    scheduler = build_scheduler(optimizer, cfg.scheduler, horizon)
     source = _resume_source(callbacks)
     manager = (
         source.checkpoint_manager
@@ -205,7 +268,7 @@ def build_runtime(
         scheduler=scheduler,
         precision=precision,
         callbacks=callbacks,
-        max_steps=max_steps if max_steps is not None else cfg.target_steps,
+        max_steps=target_step,
         output_dir=output_dir,
         shape_report=shape_report,
         distributed=distributed,

@@ -29,7 +29,7 @@ from speedtronic.contexts import (
     FitEndContext,
     TeardownContext,
 )
-from speedtronic.data import BatchStream
+from speedtronic.data import BatchStream, EpochLimitReached
 from speedtronic.dispatch import CallbackPlan, HookFailure, attach_failures
 from speedtronic.distributed import (
     DistributedContext,
@@ -76,6 +76,9 @@ class Trainer:
     ``dataloader`` is any iterable of batches (a ``DataLoader``, a list); it is re-iterated
     forever and its position is part of the training state, so resume is exact.
     ``max_steps`` is an absolute target: a resumed trainer continues up to it.
+    ``max_epochs`` (default ``run.max_epochs`` of the config) also ends the fit when the
+    data stream would start that epoch; a global step the last epoch cannot fill is not
+    taken.
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class Trainer:
         distributed: DistributedContext | None = None,
         logger: MetricLogger | None = None,
         checkpoint_manager: CheckpointManager | None = None,
+        max_epochs: int | None = None,
     ) -> None:
         self.config = coerce_config(config)
         settings = resolve_settings(
@@ -124,6 +128,12 @@ class Trainer:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.stream = dataloader if isinstance(dataloader, BatchStream) else BatchStream(dataloader)
+        if max_epochs is None and self.config is not None:
+            max_epochs = self.config.run.max_epochs
+        if max_epochs is not None:
+            if isinstance(max_epochs, bool) or not isinstance(max_epochs, int) or max_epochs < 1:
+                raise ValueError(f"max_epochs must be a positive integer, got {max_epochs!r}")
+            self.stream.max_epochs = max_epochs
         self.precision = settings.precision
         self.scaler = make_grad_scaler(self.precision)
         self.accumulation_steps = settings.accumulation_steps
@@ -301,8 +311,12 @@ class Trainer:
             self.plan.emit(self, On.FIT_START, fit_ctx)
             # Rates and elapsed_s measure training, not one-off setup (opening sinks, etc.).
             self.fit_clock = FitClock(time.perf_counter(), start_step, self.samples, self.tokens)
-            while self._keep_going(start_step):
-                run_global_step(self, self.step + 1)
+            try:
+                while self._keep_going(start_step):
+                    run_global_step(self, self.step + 1)
+            except EpochLimitReached:
+                # The data ran out mid-step (or before it): drop the unfinished step.
+                self.optimizer.zero_grad(set_to_none=True)
             result = self._result(start_step)
             # Every fit_end hook runs (the final checkpoint is saved even when a callback
             # before it fails); the first failure then fails the fit.

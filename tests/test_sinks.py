@@ -273,7 +273,14 @@ def test_console_writes_start_step_and_summary_lines(tmp_path: Path) -> None:
     make_trainer(tmp_path, [sink], max_steps=4, metrics_every=2).fit()
     assert sink.closed
     lines = log.read_text(encoding="utf-8").splitlines()
-    assert lines[0].startswith("fit start: step 0 -> 4 | device cpu | precision fp32")
+    threads = torch.get_num_threads()
+    assert lines[0].startswith(
+        f"fit start: step 0 -> 4 | device cpu | threads {threads} | precision fp32"
+    )
+    summary = [line for line in lines if line.startswith("  ")]
+    assert summary[0].split() == ["module", "type", "params", "trainable", "dtype"]
+    assert summary[-1].split()[0] == "total" and lines[1 : 1 + len(summary)] == summary
+    lines = [lines[0], *lines[1 + len(summary) :]]
     assert lines[1].startswith("step 2/4 | loss ")
     assert " | lr 5.00e-02 | " in lines[1] and "steps/s" in lines[1] and "tok/s" in lines[1]
     assert lines[2].startswith("step 4/4 | loss ")
@@ -282,7 +289,7 @@ def test_console_writes_start_step_and_summary_lines(tmp_path: Path) -> None:
 
 
 def test_console_prints_to_stdout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    make_trainer(tmp_path, [ConsoleCallback()], max_steps=2).fit()
+    make_trainer(tmp_path, [ConsoleCallback(summary=False)], max_steps=2).fit()
     out = capsys.readouterr().out.splitlines()
     assert [line.split(" |")[0] for line in out] == [
         "fit start: step 0 -> 2",

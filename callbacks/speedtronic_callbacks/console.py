@@ -1,6 +1,8 @@
 """``console``: one readable text line per due metric record.
 
-    fit start: step 0 -> 100 | device cpu | precision fp32 | accumulation 1 | 12.3k parameters
+    fit start: step 0 -> 100 | device cpu | threads 1 (auto) | precision fp32 | ...
+      module       type        params  trainable  dtype
+      ...
     step 10/100 | loss 3.4512 | lr 3.00e-04 | 12.3 steps/s | 1.2k tok/s
     fit end: 100 steps in 0:08 | final loss 1.8400 | 12.1 steps/s
 
@@ -15,11 +17,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, ClassVar, Literal
 
+import torch
 from tqdm import tqdm
 from typing_extensions import Self
 
 from speedtronic.callback import JSONSchema, LegacySections, PluginOptions, legacy_section
 from speedtronic.contexts import ExceptionContext, FitContext, FitEndContext, TeardownContext
+from speedtronic.model_summary import format_model_summary, summarize_model
 from speedtronic_callbacks.sink import (
     MetricSink,
     NumberFormat,
@@ -40,13 +44,50 @@ StreamName = Literal["stdout", "stderr"]
 
 
 def describe_fit_start(trainer: TrainerView, ctx: FitContext) -> str:
-    """The start line: where the fit starts and ends, on what, with what."""
+    """The start line: where the fit starts and ends, on what (device, CPU threads, and the
+    world size and strategy of a distributed run), with what."""
     parameters = sum(p.numel() for p in trainer.model.parameters())
-    return (
-        f"fit start: step {ctx.start_step} -> {ctx.target_step} | device {trainer.device} | "
-        f"precision {trainer.precision_mode} | accumulation {trainer.accumulation_steps} | "
-        f"{format_si(parameters)} parameters"
-    )
+    parts = [
+        f"fit start: step {ctx.start_step} -> {ctx.target_step}",
+        f"device {trainer.device}",
+        _describe_threads(trainer.run_config),
+    ]
+    distributed = trainer.distributed
+    if distributed is not None and distributed.world_size > 1:
+        strategy = _strategy(trainer.run_config, distributed.world_size)
+        parts.append(f"world {distributed.world_size} ({strategy}, {distributed.backend})")
+    parts += [
+        f"precision {trainer.precision_mode}",
+        f"accumulation {trainer.accumulation_steps}",
+        f"{format_si(parameters)} parameters",
+    ]
+    return " | ".join(parts)
+
+
+def _strategy(run_config: Mapping[str, object] | None, world_size: int) -> str:
+    """``ddp``, or ``diloco`` with its replica size when a synchronous DiLoCo entry splits
+    the world into replicas (read from the run's config, which says how it trains)."""
+    callbacks = run_config.get("callbacks") if run_config is not None else None
+    for entry in callbacks if isinstance(callbacks, list) else []:
+        if isinstance(entry, Mapping) and entry.get("name") == "diloco":
+            if entry.get("mode") == "collective":
+                size = entry.get("ranks_per_replica", 1)
+                size = size if isinstance(size, int) and size > 0 else 1
+                return f"diloco, {world_size // size} replicas"
+    return "ddp"
+
+
+def _describe_threads(run_config: Mapping[str, object] | None) -> str:
+    """``threads 1 (auto)``: torch's intra-op threads now, and whether ``run.threads`` chose
+    them."""
+    run = run_config.get("run") if run_config is not None else None
+    setting = run.get("threads") if isinstance(run, Mapping) else None
+    return f"threads {torch.get_num_threads()}" + (" (auto)" if setting == "auto" else "")
+
+
+def describe_model(model: torch.nn.Module) -> list[str]:
+    """The model summary table lines (one per top-level module, then the total)."""
+    return format_model_summary(summarize_model(model)).splitlines()
 
 
 STEP_LINE_FIELDS: tuple[NumberFormat, ...] = (
@@ -112,6 +153,12 @@ class ConsoleCallback(MetricSink):
                 "default": [],
                 "description": "Extra record keys to show on each line.",
             },
+            "summary": {
+                "type": "boolean",
+                "default": True,
+                "description": "Print the model summary (parameters, trainable, dtype per "
+                "top-level module) under the start line.",
+            },
         },
     }
 
@@ -152,8 +199,10 @@ class ConsoleCallback(MetricSink):
         file: str | Path | None = None,
         stream: StreamName = "stdout",
         keys: Sequence[str] = (),
+        summary: bool = True,
     ) -> None:
         self.file = Path(file) if file is not None else None
+        self.summary = summary
         self.stream_name: StreamName = stream
         self.extra_keys = tuple(keys)
         self._handle: IO[str] | None = None
@@ -168,6 +217,7 @@ class ConsoleCallback(MetricSink):
             file=resolve_path(str(file), context.output_dir) if file is not None else None,
             stream="stderr" if stream == "stderr" else "stdout",
             keys=[str(key) for key in keys] if isinstance(keys, list) else (),
+            summary=options.get("summary", True) is not False,
         )
 
     # -- output -------------------------------------------------------------------------
@@ -202,6 +252,9 @@ class ConsoleCallback(MetricSink):
 
     def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
         self._write(describe_fit_start(trainer, ctx))
+        if self.summary:
+            for line in describe_model(trainer.model):
+                self._write("  " + line)
 
     def write_record(self, trainer: TrainerView, record: Record) -> None:
         self._write(describe_record(record, trainer.target_step, self.extra_keys))

@@ -49,6 +49,19 @@ def import_wandb() -> ModuleType:
     return wandb
 
 
+_LOGIN_HINT = (
+    "W&B is not logged in: run `wandb login` (or set WANDB_API_KEY), or log locally with "
+    "WANDB_MODE=offline (or wandb mode: offline in the callback options)"
+)
+
+
+def _is_login_error(error: BaseException) -> bool:
+    """Whether ``wandb.init`` failed for want of credentials (wandb's error classes differ
+    between versions, so the message is what is checked)."""
+    text = str(error).lower()
+    return any(hint in text for hint in ("api_key", "api key", "wandb login", "not logged in"))
+
+
 def _optional_str(value: object) -> str | None:
     return None if value is None else str(value)
 
@@ -137,6 +150,7 @@ class WandbCallback(MetricSink):
         self.run: Run | None = None
         self.finished = False
         self._worker: BackgroundWorker[Record] | None = None
+        self._setup_failed = False
 
     @classmethod
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
@@ -178,7 +192,22 @@ class WandbCallback(MetricSink):
         directory.mkdir(parents=True, exist_ok=True)
         run_config = trainer.run_config if self.log_config else None
         config = dict(run_config) if run_config is not None else None
-        run = wandb.init(
+        self._setup_failed = True  # until init returns: records are then dropped quietly
+        try:
+            run = self._init(wandb, directory, config)
+        except Exception as exc:
+            if _is_login_error(exc):
+                raise RuntimeError(_LOGIN_HINT) from exc
+            raise
+        self._setup_failed = False
+        self.run = run
+        self.run_id = run.id
+        self.finished = False
+        if self.background:
+            self._worker = BackgroundWorker("speedtronic-wandb", self._log)
+
+    def _init(self, wandb: ModuleType, directory: Path, config: dict[str, object] | None) -> Run:
+        run: Run = wandb.init(
             project=self.project,
             entity=self.entity,
             name=self.name,
@@ -193,11 +222,7 @@ class WandbCallback(MetricSink):
             # W&B's console capture wraps sys.stdout; the console/progress sinks own it.
             settings=wandb.Settings(console="off"),
         )
-        self.run = run
-        self.run_id = run.id
-        self.finished = False
-        if self.background:
-            self._worker = BackgroundWorker("speedtronic-wandb", self._log)
+        return run
 
     def _log(self, record: Record) -> None:
         run = self.run
@@ -208,6 +233,8 @@ class WandbCallback(MetricSink):
         )
 
     def write_record(self, trainer: TrainerView, record: Record) -> None:
+        if self._setup_failed:
+            return  # setup already reported why there is no W&B run
         if self._worker is not None:
             self._worker.submit(record)
         else:

@@ -118,14 +118,15 @@ def _construct_mapping(loader: _YamlLoader, node: yaml.MappingNode) -> dict[obje
 _YamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def parse_yaml(text: str) -> object:
+def parse_yaml(text: str, name: str | None = None) -> object:
     """Parse YAML (or JSON) text; ``ConfigError`` on syntax errors, on values YAML cannot
     build (``2001-13-45`` as a date), and on documents nested deeper than ``MAX_NESTING``
     or expanding (through aliases) to more than ``MAX_VALUES`` values -- checked on the
-    composed node graph, before anything is built, so the work stays bounded."""
+    composed node graph, before anything is built, so the work stays bounded. ``name``
+    (the file path) is what syntax errors point at instead of ``<unicode string>``."""
     _check_flow_nesting(text)
     try:
-        return _compose_and_build(text)
+        return _compose_and_build(text, name)
     except yaml.YAMLError as exc:
         raise ConfigError(f"invalid YAML: {exc}") from None
     except ConfigError:
@@ -134,8 +135,10 @@ def parse_yaml(text: str) -> object:
         raise ConfigError(f"invalid YAML value: {type(exc).__name__}: {exc}") from None
 
 
-def _compose_and_build(text: str) -> object:
+def _compose_and_build(text: str, name: str | None = None) -> object:
     loader = _YamlLoader(text)  # a SafeLoader subclass: data only
+    if name is not None:
+        loader.name = name  # error marks say 'in "<name>", line N'
     try:
         node = loader.get_single_node()
         if node is None:
@@ -259,7 +262,7 @@ def read_file(path: str | os.PathLike[str], *, yaml_only: bool = False) -> RawCo
         ) from None
     if yaml_only or path.suffix.lower() in (".yaml", ".yml"):
         try:
-            parsed = parse_yaml(text)
+            parsed = parse_yaml(text, str(path))
         except ConfigError as exc:
             raise ConfigError(exc.errors, source=str(path)) from None
     else:

@@ -234,8 +234,45 @@ def callback_entry_schema(name: str, options_schema: Mapping[str, object]) -> Sc
     return entry
 
 
-def _compose(plugin_schemas: Mapping[str, Mapping[str, object]]) -> SchemaDict:
+def model_option_schemas(names: Iterable[str] | None = None) -> dict[str, Mapping[str, object]]:
+    """The ``model.options`` schema of each named model that declares one (default: every
+    model the registry knows); models that fail to load are left out."""
+    from speedtronic.model_registry import registry
+
+    found: dict[str, Mapping[str, object]] = {}
+    for name in registry.names() if names is None else names:
+        try:
+            declared = registry.options_schema(name)
+        except plugins.PluginError:
+            continue
+        if declared is not None:
+            found[name] = declared
+    return found
+
+
+def _add_model_options(
+    schema: SchemaDict, model_schemas: Mapping[str, Mapping[str, object]]
+) -> None:
+    """``if model.name == X then model.options: <X's schema>`` for editors (validation
+    checks ``model.options`` in ``_model_rules``)."""
+    model = _mapping(_mapping(schema["properties"]).get("model"))
+    if not model_schemas or not isinstance(model, dict):
+        return
+    model["allOf"] = [
+        {
+            "if": {"properties": {"name": {"const": name}}, "required": ["name"]},
+            "then": {"properties": {"options": json.loads(json.dumps(model_schemas[name]))}},
+        }
+        for name in sorted(model_schemas)
+    ]
+
+
+def _compose(
+    plugin_schemas: Mapping[str, Mapping[str, object]],
+    model_schemas: Mapping[str, Mapping[str, object]] | None = None,
+) -> SchemaDict:
     schema = core_schema()
+    _add_model_options(schema, model_schemas or {})
     if not plugin_schemas:
         return schema
     callbacks = _mapping(_mapping(schema["properties"]).get("callbacks"))
@@ -251,11 +288,15 @@ def _compose(plugin_schemas: Mapping[str, Mapping[str, object]]) -> SchemaDict:
     return schema
 
 
-def composed_schema(plugin_names: Iterable[str] | None = None) -> SchemaDict:
+def composed_schema(
+    plugin_names: Iterable[str] | None = None, *, model_options: bool = False
+) -> SchemaDict:
     """The core schema plus the options schema of each named callback plugin (default:
-    every plugin the registry knows, registered or declared by an entry point)."""
+    every plugin the registry knows, registered or declared by an entry point); with
+    ``model_options``, also the ``model.options`` schema of every model that declares one."""
     names = plugins.callback_registry.names() if plugin_names is None else tuple(plugin_names)
-    return _compose({name: plugins.callback_options_schema(name) for name in names})
+    option_schemas = {name: plugins.callback_options_schema(name) for name in names}
+    return _compose(option_schemas, model_option_schemas() if model_options else None)
 
 
 @functools.lru_cache(maxsize=4)
@@ -463,7 +504,7 @@ def _value_errors(data: object, parts: tuple[str | int, ...] = ()) -> Iterator[t
 
 
 def _is_free_form(parts: tuple[str | int, ...]) -> bool:
-    if parts[:2] == ("data", "dataset_options"):
+    if parts[:2] in (("data", "dataset_options"), ("model", "options")):
         return True
     return len(parts) >= 2 and parts[0] == "callbacks"
 
@@ -563,6 +604,49 @@ def _batch_rules(values: _Values) -> Iterator[str]:
 
 
 def _model_rules(values: _Values) -> Iterator[str]:
+    """The model plugin's rules: ``model.options`` against the factory's ``options_schema``,
+    and the reference transformer's dimension rules (for that model only). A model name
+    that is not registered (yet) is reported when the model is built."""
+    from speedtronic.model_registry import registry
+
+    name = values.text("model", "name")
+    if name is None or name not in registry:
+        return
+    try:
+        factory = registry.get(name)
+    except plugins.PluginError as exc:
+        yield f"model.name: {exc}"
+        return
+    options = values.get("model", "options")
+    options_schema = registry.options_schema(name)
+    if options_schema is not None and isinstance(options, Mapping):
+        try:
+            validator = Draft202012Validator(dict(options_schema))
+            found = [
+                message
+                for error in validator.iter_errors(options)
+                for _, message in _describe_under(error, ("model", "options"))
+            ]
+        except (SchemaError, TypeError, ValueError) as exc:
+            found = [f"model.name: model {name!r} has an invalid options schema: {exc}"]
+        yield from sorted(set(found))
+    if _is_reference_transformer(factory):
+        yield from _reference_transformer_rules(values)
+
+
+def _is_reference_transformer(factory: object) -> bool:
+    from speedtronic.model import ReferenceTransformer
+
+    return isinstance(factory, type) and issubclass(factory, ReferenceTransformer)
+
+
+def _describe_under(error: ValidationError, prefix: tuple[str, ...]) -> Iterator[tuple[str, str]]:
+    """``_describe`` for an error found in a value that lives at ``prefix``."""
+    error.path.extendleft(reversed(prefix))
+    return _describe(error)
+
+
+def _reference_transformer_rules(values: _Values) -> Iterator[str]:
     n_head = values.positive_int("model", "n_head")
     if n_head is None:
         return

@@ -248,14 +248,17 @@ class RunConfig(_Section):
     seed: int = 1234
     device: str = "auto"
     max_steps: int = 1000
+    max_epochs: int | None = None
     output_dir: str = "runs"
     log_every: int | None = None
+    threads: int | Literal["auto"] = "auto"
 
 
 @dataclass(eq=False)  # equality includes the plugin keys (the mixin's)
 class ModelConfig(_PluginKeysAsAttributes, _Section):
-    """``model:`` -- the registered model name and reference-transformer dimensions (plugins
-    may add 2.0 keys, readable as attributes: ``model.gradient_checkpointing``)."""
+    """``model:`` -- the registered model name, reference-transformer dimensions and free-form
+    ``options`` for the factory (plugins may add 2.0 keys, readable as attributes:
+    ``model.gradient_checkpointing``)."""
 
     section_name: ClassVar[str] = "model"
 
@@ -270,6 +273,7 @@ class ModelConfig(_PluginKeysAsAttributes, _Section):
     dropout: float = 0.0
     tie_weights: bool = True
     rope_base: float = 10000.0
+    options: dict[str, JSONValue] = field(default_factory=dict)
 
     def _fill_defaults(self) -> None:
         if self.n_kv_head is None:
@@ -291,6 +295,7 @@ class DataConfig(_Section):
     text_path: str | None = None
     dataset: str | None = None
     dataset_options: dict[str, JSONValue] = field(default_factory=dict)
+    collate: str = "auto"
     synthetic: bool = True
     synthetic_kind: Literal["uniform", "learnable"] = "uniform"
     num_tokens: int = 100000

@@ -3,7 +3,8 @@
 * ``text`` -- ``CharTokenizer``, the tokenizer protocol, ``TextFileTokenDataset``;
 * ``synthetic`` -- ``SyntheticTokenDataset`` (uniform) and ``LearnableLanguageDataset``
   (a Markov language with a known entropy floor);
-* ``collate`` -- ``collate_causal``, ``collate_batch``, ``batch_size_and_tokens``;
+* ``collate`` -- ``collate_causal``, ``collate_batch``, ``register_collate``,
+  ``batch_size_and_tokens``;
 * ``stream`` -- ``ResumableSampler``, ``BatchStream``, ``infinite_batches``;
 * ``loader`` -- ``build_dataloader`` and the dataset registry.
 """
@@ -12,9 +13,12 @@ from __future__ import annotations
 
 from speedtronic.data.collate import (
     IGNORE_INDEX,
+    CollateFn,
     batch_size_and_tokens,
     collate_batch,
     collate_causal,
+    collate_registry,
+    register_collate,
 )
 from speedtronic.data.loader import (
     DEFAULT_DATA_SEED,
@@ -25,11 +29,13 @@ from speedtronic.data.loader import (
     build_dataloader,
     dataset_registry,
     register_dataset,
+    resolve_collate,
     resolve_dataset,
 )
 from speedtronic.data.stream import (
     EMPTY_SOURCE_MESSAGE,
     BatchStream,
+    EpochLimitReached,
     ResumableSampler,
     infinite_batches,
 )
@@ -50,10 +56,12 @@ __all__ = [
     "SYNTHETIC_KINDS",
     "BatchStream",
     "CharTokenizer",
+    "CollateFn",
     "DataSettings",
     "DataSourceError",
     "DatasetFactory",
     "DatasetRequest",
+    "EpochLimitReached",
     "LearnableLanguageDataset",
     "ResumableSampler",
     "SupportsEncode",
@@ -64,9 +72,12 @@ __all__ = [
     "build_dataloader",
     "collate_batch",
     "collate_causal",
+    "collate_registry",
     "dataset_registry",
     "encode_text",
     "infinite_batches",
+    "register_collate",
     "register_dataset",
+    "resolve_collate",
     "resolve_dataset",
 ]

@@ -1,4 +1,9 @@
-"""Collators for the built-in data, and the samples/tokens count of a batch.
+"""Collators for the built-in data, the collate registry, and the samples/tokens count of a
+batch.
+
+``data.collate`` picks the collate function by name: ``auto`` (``collate_batch``),
+``causal`` (``collate_causal``), ``default`` (torch's ``default_collate``), or a name
+registered with ``register_collate`` in a module listed under ``imports:``.
 
 ``collate_causal`` emits ``attention_mask`` only when it had to pad (items of different
 lengths) or when the items bring their own mask. Fixed-length blocks -- the synthetic
@@ -8,12 +13,27 @@ reference transformer takes its ``is_causal`` attention fast path with no host s
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import default_collate
 
-__all__ = ["IGNORE_INDEX", "batch_size_and_tokens", "collate_batch", "collate_causal"]
+from speedtronic.plugins import PluginRegistry
+
+__all__ = [
+    "IGNORE_INDEX",
+    "CollateFn",
+    "batch_size_and_tokens",
+    "collate_batch",
+    "collate_causal",
+    "collate_registry",
+    "register_collate",
+]
+
+CollateFn = Callable[[list[Any]], object]
+"""Turns a list of dataset items into one batch (a ``DataLoader`` ``collate_fn``)."""
 
 IGNORE_INDEX = -100
 """Label value the loss ignores; padded label positions get it."""
@@ -91,21 +111,30 @@ def collate_causal(batch: Sequence[Mapping[str, object]]) -> dict[str, torch.Ten
 
 
 def _collate_column(values: Sequence[object]) -> object:
-    """Stack a column of equal-shaped tensors; leave anything else as a list."""
+    """Stack a column of equal-shaped tensors, make a column of numbers a tensor; leave
+    anything else as a list."""
     first = values[0]
     if isinstance(first, torch.Tensor) and all(
         isinstance(value, torch.Tensor) and value.shape == first.shape for value in values
     ):
         return torch.stack([value for value in values if isinstance(value, torch.Tensor)])
+    if all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in values):
+        return torch.tensor(values)
     return list(values)
+
+
+def _is_causal_record(item: Mapping[str, object]) -> bool:
+    return "input_ids" in item and "labels" in item and set(item) <= _CAUSAL_KEYS
 
 
 def collate_batch(batch: Sequence[object]) -> object:
     """The built-in loader's collate_fn.
 
-    Mappings are causal LM records (``collate_causal``); tuples/lists are transposed and each
-    column of equal-shaped tensors stacked (a tuple stays a tuple); tensors are stacked;
-    anything else is returned as a list.
+    Causal LM records (``input_ids`` and ``labels``, optionally ``attention_mask``) are
+    padded by ``collate_causal``; other mappings are collated key by key and tuples/lists
+    column by column (equal-shaped tensors stacked, numbers made a tensor, anything else
+    kept as a list; a tuple stays a tuple); tensors are stacked; anything else is returned
+    as a list.
     """
     if not batch:
         raise ValueError("cannot collate an empty batch")
@@ -116,7 +145,15 @@ def collate_batch(batch: Sequence[object]) -> object:
             if not isinstance(item, Mapping):
                 raise ValueError(f"batch item {index} is {type(item).__name__}, not a mapping")
             records.append(item)
-        return collate_causal(records)
+        if _is_causal_record(first):
+            return collate_causal(records)
+        keys = list(first)
+        for index, record in enumerate(records):
+            if set(record) != set(keys):
+                raise ValueError(
+                    f"batch item {index} has keys {sorted(record)}, the first item {sorted(keys)}"
+                )
+        return {key: _collate_column([record[key] for record in records]) for key in keys}
     if isinstance(first, (tuple, list)):
         width = len(first)
         rows: list[Sequence[object]] = []
@@ -138,15 +175,30 @@ def collate_batch(batch: Sequence[object]) -> object:
     return list(batch)
 
 
+collate_registry: PluginRegistry[CollateFn] = PluginRegistry("collate", None)
+"""Collate functions by the name used in ``data.collate``."""
+
+
+def register_collate(name: str) -> Callable[[CollateFn], CollateFn]:
+    """Decorator: make ``fn(items) -> batch`` usable as ``data.collate: <name>``."""
+    return collate_registry.register(name)
+
+
+collate_registry.register("auto", collate_batch)
+collate_registry.register("causal", collate_causal)
+collate_registry.register("default", default_collate)
+
+
 def batch_size_and_tokens(batch: object) -> tuple[int, int]:
     """``(samples, tokens)`` of a batch, without a device sync.
 
-    The counted tensor is ``input_ids`` (or ``inputs``) of a mapping, the first element of a
-    tuple/list, or the batch itself; samples are its first dimension and tokens its element
-    count. A mapping with an ``attention_mask`` -- which the built-in collator emits only when
-    it padded -- counts the real tokens (the mask sum) when the mask is still on the CPU,
-    where reading it costs no device sync; a mask already on an accelerator is not read
-    (padding is then counted), so count before moving the batch for exact numbers.
+    The counted tensor is ``input_ids`` (or ``inputs``, else the first tensor) of a mapping,
+    the first element of a tuple/list, or the batch itself; samples are its first dimension
+    and tokens its element count. A mapping with an ``attention_mask`` -- which the built-in
+    collator emits only when it padded -- counts the real tokens (the mask sum) when the mask
+    is still on the CPU, where reading it costs no device sync; a mask already on an
+    accelerator is not read (padding is then counted), so count before moving the batch for
+    exact numbers.
     Anything else counts as one sample of one token.
     """
     # Runs once per microbatch: concrete types first, the (slower) abstract Mapping last.
@@ -159,6 +211,8 @@ def batch_size_and_tokens(batch: object) -> tuple[int, int]:
     elif isinstance(batch, Mapping):
         mapping = batch
         source = batch.get("input_ids", batch.get("inputs"))
+        if source is None:  # another record layout: its first tensor
+            source = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
     if not isinstance(source, torch.Tensor) or source.dim() == 0:
         return 1, 1
     samples, tokens = source.shape[0], source.numel()

@@ -19,6 +19,9 @@ Distributed runs (``rank``/``world_size``): map-style data is sharded by the sam
 rank a strided share of the same epoch order); iterable data (the text stream) is wrapped in
 ``RankShardedIterable`` and its DataLoader workers split each rank's share further. The
 ``data`` batch sizes are per rank: the global batch is ``world_size`` times larger.
+
+Batches are made by ``data.collate`` (``resolve_collate``): by default the collate the dataset
+declares, else ``collate_batch``.
 """
 
 from __future__ import annotations
@@ -32,11 +35,11 @@ from typing import Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from speedtronic.data.collate import collate_batch
+from speedtronic.data.collate import CollateFn, collate_registry
 from speedtronic.data.stream import RankShardedIterable, ResumableSampler
 from speedtronic.data.synthetic import LearnableLanguageDataset, SyntheticTokenDataset
 from speedtronic.data.text import DataSourceError, TextFileTokenDataset, Tokenizer
-from speedtronic.plugins import DATASET_GROUP, PluginRegistry
+from speedtronic.plugins import DATASET_GROUP, PluginError, PluginRegistry
 
 __all__ = [
     "DEFAULT_DATA_SEED",
@@ -47,6 +50,7 @@ __all__ = [
     "build_dataloader",
     "dataset_registry",
     "register_dataset",
+    "resolve_collate",
     "resolve_dataset",
 ]
 
@@ -116,9 +120,41 @@ dataset_registry: PluginRegistry[DatasetFactory] = PluginRegistry("dataset", DAT
 """Datasets by the name used in ``data.dataset``."""
 
 
-def register_dataset(name: str) -> Callable[[DatasetFactory], DatasetFactory]:
-    """Decorator: make ``factory(request) -> Dataset`` usable as ``data.dataset: <name>``."""
+_DATASET_COLLATES: dict[str, str | CollateFn] = {}
+"""The collate each registered dataset declares (``register_dataset(collate=...)``)."""
+
+
+def register_dataset(
+    name: str, *, collate: str | CollateFn | None = None
+) -> Callable[[DatasetFactory], DatasetFactory]:
+    """Decorator: make ``factory(request) -> Dataset`` usable as ``data.dataset: <name>``.
+    ``collate`` is how its items become batches (a ``data.collate`` name or a function),
+    used unless the config sets ``data.collate``."""
+    if collate is None:
+        _DATASET_COLLATES.pop(name, None)
+    else:
+        _DATASET_COLLATES[name] = collate
     return dataset_registry.register(name)
+
+
+def resolve_collate(choice: str, dataset_name: object = None, dataset: object = None) -> CollateFn:
+    """The collate function of a loader: ``data.collate`` when it is not ``auto``, else the
+    one the dataset declares (``register_dataset(collate=...)`` or a ``collate_fn``
+    attribute of the dataset object), else ``collate_batch``."""
+    declared: str | CollateFn | None = None
+    if choice == "auto":
+        if isinstance(dataset_name, str):
+            declared = _DATASET_COLLATES.get(dataset_name)
+        if declared is None:
+            attribute = getattr(dataset, "collate_fn", None)
+            declared = attribute if callable(attribute) else None
+    chosen = choice if declared is None else declared
+    if callable(chosen):
+        return chosen
+    try:
+        return collate_registry.get(chosen)
+    except PluginError as exc:
+        raise DataSourceError(f"data.collate: {exc}") from None
 
 
 def _options(request: DatasetRequest, allowed: frozenset[str], dataset: str) -> None:
@@ -287,6 +323,11 @@ def build_dataloader(
     )
     seed = config.seed if config.seed is not None else DEFAULT_DATA_SEED
     workers = config.num_workers
+    collate = resolve_collate(
+        str(getattr(config, "collate", "auto")),
+        config.dataset if dataset is None else None,
+        source,
+    )
     sampler: ResumableSampler | None = None
     if isinstance(source, IterableDataset):
         if config.shuffle:
@@ -309,7 +350,7 @@ def build_dataloader(
         batch_size=config.micro_batch_size,
         sampler=sampler,
         num_workers=workers,
-        collate_fn=collate_batch,
+        collate_fn=collate,
         pin_memory=config.pin_memory if config.pin_memory is not None else pin_memory_device,
         drop_last=config.drop_last,
         generator=torch.Generator().manual_seed(seed & ((1 << 64) - 1)),

@@ -39,6 +39,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 __all__ = [
     "BatchStream",
     "EMPTY_SOURCE_MESSAGE",
+    "EpochLimitReached",
     "RankShardedIterable",
     "ResumableSampler",
     "infinite_batches",
@@ -277,6 +278,14 @@ def _set_sampler_epoch(source: object, epoch: int) -> None:
             return
 
 
+class EpochLimitReached(Exception):
+    """The stream's last allowed epoch (``BatchStream.max_epochs``) is used up."""
+
+    def __init__(self, max_epochs: int) -> None:
+        super().__init__(f"max_epochs={max_epochs} reached")
+        self.max_epochs = max_epochs
+
+
 class BatchStream(Iterator[BatchT], Generic[BatchT]):
     """Yields batches from ``source`` forever, one epoch (pass over ``source``) after another.
 
@@ -284,10 +293,15 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
     ``__iter__`` is a generator. A one-shot iterator works for a single pass only. A pass
     that yields nothing raises ``RuntimeError("data loader produced no batches")``.
     ``state_dict()``/``load_state_dict()`` save and restore the position (module docs).
+
+    With ``max_epochs`` the stream ends instead of opening epoch number ``max_epochs``: the
+    ``next()`` that would start it raises ``EpochLimitReached`` (checked only where an
+    epoch runs out, so it costs nothing per batch).
     """
 
-    def __init__(self, source: Iterable[BatchT]) -> None:
+    def __init__(self, source: Iterable[BatchT], *, max_epochs: int | None = None) -> None:
         self.source = source
+        self.max_epochs = max_epochs
         self.epoch = 0
         self.batches_in_epoch = 0
         self._iterator: Iterator[BatchT] | None = None
@@ -310,6 +324,8 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
     def _first_of_next_epoch(self) -> BatchT:
         if self.batches_in_epoch == 0:
             raise RuntimeError(self._empty_message())
+        if self.max_epochs is not None and self.epoch + 1 >= self.max_epochs:
+            raise EpochLimitReached(self.max_epochs)
         self.epoch += 1
         self.batches_in_epoch = 0
         self._iterator = self._open_epoch(skip=0)

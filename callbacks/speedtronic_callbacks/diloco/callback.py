@@ -57,6 +57,7 @@ from speedtronic.contexts import (
     MetricsContext,
     TeardownContext,
 )
+from speedtronic.distributed import SameOnEveryRankError
 from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
 from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
@@ -332,8 +333,9 @@ class DiLoCoCallback(Callback):
 
     def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         if trainer.multi_rank:
-            # Every rank would act as a separate hub node with diverging weights.
-            raise RuntimeError(
+            # Every rank would act as a separate hub node with diverging weights. Every rank
+            # refuses; the CLI prints the refusal once (rank 0).
+            raise SameOnEveryRankError(
                 "diloco mode 'hub' runs one node per process and is not supported under "
                 "torchrun with several ranks; use mode: collective (synchronous DiLoCo over "
                 "torch.distributed), or start one single-process node per machine"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from speedtronic.atomic_io import atomic_write_bytes
 from speedtronic_callbacks.diloco.transport_base import (
+    HubNotCreatedError,
     PermanentTransportError,
     RemoteFile,
     TransientTransportError,
@@ -54,7 +55,7 @@ class DirectoryTransport(Transport):
 
     def _require_root(self, operation: str) -> None:
         if not self.root.is_dir():
-            raise PermanentTransportError(
+            raise HubNotCreatedError(
                 operation,
                 f"hub directory {self.root} does not exist (the master creates it; check that "
                 "the shared filesystem is mounted on this machine)",

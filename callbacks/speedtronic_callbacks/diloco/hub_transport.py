@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from speedtronic_callbacks.diloco.transport_base import (
+    HubNotCreatedError,
     PermanentTransportError,
     RemoteFile,
     TransientTransportError,
@@ -203,6 +204,8 @@ class HubTransport(Transport):
             message += f" (repository {self.repo_id!r} is missing or not visible to the token)"
         if classify_hub_error(error) == "transient":
             return TransientTransportError(operation, message)
+        if "RepositoryNotFoundError" in _error_names(error):
+            return HubNotCreatedError(operation, message)
         return PermanentTransportError(operation, message)
 
     def classify(self, error: Exception) -> bool:

@@ -15,6 +15,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from speedtronic_callbacks.diloco.transport_base import HubNotCreatedError
+
 T = TypeVar("T")
 
 logger = logging.getLogger("speedtronic.diloco")
@@ -143,7 +145,14 @@ class ErrorReporter:
             else:
                 first = self._active.get(operation) != message
             self._active[operation] = message
-        if permanent and first:
+        if first and isinstance(error, HubNotCreatedError):
+            self._log.info(
+                "diloco %s: waiting for the master to create the hub (%s); this node keeps "
+                "training and syncs once it exists",
+                operation,
+                message,
+            )
+        elif permanent and first:
             self._log.error(
                 "diloco %s failed permanently: %s -- local training continues; fix the "
                 "cause and this node resumes syncing on its own",

@@ -58,6 +58,11 @@ class PermanentTransportError(TransportError):
     transient = False
 
 
+class HubNotCreatedError(PermanentTransportError):
+    """The hub (directory or repository) does not exist yet: the master creates it, so a
+    worker started first waits for it (reported once, quietly) and keeps polling."""
+
+
 class UnreadableFileError(PermanentTransportError):
     """The store holds something at this path that must not be read: not a regular file
     (a symlink, FIFO, device or directory), reached through a symbolic link, or larger than
