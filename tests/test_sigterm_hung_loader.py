@@ -274,3 +274,53 @@ def test_a_slow_batch_that_comes_within_the_grace_is_waited_for() -> None:
     trainer = trainer_on(SlowData(0.15), [StopInFirstMicrobatch()], k=3)
     result = trainer.fit(1000)
     assert result.stop_reason == "test stop" and result.steps == 1
+
+
+KILLED_CHILD = textwrap.dedent(
+    """
+    import os, time
+    from pathlib import Path
+    from torch.utils.data import Dataset
+    from speedtronic.config import load_config
+    from speedtronic.data import build_dataloader
+
+    class Hangs(Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            Path({marker!r}).write_text(str(os.getpid()))
+            time.sleep(3600)
+
+    config = load_config({{"data": {{"micro_batch_size": 2, "num_workers": 1}}}})
+    next(iter(build_dataloader(config.data, dataset=Hangs())))
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_hung_worker_exits_when_its_process_is_killed(tmp_path: Path, sig: int) -> None:
+    # Nothing can run in a SIGKILLed process (nor in one SIGTERM kills without a handler,
+    # e.g. with checkpointing off): the worker notices its parent is gone by itself.
+    marker = tmp_path / "worker.pid"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "callbacks")]))
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CHILD.format(marker=str(marker))], env=env, cwd=tmp_path
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.is_file() or not marker.read_text():
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        worker = int(marker.read_text())
+        assert alive(worker)
+        child.send_signal(sig)
+        assert child.wait(timeout=30) == -sig
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    deadline = time.monotonic() + 5
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(worker), "the hung DataLoader worker outlived its process"

@@ -19,10 +19,18 @@ Distributed runs (``rank``/``world_size``): map-style data is sharded by the sam
 rank a strided share of the same epoch order); iterable data (the text stream) is wrapped in
 ``RankShardedIterable`` and its DataLoader workers split each rank's share further. The
 ``data`` batch sizes are per rank: the global batch is ``world_size`` times larger.
+
+Worker processes (``data.num_workers``) exit on their own when the training process is gone
+(killed by SIGKILL, or by a SIGTERM nobody handles), even while the dataset's code hangs:
+each worker watches its parent from a thread (``exit_with_parent``). torch's own check only
+runs between samples, so a worker stuck in ``__getitem__`` would otherwise live forever.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping, Sized
 from dataclasses import dataclass, field
@@ -264,6 +272,23 @@ def resolve_dataset(
     )
 
 
+PARENT_POLL_S = 0.5
+"""How often a DataLoader worker checks that the training process still exists."""
+
+
+def exit_with_parent(worker_id: int) -> None:
+    """``worker_init_fn``: exit this worker (at once) once its parent process is gone."""
+    del worker_id
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="speedtronic-parent-watch", daemon=True).start()
+
+
 def build_dataloader(
     config: DataSettings,
     *,
@@ -315,4 +340,5 @@ def build_dataloader(
         generator=torch.Generator().manual_seed(seed & ((1 << 64) - 1)),
         prefetch_factor=(config.prefetch_factor or 2) if workers > 0 else None,
         persistent_workers=workers > 0,
+        worker_init_fn=exit_with_parent if workers > 0 else None,
     )
