@@ -6,11 +6,12 @@ batch that never comes: a dataset whose ``__iter__`` hangs, a DataLoader worker 
 dataset's code. Left alone, SIGTERM would then do nothing at all.
 
 ``StopWatch`` bounds that wait. The first stop request made on the main thread while a fit
-runs there arms it: from then on ``SIGALRM`` (``setitimer``) looks at the main thread a few
-times a second -- nothing runs per step, and nothing at all before a stop is requested. When
-the loop has been waiting for the same batch for ``grace_s`` seconds after the request
-(``Trainer.stop_grace_s``, default ``STOP_GRACE_S``), it raises ``StopTimeoutError`` in the
-main thread, out of the wait. The fit then fails like any other (``exception`` and
+runs there arms it: from then on a watch thread looks at the main thread's stack a few times
+a second (``sys._current_frames``) -- nothing runs per step, and nothing at all before a stop
+is requested. When the loop has been waiting for the same batch for ``grace_s`` seconds after
+the request (``Trainer.stop_grace_s``, default ``STOP_GRACE_S``), the watch sends ``SIGALRM``
+to the main thread alone (``pthread_kill``), whose handler raises ``StopTimeoutError`` out of
+the wait. The fit then fails like any other (``exception`` and
 ``teardown`` run, the error propagates): the step in progress is incomplete, so no final
 checkpoint is written -- the newest periodic checkpoint is where ``--resume`` continues. The
 trainer stops the data stream's worker processes at once (``BatchStream.abandon``).
@@ -18,7 +19,8 @@ trainer stops the data stream's worker processes at once (``BatchStream.abandon`
 A step that is computing, not waiting for data, is never interrupted (it ends, and the stop
 takes effect). The watch is disarmed as soon as the loop ends, so the final checkpoint's
 save is never cut short. Only a wait that a signal can interrupt (sleeping, a queue, a
-socket, a lock) can be abandoned; the previous ``SIGALRM`` handler and timer are restored.
+socket, a lock) can be abandoned. The ``SIGALRM`` handler is installed only while armed
+(an alarm that is not the watch's goes to the previous handler) and restored afterwards.
 """
 
 from __future__ import annotations
@@ -68,26 +70,27 @@ class StopWatch:
         self.fired = False
         self._waiting: tuple[int, int] | None = None  # stream position of the awaited batch
         self._since = 0.0
-        self._armed = False
+        self._done = threading.Event()
         self._previous_handler: _Handler = None
-        self._previous_timer = (0.0, 0.0)
+        self._thread: threading.Thread | None = None
 
     @classmethod
     def arm(
         cls, stream: BatchStream[object], grace_s: float, reason: str, step: int
     ) -> StopWatch | None:
-        """Start watching, or ``None`` off the main thread or without ``setitimer``."""
+        """Start watching, or ``None`` off the main thread or without ``pthread_kill``."""
         if threading.current_thread() is not threading.main_thread():
             return None
-        if not hasattr(signal, "setitimer"):  # Windows
+        if not hasattr(signal, "pthread_kill"):  # Windows
             return None
         watch = cls(stream, grace_s, reason, step)
         # Requested from inside a wait (a signal handler runs on top of it): it counts from now.
         watch._waited(sys._getframe(1))
         watch._previous_handler = signal.signal(signal.SIGALRM, watch._on_alarm)
-        poll = min(0.5, grace_s / 4)
-        watch._previous_timer = signal.setitimer(signal.ITIMER_REAL, poll, poll)
-        watch._armed = True
+        watch._thread = threading.Thread(
+            target=watch._watch, name="speedtronic-stop-watch", daemon=True
+        )
+        watch._thread.start()
         return watch
 
     def _waited(self, frame: FrameType | None) -> float:
@@ -101,9 +104,25 @@ class StopWatch:
             self._waiting, self._since = position, now
         return now - self._since
 
+    def _watch(self) -> None:
+        """On the watch thread: look at the main thread a few times a second (no signal is
+        sent unless the wait has outlasted the grace, so nothing else is interrupted)."""
+        main = threading.main_thread().ident
+        assert main is not None
+        poll = min(0.25, self.grace_s / 4)
+        while not self._done.wait(poll):
+            if self._waited(sys._current_frames().get(main)) >= self.grace_s:
+                signal.pthread_kill(main, signal.SIGALRM)
+
     def _on_alarm(self, signum: int, frame: FrameType | None) -> None:
-        del signum
-        if self._waited(frame) < self.grace_s:
+        """In the main thread: give up on the batch, unless it came meanwhile (or the alarm
+        was someone else's: it goes to the handler that was there before)."""
+        waiting = self._waiting
+        if self._done.is_set() or waiting is None or not _waiting_for_data(frame):
+            if callable(self._previous_handler):
+                self._previous_handler(signum, frame)
+            return
+        if time.monotonic() - self._since < self.grace_s:
             return
         self.disarm()
         self.fired = True
@@ -115,10 +134,12 @@ class StopWatch:
         )
 
     def disarm(self) -> None:
-        """Stop watching; restore the previous ``SIGALRM`` handler and timer (idempotent)."""
-        if not self._armed:
+        """Stop watching and restore the previous ``SIGALRM`` handler (idempotent; main
+        thread)."""
+        if self._done.is_set():
             return
-        self._armed = False
-        signal.setitimer(signal.ITIMER_REAL, *self._previous_timer)
+        self._done.set()
         previous = self._previous_handler
         signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+        if self._thread is not None:
+            self._thread.join(timeout=5)  # it wakes at once: _done is set
