@@ -89,6 +89,7 @@ class TensorBoardCallback(MetricSink):
             "flush_secs": {
                 "type": "integer",
                 "minimum": 1,
+                "maximum": 86400,
                 "default": 10,
                 "description": "How often the writer thread flushes to disk.",
             },
