@@ -11,9 +11,10 @@ import argparse
 import json
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from speedtronic.user_imports import search_dirs
 
@@ -137,6 +138,7 @@ def _show_warning(
 
 def _fit(args: argparse.Namespace) -> int:
     from speedtronic.config import SpeedtronicConfig
+    from speedtronic.config.schema import core_maximum
     from speedtronic.distributed import teardown_distributed
     from speedtronic.run_lock import claim_run_directory
     from speedtronic.runtime import build_runtime, save_run_config
@@ -146,6 +148,11 @@ def _fit(args: argparse.Namespace) -> int:
     assert isinstance(config, SpeedtronicConfig)
     if args.max_steps is not None and args.max_steps <= 0:
         raise UserError(f"--max-steps must be positive, got {args.max_steps}")
+    if args.max_steps is not None and args.max_steps > core_maximum("run", "max_steps"):
+        raise UserError(
+            f"--max-steps {args.max_steps} is greater than the maximum of "
+            f"{core_maximum('run', 'max_steps')} (the bound of run.max_steps)"
+        )
     _preflight(config, device=args.device, max_steps=args.max_steps)
     with claim_run_directory(config.run.output_dir):
         trainer, _ = build_runtime(
@@ -160,7 +167,8 @@ def _fit(args: argparse.Namespace) -> int:
             if main_rank:
                 save_run_config(config, trainer.output_dir)
             start_step = trainer.step
-            result = trainer.fit()
+            with _callback_failures() as failed:
+                result = trainer.fit()
         finally:
             teardown_distributed(trainer.distributed)
     if main_rank:
@@ -175,7 +183,40 @@ def _fit(args: argparse.Namespace) -> int:
     from speedtronic.checkpoint import requeue_exit_code
 
     # A signal stop (after the final checkpoint) exits 128+signal so a scheduler requeues it.
-    return requeue_exit_code(result.stop_reason) or EXIT_OK
+    requeue = requeue_exit_code(result.stop_reason)
+    if requeue is None and failed:
+        # Observers never stop training, but what they failed to write is lost: say so.
+        more = f" (and {len(failed) - 1} more callback failure(s) above)" if failed[1:] else ""
+        print(f"speedtronic: error: the run finished, but {failed[0]}{more}", file=sys.stderr)
+        return EXIT_FAILED
+    return requeue or EXIT_OK
+
+
+@contextmanager
+def _callback_failures() -> Iterator[list[str]]:
+    """Collect the observer failures (``CallbackWarning``) shown while the block runs."""
+    from speedtronic.dispatch import CallbackWarning
+
+    failed: list[str] = []
+    show = warnings.showwarning
+
+    def record(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        if issubclass(category, CallbackWarning):
+            failed.append(str(message).split(" (training continues;")[0])
+        show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = record
+    try:
+        yield failed
+    finally:
+        warnings.showwarning = show
 
 
 def _validate(args: argparse.Namespace) -> int:

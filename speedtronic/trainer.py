@@ -49,6 +49,7 @@ from speedtronic.precision import (
 from speedtronic.result import TrainResult
 from speedtronic.step_state import FitClock as FitClock
 from speedtronic.step_state import StepRequests
+from speedtronic.stop_watch import STOP_GRACE_S, StopWatch
 from speedtronic.training_state import STATE_FORMAT_VERSION as STATE_FORMAT_VERSION
 from speedtronic.training_state import TrainingStateError as TrainingStateError
 from speedtronic.training_state import capture_training_state, restore_training_state
@@ -79,7 +80,11 @@ class Trainer:
     ``max_epochs`` (default ``run.max_epochs`` of the config) also ends the fit when the
     data stream would start that epoch; a global step the last epoch cannot fill is not
     taken.
+    ``stop_grace_s`` bounds how long a requested stop waits for a batch that does not come
+    (``speedtronic.stop_watch``; set it on an instance or on the class).
     """
+
+    stop_grace_s: float = STOP_GRACE_S
 
     def __init__(
         self,
@@ -153,6 +158,8 @@ class Trainer:
         self.fit_clock = FitClock(time.perf_counter(), start_step, 0, 0)
         self.skipped_steps = 0
         self.requests = StepRequests()
+        self._in_loop = False
+        self._stop_watch: StopWatch | None = None
         self.callbacks: list[Callback] = list(callbacks)
         self.callbacks += legacy_callbacks(coordinator, logger, checkpoint_manager)
         self.distributed = distributed
@@ -176,8 +183,21 @@ class Trainer:
     # -- public API used by callbacks ------------------------------------------------
 
     def request_stop(self, reason: str) -> None:
-        """Stop cleanly after the current step (``fit_end`` still runs)."""
+        """Stop cleanly after the current step (``fit_end`` still runs). Requested on the
+        main thread during the loop, the stop also gives up on a batch that does not come
+        within ``stop_grace_s`` seconds (``speedtronic.stop_watch``)."""
         self.requests.request_stop(reason)
+        if self._in_loop and self._stop_watch is None:
+            self._stop_watch = StopWatch.arm(self.stream, self.stop_grace_s, reason, self.step + 1)
+
+    def _end_stop_watch(self) -> None:
+        """Disarm the stop watch; when it gave up on a batch, stop the data workers now."""
+        watch, self._stop_watch = self._stop_watch, None
+        self._in_loop = False
+        if watch is not None:
+            watch.disarm()
+            if watch.fired:
+                self.stream.abandon()
 
     @property
     def stop_requested(self) -> bool:
@@ -311,12 +331,14 @@ class Trainer:
             self.plan.emit(self, On.FIT_START, fit_ctx)
             # Rates and elapsed_s measure training, not one-off setup (opening sinks, etc.).
             self.fit_clock = FitClock(time.perf_counter(), start_step, self.samples, self.tokens)
+            self._in_loop = True
             try:
                 while self._keep_going(start_step):
                     run_global_step(self, self.step + 1)
             except EpochLimitReached:
                 # The data ran out mid-step (or before it): drop the unfinished step.
                 self.optimizer.zero_grad(set_to_none=True)
+            self._end_stop_watch()
             result = self._result(start_step)
             # Every fit_end hook runs (the final checkpoint is saved even when a callback
             # before it fails); the first failure then fails the fit.
@@ -334,6 +356,7 @@ class Trainer:
                 raise failure from exc
             raise
         finally:
+            self._end_stop_watch()
             failures = self.plan.emit_isolated(self, On.TEARDOWN, TeardownContext(self.step, error))
             if raised is not None:
                 attach_failures(raised, failures)  # the fit's own error stays the one raised

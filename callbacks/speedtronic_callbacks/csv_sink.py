@@ -3,7 +3,8 @@
 The header is the union of the keys seen so far, in first-seen order. A record that brings
 a new key (say ``lr/group1`` once param-group rates diverge) rewrites the file once with the
 wider header; older rows get empty cells. Like the JSONL sink it is flushed per row and
-resume-safe: rows beyond the step a fit starts from are dropped at ``setup``.
+resume-safe: rows beyond the step a fit starts from are dropped at ``setup``. A file that
+cannot be written is reported once, naming the path (``sink.MetricSink.write_failed``).
 """
 
 from __future__ import annotations
@@ -87,17 +88,21 @@ class CsvCallback(MetricSink):
 
     def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         path = resolve_path(self.path, trainer.output_dir)
-        path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path
         self._columns = []
-        if path.exists() and path.stat().st_size > 0:
-            columns, rows = load_rows(path)
-            kept = [row for row in rows if (_row_step(row) or 0) <= ctx.start_step]
-            if kept:
-                self._columns = columns
-            if len(kept) != len(rows) or not kept:
-                atomic_write_text(path, _render(columns, kept) if kept else "")
-        self._reopen()
+        self.write_failure = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.is_file() and path.stat().st_size > 0:
+                columns, rows = load_rows(path)
+                kept = [row for row in rows if (_row_step(row) or 0) <= ctx.start_step]
+                if kept:
+                    self._columns = columns
+                if len(kept) != len(rows) or not kept:
+                    atomic_write_text(path, _render(columns, kept) if kept else "")
+            self._reopen()
+        except OSError as exc:
+            raise self.write_failed(path, exc) from exc
 
     def _reopen(self) -> None:
         assert self._file is not None
@@ -130,14 +135,22 @@ class CsvCallback(MetricSink):
     def write_record(self, trainer: TrainerView, record: Record) -> None:
         if self._file is None:
             raise RuntimeError("the csv sink received a record before setup")
-        if self._writer is None or not self._known.issuperset(record):
-            self._widen(record)
-        assert self._writer is not None and self._handle is not None
-        self._writer.writerow(record)
-        self._handle.flush()
+        try:
+            if self._writer is None or not self._known.issuperset(record):
+                self._widen(record)
+            assert self._writer is not None and self._handle is not None
+            self._writer.writerow(record)
+            self._handle.flush()
+        except OSError as exc:
+            raise self.write_failed(self._file, exc) from exc
 
     def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         handle, self._handle = self._handle, None
         self._writer = None
-        if handle is not None:
+        if handle is None:
+            return
+        try:
             handle.close()
+        except OSError as exc:
+            if self.write_failure is None and self._file is not None:  # the one report
+                raise self.write_failed(self._file, exc) from exc

@@ -9,6 +9,9 @@ a new file.
 
 Non-finite numbers (a NaN loss) are written as ``null``: the file stays strict JSON that
 ``jq``, pandas and browsers read.
+
+A file that cannot be written (its path is a directory, the disk is full) is reported once
+as a ``SinkWriteError`` naming the path and the reason (``sink.MetricSink.write_failed``).
 """
 
 from __future__ import annotations
@@ -150,6 +153,7 @@ class JsonlCallback(MetricSink):
 
     def __init__(self, path: str | Path = DEFAULT_FILENAME) -> None:
         self.path = Path(path)
+        self._file = self.path  # the resolved path, once set up
         self._handle: IO[str] | None = None
         self.dropped_on_resume = 0
 
@@ -174,28 +178,41 @@ class JsonlCallback(MetricSink):
         return resolve_path(self.path, trainer.output_dir)
 
     def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
-        path = self.resolved_path(trainer)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            self.dropped_on_resume = truncate_after(path, ctx.start_step)
-            if self.dropped_on_resume and ctx.start_step > 0:
-                warnings.warn(
-                    f"{path}: removed {self.dropped_on_resume} line(s) after step "
-                    f"{ctx.start_step} or unreadable, so the file continues where this fit "
-                    "resumes",
-                    UserWarning,
-                    stacklevel=2,
-                )
-        self._handle = path.open("a", encoding="utf-8")
+        path = self._file = self.resolved_path(trainer)
+        self.write_failure = None
+        self.dropped_on_resume = 0
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.is_file():
+                self.dropped_on_resume = truncate_after(path, ctx.start_step)
+            self._handle = path.open("a", encoding="utf-8")
+        except OSError as exc:
+            raise self.write_failed(path, exc) from exc
+        if self.dropped_on_resume and ctx.start_step > 0:
+            warnings.warn(
+                f"{path}: removed {self.dropped_on_resume} line(s) after step "
+                f"{ctx.start_step} or unreadable, so the file continues where this fit "
+                "resumes",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def write_record(self, trainer: TrainerView, record: Record) -> None:
         handle = self._handle
         if handle is None:
             raise RuntimeError("the jsonl sink received a record before setup")
-        handle.write(encode_record(record) + "\n")
-        handle.flush()
+        try:
+            handle.write(encode_record(record) + "\n")
+            handle.flush()
+        except OSError as exc:
+            raise self.write_failed(self._file, exc) from exc
 
     def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         handle, self._handle = self._handle, None
-        if handle is not None:
+        if handle is None:
+            return
+        try:
             handle.close()
+        except OSError as exc:
+            if self.write_failure is None:  # not reported yet: this is the one report
+                raise self.write_failed(self._file, exc) from exc

@@ -5,6 +5,12 @@ training goes on) that runs in the ``consume`` phase of the ``metrics`` event, a
 contributor added its keys. Its ``on_metrics`` is due only on the run's logging steps
 (``due_when``), so a step on which nothing is logged builds no record and never pays for a
 device-to-host copy.
+
+A sink that cannot write its file (a directory in the way, a full disk) raises
+``SinkWriteError`` naming itself, the path and the reason, once: ``write_failed`` records the
+failure, later records are dropped without another report, and closing the file does not
+report it again. The observer guard turns that one error into one ``CallbackWarning``;
+``speedtronic fit`` then exits 1 at the end (docs/sinks.md).
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ Record = Mapping[str, MetricValue]
 """A finished metric record as plain Python values (``MetricRecord.values()``)."""
 
 
+class SinkWriteError(OSError):
+    """A metric sink cannot write its file: names the sink, the path and the reason."""
+
+
 class MetricSink(Callback, abc.ABC):
     """Base class of sinks: implement ``write_record``; it is called once per due record.
 
@@ -40,9 +50,24 @@ class MetricSink(Callback, abc.ABC):
     metrics_phase: ClassVar[Literal["contribute", "consume"]] = "consume"
     rank_policy: ClassVar[RankPolicy] = "main"  # one copy of the logs per run, from rank 0
     due_when = METRICS_ON_LOGGING_STEPS
+    write_failure: str | None = None
+    """Why this sink stopped writing (set by ``write_failed``); ``None`` while it works."""
 
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
-        self.write_record(trainer, ctx.record.values())
+        if self.write_failure is None:  # a sink that failed to write was reported once
+            self.write_record(trainer, ctx.record.values())
+
+    def write_failed(self, path: Path, error: OSError) -> SinkWriteError:
+        """Record that writing ``path`` failed with ``error``; returns the error to raise.
+        Records after it are dropped (``on_metrics``) without another report."""
+        reason = error.strerror or str(error)
+        self.write_failure = (
+            f"the {self.display_name} sink cannot write {path}: {reason} "
+            "(its records are lost from here on)"
+        )
+        failure = SinkWriteError(self.write_failure)
+        failure.errno = error.errno
+        return failure
 
     @abc.abstractmethod
     def write_record(self, trainer: TrainerView, record: Record) -> None:

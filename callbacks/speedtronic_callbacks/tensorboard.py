@@ -12,6 +12,10 @@ fit the writer is opened with ``purge_step`` set to the first new step, so Tenso
 hides the older run's points beyond the resume step instead of drawing two overlapping
 curves.
 
+A log directory that cannot be written (a file in the way, a full disk) is reported once,
+naming the directory (``sink.MetricSink.write_failed``); failures of TensorBoard's own writer
+thread surface on the next record.
+
 Needs the ``logging`` extra (``pip install 'speedtronic[logging]'``).
 """
 
@@ -85,6 +89,7 @@ class TensorBoardCallback(MetricSink):
             "flush_secs": {
                 "type": "integer",
                 "minimum": 1,
+                "maximum": 86400,
                 "default": 10,
                 "description": "How often the writer thread flushes to disk.",
             },
@@ -110,6 +115,7 @@ class TensorBoardCallback(MetricSink):
         self.flush_secs = flush_secs
         self.log_config = log_config
         self.writer: SummaryWriter | None = None
+        self._resolved = self.log_dir  # the resolved log_dir, once set up
         self._build_summary: SummaryBuilder | None = None
         self._worker: BackgroundWorker[Scalars] | None = None
 
@@ -131,27 +137,36 @@ class TensorBoardCallback(MetricSink):
     def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        log_dir = resolve_path(self.log_dir, trainer.output_dir)
+        log_dir = self._resolved = resolve_path(self.log_dir, trainer.output_dir)
+        self.write_failure = None
         self._build_summary = summary_builder()
-        self.writer = SummaryWriter(
-            log_dir=str(log_dir),
-            # A resumed fit hides the previous session's points past the resume step.
-            purge_step=ctx.start_step + 1 if ctx.start_step > 0 else None,
-            max_queue=1000,
-            flush_secs=self.flush_secs,
-        )
-        run_config = trainer.run_config if self.log_config else None
-        if run_config is not None:
-            text = json.dumps(run_config, indent=2, default=str)
-            # Four-space indent renders as a code block in TensorBoard's markdown view.
-            self.writer.add_text("config", "    " + text.replace("\n", "\n    "), ctx.start_step)
+        try:
+            self.writer = SummaryWriter(
+                log_dir=str(log_dir),
+                # A resumed fit hides the previous session's points past the resume step.
+                purge_step=ctx.start_step + 1 if ctx.start_step > 0 else None,
+                max_queue=1000,
+                flush_secs=self.flush_secs,
+            )
+            run_config = trainer.run_config if self.log_config else None
+            if run_config is not None:
+                text = json.dumps(run_config, indent=2, default=str)
+                # Four-space indent renders as a code block in TensorBoard's markdown view.
+                self.writer.add_text(
+                    "config", "    " + text.replace("\n", "\n    "), ctx.start_step
+                )
+        except OSError as exc:
+            raise self.write_failed(log_dir, exc) from exc
         self._worker = BackgroundWorker("speedtronic-tensorboard", self._write_event)
 
     def write_record(self, trainer: TrainerView, record: Record) -> None:
         if self._worker is None:
             raise RuntimeError("the tensorboard sink received a record before setup")
         scalars = [(self.prefix + key, value) for key, value in numeric_items(record)]
-        self._worker.submit((int(record["step"]), scalars))
+        try:
+            self._worker.submit((int(record["step"]), scalars))
+        except OSError as exc:  # a failed write of an earlier record, from the worker
+            raise self.write_failed(self._resolved, exc) from exc
 
     def _write_event(self, item: Scalars) -> None:
         """On the worker thread: one event holding every scalar of a record."""
@@ -163,17 +178,26 @@ class TensorBoardCallback(MetricSink):
         file_writer.add_summary(build(scalars), step)
 
     def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
-        if self._worker is not None:
-            self._worker.drain()
-        if self.writer is not None:
-            self.writer.flush()
+        if self.write_failure is not None:
+            return  # reported once already; teardown closes what is open
+        try:
+            if self._worker is not None:
+                self._worker.drain()
+            if self.writer is not None:
+                self.writer.flush()
+        except OSError as exc:
+            raise self.write_failed(self._resolved, exc) from exc
 
     def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         worker, self._worker = self._worker, None
         try:
-            if worker is not None:
-                worker.close()  # writes what is still queued (the writer must be open)
-        finally:
-            writer, self.writer = self.writer, None
-            if writer is not None:
-                writer.close()
+            try:
+                if worker is not None:
+                    worker.close()  # writes what is still queued (the writer must be open)
+            finally:
+                writer, self.writer = self.writer, None
+                if writer is not None:
+                    writer.close()
+        except OSError as exc:
+            if self.write_failure is None:  # not reported yet: this is the one report
+                raise self.write_failed(self._resolved, exc) from exc

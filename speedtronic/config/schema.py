@@ -28,7 +28,7 @@ from importlib import metadata, resources
 from pathlib import Path
 from urllib.parse import quote
 
-from jsonschema import Draft202012Validator, ValidationError
+from jsonschema import Draft202012Validator, ValidationError, validators
 from jsonschema.exceptions import SchemaError
 
 from speedtronic import plugins
@@ -56,6 +56,11 @@ SECTIONS = (
 """The core's sections (plugins may add keys to them, and sections of their own)."""
 
 _PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle")
+
+INT64_MAX = 2**63 - 1
+"""The largest integer any ``integer`` key accepts, whatever its schema says: every core key
+has a much smaller ``maximum`` (docs/configuration.md, "Bounds"); this also bounds the
+integer options of plugins that declare none (``checkpoint.every_steps: 1e41``)."""
 
 
 class ConfigError(ValueError):
@@ -299,16 +304,47 @@ def composed_schema(
     return _compose(option_schemas, model_option_schemas() if model_options else None)
 
 
+_DRAFT_TYPE = Draft202012Validator.VALIDATORS["type"]
+
+
+def _type_within_int64(
+    validator: Draft202012Validator, types: object, instance: object, schema: Mapping[str, object]
+) -> Iterator[ValidationError]:
+    """The draft's ``type`` check, plus: a value for an ``integer`` key lies in 64 bits when
+    its schema sets no bound on that side (a whole float like ``1e41`` counts as an integer)."""
+    yield from _DRAFT_TYPE(validator, types, instance, schema)
+    wanted = types if isinstance(types, list) else [types]
+    if "integer" not in wanted or not validator.is_type(instance, "integer"):
+        return
+    assert isinstance(instance, (int, float))
+    if instance > INT64_MAX and "maximum" not in schema and "exclusiveMaximum" not in schema:
+        yield ValidationError(f"{instance!r} is greater than the maximum of {INT64_MAX}")
+    if -instance > INT64_MAX + 1 and "minimum" not in schema and "exclusiveMinimum" not in schema:
+        yield ValidationError(f"{instance!r} is less than the minimum of {-INT64_MAX - 1}")
+
+
+_Validator: type[Draft202012Validator] = validators.extend(  # type: ignore[no-untyped-call]  # jsonschema leaves extend unannotated
+    Draft202012Validator, {"type": _type_within_int64}
+)
+
+
 @functools.lru_cache(maxsize=4)
 def _base_validator(version: int) -> Draft202012Validator:
     del version
-    return Draft202012Validator(base())
+    return _Validator(base())
 
 
 def _validator(plugin_schemas: Mapping[str, Mapping[str, object]]) -> Draft202012Validator:
     if not plugin_schemas:
         return _base_validator(plugins.callback_registry.version)
-    return Draft202012Validator(_compose(plugin_schemas))
+    return _Validator(_compose(plugin_schemas))
+
+
+def core_maximum(section: str, key: str) -> int | float:
+    """The ``maximum`` of a core key (``core_maximum("run", "max_steps")``)."""
+    bound = _mapping(section_schema(_core(), section).get(key)).get("maximum")
+    assert isinstance(bound, (int, float)), f"{section}.{key} has no maximum"
+    return bound
 
 
 # -- published schema files -------------------------------------------------------------

@@ -376,6 +376,25 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
                 return iter(source)
         return iter(source)
 
+    def abandon(self) -> None:
+        """Drop the pass in progress at once, e.g. after giving up on a batch that never came.
+
+        A ``DataLoader``'s worker processes are stopped without waiting for them (they may be
+        stuck in the dataset's code: torch's workers exit at once on their parent's SIGTERM)
+        and then shut down as usual. The position is kept: the next batch opens the pass
+        again where it stood."""
+        iterator, self._iterator = self._iterator, None
+        source = self.source
+        if isinstance(source, DataLoader) and getattr(source, "_iterator", None) is iterator:
+            source._iterator = None  # a persistent-workers loader must not reuse it
+        workers = getattr(iterator, "_workers", None)
+        for worker in workers if isinstance(workers, list) else ():
+            if worker.is_alive():
+                worker.terminate()
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+
     def state_dict(self) -> dict[str, int]:
         """The position: the epoch and how many of its batches were handed out (plus the
         number of rank shards of a sharded source)."""

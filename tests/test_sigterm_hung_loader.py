@@ -1,0 +1,328 @@
+"""Issue 12, item 10: a hung data loader must not make SIGTERM a no-op.
+
+The first SIGTERM asks for a stop after the current step. When that step waits for a batch
+that never comes, the stop gives up on it after ``Trainer.stop_grace_s`` seconds: the fit
+fails with ``StopTimeoutError`` (``speedtronic fit`` exits 1 saying so), the periodic
+checkpoints stay, and no DataLoader worker is left behind. A step that computes (rather than
+waits for data) is never cut short, and the final checkpoint of a clean stop is unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from speedtronic.callback import Callback
+from speedtronic.checkpoint import CheckpointManager, checkpoint_step
+from speedtronic.contexts import MicrobatchContext, StepContext
+from speedtronic.stop_watch import StopTimeoutError
+from speedtronic.trainer import Trainer
+from speedtronic.view import TrainerView
+from speedtronic_callbacks.checkpoint import CheckpointCallback
+
+ROOT = Path(__file__).resolve().parent.parent
+GRACE_S = 1.0
+SLACK_S = 15.0  # interpreter exit and a loaded 2-core machine; the grace is what is bounded
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (from /proc: psutil is no dependency)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state != "Z"
+
+
+HANGING_MODULE = textwrap.dedent(
+    """
+    import os, time
+    from pathlib import Path
+    from speedtronic.data import register_dataset
+    from speedtronic.data.synthetic import SyntheticTokenDataset
+    from speedtronic.trainer import Trainer
+
+    Trainer.stop_grace_s = {grace}
+    MARKER = Path(__file__).with_name("worker.pid")
+
+    class Hanging(SyntheticTokenDataset):
+        def __getitem__(self, index):
+            if index >= 4:  # batches 1 and 2 (of 2 samples) come; batch 3 never does
+                MARKER.write_text(str(os.getpid()))
+                time.sleep(3600)
+            return super().__getitem__(index)
+
+    @register_dataset("hanging")
+    def hanging(request):
+        return Hanging(num_samples=64, block_size=request.block_size,
+                       vocab_size=request.vocab_size, seed=request.seed)
+    """
+)
+
+CONFIG = textwrap.dedent(
+    """
+    imports: [hanging_data]
+    run: {name: hang, device: cpu, max_steps: 50, seed: 3, output_dir: out}
+    model: {vocab_size: 32, max_seq_len: 8, n_layer: 1, n_head: 2, d_model: 16}
+    data: {dataset: hanging, micro_batch_size: 2, num_workers: 1}
+    scheduler: {warmup_steps: 1}
+    logging: {every_steps: 1, console: false}
+    checkpoint: {every_steps: 1}
+    """
+)
+
+
+def test_sigterm_stops_a_fit_whose_worker_hangs_and_leaves_no_worker(tmp_path: Path) -> None:
+    (tmp_path / "hanging_data.py").write_text(HANGING_MODULE.format(grace=GRACE_S))
+    (tmp_path / "run.yaml").write_text(CONFIG)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "callbacks")]),
+        OMP_NUM_THREADS="1",
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-m", "speedtronic", "fit", "--config", "run.yaml"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    marker = tmp_path / "worker.pid"
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.is_file() or not marker.read_text():
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "the worker never reached the hanging batch"
+            time.sleep(0.05)
+        worker = int(marker.read_text())
+        checkpoints = tmp_path / "out" / "checkpoints"
+        while len(list(checkpoints.glob("step_*.pt"))) < 2:  # steps 1 and 2 are done
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)  # the main process now waits for batch 3
+        assert alive(worker)
+        sent = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=GRACE_S + SLACK_S)
+        took = time.monotonic() - sent
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 1, err
+    assert took < GRACE_S + SLACK_S
+    assert "received SIGTERM: stopping after step 3" in err
+    assert (
+        "speedtronic: error: StopTimeoutError: stop requested (signal SIGTERM) during step 3" in err
+    )
+    assert f"did not come within {GRACE_S:g} s" in err and "no final checkpoint" in err
+    assert "Traceback" not in err
+    deadline = time.monotonic() + 5
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(worker), "the hung DataLoader worker was left behind"
+    manager = CheckpointManager(checkpoints)
+    assert [checkpoint_step(p.name) for p in manager.checkpoint_paths()][-1] == 2
+    assert manager.latest_path() == manager.path_for(2)
+
+
+# -- in process: the watch itself ---------------------------------------------------------
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.embed(input_ids))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def batches(count: int) -> list[dict[str, torch.Tensor]]:
+    tokens = torch.randint(0, 16, (count, 2, 7), generator=torch.Generator().manual_seed(0))
+    return [{"input_ids": t[:, :-1], "labels": t[:, 1:]} for t in tokens]
+
+
+class HangsAfter:
+    """Yields ``good`` batches, then blocks (in the main thread: no workers) until released."""
+
+    def __init__(self, good: int) -> None:
+        self.good = batches(good)
+        self.waiting = threading.Event()
+        self.release = threading.Event()
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        yield from self.good
+        self.waiting.set()
+        self.release.wait(60)  # stands for a loader that never delivers
+        yield from self.good
+
+
+def trainer_on(data: Iterable[object], callbacks: list[Callback], k: int = 1) -> Trainer:
+    torch.manual_seed(0)
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trainer = Trainer(
+        model, optimizer, data, device="cpu", callbacks=callbacks, accumulation_steps=k
+    )
+    trainer.stop_grace_s = 0.4
+    return trainer
+
+
+def sigterm_when(event: threading.Event) -> threading.Thread:
+    """SIGTERM to the main thread once ``event`` is set (as a scheduler would send it)."""
+
+    def send() -> None:
+        if event.wait(60):
+            time.sleep(0.05)
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGTERM)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture
+def default_signal_handlers() -> Iterator[None]:
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM)}
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+
+@pytest.mark.usefixtures("default_signal_handlers")
+def test_a_stop_while_waiting_for_a_batch_gives_up_after_the_grace(tmp_path: Path) -> None:
+    data = HangsAfter(good=3)
+    alarm_before = signal.getsignal(signal.SIGALRM)
+    timer_before = signal.getitimer(signal.ITIMER_REAL)  # pytest-timeout may have one running
+    checkpoint = CheckpointCallback(tmp_path / "ck", every_steps=2)
+    trainer = trainer_on(data, [checkpoint])
+    sender = sigterm_when(data.waiting)
+    started = time.monotonic()
+    with pytest.raises(StopTimeoutError, match=r"during step 4, .* within 0\.4 s"):
+        trainer.fit(1000)
+    assert time.monotonic() - started < 10
+    sender.join()
+    data.release.set()
+    assert trainer.step == 3
+    assert checkpoint.manager.latest_path() == checkpoint.manager.path_for(2)  # no final save
+    assert signal.getsignal(signal.SIGALRM) is alarm_before  # the watch is gone
+    delay, interval = signal.getitimer(signal.ITIMER_REAL)
+    assert interval == timer_before[1] and delay <= timer_before[0]
+    assert (delay > 0) == (timer_before[0] > 0)  # a timer (pytest-timeout's) is untouched
+    assert not [t for t in threading.enumerate() if t.name == "speedtronic-stop-watch"]
+    assert trainer.stream.state_dict() == {"epoch": 0, "batches_in_epoch": 3}  # resumable
+
+
+class SlowStepAfterStop(Callback):
+    """Requests a stop at ``step`` and then computes (sleeps) far longer than the grace."""
+
+    def __init__(self, step: int, seconds: float) -> None:
+        self.step, self.seconds = step, seconds
+
+    def on_step_end(self, trainer: TrainerView, ctx: StepContext) -> None:
+        if ctx.step == self.step:
+            trainer.request_stop("test stop")
+            time.sleep(self.seconds)
+
+
+@pytest.mark.usefixtures("default_signal_handlers")
+def test_a_step_that_computes_is_never_cut_short(tmp_path: Path) -> None:
+    checkpoint = CheckpointCallback(tmp_path / "ck", every_steps=100)
+    trainer = trainer_on(batches(4), [SlowStepAfterStop(2, seconds=1.0), checkpoint])
+    result = trainer.fit(1000)
+    assert result.stop_reason == "test stop" and result.steps == 2
+    assert checkpoint.manager.latest_path() == checkpoint.manager.path_for(2)  # final save
+
+
+class SlowData:
+    """Every batch after the first takes ``seconds`` to come (slow, but it comes)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for index, batch in enumerate(batches(8)):
+            if index:
+                time.sleep(self.seconds)
+            yield batch
+
+
+class StopInFirstMicrobatch(Callback):
+    def on_microbatch_end(self, trainer: TrainerView, ctx: MicrobatchContext) -> None:
+        if ctx.step == 1 and ctx.index == 0:
+            trainer.request_stop("test stop")
+
+
+@pytest.mark.usefixtures("default_signal_handlers")
+def test_a_slow_batch_that_comes_within_the_grace_is_waited_for() -> None:
+    # The stop comes after the first of three microbatches; the other two take 0.15 s each
+    # to load (under the 0.4 s grace), so step 1 completes and the fit stops cleanly.
+    trainer = trainer_on(SlowData(0.15), [StopInFirstMicrobatch()], k=3)
+    result = trainer.fit(1000)
+    assert result.stop_reason == "test stop" and result.steps == 1
+
+
+KILLED_CHILD = textwrap.dedent(
+    """
+    import os, time
+    from pathlib import Path
+    from torch.utils.data import Dataset
+    from speedtronic.config import load_config
+    from speedtronic.data import build_dataloader
+
+    class Hangs(Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, index):
+            Path({marker!r}).write_text(str(os.getpid()))
+            time.sleep(3600)
+
+    config = load_config({{"data": {{"micro_batch_size": 2, "num_workers": 1}}}})
+    next(iter(build_dataloader(config.data, dataset=Hangs())))
+    """
+)
+
+
+def test_a_hung_worker_exits_when_its_process_is_killed(tmp_path: Path) -> None:
+    # Nothing can run in a SIGKILLed process (nor in one a SIGTERM kills without a handler,
+    # e.g. with checkpointing off -- the same case for the worker): the worker notices that
+    # its parent is gone by itself.
+    sig = signal.SIGKILL
+    marker = tmp_path / "worker.pid"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "callbacks")]))
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CHILD.format(marker=str(marker))], env=env, cwd=tmp_path
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.is_file() or not marker.read_text():
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        worker = int(marker.read_text())
+        assert alive(worker)
+        child.send_signal(sig)
+        assert child.wait(timeout=30) == -sig
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    deadline = time.monotonic() + 5
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(worker), "the hung DataLoader worker outlived its process"
