@@ -8,7 +8,9 @@ methods or the metric record, which are documented for that purpose.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -95,14 +97,45 @@ class OptimizerResetContext:
     requested_by: tuple[str, ...]
 
 
+def _no_metrics() -> Mapping[str, float]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class EvalStartContext:
+    """``eval_start``: an evaluation of the held-out set begins at global step ``step``
+    (after the step's optimizer update); ``max_batches`` is its batch limit (``None``: the
+    whole held-out set)."""
+
+    step: int
+    max_batches: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class EvalEndContext:
+    """``eval_end``: the evaluation of step ``step`` finished. ``metrics`` holds its results
+    as host numbers (``eval/loss``, ``eval/ppl``; reduced over ranks in a distributed run);
+    they join this step's metric record. ``batches`` and ``weight`` say how many batches were
+    evaluated and how many tokens (causal-LM batches) or samples the loss is averaged over
+    (this rank's share)."""
+
+    step: int
+    metrics: Mapping[str, float] = field(default_factory=_no_metrics)
+    batches: int = 0
+    weight: float = 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class MetricsContext:
-    """``metrics``: the step's record. ``due`` is true on logging-cadence steps and on the
-    final step of a fit; contributors add keys to ``record``, sinks read it when due."""
+    """``metrics``: the step's record. ``due`` is true on logging-cadence steps, on
+    evaluation steps and on the final step of a fit; contributors add keys to ``record``,
+    sinks read it when due. ``evaluated`` is true when the step ran an evaluation: the
+    record then holds its ``eval/*`` keys."""
 
     step: int
     due: bool
     record: MetricRecord
+    evaluated: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -217,7 +217,9 @@ class CallbackPlan:
         """Whether any callback listens to ``event`` at all (on any step)."""
         return bool(self._hooks[event])
 
-    def begin_step(self, step: int, target_step: int, metrics_every: int) -> None:
+    def begin_step(
+        self, step: int, target_step: int, metrics_every: int, eval_every: int = 0
+    ) -> None:
         """Select the hooks due in global step ``step`` (their ``due_when`` filters). Without
         filtered callbacks this does nothing: every hook is due on every step."""
         if not self._filtered:
@@ -227,7 +229,7 @@ class CallbackPlan:
             current[key] = tuple(
                 hook
                 for when, hook in entries
-                if when is None or when.due(step, target_step, metrics_every)
+                if when is None or when.due(step, target_step, metrics_every, eval_every)
             )
         self.due_hooks = current
 

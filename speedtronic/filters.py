@@ -4,8 +4,8 @@ A callback declares, per event, on which global steps its hook runs; the dispatc
 call it on other steps (in the spirit of Ignite's ``Events.ITERATION_COMPLETED(every=N)``)::
 
     class Sink(Callback):
-        due_when = {Event.METRICS: logging_steps()}     # the run's logging cadence
-                                                         # (every metrics_every, and the last step)
+        due_when = {Event.METRICS: logging_steps()}     # the logging cadence: every
+                                                         # metrics_every, evaluations, the last
 
     class Probe(Callback):
         def __init__(self, n: int) -> None:
@@ -60,15 +60,18 @@ class StepFilter:
             logging=self.logging or other.logging,
         )
 
-    def due(self, step: int, target_step: int, metrics_every: int) -> bool:
-        """Whether a hook with this filter runs at global step ``step``."""
+    def due(self, step: int, target_step: int, metrics_every: int, eval_every: int = 0) -> bool:
+        """Whether a hook with this filter runs at global step ``step`` (``eval_every``: the
+        evaluation cadence, 0 when evaluation is off; evaluation steps are logging steps)."""
         if self.every is not None and step % self.every == 0:
             return True
         if step in self.at:
             return True
         if (self.final or self.logging) and step == target_step:
             return True
-        return self.logging and step % metrics_every == 0
+        if not self.logging:
+            return False
+        return step % metrics_every == 0 or (eval_every > 0 and step % eval_every == 0)
 
     def describe(self) -> str:
         parts = []
@@ -99,8 +102,8 @@ def final_step() -> StepFilter:
 
 
 def logging_steps() -> StepFilter:
-    """Due on the run's logging cadence: every ``metrics_every`` steps and the final step
-    (exactly the steps where ``MetricsContext.due`` is true)."""
+    """Due on the run's logging cadence: every ``metrics_every`` steps, every evaluation step
+    and the final step (exactly the steps where ``MetricsContext.due`` is true)."""
     return StepFilter(logging=True)
 
 

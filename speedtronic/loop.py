@@ -26,6 +26,7 @@ from speedtronic.contexts import (
     StepContext,
 )
 from speedtronic.data.collate import batch_size_and_tokens
+from speedtronic.evaluation import is_eval_step, run_step_evaluation
 from speedtronic.events import On
 from speedtronic.metrics import MetricRecord
 
@@ -40,7 +41,7 @@ def run_global_step(t: Trainer, step: int) -> bool:
     Events nobody is due to hear this step are not emitted and their contexts are not built
     (``due`` holds this step's hooks per event): the loop's own cost stays a few µs."""
     plan = t.plan
-    plan.begin_step(step, t.target_step, t.metrics_every)
+    plan.begin_step(step, t.target_step, t.metrics_every, t.eval_every)
     due = plan.due_hooks
     k = t.accumulation_steps
     if due[On.STEP_START]:
@@ -72,6 +73,8 @@ def run_global_step(t: Trainer, step: int) -> bool:
         plan.emit(t, On.COORDINATE, CoordinateContext(step))
     if t.reset_requested:
         _maybe_reset_optimizer(t, step)
+    if t.eval_every and is_eval_step(step, t.eval_every, t.target_step):
+        run_step_evaluation(t, step)  # eval_start, the pass, eval_end
 
     # The record is built only when a metrics hook is due or the step is a logging step.
     if due[On.METRICS] or t.is_metric_due(step):
@@ -189,7 +192,12 @@ def _emit_metrics(
     record.set("tokens", t.tokens)
     record.set("micro_batches", t.accumulation_steps)
     record.set("elapsed_s", elapsed)
+    evaluated = t.pending_eval is not None
+    if t.pending_eval is not None:
+        for key, value in t.pending_eval.items():
+            record.set(key, value)
+        t.pending_eval = None
     due = t.is_metric_due(step)
-    t.plan.emit(t, On.METRICS, MetricsContext(step, due, record))
+    t.plan.emit(t, On.METRICS, MetricsContext(step, due, record, evaluated))
     if due:
         t.due_records.append(record.values())
