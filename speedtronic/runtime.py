@@ -26,6 +26,7 @@ from speedtronic.callback import Callback
 from speedtronic.checkpoint import CheckpointManager
 from speedtronic.config import CallbackSpec, JSONValue, SpeedtronicConfig
 from speedtronic.data import build_dataloader
+from speedtronic.data.held_out import build_eval_loader, training_excludes_tail
 from speedtronic.distributed import DistributedContext, setup_distributed, teardown_distributed
 from speedtronic.model_registry import build_model
 from speedtronic.optimizers import build_optimizer, build_scheduler
@@ -186,8 +187,10 @@ def build_runtime(
             vocab_size=cfg.data.vocab_size,
             rank=shard_index,
             world_size=shard_count,
+            held_out_fraction=training_excludes_tail(cfg.eval),
         )
     )
+    eval_data = held_out_loader(cfg, distributed) if cfg.eval.every_steps is not None else None
     optimizer = build_optimizer(net, cfg.optimizer, resolved_device)
     scheduler = build_scheduler(optimizer, cfg.scheduler, cfg.scheduler_steps)
     source = _resume_source(callbacks)
@@ -209,6 +212,9 @@ def build_runtime(
         output_dir=output_dir,
         shape_report=shape_report,
         distributed=distributed,
+        eval_data=eval_data,
+        eval_every=cfg.eval.every_steps,
+        eval_max_batches=cfg.eval.max_batches,
     )
     resuming = resume or (source is not None and source.resume_requested)
     if overwrite is not None and launched_as_main_process():
@@ -218,6 +224,24 @@ def build_runtime(
         load_callback_state = source.load_callback_state if source is not None else True
         resume_from(trainer, manager, load_callback_state=load_callback_state)
     return trainer, manager
+
+
+def held_out_loader(
+    config: SpeedtronicConfig, distributed: DistributedContext | None
+) -> Iterable[object]:
+    """The run's held-out batches (``eval:`` section), this torch.distributed rank's share
+    (the ranks' results are all-reduced; other shardings, such as a hub node's, evaluate the
+    whole set)."""
+    rank, world_size = (
+        (distributed.rank, distributed.world_size) if distributed is not None else (0, 1)
+    )
+    return build_eval_loader(
+        config.data,
+        config.eval,
+        vocab_size=config.data.vocab_size,
+        rank=rank,
+        world_size=world_size,
+    )
 
 
 def save_run_config(config: SpeedtronicConfig, output_dir: Path) -> Path:

@@ -46,6 +46,7 @@ SECTIONS = (
     "run",
     "model",
     "data",
+    "eval",
     "optimizer",
     "scheduler",
     "precision",
@@ -463,7 +464,7 @@ def _value_errors(data: object, parts: tuple[str | int, ...] = ()) -> Iterator[t
 
 
 def _is_free_form(parts: tuple[str | int, ...]) -> bool:
-    if parts[:2] == ("data", "dataset_options"):
+    if parts[:2] in (("data", "dataset_options"), ("eval", "dataset_options")):
         return True
     return len(parts) >= 2 and parts[0] == "callbacks"
 
@@ -592,12 +593,15 @@ def _optimizer_rules(values: _Values) -> Iterator[str]:
 
 
 def _data_rules(values: _Values) -> Iterator[str]:
-    dataset = values.text("data", "dataset")
-    if dataset is not None and dataset.lower().endswith(_PICKLE_SUFFIXES):
-        yield (
-            f"data.dataset: {dataset!r} looks like a pickled dataset file; name a registered "
-            "dataset instead (pickle files are never loaded)"
-        )
+    for section in ("data", "eval"):
+        dataset = values.text(section, "dataset")
+        if dataset is not None and dataset.lower().endswith(_PICKLE_SUFFIXES):
+            yield (
+                f"{section}.dataset: {dataset!r} looks like a pickled dataset file; name a "
+                "registered dataset instead (pickle files are never loaded)"
+            )
+    if values.text("eval", "text_path") is not None and values.text("eval", "dataset"):
+        yield "eval.dataset: give eval.text_path or eval.dataset, not both"
     data_vocab = values.positive_int("data", "vocab_size")
     model_vocab = values.positive_int("model", "vocab_size")
     if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
