@@ -490,6 +490,10 @@ class _Values:
             return values[key]
         return _defaults(section, plugins.callback_registry.version).get(key)  # read-only
 
+    def get_root(self, key: str) -> object:
+        """A top-level value as given (``None`` when absent)."""
+        return self._data.get(key)
+
     def integer(self, section: str, key: str) -> int | None:
         value = self.get(section, key)
         if isinstance(value, bool):
@@ -544,6 +548,7 @@ def cross_field_errors(data: Mapping[str, object]) -> list[str]:
         _model_rules,
         _optimizer_rules,
         _data_rules,
+        _eval_monitor_rules,
     ):
         errors.extend(rule(values))
     errors.extend(_plugin_rules(values))
@@ -609,6 +614,29 @@ def _data_rules(values: _Values) -> Iterator[str]:
             f"data.vocab_size: {data_vocab} is larger than model.vocab_size ({model_vocab}); "
             "the model could not embed every token id"
         )
+
+
+EVAL_METRIC_PREFIX = "eval/"
+
+
+def _eval_monitor_rules(values: _Values) -> Iterator[str]:
+    """A ``monitor`` option (of any plugin section or ``callbacks:`` entry) that names an
+    evaluation metric needs evaluation on (``eval.every_steps``): it could never appear."""
+    if values.positive_int("eval", "every_steps") is not None:
+        return
+    places: list[tuple[str, object]] = []
+    for key in plugin_root_keys():
+        section = values.get_root(key)
+        if isinstance(section, Mapping):
+            places.append((key, section.get("monitor")))
+    for index, entry in values.callback_entries():
+        places.append((f"callbacks[{index}]", entry.get("monitor")))
+    for where, monitor in places:
+        if isinstance(monitor, str) and monitor.startswith(EVAL_METRIC_PREFIX):
+            yield (
+                f"{where}.monitor: {monitor!r} is an evaluation metric, but evaluation is off "
+                "(set eval.every_steps)"
+            )
 
 
 def _plugin_rules(values: _Values) -> Iterator[str]:
