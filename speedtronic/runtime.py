@@ -16,6 +16,7 @@ the ``DistributedContext`` (``trainer.distributed``). The group is destroyed by
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, cast, runtime_checkable
@@ -23,11 +24,12 @@ from typing import Protocol, cast, runtime_checkable
 import torch
 
 from speedtronic.callback import Callback
-from speedtronic.checkpoint import CheckpointManager
+from speedtronic.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
 from speedtronic.config import CallbackSpec, JSONValue, SpeedtronicConfig
 from speedtronic.data import build_dataloader
 from speedtronic.data.held_out import build_eval_loader, training_excludes_tail
 from speedtronic.distributed import DistributedContext, setup_distributed, teardown_distributed
+from speedtronic.evaluation import EvalOutcome, evaluate_model
 from speedtronic.model_registry import build_model
 from speedtronic.optimizers import build_optimizer, build_scheduler
 from speedtronic.plugins import (
@@ -50,7 +52,7 @@ from speedtronic.run_lock import (
 )
 from speedtronic.shapes import validate_startup_shapes
 from speedtronic.stage_streams import StageStreamCallback, StageStreamScheduler
-from speedtronic.trainer import Trainer
+from speedtronic.trainer import Trainer, TrainingStateError
 
 ConfigSource = SpeedtronicConfig | Mapping[str, object] | str | Path
 
@@ -242,6 +244,87 @@ def held_out_loader(
         rank=rank,
         world_size=world_size,
     )
+
+
+def evaluate_checkpoint(
+    config: ConfigSource,
+    *,
+    checkpoint: str | Path | None = None,
+    device: str | torch.device | None = None,
+) -> tuple[LoadedCheckpoint, EvalOutcome]:
+    """Evaluate a run's checkpoint on its held-out set (``eval:``) and write nothing: the
+    named ``checkpoint`` file, else the newest one in the run's checkpoint directory.
+    ``CheckpointError`` when there is none or it cannot be read, ``TrainingStateError`` when
+    it does not fit the config's model. One process (no torch.distributed)."""
+    cfg = as_config(config)
+    import_modules(cfg.imports)
+    seed_everything(cfg.run.seed)
+    resolved_device = resolve_device(device if device is not None else cfg.run.device)
+    output_dir = Path(cfg.run.output_dir).expanduser().resolve()
+    loaded = _checkpoint_to_evaluate(cfg, output_dir, resolved_device, checkpoint)
+    net = build_model(cfg.model)
+    weights = loaded.state.get("model")
+    if not isinstance(weights, Mapping):
+        raise CheckpointError(f"{loaded.path} holds no model weights (no 'model' entry)")
+    try:
+        net.load_state_dict(cast("Mapping[str, torch.Tensor]", weights))
+    except RuntimeError as exc:
+        problem = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TrainingStateError(
+            f"checkpoint {loaded.path} does not match the model of this config: {problem}"
+        ) from None
+    net.to(resolved_device)
+    _warn_if_trained_on_the_tail(cfg)
+    outcome = evaluate_model(
+        net,
+        held_out_loader(cfg, None),
+        device=resolved_device,
+        precision=resolve_precision(cfg.precision, resolved_device),
+        max_batches=cfg.eval.max_batches,
+    )
+    return loaded, outcome
+
+
+def _warn_if_trained_on_the_tail(cfg: SpeedtronicConfig) -> None:
+    """A text run without evaluation trained on its whole file, the held-out tail too."""
+    own_split = not cfg.eval.text_path and not cfg.eval.dataset
+    text = cfg.data.text_path or (cfg.data.dataset == "text")
+    if own_split and text and training_excludes_tail(cfg.eval) is None:
+        warnings.warn(
+            "eval.every_steps is not set, so this run trained on the whole text file: the "
+            f"held-out tail it is evaluated on (the last eval.fraction={cfg.eval.fraction}) "
+            "was training data too",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _checkpoint_to_evaluate(
+    cfg: SpeedtronicConfig, output_dir: Path, device: torch.device, named: str | Path | None
+) -> LoadedCheckpoint:
+    if named is not None:
+        path = Path(named).expanduser()
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {path} does not exist or is not a file")
+        manager = CheckpointManager(path.resolve().parent, enabled=False)
+        state = manager.load(path.resolve())  # verified against its pointer's checksum
+        counters = state.get("counters")
+        step = counters.get("step") if isinstance(counters, Mapping) else None
+        return LoadedCheckpoint(path, step if isinstance(step, int) else -1, state)
+    context = PluginContext(config=cfg, output_dir=output_dir, device=device)
+    source = _resume_source(build_callbacks(cfg, context))
+    directory = (
+        source.checkpoint_manager.directory
+        if source is not None
+        else output_dir / DEFAULT_CHECKPOINT_DIRECTORY
+    )
+    loaded = CheckpointManager(directory, enabled=False).load_latest_checkpoint()
+    if loaded is None:
+        raise CheckpointError(
+            f"no checkpoint to evaluate in {directory}: train the run first, or name a "
+            "checkpoint file with --checkpoint"
+        )
+    return loaded
 
 
 def save_run_config(config: SpeedtronicConfig, output_dir: Path) -> Path:
