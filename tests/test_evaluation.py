@@ -256,3 +256,48 @@ def test_an_empty_held_out_set_is_a_clear_error_at_the_first_evaluation() -> Non
     with pytest.raises(EvaluationError, match="held-out set is empty"):
         trainer.fit()
     assert recorder.steps_of(Event.EVAL_START) == [2]
+
+
+# -- distributed reduction (in process) -----------------------------------------------------
+
+
+def test_ranks_all_reduce_token_weighted_sums_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank evaluates its shard; one all-reduce of (loss sum, token count) before the
+    division gives the one-process eval/loss over the whole held-out set. Rank 1's side of
+    the collective is played by its own local sums."""
+    import types
+
+    import torch.distributed as dist
+
+    torch.manual_seed(3)
+    model = TinyLM(dropout=0.0)
+    data = lm_batches(5, seed=7)
+    for batch in data:
+        batch["labels"] = batch["labels"].clone()  # not a view of input_ids
+    data[1]["labels"][:, 2:] = -100  # padding: rank 1 has fewer real tokens
+    data[3]["labels"][0, :] = -100
+    cpu = torch.device("cpu")
+    full = evaluate_model(model, data, device=cpu)
+    shard0, shard1 = data[0::2], data[1::2]
+    other = evaluate_model(model, shard1, device=cpu)
+    other_sums = [other.metrics["eval/loss"] * other.weight, other.weight]
+    calls: list[torch.Tensor] = []
+
+    def all_reduce(tensor: torch.Tensor, op: object = None) -> None:
+        calls.append(tensor.clone())
+        tensor += torch.tensor(other_sums, dtype=tensor.dtype)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    context = types.SimpleNamespace(world_size=2, rank=0)
+    rank0 = evaluate_model(
+        model,
+        shard0,
+        device=cpu,
+        distributed=context,  # type: ignore[arg-type]  # only world_size is read
+    )
+    assert len(calls) == 1 and calls[0].shape == (2,)
+    assert rank0.metrics["eval/loss"] == pytest.approx(full.metrics["eval/loss"], rel=1e-12)
+    assert rank0.weight == full.weight
+    mine = evaluate_model(model, shard0, device=cpu).metrics["eval/loss"]
+    batch_mean = (mine + other.metrics["eval/loss"]) / 2
+    assert batch_mean != pytest.approx(full.metrics["eval/loss"], rel=1e-6)  # weighting matters
