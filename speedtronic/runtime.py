@@ -25,9 +25,14 @@ import torch
 
 from speedtronic.callback import Callback
 from speedtronic.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
-from speedtronic.config import CallbackSpec, JSONValue, SpeedtronicConfig
-from speedtronic.data import build_dataloader
-from speedtronic.data.held_out import build_eval_loader, training_excludes_tail
+from speedtronic.config import CallbackSpec, ConfigError, JSONValue, SpeedtronicConfig
+from speedtronic.data import DataSourceError, build_dataloader
+from speedtronic.data.held_out import (
+    build_eval_loader,
+    held_out_dataset,
+    known_empty,
+    training_excludes_tail,
+)
 from speedtronic.distributed import DistributedContext, setup_distributed, teardown_distributed
 from speedtronic.evaluation import EvalOutcome, evaluate_model
 from speedtronic.model_registry import build_model
@@ -233,16 +238,23 @@ def held_out_loader(
 ) -> Iterable[object]:
     """The run's held-out batches (``eval:`` section), this torch.distributed rank's share
     (the ranks' results are all-reduced; other shardings, such as a hub node's, evaluate the
-    whole set)."""
+    whole set). A held-out set that is certainly empty is a ``ConfigError`` here, before
+    anything trains."""
     rank, world_size = (
         (distributed.rank, distributed.world_size) if distributed is not None else (0, 1)
     )
+    try:
+        dataset = held_out_dataset(config.data, config.eval, vocab_size=config.data.vocab_size)
+    except DataSourceError as exc:
+        raise ConfigError(f"eval: {exc}") from None
+    empty = known_empty(dataset)
+    if empty is not None:
+        raise ConfigError(
+            f"eval: the held-out set is empty ({empty}); raise eval.fraction or name a "
+            "held-out source with eval.text_path or eval.dataset"
+        )
     return build_eval_loader(
-        config.data,
-        config.eval,
-        vocab_size=config.data.vocab_size,
-        rank=rank,
-        world_size=world_size,
+        config.data, config.eval, rank=rank, world_size=world_size, dataset=dataset
     )
 
 

@@ -111,3 +111,17 @@ def test_evaluate_errors_exit_2_without_traceback(
     )
     code, _, err = run(capsys, "evaluate", "--config", str(config), "--set", f"model={bad_model}")
     assert code == 2 and "does not match the model" in err
+
+
+def test_fit_with_a_bad_held_out_source_exits_2_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config_path = write_config(tmp_path)
+    config = yaml.safe_load(config_path.read_text())
+    config["eval"]["dataset"] = "synthetic"
+    config["data"]["num_tokens"] = 64
+    config["eval"]["dataset_options"] = {"unknown": 1}
+    config_path.write_text(yaml.safe_dump(config))
+    code, out, err = run(capsys, "fit", "--config", str(config_path))
+    assert code == 2 and "eval: dataset 'synthetic': unknown option(s) ['unknown']" in err
+    assert "completed" not in out

@@ -260,3 +260,19 @@ def test_a_config_run_evaluates_a_text_tail_it_does_not_train_on(tmp_path: Path)
     assert isinstance(loader.dataset, TextFileTokenDataset) and loader.dataset.part == "train"
     result = trainer.fit()
     assert math.isfinite(float(result.metrics[-1]["eval/loss"]))
+
+
+def test_a_held_out_set_known_to_be_empty_fails_before_training(tmp_path: Path) -> None:
+    path = tmp_path / "one_word.txt"
+    path.write_text("x" * 300, encoding="utf-8")  # no whitespace: the tail cannot be cut
+    config = run_config(
+        tmp_path,
+        model={"vocab_size": 256, "max_seq_len": 8, "n_layer": 1, "n_head": 2, "d_model": 16},
+        data={"text_path": str(path), "micro_batch_size": 2},
+        logging={"console": False},
+    )
+    with pytest.raises(ConfigError, match=r"eval: the held-out set is empty \(.*held-out tail"):
+        build_runtime(config)
+    user = run_config(tmp_path, data={"dataset": "eval-test-squares", "block_size": 8})
+    with pytest.raises(ConfigError, match="eval: data.dataset 'eval-test-squares' has no"):
+        build_runtime(user)

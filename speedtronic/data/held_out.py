@@ -37,7 +37,13 @@ from speedtronic.data.loader import (
 from speedtronic.data.stream import RankShardedIterable
 from speedtronic.data.text import DataSourceError, TextFileTokenDataset
 
-__all__ = ["EvalSettings", "build_eval_loader", "training_excludes_tail"]
+__all__ = [
+    "EvalSettings",
+    "build_eval_loader",
+    "held_out_dataset",
+    "known_empty",
+    "training_excludes_tail",
+]
 
 
 class EvalSettings(Protocol):
@@ -94,6 +100,19 @@ def held_out_dataset(
     )
 
 
+def known_empty(dataset: Dataset[object]) -> str | None:
+    """Why ``dataset`` is certainly empty (a map-style dataset of length 0, a text part with
+    no bytes), or ``None`` when it is not, or cannot be known without reading it."""
+    if isinstance(dataset, TextFileTokenDataset):
+        if dataset.byte_count() == 0:
+            where = "its held-out tail" if dataset.part == "held_out" else "it"
+            return f"{dataset.path} has no bytes in {where}"
+        return None
+    if isinstance(dataset, Sized) and len(dataset) == 0:
+        return f"{type(dataset).__name__} has no samples"
+    return None
+
+
 def build_eval_loader(
     data: DataSettings,
     settings: EvalSettings,
@@ -101,10 +120,13 @@ def build_eval_loader(
     vocab_size: int | None = None,
     rank: int = 0,
     world_size: int = 1,
+    dataset: Dataset[object] | None = None,
 ) -> DataLoader[object]:
-    """This rank's ``DataLoader`` over the held-out set, ``data.micro_batch_size`` samples a
-    batch (module docstring)."""
-    source = held_out_dataset(data, settings, vocab_size=vocab_size)
+    """This rank's ``DataLoader`` over the held-out set (``dataset``, default
+    ``held_out_dataset(data, settings)``), ``data.micro_batch_size`` samples a batch."""
+    source = (
+        dataset if dataset is not None else held_out_dataset(data, settings, vocab_size=vocab_size)
+    )
     if world_size > 1:
         if isinstance(source, IterableDataset):
             source = RankShardedIterable(source, rank=rank, world_size=world_size)

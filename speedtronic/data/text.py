@@ -165,6 +165,12 @@ class TextFileTokenDataset(IterableDataset[dict[str, torch.Tensor]]):
         self.held_out_fraction = held_out_fraction
         self._byte_range = (0, None) if part == "all" else self._split(held_out_fraction)
 
+    def byte_count(self) -> int:
+        """How many bytes of the file this dataset reads (its part)."""
+        start, stop = self._byte_range
+        size = self.path.stat().st_size
+        return max(0, (size if stop is None else min(stop, size)) - start)
+
     def _split(self, fraction: float) -> tuple[int, int | None]:
         cut = held_out_cut(self.path, fraction)
         return (0, cut) if self.part == "train" else (cut, None)
