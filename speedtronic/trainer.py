@@ -395,7 +395,9 @@ class Trainer:
             device=self.device,
             precision=self.precision,
             max_batches=self.eval_max_batches,
-            distributed=self.distributed if self.multi_rank else None,
+            # Ranks reduce their shards' sums only when they hold one model replica; a rank
+            # that is its own replica (synchronous DiLoCo) evaluates its local model alone.
+            distributed=self.distributed if self.forward_path.one_replica(self.callbacks) else None,
         )
 
     def evaluate(self, data: Iterable[object] | None = None) -> dict[str, float]:
