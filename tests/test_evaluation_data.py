@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_tensorboard import load_scalars
 from torch.utils.data import Dataset
 
 from speedtronic.config import ConfigError, SpeedtronicConfig
@@ -217,7 +218,7 @@ def run_config(tmp_path: Path, **sections: object) -> dict[str, object]:
         "data": {"synthetic_kind": "learnable", "num_tokens": 64, "micro_batch_size": 2},
         "logging": {"every_steps": 100, "console": True, "jsonl": True},
         "checkpoint": {"enabled": False},
-        "callbacks": [{"name": "csv"}],
+        "callbacks": [{"name": "csv"}, {"name": "tensorboard"}],
         "eval": {"every_steps": 2, "max_batches": 3},
     }
     config.update(sections)
@@ -238,6 +239,11 @@ def test_a_config_run_logs_eval_metrics_in_every_sink(
         assert line["eval/ppl"] == pytest.approx(math.exp(line["eval/loss"]))
     csv_header = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0]
     assert "eval/loss" in csv_header and "eval/ppl" in csv_header
+    scalars = load_scalars(tmp_path / "run" / "tensorboard")
+    assert [step for step, _ in scalars["eval/loss"]] == [2, 4, 5]
+    assert [value for _, value in scalars["eval/loss"]] == pytest.approx(
+        [float(r["eval/loss"]) for r in result.metrics], rel=1e-6
+    )
     out = capsys.readouterr()
     console = [line for line in (out.out + out.err).splitlines() if line.startswith("step 4/5")]
     assert console and "eval/loss" in console[0] and "eval/ppl" in console[0]
