@@ -34,6 +34,7 @@ from speedtronic.batch import IGNORE_INDEX, batch_labels, move_to_device, resolv
 from speedtronic.contexts import EvalEndContext, EvalStartContext
 from speedtronic.data.collate import batch_size_and_tokens
 from speedtronic.events import On
+from speedtronic.metrics import MetricRecord
 from speedtronic.precision import PrecisionPlan, autocast_context
 from speedtronic.rng import capture_rng_state, restore_rng_state
 
@@ -46,6 +47,7 @@ __all__ = [
     "EVAL_PPL",
     "EvalOutcome",
     "EvaluationError",
+    "add_eval_results",
     "check_eval_settings",
     "evaluate_model",
     "is_eval_step",
@@ -175,3 +177,14 @@ def run_step_evaluation(t: Trainer, step: int) -> None:
     if due[On.EVAL_END]:
         ctx = EvalEndContext(step, outcome.metrics, outcome.batches, outcome.weight)
         plan.emit(t, On.EVAL_END, ctx)
+
+
+def add_eval_results(t: Trainer, record: MetricRecord) -> bool:
+    """Move this step's evaluation results (``pending_eval``) into its metric record;
+    True when there were any."""
+    pending, t.pending_eval = t.pending_eval, None
+    if pending is None:
+        return False
+    for key, value in pending.items():
+        record.set(key, value)
+    return True

@@ -26,7 +26,7 @@ from speedtronic.contexts import (
     StepContext,
 )
 from speedtronic.data.collate import batch_size_and_tokens
-from speedtronic.evaluation import is_eval_step, run_step_evaluation
+from speedtronic.evaluation import add_eval_results, is_eval_step, run_step_evaluation
 from speedtronic.events import On
 from speedtronic.metrics import MetricRecord
 
@@ -192,11 +192,7 @@ def _emit_metrics(
     record.set("tokens", t.tokens)
     record.set("micro_batches", t.accumulation_steps)
     record.set("elapsed_s", elapsed)
-    evaluated = t.pending_eval is not None
-    if t.pending_eval is not None:
-        for key, value in t.pending_eval.items():
-            record.set(key, value)
-        t.pending_eval = None
+    evaluated = t.pending_eval is not None and add_eval_results(t, record)
     due = t.is_metric_due(step)
     t.plan.emit(t, On.METRICS, MetricsContext(step, due, record, evaluated))
     if due:
