@@ -117,7 +117,7 @@ class ForwardPath:
     def one_replica(self, callbacks: Sequence[Callback]) -> bool:
         """Whether every rank of a multi-rank world holds the same model replica (DDP over
         the whole world), so per-rank results such as an evaluation's sums may be reduced
-        over the world; False when a rank is its own replica (synchronous DiLoCo)."""
+        over the world; False when a rank is its own replica."""
         context = self.distributed
         if context is None or context.world_size <= 1:
             return False

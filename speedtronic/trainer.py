@@ -396,7 +396,7 @@ class Trainer:
             precision=self.precision,
             max_batches=self.eval_max_batches,
             # Ranks reduce their shards' sums only when they hold one model replica; a rank
-            # that is its own replica (synchronous DiLoCo) evaluates its local model alone.
+            # that is its own replica evaluates its local model alone.
             distributed=self.distributed if self.forward_path.one_replica(self.callbacks) else None,
         )
 
