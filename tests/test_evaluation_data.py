@@ -282,3 +282,15 @@ def test_a_held_out_set_known_to_be_empty_fails_before_training(tmp_path: Path) 
     user = run_config(tmp_path, data={"dataset": "eval-test-squares", "block_size": 8})
     with pytest.raises(ConfigError, match="eval: data.dataset 'eval-test-squares' has no"):
         build_runtime(user)
+
+
+def test_console_and_progress_lines_show_the_eval_keys_when_present() -> None:
+    from speedtronic_callbacks.console import describe_record
+    from speedtronic_callbacks.progress import progress_line
+
+    record = {"step": 10, "loss": 2.5, "eval/loss": 2.75, "eval/ppl": 15.642, "lr": 1e-3}
+    line = describe_record(record, 20)
+    assert "loss 2.5000 | eval/loss 2.7500 | eval/ppl 15.6420" in line
+    assert "eval/loss 2.7500" in progress_line(record, 0, 20)
+    plain = {"step": 11, "loss": 2.5, "lr": 1e-3}
+    assert "eval" not in describe_record(plain, 20) + progress_line(plain, 0, 20)
