@@ -18,6 +18,8 @@ from speedtronic.contexts import (
     BackwardContext,
     CheckpointContext,
     CoordinateContext,
+    EvalEndContext,
+    EvalStartContext,
     ExceptionContext,
     FitContext,
     FitEndContext,
@@ -239,6 +241,12 @@ class Callback:
 
     def on_optimizer_reset(self, trainer: TrainerView, ctx: OptimizerResetContext) -> None:
         """The inner optimizer state is about to be cleared."""
+
+    def on_eval_start(self, trainer: TrainerView, ctx: EvalStartContext) -> None:
+        """An evaluation of the held-out set begins (evaluation steps only)."""
+
+    def on_eval_end(self, trainer: TrainerView, ctx: EvalEndContext) -> None:
+        """An evaluation finished; ``ctx.metrics`` joins this step's metric record."""
 
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         """Contribute keys to ``ctx.record`` or, as a sink, consume it when ``ctx.due``."""

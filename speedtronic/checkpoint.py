@@ -8,6 +8,9 @@ Layout of a checkpoint directory::
     step_000000000004.pt
     .step_000000000006.pt.tmp-4242   a write in progress (or left by a killed process)
 
+    best.json                   latest.json's format for the best checkpoint by a monitored
+                                metric, plus "monitor", "mode" and "value" (when asked for)
+
 A checkpoint is written to a hidden temp file in the same directory, flushed and fsynced,
 renamed onto its final name, and the directory is fsynced; only then is ``latest.json``
 rewritten the same way, and only then are old checkpoints pruned. A process killed at any
@@ -61,7 +64,9 @@ from speedtronic.atomic_io import atomic_write
 from speedtronic.rng import capture_rng_state, restore_rng_state
 
 __all__ = [
+    "BEST_POINTER_NAME",
     "POINTER_NAME",
+    "BestCheckpoint",
     "CheckpointError",
     "CheckpointManager",
     "CorruptCheckpointError",
@@ -84,11 +89,14 @@ __all__ = [
 POINTER_NAME = "latest.json"
 """The pointer file naming the newest complete checkpoint."""
 
+BEST_POINTER_NAME = "best.json"
+"""The pointer file naming the best checkpoint by a monitored metric (``note_best``)."""
+
 STEP_DIGITS = 12
 MAX_STEP = 10**STEP_DIGITS - 1
 """The highest step a checkpoint file name can carry (12 digits: 31 years at 1 step/ms)."""
 _CHECKPOINT_NAME = re.compile(rf"step_(\d{{{STEP_DIGITS}}})\.pt")
-_TEMP_NAME = re.compile(r"\.(?:step_\d+\.pt|latest\.json)\.tmp-(\d+)")
+_TEMP_NAME = re.compile(r"\.(?:step_\d+\.pt|latest\.json|best\.json)\.tmp-(\d+)")
 _FORBIDDEN_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 PathLike = str | os.PathLike[str]
@@ -601,6 +609,18 @@ def _recorded_checksum(records: Mapping[str, Mapping[str, object]], name: str) -
     return checksum if isinstance(checksum, str) else None
 
 
+@dataclass(frozen=True)
+class BestCheckpoint:
+    """``best.json`` after validation: the best checkpoint by ``monitor`` in ``mode`` and
+    its ``value``."""
+
+    path: Path
+    step: int
+    monitor: str
+    mode: str
+    value: float
+
+
 # -- the manager ------------------------------------------------------------------------------
 
 
@@ -642,6 +662,7 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.enabled = enabled
         self._noted_losses: dict[int, float] = {}
+        self._noted_best: dict[int, tuple[str, str, float]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -652,6 +673,10 @@ class CheckpointManager:
     @property
     def pointer_path(self) -> Path:
         return self.directory / POINTER_NAME
+
+    @property
+    def best_pointer_path(self) -> Path:
+        return self.directory / BEST_POINTER_NAME
 
     def should_save(self, step: int) -> bool:
         """True when checkpointing is enabled and ``step`` is a positive interval multiple."""
@@ -682,8 +707,28 @@ class CheckpointManager:
         atomic_json_dump(
             {"step": step, "file": path.name, "checkpoints": records}, self.pointer_path
         )
+        best = self._noted_best.pop(step, None)
+        if best is not None:
+            monitor, mode, value = best
+            content: dict[str, object] = {
+                "step": step,
+                "file": path.name,
+                "checkpoints": {path.name: records[path.name]},
+                "monitor": monitor,
+                "mode": mode,
+                "value": value,
+            }
+            atomic_json_dump(content, self.best_pointer_path)
         self.prune()
         return path
+
+    def note_best(self, step: int, monitor: str, mode: str, value: float) -> None:
+        """Note that the coming ``save`` of ``step`` is the best checkpoint by ``monitor``
+        (``value``, ``mode`` min or max): ``best.json`` is rewritten to name it once the
+        checkpoint and ``latest.json`` are on disk."""
+        if not math.isfinite(value):
+            raise ValueError(f"a best value must be finite, got {value!r}")
+        self._noted_best[step] = (monitor, mode, value)
 
     def _surviving_records(self, *, exclude: str) -> dict[str, dict[str, object]]:
         """The pointer's per-file records of checkpoints that still exist (carried into the
@@ -714,7 +759,12 @@ class CheckpointManager:
             # Files newer than the commit record were never committed (a killed save, or
             # another run's): they neither take a keep_last slot nor get deleted here.
             paths = paths[: paths.index(pointer.target) + 1]
-        protected = {pointer.target, _newest_with_finite_loss(paths, pointer.records)}
+        best = self.read_best(warn=False)
+        protected = {
+            pointer.target,
+            _newest_with_finite_loss(paths, pointer.records),
+            best.path if best is not None else None,
+        }
         for path in paths[: -self.keep_last]:
             if path in protected:
                 continue
@@ -810,6 +860,55 @@ class CheckpointManager:
                 stacklevel=4,
             )
         return parsed
+
+    def read_best(self, *, warn: bool = True) -> BestCheckpoint | None:
+        """``best.json``, validated like ``latest.json`` (a file name inside the directory
+        that exists, a matching step) plus its ``monitor``, ``mode`` and finite ``value``;
+        ``None`` (with a warning when ``warn``) when it is absent or not valid."""
+        pointer = self.best_pointer_path
+        if not pointer.is_file():
+            return None
+        best: list[BestCheckpoint] = []
+
+        def validate(content: object) -> tuple[Pointer, str | None]:
+            parsed, problem = self._validate_pointer(content)
+            if problem is not None or parsed.target is None:
+                return parsed, problem
+            assert isinstance(content, dict)
+            monitor, mode, value = content.get("monitor"), content.get("mode"), content.get("value")
+            if not isinstance(monitor, str) or not monitor:
+                return parsed, '"monitor" must be a non-empty string'
+            if mode not in ("min", "max"):
+                return parsed, '"mode" must be "min" or "max"'
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+            ):
+                return parsed, '"value" must be a finite number'
+            step = checkpoint_step(parsed.target.name)
+            assert step is not None
+            best.append(BestCheckpoint(parsed.target, step, monitor, str(mode), float(value)))
+            return parsed, None
+
+        try:
+            _, problem = parse_pointer(pointer.read_bytes(), validate)
+        except OSError as exc:
+            problem = f"it cannot be read ({_first_line(exc)})"
+        if problem is not None:
+            if warn:
+                warnings.warn(
+                    f"ignoring best-checkpoint pointer {pointer}: {problem}",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            return None
+        return best[0] if best else None
+
+    def best_path(self) -> Path | None:
+        """The checkpoint ``best.json`` names (validated), or ``None``."""
+        best = self.read_best()
+        return best.path if best is not None else None
 
     def _validate_pointer(self, content: object) -> tuple[Pointer, str | None]:
         if not isinstance(content, dict):

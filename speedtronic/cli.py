@@ -1,4 +1,4 @@
-"""The ``speedtronic`` command: fit (alias train), validate, schema, plugins, plot.
+"""The ``speedtronic`` command: fit (alias train), evaluate, validate, schema, plugins, plot.
 
 User mistakes (bad config, unknown plugin, missing file, unreadable checkpoint) print
 ``speedtronic: error: ...`` and exit 2 -- never a traceback. A run that fails while
@@ -55,6 +55,15 @@ def _parser() -> argparse.ArgumentParser:
             "metrics)",
         )
         fit.add_argument("--traceback", action="store_true", help="show tracebacks of failures")
+
+    evaluate = sub.add_parser(
+        "evaluate", help="evaluate a run's checkpoint on its held-out set (writes nothing)"
+    )
+    _add_config_args(evaluate)
+    evaluate.add_argument(
+        "--checkpoint", help="checkpoint file to evaluate (default: the run's latest)"
+    )
+    evaluate.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps")
 
     validate = sub.add_parser("validate", help="check a config; print it and the callback plan")
     _add_config_args(validate)
@@ -219,6 +228,30 @@ def _callback_failures() -> Iterator[list[str]]:
         warnings.showwarning = show
 
 
+def _evaluate(args: argparse.Namespace) -> int:
+    """``speedtronic evaluate``: one line with the held-out metrics of a checkpoint. Reads
+    the config, the checkpoint and the held-out data; writes nothing (no lock, no metrics)."""
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.data import DataSourceError
+    from speedtronic.evaluation import EVAL_LOSS, EVAL_PPL, EvaluationError
+    from speedtronic.runtime import evaluate_checkpoint
+
+    config = _load(args)
+    assert isinstance(config, SpeedtronicConfig)
+    try:
+        loaded, outcome = evaluate_checkpoint(
+            config, checkpoint=args.checkpoint, device=args.device
+        )
+    except (EvaluationError, DataSourceError) as exc:
+        raise UserError(str(exc)) from None
+    metrics = outcome.metrics
+    print(
+        f"{EVAL_LOSS}={metrics[EVAL_LOSS]!r} {EVAL_PPL}={metrics[EVAL_PPL]!r} "
+        f"step={loaded.step} batches={outcome.batches} checkpoint={loaded.path}"
+    )
+    return EXIT_OK
+
+
 def _validate(args: argparse.Namespace) -> int:
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.dispatch import describe_classes, format_plan
@@ -368,6 +401,7 @@ def _plot(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "fit": _fit,
     "train": _fit,
+    "evaluate": _evaluate,
     "validate": _validate,
     "schema": _schema,
     "plugins": _plugins,

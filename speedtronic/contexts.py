@@ -13,6 +13,8 @@ most of the framework's own per-step cost. Fields, defaults, ``repr`` and typing
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
@@ -92,13 +94,42 @@ class OptimizerResetContext(NamedTuple):
     requested_by: tuple[str, ...]
 
 
+NO_METRICS: Mapping[str, float] = MappingProxyType({})
+"""An empty, read-only metrics mapping (shared: it cannot be changed)."""
+
+
+class EvalStartContext(NamedTuple):
+    """``eval_start``: an evaluation of the held-out set begins at global step ``step``
+    (after the step's optimizer update); ``max_batches`` is its batch limit (``None``: the
+    whole held-out set)."""
+
+    step: int
+    max_batches: int | None
+
+
+class EvalEndContext(NamedTuple):
+    """``eval_end``: the evaluation of step ``step`` finished. ``metrics`` holds its results
+    as host numbers (``eval/loss``, ``eval/ppl``; reduced over ranks in a distributed run);
+    they join this step's metric record. ``batches`` and ``weight`` say how many batches were
+    evaluated and how many tokens (causal-LM batches) or samples the loss is averaged over
+    (this rank's share)."""
+
+    step: int
+    metrics: Mapping[str, float] = NO_METRICS
+    batches: int = 0
+    weight: float = 0.0
+
+
 class MetricsContext(NamedTuple):
-    """``metrics``: the step's record. ``due`` is true on logging-cadence steps and on the
-    final step of a fit; contributors add keys to ``record``, sinks read it when due."""
+    """``metrics``: the step's record. ``due`` is true on logging-cadence steps, on
+    evaluation steps and on the final step of a fit; contributors add keys to ``record``,
+    sinks read it when due. ``evaluated`` is true when the step ran an evaluation: the
+    record then holds its ``eval/*`` keys."""
 
     step: int
     due: bool
     record: MetricRecord
+    evaluated: bool = False
 
 
 class CheckpointContext(NamedTuple):

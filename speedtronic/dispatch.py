@@ -205,11 +205,12 @@ class CallbackPlan:
         # it to skip events nobody is due to hear. The full lists until a step begins.
         self.due_hooks: dict[EventKey, tuple[BoundHook, ...]] = self._by_key
         # A step where no filtered hook is due gets the unfiltered hooks only; steps in
-        # [_quiet_from, _quiet_until) for one (target, cadence) are such steps (begin_step).
+        # [_quiet_from, _quiet_until) for one (target, cadences) are such steps (begin_step).
         self._quiet_hooks: dict[EventKey, tuple[BoundHook, ...]] = dict(self._by_key)
         for key, entries in self._filtered.items():
             self._quiet_hooks[key] = tuple(hook for when, hook in entries if when is None)
         self._quiet_from = self._quiet_until = self._quiet_target = self._quiet_every = 0
+        self._quiet_eval_every = 0
 
     @staticmethod
     def _bind(callback: Callback, event: Event) -> BoundHook:
@@ -224,7 +225,9 @@ class CallbackPlan:
         """Whether any callback listens to ``event`` at all (on any step)."""
         return bool(self._hooks[event])
 
-    def begin_step(self, step: int, target_step: int, metrics_every: int) -> None:
+    def begin_step(
+        self, step: int, target_step: int, metrics_every: int, eval_every: int = 0
+    ) -> None:
         """Select the hooks due in global step ``step`` (their ``due_when`` filters). Without
         filtered callbacks this does nothing: every hook is due on every step.
 
@@ -238,6 +241,7 @@ class CallbackPlan:
             self._quiet_from <= step < self._quiet_until
             and target_step == self._quiet_target
             and metrics_every == self._quiet_every
+            and eval_every == self._quiet_eval_every
         ):
             self.due_hooks = self._quiet_hooks
             return
@@ -247,13 +251,15 @@ class CallbackPlan:
                 for entries in self._filtered.values()
                 for when, _ in entries
                 if when is not None
-                and (due_at := when.next_due(step, target_step, metrics_every)) is not None
+                and (due_at := when.next_due(step, target_step, metrics_every, eval_every))
+                is not None
             ),
             default=None,
         )
         if next_due is None or next_due > step:
             self._quiet_from, self._quiet_until = step, next_due or sys.maxsize
             self._quiet_target, self._quiet_every = target_step, metrics_every
+            self._quiet_eval_every = eval_every
             self.due_hooks = self._quiet_hooks
             return
         current = dict(self._by_key)
@@ -261,7 +267,7 @@ class CallbackPlan:
             current[key] = tuple(
                 hook
                 for when, hook in entries
-                if when is None or when.due(step, target_step, metrics_every)
+                if when is None or when.due(step, target_step, metrics_every, eval_every)
             )
         self.due_hooks = current
 

@@ -15,6 +15,8 @@ from speedtronic.contexts import (
     BackwardContext,
     CheckpointContext,
     CoordinateContext,
+    EvalEndContext,
+    EvalStartContext,
     ExceptionContext,
     FitContext,
     FitEndContext,
@@ -45,6 +47,8 @@ class Event(str, enum.Enum):
     AFTER_SCHEDULER_STEP = "after_scheduler_step"
     COORDINATE = "coordinate"
     OPTIMIZER_RESET = "optimizer_reset"
+    EVAL_START = "eval_start"
+    EVAL_END = "eval_end"
     METRICS = "metrics"
     CHECKPOINT = "checkpoint"
     STEP_END = "step_end"
@@ -101,6 +105,8 @@ class On:
     AFTER_SCHEDULER_STEP = EventSpec(Event.AFTER_SCHEDULER_STEP, SchedulerContext)
     COORDINATE = EventSpec(Event.COORDINATE, CoordinateContext)
     OPTIMIZER_RESET = EventSpec(Event.OPTIMIZER_RESET, OptimizerResetContext)
+    EVAL_START = EventSpec(Event.EVAL_START, EvalStartContext)
+    EVAL_END = EventSpec(Event.EVAL_END, EvalEndContext)
     METRICS = EventSpec(Event.METRICS, MetricsContext)
     CHECKPOINT = EventSpec(Event.CHECKPOINT, CheckpointContext)
     STEP_END = EventSpec(Event.STEP_END, StepContext)
@@ -140,13 +146,16 @@ MICROBATCH_EVENTS: tuple[Event, ...] = (
 
 #: Events emitted once per global step after the K microbatches, in order.
 #: ``OPTIMIZER_RESET`` is emitted only when a callback asked for a reset at
-#: ``COORDINATE`` and resets are enabled.
+#: ``COORDINATE`` and resets are enabled; ``EVAL_START``/``EVAL_END`` only on evaluation
+#: steps (every ``eval_every`` steps and the final step, when evaluation is on).
 STEP_TAIL_EVENTS: tuple[Event, ...] = (
     Event.BEFORE_OPTIMIZER_STEP,
     Event.AFTER_OPTIMIZER_STEP,
     Event.AFTER_SCHEDULER_STEP,
     Event.COORDINATE,
     Event.OPTIMIZER_RESET,
+    Event.EVAL_START,
+    Event.EVAL_END,
     Event.METRICS,
     Event.CHECKPOINT,
     Event.STEP_END,
@@ -157,12 +166,21 @@ STEP_TAIL_EVENTS: tuple[Event, ...] = (
 ALL_EVENTS: tuple[Event, ...] = tuple(Event)
 
 
-def expected_step_trace(accumulation_steps: int, *, optimizer_reset: bool = False) -> list[Event]:
-    """The exact event sequence of one global step with K = ``accumulation_steps``."""
+EVAL_EVENTS: tuple[Event, ...] = (Event.EVAL_START, Event.EVAL_END)
+"""Events emitted only on evaluation steps, in order."""
+
+
+def expected_step_trace(
+    accumulation_steps: int, *, optimizer_reset: bool = False, evaluation: bool = False
+) -> list[Event]:
+    """The exact event sequence of one global step with K = ``accumulation_steps``
+    (``evaluation``: the step evaluates the held-out set)."""
     trace = [Event.STEP_START]
     trace += list(MICROBATCH_EVENTS) * accumulation_steps
     for event in STEP_TAIL_EVENTS:
         if event is Event.OPTIMIZER_RESET and not optimizer_reset:
+            continue
+        if event in EVAL_EVENTS and not evaluation:
             continue
         trace.append(event)
     return trace

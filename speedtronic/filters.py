@@ -4,8 +4,8 @@ A callback declares, per event, on which global steps its hook runs; the dispatc
 call it on other steps (in the spirit of Ignite's ``Events.ITERATION_COMPLETED(every=N)``)::
 
     class Sink(Callback):
-        due_when = {Event.METRICS: logging_steps()}     # the run's logging cadence
-                                                         # (every metrics_every, and the last step)
+        due_when = {Event.METRICS: logging_steps()}     # the logging cadence: every
+                                                         # metrics_every, evaluations, the last
 
     class Probe(Callback):
         def __init__(self, n: int) -> None:
@@ -60,17 +60,22 @@ class StepFilter:
             logging=self.logging or other.logging,
         )
 
-    def due(self, step: int, target_step: int, metrics_every: int) -> bool:
-        """Whether a hook with this filter runs at global step ``step``."""
+    def due(self, step: int, target_step: int, metrics_every: int, eval_every: int = 0) -> bool:
+        """Whether a hook with this filter runs at global step ``step`` (``eval_every``: the
+        evaluation cadence, 0 when evaluation is off; evaluation steps are logging steps)."""
         if self.every is not None and step % self.every == 0:
             return True
         if step in self.at:
             return True
         if (self.final or self.logging) and step == target_step:
             return True
-        return self.logging and step % metrics_every == 0
+        if not self.logging:
+            return False
+        return step % metrics_every == 0 or (eval_every > 0 and step % eval_every == 0)
 
-    def next_due(self, step: int, target_step: int, metrics_every: int) -> int | None:
+    def next_due(
+        self, step: int, target_step: int, metrics_every: int, eval_every: int = 0
+    ) -> int | None:
         """The first step ``>= step`` this filter is due on (``None``: never again), so the
         plan can skip re-evaluating filters on the steps in between."""
         candidates: list[int] = [s for s in self.at if s >= step]
@@ -80,6 +85,8 @@ class StepFilter:
             candidates.append(target_step)
         if self.logging:
             candidates.append(-(-step // metrics_every) * metrics_every)
+            if eval_every > 0:
+                candidates.append(-(-step // eval_every) * eval_every)
         return min(candidates, default=None)
 
     def describe(self) -> str:
@@ -111,8 +118,8 @@ def final_step() -> StepFilter:
 
 
 def logging_steps() -> StepFilter:
-    """Due on the run's logging cadence: every ``metrics_every`` steps and the final step
-    (exactly the steps where ``MetricsContext.due`` is true)."""
+    """Due on the run's logging cadence: every ``metrics_every`` steps, every evaluation step
+    and the final step (exactly the steps where ``MetricsContext.due`` is true)."""
     return StepFilter(logging=True)
 
 

@@ -114,6 +114,15 @@ class ForwardPath:
                 f"torch.compile unavailable ({exc}); running eagerly", RuntimeWarning, stacklevel=2
             )
 
+    def one_replica(self, callbacks: Sequence[Callback]) -> bool:
+        """Whether every rank of a multi-rank world holds the same model replica (DDP over
+        the whole world), so per-rank results such as an evaluation's sums may be reduced
+        over the world; False when a rank is its own replica."""
+        context = self.distributed
+        if context is None or context.world_size <= 1:
+            return False
+        return self._ranks_per_replica(context, callbacks) == context.world_size
+
     def _ranks_per_replica(self, context: DistributedContext, callbacks: Sequence[Callback]) -> int:
         """Ranks per model replica: the world, unless a ``ReplicaSync`` callback says."""
         sizes = {cb.ranks_per_replica for cb in callbacks if isinstance(cb, ReplicaSync)}

@@ -26,6 +26,7 @@ from speedtronic.contexts import (
     StepContext,
 )
 from speedtronic.data.collate import batch_size_and_tokens
+from speedtronic.evaluation import add_eval_results, is_eval_step, run_step_evaluation
 from speedtronic.events import On
 from speedtronic.metrics import MetricRecord
 
@@ -40,8 +41,8 @@ def run_global_step(t: Trainer, step: int) -> bool:
     Events nobody is due to hear this step are not emitted and their contexts are not built
     (``due`` holds this step's hooks per event): the loop's own cost stays a few µs."""
     plan = t.plan
-    target_step, metrics_every = t.target_step, t.metrics_every
-    plan.begin_step(step, target_step, metrics_every)
+    target_step, metrics_every, eval_every = t.target_step, t.metrics_every, t.eval_every
+    plan.begin_step(step, target_step, metrics_every, eval_every)
     due = plan.due_hooks
     k = t.accumulation_steps
     step_ctx: StepContext | None = None  # shared by step_start and step_end (immutable)
@@ -82,10 +83,14 @@ def run_global_step(t: Trainer, step: int) -> bool:
         plan.emit(t, On.COORDINATE, CoordinateContext(step))
     if t.requests.resets:
         _maybe_reset_optimizer(t, step)
+    evaluated = bool(eval_every) and is_eval_step(step, eval_every, target_step)
+    if evaluated:
+        run_step_evaluation(t, step)  # eval_start, the pass, eval_end
 
     # The record is built only when a metrics hook is due or the step is a logging step
-    # (``Trainer.is_metric_due``, spelled out: this runs every step).
-    if due[On.METRICS] or step % metrics_every == 0 or step == target_step:
+    # (``Trainer.is_metric_due``, spelled out: this runs every step; evaluation steps are
+    # logging steps).
+    if due[On.METRICS] or evaluated or step % metrics_every == 0 or step == target_step:
         _emit_metrics(t, step, t.last_loss, grad_norm)
     if due[On.CHECKPOINT]:
         plan.emit(t, On.CHECKPOINT, CheckpointContext(step))
@@ -197,7 +202,8 @@ def _emit_metrics(
     record.set("tokens", t.tokens)
     record.set("micro_batches", t.accumulation_steps)
     record.set("elapsed_s", elapsed)
+    evaluated = t.pending_eval is not None and add_eval_results(t, record)
     due = t.is_metric_due(step)
-    t.plan.emit(t, On.METRICS, MetricsContext(step, due, record))
+    t.plan.emit(t, On.METRICS, MetricsContext(step, due, record, evaluated))
     if due:
         t.due_records.append(record.values())

@@ -25,10 +25,17 @@ from typing import Protocol, cast, runtime_checkable
 import torch
 
 from speedtronic.callback import Callback
-from speedtronic.checkpoint import CheckpointManager
-from speedtronic.config import CallbackSpec, JSONValue, SpeedtronicConfig
-from speedtronic.data import build_dataloader
+from speedtronic.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
+from speedtronic.config import CallbackSpec, ConfigError, JSONValue, SpeedtronicConfig
+from speedtronic.data import DataSourceError, build_dataloader
+from speedtronic.data.held_out import (
+    build_eval_loader,
+    held_out_dataset,
+    known_empty,
+    training_excludes_tail,
+)
 from speedtronic.distributed import DistributedContext, setup_distributed, teardown_distributed
+from speedtronic.evaluation import EvalOutcome, evaluate_model
 from speedtronic.model_registry import build_model
 from speedtronic.model_summary import parameter_count
 from speedtronic.optimizers import build_optimizer, build_scheduler
@@ -52,7 +59,7 @@ from speedtronic.run_lock import (
 )
 from speedtronic.shapes import validate_startup_shapes
 from speedtronic.stage_streams import StageStreamCallback, StageStreamScheduler
-from speedtronic.trainer import Trainer
+from speedtronic.trainer import Trainer, TrainingStateError
 
 ConfigSource = SpeedtronicConfig | Mapping[str, object] | str | Path
 
@@ -235,6 +242,7 @@ def build_runtime(
             vocab_size=cfg.data.vocab_size,
             rank=shard_index,
             world_size=shard_count,
+            held_out_fraction=training_excludes_tail(cfg.eval),
         )
     )
     target_step = max_steps if max_steps is not None else cfg.target_steps
@@ -251,6 +259,7 @@ def build_runtime(
         target_step = min(target_step, epoch_steps)
         if cfg.scheduler.max_steps is None:
             horizon = min(horizon, epoch_steps)
+    eval_data = held_out_loader(cfg, distributed) if cfg.eval.every_steps is not None else None
     optimizer = build_optimizer(net, cfg.optimizer, resolved_device)
     scheduler = build_scheduler(optimizer, cfg.scheduler, horizon)
     source = _resume_source(callbacks)
@@ -272,6 +281,9 @@ def build_runtime(
         output_dir=output_dir,
         shape_report=shape_report,
         distributed=distributed,
+        eval_data=eval_data,
+        eval_every=cfg.eval.every_steps,
+        eval_max_batches=cfg.eval.max_batches,
     )
     resuming = resume or (source is not None and source.resume_requested)
     if overwrite is not None and launched_as_main_process():
@@ -281,6 +293,112 @@ def build_runtime(
         load_callback_state = source.load_callback_state if source is not None else True
         resume_from(trainer, manager, load_callback_state=load_callback_state)
     return trainer, manager
+
+
+def held_out_loader(
+    config: SpeedtronicConfig, distributed: DistributedContext | None
+) -> Iterable[object]:
+    """The run's held-out batches (``eval:`` section), this torch.distributed rank's share
+    (the ranks' results are all-reduced; other shardings, such as a hub node's, evaluate the
+    whole set). A held-out set that is certainly empty is a ``ConfigError`` here, before
+    anything trains."""
+    rank, world_size = (
+        (distributed.rank, distributed.world_size) if distributed is not None else (0, 1)
+    )
+    try:
+        dataset = held_out_dataset(config.data, config.eval, vocab_size=config.data.vocab_size)
+    except DataSourceError as exc:
+        raise ConfigError(f"eval: {exc}") from None
+    empty = known_empty(dataset)
+    if empty is not None:
+        raise ConfigError(
+            f"eval: the held-out set is empty ({empty}); raise eval.fraction or name a "
+            "held-out source with eval.text_path or eval.dataset"
+        )
+    return build_eval_loader(
+        config.data, config.eval, rank=rank, world_size=world_size, dataset=dataset
+    )
+
+
+def evaluate_checkpoint(
+    config: ConfigSource,
+    *,
+    checkpoint: str | Path | None = None,
+    device: str | torch.device | None = None,
+) -> tuple[LoadedCheckpoint, EvalOutcome]:
+    """Evaluate a run's checkpoint on its held-out set (``eval:``) and write nothing: the
+    named ``checkpoint`` file, else the newest one in the run's checkpoint directory.
+    ``CheckpointError`` when there is none or it cannot be read, ``TrainingStateError`` when
+    it does not fit the config's model. One process (no torch.distributed)."""
+    cfg = as_config(config)
+    import_modules(cfg.imports)
+    seed_everything(cfg.run.seed)
+    resolved_device = resolve_device(device if device is not None else cfg.run.device)
+    output_dir = Path(cfg.run.output_dir).expanduser().resolve()
+    loaded = _checkpoint_to_evaluate(cfg, output_dir, resolved_device, checkpoint)
+    net = build_model(cfg.model)
+    weights = loaded.state.get("model")
+    if not isinstance(weights, Mapping):
+        raise CheckpointError(f"{loaded.path} holds no model weights (no 'model' entry)")
+    try:
+        net.load_state_dict(cast("Mapping[str, torch.Tensor]", weights))
+    except RuntimeError as exc:
+        problem = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TrainingStateError(
+            f"checkpoint {loaded.path} does not match the model of this config: {problem}"
+        ) from None
+    net.to(resolved_device)
+    _warn_if_trained_on_the_tail(cfg)
+    outcome = evaluate_model(
+        net,
+        held_out_loader(cfg, None),
+        device=resolved_device,
+        precision=resolve_precision(cfg.precision, resolved_device),
+        max_batches=cfg.eval.max_batches,
+    )
+    return loaded, outcome
+
+
+def _warn_if_trained_on_the_tail(cfg: SpeedtronicConfig) -> None:
+    """A text run without evaluation trained on its whole file, the held-out tail too."""
+    own_split = not cfg.eval.text_path and not cfg.eval.dataset
+    text = cfg.data.text_path or (cfg.data.dataset == "text")
+    if own_split and text and training_excludes_tail(cfg.eval) is None:
+        warnings.warn(
+            "eval.every_steps is not set, so this run trained on the whole text file: the "
+            f"held-out tail it is evaluated on (the last eval.fraction={cfg.eval.fraction}) "
+            "was training data too",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _checkpoint_to_evaluate(
+    cfg: SpeedtronicConfig, output_dir: Path, device: torch.device, named: str | Path | None
+) -> LoadedCheckpoint:
+    if named is not None:
+        path = Path(named).expanduser()
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {path} does not exist or is not a file")
+        manager = CheckpointManager(path.resolve().parent, enabled=False)
+        state = manager.load(path.resolve())  # verified against its pointer's checksum
+        counters = state.get("counters")
+        step = counters.get("step") if isinstance(counters, Mapping) else None
+        return LoadedCheckpoint(path, step if isinstance(step, int) else -1, state)
+    context = PluginContext(config=cfg, output_dir=output_dir, device=device)
+    source = _resume_source(build_callbacks(cfg, context))
+    directory = (
+        source.checkpoint_manager.directory
+        if source is not None
+        else output_dir / DEFAULT_CHECKPOINT_DIRECTORY
+    )
+    loaded = CheckpointManager(directory, enabled=False).load_latest_checkpoint()
+    if loaded is None:
+        raise CheckpointError(
+            f"no checkpoint to evaluate in {directory}: train the run first, or name a "
+            "checkpoint file with --checkpoint"
+        )
+    return loaded
 
 
 def save_run_config(config: SpeedtronicConfig, output_dir: Path) -> Path:

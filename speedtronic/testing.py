@@ -17,6 +17,8 @@ from speedtronic.contexts import (
     BackwardContext,
     CheckpointContext,
     CoordinateContext,
+    EvalEndContext,
+    EvalStartContext,
     ExceptionContext,
     FitContext,
     FitEndContext,
@@ -121,6 +123,12 @@ class EventRecorder(Callback):
     def on_optimizer_reset(self, trainer: TrainerView, ctx: OptimizerResetContext) -> None:
         self._add(Event.OPTIMIZER_RESET, ctx.step)
 
+    def on_eval_start(self, trainer: TrainerView, ctx: EvalStartContext) -> None:
+        self._add(Event.EVAL_START, ctx.step)
+
+    def on_eval_end(self, trainer: TrainerView, ctx: EvalEndContext) -> None:
+        self._add(Event.EVAL_END, ctx.step)
+
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         self._add(Event.METRICS, ctx.step)
 
@@ -132,10 +140,17 @@ class EventRecorder(Callback):
 
 
 def expected_fit_trace(
-    steps: int, accumulation_steps: int, *, reset_steps: frozenset[int] = frozenset()
+    steps: int,
+    accumulation_steps: int,
+    *,
+    reset_steps: frozenset[int] = frozenset(),
+    eval_steps: frozenset[int] = frozenset(),
 ) -> list[Event]:
-    """The exact trace of a successful fit of ``steps`` global steps."""
+    """The exact trace of a successful fit of ``steps`` global steps (``eval_steps``: the
+    steps that evaluate the held-out set)."""
     trace = [Event.SETUP, Event.FIT_START]
     for step in range(1, steps + 1):
-        trace += expected_step_trace(accumulation_steps, optimizer_reset=step in reset_steps)
+        trace += expected_step_trace(
+            accumulation_steps, optimizer_reset=step in reset_steps, evaluation=step in eval_steps
+        )
     return trace + [Event.FIT_END, Event.TEARDOWN]

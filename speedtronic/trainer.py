@@ -38,6 +38,12 @@ from speedtronic.distributed import (
     collective_failure,
     reduce_run_totals,
 )
+from speedtronic.evaluation import (
+    EvalOutcome,
+    EvaluationError,
+    check_eval_settings,
+    evaluate_model,
+)
 from speedtronic.events import On
 from speedtronic.forward_path import ForwardPath
 from speedtronic.loop import run_global_step
@@ -111,7 +117,15 @@ class Trainer:
         logger: MetricLogger | None = None,
         checkpoint_manager: CheckpointManager | None = None,
         max_epochs: int | None = None,
+        eval_data: Iterable[object] | None = None,
+        eval_every: int | None = None,
+        eval_max_batches: int | None = None,
     ) -> None:
+        check_eval_settings(eval_every, eval_max_batches)
+        if eval_every is not None and eval_data is None:
+            raise EvaluationError(
+                f"eval_every={eval_every} needs eval_data, the held-out batches to evaluate"
+            )
         self.config = coerce_config(config)
         settings = resolve_settings(
             self.config,
@@ -177,6 +191,12 @@ class Trainer:
             model, self.precision, self.device, distributed, compile=settings.compile
         )
         self.trainable_parameters = [p for p in model.parameters() if p.requires_grad]
+        self.eval_data = eval_data
+        self.eval_every = eval_every or 0
+        """Steps between evaluations during a fit (0: off); the final step evaluates too."""
+        self.eval_max_batches = eval_max_batches
+        self.pending_eval: Mapping[str, float] | None = None
+        """This step's evaluation results until the metric record takes them."""
 
     # -- construction helpers --------------------------------------------------------
 
@@ -232,7 +252,10 @@ class Trainer:
             self.optimizer.state = defaultdict(dict)
 
     def is_metric_due(self, step: int) -> bool:
-        return step % self.metrics_every == 0 or step == self.target_step
+        """Logging steps: every ``metrics_every`` steps, evaluation steps, the final step."""
+        if step % self.metrics_every == 0 or step == self.target_step:
+            return True
+        return self.eval_every > 0 and step % self.eval_every == 0
 
     def note_skipped_step(self, step: int) -> None:
         self.skipped_steps += 1
@@ -317,6 +340,7 @@ class Trainer:
         self.target_step = max(self.step, requested)
         self.requests.begin_fit()
         self.due_records = []
+        self.pending_eval = None
         start_step = self.step
         fit_ctx = FitContext(start_step, self.target_step)
         self.model.to(self.device)
@@ -385,6 +409,34 @@ class Trainer:
             metrics=list(self.due_records),
             stop_reason=self.stop_reason,
         )
+
+    # -- evaluation ----------------------------------------------------------------------
+
+    def run_evaluation(self, data: Iterable[object] | None = None) -> EvalOutcome:
+        """Evaluate the model on ``data`` (default: the trainer's ``eval_data``), up to
+        ``eval_max_batches`` batches; see ``speedtronic.evaluation.evaluate_model``."""
+        source = self.eval_data if data is None else data
+        if source is None:
+            raise EvaluationError(
+                "no held-out data to evaluate: pass data to evaluate() or eval_data to Trainer"
+            )
+        return evaluate_model(
+            self.model,
+            source,
+            device=self.device,
+            precision=self.precision,
+            max_batches=self.eval_max_batches,
+            # Ranks reduce their shards' sums only when they hold one model replica; a rank
+            # that is its own replica evaluates its local model alone.
+            distributed=self.distributed if self.forward_path.one_replica(self.callbacks) else None,
+        )
+
+    def evaluate(self, data: Iterable[object] | None = None) -> dict[str, float]:
+        """The held-out metrics of the model as it is now: ``{"eval/loss": ...,
+        "eval/ppl": ...}``. Changes no training state (model mode, RNG, data position);
+        emits no events (``eval_start``/``eval_end`` belong to evaluations inside a fit)."""
+        self.model.to(self.device)
+        return dict(self.run_evaluation(data).metrics)
 
     # -- state ---------------------------------------------------------------------------
 

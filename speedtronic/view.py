@@ -82,6 +82,12 @@ class TrainerView(Protocol):
         """The run's logging cadence: metrics are due every this many steps (and at the end)."""
 
     @property
+    def eval_every(self) -> int:
+        """Steps between evaluations of the held-out set during a fit (0: evaluation is
+        off); the final step of a fit evaluates too. A callback that monitors an ``eval/*``
+        metric checks it against this."""
+
+    @property
     def last_loss(self) -> torch.Tensor | None:
         """The mean microbatch loss of the last completed step, a 0-d device tensor
         (``.item()`` forces a device sync)."""

@@ -85,17 +85,28 @@ def fit(config: Mapping[str, object], **runtime: object) -> tuple[Trainer, Train
 # -- scenarios ------------------------------------------------------------------------------
 
 
+DDP_EVAL = {"every_steps": 3}
+"""Evaluation in the ddp scenario: steps 3 and 6, and the final step of each fit."""
+
+
+def eval_losses(result: TrainResult) -> dict[str, float]:
+    return {str(r["step"]): float(r["eval/loss"]) for r in result.metrics if "eval/loss" in r}
+
+
 def ddp(out: Path, rank: int, params: Mapping[str, object]) -> dict[str, object]:
-    """8 steps in one go, then 4 + resume to 8; metrics files written once."""
-    full_trainer, full = fit(base_config(out / "full"))
-    fit(base_config(out / "part", run={"max_steps": 4}))
-    resumed_trainer, resumed = fit(base_config(out / "part"), resume=True)
+    """8 steps in one go, then 4 + resume to 8; metrics files written once; evaluation on
+    (each rank evaluates its share of the held-out set, the sums are all-reduced)."""
+    full_trainer, full = fit(base_config(out / "full", eval=DDP_EVAL))
+    fit(base_config(out / "part", run={"max_steps": 4}, eval=DDP_EVAL))
+    resumed_trainer, resumed = fit(base_config(out / "part", eval=DDP_EVAL), resume=True)
     torch.save(
         {"full": weights(full_trainer), "resumed": weights(resumed_trainer)}, out / f"rank{rank}.pt"
     )
     return {
         "full": losses(full),
         "resumed": losses(resumed),
+        "full_eval": eval_losses(full),
+        "resumed_eval": eval_losses(resumed),
         "final_loss": full.final_loss,
         "samples": full.samples,
         "tokens": full.tokens,

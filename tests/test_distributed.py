@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from distributed_worker import base_config
+from distributed_worker import DDP_EVAL, base_config
 from torch.utils.data import DataLoader, Dataset
 
 from speedtronic.callback import Callback
@@ -310,11 +310,24 @@ def test_two_rank_ddp_matches_one_process_and_resumes_exactly(tmp_path: Path) ->
         tmp_path / "single",
         data={"micro_batch_size": 4, "target_batch_size": 8},
         checkpoint={"enabled": False},
+        eval=DDP_EVAL,
     )
     trainer, _ = build_runtime(single)
     result = trainer.fit()
     single_curve = {int(r["step"]): float(r["loss"]) for r in result.metrics}
     assert single_curve == pytest.approx(full, rel=1e-5)
+    # Evaluation: each rank evaluated half the held-out set (in batches of 2, the single
+    # process in batches of 4); the token-weighted all-reduce gives the one-process value.
+    # Resumed, the eval/loss values are those of the uninterrupted run, bit for bit.
+    single_eval = {
+        str(r["step"]): float(r["eval/loss"]) for r in result.metrics if "eval/loss" in r
+    }
+    assert sorted(single_eval, key=int) == ["3", "6", "8"]
+    assert reports[0]["full_eval"] == reports[1]["full_eval"]
+    assert reports[0]["full_eval"] == pytest.approx(single_eval, rel=1e-5)
+    assert reports[0]["resumed_eval"] == {
+        step: reports[0]["full_eval"][step] for step in ("6", "8")
+    }
     assert reports[0]["final_loss"] == pytest.approx(result.final_loss, rel=1e-5)
     assert (reports[0]["samples"], reports[0]["tokens"]) == (result.samples, result.tokens)
     for key, value in trainer.model.state_dict().items():

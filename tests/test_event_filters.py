@@ -150,6 +150,7 @@ def test_built_in_sinks_and_contributors_are_filtered_to_logging_steps() -> None
     step=st.integers(1, 40),
     target=st.integers(1, 40),
     cadence=st.integers(1, 9),
+    eval_every=st.integers(0, 9),
 )
 def test_next_due_is_the_first_due_step(
     every_n: int | None,
@@ -159,11 +160,13 @@ def test_next_due_is_the_first_due_step(
     step: int,
     target: int,
     cadence: int,
+    eval_every: int,
 ) -> None:
     # The plan skips filter evaluation until ``next_due``: it must never skip a due step.
     rule = StepFilter(every=every_n, at=at, final=final, logging=logging)
-    due_steps = [s for s in range(step, 200) if rule.due(s, target, cadence)]
-    assert rule.next_due(step, target, cadence) == (due_steps[0] if due_steps else None)
+    due_steps = [s for s in range(step, 200) if rule.due(s, target, cadence, eval_every)]
+    first = due_steps[0] if due_steps else None
+    assert rule.next_due(step, target, cadence, eval_every) == first
 
 
 def test_quiet_stretches_follow_a_new_target_and_a_step_moved_back() -> None:

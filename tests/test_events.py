@@ -113,9 +113,44 @@ def test_reset_not_emitted_when_disabled() -> None:
 
 
 def test_expected_step_trace_matches_event_list() -> None:
-    trace = expected_step_trace(2, optimizer_reset=True)
+    trace = expected_step_trace(2, optimizer_reset=True, evaluation=True)
     assert trace[0] is Event.STEP_START
     assert trace[-len(STEP_TAIL_EVENTS) :] == list(STEP_TAIL_EVENTS)
+    # Without a reset or an evaluation those events are simply left out.
+    plain = expected_step_trace(2)
+    assert plain[-len(STEP_TAIL_EVENTS) + 3 :] == [
+        event
+        for event in STEP_TAIL_EVENTS
+        if event not in (Event.OPTIMIZER_RESET, Event.EVAL_START, Event.EVAL_END)
+    ]
+
+
+def test_golden_trace_with_evaluation_and_reset() -> None:
+    recorder = EventRecorder()
+    model = Scalar()
+    trainer = Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=0.1),
+        batches(),
+        callbacks=[ResetEveryOtherStep(), recorder],
+        max_steps=3,
+        eval_data=batches(2),
+        eval_every=2,
+    )
+    trainer.fit()
+    assert recorder.events == expected_fit_trace(
+        3, 1, reset_steps=frozenset({2}), eval_steps=frozenset({2, 3})
+    )
+    step_two = [e.event for e in recorder.trace if e.step == 2]
+    assert step_two[-7:] == [
+        Event.COORDINATE,
+        Event.OPTIMIZER_RESET,
+        Event.EVAL_START,
+        Event.EVAL_END,
+        Event.METRICS,
+        Event.CHECKPOINT,
+        Event.STEP_END,
+    ]
 
 
 def test_exception_then_teardown() -> None:

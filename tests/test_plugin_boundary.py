@@ -135,6 +135,7 @@ def test_the_trainer_satisfies_the_view_structurally() -> None:
         "tokens",
         "accumulation_steps",
         "metrics_every",
+        "eval_every",
         "last_loss",
         "device",
         "output_dir",

@@ -15,9 +15,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from speedtronic.callback import Callback
 from speedtronic.checkpoint import CheckpointManager
-from speedtronic.config.sections import DataConfig
+from speedtronic.config.sections import DataConfig, EvalConfig
 from speedtronic.contexts import MetricsContext, StepContext
 from speedtronic.data import TextFileTokenDataset, build_dataloader
+from speedtronic.data.held_out import build_eval_loader
 from speedtronic.model import ReferenceTransformer
 from speedtronic.resume import resume_from
 from speedtronic.trainer import Trainer, TrainingStateError
@@ -104,8 +105,32 @@ def make_loader(source: str, tmp_path: Path) -> DataLoader[object]:
     return build_dataloader(config)
 
 
+def held_out_loader(source: str, tmp_path: Path) -> DataLoader[object]:
+    """The held-out set of ``source`` (the text file's tail; another synthetic stream)."""
+    if source == "text_stream":
+        make_loader(source, tmp_path)  # writes the file
+        dataset = TextFileTokenDataset(
+            tmp_path / "corpus.txt",
+            CONTEXT,
+            vocab_size=VOCAB,
+            part="held_out",
+            held_out_fraction=0.2,
+        )
+        return build_dataloader(data_config(drop_last=False), dataset=dataset)
+    kind = {"synthetic_uniform": "uniform", "synthetic_learnable": "learnable"}[source]
+    settings = EvalConfig(every_steps=2)
+    return build_eval_loader(
+        data_config(synthetic=True, synthetic_kind=kind, num_tokens=5), settings
+    )
+
+
 def make_trainer(
-    source: str, tmp_path: Path, callbacks: list[Callback], *, init_seed: int
+    source: str,
+    tmp_path: Path,
+    callbacks: list[Callback],
+    *,
+    init_seed: int,
+    eval_every: int | None = None,
 ) -> Trainer:
     torch.manual_seed(init_seed)
     model = ReferenceTransformer(
@@ -123,6 +148,8 @@ def make_trainer(
         accumulation_steps=K,
         grad_clip=1.0,
         metrics_every=1,
+        eval_data=held_out_loader(source, tmp_path) if eval_every else None,
+        eval_every=eval_every,
     )
 
 
@@ -159,6 +186,50 @@ def test_interrupted_and_resumed_run_matches_uninterrupted_bitwise(
     result = trainer.fit(12)
     assert result.steps == 12
     assert second.losses == {s: reference.losses[s] for s in range(7, 13)}
+
+
+class EvalRecorder(Callback):
+    """Every evaluation's ``eval/loss``, by step."""
+
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+
+    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
+        if ctx.evaluated:
+            loss = ctx.record.values()["eval/loss"]
+            assert isinstance(loss, float)
+            self.losses[ctx.step] = loss
+
+
+@pytest.mark.parametrize("source", ["text_stream", "synthetic_learnable"])
+def test_resume_with_evaluation_matches_uninterrupted_bitwise(tmp_path: Path, source: str) -> None:
+    """Evaluation consumes no training data and no training randomness (the model has
+    dropout): training losses and eval/loss of 4 + resume to 8 equal one 8-step run."""
+    reference, reference_eval = LossRecorder(), EvalRecorder()
+    make_trainer(source, tmp_path, [reference, reference_eval], init_seed=0, eval_every=3).fit(8)
+    assert sorted(reference_eval.losses) == [3, 6, 8]
+
+    directory = tmp_path / "ck"
+    first = EvalRecorder()
+    make_trainer(
+        source,
+        tmp_path,
+        [first, CheckpointCallback(directory, every_steps=4)],
+        init_seed=0,
+        eval_every=3,
+    ).fit(4)
+    assert first.losses == {3: reference_eval.losses[3], 4: first.losses[4]}
+
+    torch.manual_seed(999)
+    second, second_eval = LossRecorder(), EvalRecorder()
+    callback = CheckpointCallback(directory, every_steps=4)
+    trainer = make_trainer(
+        source, tmp_path, [second, second_eval, callback], init_seed=1, eval_every=3
+    )
+    resume_from(trainer, callback.manager)
+    trainer.fit(8)
+    assert second.losses == {s: reference.losses[s] for s in range(5, 9)}
+    assert second_eval.losses == {6: reference_eval.losses[6], 8: reference_eval.losses[8]}
 
 
 def test_max_steps_is_absolute_after_resume(tmp_path: Path) -> None:

@@ -19,7 +19,13 @@ When a save happens:
 * at the ``checkpoint`` event of every step that is a multiple of ``every_steps``;
 * at ``fit_end`` when the last completed step was not just saved (``save_final``), and
   always after a SIGTERM/SIGINT stop (``save_on_signal``);
-* at ``exception`` (``save_on_exception``, off by default), best effort.
+* at ``exception`` (``save_on_exception``, off by default), best effort;
+* with ``monitor`` (a metric key such as ``eval/loss``) and ``mode`` (``min``/``max``): at
+  every step where the monitored value improves on the best so far, and ``best.json`` in the
+  directory then names that checkpoint (``CheckpointManager.note_best``); ``keep_last``
+  never deletes it. The best value is part of this callback's checkpointed state
+  (``state_key: checkpoint``), so it survives a resume. An ``eval/*`` key is read on
+  evaluation steps only; a key that is missing where it should be is an error.
 
 Signals: with ``save_on_signal`` the first SIGTERM or SIGINT asks the trainer to stop after
 the current step (``trainer.request_stop("signal SIGTERM")``); the fit then ends normally,
@@ -54,7 +60,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from typing_extensions import Self
 
@@ -72,10 +78,13 @@ from speedtronic.contexts import (
     ExceptionContext,
     FitContext,
     FitEndContext,
+    MetricsContext,
     OptimizerStepContext,
     TeardownContext,
 )
+from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.rng import capture_rng_state
+from speedtronic_callbacks.monitor import Mode, check_monitor, improves, read_monitored
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
@@ -140,6 +149,18 @@ CHECKPOINT_SECTION_SCHEMA: JSONSchema = {
             "type": "boolean",
             "default": True,
             "description": "Restore callback state on resume.",
+        },
+        "monitor": {
+            "type": ["string", "null"],
+            "default": None,
+            "minLength": 1,
+            "description": "Metric key (e.g. eval/loss) by which best.json names the best "
+            "checkpoint; a checkpoint is saved whenever it improves. Null: no best checkpoint.",
+        },
+        "mode": {
+            "enum": ["min", "max"],
+            "default": "min",
+            "description": "Whether a lower (min) or higher (max) monitored value is better.",
         },
     },
 }
@@ -211,12 +232,26 @@ class CheckpointCallback(Callback):
                 "description": "On resume, restore every callback's saved state "
                 "(default: checkpoint.load_callback_state).",
             },
+            "monitor": {
+                "type": ["string", "null"],
+                "minLength": 1,
+                "description": "Metric key (e.g. eval/loss) that names the best checkpoint in "
+                "best.json (default: checkpoint.monitor).",
+            },
+            "mode": {
+                "enum": ["min", "max"],
+                "description": "min or max: which monitored value is best "
+                "(default: checkpoint.mode).",
+            },
         },
     }
 
     # -- plugin configuration -------------------------------------------------------------
     enabled_by_default: ClassVar[bool] = True
     implied_order: ClassVar[int] = 90  # last: it saves what the others did in the step
+    # With a monitor it reads the finished record (after every contributor), like a sink.
+    metrics_phase: ClassVar[Literal["contribute", "consume"]] = "consume"
+    due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging (and evaluation) steps
     legacy_sections: ClassVar[tuple[str, ...]] = ("checkpoint",)
     legacy_schema: ClassVar[Mapping[str, JSONSchema]] = {"checkpoint": CHECKPOINT_SECTION_SCHEMA}
 
@@ -234,7 +269,13 @@ class CheckpointCallback(Callback):
         manager: CheckpointManager | None = None,
         resume: bool = False,
         load_callback_state: bool = True,
+        monitor: str | None = None,
+        mode: Mode = "min",
     ) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+        if monitor is not None and not monitor:
+            raise ValueError("monitor must be a metric key or None, got ''")
         if manager is None:
             if directory is None:
                 raise ValueError("CheckpointCallback needs a directory or a manager")
@@ -259,6 +300,13 @@ class CheckpointCallback(Callback):
         self._step_end_state: tuple[dict[str, int], dict[str, object], Mapping[str, int]] | None = (
             None
         )
+        self.monitor = monitor
+        self.mode: Mode = mode
+        self.best_value: float | None = None
+        self.best_step: int | None = None
+        self._best_pending: int | None = None  # a step whose value is a new best, to save
+        if monitor is not None:
+            self.state_key = "checkpoint"  # the best value survives resume
 
     @classmethod
     def options_from_legacy(
@@ -293,6 +341,8 @@ class CheckpointCallback(Callback):
             async_save=bool(merged["async_save"]),
             resume=bool(merged["resume"]),
             load_callback_state=bool(merged["load_callback_state"]),
+            monitor=None if merged["monitor"] is None else str(merged["monitor"]),
+            mode="max" if merged["mode"] == "max" else "min",
         )
 
     # -- ResumeSource ---------------------------------------------------------------------
@@ -311,13 +361,43 @@ class CheckpointCallback(Callback):
         (``speedtronic.run_lock.LeavesRunFiles``): a fresh run there would mix with them."""
         if not self.manager.enabled:
             return []
-        pointer = self.manager.pointer_path
-        found = self.manager.checkpoint_paths()
-        return [*found, pointer] if pointer.is_file() else found
+        pointers = [self.manager.pointer_path, self.manager.best_pointer_path]
+        return self.manager.checkpoint_paths() + [p for p in pointers if p.is_file()]
+
+    # -- state (with a monitor): the best value so far -----------------------------------
+
+    def state_dict(self) -> dict[str, object]:
+        state: dict[str, object] = {"monitor": self.monitor, "mode": self.mode}
+        if self.best_value is not None and self.best_step is not None:
+            state["best_value"], state["best_step"] = self.best_value, self.best_step
+        return state
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        if state.get("monitor") != self.monitor or state.get("mode") != self.mode:
+            return  # another metric or direction: its best says nothing about this one
+        value, step = state.get("best_value"), state.get("best_step")
+        if isinstance(value, (int, float)) and isinstance(step, int):
+            self.best_value, self.best_step = float(value), step
+
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
+        if self.monitor is None:
+            return
+        value = read_monitored("checkpoint", self.monitor, ctx)
+        if value is None:
+            return  # an evaluation metric, and this step did not evaluate
+        best = self.best_value
+        if best is None:
+            best = math.inf if self.mode == "min" else -math.inf
+        if improves(value, best, self.mode):
+            self.best_value, self.best_step = value, ctx.step
+            self._best_pending = ctx.step
 
     # -- fit lifecycle ------------------------------------------------------------------
 
     def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
+        if self.monitor is not None:
+            check_monitor("checkpoint", self.monitor, trainer)
+        self._best_pending = None
         self.signal_received = None
         self._step_end_state = None
         start_path = self.manager.path_for(ctx.start_step)
@@ -338,8 +418,10 @@ class CheckpointCallback(Callback):
             # and the RNG stood when the last step completed.
             counters = {"step": ctx.step, "samples": trainer.samples, "tokens": trainer.tokens}
             self._step_end_state = (counters, capture_rng_state(), trainer.data_position())
-        if self.manager.should_save(ctx.step):
-            self._save(trainer, ctx.step, trainer.state_dict())
+        best = self._best_pending == ctx.step and self.manager.enabled
+        self._best_pending = None
+        if best or self.manager.should_save(ctx.step):
+            self._save(trainer, ctx.step, trainer.state_dict(), best=best)
 
     def on_before_optimizer_step(self, trainer: TrainerView, ctx: OptimizerStepContext) -> None:
         if self._writer is not None:
@@ -397,11 +479,20 @@ class CheckpointCallback(Callback):
     # -- saving -------------------------------------------------------------------------
 
     def _save(
-        self, trainer: TrainerView, step: int, state: dict[str, object], *, meet_peers: bool = True
+        self,
+        trainer: TrainerView,
+        step: int,
+        state: dict[str, object],
+        *,
+        meet_peers: bool = True,
+        best: bool = False,
     ) -> None:
-        """Write ``state`` (rank 0 only), then wait for the other ranks when ``meet_peers``."""
+        """Write ``state`` (rank 0 only), then wait for the other ranks when ``meet_peers``;
+        ``best``: ``best.json`` names it (the monitored value improved at ``step``)."""
         if trainer.distributed is None or trainer.distributed.is_main:
             self.manager.note_loss(step, _last_loss(trainer, step))
+            if best and self.monitor is not None and self.best_value is not None:
+                self.manager.note_best(step, self.monitor, self.mode, self.best_value)
             if self._writer is not None:
                 self._writer.submit(step, state, defer=_changed_only_by_optimizer_step(trainer))
             else:
@@ -519,6 +610,8 @@ _OPTION_DEFAULTS: dict[str, object] = {
     "async_save": False,
     "resume": False,
     "load_callback_state": True,
+    "monitor": None,
+    "mode": "min",
 }
 """Option values when neither ``callbacks:`` nor the 2.0 section gives one."""
 

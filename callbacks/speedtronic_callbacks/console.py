@@ -92,6 +92,8 @@ def describe_model(model: torch.nn.Module) -> list[str]:
 
 STEP_LINE_FIELDS: tuple[NumberFormat, ...] = (
     ("loss", lambda v: f"loss {format_float(v)}"),
+    ("eval/loss", lambda v: f"eval/loss {format_float(v)}"),
+    ("eval/ppl", lambda v: f"eval/ppl {format_float(v)}"),
     ("lr", lambda v: f"lr {v:.2e}"),
     ("grad_norm", lambda v: f"grad_norm {format_float(v)}"),
     ("steps_per_sec", lambda v: f"{v:.1f} steps/s"),

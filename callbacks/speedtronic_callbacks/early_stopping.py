@@ -5,6 +5,9 @@
 
 The metric is read from each *due* metric record (after every contributor ran, so a key
 added by another callback can be monitored); ``patience`` counts due records, not steps.
+An evaluation metric (``monitor: eval/loss``) is read from the records of evaluation steps
+only, so ``patience`` then counts evaluations; monitoring one while evaluation is off is an
+error before the first step.
 An improvement is a value better than the best so far by more than ``min_delta``. After
 ``patience`` records without one, the callback calls ``trainer.request_stop(...)``: the
 current step completes, ``fit_end`` runs (the checkpoint callback writes its final save,
@@ -27,16 +30,13 @@ from typing_extensions import Self
 from speedtronic.callback import Callback, JSONSchema
 from speedtronic.contexts import FitContext, MetricsContext
 from speedtronic.filters import METRICS_ON_LOGGING_STEPS
+from speedtronic_callbacks.monitor import Mode, MonitorError, check_monitor, read_monitored
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
     from speedtronic.view import TrainerView
 
-Mode = Literal["min", "max"]
-
-
-class MonitorError(ValueError):
-    """The monitored metric is missing from a due record, or is not a number."""
+__all__ = ["EarlyStopping", "Mode", "MonitorError"]
 
 
 class EarlyStopping(Callback):
@@ -137,30 +137,19 @@ class EarlyStopping(Callback):
         return value > self.best + self.min_delta
 
     def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
+        check_monitor("early_stopping", self.monitor, trainer)
         self.stopped_step = None
 
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         if self.stopped_step is not None:
             return
-        value = self._read(ctx)
+        value = read_monitored("early_stopping", self.monitor, ctx)
+        if value is None:
+            return  # an evaluation metric, and this step did not evaluate
         reason = self._update(value, ctx.step)
         if reason is not None:
             self.stopped_step = ctx.step
             trainer.request_stop(f"early_stopping: {reason}")
-
-    def _read(self, ctx: MetricsContext) -> float:
-        if self.monitor not in ctx.record:
-            keys = ", ".join(sorted(ctx.record.keys()))
-            raise MonitorError(
-                f"early_stopping monitors {self.monitor!r}, which is not in the metric record "
-                f"of step {ctx.step} (keys: {keys})"
-            )
-        value = ctx.record.get(self.monitor)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise MonitorError(
-                f"early_stopping monitors {self.monitor!r}, whose value {value!r} is not a number"
-            )
-        return float(value)
 
     def _update(self, value: float, step: int) -> str | None:
         """Record ``value``; the stop reason when the fit should stop, else ``None``."""

@@ -59,6 +59,9 @@ def _postfix(record: Record) -> str:
     loss = record.get("loss")
     if isinstance(loss, (int, float)):
         parts.append(f"loss={format_float(float(loss))}")
+    eval_loss = record.get("eval/loss")
+    if isinstance(eval_loss, (int, float)):
+        parts.append(f"eval/loss={format_float(float(eval_loss))}")
     lr = record.get("lr")
     if isinstance(lr, (int, float)):
         parts.append(f"lr={float(lr):.2e}")
@@ -70,6 +73,7 @@ def _postfix(record: Record) -> str:
 
 PROGRESS_LINE_FIELDS: tuple[NumberFormat, ...] = (
     ("loss", lambda v: f"loss {format_float(v)}"),
+    ("eval/loss", lambda v: f"eval/loss {format_float(v)}"),
     ("lr", lambda v: f"lr {v:.2e}"),
     ("tokens_per_sec", lambda v: f"{format_si(v)} tok/s"),
     ("elapsed_s", lambda v: f"elapsed {format_duration(v)}"),

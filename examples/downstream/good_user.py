@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from speedtronic import Callback, Trainer, register_model
-from speedtronic.contexts import MetricsContext, StepContext
+from speedtronic.contexts import EvalEndContext, MetricsContext, StepContext
 from speedtronic.view import TrainerView
 
 
@@ -28,6 +28,10 @@ class LossPrinter(Callback):
 
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.eval_losses: list[float] = []
+
+    def on_eval_end(self, trainer: TrainerView, ctx: EvalEndContext) -> None:
+        self.eval_losses.append(ctx.metrics["eval/loss"])
 
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         if ctx.due:
@@ -54,6 +58,7 @@ def main() -> list[float]:
     x = torch.randn(64, 4)
     y = x.sum(dim=1, keepdim=True)
     data = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 64, 8)]
+    held_out = [(x[i : i + 8] * 0.5, y[i : i + 8] * 0.5) for i in range(0, 16, 8)]
     model = Regression(make_mlp(d_model=16))
     printer = LossPrinter()
     trainer = Trainer(
@@ -64,9 +69,14 @@ def main() -> list[float]:
         callbacks=[printer],
         max_steps=100,
         metrics_every=10,
+        eval_data=held_out,
+        eval_every=10,
     )
     result = trainer.fit()
     assert result.stop_reason == "enough"
+    assert len(printer.eval_losses) == 5
+    metrics: dict[str, float] = trainer.evaluate()
+    assert metrics["eval/loss"] == printer.eval_losses[-1]
     return printer.losses
 
 

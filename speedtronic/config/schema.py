@@ -46,6 +46,7 @@ SECTIONS = (
     "run",
     "model",
     "data",
+    "eval",
     "optimizer",
     "scheduler",
     "precision",
@@ -540,7 +541,8 @@ def _value_errors(data: object, parts: tuple[str | int, ...] = ()) -> Iterator[t
 
 
 def _is_free_form(parts: tuple[str | int, ...]) -> bool:
-    if parts[:2] in (("data", "dataset_options"), ("model", "options")):
+    free_form = (("data", "dataset_options"), ("eval", "dataset_options"), ("model", "options"))
+    if parts[:2] in free_form:
         return True
     return len(parts) >= 2 and parts[0] == "callbacks"
 
@@ -565,6 +567,10 @@ class _Values:
         if key in values:
             return values[key]
         return _defaults(section, plugins.callback_registry.version).get(key)  # read-only
+
+    def get_root(self, key: str) -> object:
+        """A top-level value as given (``None`` when absent)."""
+        return self._data.get(key)
 
     def integer(self, section: str, key: str) -> int | None:
         value = self.get(section, key)
@@ -620,6 +626,7 @@ def cross_field_errors(data: Mapping[str, object]) -> list[str]:
         _model_rules,
         _optimizer_rules,
         _data_rules,
+        _eval_monitor_rules,
     ):
         errors.extend(rule(values))
     errors.extend(_plugin_rules(values))
@@ -712,12 +719,15 @@ def _optimizer_rules(values: _Values) -> Iterator[str]:
 
 
 def _data_rules(values: _Values) -> Iterator[str]:
-    dataset = values.text("data", "dataset")
-    if dataset is not None and dataset.lower().endswith(_PICKLE_SUFFIXES):
-        yield (
-            f"data.dataset: {dataset!r} looks like a pickled dataset file; name a registered "
-            "dataset instead (pickle files are never loaded)"
-        )
+    for section in ("data", "eval"):
+        dataset = values.text(section, "dataset")
+        if dataset is not None and dataset.lower().endswith(_PICKLE_SUFFIXES):
+            yield (
+                f"{section}.dataset: {dataset!r} looks like a pickled dataset file; name a "
+                "registered dataset instead (pickle files are never loaded)"
+            )
+    if values.text("eval", "text_path") is not None and values.text("eval", "dataset"):
+        yield "eval.dataset: give eval.text_path or eval.dataset, not both"
     data_vocab = values.positive_int("data", "vocab_size")
     model_vocab = values.positive_int("model", "vocab_size")
     if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
@@ -725,6 +735,29 @@ def _data_rules(values: _Values) -> Iterator[str]:
             f"data.vocab_size: {data_vocab} is larger than model.vocab_size ({model_vocab}); "
             "the model could not embed every token id"
         )
+
+
+EVAL_METRIC_PREFIX = "eval/"
+
+
+def _eval_monitor_rules(values: _Values) -> Iterator[str]:
+    """A ``monitor`` option (of any plugin section or ``callbacks:`` entry) that names an
+    evaluation metric needs evaluation on (``eval.every_steps``): it could never appear."""
+    if values.positive_int("eval", "every_steps") is not None:
+        return
+    places: list[tuple[str, object]] = []
+    for key in plugin_root_keys():
+        section = values.get_root(key)
+        if isinstance(section, Mapping):
+            places.append((key, section.get("monitor")))
+    for index, entry in values.callback_entries():
+        places.append((f"callbacks[{index}]", entry.get("monitor")))
+    for where, monitor in places:
+        if isinstance(monitor, str) and monitor.startswith(EVAL_METRIC_PREFIX):
+            yield (
+                f"{where}.monitor: {monitor!r} is an evaluation metric, but evaluation is off "
+                "(set eval.every_steps)"
+            )
 
 
 def _plugin_rules(values: _Values) -> Iterator[str]:

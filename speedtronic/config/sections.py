@@ -327,6 +327,29 @@ class DataConfig(_Section):
         return f"DataConfig({values})"
 
 
+@dataclass(repr=False)
+class EvalConfig(_Section):
+    """``eval:`` -- evaluation on a held-out set: how often, how much, and from where (no
+    data option: the training source's held-out split, see ``docs/evaluation.md``)."""
+
+    section_name: ClassVar[str] = "eval"
+
+    every_steps: int | None = None
+    max_batches: int | None = None
+    fraction: float = 0.05
+    text_path: str | None = None
+    dataset: str | None = None
+    dataset_options: dict[str, JSONValue] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        # dataset_options is free-form and may hold credentials: never print them.
+        values = ", ".join(
+            f"{item.name}={_redacted(getattr(self, item.name))!r}"
+            for item in dataclasses.fields(self)
+        )
+        return f"EvalConfig({values})"
+
+
 def _redacted(value: object) -> object:
     return redact_secrets(cast(JSONValue, value)) if isinstance(value, dict) else value
 
@@ -497,6 +520,7 @@ _SECTION_TYPES: dict[str, type[_Section]] = {
     "run": RunConfig,
     "model": ModelConfig,
     "data": DataConfig,
+    "eval": EvalConfig,
     "optimizer": OptimizerConfig,
     "scheduler": SchedulerConfig,
     "precision": PrecisionConfig,
@@ -523,6 +547,7 @@ class SpeedtronicConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)

@@ -11,6 +11,10 @@ Source order (first match wins):
    ``LearnableLanguageDataset`` (``learnable``), with ``data.num_tokens`` samples;
 5. otherwise a ``DataSourceError``.
 
+Held-out data (``speedtronic.data.held_out``): with ``held_out_fraction`` given (evaluation
+is on and takes its held-out set from the training source), a text source trains only on
+the part of the file before its held-out tail.
+
 Map-style datasets get a ``ResumableSampler`` seeded with ``data.seed``, so the shuffled
 order is reproducible and a resumed run continues at the exact sample. The loader also gets
 its own ``torch.Generator``, so starting an epoch never touches the global RNG.
@@ -46,7 +50,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from speedtronic.data.collate import CollateFn, collate_registry
 from speedtronic.data.stream import RankShardedIterable, ResumableSampler
 from speedtronic.data.synthetic import LearnableLanguageDataset, SyntheticTokenDataset
-from speedtronic.data.text import DataSourceError, TextFileTokenDataset, Tokenizer
+from speedtronic.data.text import DataSourceError, TextFileTokenDataset, TextPart, Tokenizer
 from speedtronic.plugins import DATASET_GROUP, PluginError, PluginRegistry
 
 __all__ = [
@@ -119,6 +123,15 @@ class DatasetRequest:
     seed: int
     num_samples: int
     options: Mapping[str, object] = field(default_factory=dict)
+    part: TextPart = "all"
+    """``"all"``; or, for the built-in factories (``HELD_OUT_FACTORIES``), ``"train"`` /
+    ``"held_out"``: the training part or the held-out split of the same source."""
+    held_out_fraction: float = 0.05
+    """The share of a text file that is the held-out split (``eval.fraction``)."""
+
+
+HELD_OUT_FACTORIES = frozenset({"synthetic", "learnable", "text"})
+"""Built-in dataset names whose factories build a held-out split (``DatasetRequest.part``)."""
 
 
 DatasetFactory = Callable[[DatasetRequest], Dataset[object]]
@@ -187,6 +200,7 @@ def _synthetic(request: DatasetRequest) -> Dataset[object]:
         block_size=request.block_size,
         vocab_size=_required_vocab(request, "synthetic"),
         seed=request.seed,
+        held_out=request.part == "held_out",
     )
 
 
@@ -210,6 +224,7 @@ def _learnable(request: DatasetRequest) -> Dataset[object]:
         seed=request.seed,
         branching=branching,
         concentration=float(concentration),
+        held_out=request.part == "held_out",
     )
 
 
@@ -221,7 +236,13 @@ def _text(request: DatasetRequest) -> Dataset[object]:
     if not isinstance(path, (str, Path)):
         raise DataSourceError("dataset 'text' needs options.path, the UTF-8 file to read")
     vocab = 256 if request.vocab_size is None else request.vocab_size
-    return TextFileTokenDataset(path, request.block_size, vocab_size=vocab)
+    return TextFileTokenDataset(
+        path,
+        request.block_size,
+        vocab_size=vocab,
+        part=request.part,
+        held_out_fraction=request.held_out_fraction,
+    )
 
 
 def _block_size(config: DataSettings) -> int:
@@ -265,23 +286,50 @@ def resolve_dataset(
     *,
     tokenizer: Tokenizer | None = None,
     vocab_size: int | None = None,
+    part: TextPart = "all",
+    held_out_fraction: float = 0.05,
 ) -> Dataset[object]:
-    """The dataset ``config`` selects (source order in the module docstring)."""
+    """The dataset ``config`` selects (source order in the module docstring). ``part``
+    ``"train"``/``"held_out"`` selects the training part or the held-out split of the
+    source (``DatasetRequest.part``); a named dataset other than the built-in ones has no
+    held-out split of its own (``DataSourceError`` when ``"held_out"`` is asked of it)."""
     vocab = vocab_size if vocab_size is not None else config.vocab_size
     seed = config.seed if config.seed is not None else DEFAULT_DATA_SEED
     if config.text_path:
         text_vocab = 256 if vocab is None else vocab
-        return TextFileTokenDataset(config.text_path, _block_size(config), tokenizer, text_vocab)
+        return TextFileTokenDataset(
+            config.text_path,
+            _block_size(config),
+            tokenizer,
+            text_vocab,
+            part=part,
+            held_out_fraction=held_out_fraction,
+        )
     named = config.dataset
     if isinstance(named, Dataset):
+        if part == "held_out":
+            raise DataSourceError(
+                "a Dataset object given as data.dataset has no held-out split: pass the "
+                "held-out data yourself (Trainer(eval_data=...))"
+            )
         return named
     if isinstance(named, str):
+        if part != "all" and named not in HELD_OUT_FACTORIES:
+            if part == "train":
+                part = "all"  # the user's dataset is all training data
+            else:
+                raise DataSourceError(
+                    f"data.dataset {named!r} has no built-in held-out split: name the held-out "
+                    "set with eval.dataset (and eval.dataset_options) or eval.text_path"
+                )
         request = DatasetRequest(
             block_size=_block_size(config),
             vocab_size=vocab,
             seed=seed,
             num_samples=config.num_tokens,
             options=_dataset_options(config),
+            part=part,
+            held_out_fraction=held_out_fraction,
         )
         return _named_dataset(named, request)
     if named is not None:
@@ -302,6 +350,7 @@ def resolve_dataset(
             block_size=_block_size(config),
             vocab_size=vocab,
             seed=seed,
+            held_out=part == "held_out",
         )
     raise DataSourceError(
         "no data source: set data.text_path, data.dataset, or data.synthetic: true"
@@ -334,17 +383,25 @@ def build_dataloader(
     vocab_size: int | None = None,
     rank: int = 0,
     world_size: int = 1,
+    held_out_fraction: float | None = None,
 ) -> DataLoader[object]:
     """The training ``DataLoader`` for the ``data`` config section (module docstring).
 
     ``vocab_size`` overrides ``data.vocab_size`` (the runtime passes the model's);
     ``pin_memory_device`` is the pin_memory default when ``data.pin_memory`` is None;
-    ``rank`` and ``world_size`` select this rank's shard of the data.
+    ``rank`` and ``world_size`` select this rank's shard of the data; ``held_out_fraction``
+    (evaluation on the held-out split of this source) keeps a text file's tail out of it.
     """
     source = (
         dataset
         if dataset is not None
-        else resolve_dataset(config, tokenizer=tokenizer, vocab_size=vocab_size)
+        else resolve_dataset(
+            config,
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+            part="all" if held_out_fraction is None else "train",
+            held_out_fraction=0.05 if held_out_fraction is None else held_out_fraction,
+        )
     )
     seed = config.seed if config.seed is not None else DEFAULT_DATA_SEED
     workers = config.num_workers

@@ -3,6 +3,11 @@
 Both are map-style and deterministic per index (item ``i`` comes from a generator seeded
 with ``seed + i``), so the content of a sample does not depend on the order or the process
 that reads it: shuffling, worker processes and resumed runs all see the same samples.
+
+``held_out=True`` gives the held-out set of the same source: the same language (the Markov
+table depends on ``seed`` only) but items drawn from another stream -- item ``i``'s generator
+is seeded from a ``SeedSequence`` of ``(seed, i, HELD_OUT_STREAM)``, never ``seed + j`` for
+any ``j`` -- so no training sequence is evaluated on.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ __all__ = ["LearnableLanguageDataset", "SyntheticTokenDataset"]
 _UINT64 = (1 << 64) - 1
 _TABLE_STREAM = 0x7AB1E
 """Mixed into the seed of the transition table so it is independent of every item's stream."""
+HELD_OUT_STREAM = 0xE7A1
+"""Mixed into the seed of every held-out item, so held-out items never repeat training ones."""
 
 
 def _check_positive(name: str, value: object) -> int:
@@ -30,7 +37,10 @@ def _check_positive(name: str, value: object) -> int:
     return value
 
 
-def _item_generator(seed: int, index: int) -> torch.Generator:
+def _item_generator(seed: int, index: int, held_out: bool = False) -> torch.Generator:
+    if held_out:
+        sequence = np.random.SeedSequence([seed & _UINT64, index, HELD_OUT_STREAM])
+        return torch.Generator().manual_seed(int(sequence.generate_state(1, np.uint64)[0]))
     # torch accepts any value in [-2**63, 2**64); masking keeps huge seeds + index valid.
     return torch.Generator().manual_seed((seed + index) & _UINT64)
 
@@ -38,7 +48,10 @@ def _item_generator(seed: int, index: int) -> torch.Generator:
 class _IndexedTokens(Dataset[dict[str, torch.Tensor]], ABC):
     """Shared map-style plumbing: length, index normalisation, the input/label split."""
 
-    def __init__(self, num_samples: int, block_size: int, vocab_size: int, seed: int) -> None:
+    def __init__(
+        self, num_samples: int, block_size: int, vocab_size: int, seed: int, held_out: bool
+    ) -> None:
+        self.held_out = held_out
         self.num_samples = _check_positive("num_samples", num_samples)
         self.block_size = _check_positive("block_size", block_size)
         self.vocab_size = _check_positive("vocab_size", vocab_size)
@@ -70,8 +83,10 @@ class SyntheticTokenDataset(_IndexedTokens):
         block_size: int = 128,
         vocab_size: int = 512,
         seed: int = 1234,
+        *,
+        held_out: bool = False,
     ) -> None:
-        super().__init__(num_samples, block_size, vocab_size, seed)
+        super().__init__(num_samples, block_size, vocab_size, seed, held_out)
 
     @property
     def entropy_floor(self) -> float:
@@ -79,7 +94,7 @@ class SyntheticTokenDataset(_IndexedTokens):
         return math.log(self.vocab_size)
 
     def _tokens(self, index: int) -> torch.Tensor:
-        generator = _item_generator(self.seed, index)
+        generator = _item_generator(self.seed, index, self.held_out)
         return torch.randint(
             0, self.vocab_size, (self.block_size + 1,), generator=generator, dtype=torch.int64
         )
@@ -113,8 +128,9 @@ class LearnableLanguageDataset(_IndexedTokens):
         *,
         branching: int | None = None,
         concentration: float = 1.0,
+        held_out: bool = False,
     ) -> None:
-        super().__init__(num_samples, block_size, vocab_size, seed)
+        super().__init__(num_samples, block_size, vocab_size, seed, held_out)
         width = min(4, vocab_size) if branching is None else _check_positive("branching", branching)
         if width > vocab_size:
             raise ValueError(f"branching ({width}) cannot exceed vocab_size ({vocab_size})")
@@ -177,7 +193,9 @@ class LearnableLanguageDataset(_IndexedTokens):
 
     def _tokens(self, index: int) -> torch.Tensor:
         uniforms = torch.rand(
-            self.block_size + 1, generator=_item_generator(self.seed, index), dtype=torch.float64
+            self.block_size + 1,
+            generator=_item_generator(self.seed, index, self.held_out),
+            dtype=torch.float64,
         ).tolist()
         state = min(int(uniforms[0] * self.vocab_size), self.vocab_size - 1)
         tokens = [state]

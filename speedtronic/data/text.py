@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import codecs
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -13,6 +14,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 __all__ = [
     "CharTokenizer",
     "DataSourceError",
+    "TextPart",
+    "held_out_cut",
     "SupportsEncode",
     "TextFileTokenDataset",
     "Tokenizer",
@@ -28,6 +31,37 @@ _CUT_CHARACTERS = (" ", "\n", "\t", "\r")
 
 class DataSourceError(ValueError):
     """A data source that cannot be used: bad bytes, unknown name, refused file, no source."""
+
+
+TextPart = Literal["all", "train", "held_out"]
+"""Which bytes of a text file a ``TextFileTokenDataset`` reads: all of them, the training
+part (everything before the held-out tail) or the held-out tail."""
+
+_WHITESPACE_BYTES = frozenset(b" \n\t\r")
+_CUT_SEARCH_BYTES = 1 << 20
+
+
+def held_out_cut(path: Path, fraction: float) -> int:
+    """The byte offset where the held-out tail of a text file starts: about the last
+    ``fraction`` of its bytes, moved forward to the next ASCII whitespace byte (which never
+    sits inside a multi-byte UTF-8 character, and where no word is split). The file size
+    when there is no whitespace after that point (the held-out part is then empty)."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"fraction must be in (0, 1), got {fraction!r}")
+    size = path.stat().st_size
+    start = min(size, math.floor(size * (1 - fraction)))
+    with path.open("rb") as handle:
+        handle.seek(start)
+        position = start
+        while position < size:
+            window = handle.read(_CUT_SEARCH_BYTES)
+            if not window:
+                break
+            for offset, byte in enumerate(window):
+                if byte in _WHITESPACE_BYTES:
+                    return position + offset
+            position += len(window)
+    return size
 
 
 @runtime_checkable
@@ -93,6 +127,10 @@ class TextFileTokenDataset(IterableDataset[dict[str, torch.Tensor]]):
 
     ``vocab_size`` is the modulus of the default ``CharTokenizer`` and the range every token
     id is checked against (an id outside it is an error here, not a device assert later).
+
+    ``part`` and ``held_out_fraction`` split the file for evaluation (``held_out_cut``):
+    ``"train"`` reads the bytes before the held-out tail, ``"held_out"`` the tail itself;
+    the two never share a byte.
     """
 
     def __init__(
@@ -103,6 +141,8 @@ class TextFileTokenDataset(IterableDataset[dict[str, torch.Tensor]]):
         vocab_size: int = 256,
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        part: TextPart = "all",
+        held_out_fraction: float = 0.05,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -119,6 +159,21 @@ class TextFileTokenDataset(IterableDataset[dict[str, torch.Tensor]]):
         self.vocab_size = vocab_size
         self.chunk_bytes = chunk_bytes
         self.tokenizer: Tokenizer = CharTokenizer(vocab_size) if tokenizer is None else tokenizer
+        if part not in ("all", "train", "held_out"):
+            raise ValueError(f"part must be 'all', 'train' or 'held_out', got {part!r}")
+        self.part: TextPart = part
+        self.held_out_fraction = held_out_fraction
+        self._byte_range = (0, None) if part == "all" else self._split(held_out_fraction)
+
+    def byte_count(self) -> int:
+        """How many bytes of the file this dataset reads (its part)."""
+        start, stop = self._byte_range
+        size = self.path.stat().st_size
+        return max(0, (size if stop is None else min(stop, size)) - start)
+
+    def _split(self, fraction: float) -> tuple[int, int | None]:
+        cut = held_out_cut(self.path, fraction)
+        return (0, cut) if self.part == "train" else (cut, None)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         info = get_worker_info()
@@ -161,15 +216,21 @@ class TextFileTokenDataset(IterableDataset[dict[str, torch.Tensor]]):
             handle = self.path.open("rb")
         except FileNotFoundError:
             raise FileNotFoundError(f"text data file not found: {self.path}") from None
+        start, stop = self._byte_range
         with handle:
+            handle.seek(start)
+            left = None if stop is None else stop - start
             while True:
-                raw = handle.read(self.chunk_bytes)
+                want = self.chunk_bytes if left is None else min(self.chunk_bytes, left)
+                raw = handle.read(want) if want > 0 else b""
+                if left is not None:
+                    left -= len(raw)
                 buffered = len(decoder.getstate()[0])
                 try:
                     text = decoder.decode(raw, final=not raw)
                 except UnicodeDecodeError as exc:
                     # exc.start indexes the decoder's buffered bytes followed by ``raw``.
-                    offset = consumed - buffered + exc.start
+                    offset = start + consumed - buffered + exc.start
                     raise DataSourceError(
                         f"{self.path}: invalid UTF-8 at byte {offset} ({exc.reason})"
                     ) from None

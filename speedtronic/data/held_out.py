@@ -1,0 +1,143 @@
+"""The held-out set an evaluation reads (the ``eval:`` config section).
+
+Source order (first match wins):
+
+1. ``eval.text_path`` -> a ``TextFileTokenDataset`` of that whole file;
+2. ``eval.dataset`` -> a registered dataset, built like ``data.dataset`` with
+   ``eval.dataset_options`` -- a user's held-out split through the same plugin mechanism as
+   training data;
+3. the training source's own held-out split: the synthetic sources draw held-out items from
+   another random stream (never a training item); a text file (``data.text_path`` or the
+   ``text`` dataset) gives its last ``eval.fraction`` of bytes, which training then skips
+   (``training_excludes_tail``). Another named dataset has no split of its own: an error
+   that says to name one.
+
+The loader never shuffles, keeps the last incomplete batch, uses no worker processes and
+has its own generator, so every evaluation reads the same batches and touches no random
+state of training. In a distributed run each rank reads a strided share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sized
+from typing import Protocol
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
+
+from speedtronic.data.collate import collate_batch
+from speedtronic.data.loader import (
+    DEFAULT_DATA_SEED,
+    DatasetRequest,
+    DataSettings,
+    _block_size,
+    _named_dataset,
+    resolve_dataset,
+)
+from speedtronic.data.stream import RankShardedIterable
+from speedtronic.data.text import DataSourceError, TextFileTokenDataset
+
+__all__ = [
+    "EvalSettings",
+    "build_eval_loader",
+    "held_out_dataset",
+    "known_empty",
+    "training_excludes_tail",
+]
+
+
+class EvalSettings(Protocol):
+    """The ``eval`` config attributes the held-out loader reads (read-only)."""
+
+    @property
+    def every_steps(self) -> int | None: ...
+    @property
+    def fraction(self) -> float: ...
+    @property
+    def text_path(self) -> str | None: ...
+    @property
+    def dataset(self) -> str | None: ...
+    @property
+    def dataset_options(self) -> Mapping[str, object]: ...
+
+
+def _own_source(settings: EvalSettings) -> bool:
+    return not settings.text_path and not settings.dataset
+
+
+def training_excludes_tail(settings: EvalSettings) -> float | None:
+    """The ``held_out_fraction`` for ``build_dataloader``: ``eval.fraction`` when evaluation
+    is on and takes its held-out set from the training source, else ``None`` (training
+    reads all of it)."""
+    if settings.every_steps is None or not _own_source(settings):
+        return None
+    return settings.fraction
+
+
+def held_out_dataset(
+    data: DataSettings, settings: EvalSettings, *, vocab_size: int | None = None
+) -> Dataset[object]:
+    """The held-out dataset (source order in the module docstring)."""
+    vocab = vocab_size if vocab_size is not None else data.vocab_size
+    if settings.text_path:
+        return TextFileTokenDataset(
+            settings.text_path, _block_size(data), vocab_size=256 if vocab is None else vocab
+        )
+    if settings.dataset:
+        request = DatasetRequest(
+            block_size=_block_size(data),
+            vocab_size=vocab,
+            seed=data.seed if data.seed is not None else DEFAULT_DATA_SEED,
+            num_samples=data.num_tokens,
+            options=dict(settings.dataset_options),
+        )
+        try:
+            return _named_dataset(settings.dataset, request)
+        except DataSourceError as exc:
+            raise DataSourceError(str(exc).replace("data.dataset", "eval.dataset")) from None
+    return resolve_dataset(
+        data, vocab_size=vocab, part="held_out", held_out_fraction=settings.fraction
+    )
+
+
+def known_empty(dataset: Dataset[object]) -> str | None:
+    """Why ``dataset`` is certainly empty (a map-style dataset of length 0, a text part with
+    no bytes), or ``None`` when it is not, or cannot be known without reading it."""
+    if isinstance(dataset, TextFileTokenDataset):
+        if dataset.byte_count() == 0:
+            where = "its held-out tail" if dataset.part == "held_out" else "it"
+            return f"{dataset.path} has no bytes in {where}"
+        return None
+    if isinstance(dataset, Sized) and len(dataset) == 0:
+        return f"{type(dataset).__name__} has no samples"
+    return None
+
+
+def build_eval_loader(
+    data: DataSettings,
+    settings: EvalSettings,
+    *,
+    vocab_size: int | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    dataset: Dataset[object] | None = None,
+) -> DataLoader[object]:
+    """This rank's ``DataLoader`` over the held-out set (``dataset``, default
+    ``held_out_dataset(data, settings)``), ``data.micro_batch_size`` samples a batch."""
+    source = (
+        dataset if dataset is not None else held_out_dataset(data, settings, vocab_size=vocab_size)
+    )
+    if world_size > 1:
+        if isinstance(source, IterableDataset):
+            source = RankShardedIterable(source, rank=rank, world_size=world_size)
+        elif isinstance(source, Sized):
+            source = Subset(source, range(rank, len(source), world_size))
+    return DataLoader(
+        source,
+        batch_size=data.micro_batch_size,
+        shuffle=False,
+        num_workers=0,
+        collate_fn=collate_batch,
+        drop_last=False,
+        generator=torch.Generator().manual_seed(0),
+    )

@@ -1,0 +1,190 @@
+"""Evaluation: the loss of the model on a held-out set, during a fit and on demand.
+
+``evaluate_model`` is the evaluation pass. It runs the raw model (never the DDP or compiled
+wrapper) under ``torch.inference_mode()`` in ``model.eval()`` (dropout off), with the run's
+autocast, and restores the model's training mode and every random number generator
+afterwards, so an evaluation changes nothing the training stream depends on: a run with
+evaluation resumes bit for bit like one without.
+
+The loss is averaged by *tokens* for causal-LM batches (integer labels of two or more
+dimensions: each batch's mean loss is weighted by its count of labels that are not
+``-100``, so padding counts for nothing) and by *samples* otherwise. The sums stay on the
+device and are read back once per evaluation (no per-batch host sync); in a distributed run
+each rank evaluates its shard and the two sums are all-reduced before the division, so
+``eval/loss`` is the token-weighted mean over the whole held-out set.
+
+``run_step_evaluation`` is what the per-step loop calls on evaluation steps: it emits
+``eval_start`` and ``eval_end`` around the pass and leaves the results on the trainer for
+the step's metric record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from speedtronic.batch import IGNORE_INDEX, batch_labels, move_to_device, resolve_loss, run_model
+from speedtronic.contexts import EvalEndContext, EvalStartContext
+from speedtronic.data.collate import batch_size_and_tokens
+from speedtronic.events import On
+from speedtronic.metrics import MetricRecord
+from speedtronic.precision import PrecisionPlan, autocast_context
+from speedtronic.rng import capture_rng_state, restore_rng_state
+
+if TYPE_CHECKING:
+    from speedtronic.distributed import DistributedContext
+    from speedtronic.trainer import Trainer
+
+__all__ = [
+    "EVAL_LOSS",
+    "EVAL_PPL",
+    "EvalOutcome",
+    "EvaluationError",
+    "add_eval_results",
+    "check_eval_settings",
+    "evaluate_model",
+    "is_eval_step",
+    "run_step_evaluation",
+]
+
+EVAL_LOSS = "eval/loss"
+"""The metric key of the held-out loss."""
+EVAL_PPL = "eval/ppl"
+"""The metric key of the held-out perplexity, ``exp(eval/loss)``."""
+
+
+class EvaluationError(ValueError):
+    """Evaluation cannot run: no held-out data, an empty held-out set, a bad setting."""
+
+
+@dataclass(frozen=True)
+class EvalOutcome:
+    """One evaluation's results: ``metrics`` (``eval/loss``, ``eval/ppl``), the number of
+    batches this rank evaluated and the total weight (tokens or samples, all ranks)."""
+
+    metrics: Mapping[str, float]
+    batches: int
+    weight: float
+
+
+def check_eval_settings(every: int | None, max_batches: int | None) -> None:
+    """``EvaluationError`` naming the setting when the cadence or the batch limit is not a
+    positive integer."""
+    for name, value in (("eval_every", every), ("eval_max_batches", max_batches)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise EvaluationError(f"{name} must be a positive integer or None, got {value!r}")
+
+
+def is_eval_step(step: int, every: int, target_step: int) -> bool:
+    """Whether global step ``step`` evaluates: a multiple of ``every`` or the fit's final
+    step (``every`` 0: evaluation is off)."""
+    return every > 0 and (step % every == 0 or step == target_step)
+
+
+def _sum_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
+
+
+def _batch_weight(batch: object, samples: int) -> torch.Tensor | int:
+    """The weight of a batch's mean loss: its count of real labels for a causal-LM batch
+    (a device tensor: no sync), else its number of samples."""
+    labels = batch_labels(batch)
+    if labels is not None and labels.dim() >= 2 and not labels.is_floating_point():
+        return (labels != IGNORE_INDEX).sum()
+    return samples
+
+
+def evaluate_model(
+    model: nn.Module,
+    data: Iterable[object],
+    *,
+    device: torch.device,
+    precision: PrecisionPlan | None = None,
+    max_batches: int | None = None,
+    distributed: DistributedContext | None = None,
+) -> EvalOutcome:
+    """Evaluate ``model`` on up to ``max_batches`` batches of ``data`` (module docstring).
+
+    ``EvaluationError`` when the held-out set is empty (on every rank together)."""
+    was_training = model.training
+    rng = capture_rng_state()
+    dtype = _sum_dtype(device)
+    total = torch.zeros((), dtype=dtype, device=device)
+    weight = torch.zeros((), dtype=dtype, device=device)
+    batches = 0
+    autocast = (
+        autocast_context(precision, device)
+        if precision is not None and precision.autocast_enabled
+        else contextlib.nullcontext()
+    )
+    model.eval()
+    try:
+        with torch.inference_mode(), autocast:
+            for host_batch in data:
+                samples, _ = batch_size_and_tokens(host_batch)
+                batch = move_to_device(host_batch, device)
+                loss = resolve_loss(run_model(model, batch), batch)
+                batch_weight = _batch_weight(batch, samples)
+                total += loss.detach().to(dtype) * batch_weight
+                weight += batch_weight
+                batches += 1
+                if max_batches is not None and batches >= max_batches:
+                    break  # before pulling a batch that would not be used
+    finally:
+        model.train(was_training)
+        restore_rng_state(rng)
+    sums = torch.stack([total, weight])
+    if distributed is not None and distributed.world_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(sums)
+    loss_sum, weight_sum = (float(value) for value in sums.tolist())  # the one host read
+    if weight_sum <= 0:
+        raise EvaluationError(
+            "the held-out set is empty: no batch to evaluate (check eval.max_batches, "
+            "eval.fraction and the held-out data source)"
+        )
+    loss_value = loss_sum / weight_sum
+    metrics = {EVAL_LOSS: loss_value, EVAL_PPL: _perplexity(loss_value)}
+    return EvalOutcome(MappingProxyType(metrics), batches, weight_sum)
+
+
+def _perplexity(loss: float) -> float:
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+def run_step_evaluation(t: Trainer, step: int) -> None:
+    """Evaluate at global step ``step`` of a fit: ``eval_start``, the pass, ``eval_end``;
+    the results wait on the trainer (``pending_eval``) for this step's metric record."""
+    plan = t.plan
+    due = plan.due_hooks
+    if due[On.EVAL_START]:
+        plan.emit(t, On.EVAL_START, EvalStartContext(step, t.eval_max_batches))
+    outcome = t.run_evaluation()
+    t.pending_eval = outcome.metrics
+    if due[On.EVAL_END]:
+        ctx = EvalEndContext(step, outcome.metrics, outcome.batches, outcome.weight)
+        plan.emit(t, On.EVAL_END, ctx)
+
+
+def add_eval_results(t: Trainer, record: MetricRecord) -> bool:
+    """Move this step's evaluation results (``pending_eval``) into its metric record;
+    True when there were any."""
+    pending, t.pending_eval = t.pending_eval, None
+    if pending is None:
+        return False
+    for key, value in pending.items():
+        record.set(key, value)
+    return True
