@@ -24,6 +24,7 @@ import torch
 
 from speedtronic.callback import Callback
 from speedtronic.checkpoint import CheckpointManager
+from speedtronic.compat.metric_logger import MetricLogger
 from speedtronic.config import CallbackSpec, JSONValue, SpeedtronicConfig
 from speedtronic.data import build_dataloader
 from speedtronic.distributed import DistributedContext, setup_distributed, teardown_distributed
@@ -209,6 +210,7 @@ def build_runtime(
         output_dir=output_dir,
         shape_report=shape_report,
         distributed=distributed,
+        logger=build_logger(cfg, outputs=False),
     )
     resuming = resume or (source is not None and source.resume_requested)
     if overwrite is not None and launched_as_main_process():
@@ -218,6 +220,27 @@ def build_runtime(
         load_callback_state = source.load_callback_state if source is not None else True
         resume_from(trainer, manager, load_callback_state=load_callback_state)
     return trainer, manager
+
+
+def build_logger(config: ConfigSource, *, outputs: bool = True) -> MetricLogger:
+    """2.0's ``build_logger``: a ``MetricLogger`` with ``logging.level``, ``logging.file``,
+    ``logging.json_file`` and ``logging.every_steps`` (paths relative to the working
+    directory, as in 2.0), and no hooks.
+
+    ``build_runtime`` attaches one as ``trainer.logger`` so that 2.0 code can append hooks
+    (``trainer.logger.hooks.append(hook)``). That one is built with ``outputs=False``: the
+    console and ``jsonl`` sinks already print the metrics and write ``logging.file`` and
+    ``logging.json_file``, so it only feeds its hooks.
+    """
+    section = as_config(config).logging
+    json_file = section.extensions.get("json_file")
+    return MetricLogger(
+        level=section.level,
+        file=section.file if outputs else None,
+        json_file=json_file if outputs and isinstance(json_file, str) else None,
+        every_steps=section.every_steps,
+        echo=outputs,
+    )
 
 
 def save_run_config(config: SpeedtronicConfig, output_dir: Path) -> Path:

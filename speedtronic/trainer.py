@@ -42,6 +42,7 @@ from speedtronic.events import On
 from speedtronic.forward_path import ForwardPath
 from speedtronic.loop import run_global_step
 from speedtronic.metrics import MetricValue
+from speedtronic.notes import Notes
 from speedtronic.precision import (
     PrecisionPlan,
     make_grad_scaler,
@@ -143,7 +144,11 @@ class Trainer:
         self.skipped_steps = 0
         self.requests = StepRequests()
         self.callbacks: list[Callback] = list(callbacks)
-        self.callbacks += legacy_callbacks(coordinator, logger, checkpoint_manager)
+        self._notes = Notes()
+        self.callbacks += legacy_callbacks(coordinator, logger, checkpoint_manager, self._notes)
+        self.logger = logger
+        """The 2.0 ``MetricLogger`` given as ``logger=`` (``build_runtime`` gives one), else
+        ``None``; 2.0 code attaches hooks with ``trainer.logger.hooks.append(hook)``."""
         self.distributed = distributed
         if self.multi_rank:
             assert distributed is not None
@@ -154,7 +159,12 @@ class Trainer:
             local_rank=distributed.local_rank if distributed else 0,
         )
         self.forward_path = ForwardPath(
-            model, self.precision, self.device, distributed, compile=settings.compile
+            model,
+            self.precision,
+            self.device,
+            distributed,
+            compile=settings.compile,
+            notes=self._notes,
         )
         self.trainable_parameters = [p for p in model.parameters() if p.requires_grad]
 
@@ -213,6 +223,11 @@ class Trainer:
             RuntimeWarning,
             stacklevel=2,
         )
+
+    @property
+    def notes(self) -> Notes:
+        """The run's board of optional named notes (``speedtronic.notes``)."""
+        return self._notes
 
     @property
     def raw_model(self) -> nn.Module:

@@ -325,7 +325,13 @@ class DiLoCoCallback(Callback):
             secret=secret,
         )
         return DiLoCoNode(
-            trainer.model, transport, layout, settings, master=master, reporter=self.reporter
+            trainer.model,
+            transport,
+            layout,
+            settings,
+            master=master,
+            reporter=self.reporter,
+            publish=trainer.notes.publish,
         )
 
     # -- hooks --------------------------------------------------------------------------
