@@ -266,7 +266,10 @@ class DiLoCoCallback(Callback):
             else:
                 assert options.repo_id is not None  # checked by DiLoCoOptions
                 inner = HubTransport(
-                    options.repo_id, token_env=options.token_env, private=options.private_repo
+                    options.repo_id,
+                    token_env=options.token_env,
+                    private=options.private_repo,
+                    token=options.token,
                 )
         policy = RetryPolicy(
             attempts=options.retry_attempts,
