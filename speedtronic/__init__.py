@@ -92,28 +92,21 @@ _EXPORTS: dict[str, str] = {
 # Original names whose implementation is a plugin: resolved through the plugin's entry point
 # at first use, so the engine never imports ``speedtronic_callbacks`` itself at run time
 # (the static declaration below names the class, for type checkers only).
-_PLUGIN_EXPORTS: dict[str, str] = {"HubClient": "diloco"}
+_PLUGIN_EXPORTS: dict[str, str] = {"HubClient": "diloco", "DumbDiLoCoCoordinator": "diloco"}
 
 __all__ = ["__version__", *_EXPORTS, *_PLUGIN_EXPORTS]
 
 
-def _plugin_module(plugin: str) -> str:
-    from importlib import metadata
-
-    from speedtronic.plugins import CALLBACK_GROUP
-
-    for entry in metadata.entry_points(group=CALLBACK_GROUP, name=plugin):
-        return entry.module
-    raise AttributeError(f"the {plugin!r} plugin is not installed")
-
-
 def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
-    if module is None and name in _PLUGIN_EXPORTS:
-        module = _plugin_module(_PLUGIN_EXPORTS[name])
-    if module is None:
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif name in _PLUGIN_EXPORTS:
+        from speedtronic.compat.plugin_exports import plugin_attribute
+
+        value = plugin_attribute(_PLUGIN_EXPORTS[name], name, "speedtronic")
+    else:
         raise AttributeError(f"module 'speedtronic' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
@@ -182,4 +175,5 @@ if TYPE_CHECKING:
     from speedtronic.trainer import TrainingEngine as TrainingEngine
     from speedtronic.trainer import TrainingStateError as TrainingStateError
     from speedtronic.view import TrainerView as TrainerView
+    from speedtronic_callbacks.diloco import DumbDiLoCoCoordinator as DumbDiLoCoCoordinator
     from speedtronic_callbacks.diloco import HubClient as HubClient

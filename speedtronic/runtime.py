@@ -29,7 +29,8 @@ from speedtronic.config import CallbackSpec, JSONValue, SpeedtronicConfig
 from speedtronic.data import build_dataloader
 from speedtronic.distributed import DistributedContext, setup_distributed, teardown_distributed
 from speedtronic.model_registry import build_model
-from speedtronic.optimizers import build_optimizer, build_scheduler
+from speedtronic.optimizers import build_optimizer as build_optimizer  # 2.0's import path
+from speedtronic.optimizers import build_scheduler as build_scheduler
 from speedtronic.plugins import (
     PluginContext,
     build_callback,

@@ -165,3 +165,133 @@ def test_a_2_0_hub_of_another_model_is_refused(tmp_path: Path) -> None:
     loop = MasterLoop(RetryingTransport(DirectoryTransport(hub)), layout, MasterSettings("m"))
     with pytest.raises(Rejected, match="another model"):
         loop.reconcile(global_tensors(fresh.state_dict(), layout))
+
+
+# -- item 3: the original DiLoCo Python API ---------------------------------------------------
+
+ORIGINAL_NAMES = (
+    "DeltaUploadJob DumbDiLoCo DumbDiLoCoCoordinator GlobalMetadata HubClient HubError "
+    "HubTransport HubUnavailable MasterOuterLoop NesterovOuterOptimizer SyncResult "
+    "average_deltas compute_pseudo_gradient load_delta load_safetensors save_safetensors"
+).split()
+"""What 2.0's ``speedtronic.distributed`` exported (seed-distributed-v2.md, section 1.18)."""
+
+
+def test_the_2_0_distributed_names_import_from_speedtronic_distributed() -> None:
+    import speedtronic
+    import speedtronic.distributed as distributed
+    from speedtronic_callbacks.diloco import original_api
+
+    assert sorted(original_api.__all__) == sorted(ORIGINAL_NAMES)
+    for name in ORIGINAL_NAMES:
+        assert getattr(distributed, name) is getattr(original_api, name), name
+    assert distributed.HubTransport is distributed.HubClient
+    assert distributed.DumbDiLoCo is distributed.DumbDiLoCoCoordinator
+    assert speedtronic.HubClient is distributed.HubClient
+    assert speedtronic.DumbDiLoCoCoordinator is distributed.DumbDiLoCoCoordinator
+    assert issubclass(distributed.HubUnavailable, distributed.HubError)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        distributed.Nope  # noqa: B018
+
+
+def test_hub_client_keeps_the_2_0_signature_methods_and_layout(tmp_path: Path) -> None:
+    from speedtronic.distributed import GlobalMetadata, HubClient, HubError, load_delta
+    from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
+
+    with pytest.raises(ValueError, match="repo_id"):
+        HubClient("")
+    with_token = HubClient("team/run", token="hf_tok", cache_dir=tmp_path / "cache")
+    assert with_token.transport.inner._token() == "hf_tok"  # type: ignore[attr-defined]  # the Hub store
+
+    hub = HubClient("team/run", transport=DirectoryTransport(tmp_path / "hub"), cache_dir=tmp_path)
+    hub.create_repo(private=True)
+    assert hub.global_metadata() is None and hub.read_json("global/x.json", {"a": 1}) == {"a": 1}
+    state = {"w": torch.arange(6.0).reshape(2, 3), "n": torch.tensor(4)}
+    extra = {"algorithm": "dumb_diloco", "optimizer": "nesterov_sgd"}
+    meta = hub.publish_global(state, outer_step=3, metadata_extra=extra)
+    assert meta.outer_step == 3 and hub.global_metadata() == meta
+    written = hub.read_json("global/step_count.json")
+    assert written == {**meta.to_dict(), **extra}
+    local = hub.download_global(tmp_path / "g.safetensors", meta)
+    from speedtronic.distributed import load_safetensors
+
+    loaded = load_safetensors(local)
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["n"], state["n"])
+
+    remote = hub.upload_delta(
+        {"w": torch.ones(2, 3)}, node_id="n1", local_step=500, base_outer_step=3
+    )
+    assert remote == "nodes/n1/delta_500.safetensors"
+    assert hub.delta_paths() == [remote] and hub.file_exists(remote)
+    tensors, header = load_delta(hub.download(remote))
+    assert torch.equal(tensors["w"], torch.ones(2, 3))
+    assert header == {
+        "node_id": "n1",
+        "local_step": "500",
+        "base_outer_step": "3",
+        "algorithm": "dumb_diloco",
+    }
+    (tmp_path / "bad.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="unreadable delta"):
+        load_delta(tmp_path / "bad.safetensors")
+    with pytest.raises(FileNotFoundError):
+        hub.upload(tmp_path / "missing.bin", "global/missing.bin")
+    with pytest.raises(HubError, match="does not exist"):
+        hub.download("global/none.json")
+    with pytest.raises(HubError, match="organization"):
+        hub.add_collaborator("alice")
+    assert GlobalMetadata.from_dict({"step": "5"}) == GlobalMetadata(5, "")
+
+
+def test_nesterov_outer_optimizer_keeps_the_2_0_constructor() -> None:
+    from speedtronic.distributed import NesterovOuterOptimizer
+
+    state = {"theta": torch.tensor([1.0, 1.0]), "count": torch.tensor(2)}
+    optimizer = NesterovOuterOptimizer(state, lr=0.1, momentum=0.9)
+    assert set(optimizer.buffers) == {"theta"}
+    optimizer.step(state, {"theta": torch.tensor([1.0, 2.0])})
+    assert torch.allclose(state["theta"], torch.tensor([0.81, 0.62]))
+
+
+def test_dumb_diloco_coordinator_runs_a_master_and_reports_2_0_events(tmp_path: Path) -> None:
+    from speedtronic.compat.metric_logger import MetricLogger
+    from speedtronic.distributed import DumbDiLoCoCoordinator, HubClient
+    from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    seen: list[tuple[str, dict[str, object]]] = []
+    logger = MetricLogger(echo=False, hooks=[lambda event, payload: seen.append((event, payload))])
+    hub = HubClient("local/run", transport=DirectoryTransport(tmp_path / "hub"))
+    section = {
+        "enabled": True,
+        "role": "master",
+        "node_id": "master-1",
+        "inner_steps": 1,
+        "poll_interval": 0.001,
+        "outer_lr": 1.0,
+        "outer_momentum": 0.0,
+    }
+    coordinator = DumbDiLoCoCoordinator(
+        section, model, hub=hub, state_dir=tmp_path / "state", logger=logger
+    )
+    with pytest.raises(ValueError, match="another model"):
+        coordinator.after_optimizer_step(torch.nn.Linear(3, 2), 1)
+    coordinator.start()
+    try:
+        assert coordinator.node.wait_idle(10)  # the master published outer step 0
+        for step in range(1, 30):
+            with torch.no_grad():
+                model.weight.add_(0.01)
+            coordinator.after_optimizer_step(model, step)
+            assert coordinator.node.wait_idle(10)
+            if any(e == "outer_step" and p["deltas_included"] for e, p in seen):
+                break
+    finally:
+        coordinator.stop()
+    names = {event for event, _ in seen}
+    assert {"delta_upload_queued", "delta_uploaded", "outer_step"} <= names
+    assert coordinator.outer_step >= 1 and coordinator.last_global_step >= 0
+    state = coordinator.state_dict()
+    assert state["local_step"] == coordinator.local_step == step
+    assert (tmp_path / "state" / "rounds-master-1.jsonl").is_file()  # state_dir is used
