@@ -295,3 +295,34 @@ def test_dumb_diloco_coordinator_runs_a_master_and_reports_2_0_events(tmp_path: 
     state = coordinator.state_dict()
     assert state["local_step"] == coordinator.local_step == step
     assert (tmp_path / "state" / "rounds-master-1.jsonl").is_file()  # state_dir is used
+
+
+def test_a_2_0_coordinator_master_installs_the_2_0_global_and_continues(tmp_path: Path) -> None:
+    """Item 6 through the public 2.0 API: ``DumbDiLoCoCoordinator`` as master on a 2.0 hub
+    trains on from the 2.0 global model and outer step."""
+    from speedtronic.distributed import DumbDiLoCoCoordinator
+
+    hub = tmp_path / "hub"
+    v2_state = write_v2_hub(hub, TiedModel(seed=0), outer_step=7)
+    model = TiedModel(seed=1)
+    section = {"enabled": True, "role": "master", "node_id": "m", "hub_dir": str(hub)}
+    coordinator = DumbDiLoCoCoordinator(
+        {**section, "inner_steps": 2, "poll_interval": 0.001}, model
+    )
+    coordinator.start()
+    try:
+        assert coordinator.node.wait_idle(10)
+        assert coordinator.after_optimizer_step(model, 1) is True  # the 2.0 global installed
+        assert torch.equal(model.emb.weight, v2_state["emb.weight"])
+        assert coordinator.last_global_step == coordinator.outer_step == 7
+        with torch.no_grad():
+            model.norm.bias.add_(0.5)
+        coordinator.after_optimizer_step(model, 2)  # a boundary: the master's own delta
+        for step in range(3, 40):
+            assert coordinator.node.wait_idle(10)
+            if coordinator.outer_step > 7:
+                break
+            coordinator.after_optimizer_step(model, step)
+    finally:
+        coordinator.stop()
+    assert coordinator.outer_step == 8
