@@ -39,6 +39,16 @@ _EXPORTS: dict[str, str] = {
     "ConfigError": "speedtronic.config",
     "load_config": "speedtronic.config",
     "load_yaml_config": "speedtronic.config",
+    "RunConfig": "speedtronic.config",
+    "ModelConfig": "speedtronic.config",
+    "DataConfig": "speedtronic.config",
+    "OptimizerConfig": "speedtronic.config",
+    "SchedulerConfig": "speedtronic.config",
+    "PrecisionConfig": "speedtronic.config",
+    "CheckpointConfig": "speedtronic.compat.checkpoint_config",
+    "LoggingConfig": "speedtronic.config",
+    "DistributedConfig": "speedtronic.config",
+    "ShapeValidationConfig": "speedtronic.config",
     # plugins and registries
     "PluginContext": "speedtronic.plugins",
     "PluginError": "speedtronic.plugins",
@@ -64,33 +74,41 @@ _EXPORTS: dict[str, str] = {
     "MetricLogger": "speedtronic.profiling",
     "WandbHook": "speedtronic.integrations",
     "TensorboardHook": "speedtronic.integrations",
+    # 2.0's optimizers, out-of-order backprop and shape checks
+    "CautiousOptimizer": "speedtronic.optimizers",
+    "HybridOptimizer": "speedtronic.optimizers",
+    "Muon": "speedtronic.optimizers",
+    "ParameterRouting": "speedtronic.optimizers",
+    "newton_schulz": "speedtronic.optimizers",
+    "post_polar_normalize": "speedtronic.optimizers",
+    "route_parameters": "speedtronic.optimizers",
+    "StageInfo": "speedtronic.stage_streams",
+    "StageStreamScheduler": "speedtronic.stage_streams",
+    "ShapeProfile": "speedtronic.shapes",
+    "ShapeReport": "speedtronic.shapes",
+    "ShapeWarning": "speedtronic.shapes",
+    "resolve_shape_profile": "speedtronic.shapes",
+    "validate_startup_shapes": "speedtronic.shapes",
 }
 
 # Original names whose implementation is a plugin: resolved through the plugin's entry point
 # at first use, so the engine never imports ``speedtronic_callbacks`` itself at run time
 # (the static declaration below names the class, for type checkers only).
-_PLUGIN_EXPORTS: dict[str, str] = {"HubClient": "diloco"}
+_PLUGIN_EXPORTS: dict[str, str] = {"HubClient": "diloco", "DumbDiLoCoCoordinator": "diloco"}
 
 __all__ = ["__version__", *_EXPORTS, *_PLUGIN_EXPORTS]
 
 
-def _plugin_module(plugin: str) -> str:
-    from importlib import metadata
-
-    from speedtronic.plugins import CALLBACK_GROUP
-
-    for entry in metadata.entry_points(group=CALLBACK_GROUP, name=plugin):
-        return entry.module
-    raise AttributeError(f"the {plugin!r} plugin is not installed")
-
-
 def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
-    if module is None and name in _PLUGIN_EXPORTS:
-        module = _plugin_module(_PLUGIN_EXPORTS[name])
-    if module is None:
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif name in _PLUGIN_EXPORTS:
+        from speedtronic.compat.plugin_exports import plugin_attribute
+
+        value = plugin_attribute(_PLUGIN_EXPORTS[name], name, "speedtronic")
+    else:
         raise AttributeError(f"module 'speedtronic' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
@@ -98,8 +116,18 @@ def __getattr__(name: str) -> object:
 if TYPE_CHECKING:
     from speedtronic.callback import Callback as Callback
     from speedtronic.checkpoint import CheckpointManager as CheckpointManager
+    from speedtronic.compat.checkpoint_config import CheckpointConfig as CheckpointConfig
     from speedtronic.config import Config as Config
     from speedtronic.config import ConfigError as ConfigError
+    from speedtronic.config import DataConfig as DataConfig
+    from speedtronic.config import DistributedConfig as DistributedConfig
+    from speedtronic.config import LoggingConfig as LoggingConfig
+    from speedtronic.config import ModelConfig as ModelConfig
+    from speedtronic.config import OptimizerConfig as OptimizerConfig
+    from speedtronic.config import PrecisionConfig as PrecisionConfig
+    from speedtronic.config import RunConfig as RunConfig
+    from speedtronic.config import SchedulerConfig as SchedulerConfig
+    from speedtronic.config import ShapeValidationConfig as ShapeValidationConfig
     from speedtronic.config import SpeedtronicConfig as SpeedtronicConfig
     from speedtronic.config import load_config as load_config
     from speedtronic.config import load_yaml_config as load_yaml_config
@@ -120,6 +148,13 @@ if TYPE_CHECKING:
     from speedtronic.model_registry import register_model as register_model
     from speedtronic.model_registry import registry as registry
     from speedtronic.module_utils import set_gradient_checkpointing as set_gradient_checkpointing
+    from speedtronic.optimizers import CautiousOptimizer as CautiousOptimizer
+    from speedtronic.optimizers import HybridOptimizer as HybridOptimizer
+    from speedtronic.optimizers import Muon as Muon
+    from speedtronic.optimizers import ParameterRouting as ParameterRouting
+    from speedtronic.optimizers import newton_schulz as newton_schulz
+    from speedtronic.optimizers import post_polar_normalize as post_polar_normalize
+    from speedtronic.optimizers import route_parameters as route_parameters
     from speedtronic.plugins import PluginContext as PluginContext
     from speedtronic.plugins import PluginError as PluginError
     from speedtronic.plugins import callback_registry as callback_registry
@@ -131,9 +166,17 @@ if TYPE_CHECKING:
     from speedtronic.runtime import build_callbacks as build_callbacks
     from speedtronic.runtime import build_runtime as build_runtime
     from speedtronic.runtime import train_from_config as train_from_config
+    from speedtronic.shapes import ShapeProfile as ShapeProfile
+    from speedtronic.shapes import ShapeReport as ShapeReport
+    from speedtronic.shapes import ShapeWarning as ShapeWarning
+    from speedtronic.shapes import resolve_shape_profile as resolve_shape_profile
+    from speedtronic.shapes import validate_startup_shapes as validate_startup_shapes
+    from speedtronic.stage_streams import StageInfo as StageInfo
+    from speedtronic.stage_streams import StageStreamScheduler as StageStreamScheduler
     from speedtronic.trainer import SpeedtronicTrainer as SpeedtronicTrainer
     from speedtronic.trainer import Trainer as Trainer
     from speedtronic.trainer import TrainingEngine as TrainingEngine
     from speedtronic.trainer import TrainingStateError as TrainingStateError
     from speedtronic.view import TrainerView as TrainerView
+    from speedtronic_callbacks.diloco import DumbDiLoCoCoordinator as DumbDiLoCoCoordinator
     from speedtronic_callbacks.diloco import HubClient as HubClient

@@ -25,6 +25,7 @@ from speedtronic.distributed import (
     replica_groups,
     wrap_data_parallel,
 )
+from speedtronic.notes import Notes
 from speedtronic.precision import PrecisionPlan, autocast_context
 
 __all__ = ["ForwardPath", "is_compile_failure"]
@@ -58,6 +59,7 @@ class ForwardPath:
         distributed: DistributedContext | None,
         *,
         compile: bool,
+        notes: Notes | None = None,
     ) -> None:
         self.model = model
         self.precision = precision
@@ -69,6 +71,8 @@ class ForwardPath:
         self.grad_sync_context: GradSyncContext = _no_grad_sync_context
         self.plain = False
         """No DDP and no autocast: the loop calls ``forward`` without entering contexts."""
+        self.notes = notes or Notes()
+        """Where the ``compile`` note (2.0's event: enabled, reason) is published."""
 
     @property
     def train_module(self) -> nn.Module:
@@ -96,11 +100,9 @@ class ForwardPath:
         except Exception as exc:
             if not is_compile_failure(exc):
                 raise
-            warnings.warn(
-                f"torch.compile failed ({type(exc).__name__}: {exc}); continuing in eager mode",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            reason = f"torch.compile failed ({type(exc).__name__}: {exc})"
+            warnings.warn(f"{reason}; continuing in eager mode", RuntimeWarning, stacklevel=2)
+            self.notes.publish("compile", {"enabled": False, "reason": reason})
             self.compiled = None
             return run_model(self.train_module, batch)
 
@@ -110,9 +112,11 @@ class ForwardPath:
         try:
             self.compiled = cast(nn.Module, torch.compile(self.train_module))
         except Exception as exc:  # compile unavailable on this platform: stay eager
-            warnings.warn(
-                f"torch.compile unavailable ({exc}); running eagerly", RuntimeWarning, stacklevel=2
-            )
+            reason = f"torch.compile unavailable ({exc})"
+            warnings.warn(f"{reason}; running eagerly", RuntimeWarning, stacklevel=2)
+            self.notes.publish("compile", {"enabled": False, "reason": reason})
+        else:
+            self.notes.publish("compile", {"enabled": True, "reason": "compiled"})
 
     def one_replica(self, callbacks: Sequence[Callback]) -> bool:
         """Whether every rank of a multi-rank world holds the same model replica (DDP over

@@ -26,6 +26,7 @@ import torch
 
 from speedtronic.callback import Callback
 from speedtronic.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
+from speedtronic.compat.metric_logger import MetricLogger
 from speedtronic.config import CallbackSpec, ConfigError, JSONValue, SpeedtronicConfig
 from speedtronic.data import DataSourceError, build_dataloader
 from speedtronic.data.held_out import (
@@ -38,7 +39,8 @@ from speedtronic.distributed import DistributedContext, setup_distributed, teard
 from speedtronic.evaluation import EvalOutcome, evaluate_model
 from speedtronic.model_registry import build_model
 from speedtronic.model_summary import parameter_count
-from speedtronic.optimizers import build_optimizer, build_scheduler
+from speedtronic.optimizers import build_optimizer as build_optimizer  # 2.0's import path
+from speedtronic.optimizers import build_scheduler as build_scheduler
 from speedtronic.plugins import (
     PluginContext,
     build_callback,
@@ -284,6 +286,7 @@ def build_runtime(
         eval_data=eval_data,
         eval_every=cfg.eval.every_steps,
         eval_max_batches=cfg.eval.max_batches,
+        logger=build_logger(cfg, outputs=False),
     )
     resuming = resume or (source is not None and source.resume_requested)
     if overwrite is not None and launched_as_main_process():
@@ -399,6 +402,27 @@ def _checkpoint_to_evaluate(
             "checkpoint file with --checkpoint"
         )
     return loaded
+
+
+def build_logger(config: ConfigSource, *, outputs: bool = True) -> MetricLogger:
+    """2.0's ``build_logger``: a ``MetricLogger`` with ``logging.level``, ``logging.file``,
+    ``logging.json_file`` and ``logging.every_steps`` (paths relative to the working
+    directory, as in 2.0), and no hooks.
+
+    ``build_runtime`` attaches one as ``trainer.logger`` so that 2.0 code can append hooks
+    (``trainer.logger.hooks.append(hook)``). That one is built with ``outputs=False``: the
+    console and ``jsonl`` sinks already print the metrics and write ``logging.file`` and
+    ``logging.json_file``, so it only feeds its hooks.
+    """
+    section = as_config(config).logging
+    json_file = section.extensions.get("json_file")
+    return MetricLogger(
+        level=section.level,
+        file=section.file if outputs else None,
+        json_file=json_file if outputs and isinstance(json_file, str) else None,
+        every_steps=section.every_steps,
+        echo=outputs,
+    )
 
 
 def save_run_config(config: SpeedtronicConfig, output_dir: Path) -> Path:

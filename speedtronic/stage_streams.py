@@ -257,6 +257,9 @@ class StageStreamCallback(Callback):
         if not self.scheduler.enabled and self.scheduler.reason:
             _LOGGER.info("out-of-order backprop disabled: %s", self.scheduler.reason)
 
+    def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
+        trainer.notes.publish("ooo_backprop", self.scheduler.as_dict())  # 2.0's event
+
     def on_microbatch_start(self, trainer: TrainerView, ctx: MicrobatchContext) -> None:
         self.scheduler.begin()
 

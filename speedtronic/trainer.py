@@ -48,6 +48,7 @@ from speedtronic.events import On
 from speedtronic.forward_path import ForwardPath
 from speedtronic.loop import run_global_step
 from speedtronic.metrics import MetricValue
+from speedtronic.notes import Notes
 from speedtronic.precision import (
     PrecisionPlan,
     make_grad_scaler,
@@ -175,7 +176,11 @@ class Trainer:
         self._in_loop = False
         self._stop_watch: StopWatch | None = None
         self.callbacks: list[Callback] = list(callbacks)
-        self.callbacks += legacy_callbacks(coordinator, logger, checkpoint_manager)
+        self._notes = Notes()
+        self.callbacks += legacy_callbacks(coordinator, logger, checkpoint_manager, self._notes)
+        self.logger = logger
+        """The 2.0 ``MetricLogger`` given as ``logger=`` (``build_runtime`` gives one), else
+        ``None``; 2.0 code attaches hooks with ``trainer.logger.hooks.append(hook)``."""
         self.distributed = distributed
         self.multi_rank = distributed is not None and distributed.world_size > 1
         """True in a distributed run with more than one rank (fixed for the trainer's life)."""
@@ -188,7 +193,12 @@ class Trainer:
             local_rank=distributed.local_rank if distributed else 0,
         )
         self.forward_path = ForwardPath(
-            model, self.precision, self.device, distributed, compile=settings.compile
+            model,
+            self.precision,
+            self.device,
+            distributed,
+            compile=settings.compile,
+            notes=self._notes,
         )
         self.trainable_parameters = [p for p in model.parameters() if p.requires_grad]
         self.eval_data = eval_data
@@ -264,6 +274,11 @@ class Trainer:
             RuntimeWarning,
             stacklevel=2,
         )
+
+    @property
+    def notes(self) -> Notes:
+        """The run's board of optional named notes (``speedtronic.notes``)."""
+        return self._notes
 
     @property
     def raw_model(self) -> nn.Module:

@@ -30,6 +30,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from speedtronic.distributed import DistributedContext
+    from speedtronic.notes import Notes
 
 __all__ = ["TrainerView"]
 
@@ -122,6 +123,12 @@ class TrainerView(Protocol):
     def run_config(self) -> Mapping[str, object] | None:
         """The run's validated config as plain data with secrets redacted (``None`` when
         the trainer was built without one), for sinks that log it."""
+
+    @property
+    def notes(self) -> Notes:
+        """The run's board of optional named notes (``speedtronic.notes``): publish what an
+        observer may want to know that no event carries (``trainer.notes.publish("name",
+        {...})``, from any thread); the 2.0 ``MetricLogger`` hands them to its hooks."""
 
     # -- state -----------------------------------------------------------------------------
 

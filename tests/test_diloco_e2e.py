@@ -155,9 +155,13 @@ def test_the_original_distributed_section_maps_onto_the_options() -> None:
     DiLoCoOptions.from_mapping(options)  # valid as callback options
     worker = DistributedConfig.from_dict({"enabled": True, "role": "worker", "repo_id": "team/run"})
     assert options_from_distributed_section(worker)["role"] == "worker"
-    with pytest.raises(ValueError, match="HF_TOKEN"):
+    with_token = DistributedConfig.from_dict(
+        {"enabled": True, "repo_id": "team/run", "token": "hf_x"}
+    )  # 2.0's distributed.token is the token option (issue 15 item 4)
+    assert options_from_distributed_section(with_token)["token"] == "hf_x"
+    with pytest.raises(ValueError, match="collaborators"):
         options_from_distributed_section(
-            DistributedConfig.from_dict({"enabled": True, "repo_id": "team/run", "token": "hf_x"})
+            {"enabled": True, "repo_id": "team/run", "collaborators": ["alice"]}
         )
     with pytest.raises(ValueError, match="enabled is false"):
         options_from_distributed_section(DistributedConfig())

@@ -174,3 +174,13 @@ def test_hub_client_is_a_real_class() -> None:
     import speedtronic
 
     assert isinstance(speedtronic.HubClient, type)
+
+
+def test_the_2_0_top_level_names_are_among_the_checked_names() -> None:
+    """Issue 15 item 1: the 25 names 2.0 exported are public again, so the runtime/static
+    comparison above covers them too."""
+    from test_compat_v2 import V2_TOP_LEVEL_NAMES
+
+    import speedtronic
+
+    assert set(V2_TOP_LEVEL_NAMES) <= set(speedtronic.__all__)

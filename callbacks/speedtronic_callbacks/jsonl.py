@@ -111,6 +111,12 @@ class JsonlCallback(MetricSink):
                 "default": DEFAULT_FILENAME,
                 "description": "The JSONL file, relative to the output directory.",
             },
+            "event_key": {
+                "type": ["boolean", "null"],
+                "default": None,
+                "description": 'Start each line with 2.0\'s "event": "train_step". Null: '
+                "only when the file is the 2.0 logging.json_file.",
+            },
         },
     }
 
@@ -151,16 +157,22 @@ class JsonlCallback(MetricSink):
         json_file = logging.get("json_file")
         return {} if json_file is None else {"path": json_file}
 
-    def __init__(self, path: str | Path = DEFAULT_FILENAME) -> None:
+    def __init__(self, path: str | Path = DEFAULT_FILENAME, *, event_key: bool = False) -> None:
         self.path = Path(path)
         self._file = self.path  # the resolved path, once set up
+        self.event_key = event_key
+        """Lines carry 2.0's ``"event": "train_step"`` first (the 2.0 ``logging.json_file``)."""
         self._handle: IO[str] | None = None
         self.dropped_on_resume = 0
 
     @classmethod
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
         path = options.get("path", DEFAULT_FILENAME)
-        return cls(resolve_path(str(path), context.output_dir))
+        event_key = options.get("event_key")
+        if event_key is None:  # the 2.0 logging.json_file: lines as 2.0 wrote them
+            json_file = context.config.logging.extensions.get("json_file")
+            event_key = json_file is not None and json_file == path
+        return cls(resolve_path(str(path), context.output_dir), event_key=event_key is True)
 
     def earlier_run_files(self) -> list[Path]:
         """A non-empty metrics file where this run will write (``LeavesRunFiles``); a path
@@ -201,6 +213,8 @@ class JsonlCallback(MetricSink):
         handle = self._handle
         if handle is None:
             raise RuntimeError("the jsonl sink received a record before setup")
+        if self.event_key:
+            record = {"event": "train_step", **record}
         try:
             handle.write(encode_record(record) + "\n")
             handle.flush()

@@ -38,6 +38,7 @@ from speedtronic.contexts import (
 from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 
 if TYPE_CHECKING:
+    from speedtronic.notes import Notes
     from speedtronic.view import TrainerView
 
 __all__ = [
@@ -147,7 +148,9 @@ class MetricLogger:
     ``step`` is a multiple of ``every_steps``; every other event is always emitted. Hook
     failures are logged as a warning once per hook and event, and never propagate.
     ``hooks`` may be given as ``None``; it is always a list after construction, so
-    ``logger.hooks.append(hook)`` works.
+    ``logger.hooks.append(hook)`` works. ``echo=False`` writes no text lines unless ``file``
+    is set (the logger ``build_runtime`` attaches as ``trainer.logger``: the sinks already
+    print); an event with no output and no hook is dropped at once.
     """
 
     level: str = "INFO"
@@ -156,6 +159,7 @@ class MetricLogger:
     every_steps: int = 1
     stream: TextIO | None = None
     hooks: list[Hook] = field(default_factory=list)
+    echo: bool = True
 
     def __post_init__(self) -> None:
         if self.every_steps < 1:
@@ -174,6 +178,8 @@ class MetricLogger:
 
     def _make_handler(self) -> logging.Handler:
         handler: logging.Handler
+        if self.file is None and not self.echo:
+            return logging.NullHandler()
         if self.file is not None:
             path = Path(self.file)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -206,6 +212,8 @@ class MetricLogger:
 
     def emit(self, event: str, payload: Mapping[str, object] | None = None) -> None:
         """Log ``event`` with ``payload`` (text, JSONL) and hand it to every hook."""
+        if not self.hooks and self.json_file is None and self.file is None and not self.echo:
+            return  # nobody would see it
         with self._lock:
             self._emit_locked(event, dict(payload or {}))
 
@@ -279,6 +287,13 @@ class MetricLoggerCallback(Callback):
     callback -- saved), ``optimizer_step_skipped`` (fp16 overflow), ``optimizer_reset``,
     ``train_end`` (fit end) and ``train_error`` (the fit failed). ``close_logger`` closes the
     logger at teardown (off by default: the caller owns it, as in the original).
+
+    The other 2.0 events come as notes (``speedtronic.notes``) and are emitted under their
+    names: ``compile`` and ``ooo_backprop`` from the engine, ``outer_step`` and
+    ``delta_upload_*`` from the DiLoCo plugin, and -- at the first fit -- ``shape_profile``
+    and one ``shape_warning`` per warning of the trainer's startup shape report. ``notes``
+    (the trainer's board) subscribes at once; without it the callback subscribes to the
+    trainer's board at ``setup``.
     """
 
     is_observer: ClassVar[bool] = True
@@ -286,11 +301,25 @@ class MetricLoggerCallback(Callback):
     rank_policy: ClassVar[RankPolicy] = "main"
     due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
 
-    def __init__(self, logger: MetricLogger, *, close_logger: bool = False) -> None:
+    def __init__(
+        self, logger: MetricLogger, *, close_logger: bool = False, notes: Notes | None = None
+    ) -> None:
         self.logger = logger
         self.close_logger = close_logger
         self._reported_saves: set[tuple[int, str]] = set()
         self._savers: tuple[ReportsCheckpoints, ...] = ()
+        self._subscribed: Notes | None = None
+        self._shapes_reported = False
+        if notes is not None:
+            self._listen(notes)
+
+    def _listen(self, notes: Notes) -> None:
+        if self._subscribed is not notes:
+            notes.subscribe(self.logger.emit)
+            self._subscribed = notes
+
+    def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
+        self._listen(trainer.notes)
 
     @property
     def display_name(self) -> str:
@@ -313,6 +342,22 @@ class MetricLoggerCallback(Callback):
                 "parameters": sum(p.numel() for p in trainer.model.parameters()),
             },
         )
+        if not self._shapes_reported:
+            self._shapes_reported = True
+            self._emit_shape_report(_shape_report_of(trainer))
+
+    def _emit_shape_report(self, report: object) -> None:
+        """2.0's ``shape_profile`` and ``shape_warning`` events, from the report the
+        runtime made at start-up."""
+        from dataclasses import asdict
+
+        from speedtronic.shapes import ShapeReport
+
+        if not isinstance(report, ShapeReport):
+            return
+        self.logger.emit("shape_profile", report.as_dict())
+        for warning in report.warnings:
+            self.logger.emit("shape_warning", asdict(warning))
 
     def on_after_optimizer_step(self, trainer: TrainerView, ctx: OptimizerStepContext) -> None:
         if ctx.skipped:
@@ -365,6 +410,13 @@ class MetricLoggerCallback(Callback):
         for step, path in sorted(self._saves() - self._reported_saves):
             self._reported_saves.add((step, path))
             self.logger.emit("checkpoint", {"step": step, "path": path})
+
+
+def _shape_report_of(trainer: TrainerView) -> object:
+    """The startup shape report the runtime gave the trainer (``None`` without one)."""
+    from speedtronic.trainer import Trainer
+
+    return trainer.shape_report if isinstance(trainer, Trainer) else None
 
 
 def _callbacks_of(trainer: TrainerView) -> Sequence[Callback]:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from speedtronic.checkpoint import CheckpointManager
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.distributed import DistributedContext
+    from speedtronic.notes import Notes
 
 __all__ = ["TrainerSettings", "coerce_config", "legacy_callbacks", "resolve_settings"]
 
@@ -115,13 +116,16 @@ def legacy_callbacks(
     coordinator: SyncCoordinator | None,
     logger: MetricLogger | None,
     checkpoint_manager: CheckpointManager | None,
+    notes: Notes | None = None,
 ) -> list[Callback]:
-    """The original constructor arguments, adapted to callbacks (same events, same order)."""
+    """The original constructor arguments, adapted to callbacks (same events, same order).
+    The logger listens to ``notes`` (the trainer's board) from now on, so it also gets the
+    notes published before the first fit's ``setup`` (``compile``)."""
     adapted: list[Callback] = []
     if coordinator is not None:
         adapted.append(CoordinatorCallback(coordinator))
     if logger is not None:
-        adapted.append(MetricLoggerCallback(logger))
+        adapted.append(MetricLoggerCallback(logger, notes=notes))
     if checkpoint_manager is not None:
         # The checkpoint feature is a plugin: found through the registry, never imported.
         factory = cast("Callable[..., Callback]", callback_registry.get("checkpoint"))

@@ -24,7 +24,7 @@ One concept per module:
 from __future__ import annotations
 
 from speedtronic.optimizers.adamw import AdamWOptions
-from speedtronic.optimizers.build import build_optimizer
+from speedtronic.optimizers.build import build_optimizer, build_v2_optimizer
 from speedtronic.optimizers.cautious import CautiousOptimizer
 from speedtronic.optimizers.hybrid import HybridOptimizer, MuonOptions
 from speedtronic.optimizers.muon import LrScale, Muon, ParamsInput
@@ -57,6 +57,7 @@ from speedtronic.optimizers.settings import (
     OptimizerSettings,
     RoutingRuleSettings,
     RoutingSettings,
+    RunSettings,
     SchedulerSettings,
 )
 
@@ -85,8 +86,10 @@ __all__ = [
     "RoutingRule",
     "RoutingRuleSettings",
     "RoutingSettings",
+    "RunSettings",
     "SchedulerSettings",
     "build_optimizer",
+    "build_v2_optimizer",
     "build_scheduler",
     "describe_routing",
     "format_routing_table",

@@ -14,10 +14,10 @@ from speedtronic.optimizers.hybrid import HybridOptimizer, MuonOptions
 from speedtronic.optimizers.muon import LR_SCALES, LrScale
 from speedtronic.optimizers.orthogonalize import PostPolarMode, check_coefficients
 from speedtronic.optimizers.routing import ParameterRouting, route_parameters
-from speedtronic.optimizers.settings import OptimizerSettings
+from speedtronic.optimizers.settings import OptimizerSettings, RunSettings
 from speedtronic.precision import supports_fused_adamw
 
-__all__ = ["build_optimizer"]
+__all__ = ["build_optimizer", "build_v2_optimizer"]
 
 
 def _muon_options(settings: OptimizerSettings) -> MuonOptions:
@@ -82,25 +82,56 @@ def _hybrid(
     return HybridOptimizer(routing.muon, routing.adamw, muon=_muon_options(settings), adamw=adamw)
 
 
+def _section(config: OptimizerSettings | RunSettings) -> OptimizerSettings:
+    """The ``optimizer`` section of a whole config (2.0's argument), or the section itself."""
+    section = getattr(config, "optimizer", None)
+    if section is not None and not isinstance(section, str):
+        return cast(OptimizerSettings, section)
+    return cast(OptimizerSettings, config)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for parameter in model.parameters():
+        return parameter.device
+    return torch.device("cpu")
+
+
 def build_optimizer(
-    model: nn.Module, settings: OptimizerSettings, device: torch.device
+    model: nn.Module,
+    settings: OptimizerSettings | RunSettings,
+    device: torch.device | str | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer the ``optimizer`` section describes, for ``model`` on ``device``.
+
+    ``settings`` is the section or, as in 2.0, the whole config. ``device`` (where the
+    model lives; it decides whether fused AdamW is used) defaults to the device of the
+    model's first parameter.
 
     ``adamw``: one ``torch.optim.AdamW`` over every trainable parameter (fused where the
     device supports it, unless ``fused`` says otherwise). ``muon``: a ``HybridOptimizer``
     over the routed parameters. ``cautious`` wraps either in ``CautiousOptimizer``.
     """
-    name = _checked_name(settings)
-    routing = route_parameters(model, settings.routing, optimizer=name)
+    section = _section(settings)
+    resolved = torch.device(device) if device is not None else _model_device(model)
+    name = _checked_name(section)
+    routing = route_parameters(model, section.routing, optimizer=name)
     if not routing.muon and not routing.adamw:
         raise ValueError("the model has no trainable parameters (all requires_grad=False)")
-    adamw = _adamw_options(settings, device)
+    adamw = _adamw_options(section, resolved)
     optimizer: torch.optim.Optimizer
     if name == "adamw":
         optimizer = make_adamw(routing.adamw, adamw)
     else:
-        optimizer = _hybrid(routing, settings, adamw)
-    if settings.cautious:
-        optimizer = CautiousOptimizer(optimizer, rescale=settings.cautious_rescale)
+        optimizer = _hybrid(routing, section, adamw)
+    if section.cautious:
+        optimizer = CautiousOptimizer(optimizer, rescale=section.cautious_rescale)
     return optimizer
+
+
+def build_v2_optimizer(
+    model: nn.Module,
+    config: OptimizerSettings | RunSettings,
+    device: torch.device | str | None = None,
+) -> torch.optim.Optimizer:
+    """2.0's name of ``build_optimizer`` (AdamW, the Muon hybrid, the cautious wrapper)."""
+    return build_optimizer(model, config, device)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from speedtronic.optimizers.settings import SchedulerSettings
+from speedtronic.optimizers.settings import RunSettings, SchedulerSettings
 
 __all__ = ["SCHEDULES", "build_scheduler", "lr_multiplier"]
 
@@ -42,16 +43,43 @@ def _checked_schedule(settings: SchedulerSettings, max_steps: int) -> str:
     return schedule
 
 
+def _scheduler_settings(
+    config: SchedulerSettings | RunSettings, max_steps: int | None
+) -> tuple[SchedulerSettings, int]:
+    """The section and the horizon from a whole config (2.0's argument: the horizon is
+    ``scheduler_steps``) or from the section (the horizon is ``max_steps``, else the
+    section's own ``max_steps``)."""
+    section = getattr(config, "scheduler", None)
+    if section is not None and not isinstance(section, str):
+        whole = cast(RunSettings, config)
+        return whole.scheduler, whole.scheduler_steps if max_steps is None else max_steps
+    settings = cast(SchedulerSettings, config)
+    if max_steps is None:
+        own = getattr(settings, "max_steps", None)
+        if not isinstance(own, int) or isinstance(own, bool):
+            raise ValueError(
+                "build_scheduler needs max_steps with a scheduler section whose max_steps is "
+                "not set (pass the whole config to use the run's target)"
+            )
+        max_steps = own
+    return settings, max_steps
+
+
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, settings: SchedulerSettings, max_steps: int
+    optimizer: torch.optim.Optimizer,
+    config: SchedulerSettings | RunSettings,
+    max_steps: int | None = None,
 ) -> LambdaLR:
     """A ``LambdaLR`` over every param group (both hybrid branches) for a run whose schedule
-    ends at ``max_steps`` (the caller resolves ``scheduler.max_steps`` vs ``run.max_steps``).
+    ends at ``max_steps``. ``config`` is the whole config, as in 2.0 (the horizon is then
+    ``scheduler.max_steps``, else the run's target), or the ``scheduler`` section (the
+    caller passes the horizon, else the section's ``max_steps`` is used).
 
     The schedule is a plain function of the config, so it is not stored in the scheduler's
     state dict: on resume the step counter comes from the checkpoint and the shape from the
     (possibly edited) config.
     """
+    settings, max_steps = _scheduler_settings(config, max_steps)
     schedule = _checked_schedule(settings, max_steps)
     warmup, floor = settings.warmup_steps, settings.min_lr_ratio
 

@@ -9,7 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-__all__ = ["OptimizerSettings", "RoutingRuleSettings", "RoutingSettings", "SchedulerSettings"]
+__all__ = [
+    "OptimizerSettings",
+    "RoutingRuleSettings",
+    "RoutingSettings",
+    "RunSettings",
+    "SchedulerSettings",
+]
 
 
 class RoutingRuleSettings(Protocol):
@@ -104,3 +110,17 @@ class SchedulerSettings(Protocol):
 
     @property
     def min_lr_ratio(self) -> float: ...
+
+
+class RunSettings(Protocol):
+    """A whole run configuration, as 2.0's ``build_optimizer(model, config)`` and
+    ``build_scheduler(optimizer, config)`` took it (``SpeedtronicConfig`` fits)."""
+
+    @property
+    def optimizer(self) -> OptimizerSettings: ...
+
+    @property
+    def scheduler(self) -> SchedulerSettings: ...
+
+    @property
+    def scheduler_steps(self) -> int: ...

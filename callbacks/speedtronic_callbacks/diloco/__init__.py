@@ -18,7 +18,9 @@ Modules, one concept each:
 * ``callback`` -- the ``Callback`` itself and the plugin's builder; ``collective`` -- the
   torch.distributed mode.
 
-``tensors`` and ``transport`` are the former module names, kept as re-exports.
+``tensors`` and ``transport`` are the former module names, kept as re-exports;
+``original_api`` holds 2.0's Python API (``HubClient``, ``DumbDiLoCoCoordinator``, ...) and
+``legacy_hub`` reads a hub written by 2.0.
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ from speedtronic_callbacks.diloco.options import (
     DistributedSection,
     options_from_distributed_section,
 )
+from speedtronic_callbacks.diloco.original_api import (
+    DumbDiLoCo,
+    DumbDiLoCoCoordinator,
+    GlobalMetadata,
+    HubClient,
+    HubError,
+    HubUnavailable,
+)
 from speedtronic_callbacks.diloco.transport_base import (
     PermanentTransportError,
     RetryingTransport,
@@ -50,9 +60,8 @@ from speedtronic_callbacks.diloco.transport_base import (
 )
 from speedtronic_callbacks.diloco.wire import Compression, Rejected, RejectionReason
 
-# Names of the original implementation's public API, for code that imported them. The
-# behaviour is this package's (see docs/distributed.md), not the original's.
-HubClient = HubTransport
+# Names of the original implementation's public API, for code that imported them (2.0's
+# ``speedtronic.distributed`` names are in ``original_api``; see docs/compatibility.md).
 MasterOuterLoop = MasterLoop
 compute_pseudo_gradient = pseudo_gradient
 
@@ -62,8 +71,13 @@ __all__ = [
     "DiLoCoNode",
     "DiLoCoOptions",
     "DirectoryTransport",
+    "DumbDiLoCo",
+    "DumbDiLoCoCoordinator",
+    "GlobalMetadata",
     "DistributedSection",
     "HubClient",
+    "HubError",
+    "HubUnavailable",
     "HubTransport",
     "MasterLoop",
     "MasterOuterLoop",

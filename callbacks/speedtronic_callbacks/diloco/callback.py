@@ -38,10 +38,11 @@ import logging
 import os
 import re
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from torch import nn
 from typing_extensions import Self
 
 from speedtronic.callback import (
@@ -131,6 +132,76 @@ def _collective_timeout_problems(
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def make_transport(options: DiLoCoOptions, inner: Transport | None = None) -> RetryingTransport:
+    """The hub of ``options`` (``hub_dir`` or ``repo_id``; ``inner`` when given) with the
+    options' retries and timeout."""
+    if inner is None:
+        if options.hub_dir is not None:
+            inner = DirectoryTransport(options.hub_dir)
+        else:
+            assert options.repo_id is not None  # checked by DiLoCoOptions
+            inner = HubTransport(
+                options.repo_id,
+                token_env=options.token_env,
+                private=options.private_repo,
+                token=options.token,
+            )
+    policy = RetryPolicy(
+        attempts=options.retry_attempts,
+        initial=options.retry_initial,
+        maximum=options.retry_max,
+        timeout=options.request_timeout,
+    )
+    return RetryingTransport(inner, policy)
+
+
+def make_node(
+    model: nn.Module,
+    options: DiLoCoOptions,
+    *,
+    node_id: str,
+    transport: RetryingTransport,
+    secret: bytes | None,
+    config_fingerprint: str = "",
+    audit_path: Path | None = None,
+    reporter: ErrorReporter | None = None,
+    publish: Callable[[str, Mapping[str, object]], None] | None = None,
+) -> DiLoCoNode:
+    """The ``DiLoCoNode`` (with its ``MasterLoop`` for ``role: master``) for ``model`` and
+    hub-mode ``options`` -- what the callback builds at ``setup``, and what 2.0's
+    ``DumbDiLoCoCoordinator`` builds for ``Trainer(coordinator=...)``."""
+    layout: ModelLayout = build_layout(model.state_dict(), config_fingerprint)
+    master = None
+    if options.role == "master":
+        master = MasterLoop(
+            transport,
+            layout,
+            MasterSettings(
+                node_id=node_id,
+                outer_lr=options.outer_lr,
+                outer_momentum=options.outer_momentum,
+                staleness_power=options.staleness_power,
+                max_staleness=options.max_staleness,
+                delete_applied=options.delete_applied_deltas,
+                keep_global_versions=options.keep_global_versions,
+                secret=secret,
+            ),
+            audit_path=audit_path,
+        )
+    settings = NodeSettings(
+        node_id=node_id,
+        role=options.role,
+        inner_steps=options.inner_steps,
+        poll_interval=options.poll_interval,
+        compression=Compression(options.compression),
+        shutdown_timeout=options.shutdown_timeout,
+        secret=secret,
+    )
+    return DiLoCoNode(
+        model, transport, layout, settings, master=master, reporter=reporter, publish=publish
+    )
 
 
 # -- the callback -----------------------------------------------------------------------
@@ -259,23 +330,7 @@ class DiLoCoCallback(Callback):
         return value.encode()
 
     def _build_transport(self) -> RetryingTransport:
-        options = self.options
-        inner = self._transport
-        if inner is None:
-            if options.hub_dir is not None:
-                inner = DirectoryTransport(options.hub_dir)
-            else:
-                assert options.repo_id is not None  # checked by DiLoCoOptions
-                inner = HubTransport(
-                    options.repo_id, token_env=options.token_env, private=options.private_repo
-                )
-        policy = RetryPolicy(
-            attempts=options.retry_attempts,
-            initial=options.retry_initial,
-            maximum=options.retry_max,
-            timeout=options.request_timeout,
-        )
-        return RetryingTransport(inner, policy)
+        return make_transport(self.options, self._transport)
 
     @staticmethod
     def _config_fingerprint(trainer: TrainerView) -> str:
@@ -290,43 +345,19 @@ class DiLoCoCallback(Callback):
         return json.dumps(values, sort_keys=True, default=str)
 
     def _build_node(self, trainer: TrainerView) -> DiLoCoNode:
-        options = self.options
-        secret = self._secret()
-        layout: ModelLayout = build_layout(
-            trainer.model.state_dict(), self._config_fingerprint(trainer)
-        )
-        transport = self._build_transport()
-        master = None
-        if options.role == "master":
-            audit = None
-            if options.audit_log:
-                audit = Path(trainer.output_dir) / "diloco" / f"rounds-{self.node_id}.jsonl"
-            master = MasterLoop(
-                transport,
-                layout,
-                MasterSettings(
-                    node_id=self.node_id,
-                    outer_lr=options.outer_lr,
-                    outer_momentum=options.outer_momentum,
-                    staleness_power=options.staleness_power,
-                    max_staleness=options.max_staleness,
-                    delete_applied=options.delete_applied_deltas,
-                    keep_global_versions=options.keep_global_versions,
-                    secret=secret,
-                ),
-                audit_path=audit,
-            )
-        settings = NodeSettings(
+        audit = None
+        if self.options.audit_log:
+            audit = Path(trainer.output_dir) / "diloco" / f"rounds-{self.node_id}.jsonl"
+        return make_node(
+            trainer.model,
+            self.options,
             node_id=self.node_id,
-            role=options.role,
-            inner_steps=options.inner_steps,
-            poll_interval=options.poll_interval,
-            compression=Compression(options.compression),
-            shutdown_timeout=options.shutdown_timeout,
-            secret=secret,
-        )
-        return DiLoCoNode(
-            trainer.model, transport, layout, settings, master=master, reporter=self.reporter
+            transport=self._build_transport(),
+            secret=self._secret(),
+            config_fingerprint=self._config_fingerprint(trainer),
+            audit_path=audit,
+            reporter=self.reporter,
+            publish=trainer.notes.publish,
         )
 
     # -- hooks --------------------------------------------------------------------------

@@ -150,8 +150,10 @@ class HubTransport(Transport):
     """A Hugging Face Hub model repository as a hub (commits are atomic).
 
     ``token_env`` names the environment variable holding the access token (default
-    ``HF_TOKEN``); when it is unset the SDK's own login is used. The token lives only in
-    the ``HfApi`` object: it is never stored on disk, logged or put in error messages.
+    ``HF_TOKEN``); when it is unset the SDK's own login is used. ``token`` (2.0's
+    ``distributed.token``) is used instead of the variable when given. The token lives only
+    in this object and the ``HfApi`` object: it is never stored on disk, logged or put in
+    error messages.
     """
 
     atomic_commit = True
@@ -163,6 +165,7 @@ class HubTransport(Transport):
         token_env: str = "HF_TOKEN",
         private: bool = True,
         api: HubApi | None = None,
+        token: str | None = None,
     ) -> None:
         if not repo_id or repo_id.count("/") > 1:
             raise ValueError(f"repo_id must look like 'owner/name', got {repo_id!r}")
@@ -170,6 +173,7 @@ class HubTransport(Transport):
         self.token_env = token_env
         self.private = private
         self._api = api
+        self._explicit_token = token
         self._lock = threading.Lock()
 
     @property
@@ -177,7 +181,7 @@ class HubTransport(Transport):
         return f"hf://{self.repo_id}"
 
     def _token(self) -> str | None:
-        return os.environ.get(self.token_env) or None
+        return self._explicit_token or os.environ.get(self.token_env) or None
 
     @property
     def api(self) -> HubApi:
@@ -199,7 +203,8 @@ class HubTransport(Transport):
         message = redact(f"{type(error).__name__}: {error}", [self._token()])
         status = hub_status_code(error)
         if status in {401, 403}:
-            message += f" (check the token in ${self.token_env} and its write access)"
+            where = "distributed.token" if self._explicit_token else f"${self.token_env}"
+            message += f" (check the token in {where} and its write access)"
         if "RepositoryNotFoundError" in _error_names(error):
             message += f" (repository {self.repo_id!r} is missing or not visible to the token)"
         if classify_hub_error(error) == "transient":

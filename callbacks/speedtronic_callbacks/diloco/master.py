@@ -40,6 +40,12 @@ from pathlib import Path
 
 import torch
 
+from speedtronic_callbacks.diloco.legacy_hub import (
+    V2Pointer,
+    decode_v2_global,
+    is_v2_delta,
+    read_v2_pointer,
+)
 from speedtronic_callbacks.diloco.math import (
     NesterovOuterOptimizer,
     StateDict,
@@ -308,7 +314,9 @@ class MasterLoop:
           momentum and ledger -- never publish an older step over a newer one;
         * our checkpoint is ahead of the hub (a restored or wiped hub): republish it;
         * the hub holds complete files of a newer outer step than its pointer (an old
-          pointer put back): adopt the newest valid version and republish it.
+          pointer put back): adopt the newest valid version and republish it;
+        * the hub was written by speedtronic 2.0: continue from its global model and outer
+          step (``_continue_v2``).
         """
         with self._round_lock:
             local = self.snapshot()
@@ -323,6 +331,8 @@ class MasterLoop:
                     state.outer_step,
                     self.transport.location,
                 )
+            elif (legacy := read_v2_pointer(raw)) is not None:
+                state = self._continue_v2(legacy, local)
             else:
                 pointer = decode_pointer(
                     raw, fingerprint=self.layout.fingerprint, secret=self.settings.secret
@@ -345,6 +355,37 @@ class MasterLoop:
                 self._state = state
                 self._reconciled = True
             return state
+
+    def _continue_v2(self, legacy: V2Pointer, local: OuterState | None) -> OuterState:
+        """Take over a hub that speedtronic 2.0 wrote: its global model and outer step
+        become this master's (a checkpoint of this master that is further ahead wins), and
+        are republished in this version's layout -- the new pointer replaces 2.0's.
+
+        2.0 kept the outer momentum on its master's disk, so momentum restarts at zero (as
+        2.0 itself did when a fresh master adopted a hub). 2.0 deltas still on the hub are
+        not applied (their names and headers carry no content hash or signature); they are
+        counted in the log and left for the operator to delete.
+        """
+        if local is not None and local.outer_step > legacy.outer_step:
+            state = local
+        else:
+            data = self.transport.get(legacy.model_file)
+            if data is None:
+                raise Rejected(RejectionReason.CORRUPT, f"2.0 hub: {legacy.model_file} is missing")
+            global_state = decode_v2_global(data, self.layout)
+            state = OuterState(global_state, {}, legacy.outer_step, Ledger())
+        leftover = sum(1 for entry in self.transport.list_files("nodes") if is_v2_delta(entry.path))
+        self._publish(state, applied=())
+        logger.warning(
+            "diloco master %s continued a speedtronic 2.0 hub at %s from outer step %d "
+            "(momentum restarts at zero; %d 2.0 delta file(s) under nodes/ are not applied "
+            "and may be deleted; restart 2.0 workers with this version)",
+            self.settings.node_id,
+            self.transport.location,
+            state.outer_step,
+            leftover,
+        )
+        return state
 
     def _adopt_newest(self, pointer: Pointer) -> OuterState:
         """Adopt ``pointer``'s version, unless the hub holds a newer complete version that

@@ -155,6 +155,10 @@ class NodeStats:
     deltas_duplicate: int = 0
 
 
+def _ignore(event: str, payload: Mapping[str, object]) -> None:
+    """The default event sink: nobody listens."""
+
+
 def _snapshot(model: nn.Module, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
     state = model.state_dict()
     return {key: state[key].detach().to("cpu", copy=True) for key in keys}
@@ -182,6 +186,7 @@ class DiLoCoNode:
         master: MasterLoop | None = None,
         reporter: ErrorReporter | None = None,
         clock: Callable[[], float] = time.monotonic,
+        publish: Callable[[str, Mapping[str, object]], None] | None = None,
     ) -> None:
         if settings.inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1, got {settings.inner_steps}")
@@ -194,6 +199,8 @@ class DiLoCoNode:
         self.master = master
         self.reporter = reporter or ErrorReporter()
         self._clock = clock
+        self._publish = publish or _ignore
+        """Where the 2.0 events go (``outer_step``, ``delta_upload_*``): the trainer's notes."""
         self.incarnation = uuid.uuid4().hex[:12]
         self.installed_step = -1
         self.baseline: dict[str, torch.Tensor] | None = None
@@ -319,6 +326,7 @@ class DiLoCoNode:
             return False  # no global yet, or start-up reconciliation still open
         if self.upload_lane.busy:
             self.stats.boundaries_skipped += 1
+            self._publish("delta_upload_skipped", {"step": step, "reason": "upload_in_flight"})
             return False  # the next boundary sends a cumulative delta
         job = self.unconfirmed
         if job is None:
@@ -342,6 +350,12 @@ class DiLoCoNode:
         submitted = self.upload_lane.try_submit(lambda: self._upload(job))
         if not submitted:
             self.stats.boundaries_skipped += 1
+            self._publish("delta_upload_skipped", {"step": step, "reason": "queue_full"})
+        else:
+            self._publish(
+                "delta_upload_queued",
+                {"step": job.local_step, "base_outer_step": job.base_outer_step},
+            )
         return submitted
 
     def _install_candidate(self, step: int) -> int | None:
@@ -538,8 +552,12 @@ class DiLoCoNode:
                     self._add_pending(result.residual, result.job.base_outer_step)
                 self.stats.uploads += 1
                 self.stats.sync_latency_s = result.latency_s
+                self._publish("delta_uploaded", {"step": result.job.local_step})
             else:
                 self.stats.upload_failures += 1  # the same job is re-sent at the next boundary
+                self._publish(
+                    "delta_upload_failed", {"step": result.job.local_step, "error": result.error}
+                )
         for poll in self._polls.drain():
             if not poll.ok:
                 continue
@@ -570,6 +588,14 @@ class DiLoCoNode:
         stats.deltas_included += report.included
         stats.deltas_rejected += len(report.rejected)
         stats.deltas_duplicate += report.duplicates
+        self._publish(
+            "outer_step",
+            {
+                "outer_step": report.outer_step,
+                "deltas_found": report.found,
+                "deltas_included": report.included,
+            },
+        )
 
     def _finish_startup(self, resent: bool) -> None:
         """Decide what to do with checkpointed, unsent work once the hub answered."""

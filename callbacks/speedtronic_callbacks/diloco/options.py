@@ -181,6 +181,13 @@ HUB_OPTIONS_SCHEMA: JSONSchema = {
             "default": True,
             "description": "Master appends every round to <output_dir>/diloco/rounds.jsonl.",
         },
+        "token": {
+            "type": ["string", "null"],
+            "minLength": 1,
+            "default": None,
+            "description": "Hub token (2.0's distributed.token; redacted in saved configs). "
+            "Prefer token_env: a token in a config file is easy to leak.",
+        },
     },
 }
 
@@ -446,6 +453,7 @@ class DiLoCoOptions:
     node_index: int | None = None
     num_nodes: int | None = None
     audit_log: bool = True
+    token: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         values = {
@@ -580,12 +588,12 @@ def options_from_distributed_section(
     * ``role: single`` becomes ``master`` (what the original inferred for an enabled
       section with a hub); ``reset_inner_optimizer`` becomes ``reset_optimizer`` and
       ``delta_upload_shutdown_timeout`` becomes ``shutdown_timeout``.
-    * ``cache_dir``/``state_dir`` are dropped: downloads stay in memory and the state lives
-      in the trainer checkpoint. The async flags and queue settings are dropped: I/O is
-      always on bounded background lanes (the original's only supported queue size, 1).
-    * ``collaborators`` are dropped with a warning: grant access on the Hub itself.
-    * A ``token`` in the section is refused: tokens come only from the environment
-      (``HF_TOKEN``), so they never end up in config files, checkpoints or logs.
+    * ``token`` becomes the ``token`` option (used instead of ``$HF_TOKEN``; redacted
+      wherever the config is saved).
+    * ``cache_dir``, ``state_dir``, ``collaborators`` and the async/queue keys are checked
+      at validation (``distributed_section_problems``): their defaults (and ``async_*:
+      true``) are what this plugin does anyway; other values are refused there with what
+      to use instead, so nothing is silently ignored.
     """
     values = {
         **_section_defaults(),
@@ -596,17 +604,9 @@ def options_from_distributed_section(
         raise ValueError("distributed.enabled is false: there is nothing to map")
     if get("mode") != "dumb_diloco":
         raise ValueError(f"distributed.mode must be 'dumb_diloco', got {get('mode')!r}")
-    if get("token"):
-        raise ValueError(
-            "distributed.token is not supported: put the Hub token in the HF_TOKEN "
-            "environment variable instead of the config file"
-        )
-    collaborators = get("collaborators")
-    if collaborators:
-        logger.warning(
-            "distributed.collaborators %s ignored: grant write access on the Hub instead",
-            list(cast("list[object]", collaborators)),
-        )
+    problems = list(_unsupported_keys(values))
+    if problems:
+        raise ValueError("; ".join(problems))
     options: dict[str, object] = {
         "role": "worker" if get("role") == "worker" else "master",
         "inner_steps": get("inner_steps"),
@@ -619,10 +619,49 @@ def options_from_distributed_section(
         "reset_optimizer": get("reset_inner_optimizer"),
         "shutdown_timeout": get("delta_upload_shutdown_timeout"),
     }
-    for key in ("node_id", "hub_dir", "repo_id"):
+    for key in ("node_id", "hub_dir", "repo_id", "token"):
         if get(key) is not None:
             options[key] = get(key)
     return options
+
+
+_SYNC_INSTEAD = (
+    "for synchronous DiLoCo use callbacks: [{name: diloco, mode: collective}] under torchrun"
+)
+UNSUPPORTED_2_0_KEYS: dict[str, tuple[object, str]] = {
+    "collaborators": (
+        [],
+        "the master does not grant access: add the nodes' accounts as members of the "
+        "repository's organization (or give them a write token) on the Hub itself",
+    ),
+    "cache_dir": (
+        ".speedtronic/hub",
+        "there is no download cache: global models and deltas are read into memory; remove the key",
+    ),
+    "state_dir": (
+        ".speedtronic/diloco",
+        "the node's state (baseline, unsent work, the master's outer state) is saved in the "
+        "trainer checkpoint; set checkpoint.directory instead",
+    ),
+    "async_delta_upload": (
+        True,
+        "uploads always run on a bounded background lane and never block training; remove "
+        "the key (" + _SYNC_INSTEAD + ")",
+    ),
+    "async_global_poll": (
+        True,
+        "polls always run on a background lane; remove the key (" + _SYNC_INSTEAD + ")",
+    ),
+}
+"""2.0 ``distributed:`` keys with no counterpart: ``(the value that means what this plugin
+does anyway, what to use instead)``. Any other value is refused when the section is enabled."""
+
+
+def _unsupported_keys(section: Mapping[str, object]) -> Iterator[str]:
+    for key, (accepted, instead) in UNSUPPORTED_2_0_KEYS.items():
+        value = section.get(key, accepted)
+        if value != accepted:
+            yield f"distributed.{key}: {value!r} is not supported: {instead}"
 
 
 def _section_defaults() -> dict[str, object]:
@@ -659,6 +698,7 @@ def distributed_section_problems(section: Mapping[str, object]) -> Iterator[str]
         )
     elif repo_id is not None and hub_dir is not None:
         yield "distributed.hub_dir: set distributed.repo_id or distributed.hub_dir, not both"
+    yield from _unsupported_keys(section)
 
 
 def _node_problems(section: Mapping[str, object]) -> Iterator[str]:
