@@ -161,8 +161,16 @@ def runs_on_rank(policy: RankPolicy, rank: int, local_rank: int) -> bool:
     raise ValueError(f"unknown rank_policy {policy!r} (expected 'all', 'main' or 'local_main')")
 
 
+def _listens(callback: Callback, event: Event) -> bool:
+    """Overrides ``event``'s hook and has not switched it off with a ``never()`` filter."""
+    if not overrides(callback, event):
+        return False
+    when = callback.due_when.get(event)
+    return when is None or not when.is_never
+
+
 def _ordered_for(event: Event, callbacks: Sequence[Callback]) -> list[Callback]:
-    listening = [cb for cb in callbacks if overrides(cb, event)]
+    listening = [cb for cb in callbacks if _listens(cb, event)]
     if event is Event.METRICS:
         # Contributors first, then sinks, each group in the given order.
         contributors = [cb for cb in listening if cb.metrics_phase == "contribute"]

@@ -29,6 +29,7 @@ __all__ = [
     "every",
     "final_step",
     "logging_steps",
+    "never",
     "once",
 ]
 
@@ -73,6 +74,11 @@ class StepFilter:
             return False
         return step % metrics_every == 0 or (eval_every > 0 and step % eval_every == 0)
 
+    @property
+    def is_never(self) -> bool:
+        """Due on no step at all (``never()``): the plan does not bind the hook."""
+        return self.every is None and not self.at and not self.final and not self.logging
+
     def next_due(
         self, step: int, target_step: int, metrics_every: int, eval_every: int = 0
     ) -> int | None:
@@ -115,6 +121,12 @@ def once(step: int) -> StepFilter:
 def final_step() -> StepFilter:
     """Due on the fit's final step (the target step) only."""
     return StepFilter(final=True)
+
+
+def never() -> StepFilter:
+    """Due on no step: switches a hook off for one instance (e.g. a feature whose option is
+    unset), so the event costs nothing for it -- the plan does not even bind the hook."""
+    return StepFilter()
 
 
 def logging_steps() -> StepFilter:

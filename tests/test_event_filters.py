@@ -12,7 +12,7 @@ from torch import nn
 from speedtronic import Callback, Event, Trainer
 from speedtronic.contexts import FitContext, StepContext
 from speedtronic.dispatch import FilterError, describe_classes
-from speedtronic.filters import StepFilter, every, final_step, logging_steps, once
+from speedtronic.filters import StepFilter, every, final_step, logging_steps, never, once
 from speedtronic.metrics import MetricRecord
 from speedtronic.testing import EventRecorder
 from speedtronic.view import TrainerView
@@ -194,3 +194,14 @@ def test_the_validate_plan_shows_each_hooks_filter() -> None:
     rows = dict(describe_classes([("every3", Every3)]))
     assert rows[Event.STEP_END] == ["every3 [every 3]"]
     assert rows[Event.STEP_START] == ["every3"]  # unfiltered hook: no bracket
+
+
+def test_a_hook_filtered_to_never_is_not_bound() -> None:
+    # never() switches a hook off for one instance: the event has no listener at all, so the
+    # loop builds no context (or metric record) for it.
+    off = EventRecorder({Event.STEP_END: never()})
+    plan = fit(off, steps=3).plan
+    assert off.steps_of(Event.STEP_END) == []
+    assert off.steps_of(Event.STEP_START) == [1, 2, 3]
+    assert not plan.listens(Event.STEP_END)
+    assert never().describe() == "never"

@@ -82,7 +82,8 @@ from speedtronic.contexts import (
     OptimizerStepContext,
     TeardownContext,
 )
-from speedtronic.filters import METRICS_ON_LOGGING_STEPS
+from speedtronic.events import Event
+from speedtronic.filters import METRICS_ON_LOGGING_STEPS, never
 from speedtronic.rng import capture_rng_state
 from speedtronic_callbacks.monitor import Mode, check_monitor, improves, read_monitored
 
@@ -307,6 +308,8 @@ class CheckpointCallback(Callback):
         self._best_pending: int | None = None  # a step whose value is a new best, to save
         if monitor is not None:
             self.state_key = "checkpoint"  # the best value survives resume
+        else:  # nothing to watch: no metrics hook, so no rank builds a record for it
+            self.due_when = {Event.METRICS: never()}
 
     @classmethod
     def options_from_legacy(
