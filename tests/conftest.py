@@ -11,9 +11,9 @@ torch's stubs ~40 s, so
   closed pipe (test_cli_preflight), a second process holding a run lock (test_run_lock),
   fresh-interpreter import order (test_static_types), torchrun/DDP ranks and DiLoCo nodes.
   Independent processes of one test start together, so they share the two cores.
-- mypy runs share a cache per configuration (the repository's ``.mypy_cache`` for runs with
-  its pyproject settings, one session directory for runs outside the repository), so torch's
-  stubs are analysed once per configuration; each test still reads its own file's errors.
+- the files the tests type with mypy are checked in ONE ``mypy --strict`` run outside the
+  repository (``mypy_outside``), started in the background once collection is done, so it
+  runs on the other core; each test reads only its own file's lines.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from mypy_outside import MypyRun, wanted
 
 torch.set_num_threads(1)
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -36,3 +37,26 @@ def _one_thread() -> Iterator[None]:
     yield
     if torch.get_num_threads() != 1:
         torch.set_num_threads(1)
+
+
+_MYPY_RUNS: list[MypyRun] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the shared mypy run as soon as the tests that read it are known."""
+    names = [list(getattr(item, "fixturenames", ())) for item in session.items]
+    if wanted(names):
+        _MYPY_RUNS.append(MypyRun())
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for run in _MYPY_RUNS:
+        run.close()
+
+
+@pytest.fixture(scope="session")
+def mypy_outside() -> MypyRun:
+    """``mypy --strict`` over every registered file, in a project outside the repository."""
+    if not _MYPY_RUNS:  # requested in a way collection did not see
+        _MYPY_RUNS.append(MypyRun())
+    return _MYPY_RUNS[0]

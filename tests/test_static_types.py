@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from mypy_outside import MypyRun, register
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("speedtronic", "speedtronic_callbacks")
@@ -91,7 +91,7 @@ class StaticView:
 
 @pytest.fixture(scope="module")
 def describing() -> Iterator[dict[str, subprocess.Popen[str]]]:
-    """Both runtime descriptions, started at once (they run beside mypy, on the other core)."""
+    """Both runtime descriptions, started at once (one on each core)."""
     processes = {order: start_runtime_description(order) for order in ORDERS}
     yield processes
     for process in processes.values():
@@ -100,36 +100,34 @@ def describing() -> Iterator[dict[str, subprocess.Popen[str]]]:
             process.communicate()
 
 
+class Probe:
+    """``probe.py``: for each public name a ``reveal_type`` line and a class probe line."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        lines = [f"import {package}" for package in PACKAGES]
+        self.reveal_line: dict[int, str] = {}
+        self.class_probe_line: dict[int, str] = {}
+        for index, name in enumerate(names):
+            lines.append(f"reveal_type({name})")
+            self.reveal_line[len(lines)] = name
+            # Only a class object has ``__mro__`` (mypy reports an error for anything else).
+            lines.append(f"_probe_{index} = {name}.__mro__")
+            self.class_probe_line[len(lines)] = name
+        self.source = "\n".join(lines) + "\n"
+
+
+PROBE = Probe(public_names())
+register("probe.py", lambda: PROBE.source)  # typed in the suite's shared mypy run
+
+
 @pytest.fixture(scope="module")
-def static_view(
-    tmp_path_factory: pytest.TempPathFactory, describing: dict[str, subprocess.Popen[str]]
-) -> StaticView:
-    del describing  # requested so that the runtime descriptions start before mypy
-    names = public_names()
-    probe_dir = tmp_path_factory.mktemp("static-types")
-    lines = [f"import {package}" for package in PACKAGES]
-    reveal_line: dict[int, str] = {}
-    class_probe_line: dict[int, str] = {}
-    for index, name in enumerate(names):
-        lines.append(f"reveal_type({name})")
-        reveal_line[len(lines)] = name
-        # Only a class object has ``__mro__`` (mypy reports an error for anything else).
-        lines.append(f"_probe_{index} = {name}.__mro__")
-        class_probe_line[len(lines)] = name
-    (probe_dir / "probe.py").write_text("\n".join(lines) + "\n")
-    cache = tmp_path_factory.getbasetemp() / "mypy-cache"
-    done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(cache), "probe.py"],
-        cwd=probe_dir,
-        env=dict(os.environ, MYPYPATH=""),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+def static_view(mypy_outside: MypyRun) -> StaticView:
+    names, reveal_line, class_probe_line = PROBE.names, PROBE.reveal_line, PROBE.class_probe_line
     revealed: dict[str, str] = {}
     not_classes: set[str] = set()
     unexpected: list[str] = []
-    for line in done.stdout.splitlines():
+    for line in mypy_outside.lines("probe.py"):
         match = re.match(r"probe\.py:(\d+): (note|error): (.*)", line)
         if match is None:
             continue
@@ -140,8 +138,8 @@ def static_view(
             not_classes.add(class_probe_line[number])
         else:
             unexpected.append(line)
-    assert not unexpected, done.stdout
-    assert set(revealed) == set(names), done.stdout
+    assert not unexpected, mypy_outside.stdout
+    assert set(revealed) == set(names), mypy_outside.stdout
     return StaticView(revealed, set(names) - not_classes)
 
 
