@@ -1,17 +1,14 @@
-"""The ``speedtronic`` command end to end, in subprocesses, with its exit codes."""
+"""The ``speedtronic`` command end to end with its exit codes, run in this process
+(``cli_runner``; ``test_cli_namespaces.py`` covers the real launchers)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
-
-ROOT = Path(__file__).resolve().parent.parent
+from cli_runner import run_cli as speedtronic
 
 TINY = {
     "run": {"name": "cli", "device": "cpu", "max_steps": 4, "seed": 3},
@@ -34,23 +31,6 @@ TINY = {
     "checkpoint": {"every_steps": 2},
     "distributed": {"token": "hf_supersecret"},
 }
-
-
-def speedtronic(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    # The checkout's own code, both packages (not whatever an editable install points at).
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "callbacks")]),
-        OMP_NUM_THREADS="1",
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "speedtronic", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
 
 
 @pytest.fixture()

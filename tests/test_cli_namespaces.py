@@ -1,8 +1,9 @@
 """A user's project never clashes with speedtronic's own modules (issue 10, item 7).
 
-Through the real CLI, run from a temporary project directory: the built-in callbacks load
-when the project has its own ``callbacks.py`` / ``callbacks/`` (named in ``imports:`` or
-not), and nothing in the working directory runs unless ``imports:`` names it.
+Through the real launchers (a fresh interpreter is the point: what it finds on ``sys.path``
+at start-up), run from a temporary project directory: the built-in callbacks load when the
+project has its own ``callbacks.py`` / ``callbacks/`` (named in ``imports:`` or not), and
+nothing in the working directory runs unless ``imports:`` names it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_runner import run_cli as run_in_process
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSOLE_SCRIPT = Path(sys.executable).with_name("speedtronic")
@@ -57,17 +59,26 @@ def launcher(kind: str) -> list[str]:
     return [sys.executable, "-m", "speedtronic"]
 
 
-def run_cli(kind: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def start_cli(kind: str, *args: str, cwd: Path) -> subprocess.Popen[str]:
     path = os.pathsep.join([str(ROOT), str(ROOT / "callbacks")])
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
-    return subprocess.run(
+    return subprocess.Popen(
         [*launcher(kind), *args],
         cwd=cwd,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
     )
+
+
+def finish(process: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    stdout, stderr = process.communicate(timeout=300)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def run_cli(kind: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return finish(start_cli(kind, *args, cwd=cwd))
 
 
 def write_config(project: Path, **changes: object) -> Path:
@@ -81,19 +92,6 @@ def assert_default_sinks_ran(done: subprocess.CompletedProcess[str], project: Pa
     assert "completed steps=2" in done.stdout
     assert "step 2/2" in done.stdout  # the console callback
     assert (project / "out" / "metrics.jsonl").is_file()  # the jsonl callback
-
-
-@pytest.mark.parametrize("kind", ["console script", "python -m"])
-def test_builtins_load_beside_a_project_callbacks_module_and_package(
-    tmp_path: Path, kind: str
-) -> None:
-    (tmp_path / "callbacks.py").write_text(marker_module("callbacks_module"))
-    (tmp_path / "callbacks").mkdir()
-    (tmp_path / "callbacks" / "__init__.py").write_text(marker_module("callbacks_package"))
-    write_config(tmp_path)
-    done = run_cli(kind, "fit", "--config", "run.yaml", cwd=tmp_path)
-    assert_default_sinks_ran(done, tmp_path)
-    assert sorted(path.name for path in tmp_path.glob("*.ran")) == []
 
 
 def test_a_project_module_named_callbacks_in_imports_works_with_the_builtins(
@@ -113,6 +111,7 @@ def test_a_project_module_named_callbacks_in_imports_works_with_the_builtins(
 
 
 def test_imports_are_found_beside_the_config_from_another_directory(tmp_path: Path) -> None:
+    # Where ``imports:`` look is decided inside the command (no fresh interpreter needed).
     project = tmp_path / "project"
     project.mkdir()
     (project / "my_plugins.py").write_text(
@@ -122,7 +121,7 @@ def test_imports_are_found_beside_the_config_from_another_directory(tmp_path: Pa
         "    pass\n"
     )
     config = write_config(project, imports=["my_plugins"], callbacks=[{"name": "beside"}])
-    done = run_cli("python -m", "validate", "--config", str(config), cwd=tmp_path)
+    done = run_in_process("validate", "--config", str(config), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "beside" in done.stdout
 
@@ -139,14 +138,22 @@ def test_imports_are_found_beside_the_config_from_another_directory(tmp_path: Pa
 def test_nothing_in_the_working_directory_runs_unless_imported(
     tmp_path: Path, kind: str, shadows: tuple[str, ...]
 ) -> None:
+    """Neither modules named like dependencies nor a project ``callbacks.py`` /
+    ``callbacks/`` run, and the built-in callbacks still load beside the latter."""
     for name in shadows:
         (tmp_path / f"{name}.py").write_text(marker_module(name))
+    (tmp_path / "callbacks.py").write_text(marker_module("callbacks_module"))
+    (tmp_path / "callbacks").mkdir()
+    (tmp_path / "callbacks" / "__init__.py").write_text(marker_module("callbacks_package"))
     write_config(tmp_path)
-    validated = run_cli(kind, "validate", "--config", "run.yaml", cwd=tmp_path)
+    # Two independent processes (validate writes nothing): started together, on two cores.
+    validating = start_cli(kind, "validate", "--config", "run.yaml", cwd=tmp_path)
+    fitting = start_cli(kind, "fit", "--config", "run.yaml", cwd=tmp_path)
+    validated, fitted = finish(validating), finish(fitting)
     assert validated.returncode == 0, validated.stdout + validated.stderr
-    fitted = run_cli(kind, "fit", "--config", "run.yaml", cwd=tmp_path)
     assert_default_sinks_ran(fitted, tmp_path)
     assert sorted(path.name for path in tmp_path.glob("*.ran")) == []
+    assert sorted(path.name for path in (tmp_path / "callbacks").glob("*.ran")) == []
 
 
 def test_search_dirs_are_on_sys_path_only_while_a_named_module_imports(

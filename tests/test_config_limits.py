@@ -3,18 +3,14 @@ file, fast -- alias bombs, absurd nesting, cycles, non-UTF-8 bytes, unbuildable 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from cli_runner import run_cli as cli
 
 from speedtronic.config import ConfigError, load_config
 from speedtronic.config.loading import MAX_NESTING, parse_override, parse_yaml
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def alias_bomb(levels: int = 6, fan_out: int = 9) -> str:
@@ -88,18 +84,6 @@ def test_deep_json_file_is_a_config_error(tmp_path: Path) -> None:
 
 def test_unbuildable_value_is_a_config_error() -> None:
     refuses_quickly(lambda: parse_yaml("when: 2001-13-45\n"), "month must be in 1..12")
-
-
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "callbacks")]))
-    return subprocess.run(
-        [sys.executable, "-m", "speedtronic", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 @pytest.mark.parametrize("kind", ["bomb", "deep", "latin-1"])

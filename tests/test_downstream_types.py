@@ -1,16 +1,14 @@
 """A downstream user's module runs; mypy --strict, run outside the repository on the
-installed package, types it (and rejects a wrong hook signature)."""
+installed package (the suite's one shared run, ``mypy_outside``), types it (and rejects a
+wrong hook signature)."""
 
 from __future__ import annotations
 
-import os
 import runpy
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from mypy_outside import MypyRun, register
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "downstream"
@@ -23,17 +21,14 @@ def test_downstream_module_trains() -> None:
     assert losses[-1] < losses[0]
 
 
-def test_mypy_rejects_a_wrong_override_signature() -> None:
+register("bad_user.py", (EXAMPLES / "bad_user.py").read_text)
+
+
+def test_mypy_rejects_a_wrong_override_signature(mypy_outside: MypyRun) -> None:
     # The good module is checked in CI's type step; here we prove the check can fail.
-    done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", str(EXAMPLES / "bad_user.py")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 1, done.stdout
-    assert 'Argument 2 of "on_step_end" is incompatible with supertype' in done.stdout
+    assert mypy_outside.returncode == 1, mypy_outside.stdout
+    errors = [line for line in mypy_outside.lines("bad_user.py") if ": error:" in line]
+    assert any('Argument 2 of "on_step_end" is incompatible with supertype' in e for e in errors)
 
 
 def test_reference_example_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -63,30 +58,22 @@ reveal_type(as_callback)
 """
 
 
+register("good_user.py", (EXAMPLES / "good_user.py").read_text)
+register("uses_builtin.py", lambda: USES_A_BUILTIN)
+
+
 def test_mypy_strict_from_another_directory_resolves_the_installed_package(
-    tmp_path_factory: pytest.TempPathFactory,
+    mypy_outside: MypyRun,
 ) -> None:
     """After the README's install, mypy run from outside the repository finds
     ``speedtronic`` and ``speedtronic_callbacks`` through the environment's path entries
     (the editable install is a ``.pth`` path entry), so nothing becomes ``Any``."""
-    project = tmp_path_factory.mktemp("downstream-project")
-    assert ROOT not in project.parents
-    shutil.copy(EXAMPLES / "good_user.py", project / "good_user.py")
-    (project / "uses_builtin.py").write_text(USES_A_BUILTIN)
-    cache = tmp_path_factory.getbasetemp() / "mypy-cache"
-    env = {key: value for key, value in os.environ.items() if key != "MYPYPATH"}
-    done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(cache), "."],
-        cwd=project,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    notes = [line for line in done.stdout.splitlines() if ": note: Revealed type" in line]
-    errors = [line for line in done.stdout.splitlines() if ": error:" in line]
-    assert errors == [], done.stdout
-    assert len(notes) == 2, done.stdout
+    assert ROOT not in mypy_outside.project.parents
+    lines = mypy_outside.lines("good_user.py") + mypy_outside.lines("uses_builtin.py")
+    notes = [line for line in lines if ": note: Revealed type" in line]
+    errors = [line for line in lines if ": error:" in line]
+    assert errors == [], mypy_outside.stdout
+    assert len(notes) == 2, mypy_outside.stdout
     assert "-> uses_builtin.QuietConsole" in notes[0]
     assert "speedtronic_callbacks.checkpoint.CheckpointCallback" in notes[1]
     assert "speedtronic.callback.Callback" in notes[1]

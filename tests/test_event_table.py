@@ -5,12 +5,10 @@ the hooks are typed to match, the engine's emits are type-checked against it, an
 from __future__ import annotations
 
 import inspect
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from mypy_outside import MypyRun, register
 from torch import nn
 
 from speedtronic import Callback, Event, Trainer
@@ -18,8 +16,6 @@ from speedtronic.contexts import StepContext
 from speedtronic.dispatch import CallbackPlan, UnknownHookError, describe_classes
 from speedtronic.events import CONTEXT_TYPES, EVENT_KEYS, On
 from speedtronic.view import TrainerView
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_event_has_exactly_one_row() -> None:
@@ -85,28 +81,22 @@ def test_an_inherited_typo_is_found_and_helpers_without_on_are_fine() -> None:
     tiny_trainer(Fine()).fit()
 
 
-def test_mypy_rejects_a_wrong_context_for_an_event(tmp_path: Path) -> None:
-    wrong = tmp_path / "wrong_emit.py"
-    wrong.write_text(
-        "from speedtronic.contexts import FitContext, StepContext\n"
-        "from speedtronic.dispatch import CallbackPlan\n"
-        "from speedtronic.events import On\n"
-        "from speedtronic.view import TrainerView\n\n"
-        "def emit_all(plan: CallbackPlan, trainer: TrainerView) -> None:\n"
-        "    plan.emit(trainer, On.STEP_END, StepContext(1, 1))\n"
-        "    plan.emit(trainer, On.STEP_END, FitContext(0, 1))\n",
-        encoding="utf-8",
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", str(wrong)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 1, done.stdout
-    errors = [line for line in done.stdout.splitlines() if ": error:" in line]
-    assert len(errors) == 1, done.stdout
+WRONG_EMIT = (
+    "from speedtronic.contexts import FitContext, StepContext\n"
+    "from speedtronic.dispatch import CallbackPlan\n"
+    "from speedtronic.events import On\n"
+    "from speedtronic.view import TrainerView\n\n"
+    "def emit_all(plan: CallbackPlan, trainer: TrainerView) -> None:\n"
+    "    plan.emit(trainer, On.STEP_END, StepContext(1, 1))\n"
+    "    plan.emit(trainer, On.STEP_END, FitContext(0, 1))\n"
+)
+register("wrong_emit.py", lambda: WRONG_EMIT)
+
+
+def test_mypy_rejects_a_wrong_context_for_an_event(mypy_outside: MypyRun) -> None:
+    assert mypy_outside.returncode == 1, mypy_outside.stdout
+    errors = [line for line in mypy_outside.lines("wrong_emit.py") if ": error:" in line]
+    assert len(errors) == 1, mypy_outside.stdout
     # mypy words it "Cannot infer value of type parameter CtxT" or names FitContext.
     assert "wrong_emit.py:8:" in errors[0], errors
     assert "CtxT" in errors[0] or '"FitContext"' in errors[0], errors

@@ -8,14 +8,13 @@ import json
 import os
 import pickle
 import struct
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from cli_runner import run_cli as speedtronic_cli
 
 from speedtronic.callback import Callback
 from speedtronic.checkpoint import (
@@ -397,19 +396,6 @@ CLI_CONFIG = {
     "logging": {"every_steps": 5, "console": False},
     "checkpoint": {"every_steps": 5, "keep_last": 2},
 }
-
-
-def speedtronic_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "callbacks")]))
-    return subprocess.run(
-        [sys.executable, "-m", "speedtronic", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 def test_cli_resumes_past_a_truncated_newest_checkpoint_and_refuses_a_planted_pickle(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_runner import run_cli as speedtronic
 
 from speedtronic.run_lock import LOCK_NAME, RunDirectoryError, RunDirectoryLock
 
@@ -61,18 +62,6 @@ def test_lock_of_another_host_is_refused(tmp_path: Path) -> None:
         RunDirectoryLock(tmp_path).acquire()
 
 
-def speedtronic(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "callbacks")]))
-    return subprocess.run(
-        [sys.executable, "-m", "speedtronic", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-
-
 @pytest.fixture()
 def config_file(tmp_path: Path) -> Path:
     path = tmp_path / "run.yaml"
@@ -83,6 +72,8 @@ def config_file(tmp_path: Path) -> Path:
 def test_a_second_run_in_a_busy_directory_exits_2_at_once(
     config_file: Path, tmp_path: Path
 ) -> None:
+    # The holder is a real process (its own PID, killed below to leave a stale lock); the
+    # commands that meet its lock run in this process.
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "callbacks")]))
     first = subprocess.Popen(

@@ -9,14 +9,17 @@ static declaration of the same name (``reveal_type``), and the two must agree.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
-import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from mypy_outside import MypyRun, register
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("speedtronic", "speedtronic_callbacks")
@@ -53,22 +56,28 @@ print(json.dumps({{
 
 
 def public_names() -> list[str]:
-    code = "import json\n" + "".join(f"import {p}\n" for p in PACKAGES)
-    code += f"print(json.dumps([p + '.' + n for p in {PACKAGES!r} for n in __import__(p).__all__]))"
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
-    )
-    names: list[str] = json.loads(done.stdout)
-    return names
+    # ``__all__`` is a literal list: reading it here equals reading it in a fresh interpreter.
+    return [p + "." + n for p in PACKAGES for n in importlib.import_module(p).__all__]
 
 
-def runtime_kinds(order: str) -> dict[str, list[str]]:
+def start_runtime_description(order: str) -> subprocess.Popen[str]:
+    """A fresh interpreter describing every public name (the process is the point: nothing
+    this test process imported may leak into "fresh import")."""
     code = DESCRIBE_RUNTIME.format(packages=PACKAGES)
-    done = subprocess.run(
-        [sys.executable, "-c", code, order], capture_output=True, text=True, cwd=ROOT
+    return subprocess.Popen(
+        [sys.executable, "-c", code, order],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
-    assert done.returncode == 0, done.stderr
-    kinds: dict[str, list[str]] = json.loads(done.stdout)
+
+
+@functools.cache
+def runtime_kinds(process: subprocess.Popen[str]) -> dict[str, list[str]]:
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr
+    kinds: dict[str, list[str]] = json.loads(stdout)
     return kinds
 
 
@@ -81,32 +90,44 @@ class StaticView:
 
 
 @pytest.fixture(scope="module")
-def static_view(tmp_path_factory: pytest.TempPathFactory) -> StaticView:
-    names = public_names()
-    probe_dir = tmp_path_factory.mktemp("static-types")
-    lines = [f"import {package}" for package in PACKAGES]
-    reveal_line: dict[int, str] = {}
-    class_probe_line: dict[int, str] = {}
-    for index, name in enumerate(names):
-        lines.append(f"reveal_type({name})")
-        reveal_line[len(lines)] = name
-        # Only a class object has ``__mro__`` (mypy reports an error for anything else).
-        lines.append(f"_probe_{index} = {name}.__mro__")
-        class_probe_line[len(lines)] = name
-    (probe_dir / "probe.py").write_text("\n".join(lines) + "\n")
-    cache = tmp_path_factory.getbasetemp() / "mypy-cache"
-    done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(cache), "probe.py"],
-        cwd=probe_dir,
-        env=dict(os.environ, MYPYPATH=""),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+def describing() -> Iterator[dict[str, subprocess.Popen[str]]]:
+    """Both runtime descriptions, started at once (one on each core)."""
+    processes = {order: start_runtime_description(order) for order in ORDERS}
+    yield processes
+    for process in processes.values():
+        if process.poll() is None:  # a test failed before reading it
+            process.kill()
+            process.communicate()
+
+
+class Probe:
+    """``probe.py``: for each public name a ``reveal_type`` line and a class probe line."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        lines = [f"import {package}" for package in PACKAGES]
+        self.reveal_line: dict[int, str] = {}
+        self.class_probe_line: dict[int, str] = {}
+        for index, name in enumerate(names):
+            lines.append(f"reveal_type({name})")
+            self.reveal_line[len(lines)] = name
+            # Only a class object has ``__mro__`` (mypy reports an error for anything else).
+            lines.append(f"_probe_{index} = {name}.__mro__")
+            self.class_probe_line[len(lines)] = name
+        self.source = "\n".join(lines) + "\n"
+
+
+PROBE = Probe(public_names())
+register("probe.py", lambda: PROBE.source)  # typed in the suite's shared mypy run
+
+
+@pytest.fixture(scope="module")
+def static_view(mypy_outside: MypyRun) -> StaticView:
+    names, reveal_line, class_probe_line = PROBE.names, PROBE.reveal_line, PROBE.class_probe_line
     revealed: dict[str, str] = {}
     not_classes: set[str] = set()
     unexpected: list[str] = []
-    for line in done.stdout.splitlines():
+    for line in mypy_outside.lines("probe.py"):
         match = re.match(r"probe\.py:(\d+): (note|error): (.*)", line)
         if match is None:
             continue
@@ -117,8 +138,8 @@ def static_view(tmp_path_factory: pytest.TempPathFactory) -> StaticView:
             not_classes.add(class_probe_line[number])
         else:
             unexpected.append(line)
-    assert not unexpected, done.stdout
-    assert set(revealed) == set(names), done.stdout
+    assert not unexpected, mypy_outside.stdout
+    assert set(revealed) == set(names), mypy_outside.stdout
     return StaticView(revealed, set(names) - not_classes)
 
 
@@ -144,9 +165,9 @@ def static_mismatch(name: str, runtime: list[str], view: StaticView) -> str | No
 
 @pytest.mark.parametrize("order", ORDERS)
 def test_public_names_have_their_declared_type_at_run_time(
-    order: str, static_view: StaticView
+    order: str, describing: dict[str, subprocess.Popen[str]], static_view: StaticView
 ) -> None:
-    runtime = runtime_kinds(order)
+    runtime = runtime_kinds(describing[order])
     assert set(runtime) == set(static_view.revealed)
     mismatches = [
         problem
