@@ -1,6 +1,7 @@
-"""Evaluation under hub DiLoCo: workers (and the master) report their local model as
-``eval/loss``; the master also evaluates every new global model it installs, under the
-``diloco/eval_global/*`` keys, in one process on a directory hub."""
+"""Evaluation under DiLoCo: every node reports its local model as ``eval/loss``; the hub
+master also evaluates every new global model it installs (in one process on a directory
+hub), and the collective mode labels evaluations that follow an outer round, under the
+``diloco/eval_global/*`` keys."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from speedtronic.data import LearnableLanguageDataset
 from speedtronic.evaluation import evaluate_model
 from speedtronic.model import ReferenceTransformer
 from speedtronic_callbacks.diloco import DiLoCoCallback
-from speedtronic_callbacks.diloco.callback import (
+from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
+from speedtronic_callbacks.diloco.eval_keys import (
     GLOBAL_EVAL_LOSS,
     GLOBAL_EVAL_OUTER_STEP,
     GLOBAL_EVAL_PPL,
@@ -185,3 +187,28 @@ def test_no_global_evaluation_without_held_out_data(tmp_path: Path) -> None:
     assert callback.node is not None and callback.node.stats.installs >= 1
     assert not any(key.startswith("diloco/eval_global/") for r in result.metrics for key in r)
     assert not any("eval/loss" in r for r in result.metrics)
+
+
+def test_collective_mode_labels_evaluations_right_after_an_outer_round(tmp_path: Path) -> None:
+    # One process: one replica, so the outer round with lr 0.7 still moves the weights.
+    callback = CollectiveDiLoCo(inner_steps=2)
+    model = tiny_model()
+    trainer = Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=3e-3),
+        train_loader(0),
+        callbacks=[callback],
+        output_dir=tmp_path / "c",
+        metrics_every=1,
+        eval_data=held_out(),
+        eval_every=3,
+    )
+    result = trainer.fit(6)
+    evaluated = {int(r["step"]): r for r in result.metrics if "eval/loss" in r}
+    assert sorted(evaluated) == [3, 6]
+    assert GLOBAL_EVAL_LOSS not in evaluated[3]  # mid-round: the local replica only
+    after_round = evaluated[6]  # outer round 3 ran at this step's coordinate, before eval
+    assert after_round[GLOBAL_EVAL_LOSS] == after_round["eval/loss"]
+    assert after_round[GLOBAL_EVAL_PPL] == pytest.approx(math.exp(float(after_round["eval/loss"])))
+    assert after_round[GLOBAL_EVAL_OUTER_STEP] == 3
+    assert sum(GLOBAL_EVAL_LOSS in r for r in result.metrics) == 1

@@ -70,6 +70,11 @@ from speedtronic.evaluation import EVAL_LOSS, EVAL_PPL
 from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
 from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
+from speedtronic_callbacks.diloco.eval_keys import (
+    GLOBAL_EVAL_LOSS,
+    GLOBAL_EVAL_OUTER_STEP,
+    GLOBAL_EVAL_PPL,
+)
 from speedtronic_callbacks.diloco.hub_transport import HubTransport
 from speedtronic_callbacks.diloco.lanes import ErrorReporter
 from speedtronic_callbacks.diloco.master import NODE_ID_PATTERN, MasterLoop, MasterSettings
@@ -106,12 +111,6 @@ __all__ = [
 
 logger = logging.getLogger("speedtronic.diloco")
 
-GLOBAL_EVAL_LOSS = "diloco/eval_global/loss"
-"""The master's held-out loss of the newest global model it installed."""
-GLOBAL_EVAL_PPL = "diloco/eval_global/ppl"
-"""``exp(diloco/eval_global/loss)``."""
-GLOBAL_EVAL_OUTER_STEP = "diloco/eval_global/outer_step"
-"""The outer step of the global model that ``diloco/eval_global/loss`` evaluated."""
 _GLOBAL_EVAL_STATE = "eval_global"
 
 
