@@ -130,6 +130,13 @@ class TrainerView(Protocol):
         observer may want to know that no event carries (``trainer.notes.publish("name",
         {...})``, from any thread); the 2.0 ``MetricLogger`` hands them to its hooks."""
 
+    def evaluate(self) -> Mapping[str, float]:
+        """Evaluate the model as it is now on the run's held-out set (``eval/loss``,
+        ``eval/ppl``), for a plugin that swaps in other weights and wants their held-out
+        loss (DiLoCo's global model). Changes no training state (RNG, data position, model
+        mode) and emits no events. Only call it when ``eval_every > 0`` (a held-out set
+        exists); it raises ``EvaluationError`` otherwise."""
+
     # -- state -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, object]:

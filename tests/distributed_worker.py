@@ -93,6 +93,11 @@ def eval_losses(result: TrainResult) -> dict[str, float]:
     return {str(r["step"]): float(r["eval/loss"]) for r in result.metrics if "eval/loss" in r}
 
 
+def global_eval_losses(result: TrainResult) -> dict[str, float]:
+    key = "diloco/eval_global/loss"
+    return {str(r["step"]): float(r[key]) for r in result.metrics if key in r}
+
+
 def ddp(out: Path, rank: int, params: Mapping[str, object]) -> dict[str, object]:
     """8 steps in one go, then 4 + resume to 8; metrics files written once; evaluation on
     (each rank evaluates its share of the held-out set, the sums are all-reduced)."""
@@ -172,7 +177,8 @@ def diloco_equivalence(out: Path, rank: int, params: Mapping[str, object]) -> di
 
 def diloco_resume(out: Path, rank: int, params: Mapping[str, object]) -> dict[str, object]:
     """H=4 on 2 ranks: ``steps`` steps in one go versus ``steps - 4`` + resume; then a
-    resume from the middle of a round (checkpoint at step 6)."""
+    resume from the middle of a round (checkpoint at step 6). Evaluation every 4 steps
+    (right after each outer round): the global model's held-out loss, reduced over ranks."""
     steps = int(str(params["steps"]))
 
     def run(
@@ -183,6 +189,7 @@ def diloco_resume(out: Path, rank: int, params: Mapping[str, object]) -> dict[st
             run={"max_steps": max_steps},
             optimizer={"lr": 1e-2},
             checkpoint={"every_steps": every},
+            eval={"every_steps": 4},
         )
         callback = CollectiveDiLoCo(inner_steps=4, outer_lr=0.7, outer_momentum=0.5)
         return fit(config, resume=resume, extra_callbacks=[callback])
@@ -202,6 +209,9 @@ def diloco_resume(out: Path, rank: int, params: Mapping[str, object]) -> dict[st
         "full": losses(full),
         "resumed": losses(resumed),
         "outer_steps": diloco.outer_steps,
+        "local_eval": eval_losses(full),
+        "global_eval": global_eval_losses(full),
+        "resumed_global_eval": global_eval_losses(resumed),
         "warnings": [str(w.message) for w in caught if "diloco" in str(w.message)],
     }
 

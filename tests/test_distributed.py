@@ -386,6 +386,20 @@ def test_synchronous_diloco_h4_trains_and_resumes_exactly(tmp_path: Path) -> Non
     mid_round = reports[0]["warnings"]
     assert isinstance(mid_round, list) and len(mid_round) == 1
     assert "not the end of an outer round" in mid_round[0]
+    # Evaluations right after an outer round measure the global model: each rank its share,
+    # reduced over the ranks into diloco/eval_global/loss -- the same on both ranks, a
+    # weighted mean of the two shares' losses, and resumed bit for bit.
+    global_eval = reports[0]["global_eval"]
+    assert isinstance(global_eval, dict)
+    assert sorted(global_eval, key=int) == [str(s) for s in range(4, steps + 1, 4)]
+    assert reports[1]["global_eval"] == global_eval
+    local = [reports[r]["local_eval"] for r in (0, 1)]
+    for step, value in global_eval.items():
+        shares = [float(losses[step]) for losses in local]  # type: ignore[index]  # JSON
+        assert min(shares) - 1e-9 <= value <= max(shares) + 1e-9
+    assert reports[0]["resumed_global_eval"] == {
+        str(s): global_eval[str(s)] for s in range(steps - 3, steps + 1) if s % 4 == 0
+    }
 
 
 # -- failures ---------------------------------------------------------------------------------

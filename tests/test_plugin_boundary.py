@@ -147,6 +147,13 @@ def test_the_trainer_satisfies_the_view_structurally() -> None:
     assert set(missing) <= instance_attributes, missing
 
 
+def test_the_view_offers_evaluation_of_the_current_weights() -> None:
+    # DiLoCo's master evaluates each global model it installs through this one member; the
+    # engine's evaluation internals (data, precision plan) stay behind it.
+    assert "evaluate" in view_members()
+    assert "eval_data" not in view_members() and "run_evaluation" not in view_members()
+
+
 def test_view_members_are_documented() -> None:
     page = (ROOT / "docs" / "callbacks.md").read_text(encoding="utf-8")
     undocumented = sorted(

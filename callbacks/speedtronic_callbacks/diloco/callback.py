@@ -19,6 +19,13 @@ asks for an ``optimizer_reset`` only when a newer global was installed and
 its full state -- baseline, unsent work, counters and, for the master, the global model,
 outer momentum and ledger -- in the trainer checkpoint under ``state_key = "diloco"``.
 
+Evaluation: when the run evaluates (``eval_every`` set), every node's ``eval/loss`` and
+``eval/ppl`` are its *local* model's, as in any run. The master additionally evaluates each
+new global model right after installing it (at that moment its weights are exactly the
+global model) through ``trainer.evaluate()``, which leaves the RNG and the data position
+alone, and puts the result into the next metric record as ``diloco/eval_global/loss``,
+``diloco/eval_global/ppl`` and ``diloco/eval_global/outer_step`` (the outer step evaluated).
+
 The original ``distributed:`` config section still works: the plugin declares it
 (``legacy_sections``) and, when it is enabled, ``options_from_legacy`` rewrites it into
 options (``options.options_from_distributed_section``); explicit options win. The plugin's
@@ -59,9 +66,15 @@ from speedtronic.contexts import (
     TeardownContext,
 )
 from speedtronic.distributed import SameOnEveryRankError
+from speedtronic.evaluation import EVAL_LOSS, EVAL_PPL
 from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
 from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
+from speedtronic_callbacks.diloco.eval_keys import (
+    GLOBAL_EVAL_LOSS,
+    GLOBAL_EVAL_OUTER_STEP,
+    GLOBAL_EVAL_PPL,
+)
 from speedtronic_callbacks.diloco.hub_transport import HubTransport
 from speedtronic_callbacks.diloco.lanes import ErrorReporter
 from speedtronic_callbacks.diloco.master import NODE_ID_PATTERN, MasterLoop, MasterSettings
@@ -86,6 +99,9 @@ if TYPE_CHECKING:
     from speedtronic.view import TrainerView
 
 __all__ = [
+    "GLOBAL_EVAL_LOSS",
+    "GLOBAL_EVAL_OUTER_STEP",
+    "GLOBAL_EVAL_PPL",
     "DiLoCoCallback",
     "DiLoCoOptions",
     "DistributedSection",
@@ -94,6 +110,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger("speedtronic.diloco")
+
+_GLOBAL_EVAL_STATE = "eval_global"
 
 
 def default_node_id() -> str:
@@ -235,6 +253,8 @@ class DiLoCoCallback(Callback):
         self._model_id: int | None = None
         self._staged: Mapping[str, object] | None = None
         self.reporter = ErrorReporter()
+        self.global_eval: dict[str, int | float] | None = None
+        """The master's evaluation of its newest global model, until a record takes it."""
 
     # -- plugin configuration -------------------------------------------------------------
     implied_order: ClassVar[int] = 20
@@ -394,14 +414,31 @@ class DiLoCoCallback(Callback):
         if self.node is None:
             return
         outcome = self.node.on_step(ctx.step)
-        if outcome.installed is not None and self.options.reset_optimizer:
+        if outcome.installed is None:
+            return
+        if self.node.master is not None and trainer.eval_every > 0:
+            self._evaluate_global(trainer, outcome.installed)
+        if self.options.reset_optimizer:
             trainer.request_optimizer_reset("diloco")
+
+    def _evaluate_global(self, trainer: TrainerView, outer_step: int) -> None:
+        """Evaluate the global model of ``outer_step``, just installed into the model."""
+        metrics = trainer.evaluate()
+        self.global_eval = {
+            GLOBAL_EVAL_LOSS: metrics[EVAL_LOSS],
+            GLOBAL_EVAL_PPL: metrics[EVAL_PPL],
+            GLOBAL_EVAL_OUTER_STEP: outer_step,
+        }
 
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         if self.node is None:
             return
         for key, value in self.node.metrics().items():
             ctx.record.set(key, value)
+        pending, self.global_eval = self.global_eval, None
+        if pending is not None:
+            for key, value in pending.items():
+                ctx.record.set(key, value)
 
     def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         if self.node is not None:
@@ -410,12 +447,35 @@ class DiLoCoCallback(Callback):
     # -- state --------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, object]:
-        if self.node is not None:
-            return self.node.state_dict()
-        return dict(self._staged or {})
+        state = self.node.state_dict() if self.node is not None else dict(self._staged or {})
+        if self.global_eval is not None:  # evaluated, not yet in a record: resume keeps it
+            state[_GLOBAL_EVAL_STATE] = dict(self.global_eval)
+        return state
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
+        pending = state.get(_GLOBAL_EVAL_STATE)
+        self.global_eval = _global_eval_from_state(pending)
+        state = {key: value for key, value in state.items() if key != _GLOBAL_EVAL_STATE}
         if self.node is not None and not self.node.started:
             self.node.load_state_dict(state)
         else:
             self._staged = state
+
+
+def _global_eval_from_state(value: object) -> dict[str, int | float] | None:
+    """A checkpointed, not yet logged global-model evaluation (``None`` when absent)."""
+    if value is None:
+        return None
+    keys = (GLOBAL_EVAL_LOSS, GLOBAL_EVAL_PPL, GLOBAL_EVAL_OUTER_STEP)
+    if not isinstance(value, Mapping) or set(value) != set(keys):
+        raise ValueError(
+            f"diloco state: {_GLOBAL_EVAL_STATE!r} must map exactly {list(keys)} to numbers, "
+            f"got {value!r}"
+        )
+    result: dict[str, int | float] = {}
+    for key in keys:
+        number = value[key]
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise ValueError(f"diloco state: {_GLOBAL_EVAL_STATE}[{key!r}] is not a number")
+        result[key] = number
+    return result

@@ -24,6 +24,10 @@ Communication per optimizer step is therefore ``1/H`` of DDP's gradient all-redu
 in bf16). Everything else -- metrics, the stop agreement, checkpoints -- is the trainer's
 normal distributed machinery.
 
+Evaluation: an evaluation step that ends an outer round evaluates the global model (every
+replica has just loaded it); ``on_eval_end`` all-reduces the ranks' token-weighted shares into
+``diloco/eval_global/loss``, ``/ppl`` and ``/outer_step`` (``eval/loss`` stays each rank's own).
+
 Checkpoints: the full state (baseline, outer momentum, counters) is saved under
 ``state_key = "diloco"``. Rank 0 writes the checkpoint, so a checkpoint taken right after a
 round (a step that is a multiple of H) holds the state of every rank and resumes exactly.
@@ -47,9 +51,11 @@ import torch.distributed as dist
 from typing_extensions import Self
 
 from speedtronic.callback import Callback, JSONSchema, RankPolicy
-from speedtronic.contexts import CoordinateContext, FitContext, MetricsContext
+from speedtronic.contexts import CoordinateContext, EvalEndContext, FitContext, MetricsContext
 from speedtronic.distributed import DistributedContext, ReplicaGroups, replica_groups
+from speedtronic.evaluation import EVAL_LOSS
 from speedtronic.filters import METRICS_ON_LOGGING_STEPS
+from speedtronic_callbacks.diloco.eval_keys import global_eval_metrics
 from speedtronic_callbacks.diloco.math import (
     NesterovOuterOptimizer,
     check_same_layout,
@@ -112,6 +118,8 @@ class CollectiveDiLoCo(Callback):
         self._context: DistributedContext | None = None
         self._groups: ReplicaGroups | None = None
         self._staged: Mapping[str, object] | None = None
+        self.global_eval: dict[str, int | float] | None = None
+        """This step's evaluation of the global model, until the metric record takes it."""
 
     @classmethod
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
@@ -222,7 +230,29 @@ class CollectiveDiLoCo(Callback):
 
     # -- metrics --------------------------------------------------------------------------
 
+    def on_eval_end(self, trainer: TrainerView, ctx: EvalEndContext) -> None:
+        """An evaluation right after an outer round measured the global model (every
+        replica has just loaded it): reduce the ranks' shares over the whole world into
+        ``diloco/eval_global/*``. Every rank evaluates on the same steps, so the one
+        all-reduce of two numbers is matched everywhere."""
+        if ctx.step % self.options.inner_steps or EVAL_LOSS not in ctx.metrics:
+            return
+        loss = ctx.metrics[EVAL_LOSS]
+        context = self._context
+        if context is not None and context.world_size > 1:
+            sums = torch.tensor([loss * ctx.weight, ctx.weight], dtype=torch.float64).to(
+                context.collective_device
+            )
+            dist.all_reduce(sums)
+            loss_sum, weight_sum = (float(value) for value in sums.tolist())
+            loss = loss_sum / weight_sum
+        self.global_eval = global_eval_metrics(loss, self.outer_steps)
+
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
+        pending, self.global_eval = self.global_eval, None
+        if pending is not None:
+            for key, value in pending.items():
+                ctx.record.set(key, value)
         ctx.record.set("diloco/outer_steps", self.outer_steps)
         ctx.record.set("diloco/bytes_reduced", self.bytes_reduced)
         if self.last_pseudo_grad_norm is not None:
