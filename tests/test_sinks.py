@@ -222,8 +222,10 @@ def test_jsonl_drops_a_torn_last_line_and_writes_strict_json(tmp_path: Path) -> 
 
 def test_fresh_fit_starts_a_new_jsonl_file(tmp_path: Path) -> None:
     make_trainer(tmp_path, [JsonlCallback()], max_steps=4).fit()
-    make_trainer(tmp_path, [JsonlCallback()], max_steps=2).fit()
+    with pytest.warns(UserWarning, match="kept them as metrics.1.jsonl"):
+        make_trainer(tmp_path, [JsonlCallback()], max_steps=2).fit()
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.1.jsonl")] == [1, 2, 3, 4]
 
 
 # -- CSV --------------------------------------------------------------------------------
@@ -575,3 +577,37 @@ def test_background_worker_keeps_order_drains_and_reports_failures() -> None:
     assert handled == [0, 1, 2, *range(4, 20)]
     with pytest.raises(RuntimeError, match="closed"):
         worker.submit(99)
+
+
+@pytest.mark.parametrize("sink", ["jsonl", "csv"])
+def test_a_fresh_trainer_keeps_an_earlier_runs_metrics_file(tmp_path: Path, sink: str) -> None:
+    # The CLI refuses a used run directory; a Trainer built in Python must not truncate
+    # another run's records either: they are kept under a new name, with a warning.
+    from speedtronic_callbacks.csv_sink import CsvCallback
+    from speedtronic_callbacks.jsonl import JsonlCallback
+
+    name = "metrics.jsonl" if sink == "jsonl" else "metrics.csv"
+
+    def fresh_run() -> None:
+        model = torch.nn.Linear(2, 1)
+        callback = JsonlCallback(name) if sink == "jsonl" else CsvCallback(name)
+        Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            [torch.ones(4, 2)],
+            callbacks=[callback],
+            max_steps=3,
+            metrics_every=1,
+            output_dir=tmp_path,
+        ).fit()
+
+    fresh_run()
+    first = (tmp_path / name).read_text()
+    with pytest.warns(UserWarning, match=r"earlier run's records; kept them as metrics\.1\."):
+        fresh_run()
+    kept = tmp_path / name.replace("metrics.", "metrics.1.")
+    assert kept.read_text() == first  # the first run's records, untouched
+    assert (tmp_path / name).read_text().count("\n") == first.count("\n")  # a full new file
+    with pytest.warns(UserWarning, match=r"kept them as metrics\.2\."):
+        fresh_run()
+    assert kept.read_text() == first

@@ -20,7 +20,7 @@ from typing_extensions import Self
 from speedtronic.atomic_io import atomic_write_text
 from speedtronic.callback import JSONSchema
 from speedtronic.contexts import FitContext, TeardownContext
-from speedtronic_callbacks.sink import MetricSink, Record, resolve_path
+from speedtronic_callbacks.sink import MetricSink, Record, keep_earlier_run, resolve_path
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
@@ -93,6 +93,7 @@ class CsvCallback(MetricSink):
         self.write_failure = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            keep_earlier_run(path, ctx.start_step)
             if path.is_file() and path.stat().st_size > 0:
                 columns, rows = load_rows(path)
                 kept = [row for row in rows if (_row_step(row) or 0) <= ctx.start_step]

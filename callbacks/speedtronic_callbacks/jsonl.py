@@ -28,7 +28,7 @@ from typing_extensions import Self
 from speedtronic.atomic_io import atomic_write_text
 from speedtronic.callback import JSONSchema, LegacySections, PluginOptions, legacy_section
 from speedtronic.contexts import FitContext, TeardownContext
-from speedtronic_callbacks.sink import MetricSink, Record, resolve_path
+from speedtronic_callbacks.sink import MetricSink, Record, keep_earlier_run, resolve_path
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
@@ -195,6 +195,7 @@ class JsonlCallback(MetricSink):
         self.dropped_on_resume = 0
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            keep_earlier_run(path, ctx.start_step)
             if path.is_file():
                 self.dropped_on_resume = truncate_after(path, ctx.start_step)
             self._handle = path.open("a", encoding="utf-8")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import abc
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -84,6 +85,27 @@ def resolve_path(path: str | os.PathLike[str], output_dir: Path) -> Path:
     """``path`` itself when absolute, else ``output_dir / path`` (``~`` is expanded)."""
     candidate = Path(path).expanduser()
     return candidate if candidate.is_absolute() else output_dir / candidate
+
+
+def keep_earlier_run(path: Path, start_step: int) -> Path | None:
+    """Before a fit that starts from step 0 appends to ``path``: an earlier run's non-empty
+    file there is renamed to the first free ``<stem>.<n><suffix>`` and a warning names both,
+    so a fresh run never truncates what another run wrote. (The CLI refuses such a run
+    directory before this point; this covers a ``Trainer`` built in Python.) Returns the new
+    name, or ``None`` when there was nothing to keep."""
+    if start_step != 0 or not path.is_file() or path.stat().st_size == 0:
+        return None
+    number = 1
+    while (kept := path.with_name(f"{path.stem}.{number}{path.suffix}")).exists():
+        number += 1
+    path.rename(kept)
+    warnings.warn(
+        f"{path} held an earlier run's records; kept them as {kept.name} and started a new "
+        "file (resume the earlier run to continue it instead)",
+        UserWarning,
+        stacklevel=3,
+    )
+    return kept
 
 
 NumberFormat = tuple[str, Callable[[float], str]]
