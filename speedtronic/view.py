@@ -133,9 +133,9 @@ class TrainerView(Protocol):
     def evaluate(self) -> Mapping[str, float]:
         """Evaluate the model as it is now on the run's held-out set (``eval/loss``,
         ``eval/ppl``), for a plugin that swaps in other weights and wants their held-out
-        loss (e.g. a synchronised global model). Changes no training state (RNG, data position, model
-        mode) and emits no events. Only call it when ``eval_every > 0`` (a held-out set
-        exists); it raises ``EvaluationError`` otherwise."""
+        loss (e.g. a synchronised global model). Changes no training state (RNG, data
+        position, model mode) and emits no events. Only call it when ``eval_every > 0``
+        (a held-out set exists); it raises ``EvaluationError`` otherwise."""
 
     # -- state -----------------------------------------------------------------------------
 
