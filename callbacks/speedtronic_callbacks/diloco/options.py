@@ -44,6 +44,17 @@ __all__ = [
 logger = logging.getLogger("speedtronic.diloco")
 
 _positive = {"type": "number", "exclusiveMinimum": 0}
+# The outer Nesterov optimizer's options: the same in hub and collective mode.
+_OUTER_OPTIMIZER: dict[str, object] = {
+    "outer_lr": {**_positive, "default": 0.7, "description": "Outer Nesterov learning rate."},
+    "outer_momentum": {
+        "type": "number",
+        "minimum": 0,
+        "exclusiveMaximum": 1,
+        "default": 0.9,
+        "description": "Outer Nesterov momentum.",
+    },
+}
 
 HUB_OPTIONS_SCHEMA: JSONSchema = {
     "type": "object",
@@ -68,14 +79,7 @@ HUB_OPTIONS_SCHEMA: JSONSchema = {
             "default": 500,
             "description": "Local optimizer steps between uploads (H).",
         },
-        "outer_lr": {**_positive, "default": 0.7, "description": "Outer Nesterov learning rate."},
-        "outer_momentum": {
-            "type": "number",
-            "minimum": 0,
-            "exclusiveMaximum": 1,
-            "default": 0.9,
-            "description": "Outer Nesterov momentum.",
-        },
+        **_OUTER_OPTIMIZER,
         "hub_dir": {
             "type": "string",
             "minLength": 1,
@@ -206,14 +210,7 @@ COLLECTIVE_OPTIONS_SCHEMA: JSONSchema = {
             "default": 500,
             "description": "Inner optimizer steps between two outer rounds (H).",
         },
-        "outer_lr": {**_positive, "default": 0.7, "description": "Outer Nesterov learning rate."},
-        "outer_momentum": {
-            "type": "number",
-            "minimum": 0,
-            "exclusiveMaximum": 1,
-            "default": 0.9,
-            "description": "Outer Nesterov momentum.",
-        },
+        **_OUTER_OPTIMIZER,
         "compression": {
             "enum": ["none", "bf16", "fp16"],
             "default": "none",
