@@ -120,4 +120,4 @@ def resolve_loss(output: object, batch: object) -> torch.Tensor:
             f"cannot get a loss from a model output of type {type(output).__name__}; return a "
             "tensor, a mapping with 'loss' or 'logits', or a tuple whose first item is the loss"
         )
-    return loss if loss.dim() == 0 else loss.mean()
+    return loss if loss.ndim == 0 else loss.mean()

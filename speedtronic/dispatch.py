@@ -17,7 +17,7 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from speedtronic.callback import Callback, RankPolicy
 from speedtronic.events import EVENT_KEYS, FIT_EVENTS, Event, EventKey, EventSpec
@@ -30,6 +30,24 @@ BoundHook = Callable[["TrainerView", object], None]
 """A callback's hook method bound to its instance, as the dispatch plan calls it
 (not ``speedtronic.hooks``, the 2.0 metric-logger hooks)."""
 CtxT = TypeVar("CtxT")
+
+
+EventHooks = tuple[Callable[["TrainerView", CtxT], None], ...]
+"""The due hooks of one event, typed by its context (what ``HookTable`` hands out)."""
+
+
+class HookTable(Protocol):
+    """The hooks due in the current step, per event key, as the loop reads them.
+
+    At runtime it is a plain ``dict`` (one C-level lookup per event on the hot path; the
+    loop calls the hooks itself instead of going through ``CallbackPlan.emit``). For mypy,
+    indexing it with a typed key such as ``On.STEP_END`` gives hooks that take that event's
+    context only, so calling them with the wrong context is a type error -- the same
+    guarantee ``emit`` gives."""
+
+    def __getitem__(self, key: EventSpec[CtxT], /) -> EventHooks[CtxT]: ...
+
+
 HOOK_NAMES: frozenset[str] = frozenset(event.hook_name for event in Event)
 
 
@@ -211,7 +229,7 @@ class CallbackPlan:
                 )
         # The hooks due in the current step, per event key (``begin_step``); the loop reads
         # it to skip events nobody is due to hear. The full lists until a step begins.
-        self.due_hooks: dict[EventKey, tuple[BoundHook, ...]] = self._by_key
+        self._due: dict[EventKey, tuple[BoundHook, ...]] = self._by_key
         # A step where no filtered hook is due gets the unfiltered hooks only; steps in
         # [_quiet_from, _quiet_until) for one (target, cadences) are such steps (begin_step).
         self._quiet_hooks: dict[EventKey, tuple[BoundHook, ...]] = dict(self._by_key)
@@ -235,24 +253,25 @@ class CallbackPlan:
 
     def begin_step(
         self, step: int, target_step: int, metrics_every: int, eval_every: int = 0
-    ) -> None:
-        """Select the hooks due in global step ``step`` (their ``due_when`` filters). Without
-        filtered callbacks this does nothing: every hook is due on every step.
+    ) -> HookTable:
+        """Select the hooks due in global step ``step`` (their ``due_when`` filters) and
+        return them per event key (also ``due_hooks`` until the next step begins). Without
+        filtered callbacks every hook is due on every step.
 
         Filters are sparse (every N steps, logging steps, the final step), so most steps
         have none due: the plan remembers the stretch of steps until the next one that is
         and hands out the same "only unfiltered hooks" table there, without evaluating a
         filter or building a table per step."""
         if not self._filtered:
-            return
+            return self._due
         if (
             self._quiet_from <= step < self._quiet_until
             and target_step == self._quiet_target
             and metrics_every == self._quiet_every
             and eval_every == self._quiet_eval_every
         ):
-            self.due_hooks = self._quiet_hooks
-            return
+            self._due = self._quiet_hooks
+            return self._due
         next_due = min(
             (
                 due_at
@@ -268,8 +287,8 @@ class CallbackPlan:
             self._quiet_from, self._quiet_until = step, next_due or sys.maxsize
             self._quiet_target, self._quiet_every = target_step, metrics_every
             self._quiet_eval_every = eval_every
-            self.due_hooks = self._quiet_hooks
-            return
+            self._due = self._quiet_hooks
+            return self._due
         current = dict(self._by_key)
         for key, entries in self._filtered.items():
             current[key] = tuple(
@@ -277,16 +296,22 @@ class CallbackPlan:
                 for when, hook in entries
                 if when is None or when.due(step, target_step, metrics_every, eval_every)
             )
-        self.due_hooks = current
+        self._due = current
+        return current
+
+    @property
+    def due_hooks(self) -> HookTable:
+        """The hooks due in the current step, per event key (see ``HookTable``)."""
+        return self._due
 
     def due(self, key: EventKey) -> bool:
         """Whether any hook of ``key``'s event is due in the current step."""
-        return bool(self.due_hooks[key])
+        return bool(self._due[key])
 
     def emit(self, trainer: TrainerView, key: EventSpec[CtxT], ctx: CtxT) -> None:
         """Call the hooks of ``key``'s event that are due in the current step with ``ctx``
         (typed: mypy rejects a context that is not the event's, see ``speedtronic.events.On``)."""
-        for hook in self.due_hooks[key]:
+        for hook in self._due[key]:
             hook(trainer, ctx)
 
     def emit_isolated(
@@ -296,7 +321,7 @@ class CallbackPlan:
         order (for ``fit_end``, ``exception`` and ``teardown``: one failing callback must not
         keep the others from saving, closing files or stopping threads)."""
         failures: list[HookFailure] = []
-        for callback, hook in zip(self._order[key.event], self.due_hooks[key], strict=True):
+        for callback, hook in zip(self._order[key.event], self._due[key], strict=True):
             try:
                 hook(trainer, ctx)
             except BaseException as exc:  # every hook runs; the caller decides what to raise

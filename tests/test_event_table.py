@@ -89,14 +89,20 @@ WRONG_EMIT = (
     "def emit_all(plan: CallbackPlan, trainer: TrainerView) -> None:\n"
     "    plan.emit(trainer, On.STEP_END, StepContext(1, 1))\n"
     "    plan.emit(trainer, On.STEP_END, FitContext(0, 1))\n"
+    "    for hook in plan.begin_step(1, 2, 1)[On.STEP_END]:\n"  # how the loop calls hooks
+    "        hook(trainer, StepContext(1, 1))\n"
+    "        hook(trainer, FitContext(0, 1))\n"
 )
 register("wrong_emit.py", lambda: WRONG_EMIT)
 
 
 def test_mypy_rejects_a_wrong_context_for_an_event(mypy_outside: MypyRun) -> None:
+    """Both ways the engine calls hooks are checked: ``plan.emit`` and the loop's own
+    calls through the due-hook table (``HookTable``)."""
     assert mypy_outside.returncode == 1, mypy_outside.stdout
     errors = [line for line in mypy_outside.lines("wrong_emit.py") if ": error:" in line]
-    assert len(errors) == 1, mypy_outside.stdout
+    assert len(errors) == 2, mypy_outside.stdout
     # mypy words it "Cannot infer value of type parameter CtxT" or names FitContext.
     assert "wrong_emit.py:8:" in errors[0], errors
     assert "CtxT" in errors[0] or '"FitContext"' in errors[0], errors
+    assert "wrong_emit.py:11:" in errors[1] and '"FitContext"' in errors[1], errors

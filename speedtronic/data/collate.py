@@ -13,6 +13,7 @@ reference transformer takes its ``is_causal`` attention fast path with no host s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -213,10 +214,13 @@ def batch_size_and_tokens(batch: object) -> tuple[int, int]:
         source = batch.get("input_ids", batch.get("inputs"))
         if source is None:  # another record layout: its first tensor
             source = next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
-    if not isinstance(source, torch.Tensor) or source.dim() == 0:
+    if not isinstance(source, torch.Tensor):
         return 1, 1
-    samples, tokens = source.shape[0], source.numel()
-    if mapping is not None and source.dim() > 1:
+    shape = source.shape  # one call; ``dim()``/``numel()`` would each go through dispatch
+    if not shape:
+        return 1, 1
+    samples, tokens = shape[0], math.prod(shape)
+    if mapping is not None and len(shape) > 1:
         mask = mapping.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.device.type == "cpu":
             tokens = int(mask.sum())
