@@ -288,6 +288,8 @@ def build_runtime(
         eval_max_batches=cfg.eval.max_batches,
         logger=build_logger(cfg, outputs=False),
     )
+    if cfg.run.stop_grace_s is not None:  # else the Trainer's (class) default
+        trainer.stop_grace_s = cfg.run.stop_grace_s
     resuming = resume or (source is not None and source.resume_requested)
     if overwrite is not None and launched_as_main_process():
         check_earlier_run(earlier_run_files(callbacks), resume=resuming, overwrite=overwrite)

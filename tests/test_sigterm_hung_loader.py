@@ -51,9 +51,7 @@ HANGING_MODULE = textwrap.dedent(
     from pathlib import Path
     from speedtronic.data import register_dataset
     from speedtronic.data.synthetic import SyntheticTokenDataset
-    from speedtronic.trainer import Trainer
 
-    Trainer.stop_grace_s = {grace}
     MARKER = Path(__file__).with_name("worker.pid")
 
     class Hanging(SyntheticTokenDataset):
@@ -73,18 +71,18 @@ HANGING_MODULE = textwrap.dedent(
 CONFIG = textwrap.dedent(
     """
     imports: [hanging_data]
-    run: {name: hang, device: cpu, max_steps: 50, seed: 3, output_dir: out}
+    run: {name: hang, device: cpu, max_steps: 50, seed: 3, output_dir: out, stop_grace_s: GRACE}
     model: {vocab_size: 32, max_seq_len: 8, n_layer: 1, n_head: 2, d_model: 16}
     data: {dataset: hanging, micro_batch_size: 2, num_workers: 1}
     scheduler: {warmup_steps: 1}
     logging: {every_steps: 1, console: false}
     checkpoint: {every_steps: 1}
     """
-)
+).replace("GRACE", str(GRACE_S))  # run.stop_grace_s: the bound this test checks
 
 
 def test_sigterm_stops_a_fit_whose_worker_hangs_and_leaves_no_worker(tmp_path: Path) -> None:
-    (tmp_path / "hanging_data.py").write_text(HANGING_MODULE.format(grace=GRACE_S))
+    (tmp_path / "hanging_data.py").write_text(HANGING_MODULE)
     (tmp_path / "run.yaml").write_text(CONFIG)
     env = dict(
         os.environ,

@@ -252,6 +252,7 @@ class RunConfig(_Section):
     output_dir: str = "runs"
     log_every: int | None = None
     threads: int | Literal["auto"] = "auto"
+    stop_grace_s: float | None = None
 
 
 @dataclass(eq=False)  # equality includes the plugin keys (the mixin's)
