@@ -330,13 +330,9 @@ class Trainer:
 
     # -- fit ---------------------------------------------------------------------------
 
-    def _keep_going(self, start_step: int) -> bool:
-        """Whether to run another step. A multi-rank run agrees on stopping at logging
+    def _ranks_keep_going(self, start_step: int) -> bool:
+        """Whether the ranks of a multi-rank run go on: they agree on stopping at logging
         steps only (one tiny all-reduce), so every rank stops at the same step."""
-        if self.step >= self.target_step:
-            return False
-        if not self.multi_rank:
-            return self.requests.stop_reason is None
         assert self.distributed is not None
         due = self.step > start_step and self.is_metric_due(self.step)
         requests = self.requests
@@ -372,7 +368,14 @@ class Trainer:
             self.fit_clock = FitClock(time.perf_counter(), start_step, self.samples, self.tokens)
             self._in_loop = True
             try:
-                while self._keep_going(start_step):
+                requests, multi_rank = self.requests, self.multi_rank
+                # One process: the target and a stop request decide (spelled out, no call
+                # per step); ranks agree first.
+                while self.step < self.target_step and (
+                    self._ranks_keep_going(start_step)
+                    if multi_rank
+                    else requests.stop_reason is None
+                ):
                     run_global_step(self, self.step + 1)
             except EpochLimitReached:
                 # The data ran out mid-step (or before it): drop the unfinished step.
