@@ -242,6 +242,7 @@ class DiLoCoCallback(Callback):
     plugin_name: ClassVar[str | None] = "diloco"
     options_schema: ClassVar[JSONSchema] = OPTIONS_SCHEMA
     state_key = "diloco"
+    optimizer_decay_norms_and_biases: ClassVar[bool | None] = False  # docs/distributed.md
     due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
 
     def __init__(

@@ -114,6 +114,7 @@ class CollectiveDiLoCo(Callback):
     rank_policy: ClassVar[RankPolicy] = "all"
     due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
     state_key = "diloco"
+    optimizer_decay_norms_and_biases: ClassVar[bool | None] = False  # docs/distributed.md
 
     def __init__(self, options: CollectiveDiLoCoOptions | None = None, **values: object) -> None:
         if options is not None and values:
