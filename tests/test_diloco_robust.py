@@ -35,8 +35,10 @@ from speedtronic_callbacks.diloco.wire import (
     DeltaInfo,
     RejectionReason,
     encode_delta,
+    encode_file,
     flatten_delta,
     parse_header,
+    to_wire,
 )
 
 torch.set_num_threads(1)
@@ -366,3 +368,36 @@ def test_collective_mode_never_applies_a_1e6_pseudo_gradient_as_is(tmp_path: Pat
     trainer = _fit(tmp_path, rejecting, 6, "reject")
     assert rejecting.outliers == 1 and rejecting.outer_steps == 3
     assert max(float(p.detach().abs().max()) for p in trainer.model.parameters()) < 100
+
+
+def test_unknown_encodings_and_bad_packing_on_the_hub_are_logged_rejections(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    master, layout, state = _master(tmp_path)
+    delta = {key: torch.full(layout.wire_shapes[key], 0.02) for key in layout.sync_keys}
+    wire = to_wire(delta, layout, Encoding.FP4)
+    for node, fields, tensors in (
+        ("future", {"encoding": "fp3"}, wire),
+        ("short", {"encoding": "fp4"}, {"codes": wire["codes"][:-1], "scales": wire["scales"]}),
+    ):
+        meta = {
+            "node_id": node,
+            "local_step": "1",
+            "base_outer_step": "0",
+            "block_size": "64",
+            "values": str(layout.sync_numel),
+            **fields,
+        }
+        data = encode_file("delta", tensors, meta, fingerprint=layout.fingerprint, secret=None)
+        master.transport.put(delta_path(node, 1, parse_header(data).metadata["sha256"]), data)
+    _upload(master, layout, "good", 1, 0.01, encoding=Encoding.INT8)
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        report = master.sync_once()
+    assert report.published and [item.node_id for item in report.applied] == ["good"]
+    reasons = {item.path.split("/")[1]: item.reason for item in report.rejected}
+    assert reasons == {
+        "future": RejectionReason.UNKNOWN_ENCODING,
+        "short": RejectionReason.BAD_PACKING,
+    }
+    assert "unknown_encoding" in caplog.text and "bad_packing" in caplog.text
+    assert torch.allclose(_global(master)["weight"], state["weight"] - 0.01)
