@@ -3,6 +3,7 @@ collective mode, and the low-bit node path with error feedback -- all in one pro
 
 from __future__ import annotations
 
+import io
 import logging
 import statistics
 from dataclasses import replace
@@ -318,6 +319,12 @@ class _Regression(nn.Module):
 
 
 def _fit(tmp_path: Path, callback: CollectiveDiLoCo, steps: int, name: str) -> Trainer:
+    trainer = _trainer(tmp_path, callback, name)
+    trainer.fit(steps)
+    return trainer
+
+
+def _trainer(tmp_path: Path, callback: CollectiveDiLoCo, name: str) -> Trainer:
     model = _Regression()
     inputs = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
     data = [(inputs, inputs.sum(dim=1, keepdim=True))]
@@ -328,7 +335,6 @@ def _fit(tmp_path: Path, callback: CollectiveDiLoCo, steps: int, name: str) -> T
         callbacks=[callback],
         output_dir=tmp_path / name,
     )
-    trainer.fit(steps)
     return trainer
 
 
@@ -345,6 +351,22 @@ def test_collective_fp4_rounds_keep_a_residual_and_a_norm_history(tmp_path: Path
     restored._restore(state, 6)
     assert torch.equal(restored.residual, residual)  # type: ignore[arg-type]  # set above
     assert restored.norm_history.to_list() == state["norm_history"]
+
+
+def test_collective_fp4_with_error_feedback_resumes_exactly(tmp_path: Path) -> None:
+    def callback() -> CollectiveDiLoCo:
+        return CollectiveDiLoCo(inner_steps=2, delta_dtype="fp4", outer_momentum=0.5)
+
+    straight = _fit(tmp_path, callback(), 8, "straight")
+    first = _fit(tmp_path, callback(), 4, "first")
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = _trainer(tmp_path, callback(), "resumed")
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    resumed.fit(8)
+    for name, value in straight.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[name], value), name
 
 
 class _Blowup(CollectiveDiLoCo):

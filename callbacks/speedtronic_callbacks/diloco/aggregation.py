@@ -159,7 +159,7 @@ def state_norm(state: StateDict, keys: Iterable[str] | None = None) -> float:
     total = 0.0
     for key in keys if keys is not None else state:
         tensor = as_real_fp32(state[key].detach().cpu())
-        total += float(torch.linalg.vector_norm(tensor.double()) ** 2)
+        total += float(torch.linalg.vector_norm(tensor, dtype=torch.float64)) ** 2
     return math.sqrt(total)
 
 

@@ -295,7 +295,11 @@ class CollectiveDiLoCo(Callback):
         self._work_mark = (trainer.tokens, trainer.samples)
         codes = list(Encoding)
         local = torch.tensor(
-            [float(torch.linalg.vector_norm(flat.double())), *work, codes.index(self.encoding)],
+            [
+                float(torch.linalg.vector_norm(flat, dtype=torch.float64)),
+                *work,
+                codes.index(self.encoding),
+            ],
             dtype=torch.float64,
         )
         groups, context = self._groups, self._context
