@@ -258,3 +258,47 @@ def test_unknown_encodings_and_packed_sizes_that_disagree_with_the_header_are_re
     as_floats = {"codes": wire["codes"].float(), "scales": wire["scales"]}
     assert _reason(_packed_file(layout, as_floats), layout) is RejectionReason.BAD_PACKING
     assert _reason(_packed_file(layout, wire, tokens="-5"), layout) is RejectionReason.BAD_METADATA
+
+
+def _unsigned_fp4_file(layout: ModelLayout, wire: dict[str, torch.Tensor], **fields: str) -> bytes:
+    meta = {
+        "node_id": "node-a",
+        "local_step": "10",
+        "base_outer_step": "2",
+        "encoding": "fp4",
+        "block_size": "64",
+        "values": str(layout.sync_numel),
+        **fields,
+    }
+    return encode_file("delta", wire, meta, fingerprint=layout.fingerprint, secret=None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(["fp4", "int8", "fp3", ""]),
+    st.sampled_from(["64", "1", "0", "-3", "1048577", "9" * 30]),
+    st.integers(-3, 3),
+    st.integers(0, 1),
+    st.integers(-2, 2),
+)
+def test_any_packed_header_decodes_or_is_rejected(
+    encoding: str, block_size: str, values_shift: int, codes_cut: int, scales_shift: int
+) -> None:
+    layout, delta = _layout_and_delta()
+    wire = to_wire(delta, layout, Encoding.FP4)
+    scales = wire["scales"]
+    if scales_shift > 0:
+        scales = torch.cat([scales, torch.ones(scales_shift)])
+    elif scales_shift < 0:
+        scales = scales[:scales_shift]
+    tampered = {"codes": wire["codes"][: wire["codes"].numel() - codes_cut], "scales": scales}
+    values = str(layout.sync_numel + values_shift)
+    data = _unsigned_fp4_file(
+        layout, tampered, encoding=encoding, block_size=block_size, values=values
+    )
+    try:
+        decoded = decode_delta(data, layout, secret=None)
+    except Rejected:
+        return
+    assert set(decoded.tensors) == set(layout.sync_keys)
+    assert all(bool(torch.isfinite(t).all()) for t in decoded.tensors.values())

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from speedtronic import Trainer
+from speedtronic.config import ConfigError, SpeedtronicConfig
 from speedtronic.config.sections import OptimizerConfig
 from speedtronic.runtime import optimizer_section
 from speedtronic_callbacks.diloco import DiLoCoCallback
@@ -114,6 +115,24 @@ def test_diloco_runs_leave_norms_and_biases_out_of_weight_decay_by_default() -> 
         assert optimizer_section(section, [callback]).decay_norms_and_biases is False
     explicit = replace(section, decay_norms_and_biases=True)  # the documented switch
     assert optimizer_section(explicit, [CollectiveDiLoCo()]).decay_norms_and_biases is True
+
+
+@pytest.mark.parametrize("mode", ["hub", "collective"])
+def test_config_validation_names_bad_encoding_and_robustness_options(mode: str) -> None:
+    base: dict[str, object] = {"name": "diloco", "mode": mode}
+    if mode == "hub":
+        base["hub_dir"] = "x"
+    good = SpeedtronicConfig.from_dict({"callbacks": [{**base, "delta_dtype": "fp4"}]})
+    assert good.callbacks[0].options["delta_dtype"] == "fp4"
+    for bad, fragment in (
+        ({"delta_dtype": "fp3"}, "callbacks[0].delta_dtype"),
+        ({"delta_dtype": "int8", "compression": "bf16"}, "set delta_dtype or compression"),
+        ({"outlier_policy": "ignore"}, "callbacks[0].outlier_policy"),
+        ({"outlier_factor": 1}, "callbacks[0].outlier_factor"),
+    ):
+        with pytest.raises(ConfigError) as caught:
+            SpeedtronicConfig.from_dict({"callbacks": [{**base, **bad}]})
+        assert fragment in str(caught.value)
 
 
 def test_options_take_delta_dtype_or_compression_but_not_both() -> None:
