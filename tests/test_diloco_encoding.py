@@ -210,7 +210,12 @@ def _reason(data: bytes, layout: ModelLayout, secret: bytes | None = SECRET) -> 
     return info.value.reason
 
 
-def _packed_file(layout: ModelLayout, wire: dict[str, torch.Tensor], **fields: str) -> bytes:
+def _packed_file(
+    layout: ModelLayout,
+    wire: dict[str, torch.Tensor],
+    secret: bytes | None = SECRET,
+    **fields: str,
+) -> bytes:
     base = {
         "node_id": "node-a",
         "local_step": "10",
@@ -220,7 +225,7 @@ def _packed_file(layout: ModelLayout, wire: dict[str, torch.Tensor], **fields: s
         "values": str(layout.sync_numel),
         **fields,
     }
-    return encode_file("delta", wire, base, fingerprint=layout.fingerprint, secret=SECRET)
+    return encode_file("delta", wire, base, fingerprint=layout.fingerprint, secret=secret)
 
 
 def test_unknown_encodings_and_packed_sizes_that_disagree_with_the_header_are_rejected() -> None:
@@ -260,19 +265,6 @@ def test_unknown_encodings_and_packed_sizes_that_disagree_with_the_header_are_re
     assert _reason(_packed_file(layout, wire, tokens="-5"), layout) is RejectionReason.BAD_METADATA
 
 
-def _unsigned_fp4_file(layout: ModelLayout, wire: dict[str, torch.Tensor], **fields: str) -> bytes:
-    meta = {
-        "node_id": "node-a",
-        "local_step": "10",
-        "base_outer_step": "2",
-        "encoding": "fp4",
-        "block_size": "64",
-        "values": str(layout.sync_numel),
-        **fields,
-    }
-    return encode_file("delta", wire, meta, fingerprint=layout.fingerprint, secret=None)
-
-
 @settings(max_examples=60, deadline=None)
 @given(
     st.sampled_from(["fp4", "int8", "fp3", ""]),
@@ -293,8 +285,8 @@ def test_any_packed_header_decodes_or_is_rejected(
         scales = scales[:scales_shift]
     tampered = {"codes": wire["codes"][: wire["codes"].numel() - codes_cut], "scales": scales}
     values = str(layout.sync_numel + values_shift)
-    data = _unsigned_fp4_file(
-        layout, tampered, encoding=encoding, block_size=block_size, values=values
+    data = _packed_file(
+        layout, tampered, None, encoding=encoding, block_size=block_size, values=values
     )
     try:
         decoded = decode_delta(data, layout, secret=None)
