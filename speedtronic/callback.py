@@ -111,6 +111,11 @@ class Callback:
     """Where the plugin goes when the config turns it on without naming it: a negative
     value before the ``callbacks:`` list, otherwise after it; ascending, ties by name."""
 
+    optimizer_decay_norms_and_biases: ClassVar[bool | None] = None
+    """What the plugin proposes for ``optimizer.decay_norms_and_biases`` when the config
+    leaves it ``null``: the first callback of a run with a proposal decides (``None``: no
+    proposal). An explicit config value always wins. See docs/optimizers.md."""
+
     legacy_sections: ClassVar[tuple[str, ...]] = ()
     """The top-level keys of a 2.0 config this plugin reads (``("checkpoint",)``)."""
 

@@ -15,6 +15,7 @@ the ``DistributedContext`` (``trainer.distributed``). The group is destroyed by
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
@@ -28,6 +29,7 @@ from speedtronic.callback import Callback
 from speedtronic.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
 from speedtronic.compat.metric_logger import MetricLogger
 from speedtronic.config import CallbackSpec, ConfigError, JSONValue, SpeedtronicConfig
+from speedtronic.config.sections import OptimizerConfig
 from speedtronic.data import DataSourceError, build_dataloader
 from speedtronic.data.held_out import (
     build_eval_loader,
@@ -141,6 +143,18 @@ def data_shard(
         if isinstance(callback, ShardsData) and callback.data_shard is not None:
             return callback.data_shard
     return 0, 1
+
+
+def optimizer_section(section: OptimizerConfig, callbacks: Sequence[Callback]) -> OptimizerConfig:
+    """``section`` with ``decay_norms_and_biases: null`` resolved: the first callback's
+    proposal (``Callback.optimizer_decay_norms_and_biases``), else left null (= true)."""
+    if section.decay_norms_and_biases is not None:
+        return section
+    for callback in callbacks:
+        proposal = callback.optimizer_decay_norms_and_biases
+        if proposal is not None:
+            return dataclasses.replace(section, decay_norms_and_biases=proposal)
+    return section
 
 
 def _resume_source(callbacks: Sequence[Callback]) -> ResumeSource | None:
@@ -262,7 +276,7 @@ def build_runtime(
         if cfg.scheduler.max_steps is None:
             horizon = min(horizon, epoch_steps)
     eval_data = held_out_loader(cfg, distributed) if cfg.eval.every_steps is not None else None
-    optimizer = build_optimizer(net, cfg.optimizer, resolved_device)
+    optimizer = build_optimizer(net, optimizer_section(cfg.optimizer, callbacks), resolved_device)
     scheduler = build_scheduler(optimizer, cfg.scheduler, horizon)
     source = _resume_source(callbacks)
     manager = (

@@ -161,9 +161,13 @@ def diloco_equivalence(out: Path, rank: int, params: Mapping[str, object]) -> di
     diloco = _SGDRun(out / "diloco", one_step, steps)
     bf16 = CollectiveDiLoCo(inner_steps=2, compression="bf16", ranks_per_replica=per_replica)
     _SGDRun(out / "bf16", bf16, 4)
-    torch.save(
-        {"ddp": weights(plain.trainer), "diloco": weights(diloco.trainer)}, out / f"rank{rank}.pt"
-    )
+    saved = {"ddp": weights(plain.trainer), "diloco": weights(diloco.trainer)}
+    extra: dict[str, object] = {}
+    if per_replica == 1:  # fp4's all-gather, on 2 ranks only (keeps the 4-rank case fast)
+        fp4 = CollectiveDiLoCo(inner_steps=2, delta_dtype="fp4")
+        saved["fp4"] = weights(_SGDRun(out / "fp4", fp4, 4).trainer)
+        extra = {"fp4_bytes": fp4.bytes_reduced, "fp4_outer_steps": fp4.outer_steps}
+    torch.save(saved, out / f"rank{rank}.pt")
     return {
         "ddp": losses(plain.result),
         "diloco": losses(diloco.result),
@@ -172,6 +176,7 @@ def diloco_equivalence(out: Path, rank: int, params: Mapping[str, object]) -> di
         "outer_steps": one_step.outer_steps,
         "bf16_bytes": bf16.bytes_reduced,
         "synced_numel": sum(p.numel() for p in plain.trainer.model.parameters()),
+        **extra,
     }
 
 

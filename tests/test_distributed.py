@@ -42,6 +42,7 @@ from speedtronic.trainer import Trainer
 from speedtronic_callbacks.checkpoint import CheckpointCallback
 from speedtronic_callbacks.console import ConsoleCallback
 from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
+from speedtronic_callbacks.diloco.encoding import Encoding, packed_bytes
 from speedtronic_callbacks.jsonl import JsonlCallback
 from speedtronic_callbacks.progress import ProgressBarCallback
 
@@ -351,6 +352,11 @@ def test_synchronous_diloco_h1_equals_data_parallel_sgd(tmp_path: Path) -> None:
     synced = report["synced_numel"]
     assert isinstance(synced, int)
     assert report["bf16_bytes"] == 2 * synced * 2
+    # fp4 wire: 2 rounds x (codes: 2 values a byte + a float32 scale per 64 values); every
+    # rank decodes the same gathered codes, so the replicas hold the same global model.
+    assert report["fp4_outer_steps"] == 2
+    assert report["fp4_bytes"] == 2 * packed_bytes(Encoding.FP4, synced)
+    assert_same_weights(weights[0]["fp4"], weights[1]["fp4"])
 
 
 def test_replicas_of_two_ranks_run_ddp_inside_and_diloco_across(tmp_path: Path) -> None:

@@ -13,7 +13,9 @@ import pytest
 import torch
 from torch import nn
 
+from speedtronic.callback import Callback
 from speedtronic.config import SpeedtronicConfig
+from speedtronic.config.sections import OptimizerConfig
 from speedtronic.model import ReferenceTransformer
 from speedtronic.optimizers import (
     DEFAULT_NS_COEFFICIENTS,
@@ -34,6 +36,7 @@ from speedtronic.optimizers import (
     post_polar_normalize,
     route_parameters,
 )
+from speedtronic.runtime import optimizer_section
 
 # -- settings stand-ins (structurally typed like the config sections) ----------------------
 
@@ -67,6 +70,7 @@ class OptSettings:
     muon_lr: float | None = None
     muon_lr_scale: str = "rms"
     muon_weight_decay: float | None = None
+    decay_norms_and_biases: bool | None = None
     routing: tuple[Rule, ...] = field(default_factory=tuple)
 
 
@@ -460,6 +464,47 @@ def test_plain_adamw_trains_every_parameter_of_the_reference_model() -> None:
     optimizer.step()
     unchanged = [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
     assert unchanged == []  # the original skipped every hidden matrix here
+
+
+def test_norms_and_biases_can_be_left_out_of_weight_decay() -> None:
+    model = reference_model()
+    everything = build_optimizer(model, OptSettings(), CPU)
+    assert len(everything.param_groups) == 1  # the default (null): decay everything, as before
+    assert everything.param_groups[0]["weight_decay"] == 0.1
+    assert (
+        len(build_optimizer(model, OptSettings(decay_norms_and_biases=True), CPU).param_groups) == 1
+    )
+    split = build_optimizer(model, OptSettings(decay_norms_and_biases=False), CPU)
+    matrices, vectors = split.param_groups
+    assert matrices["weight_decay"] == 0.1 and vectors["weight_decay"] == 0.0
+    assert all(p.ndim >= 2 for p in matrices["params"])
+    assert vectors["params"] and all(p.ndim < 2 for p in vectors["params"])
+    assert sorted(optimizer_param_ids(split)) == sorted(trainable_ids(model))
+    hybrid = build_optimizer(model, OptSettings(name="muon", decay_norms_and_biases=False), CPU)
+    algorithms = [(g["algorithm"], g["weight_decay"]) for g in hybrid.param_groups]
+    assert algorithms == [("muon", 0.1), ("adamw", 0.1), ("adamw", 0.0)]
+    # A bias with zero gradient is not pulled towards zero when it is not decayed.
+    linear = nn.Linear(2, 2)
+    with torch.no_grad():
+        linear.bias.fill_(1.0)
+    optimizer = build_optimizer(
+        linear, OptSettings(lr=0.1, weight_decay=0.5, decay_norms_and_biases=False), CPU
+    )
+    (linear.weight.sum() * 0).backward()
+    linear.bias.grad = torch.zeros(2)
+    optimizer.step()
+    assert torch.equal(linear.bias.detach(), torch.ones(2))
+
+
+def test_a_callback_proposes_decay_norms_and_biases_when_the_config_leaves_it_null() -> None:
+    class Proposes(Callback):
+        optimizer_decay_norms_and_biases = False
+
+    section = OptimizerConfig()
+    assert optimizer_section(section, [Callback()]).decay_norms_and_biases is None
+    assert optimizer_section(section, [Callback(), Proposes()]).decay_norms_and_biases is False
+    explicit = replace(section, decay_norms_and_biases=True)
+    assert optimizer_section(explicit, [Proposes()]).decay_norms_and_biases is True
 
 
 def test_muon_build_gives_a_hybrid_with_the_routed_groups() -> None:

@@ -413,6 +413,9 @@ class OptimizerConfig(_Section):
     muon_lr: float | None = None
     muon_lr_scale: Literal["original", "rms"] = "rms"
     muon_weight_decay: float | None = None
+    decay_norms_and_biases: bool | None = None
+    """``null``: ``true`` unless a callback of the run proposes otherwise
+    (``Callback.optimizer_decay_norms_and_biases``)."""
     routing: list[RoutingRule] = field(default_factory=list)
 
     @property

@@ -22,15 +22,32 @@ class AdamWOptions:
     eps: float = 1e-8
     weight_decay: float = 0.1
     fused: bool = False
+    decay_norms_and_biases: bool = True
+    """``False``: 1-D and scalar parameters (biases, normalisation gains) get their own
+    group with weight decay 0 (``optimizer.decay_norms_and_biases``)."""
+
+
+def _groups(params: Sequence[NamedParameter], options: AdamWOptions) -> list[dict[str, object]]:
+    """One group, or -- without decay on norms and biases -- the matrices, then the 1-D and
+    scalar parameters with weight decay 0 (an empty group is left out)."""
+    if options.decay_norms_and_biases:
+        return [{"params": list(params), "algorithm": "adamw"}]
+    matrices = [item for item in params if item[1].ndim >= 2]
+    vectors = [item for item in params if item[1].ndim < 2]
+    groups: list[dict[str, object]] = []
+    if matrices:
+        groups.append({"params": matrices, "algorithm": "adamw"})
+    if vectors:
+        groups.append({"params": vectors, "algorithm": "adamw", "weight_decay": 0.0})
+    return groups
 
 
 def _adamw(
     params: Sequence[NamedParameter], options: AdamWOptions, fused: bool | None
 ) -> torch.optim.AdamW:
-    # A fresh group each try: construction mutates the group dict.
-    group: dict[str, object] = {"params": list(params), "algorithm": "adamw"}
+    # Fresh groups each try: construction mutates the group dicts.
     return torch.optim.AdamW(
-        [group],
+        _groups(params, options),
         lr=options.lr,
         betas=options.betas,
         eps=options.eps,

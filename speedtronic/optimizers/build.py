@@ -58,6 +58,7 @@ def _adamw_options(settings: OptimizerSettings, device: torch.device) -> AdamWOp
         eps=settings.eps,
         weight_decay=settings.weight_decay,
         fused=fused,
+        decay_norms_and_biases=getattr(settings, "decay_norms_and_biases", None) is not False,
     )
 
 

@@ -86,10 +86,13 @@ from speedtronic_callbacks.diloco.options import (
     CollectiveDiLoCoOptions,
     DiLoCoOptions,
     DistributedSection,
+    delta_encoding,
     distributed_section_problems,
+    encoding_problems,
     hub_option_problems,
     normalise_distributed_section,
     options_from_distributed_section,
+    robust_settings,
 )
 from speedtronic_callbacks.diloco.transport_base import RetryingTransport, RetryPolicy, Transport
 from speedtronic_callbacks.diloco.wire import Compression
@@ -205,6 +208,8 @@ def make_node(
                 delete_applied=options.delete_applied_deltas,
                 keep_global_versions=options.keep_global_versions,
                 secret=secret,
+                robust=robust_settings(options),
+                weight_by_work=options.weight_by_work,
             ),
             audit_path=audit_path,
         )
@@ -216,6 +221,8 @@ def make_node(
         compression=Compression(options.compression),
         shutdown_timeout=options.shutdown_timeout,
         secret=secret,
+        delta_dtype=delta_encoding(options),
+        error_feedback=options.error_feedback,
     )
     return DiLoCoNode(
         model, transport, layout, settings, master=master, reporter=reporter, publish=publish
@@ -235,6 +242,7 @@ class DiLoCoCallback(Callback):
     plugin_name: ClassVar[str | None] = "diloco"
     options_schema: ClassVar[JSONSchema] = OPTIONS_SCHEMA
     state_key = "diloco"
+    optimizer_decay_norms_and_biases: ClassVar[bool | None] = False  # docs/distributed.md
     due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
 
     def __init__(
@@ -293,6 +301,7 @@ class DiLoCoCallback(Callback):
         step_timeout = legacy_section(sections, "distributed").get("timeout_s")
         if options.get("mode") == "collective":
             yield from _collective_timeout_problems(entry, options, step_timeout)
+            yield from (f"{entry}.{problem}" for problem in encoding_problems(options))
             return
         try:  # the entry as it will be built: with the 2.0 section's keys beneath it
             merged = cls.options_from_legacy(sections, options) or dict(options)
@@ -413,6 +422,7 @@ class DiLoCoCallback(Callback):
     def on_coordinate(self, trainer: TrainerView, ctx: CoordinateContext) -> None:
         if self.node is None:
             return
+        self.node.record_work(trainer.tokens, trainer.samples)
         outcome = self.node.on_step(ctx.step)
         if outcome.installed is None:
             return

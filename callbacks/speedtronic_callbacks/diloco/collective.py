@@ -13,8 +13,12 @@ a multiple of H, each rank
 
 1. computes its pseudo-gradient ``baseline - current`` in float32 (``math.pseudo_gradient``;
    the baseline is the global model of the last round, kept on the CPU),
-2. averages it over the replicas with **one** ``all_reduce`` of one flat buffer, in float32
-   or, with ``compression``, bf16/fp16 (half the bytes),
+2. gathers every replica's pseudo-gradient norm and token/sample count (one all-gather of
+   a few numbers) to screen outliers and weight by work (``aggregation``), then averages
+   the pseudo-gradients with **one** ``all_reduce`` of one flat buffer, in float32 or, with
+   ``delta_dtype``, bf16/fp16 (half the bytes) -- or, for ``int8``/``fp4``, one
+   all-gather of every replica's packed codes and scales, decoded and averaged in float32
+   (with ``error_feedback`` the local quantisation residual joins the next round),
 3. applies the same outer Nesterov-SGD step (``math.NesterovOuterOptimizer``) to its
    baseline -- every rank computes the identical new global model -- and loads it into the
    model, and
@@ -55,6 +59,13 @@ from speedtronic.contexts import CoordinateContext, EvalEndContext, FitContext, 
 from speedtronic.distributed import DistributedContext, ReplicaGroups, replica_groups
 from speedtronic.evaluation import EVAL_LOSS
 from speedtronic.filters import METRICS_ON_LOGGING_STEPS
+from speedtronic_callbacks.diloco.aggregation import (
+    MIN_REFERENCE,
+    NormHistory,
+    replica_coefficients,
+    state_norm,
+)
+from speedtronic_callbacks.diloco.encoding import BLOCK_SIZE, Encoding, Packed, pack, unpack
 from speedtronic_callbacks.diloco.eval_keys import global_eval_metrics
 from speedtronic_callbacks.diloco.math import (
     NesterovOuterOptimizer,
@@ -65,8 +76,9 @@ from speedtronic_callbacks.diloco.model_layout import ModelLayout, build_layout
 from speedtronic_callbacks.diloco.options import (
     COLLECTIVE_OPTIONS_SCHEMA,
     CollectiveDiLoCoOptions,
+    delta_encoding,
+    robust_settings,
 )
-from speedtronic_callbacks.diloco.wire import Compression
 
 if TYPE_CHECKING:
     from speedtronic.plugins import PluginContext
@@ -102,13 +114,23 @@ class CollectiveDiLoCo(Callback):
     rank_policy: ClassVar[RankPolicy] = "all"
     due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
     state_key = "diloco"
+    optimizer_decay_norms_and_biases: ClassVar[bool | None] = False  # docs/distributed.md
 
     def __init__(self, options: CollectiveDiLoCoOptions | None = None, **values: object) -> None:
         if options is not None and values:
             raise TypeError("pass CollectiveDiLoCoOptions or keyword options, not both")
         self.options = options or CollectiveDiLoCoOptions.from_mapping(values)
         self.ranks_per_replica = self.options.ranks_per_replica  # speedtronic ReplicaSync
-        self.wire_dtype = Compression(self.options.compression).dtype
+        self.encoding = delta_encoding(self.options)
+        self.wire_dtype = torch.float32 if self.encoding.packed else self.encoding.float_dtype
+        self.robust = robust_settings(self.options)
+        self.norm_history = NormHistory(self.robust.window)
+        self.residual: torch.Tensor | None = None
+        """What int8/fp4 dropped from this replica's last pseudo-gradient (error feedback)."""
+        self._work_mark: tuple[int, int] | None = None
+        self._kept = True
+        self.outliers = 0
+        """Pseudo-gradients clipped or left out as outliers so far (all replicas)."""
         self.outer = NesterovOuterOptimizer(self.options.outer_lr, self.options.outer_momentum)
         self.baseline: dict[str, torch.Tensor] = {}
         self.layout: ModelLayout | None = None
@@ -139,6 +161,8 @@ class CollectiveDiLoCo(Callback):
         elif not self.baseline:  # a fresh start: every replica starts from rank 0's weights
             self._broadcast_from_rank_zero(state)
             self.baseline = {key: _baseline_copy(state[key]) for key in self.layout.sync_keys}
+        if self._work_mark is None:
+            self._work_mark = (trainer.tokens, trainer.samples)
         check_same_layout(
             {key: state[key] for key in self.layout.sync_keys},
             self.baseline,
@@ -196,7 +220,7 @@ class CollectiveDiLoCo(Callback):
         state = trainer.model.state_dict()
         delta = pseudo_gradient(self.baseline, state, keys)
         flat = torch.cat([delta[key].reshape(-1) for key in keys])
-        averaged = self._average(flat)
+        averaged = self._exchange(flat, trainer)
         self.last_pseudo_grad_norm = float(averaged.norm())
         offset = 0
         mean_delta: dict[str, torch.Tensor] = {}
@@ -205,7 +229,8 @@ class CollectiveDiLoCo(Callback):
             count = delta[key].numel()
             mean_delta[key] = averaged[offset : offset + count].view(shape)
             offset += count
-        self.outer.step(self.baseline, mean_delta)
+        if self._kept:
+            self.outer.step(self.baseline, mean_delta)
         with torch.no_grad():
             for key in keys:
                 target = state[key]
@@ -215,6 +240,130 @@ class CollectiveDiLoCo(Callback):
                 else:
                     target.copy_(source.to(target.device, target.dtype))
         self.outer_steps += 1
+
+    # -- encoding, screening and weighting (docs/distributed.md) ------------------------
+
+    def _exchange(self, flat: torch.Tensor, trainer: TrainerView) -> torch.Tensor:
+        """The replicas' screened, work-weighted mean pseudo-gradient, through the
+        ``delta_dtype`` encoding. Every rank computes the same coefficients from the same
+        gathered numbers; when every replica was left out the mean is zero and
+        ``_kept`` is false (no outer step: the replicas return to the global model)."""
+        if self.encoding.packed and self.options.error_feedback and self.residual is not None:
+            flat = flat + self.residual
+        stats = self._gather_stats(flat, trainer)
+        norms = [row[0] for row in stats]
+        model_norm = None
+        if len(self.norm_history.norms) + len(norms) < MIN_REFERENCE:
+            model_norm = state_norm(self.baseline)
+        coefficients, screening = replica_coefficients(
+            norms,
+            [int(row[1]) for row in stats],
+            [int(row[2]) for row in stats],
+            self.norm_history,
+            self.robust,
+            weight_by_work=self.options.weight_by_work,
+            model_norm=model_norm,
+        )
+        self.norm_history.record(screening.applied_norms(norms))
+        self._kept = screening.kept > 0
+        self.outliers += len(screening.outliers)
+        if screening.outliers:
+            logger.warning(
+                "diloco: replica(s) %s sent pseudo-gradient norms %s above the bound %s "
+                "(outlier_policy %s)",
+                list(screening.outliers),
+                [f"{norms[i]:.4g}" for i in screening.outliers],
+                screening.bound,
+                self.robust.policy,
+            )
+        mine = coefficients[self._replica_index()]
+        if self.encoding.packed:
+            return self._average_packed(flat, coefficients)
+        if all(value == 1.0 for value in coefficients):
+            return self._average(flat)  # the plain mean, bit for bit as without screening
+        return self._average(flat * mine)
+
+    def _replica_index(self) -> int:
+        return 0 if self._groups is None else self._groups.replica_index
+
+    def _gather_stats(self, flat: torch.Tensor, trainer: TrainerView) -> list[list[float]]:
+        """Every replica's ``[norm, tokens, samples, encoding]`` since the last round (one
+        all-gather of four float64 numbers); replicas with another ``delta_dtype`` are a
+        clear error on every rank instead of a hang in the data exchange."""
+        mark = self._work_mark or (0, 0)
+        work = (trainer.tokens - mark[0], trainer.samples - mark[1])
+        self._work_mark = (trainer.tokens, trainer.samples)
+        codes = list(Encoding)
+        local = torch.tensor(
+            [
+                float(torch.linalg.vector_norm(flat, dtype=torch.float64)),
+                *work,
+                codes.index(self.encoding),
+            ],
+            dtype=torch.float64,
+        )
+        groups, context = self._groups, self._context
+        if groups is None or context is None or groups.num_replicas < 2:
+            return [local.tolist()]
+        device_local = local.to(context.collective_device)
+        rows = [torch.zeros_like(device_local) for _ in range(groups.num_replicas)]
+        dist.all_gather(rows, device_local, group=groups.peers)
+        stats = [row.cpu().tolist() for row in rows]
+        used = sorted({codes[int(row[3])].value for row in stats if 0 <= row[3] < len(codes)})
+        if used != [self.encoding.value]:
+            raise ValueError(
+                f"diloco: the replicas use different delta_dtype values ({used}); every "
+                "rank must be configured with the same one"
+            )
+        return stats
+
+    def _average_packed(self, flat: torch.Tensor, coefficients: list[float]) -> torch.Tensor:
+        """int8/fp4: every replica's packed codes and scales are all-gathered, decoded and
+        combined as ``sum(c_i * delta_i) / replicas`` in float32, in replica order."""
+        packed = pack(flat, self.encoding)
+        if self.options.error_feedback:
+            kept = coefficients[self._replica_index()] > 0
+            self.residual = flat - unpack(packed) if kept else torch.zeros_like(flat)
+        groups, context = self._groups, self._context
+        received = [(packed.codes, packed.scales)]
+        if groups is not None and context is not None and groups.num_replicas >= 2:
+            gathered: list[list[torch.Tensor]] = []
+            for part in (packed.codes, packed.scales):
+                local = part.to(context.collective_device)
+                rows = [torch.empty_like(local) for _ in range(groups.num_replicas)]
+                dist.all_gather(rows, local, group=groups.peers)
+                gathered.append([row.cpu() for row in rows])
+                self.bytes_reduced += local.numel() * local.element_size()
+            received = list(zip(gathered[0], gathered[1], strict=True))
+        total = torch.zeros(flat.numel(), dtype=torch.float32)
+        for (codes, scales), coefficient in zip(received, coefficients, strict=True):
+            if coefficient:
+                values = unpack(Packed(self.encoding, flat.numel(), BLOCK_SIZE, codes, scales))
+                total.add_(values, alpha=coefficient)
+        return total.div_(len(coefficients))
+
+    def _robust_state(self) -> dict[str, object]:
+        """The checkpointed part of encoding and screening: the error-feedback residual,
+        the recent norms and the work counters at the last round."""
+        return {
+            "residual": self.residual,
+            "norm_history": self.norm_history.to_list(),
+            "work_mark": None if self._work_mark is None else list(self._work_mark),
+            "outliers": self.outliers,
+        }
+
+    def _restore_robust(self, state: Mapping[str, object]) -> None:
+        residual = state.get("residual")
+        self.residual = (
+            residual.detach().to("cpu", torch.float32).clone()
+            if isinstance(residual, torch.Tensor)
+            else None
+        )
+        self.norm_history = NormHistory.from_state(self.robust.window, state.get("norm_history"))
+        mark = state.get("work_mark")
+        if isinstance(mark, list) and len(mark) == 2:
+            self._work_mark = (int(mark[0]), int(mark[1]))
+        self.outliers = int(cast(int, state.get("outliers", 0)))
 
     def _average(self, flat: torch.Tensor) -> torch.Tensor:
         """The mean of ``flat`` over the replicas: one all-reduce of the wire dtype."""
@@ -255,6 +404,7 @@ class CollectiveDiLoCo(Callback):
                 ctx.record.set(key, value)
         ctx.record.set("diloco/outer_steps", self.outer_steps)
         ctx.record.set("diloco/bytes_reduced", self.bytes_reduced)
+        ctx.record.set("diloco/outliers", self.outliers)
         if self.last_pseudo_grad_norm is not None:
             ctx.record.set("diloco/pseudo_grad_norm", self.last_pseudo_grad_norm)
 
@@ -271,6 +421,7 @@ class CollectiveDiLoCo(Callback):
             "bytes_reduced": self.bytes_reduced,
             "baseline": dict(self.baseline),
             "outer": self.outer.state_dict(),
+            **self._robust_state(),
         }
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -297,6 +448,7 @@ class CollectiveDiLoCo(Callback):
             self.outer.load_state_dict(outer)
         self.outer_steps = int(cast(int, state.get("outer_steps", 0)))
         self.bytes_reduced = int(cast(int, state.get("bytes_reduced", 0)))
+        self._restore_robust(state)
         saved_h = int(cast(int, state.get("inner_steps", self.options.inner_steps)))
         horizon = self.options.inner_steps
         if start_step % horizon:

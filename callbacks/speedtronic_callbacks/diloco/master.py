@@ -12,7 +12,9 @@ One round (``sync_once``):
    read, then signature, fingerprint, keys, shapes, hash, NaN/Inf, name/header agreement;
    a delta whose content hash is in the ledger is a duplicate (removed), otherwise its
    staleness is checked. Every failure is a logged rejection; the file stays on the hub;
-3. weight each delta by its staleness, aggregate, and apply the outer Nesterov step to a
+3. screen the deltas' norms for outliers (``aggregation.screen``: clip, or reject as a
+   logged ``outlier`` rejection), weight each by its staleness times the work it reports
+   (``aggregation.work_weights``), aggregate, and apply the outer Nesterov step to a
    *copy* of the global state;
 4. publish model file, outer-state file, then the pointer (last, so readers never follow
    it to a missing file; on the Hub all three are one atomic commit), removing the applied
@@ -40,6 +42,14 @@ from pathlib import Path
 
 import torch
 
+from speedtronic_callbacks.diloco.aggregation import (
+    MIN_REFERENCE,
+    NormHistory,
+    RobustSettings,
+    screen,
+    state_norm,
+    work_weights,
+)
 from speedtronic_callbacks.diloco.legacy_hub import (
     V2Pointer,
     decode_v2_global,
@@ -142,6 +152,10 @@ class MasterSettings:
     secret: bytes | None = field(default=None, repr=False)
     max_file_bytes: int | None = None
     """Largest hub file read; ``None``: derived from the model (``largest_file_bytes``)."""
+    robust: RobustSettings = field(default_factory=RobustSettings)
+    """The outlier rule (``outlier_policy``, ``outlier_factor``, ``outlier_window``)."""
+    weight_by_work: bool = True
+    """Weight deltas by the tokens (else samples) they report, times staleness."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +174,11 @@ class AppliedDelta:
     base_outer_step: int
     staleness: int
     weight: float
+    norm: float = 0.0
+    clip: float = 1.0
+    """The factor an outlier was scaled by (1: applied as it came)."""
+    tokens: int = 0
+    samples: int = 0
 
 
 @dataclass(frozen=True)
@@ -175,6 +194,8 @@ class RoundReport:
     latency_s: float = 0.0
     paused: str | None = None
     """Why the round did nothing (the hub pointer is unreadable), or ``None``."""
+    norms: tuple[float, ...] = ()
+    """The applied deltas' norms (clipped ones at the bound): the outlier history."""
 
     @property
     def included(self) -> int:
@@ -218,6 +239,7 @@ class MasterLoop:
         self._expected_pointer: tuple[int, str] | None = None
         self._known_applied: dict[str, str] = {}
         self._paused: str | None = None
+        self._norms = NormHistory(settings.robust.window)
         transport.limit_file_size(settings.max_file_bytes or largest_file_bytes(layout))
 
     # -- single master per hub (per process) -------------------------------------------
@@ -276,6 +298,7 @@ class MasterLoop:
             "applied": sorted(snapshot.ledger.applied),
             "progress": progress_to_json(snapshot.ledger.progress),
             "rejected": rejected,
+            "norm_history": self._norms.to_list(),
         }
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -297,7 +320,9 @@ class MasterLoop:
         except ValueError as exc:
             raise ValueError(f"diloco master state: {exc}") from None
         ledger = Ledger(applied={str(h) for h in applied}, progress=parsed_progress)
+        norms = NormHistory.from_state(self.settings.robust.window, state.get("norm_history"))
         with self._lock:
+            self._norms = norms
             self._state = OuterState(global_state, momentum, outer_step, ledger)
             self._reconciled = False
             if isinstance(rejected, Mapping):
@@ -525,6 +550,7 @@ class MasterLoop:
             )
             with self._lock:
                 self._state = new_state
+                self._norms.record(report.norms)
             report = RoundReport(
                 outer_step=new_state.outer_step,
                 published=True,
@@ -580,6 +606,7 @@ class MasterLoop:
             seen.add(decoded.sha256)
             accepted.append((entry, decoded, staleness))
 
+        accepted, clips, norms = self._screen(state, accepted, rejected)
         if not accepted:
             report = RoundReport(
                 outer_step=state.outer_step,
@@ -590,9 +617,17 @@ class MasterLoop:
                 latency_s=self._clock() - started,
             )
             return report, None, cleanup
-
         power = self.settings.staleness_power
-        weights = [staleness_weight(staleness, power) for _, _, staleness in accepted]
+        infos = [decoded.info for _, decoded, _ in accepted]
+        work = (
+            work_weights([i.tokens for i in infos], [i.samples for i in infos])
+            if self.settings.weight_by_work
+            else [1.0] * len(accepted)
+        )
+        weights = [
+            staleness_weight(staleness, power) * share * clip
+            for (_, _, staleness), share, clip in zip(accepted, work, clips, strict=True)
+        ]
         aggregated = aggregate_deltas([decoded.tensors for _, decoded, _ in accepted], weights)
         new_global = dict(state.global_state)
         for key in aggregated:
@@ -603,7 +638,9 @@ class MasterLoop:
 
         ledger = Ledger(set(state.ledger.applied), dict(state.ledger.progress))
         applied: list[AppliedDelta] = []
-        for (entry, decoded, staleness), weight in zip(accepted, weights, strict=True):
+        for (entry, decoded, staleness), weight, norm, clip in zip(
+            accepted, weights, norms, clips, strict=True
+        ):
             path = entry.path
             info = decoded.info
             ledger.applied.add(decoded.sha256)
@@ -617,6 +654,10 @@ class MasterLoop:
                     base_outer_step=info.base_outer_step,
                     staleness=staleness,
                     weight=weight,
+                    norm=norm,
+                    clip=clip,
+                    tokens=info.tokens,
+                    samples=info.samples,
                 )
             )
             cleanup.append(path)
@@ -628,8 +669,45 @@ class MasterLoop:
             applied=tuple(applied),
             rejected=tuple(rejected),
             duplicates=duplicates,
+            norms=tuple(norm * clip for norm, clip in zip(norms, clips, strict=True)),
         )
         return report, new_state, cleanup
+
+    def _screen(
+        self,
+        state: OuterState,
+        accepted: list[tuple[RemoteFile, DecodedDelta, int]],
+        rejected: list[DeltaRejection],
+    ) -> tuple[list[tuple[RemoteFile, DecodedDelta, int]], list[float], list[float]]:
+        """Outlier screening of the round's deltas (``aggregation.screen``): returns the
+        deltas kept, their clip factors and norms; rejected outliers join ``rejected``."""
+        if not accepted:
+            return [], [], []
+        norms = [state_norm(decoded.tensors) for _, decoded, _ in accepted]
+        model_norm = None
+        if len(self._norms.norms) + len(norms) < MIN_REFERENCE:
+            model_norm = state_norm(state.global_state, self.layout.sync_keys)
+        screening = screen(norms, self._norms, self.settings.robust, model_norm)
+        kept: list[tuple[RemoteFile, DecodedDelta, int]] = []
+        clips: list[float] = []
+        kept_norms: list[float] = []
+        for item, norm, factor in zip(accepted, norms, screening.factors, strict=True):
+            if factor == 0.0:
+                detail = f"pseudo-gradient norm {norm:.4g} exceeds the bound {screening.bound}"
+                rejected.append(self._reject(item[0], Rejected(RejectionReason.OUTLIER, detail)))
+                continue
+            if factor != 1.0:
+                logger.warning(
+                    "diloco master clipped %s: pseudo-gradient norm %.4g is above %.4g "
+                    "(outlier_factor x the recent median)",
+                    item[0].path,
+                    norm,
+                    screening.bound,
+                )
+            kept.append(item)
+            clips.append(factor)
+            kept_norms.append(norm)
+        return kept, clips, kept_norms
 
     def _download(self, entry: RemoteFile, name: DeltaName) -> DecodedDelta | None:
         """Read and decode one candidate (``None`` if it vanished). Files that are not
@@ -851,6 +929,10 @@ class MasterLoop:
                     "base_outer_step": item.base_outer_step,
                     "staleness": item.staleness,
                     "weight": item.weight,
+                    "norm": item.norm,
+                    "clip": item.clip,
+                    "tokens": item.tokens,
+                    "samples": item.samples,
                 }
                 for item in report.applied
             ],

@@ -36,6 +36,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from speedtronic_callbacks.diloco.encoding import Encoding
 from speedtronic_callbacks.diloco.lanes import ErrorReporter, Inbox, Lane
 from speedtronic_callbacks.diloco.master import (
     MasterConflictError,
@@ -55,6 +56,7 @@ from speedtronic_callbacks.diloco.wire import (
     decode_global,
     encode_wire,
     expand_aliases,
+    from_wire,
     global_tensors,
     largest_file_bytes,
     parse_header,
@@ -81,15 +83,26 @@ class NodeSettings:
     secret: bytes | None = field(default=None, repr=False)
     max_file_bytes: int | None = None
     """Largest hub file read; ``None``: derived from the model (``largest_file_bytes``)."""
+    delta_dtype: Encoding | None = None
+    """The delta encoding (``None``: the one ``compression`` names)."""
+    error_feedback: bool = True
+    """Carry what a lossy encoding dropped into the next delta."""
+
+    @property
+    def encoding(self) -> Encoding:
+        return self.delta_dtype or Encoding.parse(self.compression.value)
 
 
 @dataclass(frozen=True)
 class UploadJob:
-    """An immutable delta to send. Re-sending it produces the same content hash."""
+    """An immutable delta to send. Re-sending it produces the same content hash.
+    ``tokens``/``samples``: what the node trained for it (0: not counted)."""
 
     delta: dict[str, torch.Tensor]
     local_step: int
     base_outer_step: int
+    tokens: int = 0
+    samples: int = 0
 
 
 @dataclass(frozen=True)
@@ -206,6 +219,11 @@ class DiLoCoNode:
         self.baseline: dict[str, torch.Tensor] | None = None
         self.pending: dict[str, torch.Tensor] | None = None
         self.pending_base = -1
+        self.pending_work = (0, 0)
+        """Tokens and samples trained for ``pending`` (sent with it as upload metadata)."""
+        self._work_now = (0, 0)
+        self._work_mark = (0, 0)
+        self._held_work = (0, 0)
         self.unconfirmed: UploadJob | None = None
         self._held_pending: dict[str, torch.Tensor] | None = None
         self._held_base = -1
@@ -306,19 +324,34 @@ class DiLoCoNode:
         assert self.baseline is not None  # set by start()
         current = _snapshot(self.model, self.layout.sync_keys)
         segment = pseudo_gradient(self.baseline, current, self.layout.sync_keys)
-        self._add_pending(segment, self.installed_step)
+        self._add_pending(segment, self.installed_step, self._take_work())
         self.baseline = current
         self._captured_step = step
 
-    def _add_pending(self, delta: Mapping[str, torch.Tensor], base: int) -> None:
-        """Add ``delta`` (made from global ``base``) to the pending delta. Out of place: a
-        checkpoint taken earlier may still hold the previous tensors."""
+    def _add_pending(
+        self, delta: Mapping[str, torch.Tensor], base: int, work: tuple[int, int] = (0, 0)
+    ) -> None:
+        """Add ``delta`` (made from global ``base`` by training ``work`` tokens and
+        samples) to the pending delta. Out of place: a checkpoint taken earlier may still
+        hold the previous tensors."""
         if self.pending is None:
             self.pending = dict(delta)
             self.pending_base = base
+            self.pending_work = work
         else:
             self.pending = {key: value + delta[key] for key, value in self.pending.items()}
             self.pending_base = min(self.pending_base, base)
+            self.pending_work = (self.pending_work[0] + work[0], self.pending_work[1] + work[1])
+
+    def record_work(self, tokens: int, samples: int) -> None:
+        """The trainer's token and sample counters now (called before ``on_step``); what
+        they grew by since the last capture travels with the delta (``weight_by_work``)."""
+        self._work_now = (tokens, samples)
+
+    def _take_work(self) -> tuple[int, int]:
+        now, mark = self._work_now, self._work_mark
+        self._work_mark = now
+        return (max(0, now[0] - mark[0]), max(0, now[1] - mark[1]))
 
     def _dispatch(self, step: int) -> bool:
         """Hand the unconfirmed job (a resend) or the pending delta to the upload lane."""
@@ -344,7 +377,7 @@ class DiLoCoNode:
                 self._resync = True
                 self.stats.resyncs += 1
                 return False
-            job = UploadJob(pending, step, self.pending_base)
+            job = UploadJob(pending, step, self.pending_base, *self.pending_work)
             self.pending = None
             self.unconfirmed = job
         submitted = self.upload_lane.try_submit(lambda: self._upload(job))
@@ -412,13 +445,19 @@ class DiLoCoNode:
             local_step=job.local_step,
             base_outer_step=job.base_outer_step,
             incarnation=self.incarnation,
+            tokens=job.tokens,
+            samples=job.samples,
         )
         residual = None
         try:
-            wire = to_wire(job.delta, self.layout, self.settings.compression)
-            if self.settings.compression is not Compression.NONE:
-                residual = {key: job.delta[key] - wire[key].to(torch.float32) for key in wire}
-            data = encode_wire(wire, info, self.layout, secret=self.settings.secret)
+            encoding = self.settings.encoding
+            wire = to_wire(job.delta, self.layout, encoding)
+            if encoding.lossy and self.settings.error_feedback:
+                sent = from_wire(wire, self.layout, encoding)
+                residual = {key: job.delta[key] - sent[key] for key in sent}
+            data = encode_wire(
+                wire, info, self.layout, secret=self.settings.secret, encoding=encoding
+            )
             path = delta_path(info.node_id, info.local_step, parse_header(data).metadata["sha256"])
             self.transport.put(path, data)
         except TransportError as exc:
@@ -610,7 +649,7 @@ class DiLoCoNode:
             self._resync = True
             self.stats.resyncs += 1
         elif self._held_pending is not None:
-            self._add_pending(self._held_pending, self._held_base)
+            self._add_pending(self._held_pending, self._held_base, self._held_work)
             self._held_pending = None
         self._startup_done = True
 
@@ -656,12 +695,17 @@ class DiLoCoNode:
             "pending_base": self.pending_base,
             "held_pending": self._held_pending,
             "held_base": self._held_base,
+            "pending_work": list(self.pending_work) if self.pending is not None else [0, 0],
+            "held_work": list(self._held_work),
+            "work_mark": list(self._work_mark),
             "unconfirmed": None
             if job is None
             else {
                 "delta": job.delta,
                 "local_step": job.local_step,
                 "base_outer_step": job.base_outer_step,
+                "tokens": job.tokens,
+                "samples": job.samples,
             },
             "master": {} if self.master is None else self.master.state_dict(),
         }
@@ -698,6 +742,9 @@ class DiLoCoNode:
             if state.get(tensors) is not None
         ]
         self._held_base = min(bases, default=-1)
+        pending_work, held_work = _work(state, "pending_work"), _work(state, "held_work")
+        self._held_work = (pending_work[0] + held_work[0], pending_work[1] + held_work[1])
+        self._work_mark = self._work_now = _work(state, "work_mark")
         unconfirmed = state.get("unconfirmed")
         if isinstance(unconfirmed, Mapping):
             delta = _optional_tensors(unconfirmed, "delta", self.layout)
@@ -706,6 +753,7 @@ class DiLoCoNode:
                     delta,
                     _integer(unconfirmed, "local_step"),
                     _integer(unconfirmed, "base_outer_step"),
+                    *_work(unconfirmed, "tokens", "samples"),
                 )
         self._checkpoint_step = _integer(state, "checkpoint_step")
         self._startup_done = False
@@ -759,6 +807,21 @@ def _integer(state: Mapping[str, object], key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"diloco state: {key!r} must be an integer")
     return value
+
+
+def _work(state: Mapping[str, object], *keys: str) -> tuple[int, int]:
+    """Tokens and samples: ``[tokens, samples]`` under one key, or one key each; (0, 0)
+    when absent (a checkpoint of an earlier version)."""
+    if len(keys) == 1:
+        value = state.get(keys[0], [0, 0])
+        if not (isinstance(value, (list, tuple)) and len(value) == 2):
+            raise ValueError(f"diloco state: {keys[0]!r} must be [tokens, samples]")
+        items = list(value)
+    else:
+        items = [state.get(key, 0) for key in keys]
+    if not all(isinstance(item, int) and not isinstance(item, bool) for item in items):
+        raise ValueError(f"diloco state: {keys} must be integers")
+    return (int(items[0]), int(items[1]))
 
 
 def _optional_tensors(

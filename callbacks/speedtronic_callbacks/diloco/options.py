@@ -24,6 +24,8 @@ from typing import Literal, Protocol, cast
 from jsonschema import Draft202012Validator
 
 from speedtronic.callback import JSONSchema
+from speedtronic_callbacks.diloco.aggregation import RobustSettings
+from speedtronic_callbacks.diloco.encoding import Encoding
 from speedtronic_callbacks.diloco.master import NODE_ID_PATTERN
 
 __all__ = [
@@ -33,15 +35,21 @@ __all__ = [
     "OPTIONS_SCHEMA",
     "CollectiveDiLoCoOptions",
     "collective_option_problems",
+    "delta_encoding",
+    "encoding_problems",
     "DiLoCoOptions",
     "DistributedSection",
     "distributed_section_problems",
     "hub_option_problems",
     "normalise_distributed_section",
     "options_from_distributed_section",
+    "robust_settings",
 ]
 
 logger = logging.getLogger("speedtronic.diloco")
+
+DeltaDtype = Literal["fp32", "bf16", "fp16", "int8", "fp4"]
+OutlierPolicy = Literal["clip", "reject", "off"]
 
 _positive = {"type": "number", "exclusiveMinimum": 0}
 # The outer Nesterov optimizer's options: the same in hub and collective mode.
@@ -53,6 +61,48 @@ _OUTER_OPTIMIZER: dict[str, object] = {
         "exclusiveMaximum": 1,
         "default": 0.9,
         "description": "Outer Nesterov momentum.",
+    },
+}
+
+# How pseudo-gradients travel and how they are combined: the same in both modes
+# (docs/distributed.md, "Delta encodings" and "Robust aggregation").
+_ENCODING_AND_AGGREGATION: dict[str, object] = {
+    "delta_dtype": {
+        "enum": ["fp32", "bf16", "fp16", "int8", "fp4", None],
+        "default": None,
+        "description": "Pseudo-gradient encoding on the wire and in hub files: fp32, "
+        "bf16/fp16 (1/2 the bytes), int8 (per-block scale, ~1/4), fp4 (e2m1 with a "
+        "per-block scale, ~1/7); null: what 'compression' says. The outer step is float32.",
+    },
+    "error_feedback": {
+        "type": "boolean",
+        "default": True,
+        "description": "Carry what a lossy delta_dtype dropped into the next round's "
+        "pseudo-gradient (kept in the checkpoint).",
+    },
+    "outlier_policy": {
+        "enum": ["clip", "reject", "off"],
+        "default": "clip",
+        "description": "A pseudo-gradient whose norm exceeds outlier_factor x the median of "
+        "recent norms is scaled down to that bound (clip) or left out (reject).",
+    },
+    "outlier_factor": {
+        "type": "number",
+        "exclusiveMinimum": 1,
+        "default": 10.0,
+        "description": "How many times the recent median norm a pseudo-gradient may reach.",
+    },
+    "outlier_window": {
+        "type": "integer",
+        "minimum": 1,
+        "default": 16,
+        "description": "How many recent pseudo-gradient norms the median is taken over.",
+    },
+    "weight_by_work": {
+        "type": "boolean",
+        "default": True,
+        "description": "Weight each pseudo-gradient by the tokens (else samples) trained "
+        "for it, relative to the round's mean (with the staleness weight in hub mode).",
     },
 }
 
@@ -133,6 +183,7 @@ HUB_OPTIONS_SCHEMA: JSONSchema = {
             "default": "none",
             "description": "Delta precision on the wire (bf16/fp16 halve the bytes).",
         },
+        **_ENCODING_AND_AGGREGATION,
         "staleness_power": {
             "type": "number",
             "minimum": 0,
@@ -217,6 +268,7 @@ COLLECTIVE_OPTIONS_SCHEMA: JSONSchema = {
             "description": "Precision of the pseudo-gradient all-reduce (bf16/fp16 halve "
             "the bytes; the outer step itself is float32).",
         },
+        **_ENCODING_AND_AGGREGATION,
         "reset_optimizer": {
             "type": "boolean",
             "default": True,
@@ -441,6 +493,12 @@ class DiLoCoOptions:
     request_timeout: float = 600.0
     reset_optimizer: bool = True
     compression: Literal["none", "bf16", "fp16"] = "none"
+    delta_dtype: DeltaDtype | None = None
+    error_feedback: bool = True
+    outlier_policy: OutlierPolicy = "clip"
+    outlier_factor: float = 10.0
+    outlier_window: int = 16
+    weight_by_work: bool = True
     staleness_power: float = 0.5
     max_staleness: int | None = None
     signing_secret_env: str | None = None
@@ -494,7 +552,28 @@ def hub_option_problems(
             for error in sorted(_HUB_VALIDATOR.iter_errors(dict(values)), key=str)
         ]
     problems.extend(_hub_cross_field_problems(values))
+    problems.extend(encoding_problems(values))
     return problems
+
+
+def encoding_problems(values: Mapping[str, object]) -> Iterator[str]:
+    """``delta_dtype`` and its older spelling ``compression`` may not both be set."""
+    compression = values.get("compression", "none")
+    if values.get("delta_dtype") is not None and compression not in ("none", None):
+        yield (
+            f"delta_dtype: set delta_dtype or compression ({compression!r}), not both "
+            "(compression is delta_dtype's older name)"
+        )
+
+
+def delta_encoding(options: DiLoCoOptions | CollectiveDiLoCoOptions) -> Encoding:
+    """The encoding ``options`` choose: ``delta_dtype``, else ``compression``."""
+    return Encoding.parse(options.delta_dtype or options.compression)
+
+
+def robust_settings(options: DiLoCoOptions | CollectiveDiLoCoOptions) -> RobustSettings:
+    """The outlier rule ``options`` choose."""
+    return RobustSettings(options.outlier_policy, options.outlier_factor, options.outlier_window)
 
 
 def _hub_cross_field_problems(values: Mapping[str, object]) -> Iterator[str]:
@@ -531,6 +610,12 @@ class CollectiveDiLoCoOptions:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     compression: Literal["none", "bf16", "fp16"] = "none"
+    delta_dtype: DeltaDtype | None = None
+    error_feedback: bool = True
+    outlier_policy: OutlierPolicy = "clip"
+    outlier_factor: float = 10.0
+    outlier_window: int = 16
+    weight_by_work: bool = True
     reset_optimizer: bool = True
     ranks_per_replica: int = 1
     sync_timeout_s: float | None = None
@@ -557,8 +642,8 @@ _COLLECTIVE_VALIDATOR = Draft202012Validator(COLLECTIVE_OPTIONS_SCHEMA)
 
 
 def collective_option_problems(values: Mapping[str, object]) -> list[str]:
-    """Every schema problem of collective-mode options, each starting with its key."""
-    return _schema_problems(_COLLECTIVE_VALIDATOR, values)
+    """Every problem of collective-mode options, each starting with its key."""
+    return [*_schema_problems(_COLLECTIVE_VALIDATOR, values), *encoding_problems(values)]
 
 
 def _schema_problems(validator: Draft202012Validator, values: Mapping[str, object]) -> list[str]:

@@ -2,7 +2,9 @@
 
 Three kinds of tensor file share one format (``FORMAT``):
 
-* ``delta``  -- a node's pseudo-gradient (float32, or bf16/fp16 when compressed);
+* ``delta``  -- a node's pseudo-gradient, in its ``encoding`` (``diloco.encoding``):
+  one tensor per synchronised key (fp32/bf16/fp16), or the packed ``codes`` and ``scales``
+  of the flattened delta (int8/fp4);
 * ``global`` -- the master's full model state after an outer step (native dtypes);
 * ``outer``  -- the master's outer-optimizer momentum plus its ledger (float32).
 
@@ -32,6 +34,14 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from speedtronic_callbacks.diloco.encoding import (
+    BLOCK_SIZE,
+    Encoding,
+    Packed,
+    PackingError,
+    pack,
+    unpack,
+)
 from speedtronic_callbacks.diloco.math import StateDict, is_synchronised
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
 
@@ -85,6 +95,9 @@ class RejectionReason(str, enum.Enum):
     TOO_LARGE = "too_large"
     TOO_STALE = "too_stale"
     FUTURE_BASE = "future_base"
+    UNKNOWN_ENCODING = "unknown_encoding"
+    BAD_PACKING = "bad_packing"
+    OUTLIER = "outlier"
 
 
 class Rejected(Exception):
@@ -373,37 +386,114 @@ def _check_entries(header: Header, expected: Mapping[str, tuple[int, ...]], what
 
 @dataclass(frozen=True)
 class DeltaInfo:
-    """Who made a delta and from which global it started."""
+    """Who made a delta, from which global it started and how much it trained since
+    (``tokens``/``samples``: 0 when unknown; the master weights deltas by them)."""
 
     node_id: str
     local_step: int
     base_outer_step: int
     incarnation: str = ""
+    tokens: int = 0
+    samples: int = 0
+
+
+PACKED_KEYS = ("codes", "scales")
+"""The entries of an int8/fp4 delta file: the packed codes and the per-block scales of the
+delta flattened in the layout's key order."""
+
+MAX_BLOCK_SIZE = 1 << 20
+"""The largest ``block_size`` a packed delta file may declare."""
+
+_PACKED_DTYPES = {"U8": torch.uint8, "F32": torch.float32}
+
+
+def flatten_delta(delta: StateDict, layout: ModelLayout) -> torch.Tensor:
+    """One float32 vector: the delta's entries in the layout's key order."""
+    parts = [delta[key].detach().reshape(-1).to("cpu", torch.float32) for key in layout.sync_keys]
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def unflatten_delta(flat: torch.Tensor, layout: ModelLayout) -> dict[str, torch.Tensor]:
+    """``flatten_delta``'s inverse: per-key float32 tensors in their wire shapes."""
+    result: dict[str, torch.Tensor] = {}
+    offset = 0
+    for key in layout.sync_keys:
+        shape = layout.wire_shapes[key]
+        count = 1
+        for dim in shape:
+            count *= dim
+        result[key] = flat[offset : offset + count].reshape(shape)
+        offset += count
+    return result
+
+
+def _as_encoding(value: Compression | Encoding) -> Encoding:
+    return value if isinstance(value, Encoding) else Encoding.parse(value.value)
 
 
 def to_wire(
-    delta: StateDict, layout: ModelLayout, compression: Compression = Compression.NONE
+    delta: StateDict, layout: ModelLayout, compression: Compression | Encoding = Compression.NONE
 ) -> dict[str, torch.Tensor]:
-    """The delta's tensors as they travel: cast to the compression dtype. An fp16 delta
-    with values beyond the fp16 range is sent in float32 instead of overflowing to Inf."""
-    dtype = compression.dtype
-    if compression is Compression.FP16 and any(
+    """The delta's tensors as they travel: cast to the encoding's dtype (fp32/bf16/fp16;
+    an fp16 delta with values beyond the fp16 range is sent in float32 instead of
+    overflowing to Inf), or packed into ``PACKED_KEYS`` (int8/fp4)."""
+    encoding = _as_encoding(compression)
+    if encoding.packed:
+        packed = pack(flatten_delta(delta, layout), encoding)
+        return {"codes": packed.codes, "scales": packed.scales}
+    dtype = encoding.float_dtype
+    if encoding is Encoding.FP16 and any(
         bool(t.abs().max() > _FP16_MAX) for t in delta.values() if t.numel()
     ):
         dtype = torch.float32
     return {key: delta[key].to(dtype) for key in layout.sync_keys}
 
 
+def wire_encoding(wire: StateDict) -> Encoding:
+    """The encoding of ``to_wire``'s result, read from its entries."""
+    if set(wire) == set(PACKED_KEYS):
+        raise ValueError("a packed delta's encoding cannot be told from its tensors")
+    dtypes = {tensor.dtype for tensor in wire.values()}
+    for encoding in (Encoding.BF16, Encoding.FP16):
+        if dtypes == {encoding.float_dtype}:
+            return encoding
+    return Encoding.FP32
+
+
+def from_wire(wire: StateDict, layout: ModelLayout, encoding: Encoding) -> dict[str, torch.Tensor]:
+    """What a receiver decodes from ``to_wire``'s result: float32 per key."""
+    if encoding.packed:
+        packed = Packed(encoding, layout.sync_numel, BLOCK_SIZE, wire["codes"], wire["scales"])
+        return unflatten_delta(unpack(packed), layout)
+    return {key: wire[key].to(torch.float32) for key in layout.sync_keys}
+
+
 def encode_wire(
-    wire: StateDict, info: DeltaInfo, layout: ModelLayout, *, secret: bytes | None = None
+    wire: StateDict,
+    info: DeltaInfo,
+    layout: ModelLayout,
+    *,
+    secret: bytes | None = None,
+    encoding: Encoding | None = None,
 ) -> bytes:
-    """A delta file from tensors already in their wire dtype (see ``to_wire``)."""
+    """A delta file from tensors already in their wire form (see ``to_wire``). The
+    ``encoding`` (read from the tensors' dtypes when not given; required for int8/fp4) is
+    recorded in the signed metadata, with the block size and value count of a packed one."""
+    encoding = encoding or wire_encoding(wire)
+    if encoding is Encoding.FP16 and any(t.dtype == torch.float32 for t in wire.values()):
+        encoding = Encoding.FP32  # to_wire's overflow fallback
     fields = {
         "node_id": info.node_id,
         "local_step": str(info.local_step),
         "base_outer_step": str(info.base_outer_step),
         "incarnation": info.incarnation,
+        "encoding": encoding.value,
+        "tokens": str(info.tokens),
+        "samples": str(info.samples),
     }
+    if encoding.packed:
+        fields["block_size"] = str(BLOCK_SIZE)
+        fields["values"] = str(layout.sync_numel)
     return encode_file("delta", wire, fields, fingerprint=layout.fingerprint, secret=secret)
 
 
@@ -412,34 +502,60 @@ def encode_delta(
     info: DeltaInfo,
     layout: ModelLayout,
     *,
-    compression: Compression = Compression.NONE,
+    compression: Compression | Encoding = Compression.NONE,
     secret: bytes | None = None,
 ) -> bytes:
-    """A delta file (float32, or halved to bf16/fp16 with ``compression``)."""
-    return encode_wire(to_wire(delta, layout, compression), info, layout, secret=secret)
+    """A delta file in ``compression``'s encoding (a ``Compression`` or an ``Encoding``)."""
+    encoding = _as_encoding(compression)
+    wire = to_wire(delta, layout, encoding)
+    return encode_wire(wire, info, layout, secret=secret, encoding=encoding)
 
 
 @dataclass(frozen=True)
 class DecodedDelta:
-    """A validated delta as float32 tensors, with its origin and content hash."""
+    """A validated delta as float32 tensors, with its origin, content hash and encoding."""
 
     info: DeltaInfo
     tensors: dict[str, torch.Tensor]
     sha256: str
     size: int
+    encoding: Encoding = Encoding.FP32
+
+
+def _declared_encoding(data: bytes) -> Encoding | str | None:
+    """The ``encoding`` a delta file's header declares: ``None`` when absent (files of
+    earlier versions: float tensors per key), the name itself when it is unknown."""
+    declared = parse_header(data).metadata.get("encoding")
+    if declared is None:
+        return None
+    try:
+        return Encoding(declared)
+    except ValueError:
+        return declared
 
 
 def decode_delta(data: bytes, layout: ModelLayout, *, secret: bytes | None) -> DecodedDelta:
-    """Validate a delta file against ``layout``; ``Rejected`` on any problem."""
+    """Validate a delta file against ``layout``; ``Rejected`` on any problem: an encoding
+    this version does not know is ``UNKNOWN_ENCODING`` (after the signature and
+    fingerprint checks), packed data that does not fit its header ``BAD_PACKING``."""
+    declared = _declared_encoding(data)
+    packed = isinstance(declared, Encoding) and declared.packed
+    known = declared is None or isinstance(declared, Encoding)
     decoded = decode_file(
         data,
         "delta",
         fingerprint=layout.fingerprint,
         secret=secret,
-        expected_shapes=layout.wire_shapes,
-        allowed_dtypes=_WIRE_DTYPES,
+        expected_shapes=layout.wire_shapes if known and not packed else None,
+        allowed_dtypes=(_PACKED_DTYPES if packed else _WIRE_DTYPES) if known else None,
         what="delta",
     )
+    if not isinstance(declared, Encoding) and declared is not None:
+        known_names = ", ".join(item.value for item in Encoding)
+        raise Rejected(
+            RejectionReason.UNKNOWN_ENCODING,
+            f"delta is encoded as {declared[:40]!r}; this version reads {known_names}",
+        )
     meta = decoded.metadata
     require_fields(meta, ("node_id", "local_step", "base_outer_step"), "delta")
     info = DeltaInfo(
@@ -447,9 +563,59 @@ def decode_delta(data: bytes, layout: ModelLayout, *, secret: bytes | None) -> D
         local_step=int_field(meta, "local_step", "delta"),
         base_outer_step=int_field(meta, "base_outer_step", "delta"),
         incarnation=meta.get("incarnation", ""),
+        tokens=_count_field(meta, "tokens"),
+        samples=_count_field(meta, "samples"),
     )
-    tensors = {key: value.to(torch.float32) for key, value in decoded.tensors.items()}
-    return DecodedDelta(info=info, tensors=tensors, sha256=decoded.sha256, size=decoded.size)
+    encoding = declared or wire_encoding(decoded.tensors)
+    if encoding.packed:
+        tensors = _unpack_delta(decoded, layout, encoding)
+    else:
+        tensors = {key: value.to(torch.float32) for key, value in decoded.tensors.items()}
+    return DecodedDelta(
+        info=info, tensors=tensors, sha256=decoded.sha256, size=decoded.size, encoding=encoding
+    )
+
+
+def _count_field(meta: Mapping[str, str], name: str) -> int:
+    """An optional non-negative count (``tokens``, ``samples``); 0 when absent."""
+    if name not in meta:
+        return 0
+    value = int_field(meta, name, "delta")
+    if value < 0:
+        raise Rejected(RejectionReason.BAD_METADATA, f"delta field {name!r} is negative")
+    return value
+
+
+def _unpack_delta(
+    decoded: DecodedFile, layout: ModelLayout, encoding: Encoding
+) -> dict[str, torch.Tensor]:
+    """The float32 delta of a packed file; ``BAD_PACKING`` when the codes or scales do not
+    fit the header (block size, value count) or the model."""
+    tensors, meta = decoded.tensors, decoded.metadata
+    if set(tensors) != set(PACKED_KEYS):
+        raise Rejected(
+            RejectionReason.WRONG_KEYS,
+            f"a {encoding.value} delta holds {sorted(tensors)[:5]}, expected {list(PACKED_KEYS)}",
+        )
+    require_fields(meta, ("block_size", "values"), "delta")
+    block_size = int_field(meta, "block_size", "delta")
+    values = int_field(meta, "values", "delta")
+    expected = layout.sync_numel
+    if values != expected:
+        raise Rejected(
+            RejectionReason.BAD_PACKING,
+            f"{encoding.value} delta says it holds {values} values, this model has {expected}",
+        )
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise Rejected(RejectionReason.BAD_PACKING, f"block size {block_size} is out of range")
+    codes, scales = tensors["codes"], tensors["scales"]
+    if codes.dim() != 1 or scales.dim() != 1:
+        raise Rejected(RejectionReason.BAD_PACKING, "packed codes and scales must be 1-D")
+    try:
+        flat = unpack(Packed(encoding, values, block_size, codes, scales))
+    except PackingError as exc:
+        raise Rejected(RejectionReason.BAD_PACKING, f"delta: {exc}") from None
+    return unflatten_delta(flat, layout)
 
 
 # -- global model and outer state ------------------------------------------------------

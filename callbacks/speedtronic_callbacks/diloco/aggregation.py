@@ -1,0 +1,192 @@
+"""Robust aggregation and work weighting of pseudo-gradients (hub master and collective).
+
+Two rules, both pure arithmetic on norms and counts so the hub master and every rank of a
+collective run compute the same answer from the same numbers:
+
+**Outlier screening** (``outlier_policy``, ``outlier_factor``, ``outlier_window``). The
+reference is the median of the recent norms (``NormHistory``: the last ``window`` norms
+that were applied, clipped ones at their clipped value) together with the norms of this
+round. A pseudo-gradient whose norm is above ``factor x median`` is an outlier: ``clip``
+scales it down to that bound, ``reject`` leaves it out. While fewer than
+``MIN_REFERENCE`` norms are known the median is not trusted and the bound is ``factor x``
+the norm of the global model's synchronised weights instead (an honest pseudo-gradient of
+H inner steps moves the model by a fraction of its own size; a zero model sets no bound).
+A non-finite norm is always left out unless the policy is ``off``. So a pseudo-gradient
+of 1e6-valued entries is never applied as it is.
+
+**Work weighting** (``weight_by_work``). Each pseudo-gradient counts ``work_i / mean(work)``
+where work is the tokens trained for it when every one in the round reports tokens, else
+the samples, else nothing (weight 1). Equal work gives weight exactly 1, so a round of
+equal nodes averages as before. In hub mode this multiplies the staleness weight.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from speedtronic_callbacks.diloco.math import StateDict, as_real_fp32
+
+__all__ = [
+    "MIN_REFERENCE",
+    "NormHistory",
+    "RobustSettings",
+    "Screening",
+    "replica_coefficients",
+    "screen",
+    "state_norm",
+    "work_weights",
+]
+
+MIN_REFERENCE = 3
+"""Norms needed (history plus this round) before their median is the reference."""
+
+Policy = Literal["clip", "reject", "off"]
+
+
+@dataclass(frozen=True)
+class RobustSettings:
+    """The outlier rule (see the module docstring)."""
+
+    policy: Policy = "clip"
+    factor: float = 10.0
+    window: int = 16
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("clip", "reject", "off"):
+            raise ValueError(f"outlier_policy must be clip, reject or off, got {self.policy!r}")
+        if not self.factor > 1:
+            raise ValueError(f"outlier_factor must be > 1, got {self.factor}")
+        if self.window < 1:
+            raise ValueError(f"outlier_window must be >= 1, got {self.window}")
+
+
+class NormHistory:
+    """The last ``window`` applied pseudo-gradient norms (checkpointed with its owner)."""
+
+    def __init__(self, window: int, norms: Iterable[float] = ()) -> None:
+        self.window = window
+        self.norms: deque[float] = deque((float(n) for n in norms), maxlen=window)
+
+    def record(self, norms: Iterable[float]) -> None:
+        self.norms.extend(float(n) for n in norms if math.isfinite(n))
+
+    def to_list(self) -> list[float]:
+        return list(self.norms)
+
+    @classmethod
+    def from_state(cls, window: int, value: object) -> NormHistory:
+        """Rebuild from ``to_list`` output; ``ValueError`` on anything else."""
+        if value is None:
+            return cls(window)
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(n, (int, float)) and not isinstance(n, bool) for n in value
+        ):
+            raise ValueError("diloco state: 'norm_history' must be a list of numbers")
+        return cls(window, value)
+
+
+@dataclass(frozen=True)
+class Screening:
+    """One round's verdicts: ``factors[i]`` scales pseudo-gradient ``i`` (1: as is, below 1:
+    clipped, 0: left out); ``bound`` is the norm limit used (``None``: no limit)."""
+
+    factors: tuple[float, ...]
+    bound: float | None
+
+    @property
+    def kept(self) -> int:
+        return sum(1 for factor in self.factors if factor > 0)
+
+    @property
+    def outliers(self) -> tuple[int, ...]:
+        return tuple(i for i, factor in enumerate(self.factors) if factor != 1.0)
+
+    def applied_norms(self, norms: Sequence[float]) -> list[float]:
+        """The norms as applied (clipped ones at the bound), for ``NormHistory.record``."""
+        return [norm * factor for norm, factor in zip(norms, self.factors, strict=True) if factor]
+
+
+def screen(
+    norms: Sequence[float],
+    history: NormHistory,
+    settings: RobustSettings,
+    model_norm: float | None = None,
+) -> Screening:
+    """Judge one round's pseudo-gradient ``norms`` against ``history`` (which it does not
+    change: record ``applied_norms`` once the round is committed). ``model_norm`` is the
+    global model's norm, the reference while fewer than ``MIN_REFERENCE`` norms are known."""
+    if settings.policy == "off":
+        return Screening(tuple(1.0 for _ in norms), None)
+    finite = [norm for norm in norms if math.isfinite(norm)]
+    reference = [*history.norms, *finite]
+    bound: float | None = None
+    if len(reference) >= MIN_REFERENCE:
+        bound = settings.factor * statistics.median(reference)
+    elif model_norm is not None and model_norm > 0:
+        bound = settings.factor * model_norm
+    factors: list[float] = []
+    for norm in norms:
+        if not math.isfinite(norm):
+            factors.append(0.0)
+        elif bound is None or norm <= bound:
+            factors.append(1.0)
+        elif settings.policy == "reject" or bound <= 0:
+            factors.append(0.0)
+        else:
+            factors.append(bound / norm)
+    return Screening(tuple(factors), bound)
+
+
+def work_weights(tokens: Sequence[int], samples: Sequence[int]) -> list[float]:
+    """``work_i / mean(work)`` by tokens, else samples, else 1 (see the module docstring)."""
+    for counts in (tokens, samples):
+        if counts and all(count > 0 for count in counts):
+            mean = sum(counts) / len(counts)
+            return [count / mean for count in counts]
+    return [1.0] * max(len(tokens), len(samples))
+
+
+def state_norm(state: StateDict, keys: Iterable[str] | None = None) -> float:
+    """The float64 L2 norm over ``keys`` of ``state`` (default: all), complex entries as
+    their real and imaginary parts."""
+    total = 0.0
+    for key in keys if keys is not None else state:
+        tensor = as_real_fp32(state[key].detach().cpu())
+        total += float(torch.linalg.vector_norm(tensor, dtype=torch.float64)) ** 2
+    return math.sqrt(total)
+
+
+def replica_coefficients(
+    norms: Sequence[float],
+    tokens: Sequence[int],
+    samples: Sequence[int],
+    history: NormHistory,
+    settings: RobustSettings,
+    *,
+    weight_by_work: bool,
+    model_norm: float | None = None,
+) -> tuple[list[float], Screening]:
+    """Collective mode: what each replica's pseudo-gradient is multiplied by before the
+    replicas' sum is divided by their count. Screening factors times work weights (over
+    the replicas kept), rescaled by ``count / kept`` so that leaving one out averages the
+    others; all zeros when none is kept. ``history`` is not changed."""
+    screening = screen(norms, history, settings, model_norm)
+    kept = [i for i, factor in enumerate(screening.factors) if factor > 0]
+    coefficients = [0.0] * len(norms)
+    if not kept:
+        return coefficients, screening
+    work = [1.0] * len(kept)
+    if weight_by_work:
+        work = work_weights([tokens[i] for i in kept], [samples[i] for i in kept])
+    rescale = len(norms) / len(kept)
+    for index, share in zip(kept, work, strict=True):
+        coefficient = share * screening.factors[index]
+        coefficients[index] = coefficient * rescale if rescale != 1.0 else coefficient
+    return coefficients, screening
