@@ -60,6 +60,21 @@ def capture_training_state(self: Trainer) -> dict[str, object]:
     }
 
 
+def _load_optimizer(self: Trainer, saved: dict[str, object]) -> None:
+    """Load the optimizer's state; a group layout that differs from this run's is a
+    ``TrainingStateError`` that says which setting decides the layout."""
+    groups = saved.get("param_groups")
+    ours = len(self.optimizer.param_groups)
+    if isinstance(groups, list) and len(groups) != ours:
+        raise TrainingStateError(
+            f"the checkpoint's optimizer has {len(groups)} parameter group(s), this run's has "
+            f"{ours}: the optimizer settings that split parameters into groups differ (e.g. "
+            "optimizer.decay_norms_and_biases, whose default a callback may propose; set it "
+            "as the run that wrote the checkpoint had it)"
+        )
+    self.optimizer.load_state_dict(saved)
+
+
 def restore_training_state(
     self: Trainer, state: Mapping[str, object], *, load_callbacks: bool = True
 ) -> None:
@@ -74,7 +89,7 @@ def restore_training_state(
     # touching the weights, so a mismatched checkpoint leaves the trainer as it was.
     weights = cast(Mapping[str, torch.Tensor], state["model"])
     _check_model(self, weights)
-    self.optimizer.load_state_dict(cast(dict[str, object], state["optimizer"]))
+    _load_optimizer(self, cast(dict[str, object], state["optimizer"]))
     self.model.load_state_dict(weights)
     if self.scheduler is not None and state.get("scheduler") is not None:
         self.scheduler.load_state_dict(cast(dict[str, object], state["scheduler"]))

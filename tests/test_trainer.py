@@ -195,6 +195,37 @@ def test_mismatched_state_is_a_clear_error() -> None:
         trainer.load_state_dict(dict(state, format_version=99))
 
 
+def test_a_different_optimizer_group_layout_is_a_clear_error() -> None:
+    """A checkpoint whose optimizer has other parameter groups than this run's (e.g. written
+    before ``optimizer.decay_norms_and_biases: false`` split gains and biases off) names the
+    setting, and leaves the trainer's weights as they were."""
+    from speedtronic.trainer import TrainingStateError
+
+    class TwoWeights(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.v = nn.Parameter(torch.zeros(()))
+            self.b = nn.Parameter(torch.ones(()))
+
+        def forward(self, labels: torch.Tensor) -> torch.Tensor:
+            return (self.v + self.b - labels.float().mean()) ** 2
+
+    def trainer(groups: int) -> Trainer:
+        model = TwoWeights()
+        params = list(model.parameters())
+        grouped = [{"params": params}] if groups == 1 else [{"params": [p]} for p in params]
+        return Trainer(model, torch.optim.SGD(grouped, lr=0.1), [{"labels": torch.ones(1)}])
+
+    one, two = trainer(1), trainer(2)
+    assert len(two.optimizer.param_groups) == 2
+    before = [p.detach().clone() for p in two.model.parameters()]
+    expected = r"1 parameter group.*this run's has 2.*decay_norms_and_biases"
+    with pytest.raises(TrainingStateError, match=expected):
+        two.load_state_dict(one.state_dict())
+    for kept, now in zip(before, two.model.parameters(), strict=True):
+        assert torch.equal(kept, now)
+
+
 def test_original_constructor_arguments_still_work(tmp_path: Path) -> None:
     """The original Trainer(logger=..., checkpoint_manager=...) keeps its behaviour."""
     import io
