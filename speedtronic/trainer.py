@@ -23,6 +23,7 @@ from torch import nn
 
 from speedtronic.callback import Callback
 from speedtronic.compat.trainer_args import coerce_config, legacy_callbacks, resolve_settings
+from speedtronic.config.sections import ParallelConfig
 from speedtronic.contexts import (
     ExceptionContext,
     FitContext,
@@ -54,6 +55,7 @@ from speedtronic.precision import (
     make_grad_scaler,
 )
 from speedtronic.result import TrainResult
+from speedtronic.sharding import find_shard_blocks
 from speedtronic.step_state import FitClock as FitClock
 from speedtronic.step_state import StepRequests
 from speedtronic.stop_watch import STOP_GRACE_S, StopWatch
@@ -68,6 +70,17 @@ if TYPE_CHECKING:
     from speedtronic.config import SpeedtronicConfig
 
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
+
+
+def _parallel_settings(
+    given: ParallelConfig | Mapping[str, object] | None, config: SpeedtronicConfig | None
+) -> ParallelConfig:
+    """``parallel=`` as given (a mapping is validated), else the config's, else ddp."""
+    if isinstance(given, ParallelConfig):
+        return given
+    if given is not None:
+        return ParallelConfig.from_dict(given)
+    return config.parallel if config is not None else ParallelConfig()
 
 
 def _raise_first(failures: Sequence[HookFailure]) -> None:
@@ -121,6 +134,7 @@ class Trainer:
         eval_data: Iterable[object] | None = None,
         eval_every: int | None = None,
         eval_max_batches: int | None = None,
+        parallel: ParallelConfig | Mapping[str, object] | None = None,
     ) -> None:
         check_eval_settings(eval_every, eval_max_batches)
         if eval_every is not None and eval_data is None:
@@ -200,6 +214,20 @@ class Trainer:
             compile=settings.compile,
             notes=self._notes,
         )
+        self.parallel = _parallel_settings(parallel, self.config)
+        """The ``parallel:`` settings: ``strategy`` (ddp/fsdp) and ``reshard_after_forward``."""
+        self._sharded_state = self.parallel.strategy == "fsdp"
+        if self._sharded_state and not self.forward_path.shard(
+            optimizer, self.callbacks, reshard_after_forward=self.parallel.reshard_after_forward
+        ):
+            find_shard_blocks(model)  # a model torchrun could not shard fails here too
+            warnings.warn(
+                "parallel.strategy fsdp on a single process: the model is one whole shard "
+                "(not sharded); checkpoints are still written sharded (DCP) and resume on "
+                "any number of ranks",
+                UserWarning,
+                stacklevel=2,
+            )
         self.trainable_parameters = [p for p in model.parameters() if p.requires_grad]
         self.eval_data = eval_data
         self.eval_every = eval_every or 0
@@ -274,6 +302,13 @@ class Trainer:
             RuntimeWarning,
             stacklevel=2,
         )
+
+    @property
+    def sharded_state(self) -> bool:
+        """Whether the training state is sharded (``parallel.strategy: fsdp``): checkpoints
+        are DCP directories every rank writes its shard of (``speedtronic.sharded_checkpoint``),
+        also on a single process, so they resume on any number of ranks."""
+        return self._sharded_state
 
     @property
     def notes(self) -> Notes:
