@@ -58,6 +58,7 @@ __all__ = [
     "agree_corrupt",
     "is_sharded_state",
     "load_sharded_tensors",
+    "load_sharded_weights",
     "read_sharded_state",
     "verify_sharded",
     "write_sharded",
@@ -382,15 +383,10 @@ def capture_sharded_tensors(
     return cast(dict[str, object], model_state), cast(dict[str, object], optimizer_state)
 
 
-def load_sharded_tensors(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load the tensors of the sharded checkpoint ``path`` into ``model`` and ``optimizer``
-    (on every rank: a collective), resharding to however they are sharded now.
-    ``ValueError`` naming the keys and shapes that do not fit (nothing is changed then)."""
+def _check_against(path: Path, model_state: Mapping[str, object]) -> None:
+    """``ValueError`` naming the model keys and shapes of ``path`` that do not fit."""
     from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-    from torch.distributed.checkpoint.state_dict_loader import load
 
-    model_state, optimizer_state = capture_sharded_tensors(model, optimizer)
     saved = _read_metadata(path, None, StorageMeta).state_dict_metadata
     own = {f"model.{key}": value for key, value in model_state.items()}
     missing = sorted(key for key in own if key not in saved)
@@ -413,12 +409,38 @@ def load_sharded_tensors(path: Path, model: nn.Module, optimizer: torch.optim.Op
         problems.append("shape mismatch: " + "; ".join(mismatched[:10]))
     if problems:
         raise ValueError("checkpoint does not match the model: " + " | ".join(problems))
-    state = {"model": model_state, "optimizer": optimizer_state}
+
+
+def _load(state: dict[str, object], path: Path) -> None:
+    from torch.distributed.checkpoint.state_dict_loader import load
+
     with _single_process_quietly():
         load(state, storage_reader=_reader(path), no_dist=not _multi_process())
+
+
+def load_sharded_tensors(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load the tensors of the sharded checkpoint ``path`` into ``model`` and ``optimizer``
+    (on every rank: a collective), resharding to however they are sharded now.
+    ``ValueError`` naming the keys and shapes that do not fit (nothing is changed then)."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    model_state, optimizer_state = capture_sharded_tensors(model, optimizer)
+    _check_against(path, model_state)
+    state: dict[str, object] = {"model": model_state, "optimizer": optimizer_state}
+    _load(state, path)
     set_state_dict(
         model,
         optimizer,
         model_state_dict=cast(dict[str, Any], state["model"]),
         optim_state_dict=cast(dict[str, Any], state["optimizer"]),
     )
+
+
+def load_sharded_weights(path: Path, model: nn.Module) -> None:
+    """Load only the model weights of the sharded checkpoint ``path`` into an unsharded
+    ``model`` in one process (``speedtronic evaluate``). ``ValueError`` when they do not fit."""
+    weights = model.state_dict()
+    _check_against(path, weights)
+    state: dict[str, object] = {"model": weights}
+    _load(state, path)
+    model.load_state_dict(weights)

@@ -34,6 +34,7 @@ from speedtronic.checkpoint import (
 )
 from speedtronic.config import ConfigError, load_config
 from speedtronic.resume import resume_from
+from speedtronic.run_lock import check_earlier_run
 from speedtronic.sharded_checkpoint import MANIFEST_NAME, STATE_NAME
 from speedtronic.sharding import ShardingError, find_shard_blocks
 from speedtronic.trainer import Trainer, TrainingStateError
@@ -156,7 +157,9 @@ def rank_main(rank: int, port: int, out: str) -> None:
     warnings.simplefilter("ignore")
     from torch.distributed.tensor import DTensor
 
+    from speedtronic.contexts import FitContext
     from speedtronic.distributed import setup_distributed, teardown_distributed
+    from speedtronic_callbacks.console import describe_fit_start
 
     context = setup_distributed("cpu", timeout_s=60.0)
     assert context is not None
@@ -174,6 +177,7 @@ def rank_main(rank: int, port: int, out: str) -> None:
                     float(r["grad_norm"]) for r in result.metrics
                 ]
                 if strategy == "fsdp":
+                    report["start_line"] = describe_fit_start(trainer, FitContext(0, STEPS))
                     weight = trainer.model.blocks[0][0].weight  # type: ignore[index]
                     report["sharded"] = isinstance(weight, DTensor) and (
                         weight.to_local().numel() < weight.numel()
@@ -249,6 +253,7 @@ def as_floats(value: object) -> list[float]:
 def test_two_ranks_fsdp_trains_like_ddp_with_and_without_accumulation(two_ranks: Path) -> None:
     for report in reports(two_ranks):
         assert report["sharded"] is True  # each rank holds half of a block's weight
+        assert "| world 2 (fsdp, gloo) |" in str(report["start_line"])
         for k in (1, 2):
             ddp, fsdp = as_floats(report[f"ddp/k{k}/loss"]), as_floats(report[f"fsdp/k{k}/loss"])
             assert len(ddp) == len(fsdp) == STEPS
@@ -345,6 +350,12 @@ def test_sharded_checkpoints_follow_keep_last_and_fall_back_past_damage(tmp_path
         with pytest.raises(CheckpointError, match="all truncated or corrupt"):
             manager.load_latest_checkpoint()
     assert "state.pt is missing" in str(caught[-1].message)
+    # A fresh run over them: --overwrite deletes the sharded directories too.
+    earlier = CheckpointCallback(tmp_path).earlier_run_files()
+    assert tmp_path / "step_000000000010.dcp" in earlier
+    with pytest.warns(UserWarning, match="--overwrite: deleted"):
+        check_earlier_run(earlier, resume=False, overwrite=True)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_sharded_checkpoint_holds_no_pickled_objects(tmp_path: Path) -> None:

@@ -55,6 +55,8 @@ def describe_fit_start(trainer: TrainerView, ctx: FitContext) -> str:
     distributed = trainer.distributed
     if distributed is not None and distributed.world_size > 1:
         strategy = _strategy(trainer.run_config, distributed.world_size)
+        if trainer.sharded_state and strategy == "ddp":
+            strategy = "fsdp"
         parts.append(f"world {distributed.world_size} ({strategy}, {distributed.backend})")
     parts += [
         f"precision {trainer.precision_mode}",
