@@ -1060,16 +1060,23 @@ def _load_sharded(path: Path, checksum: str | None) -> dict[str, object]:
     """A sharded checkpoint's state once it is verified -- by every rank, which agree on
     the verdict before any loads (``CorruptCheckpointError`` everywhere when any rank
     found it damaged: they fall back together)."""
-    problem: CorruptCheckpointError | None = None
+    problem: CheckpointError | None = None
     try:
         verify_sharded(path, checksum)
-    except CorruptCheckpointError as exc:
+    except CheckpointError as exc:  # damaged, or refused (unsafe, unreadable)
         problem = exc
-    if agree_corrupt(problem is not None):
-        raise problem or CorruptCheckpointError(
+    verdict = agree_corrupt(
+        0 if problem is None else 1 if isinstance(problem, CorruptCheckpointError) else 2
+    )
+    if verdict == 0:
+        return read_sharded_state(path)
+    if problem is not None and (verdict == 1 or not isinstance(problem, CorruptCheckpointError)):
+        raise problem
+    if verdict == 1:
+        raise CorruptCheckpointError(
             f"sharded checkpoint {path} is damaged as another rank sees it"
         )
-    return read_sharded_state(path)
+    raise CheckpointError(f"sharded checkpoint {path} cannot be used: another rank refused it")
 
 
 def _is_checkpoint_entry(path: Path) -> bool:

@@ -349,16 +349,17 @@ def _manifest_files(path: Path, data: bytes) -> dict[str, tuple[int, str]]:
     return checked
 
 
-def agree_corrupt(corrupt: bool) -> bool:
-    """True on every rank when any rank found the checkpoint damaged (one tiny all-reduce
-    in a multi-rank job): the ranks skip or load it together."""
+def agree_corrupt(verdict: int) -> int:
+    """The worst of every rank's ``verdict`` on a checkpoint (0 fine, 1 damaged, 2 refused),
+    by one tiny all-reduce in a multi-rank job: the ranks skip, load or refuse it together,
+    and none waits in a collective the others skipped."""
     if not _multi_process():
-        return corrupt
+        return verdict
     backend = dist.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-    flag = torch.tensor([1 if corrupt else 0], dtype=torch.int32, device=device)
+    flag = torch.tensor([verdict], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return int(flag.item())
 
 
 def read_sharded_state(path: Path) -> dict[str, object]:

@@ -128,12 +128,16 @@ def replace_optimizer_parameters(
         group["params"] = replaced
 
 
-def _broadcast_from_rank_zero(model: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Every rank starts from rank 0's parameters and buffers (DDP does the same)."""
+def _broadcast_from_rank_zero(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Rank 0's parameters and buffers of ``module`` on every rank (DDP does the same),
+    except those already sharded (whose values were broadcast before sharding)."""
+    from torch.distributed.tensor import DTensor
+
     source = dist.get_global_rank(group, 0) if group is not None else 0
     with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=source, group=group)
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if not isinstance(tensor, DTensor):
+                dist.broadcast(tensor.data, src=source, group=group)
 
 
 def shard_model(
@@ -146,14 +150,16 @@ def shard_model(
     param_dtype: torch.dtype | None,
 ) -> nn.Module:
     """Apply FSDP2 to ``model`` in place over ``group`` (``None``: the world) and point
-    ``optimizer`` at the sharded parameters. Returns the root FSDP module (``model``)."""
+    ``optimizer`` at the sharded parameters. Returns the root FSDP module (``model``).
+
+    Block by block: each block is moved to ``device``, given rank 0's values and sharded
+    before the next one moves, so the device never holds more than one whole block (plus
+    the root's own parameters) of a model that exists whole only in host memory."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     blocks = find_shard_blocks(model)
     old_names = {id(param): name for name, param in model.named_parameters()}
-    model.to(device)
-    _broadcast_from_rank_zero(model, group)
     if group is None:
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     else:
@@ -162,7 +168,11 @@ def shard_model(
     if param_dtype is not None and device.type == "cuda":
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in blocks:
+        block.to(device)
+        _broadcast_from_rank_zero(block, group)
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    model.to(device)  # the root's own parameters (the blocks' shards are there already)
+    _broadcast_from_rank_zero(model, group)
     # The root's parameters are needed again right at the start of backward (the head).
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     replace_optimizer_parameters(optimizer, old_names, model)

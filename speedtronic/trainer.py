@@ -74,13 +74,16 @@ LRScheduler = torch.optim.lr_scheduler.LRScheduler
 
 def _parallel_settings(
     given: ParallelConfig | Mapping[str, object] | None, config: SpeedtronicConfig | None
-) -> ParallelConfig:
-    """``parallel=`` as given (a mapping is validated), else the config's, else ddp."""
-    if isinstance(given, ParallelConfig):
-        return given
-    if given is not None:
-        return ParallelConfig.from_dict(given)
-    return config.parallel if config is not None else ParallelConfig()
+) -> tuple[str, bool]:
+    """``(strategy, reshard_after_forward)`` of ``parallel=`` as given (a mapping is
+    validated), else of the config, else ddp -- without building a section for the default
+    (validating one costs a plugin scan on first use)."""
+    section = config.parallel if given is None and config is not None else given
+    if section is None:
+        return "ddp", True
+    if not isinstance(section, ParallelConfig):
+        section = ParallelConfig.from_dict(section)
+    return section.strategy, section.reshard_after_forward
 
 
 def _raise_first(failures: Sequence[HookFailure]) -> None:
@@ -214,11 +217,11 @@ class Trainer:
             compile=settings.compile,
             notes=self._notes,
         )
-        self.parallel = _parallel_settings(parallel, self.config)
-        """The ``parallel:`` settings: ``strategy`` (ddp/fsdp) and ``reshard_after_forward``."""
-        self._sharded_state = self.parallel.strategy == "fsdp"
+        self.parallel_strategy, reshard_after_forward = _parallel_settings(parallel, self.config)
+        """``parallel.strategy``: ``ddp`` or ``fsdp``."""
+        self._sharded_state = self.parallel_strategy == "fsdp"
         if self._sharded_state and not self.forward_path.shard(
-            optimizer, self.callbacks, reshard_after_forward=self.parallel.reshard_after_forward
+            optimizer, self.callbacks, reshard_after_forward=reshard_after_forward
         ):
             find_shard_blocks(model)  # a model torchrun could not shard fails here too
             warnings.warn(

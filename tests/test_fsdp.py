@@ -26,6 +26,7 @@ import yaml
 from cli_runner import run_cli as speedtronic
 from torch import nn
 
+from speedtronic.callback import Callback
 from speedtronic.checkpoint import (
     POINTER_NAME,
     CheckpointError,
@@ -33,11 +34,13 @@ from speedtronic.checkpoint import (
     UnsafeCheckpointError,
 )
 from speedtronic.config import ConfigError, load_config
+from speedtronic.contexts import StepContext
 from speedtronic.resume import resume_from
 from speedtronic.run_lock import check_earlier_run
 from speedtronic.sharded_checkpoint import MANIFEST_NAME, STATE_NAME
 from speedtronic.sharding import ShardingError, find_shard_blocks
 from speedtronic.trainer import Trainer, TrainingStateError
+from speedtronic.view import TrainerView
 from speedtronic_callbacks.checkpoint import CheckpointCallback
 
 torch.set_num_threads(1)
@@ -61,6 +64,26 @@ class BlockLM(nn.Module):
         return {"logits": self.head(hidden)}
 
 
+class StepCounter(Callback):
+    """A stateful callback: its state must survive a resume, resharded or not."""
+
+    state_key = "counter"
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_step_start(self, trainer: TrainerView, ctx: StepContext) -> None:
+        self.count += 1  # before the step's checkpoint event: saved with the step
+
+    def state_dict(self) -> dict[str, object]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        count = state["count"]
+        assert isinstance(count, int)
+        self.count = count
+
+
 def batches(rank: int) -> list[dict[str, torch.Tensor]]:
     tokens = torch.randint(0, 16, (24, 2, 9), generator=torch.Generator().manual_seed(rank))
     return [{"input_ids": t[:, :-1], "labels": t[:, 1:]} for t in tokens]
@@ -77,18 +100,19 @@ def make_trainer(
     vocab_out: int = 16,
     async_save: bool = False,
 ) -> Trainer:
-    torch.manual_seed(0)
+    torch.manual_seed(rank)  # every rank its own init: DDP and FSDP start from rank 0's
     model = BlockLM(vocab_out)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    callbacks = (
+    callbacks: list[Callback] = (
         [
+            StepCounter(),
             CheckpointCallback(
                 directory,
                 every_steps=5,
                 keep_last=keep_last,
                 save_on_signal=False,
                 async_save=async_save,
-            )
+            ),
         ]
         if directory is not None
         else []
@@ -128,8 +152,19 @@ def full_state(trainer: Trainer) -> dict[str, torch.Tensor]:
     return out
 
 
+def carried(trainer: Trainer) -> dict[str, object]:
+    """What a resume carries besides the tensors: counters, data position, RNG, callbacks."""
+    return {
+        "step": trainer.step,
+        "samples": trainer.samples,
+        "data": dict(trainer.data_position()),
+        "rng": torch.get_rng_state().tolist(),
+        "callbacks": trainer.callback_states(),
+    }
+
+
 def resume(trainer: Trainer) -> Path | None:
-    callback = trainer.callbacks[0]
+    callback = trainer.callbacks[1]
     assert isinstance(callback, CheckpointCallback)
     return resume_from(trainer, callback.manager)
 
@@ -178,7 +213,7 @@ def rank_main(rank: int, port: int, out: str) -> None:
                 ]
                 if strategy == "fsdp":
                     report["start_line"] = describe_fit_start(trainer, FitContext(0, STEPS))
-                    weight = trainer.model.blocks[0][0].weight  # type: ignore[index]
+                    weight = trainer.model.get_parameter("blocks.0.0.weight")
                     report["sharded"] = isinstance(weight, DTensor) and (
                         weight.to_local().numel() < weight.numel()
                     )
@@ -188,12 +223,14 @@ def rank_main(rank: int, port: int, out: str) -> None:
         first = make_trainer("fsdp", rank=rank, distributed=context, directory=part)
         first.fit(5)
         tensors["at5"] = full_state(first)
+        report["carried5"] = carried(first)
         second = make_trainer("fsdp", rank=rank, distributed=context, directory=part)
         report["resumed_from"] = str(resume(second))
         report["resumed"] = losses(second, STEPS)
         # 3. 1 -> 2: the test process wrote root/one_rank at step 5 on its own.
         grown = make_trainer("fsdp", rank=rank, distributed=context, directory=root / "one_rank")
         report["grown_from"] = str(resume(grown))
+        report["grown_carried"] = carried(grown)
         tensors["grown"] = full_state(grown)
         report["grown_loss"] = losses(grown, 7)
         # 4. A rank's shard missing from the newest checkpoint: both ranks fall back.
@@ -224,6 +261,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     one = make_trainer("fsdp", directory=out / "one_rank")
     one.fit(5)
     torch.save(full_state(one), out / "one_rank_state.pt")
+    (out / "one_rank_carried.json").write_text(json.dumps(carried(one)))
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(
         ["torch", "torch._dynamo", "torch.distributed.fsdp", "speedtronic.trainer", "test_fsdp"]
@@ -285,8 +323,10 @@ def test_one_process_checkpoint_resumes_on_two_ranks(two_ranks: Path) -> None:
     written = torch.load(two_ranks / "one_rank_state.pt", weights_only=True)
     grown = torch.load(two_ranks / "rank0.pt", weights_only=True)["grown"]
     assert_same(grown, written)  # 1 -> 2: the same weights and moments, now sharded
+    written_carried = json.loads((two_ranks / "one_rank_carried.json").read_text())
     for report in reports(two_ranks):
         assert str(report["grown_from"]).endswith("step_000000000005.dcp")
+        assert report["grown_carried"] == written_carried  # counters, data, RNG, callbacks
         assert len(as_floats(report["grown_loss"])) == 2  # steps 6 and 7 on two ranks
 
 
@@ -299,6 +339,7 @@ def test_two_rank_checkpoint_resumes_on_one_process(two_ranks: Path) -> None:
     assert "__1_0.distcp is missing" in str(caught[0].message)
     assert trainer.step == 5
     assert_same(full_state(trainer), torch.load(two_ranks / "rank0.pt")["at5"])
+    assert carried(trainer) == reports(two_ranks)[0]["carried5"]  # rank 0's, as saved
     with pytest.warns(UserWarning, match="already holds a checkpoint of step 10"):
         assert len(losses(trainer, 7)) == 2  # and it trains on
 
