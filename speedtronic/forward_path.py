@@ -111,8 +111,6 @@ class ForwardPath:
         if context is None or context.world_size <= 1:
             return False
         size = self._ranks_per_replica(context, callbacks)
-        if size <= 1:
-            return False
         if size < context.world_size:
             raise ShardingError(
                 "parallel.strategy fsdp inside replicas of several ranks (a callback with "

@@ -84,6 +84,12 @@ class StepCounter(Callback):
         self.count = count
 
 
+class OwnReplicas(Callback):
+    """Says every rank is its own model replica (as synchronous DiLoCo does)."""
+
+    ranks_per_replica = 1
+
+
 def batches(rank: int) -> list[dict[str, torch.Tensor]]:
     tokens = torch.randint(0, 16, (24, 2, 9), generator=torch.Generator().manual_seed(rank))
     return [{"input_ids": t[:, :-1], "labels": t[:, 1:]} for t in tokens]
@@ -233,7 +239,20 @@ def rank_main(rank: int, port: int, out: str) -> None:
         report["grown_carried"] = carried(grown)
         tensors["grown"] = full_state(grown)
         report["grown_loss"] = losses(grown, 7)
-        # 4. A rank's shard missing from the newest checkpoint: both ranks fall back.
+        # 4. FSDP inside replicas of a ReplicaSync callback (synchronous DiLoCo) is refused.
+        try:
+            Trainer(
+                BlockLM(),
+                torch.optim.SGD(BlockLM().parameters()),
+                [],
+                device="cpu",
+                distributed=context,
+                parallel={"strategy": "fsdp"},
+                callbacks=[OwnReplicas()],
+            )
+        except ShardingError as exc:
+            report["replicas_refused"] = str(exc)
+        # 5. A rank's shard missing from the newest checkpoint: both ranks fall back.
         if rank == 0:
             (part / "step_000000000010.dcp" / "__1_0.distcp").unlink()
         context.barrier()
@@ -348,6 +367,11 @@ def test_two_ranks_fall_back_together_past_a_missing_shard(two_ranks: Path) -> N
     for report in reports(two_ranks):
         assert str(report["fallback_from"]).endswith("step_000000000005.dcp")
         assert report["fallback_step"] == 5
+
+
+def test_two_ranks_refuse_fsdp_inside_replicas(two_ranks: Path) -> None:
+    for report in reports(two_ranks):
+        assert "ranks_per_replica=1 of 2) is not supported" in str(report["replicas_refused"])
 
 
 # -- one process --------------------------------------------------------------------------
