@@ -230,6 +230,8 @@ def write_sharded(path: Path, state: Mapping[str, object]) -> str:
     rest = plain_state(
         {key: value for key, value in state.items() if key not in (*TENSOR_KEYS, SHARDED_MARKER)}
     )
+    from torch.distributed.checkpoint.api import CheckpointException
+
     temp = _temp_directory(path)
     try:
         with _single_process_quietly():
@@ -250,8 +252,8 @@ def write_sharded(path: Path, state: Mapping[str, object]) -> str:
         _fsync_directory(temp)
         _replace_directory(temp, path)
         _fsync_directory(path.parent)
-    except Exception as exc:
-        if _is_main():
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        if _is_main() and temp.is_dir():
             shutil.rmtree(temp, ignore_errors=True)
         if isinstance(exc, checkpoint_error):
             raise
@@ -413,10 +415,14 @@ def _check_against(path: Path, model_state: Mapping[str, object]) -> None:
 
 
 def _load(state: dict[str, object], path: Path) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    with _single_process_quietly():
-        load(state, storage_reader=_reader(path), no_dist=not _multi_process())
+    try:
+        with _single_process_quietly():
+            load(state, storage_reader=_reader(path), no_dist=not _multi_process())
+    except CheckpointException as exc:  # a BaseException: make it the error it is
+        raise _errors()[0](f"could not load sharded checkpoint {path}: {exc}") from exc
 
 
 def load_sharded_tensors(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

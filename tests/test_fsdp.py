@@ -423,6 +423,15 @@ def test_sharded_checkpoints_follow_keep_last_and_fall_back_past_damage(tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_failed_sharded_save_is_a_checkpoint_error(tmp_path: Path) -> None:
+    tmp_path.joinpath(f".step_000000000005.dcp.tmp-{os.getpid()}").write_text("in the way")
+    with pytest.raises(
+        CheckpointError, match=r"could not write sharded checkpoint .*step_0+5\.dcp"
+    ):
+        make_trainer("fsdp", directory=tmp_path).fit(5)
+    assert not (tmp_path / POINTER_NAME).exists()
+
+
 def test_a_sharded_checkpoint_holds_no_pickled_objects(tmp_path: Path) -> None:
     make_trainer("fsdp", directory=tmp_path).fit(5)
     directory = tmp_path / "step_000000000005.dcp"
