@@ -210,10 +210,20 @@ def rank_main(rank: int, port: int, out: str) -> None:
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     try:
         # 1. FSDP vs DDP, same data, with and without accumulation (clipping on).
+        reduce_scatter = torch.distributed.reduce_scatter_single
+        calls = [0]
+
+        def counted(*args: object, **kwargs: object) -> object:
+            calls[0] += 1
+            return reduce_scatter(*args, **kwargs)
+
+        torch.distributed.reduce_scatter_single = counted
         for k in (1, 2):
             for strategy in ("ddp", "fsdp"):
                 trainer = make_trainer(strategy, rank=rank, distributed=context, accumulation=k)
+                calls[0] = 0
                 result = trainer.fit(STEPS)
+                report[f"{strategy}/k{k}/reduce_scatters"] = calls[0]
                 report[f"{strategy}/k{k}/loss"] = [float(r["loss"]) for r in result.metrics]
                 report[f"{strategy}/k{k}/grad_norm"] = [
                     float(r["grad_norm"]) for r in result.metrics
@@ -224,6 +234,7 @@ def rank_main(rank: int, port: int, out: str) -> None:
                     report["sharded"] = isinstance(weight, DTensor) and (
                         weight.to_local().numel() < weight.numel()
                     )
+        torch.distributed.reduce_scatter_single = reduce_scatter
         kept = make_trainer("fsdp", rank=rank, distributed=context, reshard_after_forward=False)
         report["fsdp/kept/loss"] = losses(kept, STEPS)
         # 2. Exact resume on the same ranks: 10 steps vs 5 + resume to 10.
@@ -323,6 +334,9 @@ def test_two_ranks_fsdp_trains_like_ddp_with_and_without_accumulation(two_ranks:
             norms = as_floats(report[f"fsdp/k{k}/grad_norm"])
             assert norms == pytest.approx(as_floats(report[f"ddp/k{k}/grad_norm"]), rel=1e-5)
             assert all(n > 0.05 for n in norms)  # clipping was active
+        # One reduce-scatter per FSDP unit (2 blocks and the root) per step, whatever K:
+        # none on the non-final microbatches.
+        assert report["fsdp/k1/reduce_scatters"] == report["fsdp/k2/reduce_scatters"] == 3 * STEPS
         # Keeping the gathered blocks after forward changes memory, not results.
         assert as_floats(report["fsdp/kept/loss"]) == pytest.approx(
             as_floats(report["ddp/k1/loss"]), rel=1e-5
