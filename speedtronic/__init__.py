@@ -48,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointConfig": "speedtronic.compat.checkpoint_config",
     "LoggingConfig": "speedtronic.config",
     "DistributedConfig": "speedtronic.config",
+    "ParallelConfig": "speedtronic.config",
     "ShapeValidationConfig": "speedtronic.config",
     # plugins and registries
     "PluginContext": "speedtronic.plugins",
@@ -124,6 +125,7 @@ if TYPE_CHECKING:
     from speedtronic.config import LoggingConfig as LoggingConfig
     from speedtronic.config import ModelConfig as ModelConfig
     from speedtronic.config import OptimizerConfig as OptimizerConfig
+    from speedtronic.config import ParallelConfig as ParallelConfig
     from speedtronic.config import PrecisionConfig as PrecisionConfig
     from speedtronic.config import RunConfig as RunConfig
     from speedtronic.config import SchedulerConfig as SchedulerConfig

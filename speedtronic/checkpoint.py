@@ -7,6 +7,8 @@ Layout of a checkpoint directory::
     step_000000000002.pt
     step_000000000004.pt
     .step_000000000006.pt.tmp-4242   a write in progress (or left by a killed process)
+    step_000000000008.dcp/      a sharded checkpoint of an FSDP run: one directory, each
+                                rank's shard in it (``speedtronic.sharded_checkpoint``)
 
     best.json                   latest.json's format for the best checkpoint by a monitored
                                 metric, plus "monitor", "mode" and "value" (when asked for)
@@ -27,6 +29,12 @@ Loads use ``torch.load(..., weights_only=True)``: a file that holds pickled Pyth
 refused (``UnsafeCheckpointError``) instead of executing them. Saves check the same rule
 up front (``plain_state``), so a callback that puts an arbitrary object in its state fails at
 save time with the key that is wrong, not at resume time.
+
+Sharded checkpoints (``parallel.strategy: fsdp``) follow the same rules: the directory is
+complete before it gets its final name, the pointer records the SHA-256 of its manifest
+(which holds every file's), ``keep_last`` counts it like a file, and one that is incomplete
+or damaged -- a rank's shard missing, say -- is skipped for an older one. Their ``save`` is a
+collective: every rank calls it, rank 0 commits.
 
 This module is the storage layer; *when* to save is the checkpoint callback's business
 (``callbacks/checkpoint.py``), saving on a background thread is
@@ -62,6 +70,14 @@ import torch
 
 from speedtronic.atomic_io import atomic_write
 from speedtronic.rng import capture_rng_state, restore_rng_state
+from speedtronic.sharded_checkpoint import (
+    SHARDED_SUFFIX,
+    agree_corrupt,
+    is_sharded_state,
+    read_sharded_state,
+    verify_sharded,
+    write_sharded,
+)
 
 __all__ = [
     "BEST_POINTER_NAME",
@@ -95,8 +111,8 @@ BEST_POINTER_NAME = "best.json"
 STEP_DIGITS = 12
 MAX_STEP = 10**STEP_DIGITS - 1
 """The highest step a checkpoint file name can carry (12 digits: 31 years at 1 step/ms)."""
-_CHECKPOINT_NAME = re.compile(rf"step_(\d{{{STEP_DIGITS}}})\.pt")
-_TEMP_NAME = re.compile(r"\.(?:step_\d+\.pt|latest\.json|best\.json)\.tmp-(\d+)")
+_CHECKPOINT_NAME = re.compile(rf"step_(\d{{{STEP_DIGITS}}})\.(?:pt|dcp)")
+_TEMP_NAME = re.compile(r"\.(?:step_\d+\.(?:pt|dcp)|latest\.json|best\.json)\.(?:tmp|old)-(\d+)")
 _FORBIDDEN_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 PathLike = str | os.PathLike[str]
@@ -115,7 +131,8 @@ class UnsafeCheckpointError(CheckpointError):
 
 
 def checkpoint_step(name: str) -> int | None:
-    """The step of a checkpoint file name (``step_000000000012.pt`` -> 12), else ``None``.
+    """The step of a checkpoint file name (``step_000000000012.pt`` -> 12; a sharded
+    checkpoint's directory ``step_000000000012.dcp`` too), else ``None``.
 
     Only the exact ``step_<12 digits>.pt`` form counts: temp files, directories' other
     contents, anything with a path separator and junk such as ``step_99999999999999999.pt``
@@ -688,20 +705,33 @@ class CheckpointManager:
             raise ValueError(f"step must be in 0..{MAX_STEP}, got {step}")
         return self.directory / f"step_{step:0{STEP_DIGITS}d}.pt"
 
+    def has_checkpoint(self, step: int) -> bool:
+        """Whether a checkpoint of ``step`` (a file or a sharded directory) is present."""
+        path = self.path_for(step)
+        return path.is_file() or path.with_suffix(SHARDED_SUFFIX).is_dir()
+
     # -- writing ----------------------------------------------------------------------
 
     def save(self, step: int, state: Mapping[str, object], *, loss: float | None = None) -> Path:
         """Write the checkpoint of ``step``, then point ``latest.json`` at it, then prune.
 
         ``state`` goes through ``plain_state``: ``CheckpointError`` (nothing is written) when
-        it holds an object that a ``weights_only`` load would refuse. ``loss`` (the training
+        it holds an object that a ``weights_only`` load would refuse. A sharded state
+        (``parallel.strategy: fsdp``) is written as a ``step_<digits>.dcp`` directory by every
+        rank: call ``save`` on every rank then; rank 0 commits. ``loss`` (the training
         loss at ``step``; else what ``note_loss`` noted for it) is recorded in the pointer's
         record of the file; a non-finite one is recorded as such, and retention keeps the
         newest checkpoint whose loss was finite.
         """
         noted = self._noted_losses.pop(step, None)
-        path = self.path_for(step)
-        checksum = atomic_torch_save(plain_state(state), path)
+        if is_sharded_state(state):
+            path = self.path_for(step).with_suffix(SHARDED_SUFFIX)
+            checksum = write_sharded(path, state)  # a collective; rank 0 commits
+            if not checksum:
+                return path
+        else:
+            path = self.path_for(step)
+            checksum = atomic_torch_save(plain_state(state), path)
         records = self._surviving_records(exclude=path.name)
         records[path.name] = {"sha256": checksum, **_loss_record(noted if loss is None else loss)}
         atomic_json_dump(
@@ -737,7 +767,7 @@ class CheckpointManager:
         return {
             name: dict(record)
             for name, record in pointer.records.items()
-            if name != exclude and (self.directory / name).is_file()
+            if name != exclude and _is_checkpoint_entry(self.directory / name)
         }
 
     def note_loss(self, step: int, loss: float | None) -> None:
@@ -769,7 +799,7 @@ class CheckpointManager:
             if path in protected:
                 continue
             with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+                _remove(path)
                 removed.append(path)
         return removed
 
@@ -785,7 +815,7 @@ class CheckpointManager:
             if pid == os.getpid() or _pid_alive(pid):
                 continue
             with contextlib.suppress(OSError):
-                entry.unlink()
+                _remove(entry)
                 removed.append(entry)
         return removed
 
@@ -798,6 +828,11 @@ class CheckpointManager:
         target = Path(destination)
         if target.is_dir():
             target = target / source.name
+        if source.is_dir():  # a sharded checkpoint: copied whole, then renamed into place
+            temp = _temp_path_for(target)
+            shutil.copytree(source, temp)
+            os.replace(temp, target)
+            return target
 
         def copy(handle: BinaryIO) -> None:
             with open(source, "rb") as src:
@@ -809,13 +844,14 @@ class CheckpointManager:
     # -- finding ----------------------------------------------------------------------
 
     def checkpoint_paths(self) -> list[Path]:
-        """Every ``step_<digits>.pt`` file directly in the directory, oldest step first."""
+        """Every ``step_<digits>.pt`` file (and ``step_<digits>.dcp`` directory) directly in
+        the directory, oldest step first."""
         if not self.directory.is_dir():
             return []
         found: list[tuple[int, Path]] = []
         for entry in self.directory.iterdir():
             step = checkpoint_step(entry.name)
-            if step is not None and entry.is_file() and self._inside(entry):
+            if step is not None and _is_checkpoint_entry(entry) and self._inside(entry):
                 found.append((step, entry))
         return [path for _, path in sorted(found)]
 
@@ -935,7 +971,7 @@ class CheckpointManager:
         target = self.directory / name
         if not self._inside(target):
             return None, f"{name!r} resolves outside the checkpoint directory"
-        if not target.is_file():
+        if not _is_checkpoint_entry(target):
             return None, f"it names {name!r}, which does not exist"
         return target, None
 
@@ -966,7 +1002,11 @@ class CheckpointManager:
         the checksum the pointer recorded for it, if any."""
         path = Path(path)
         records = self._read_pointer(warn=False).records if path.parent == self.directory else {}
-        return load_checkpoint_file(path, checksum=_recorded_checksum(records, path.name))
+        checksum = _recorded_checksum(records, path.name)
+        if path.is_dir():
+            verify_sharded(path, checksum)
+            return read_sharded_state(path)
+        return load_checkpoint_file(path, checksum=checksum)
 
     def load_latest_checkpoint(self) -> LoadedCheckpoint | None:
         """The newest readable checkpoint with its path, or ``None`` when there is none.
@@ -983,7 +1023,10 @@ class CheckpointManager:
         for path in candidates:
             try:
                 checksum = _recorded_checksum(pointer.records, path.name)
-                state = load_checkpoint_file(path, checksum=checksum)
+                if path.is_dir():
+                    state = _load_sharded(path, checksum)
+                else:
+                    state = load_checkpoint_file(path, checksum=checksum)
             except CorruptCheckpointError as exc:
                 skipped.append(path.name)
                 warnings.warn(
@@ -1011,6 +1054,42 @@ class CheckpointManager:
         """The state of the newest readable checkpoint, or ``None`` when there is none."""
         loaded = self.load_latest_checkpoint()
         return loaded.state if loaded is not None else None
+
+
+def _load_sharded(path: Path, checksum: str | None) -> dict[str, object]:
+    """A sharded checkpoint's state once it is verified -- by every rank, which agree on
+    the verdict before any loads (``CorruptCheckpointError`` everywhere when any rank
+    found it damaged: they fall back together)."""
+    problem: CheckpointError | None = None
+    try:
+        verify_sharded(path, checksum)
+    except CheckpointError as exc:  # damaged, or refused (unsafe, unreadable)
+        problem = exc
+    verdict = agree_corrupt(
+        0 if problem is None else 1 if isinstance(problem, CorruptCheckpointError) else 2
+    )
+    if verdict == 0:
+        return read_sharded_state(path)
+    if problem is not None and (verdict == 1 or not isinstance(problem, CorruptCheckpointError)):
+        raise problem
+    if verdict == 1:
+        raise CorruptCheckpointError(
+            f"sharded checkpoint {path} is damaged as another rank sees it"
+        )
+    raise CheckpointError(f"sharded checkpoint {path} cannot be used: another rank refused it")
+
+
+def _is_checkpoint_entry(path: Path) -> bool:
+    """A checkpoint file, or a sharded checkpoint's directory."""
+    return path.is_dir() if path.suffix == SHARDED_SUFFIX else path.is_file()
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint file or a sharded checkpoint's directory (or a temp of either)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
 
 
 # -- signals ------------------------------------------------------------------------------

@@ -269,6 +269,7 @@ def _validate(args: argparse.Namespace) -> int:
     print("# per-event plan (callbacks run in this order):")
     print("\n".join("# " + line for line in format_plan(describe_classes(classes)).splitlines()))
     model = _meta_model(config)
+    _check_shardable(config, model)
     print("# model summary (parameters per top-level module):")
     print("\n".join("# " + line for line in _model_summary(model).splitlines()))
     print("# optimizer routing (which parameter goes where, and why):")
@@ -278,6 +279,20 @@ def _validate(args: argparse.Namespace) -> int:
         f"{config.target_steps} steps, model {config.model.name!r})"
     )
     return EXIT_OK
+
+
+def _check_shardable(config: object, model: torch.nn.Module) -> None:
+    """``parallel.strategy: fsdp`` needs a model with blocks to shard (exit 2 otherwise)."""
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.sharding import ShardingError, find_shard_blocks
+
+    assert isinstance(config, SpeedtronicConfig)
+    if config.parallel.strategy != "fsdp":
+        return
+    try:
+        find_shard_blocks(model)
+    except ShardingError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _meta_model(config: object) -> torch.nn.Module:
@@ -418,6 +433,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from speedtronic.plotting import PlotError
     from speedtronic.plugins import PluginError
     from speedtronic.run_lock import RunDirectoryError
+    from speedtronic.sharding import ShardingError
     from speedtronic.trainer import TrainingStateError
 
     return (
@@ -429,6 +445,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         CheckpointError,
         RunDirectoryError,
         TrainingStateError,
+        ShardingError,
         FileNotFoundError,
         yaml.YAMLError,
     )

@@ -1,7 +1,9 @@
 """The forward path: the module a microbatch's forward pass calls, and the contexts around it.
 
 One object owns everything between "a batch on the device" and "its model output": the DDP
-wrapper of a data-parallel run (``no_sync`` on all but the last microbatch), ``torch.compile``
+wrapper of a data-parallel run (``no_sync`` on all but the last microbatch) or the FSDP2
+sharding of a ``parallel.strategy: fsdp`` run (``speedtronic.sharding``; no reduce-scatter
+on all but the last microbatch), ``torch.compile``
 with its fallback to eager when the compiler itself fails, and autocast for mixed precision.
 ``plain`` is true when none of the contexts is needed, so the loop enters no context manager.
 """
@@ -27,6 +29,7 @@ from speedtronic.distributed import (
 )
 from speedtronic.notes import Notes
 from speedtronic.precision import PrecisionPlan, autocast_context
+from speedtronic.sharding import ShardingError, gradient_sync_on_final, shard_model
 
 __all__ = ["ForwardPath", "is_compile_failure"]
 
@@ -67,6 +70,8 @@ class ForwardPath:
         self.distributed = distributed
         self.compile_requested = compile
         self.ddp: nn.parallel.DistributedDataParallel | None = None
+        self.sharded: nn.Module | None = None
+        """The FSDP root (the model itself, sharded in place) after ``shard``, else ``None``."""
         self.compiled: nn.Module | None = None
         self.grad_sync_context: GradSyncContext = _no_grad_sync_context
         self.plain = False
@@ -82,11 +87,50 @@ class ForwardPath:
 
     def prepare(self, model: nn.Module, callbacks: Sequence[Callback]) -> None:
         """Before a fit: wrap ``model`` in DDP when data-parallel (once per model; a
-        collective), compile when asked, and decide whether the path is ``plain``."""
+        collective) unless it is sharded, compile when asked, and decide whether the path
+        is ``plain``."""
         self.model = model
-        self._setup_data_parallel(callbacks)
-        self.plain = self.ddp is None and not self.precision.autocast_enabled
+        if self.sharded is None:
+            self._setup_data_parallel(callbacks)
+        self.plain = (
+            self.ddp is None and self.sharded is None and not self.precision.autocast_enabled
+        )
         self._setup_compile()
+
+    def shard(
+        self,
+        optimizer: torch.optim.Optimizer,
+        callbacks: Sequence[Callback],
+        *,
+        reshard_after_forward: bool,
+    ) -> bool:
+        """Shard the model with FSDP2 over its replica's ranks (``speedtronic.sharding``;
+        a collective) and point ``optimizer`` at the sharded parameters. Returns False,
+        leaving the model whole, when the replica is a single process."""
+        context = self.distributed
+        if context is None or context.world_size <= 1:
+            return False
+        size = self._ranks_per_replica(context, callbacks)
+        if size < context.world_size:
+            raise ShardingError(
+                "parallel.strategy fsdp inside replicas of several ranks (a callback with "
+                f"ranks_per_replica={size} of {context.world_size}) is not supported: its "
+                "sharded checkpoints would be written by every replica at once; use "
+                "parallel.strategy ddp"
+            )
+        param_dtype = self.precision.dtype if self.precision.is_mixed_precision else None
+        self.sharded = shard_model(
+            self.model,
+            optimizer,
+            device=self.device,
+            group=None,
+            reshard_after_forward=reshard_after_forward,
+            param_dtype=param_dtype,
+        )
+        self.ddp = None
+        self.grad_sync_context = gradient_sync_on_final(self.sharded)
+        self.compiled = None
+        return True
 
     def autocast(self) -> contextlib.AbstractContextManager[object]:
         return autocast_context(self.precision, self.device)

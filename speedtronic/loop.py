@@ -29,6 +29,7 @@ from speedtronic.data.collate import batch_size_and_tokens
 from speedtronic.evaluation import add_eval_results, is_eval_step, run_step_evaluation
 from speedtronic.events import On
 from speedtronic.metrics import MetricRecord
+from speedtronic.sharding import global_grad_norm
 
 if TYPE_CHECKING:
     from speedtronic.dispatch import EventHooks, HookTable
@@ -188,7 +189,9 @@ def _prepare_gradients(t: Trainer) -> torch.Tensor | None:
         t.scaler.unscale_(t.optimizer)
     if t.grad_clip is None:
         return None
-    return torch.nn.utils.clip_grad_norm_(t.trainable_parameters, t.grad_clip)
+    norm = torch.nn.utils.clip_grad_norm_(t.trainable_parameters, t.grad_clip)
+    # Over FSDP-sharded gradients the norm is a DTensor whose value is the global norm.
+    return global_grad_norm(norm) if t.sharded_state else norm
 
 
 def _scaled_optimizer_step(t: Trainer, scaler: torch.amp.GradScaler) -> bool:

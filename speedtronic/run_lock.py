@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import json
 import os
+import shutil
 import socket
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -231,7 +232,10 @@ def check_earlier_run(files: Sequence[Path], *, resume: bool, overwrite: bool) -
         )
     for path in files:
         with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+            if path.is_dir() and not path.is_symlink():  # a sharded checkpoint
+                shutil.rmtree(path)
+            else:
+                path.unlink()
     warnings.warn(
         f"--overwrite: deleted the earlier run's files ({found})", UserWarning, stacklevel=2
     )

@@ -62,6 +62,11 @@ from speedtronic.run_lock import (
     launched_as_main_process,
 )
 from speedtronic.shapes import validate_startup_shapes
+from speedtronic.sharded_checkpoint import (
+    SHARDED_DIRECTORY,
+    SHARDED_SUFFIX,
+    load_sharded_weights,
+)
 from speedtronic.stage_streams import StageStreamCallback, StageStreamScheduler
 from speedtronic.trainer import Trainer, TrainingStateError
 
@@ -356,7 +361,17 @@ def evaluate_checkpoint(
     output_dir = Path(cfg.run.output_dir).expanduser().resolve()
     loaded = _checkpoint_to_evaluate(cfg, output_dir, resolved_device, checkpoint)
     net = build_model(cfg.model)
-    weights = loaded.state.get("model")
+    sharded = loaded.state.get(SHARDED_DIRECTORY)
+    if isinstance(sharded, str):  # an FSDP run's checkpoint: its weights, gathered whole
+        try:
+            load_sharded_weights(Path(sharded), net)
+        except ValueError as exc:
+            raise TrainingStateError(
+                f"checkpoint {loaded.path} does not match the model of this config: {exc}"
+            ) from None
+        weights: object = net.state_dict()
+    else:
+        weights = loaded.state.get("model")
     if not isinstance(weights, Mapping):
         raise CheckpointError(f"{loaded.path} holds no model weights (no 'model' entry)")
     try:
@@ -397,7 +412,7 @@ def _checkpoint_to_evaluate(
 ) -> LoadedCheckpoint:
     if named is not None:
         path = Path(named).expanduser()
-        if not path.is_file():
+        if not (path.is_file() or (path.suffix == SHARDED_SUFFIX and path.is_dir())):
             raise CheckpointError(f"checkpoint {path} does not exist or is not a file")
         manager = CheckpointManager(path.resolve().parent, enabled=False)
         state = manager.load(path.resolve())  # verified against its pointer's checksum

@@ -23,6 +23,7 @@ from torch import nn
 
 from speedtronic.callback import Callback
 from speedtronic.compat.trainer_args import coerce_config, legacy_callbacks, resolve_settings
+from speedtronic.config.sections import ParallelConfig
 from speedtronic.contexts import (
     ExceptionContext,
     FitContext,
@@ -54,6 +55,7 @@ from speedtronic.precision import (
     make_grad_scaler,
 )
 from speedtronic.result import TrainResult
+from speedtronic.sharding import find_shard_blocks
 from speedtronic.step_state import FitClock as FitClock
 from speedtronic.step_state import StepRequests
 from speedtronic.stop_watch import STOP_GRACE_S, StopWatch
@@ -68,6 +70,20 @@ if TYPE_CHECKING:
     from speedtronic.config import SpeedtronicConfig
 
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
+
+
+def _parallel_settings(
+    given: ParallelConfig | Mapping[str, object] | None, config: SpeedtronicConfig | None
+) -> tuple[str, bool]:
+    """``(strategy, reshard_after_forward)`` of ``parallel=`` as given (a mapping is
+    validated), else of the config, else ddp -- without building a section for the default
+    (validating one costs a plugin scan on first use)."""
+    section = config.parallel if given is None and config is not None else given
+    if section is None:
+        return "ddp", True
+    if not isinstance(section, ParallelConfig):
+        section = ParallelConfig.from_dict(section)
+    return section.strategy, section.reshard_after_forward
 
 
 def _raise_first(failures: Sequence[HookFailure]) -> None:
@@ -121,6 +137,7 @@ class Trainer:
         eval_data: Iterable[object] | None = None,
         eval_every: int | None = None,
         eval_max_batches: int | None = None,
+        parallel: ParallelConfig | Mapping[str, object] | None = None,
     ) -> None:
         check_eval_settings(eval_every, eval_max_batches)
         if eval_every is not None and eval_data is None:
@@ -200,6 +217,20 @@ class Trainer:
             compile=settings.compile,
             notes=self._notes,
         )
+        self.parallel_strategy, reshard_after_forward = _parallel_settings(parallel, self.config)
+        """``parallel.strategy``: ``ddp`` or ``fsdp``."""
+        self._sharded_state = self.parallel_strategy == "fsdp"
+        if self._sharded_state and not self.forward_path.shard(
+            optimizer, self.callbacks, reshard_after_forward=reshard_after_forward
+        ):
+            find_shard_blocks(model)  # a model torchrun could not shard fails here too
+            warnings.warn(
+                "parallel.strategy fsdp on a single process: the model is one whole shard "
+                "(not sharded); checkpoints are still written sharded (DCP) and resume on "
+                "any number of ranks",
+                UserWarning,
+                stacklevel=2,
+            )
         self.trainable_parameters = [p for p in model.parameters() if p.requires_grad]
         self.eval_data = eval_data
         self.eval_every = eval_every or 0
@@ -274,6 +305,13 @@ class Trainer:
             RuntimeWarning,
             stacklevel=2,
         )
+
+    @property
+    def sharded_state(self) -> bool:
+        """Whether the training state is sharded (``parallel.strategy: fsdp``): checkpoints
+        are DCP directories every rank writes its shard of (``speedtronic.sharded_checkpoint``),
+        also on a single process, so they resume on any number of ranks."""
+        return self._sharded_state
 
     @property
     def notes(self) -> Notes:

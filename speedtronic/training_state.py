@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
 
 from speedtronic import __version__
 from speedtronic.rng import capture_rng_state, restore_rng_state
+from speedtronic.sharded_checkpoint import (
+    SHARDED_DIRECTORY,
+    SHARDED_MARKER,
+    capture_sharded_tensors,
+    load_sharded_tensors,
+)
 
 if TYPE_CHECKING:
     from speedtronic.trainer import Trainer
@@ -40,11 +47,15 @@ class TrainingStateError(ValueError):
 def capture_training_state(self: Trainer) -> dict[str, object]:
     """Everything needed to continue this run exactly (loads with weights_only=True)."""
     config = self.config.to_dict(redact_secrets=True) if self.config is not None else None
-    return {
+    if self.sharded_state:  # this rank's shards, keyed by parameter name (they reshard)
+        model, optimizer = capture_sharded_tensors(self.model, self.optimizer)
+    else:
+        model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
+    state: dict[str, object] = {
         "format_version": STATE_FORMAT_VERSION,
         "versions": {"speedtronic": __version__, "torch": str(torch.__version__)},
-        "model": self.model.state_dict(),
-        "optimizer": self.optimizer.state_dict(),
+        "model": model,
+        "optimizer": optimizer,
         "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
         "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         "counters": {"step": self.step, "samples": self.samples, "tokens": self.tokens},
@@ -58,6 +69,9 @@ def capture_training_state(self: Trainer) -> dict[str, object]:
             "use_scaler": self.precision.use_scaler,
         },
     }
+    if self.sharded_state:
+        state[SHARDED_MARKER] = True  # written as a sharded (DCP) checkpoint
+    return state
 
 
 def _load_optimizer(self: Trainer, saved: dict[str, object]) -> None:
@@ -85,12 +99,23 @@ def restore_training_state(
             f"unknown training-state format version {version!r} "
             f"(this speedtronic reads version {STATE_FORMAT_VERSION})"
         )
-    # Check the model first and load the optimizer (which validates its groups) before
-    # touching the weights, so a mismatched checkpoint leaves the trainer as it was.
-    weights = cast(Mapping[str, torch.Tensor], state["model"])
-    _check_model(self, weights)
-    _load_optimizer(self, cast(dict[str, object], state["optimizer"]))
-    self.model.load_state_dict(weights)
+    if isinstance(state.get(SHARDED_DIRECTORY), str):
+        # A sharded checkpoint: its tensors load (and reshard) from its directory, checked
+        # against the model before anything changes.
+        load_sharded_tensors(Path(str(state[SHARDED_DIRECTORY])), self.model, self.optimizer)
+    elif self.sharded_state:
+        raise TrainingStateError(
+            "this run shards its model (parallel.strategy fsdp) and resumes from sharded "
+            "checkpoints (step_*.dcp directories) only; this one is a single file written by "
+            "a ddp or single-process run: resume it with parallel.strategy ddp"
+        )
+    else:
+        # Check the model first and load the optimizer (which validates its groups) before
+        # touching the weights, so a mismatched checkpoint leaves the trainer as it was.
+        weights = cast(Mapping[str, torch.Tensor], state["model"])
+        _check_model(self, weights)
+        _load_optimizer(self, cast(dict[str, object], state["optimizer"]))
+        self.model.load_state_dict(weights)
     if self.scheduler is not None and state.get("scheduler") is not None:
         self.scheduler.load_state_dict(cast(dict[str, object], state["scheduler"]))
     if self.scaler is not None and state.get("scaler") is not None:

@@ -120,6 +120,12 @@ class TrainerView(Protocol):
         """True in a distributed run with more than one rank."""
 
     @property
+    def sharded_state(self) -> bool:
+        """True when the training state is sharded across the ranks (``parallel.strategy:
+        fsdp``): ``state_dict()`` holds this rank's shards, and every rank takes part in
+        writing a checkpoint (``CheckpointManager.save`` on every rank, rank 0 commits)."""
+
+    @property
     def run_config(self) -> Mapping[str, object] | None:
         """The run's validated config as plain data with secrets redacted (``None`` when
         the trainer was built without one), for sinks that log it."""

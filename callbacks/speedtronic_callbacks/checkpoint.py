@@ -44,7 +44,10 @@ this one, must not be combined with async save. A failed write stops the run at 
 step; ``fit_end`` waits until the last checkpoint is on disk.
 
 Distributed runs: the callback runs on every rank (each handles its own signals and takes
-part in the stop), but only rank 0 writes -- the ranks hold the same training state. The
+part in the stop), but only rank 0 writes -- the ranks hold the same training state. In a
+sharded run (``parallel.strategy: fsdp``, ``trainer.sharded_state``) every rank writes its
+shard into the step's checkpoint directory and rank 0 commits it (``async_save`` is refused
+there, and ``save_on_exception`` does not save: both would need every rank). The
 ranks then meet at a barrier, so none runs ahead of (or exits before) a checkpoint that is
 not written yet; every rank loads the same file on resume. After a failure rank 0 saves
 without the barrier (the other ranks may be gone).
@@ -403,10 +406,17 @@ class CheckpointCallback(Callback):
         self._best_pending = None
         self.signal_received = None
         self._step_end_state = None
-        start_path = self.manager.path_for(ctx.start_step)
-        self.last_saved_step = ctx.start_step if start_path.is_file() else None
+        self.last_saved_step = (
+            ctx.start_step if self.manager.has_checkpoint(ctx.start_step) else None
+        )
         if not self.manager.enabled:
             return
+        if self.async_save and trainer.sharded_state:
+            raise ValueError(
+                "checkpoint: async_save is not supported with parallel.strategy fsdp (every "
+                "rank writes its shard of a sharded checkpoint, synchronously); set "
+                "async_save: false"
+            )
         self._warn_about_foreign_checkpoints(ctx.start_step)
         if self.async_save:
             self._writer = AsyncCheckpointWriter(self.manager)
@@ -451,6 +461,14 @@ class CheckpointCallback(Callback):
     def on_exception(self, trainer: TrainerView, ctx: ExceptionContext) -> None:
         if not (self.manager.enabled and self.save_on_exception):
             return
+        if trainer.sharded_state:
+            warnings.warn(
+                f"save_on_exception: no checkpoint after the failure at step {ctx.step}: a "
+                "sharded checkpoint needs every rank, and after a failure some may be gone",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
         try:
             if self._writer is not None:
                 self._writer.wait()
@@ -492,16 +510,18 @@ class CheckpointCallback(Callback):
     ) -> None:
         """Write ``state`` (rank 0 only), then wait for the other ranks when ``meet_peers``;
         ``best``: ``best.json`` names it (the monitored value improved at ``step``)."""
-        if trainer.distributed is None or trainer.distributed.is_main:
+        path = self.manager.path_for(step)
+        main = trainer.distributed is None or trainer.distributed.is_main
+        if main:
             self.manager.note_loss(step, _last_loss(trainer, step))
             if best and self.monitor is not None and self.best_value is not None:
                 self.manager.note_best(step, self.monitor, self.mode, self.best_value)
-            if self._writer is not None:
-                self._writer.submit(step, state, defer=_changed_only_by_optimizer_step(trainer))
-            else:
-                self.manager.save(step, state)
+        if self._writer is not None and main:
+            self._writer.submit(step, state, defer=_changed_only_by_optimizer_step(trainer))
+        elif main or trainer.sharded_state:  # sharded: every rank writes its shard
+            path = self.manager.save(step, state)
         self.last_saved_step = step
-        self.last_path = self.manager.path_for(step)
+        self.last_path = path
         if meet_peers and self._writer is None:
             _barrier(trainer)
 

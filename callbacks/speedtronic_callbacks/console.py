@@ -54,7 +54,7 @@ def describe_fit_start(trainer: TrainerView, ctx: FitContext) -> str:
     ]
     distributed = trainer.distributed
     if distributed is not None and distributed.world_size > 1:
-        strategy = _strategy(trainer.run_config, distributed.world_size)
+        strategy = _strategy(trainer, distributed.world_size)
         parts.append(f"world {distributed.world_size} ({strategy}, {distributed.backend})")
     parts += [
         f"precision {trainer.precision_mode}",
@@ -64,9 +64,16 @@ def describe_fit_start(trainer: TrainerView, ctx: FitContext) -> str:
     return " | ".join(parts)
 
 
-def _strategy(run_config: Mapping[str, object] | None, world_size: int) -> str:
-    """``ddp``, or ``diloco`` with its replica size when a synchronous DiLoCo entry splits
-    the world into replicas (read from the run's config, which says how it trains)."""
+def _strategy(trainer: TrainerView, world_size: int) -> str:
+    """``ddp`` or ``fsdp`` (``parallel.strategy``), or ``diloco`` with its replica size when
+    a synchronous DiLoCo entry splits the world into replicas (read from the run's config,
+    which says how it trains)."""
+    run_config = trainer.run_config
+    parallel = run_config.get("parallel") if run_config is not None else None
+    if isinstance(parallel, Mapping):
+        sharded = parallel.get("strategy") == "fsdp"
+    else:  # a trainer built without a config says itself
+        sharded = run_config is None and trainer.sharded_state
     callbacks = run_config.get("callbacks") if run_config is not None else None
     for entry in callbacks if isinstance(callbacks, list) else []:
         if isinstance(entry, Mapping) and entry.get("name") == "diloco":
@@ -74,7 +81,7 @@ def _strategy(run_config: Mapping[str, object] | None, world_size: int) -> str:
                 size = entry.get("ranks_per_replica", 1)
                 size = size if isinstance(size, int) and size > 0 else 1
                 return f"diloco, {world_size // size} replicas"
-    return "ddp"
+    return "fsdp" if sharded else "ddp"
 
 
 def _describe_threads(run_config: Mapping[str, object] | None) -> str:

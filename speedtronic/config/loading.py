@@ -46,6 +46,7 @@ CASE_FOLDS: dict[tuple[str, str], Callable[[str], str]] = {
     ("precision", "dtype"): _lower,
     ("data", "synthetic_kind"): _lower,
     ("shape_validation", "alignment"): _lower,
+    ("parallel", "strategy"): _lower,
     ("logging", "level"): _upper,
 }
 """Enumerated string settings of the core are case- and whitespace-insensitive, as in the

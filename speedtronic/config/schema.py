@@ -52,6 +52,7 @@ SECTIONS = (
     "precision",
     "logging",
     "distributed",
+    "parallel",
     "shape_validation",
 )
 """The core's sections (plugins may add keys to them, and sections of their own)."""
@@ -627,6 +628,7 @@ def cross_field_errors(data: Mapping[str, object]) -> list[str]:
         _optimizer_rules,
         _data_rules,
         _eval_monitor_rules,
+        _parallel_rules,
     ):
         errors.extend(rule(values))
     errors.extend(_plugin_rules(values))
@@ -716,6 +718,19 @@ def _optimizer_rules(values: _Values) -> Iterator[str]:
                 f"optimizer.routing[{index}].ndim: Muon updates matrices only, "
                 f"a rule sending ndim {ndim} to 'muon' can never apply"
             )
+
+
+def _parallel_rules(values: _Values) -> Iterator[str]:
+    """FSDP shards every parameter across the ranks; Muon's Newton-Schulz step needs each
+    whole matrix, which this version does not gather (docs/scale-out.md)."""
+    if values.text("parallel", "strategy") != "fsdp":
+        return
+    if values.text("optimizer", "name") == "muon":
+        yield (
+            "parallel.strategy: 'fsdp' cannot be combined with optimizer.name 'muon': Muon's "
+            "Newton-Schulz step needs each whole weight matrix and FSDP holds only a shard "
+            "of it on each rank; use optimizer.name 'adamw' or parallel.strategy 'ddp'"
+        )
 
 
 def _data_rules(values: _Values) -> Iterator[str]:

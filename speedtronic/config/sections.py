@@ -475,6 +475,18 @@ class DistributedConfig(_PluginKeysAsAttributes, _Section):
 
 
 @dataclass
+class ParallelConfig(_Section):
+    """``parallel:`` -- how a multi-rank run splits the model: ``ddp`` (every rank holds
+    the whole model and optimizer state) or ``fsdp`` (FSDP2: parameters, gradients and
+    optimizer state sharded across the ranks; see docs/scale-out.md)."""
+
+    section_name: ClassVar[str] = "parallel"
+
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    reshard_after_forward: bool = True
+
+
+@dataclass
 class ShapeValidationConfig(_Section):
     """``shape_validation:`` -- startup warnings about unaligned shapes (never errors)."""
 
@@ -530,6 +542,7 @@ _SECTION_TYPES: dict[str, type[_Section]] = {
     "precision": PrecisionConfig,
     "logging": LoggingConfig,
     "distributed": DistributedConfig,
+    "parallel": ParallelConfig,
     "shape_validation": ShapeValidationConfig,
 }
 
@@ -557,6 +570,7 @@ class SpeedtronicConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     shape_validation: ShapeValidationConfig = field(default_factory=ShapeValidationConfig)
     compile: bool = False
     ooo_backprop: bool = False
