@@ -90,6 +90,7 @@ from speedtronic_callbacks.diloco.options import (
     hub_option_problems,
     normalise_distributed_section,
     options_from_distributed_section,
+    streaming_problems,
 )
 from speedtronic_callbacks.diloco.transport_base import RetryingTransport, RetryPolicy, Transport
 from speedtronic_callbacks.diloco.wire import Compression
@@ -293,6 +294,8 @@ class DiLoCoCallback(Callback):
         step_timeout = legacy_section(sections, "distributed").get("timeout_s")
         if options.get("mode") == "collective":
             yield from _collective_timeout_problems(entry, options, step_timeout)
+            for problem in streaming_problems(options):
+                yield f"{entry}.{problem}"
             return
         try:  # the entry as it will be built: with the 2.0 section's keys beneath it
             merged = cls.options_from_legacy(sections, options) or dict(options)

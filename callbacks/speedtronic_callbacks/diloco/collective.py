@@ -37,13 +37,26 @@ local weights (the round's other local progress is lost) -- a warning says so. M
 
 With outer lr 1, momentum 0 and H = 1 the update is exactly the average of the replicas'
 new weights: plain data-parallel training (tested against DDP with SGD).
+
+Streaming (``fragments`` P, ``overlap_steps`` tau; docs/distributed.md, "Streaming"): the
+synchronised entries are split into P strided fragments (``fragments.plan_fragments``), each
+exchanged every H steps at its own offset, so one exchange moves about 1/P of the model.
+With tau > 0 the exchange is an asynchronous all-reduce started at the fragment's sync step
+and applied tau steps later with the *delta-carry* rule: the fragment's new global plus the
+local progress made since the exchange started. With P = 1 and tau = 0 this is exactly the
+round above. A streaming run's checkpoints hold every replica's local weights, inner-optimizer
+state and in-flight exchange (gathered to rank 0), so they resume exactly at any step.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import sys
+import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
@@ -51,15 +64,24 @@ import torch.distributed as dist
 from typing_extensions import Self
 
 from speedtronic.callback import Callback, JSONSchema, RankPolicy
-from speedtronic.contexts import CoordinateContext, EvalEndContext, FitContext, MetricsContext
+from speedtronic.contexts import (
+    CoordinateContext,
+    EvalEndContext,
+    FitContext,
+    FitEndContext,
+    MetricsContext,
+    TeardownContext,
+)
 from speedtronic.distributed import DistributedContext, ReplicaGroups, replica_groups
 from speedtronic.evaluation import EVAL_LOSS
 from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic_callbacks.diloco.eval_keys import global_eval_metrics
+from speedtronic_callbacks.diloco.fragments import FragmentPlan, plan_fragments
 from speedtronic_callbacks.diloco.math import (
     NesterovOuterOptimizer,
     check_same_layout,
     pseudo_gradient,
+    wire_shape,
 )
 from speedtronic_callbacks.diloco.model_layout import ModelLayout, build_layout
 from speedtronic_callbacks.diloco.options import (
@@ -88,6 +110,41 @@ def _baseline_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU copy for the baseline: float32 (complex64 for complex entries)."""
     dtype = torch.complex64 if tensor.is_complex() else torch.float32
     return tensor.detach().to("cpu", dtype, copy=True)
+
+
+@dataclass
+class _Exchange:
+    """One fragment's exchange in flight (``overlap_steps`` > 0): started at ``started``,
+    applied at ``apply_at``. ``snapshot`` holds this replica's weights of the fragment when
+    it started (float32 CPU); ``result`` is the replicas' mean pseudo-gradient once the
+    all-reduce has completed."""
+
+    fragment: int
+    started: int
+    apply_at: int
+    snapshot: dict[str, torch.Tensor]
+    work: dist.Work | None
+    wire: torch.Tensor | None
+    result: torch.Tensor | None
+    started_at: float
+
+
+def _as_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The raw bytes of ``tensors``, concatenated (exact for every dtype)."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.uint8)
+    return torch.cat(
+        [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    )
+
+
+def _bytes_into(blob: torch.Tensor, offset: int, target: torch.Tensor) -> int:
+    """Copy the bytes of ``blob[offset:]`` into ``target`` in place; the next offset."""
+    size = target.numel() * target.element_size()
+    chunk = blob[offset : offset + size].clone().view(target.dtype).view(target.shape)
+    with torch.no_grad():
+        target.copy_(chunk.to(target.device))
+    return offset + size
 
 
 class CollectiveDiLoCo(Callback):
@@ -120,6 +177,16 @@ class CollectiveDiLoCo(Callback):
         self._staged: Mapping[str, object] | None = None
         self.global_eval: dict[str, int | float] | None = None
         """This step's evaluation of the global model, until the metric record takes it."""
+        self.plan: FragmentPlan | None = None
+        self.in_flight: list[_Exchange] = []
+        self.peak_sync_bytes = 0
+        """The largest payload of one exchange (about 1/P of the model with P fragments)."""
+        self.stall_s = 0.0
+        """Seconds the training thread spent waiting for exchanges (the link's stall)."""
+        self.link_delay_s = 0.0
+        """Testing and benchmarking aid: an exchange's result is not available until this
+        many seconds after it started -- a slow link injected into the transport."""
+        self._view: TrainerView | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
@@ -128,14 +195,29 @@ class CollectiveDiLoCo(Callback):
 
     # -- setup ----------------------------------------------------------------------------
 
+    @property
+    def streaming(self) -> bool:
+        """Whether fragments or overlap are on (not plain DiLoCo)."""
+        return self.options.fragments > 1 or self.options.overlap_steps > 0
+
     def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         self._context = trainer.distributed
+        self._view = trainer
         self._groups = self._replica_groups(trainer.distributed)
         state = trainer.model.state_dict()
         self.layout = build_layout(state)
+        self.plan = plan_fragments(
+            state,
+            self.layout.sync_keys,
+            self.layout.aliases,
+            fragments=self.options.fragments,
+            inner_steps=self.options.inner_steps,
+        )
         staged, self._staged = self._staged, None
         if staged is not None:  # every rank loaded the same checkpoint: already in step
             self._restore(staged, ctx.start_step)
+            if self.streaming or staged.get("replicas") is not None:
+                self._restore_streaming(trainer, staged, ctx.start_step)
         elif not self.baseline:  # a fresh start: every replica starts from rank 0's weights
             self._broadcast_from_rank_zero(state)
             self.baseline = {key: _baseline_copy(state[key]) for key in self.layout.sync_keys}
@@ -183,26 +265,117 @@ class CollectiveDiLoCo(Callback):
     # -- the outer round ------------------------------------------------------------------
 
     def on_coordinate(self, trainer: TrainerView, ctx: CoordinateContext) -> None:
-        if ctx.step % self.options.inner_steps:
-            return
-        self.outer_round(trainer)
-        if self.options.reset_optimizer:
+        """Apply the exchanges due at this step, then start the fragments due at it (with
+        ``overlap_steps`` 0 they are applied at once; with one fragment that is the outer
+        round at every multiple of ``inner_steps``)."""
+        assert self.plan is not None, "on_setup has not run"
+        step = ctx.step
+        applied = False
+        for exchange in [e for e in self.in_flight if e.apply_at <= step]:
+            self.in_flight.remove(exchange)
+            self._apply(trainer, exchange)
+            applied = True
+        for fragment in self.plan.due(step):
+            if self.options.overlap_steps == 0:
+                started = time.perf_counter()
+                self._round(trainer, self.plan.fragments[fragment])
+                self._stall(started)
+                applied = True
+            else:
+                self.in_flight.append(self._start(trainer, fragment, step))
+        if applied and self.options.reset_optimizer:
             trainer.request_optimizer_reset("diloco")
+
+    def _stall(self, started: float) -> None:
+        """Count a blocking exchange's time (with the injected link delay) as stall."""
+        if self.link_delay_s > 0:
+            time.sleep(max(0.0, started + self.link_delay_s - time.perf_counter()))
+        self.stall_s += time.perf_counter() - started
 
     def outer_round(self, trainer: TrainerView) -> None:
         """Average the pseudo-gradients, step the global model, load it everywhere."""
         assert self.layout is not None, "on_setup has not run"
-        keys = self.layout.sync_keys
+        self._round(trainer, self.layout.sync_keys)
+
+    def _round(self, trainer: TrainerView, keys: tuple[str, ...]) -> None:
+        """A blocking exchange of ``keys`` (the whole model, or one fragment): average the
+        replicas' pseudo-gradients, step their global, load it into the model."""
         state = trainer.model.state_dict()
         delta = pseudo_gradient(self.baseline, state, keys)
         flat = torch.cat([delta[key].reshape(-1) for key in keys])
+        before = self.bytes_reduced
         averaged = self._average(flat)
+        self.peak_sync_bytes = max(self.peak_sync_bytes, self.bytes_reduced - before)
+        self._outer_update(state, keys, averaged, None)
+
+    def _start(self, trainer: TrainerView, fragment: int, step: int) -> _Exchange:
+        """Compute the fragment's pseudo-gradient and start its all-reduce (async)."""
+        assert self.plan is not None
+        keys = self.plan.fragments[fragment]
+        state = trainer.model.state_dict()
+        snapshot = {key: _baseline_copy(state[key]) for key in keys}
+        delta = pseudo_gradient(self.baseline, snapshot, keys)
+        flat = torch.cat([delta[key].reshape(-1) for key in keys])
+        work, wire = self._start_average(flat)
+        return _Exchange(
+            fragment=fragment,
+            started=step,
+            apply_at=step + self.options.overlap_steps,
+            snapshot=snapshot,
+            work=work,
+            wire=wire,
+            result=flat if wire is None else None,
+            started_at=time.perf_counter(),
+        )
+
+    def _start_average(self, flat: torch.Tensor) -> tuple[dist.Work | None, torch.Tensor | None]:
+        """``_average`` started asynchronously: the work handle and the buffer it reduces
+        (``(None, None)`` with a single replica: the mean is ``flat`` itself)."""
+        groups = self._groups
+        context = self._context
+        if groups is None or context is None or groups.num_replicas < 2:
+            return None, None
+        wire = flat.div(groups.num_replicas).to(context.collective_device, self.wire_dtype)
+        work = dist.all_reduce(wire, group=groups.peers, async_op=True)
+        size = wire.numel() * wire.element_size()
+        self.bytes_reduced += size
+        self.peak_sync_bytes = max(self.peak_sync_bytes, size)
+        return work, wire
+
+    def _wait(self, exchange: _Exchange) -> torch.Tensor:
+        """The exchange's mean pseudo-gradient, waiting for it if needed (stall)."""
+        if exchange.result is None:
+            started = time.perf_counter()
+            if self.link_delay_s > 0:
+                time.sleep(max(0.0, exchange.started_at + self.link_delay_s - started))
+            assert exchange.work is not None and exchange.wire is not None
+            exchange.work.wait()
+            exchange.result = exchange.wire.to("cpu", torch.float32)
+            exchange.work = exchange.wire = None
+            self.stall_s += time.perf_counter() - started
+        return exchange.result
+
+    def _apply(self, trainer: TrainerView, exchange: _Exchange) -> None:
+        """Step the fragment's global and load it, keeping the progress since the start."""
+        averaged = self._wait(exchange)
+        self._outer_update(trainer.model.state_dict(), tuple(exchange.snapshot), averaged, exchange)
+
+    def _outer_update(
+        self,
+        state: Mapping[str, torch.Tensor],
+        keys: tuple[str, ...],
+        averaged: torch.Tensor,
+        exchange: _Exchange | None,
+    ) -> None:
+        """One outer step of ``keys`` with the mean pseudo-gradient ``averaged``; the model
+        gets the new global (``exchange`` given: plus the local progress since it started:
+        ``global + (current - snapshot)``)."""
         self.last_pseudo_grad_norm = float(averaged.norm())
-        offset = 0
         mean_delta: dict[str, torch.Tensor] = {}
+        offset = 0
         for key in keys:
-            shape = delta[key].shape
-            count = delta[key].numel()
+            shape = wire_shape(self.baseline[key])
+            count = math.prod(shape)
             mean_delta[key] = averaged[offset : offset + count].view(shape)
             offset += count
         self.outer.step(self.baseline, mean_delta)
@@ -210,11 +383,20 @@ class CollectiveDiLoCo(Callback):
             for key in keys:
                 target = state[key]
                 source = self.baseline[key]
-                if target.is_complex():
-                    target.copy_(source.to(target.device))
-                else:
-                    target.copy_(source.to(target.device, target.dtype))
+                if exchange is not None:
+                    source = source + (_baseline_copy(target) - exchange.snapshot[key])
+                target.copy_(source.to(target.device, target.dtype))
         self.outer_steps += 1
+
+    def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
+        """Every rank is here: finish the exchanges' communication (applied on schedule by
+        the next fit, or kept in the checkpoint)."""
+        for exchange in self.in_flight:
+            self._wait(exchange)
+
+    def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
+        if ctx.error is not None:
+            self.in_flight = []  # a failed run: the peers may be gone
 
     def _average(self, flat: torch.Tensor) -> torch.Tensor:
         """The mean of ``flat`` over the replicas: one all-reduce of the wire dtype."""
@@ -228,6 +410,73 @@ class CollectiveDiLoCo(Callback):
         self.bytes_reduced += wire.numel() * wire.element_size()
         return wire.to("cpu", torch.float32)
 
+    def _restore_streaming(
+        self, trainer: TrainerView, state: Mapping[str, object], start_step: int
+    ) -> None:
+        """Restore the exchanges in flight and this replica's own weights, snapshots and
+        inner-optimizer state; warn when the checkpoint cannot give them back."""
+        saved = (state.get("fragments", 1), state.get("overlap_steps", 0), state.get("inner_steps"))
+        current = (self.options.fragments, self.options.overlap_steps, self.options.inner_steps)
+        self.peak_sync_bytes = int(cast(int, state.get("peak_sync_bytes", 0)))
+        self.stall_s = float(cast(float, state.get("stall_s", 0.0)))
+        entries = state.get("in_flight") or []
+        assert isinstance(entries, list) and self.plan is not None
+        if entries and saved != current:
+            warnings.warn(
+                f"diloco: the checkpoint was saved with fragments/overlap_steps/inner_steps "
+                f"{saved}, this run uses {current}: the {len(entries)} exchange(s) in flight "
+                "are dropped",
+                UserWarning,
+                stacklevel=3,
+            )
+            entries = []
+        for entry in entries:
+            fragment = int(entry["fragment"])
+            result = entry["result"]
+            assert isinstance(result, torch.Tensor)
+            keys = self.plan.fragments[fragment]
+            self.in_flight.append(
+                _Exchange(
+                    fragment=fragment,
+                    started=int(entry["started"]),
+                    apply_at=int(entry["apply_at"]),
+                    snapshot={key: torch.empty_like(self.baseline[key]) for key in keys},
+                    work=None,
+                    wire=None,
+                    result=result.to("cpu", torch.float32),
+                    started_at=time.perf_counter(),
+                )
+            )
+        if not self._restore_replica(trainer, state.get("replicas")):
+            self.in_flight = []
+            warnings.warn(
+                f"diloco: the checkpoint of step {start_step} holds no per-replica state for "
+                "this run's replicas (saved while the fit was failing, or with another number "
+                "of replicas): every replica continues from rank 0's local weights and the "
+                "exchanges in flight are dropped",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def _restore_replica(self, trainer: TrainerView, replicas: object) -> bool:
+        """Load this replica's blob into the model, the snapshots and the optimizer state;
+        ``False`` when there is none for it or its size does not fit."""
+        groups = self._groups
+        count = 1 if groups is None else groups.num_replicas
+        index = 0 if groups is None else groups.replica_index
+        if not isinstance(replicas, list) or len(replicas) != count:
+            return False
+        blob = replicas[index]
+        targets = self._replica_tensors(trainer)
+        if not isinstance(blob, torch.Tensor) or blob.numel() != sum(
+            t.numel() * t.element_size() for t in targets
+        ):
+            return False
+        offset = 0
+        for target in targets:
+            offset = _bytes_into(blob, offset, target)
+        return True
+
     # -- metrics --------------------------------------------------------------------------
 
     def on_eval_end(self, trainer: TrainerView, ctx: EvalEndContext) -> None:
@@ -235,8 +484,8 @@ class CollectiveDiLoCo(Callback):
         replica has just loaded it): reduce the ranks' shares over the whole world into
         ``diloco/eval_global/*``. Every rank evaluates on the same steps, so the one
         all-reduce of two numbers is matched everywhere."""
-        if ctx.step % self.options.inner_steps or EVAL_LOSS not in ctx.metrics:
-            return
+        if self.streaming or ctx.step % self.options.inner_steps or EVAL_LOSS not in ctx.metrics:
+            return  # with fragments or overlap the model is never exactly the global one
         loss = ctx.metrics[EVAL_LOSS]
         context = self._context
         if context is not None and context.world_size > 1:
@@ -255,6 +504,9 @@ class CollectiveDiLoCo(Callback):
                 ctx.record.set(key, value)
         ctx.record.set("diloco/outer_steps", self.outer_steps)
         ctx.record.set("diloco/bytes_reduced", self.bytes_reduced)
+        if self.streaming:
+            ctx.record.set("diloco/peak_sync_bytes", self.peak_sync_bytes)
+            ctx.record.set("diloco/stall_s", self.stall_s)
         if self.last_pseudo_grad_norm is not None:
             ctx.record.set("diloco/pseudo_grad_norm", self.last_pseudo_grad_norm)
 
@@ -263,7 +515,7 @@ class CollectiveDiLoCo(Callback):
     def state_dict(self) -> dict[str, object]:
         if self._staged is not None and not self.baseline:
             return dict(self._staged)
-        return {
+        state: dict[str, object] = {
             "format": STATE_FORMAT,
             "mode": "collective",
             "inner_steps": self.options.inner_steps,
@@ -272,6 +524,65 @@ class CollectiveDiLoCo(Callback):
             "baseline": dict(self.baseline),
             "outer": self.outer.state_dict(),
         }
+        if self.streaming:
+            state.update(self._streaming_state())
+        return state
+
+    def _streaming_state(self) -> dict[str, object]:
+        """The exchanges in flight (their communication finished first: every rank is
+        saving) and, per replica, its local weights, in-flight snapshots and inner-optimizer
+        state (``replicas``, gathered to every rank; ``None`` when the replicas cannot meet,
+        i.e. while the fit is failing)."""
+        for exchange in self.in_flight:
+            self._wait(exchange)
+        replicas: list[torch.Tensor] | None = None
+        if self._view is not None:
+            blob = self._replica_blob(self._view)
+            failing = sys.exc_info()[0] is not None  # called from an exception hook
+            groups = self._groups
+            if groups is None or groups.num_replicas < 2:
+                replicas = [blob]
+            elif not failing:
+                replicas = self._gather(blob, groups)
+        return {
+            "fragments": self.options.fragments,
+            "overlap_steps": self.options.overlap_steps,
+            "peak_sync_bytes": self.peak_sync_bytes,
+            "stall_s": self.stall_s,
+            "in_flight": [
+                {
+                    "fragment": e.fragment,
+                    "started": e.started,
+                    "apply_at": e.apply_at,
+                    "result": e.result,
+                }
+                for e in self.in_flight
+            ],
+            "replicas": replicas,
+        }
+
+    def _replica_tensors(self, trainer: TrainerView) -> list[torch.Tensor]:
+        """What differs between replicas: the synchronised weights, the in-flight
+        exchanges' snapshots and the inner optimizer's state, in a fixed order."""
+        assert self.layout is not None
+        state = trainer.model.state_dict()
+        tensors = [state[key] for key in self.layout.sync_keys]
+        for exchange in self.in_flight:
+            tensors.extend(exchange.snapshot.values())
+        tensors.extend(trainer.optimizer_state_tensors())
+        return tensors
+
+    def _replica_blob(self, trainer: TrainerView) -> torch.Tensor:
+        return _as_bytes(self._replica_tensors(trainer))
+
+    def _gather(self, blob: torch.Tensor, groups: ReplicaGroups) -> list[torch.Tensor]:
+        """Every replica's ``blob`` (same size everywhere: same model and optimizer)."""
+        assert self._context is not None
+        device = self._context.collective_device
+        local = blob.to(device)
+        gathered = [torch.empty_like(local) for _ in range(groups.num_replicas)]
+        dist.all_gather(gathered, local, group=groups.peers)
+        return [tensor.to("cpu") for tensor in gathered]
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         if state.get("mode") != "collective" or state.get("format") != STATE_FORMAT:
@@ -299,7 +610,7 @@ class CollectiveDiLoCo(Callback):
         self.bytes_reduced = int(cast(int, state.get("bytes_reduced", 0)))
         saved_h = int(cast(int, state.get("inner_steps", self.options.inner_steps)))
         horizon = self.options.inner_steps
-        if start_step % horizon:
+        if start_step % horizon and not self.streaming:
             changed = f", saved with inner_steps {saved_h}" if saved_h != horizon else ""
             warnings.warn(
                 f"diloco: resuming at step {start_step}, which is not the end of an outer "

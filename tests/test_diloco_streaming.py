@@ -1,0 +1,312 @@
+"""Streaming DiLoCo in collective mode: fragments, overlapped exchanges, exact resume.
+
+In-process tests use one replica (the mean pseudo-gradient is the replica's own), which
+makes every outer step computable by hand. The resume test runs two real gloo ranks, forked
+from a ``forkserver`` that has already imported torch and speedtronic.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from cli_runner import run_cli
+from distributed_worker import base_config
+
+from speedtronic.callback import Callback
+from speedtronic.config import ConfigError, SpeedtronicConfig
+from speedtronic.contexts import CoordinateContext, FitContext
+from speedtronic.runtime import build_runtime
+from speedtronic.trainer import Trainer
+from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
+from speedtronic_callbacks.diloco.fragments import find_blocks, plan_fragments
+from speedtronic_callbacks.diloco.math import NesterovOuterOptimizer
+from speedtronic_callbacks.diloco.model_layout import build_layout
+
+
+def config(out: Path, **sections: Mapping[str, object]) -> dict[str, object]:
+    """``distributed_worker``'s tiny run with 4 blocks, no checkpoints, no metric files."""
+    changes: dict[str, Mapping[str, object]] = {
+        "run": {"seed": 5, "max_steps": 12},
+        "model": {"n_layer": 4, "d_model": 16, "d_ff": 32},
+        "logging": {"jsonl": False},
+        "checkpoint": {"enabled": False},
+    }
+    for name, values in sections.items():
+        changes[name] = {**changes.get(name, {}), **values}
+    return base_config(out, **changes)
+
+
+def fit(out: Path, *callbacks: Callback, **sections: Mapping[str, object]) -> Trainer:
+    return build(out, *callbacks, **sections).fit_and_keep()
+
+
+def build(out: Path, *callbacks: Callback, **sections: Mapping[str, object]) -> _Run:
+    trainer, _ = build_runtime(config(out, **sections), extra_callbacks=list(callbacks))
+    return _Run(trainer)
+
+
+class _Run:
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.losses: list[float] = []
+
+    def fit_and_keep(self) -> Trainer:
+        result = self.trainer.fit()
+        self.losses = [float(record["loss"]) for record in result.metrics]
+        return self.trainer
+
+
+def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {key: value.detach().clone() for key, value in trainer.model.state_dict().items()}
+
+
+# -- fragments ------------------------------------------------------------------------------
+
+
+def test_fragments_are_strided_over_the_blocks_with_staggered_offsets(tmp_path: Path) -> None:
+    trainer, _ = build_runtime(config(tmp_path))
+    state = trainer.model.state_dict()
+    layout = build_layout(state)
+    blocks = find_blocks(list(state))
+    assert blocks is not None and (blocks.container, blocks.count) == ("transformer.h", 4)
+    plan = plan_fragments(state, layout.sync_keys, layout.aliases, fragments=2, inner_steps=8)
+    first, second = (set(keys) for keys in plan.fragments)
+    assert first | second == set(layout.sync_keys) and not first & second
+    for key in layout.sync_keys:
+        if key.startswith("transformer.h."):
+            block = int(key.split(".")[2])
+            assert key in (first if block % 2 == 0 else second)
+    # The tied embedding/head comes before every block: fragment 0; the final norm comes
+    # after block 3: block 3's fragment.
+    assert "lm_head.weight" in first and "transformer.ln_f.weight" in second
+    assert plan.offsets == (0, 4)
+    assert [step for step in range(1, 17) if plan.due(step)] == [4, 8, 12, 16]
+    assert plan.due(4) == [1] and plan.due(8) == [0]
+    four = plan_fragments(state, layout.sync_keys, layout.aliases, fragments=4, inner_steps=10)
+    assert four.offsets == (0, 2, 5, 7)
+    one = plan_fragments(state, layout.sync_keys, layout.aliases, fragments=1, inner_steps=3)
+    assert one.fragments == (layout.sync_keys,)
+    assert [step for step in range(0, 10) if one.due(step)] == [3, 6, 9]
+
+
+def test_more_fragments_than_blocks_is_a_clear_error_at_setup(tmp_path: Path) -> None:
+    callback = CollectiveDiLoCo(inner_steps=10, fragments=5)
+    with pytest.raises(ValueError, match=r"diloco.fragments: 5 is more than the model's 4 blocks"):
+        fit(tmp_path, callback)
+    flat = {"weight": torch.zeros(2), "bias": torch.zeros(2)}
+    with pytest.raises(ValueError, match="no numbered list of blocks"):
+        plan_fragments(flat, ("bias", "weight"), {}, fragments=2, inner_steps=4)
+
+
+def test_overlap_must_end_before_the_next_fragment_starts(tmp_path: Path) -> None:
+    entry = {"name": "diloco", "mode": "collective", "inner_steps": 8, "fragments": 4}
+    SpeedtronicConfig.from_dict({"callbacks": [{**entry, "overlap_steps": 1}]})
+    with pytest.raises(ConfigError, match=r"callbacks\[0\]\.overlap_steps: 2 is not below"):
+        SpeedtronicConfig.from_dict({"callbacks": [{**entry, "overlap_steps": 2}]})
+    with pytest.raises(ValueError, match="overlap_steps: 8 is not below inner_steps"):
+        CollectiveDiLoCo(inner_steps=8, overlap_steps=8)
+    with pytest.raises(ConfigError, match="fragments"):
+        SpeedtronicConfig.from_dict({"callbacks": [{**entry, "fragments": 0}]})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"callbacks": [{**entry, "overlap_steps": 3}]}))
+    done = run_cli("validate", "--config", str(path), cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "callbacks[0].overlap_steps: 3 is not below inner_steps / fragments" in done.stderr
+
+
+# -- P = 1, tau = 0 is today's DiLoCo -----------------------------------------------------
+
+
+class PlainDiLoCo(Callback):
+    """DiLoCo as it was before streaming, written out for one replica: every ``H`` steps
+    the float32 pseudo-gradient goes through one Nesterov step and the result is loaded."""
+
+    def __init__(self, inner_steps: int) -> None:
+        self.inner_steps = inner_steps
+        self.outer = NesterovOuterOptimizer(0.7, 0.9)
+        self.baseline: dict[str, torch.Tensor] = {}
+
+    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+        state = trainer.model.state_dict()
+        keys = build_layout(state).sync_keys
+        self.baseline = {key: state[key].detach().float().clone() for key in keys}
+
+    def on_coordinate(self, trainer: Trainer, ctx: CoordinateContext) -> None:
+        if ctx.step % self.inner_steps:
+            return
+        state = trainer.model.state_dict()
+        keys = build_layout(state).sync_keys
+        delta = {key: self.baseline[key] - state[key].detach().float() for key in keys}
+        self.outer.step(self.baseline, delta)
+        with torch.no_grad():
+            for key in keys:
+                state[key].copy_(self.baseline[key])
+        trainer.request_optimizer_reset("plain")
+
+
+def test_one_fragment_without_overlap_is_bit_identical_to_plain_diloco(tmp_path: Path) -> None:
+    def run(name: str, callback: Callback) -> tuple[dict[str, torch.Tensor], list[float]]:
+        handle = build(tmp_path / name, callback)
+        return weights(handle.fit_and_keep()), handle.losses
+
+    expected = run("plain", PlainDiLoCo(inner_steps=4))
+    assert len(expected[1]) == 12
+    for name, callback in {
+        "unset": CollectiveDiLoCo(inner_steps=4),
+        "explicit": CollectiveDiLoCo(inner_steps=4, fragments=1, overlap_steps=0),
+    }.items():
+        actual = run(name, callback)
+        assert actual[1] == expected[1], name
+        for key, value in expected[0].items():
+            assert torch.equal(actual[0][key], value), (name, key)
+        assert callback.outer_steps == 3 and callback.peak_sync_bytes == 0  # one replica
+
+
+# -- overlap: the delta-carry rule ------------------------------------------------------
+
+
+class Snapshots(Callback):
+    """The model's weights at every ``coordinate`` event (before or after DiLoCo acts,
+    depending on where it sits in the callback list)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_coordinate(self, trainer: Trainer, ctx: CoordinateContext) -> None:
+        self.seen[ctx.step] = weights(trainer)
+
+
+def test_overlapped_exchange_is_applied_tau_steps_later_keeping_local_progress(
+    tmp_path: Path,
+) -> None:
+    before, after = Snapshots(), Snapshots()
+    diloco = CollectiveDiLoCo(
+        inner_steps=8, fragments=2, overlap_steps=2, outer_lr=0.7, outer_momentum=0.9
+    )
+    handle = build(tmp_path, before, diloco, after, run={"max_steps": 10})
+    start = weights(handle.trainer)
+    trainer = handle.fit_and_keep()
+    assert diloco.plan is not None
+    first, second = diloco.plan.fragments  # offsets 0 and 4: starts at 4 and 8
+    # Applied at 6 (fragment 1, started at 4) and at 10 (fragment 0, started at 8).
+    assert diloco.outer_steps == 2 and not diloco.in_flight
+    for step in (1, 2, 3, 4, 5, 7, 8, 9):  # nothing is loaded on these steps
+        for key, value in before.seen[step].items():
+            assert torch.equal(after.seen[step][key], value), (step, key)
+
+    def expected(key: str, started: int, applied: int) -> torch.Tensor:
+        """global + (now - snapshot); the global is one Nesterov step (fresh momentum:
+        ``(1 + mu) * g``) from the start weights with ``g = start - snapshot``."""
+        snapshot = before.seen[started][key]
+        new_global = start[key] - 0.7 * 1.9 * (start[key] - snapshot)
+        return new_global + (before.seen[applied][key] - snapshot)
+
+    for key in second:
+        torch.testing.assert_close(after.seen[6][key], expected(key, 4, 6), rtol=0, atol=1e-6)
+    for key in first:
+        assert torch.equal(after.seen[6][key], before.seen[6][key])
+        torch.testing.assert_close(after.seen[10][key], expected(key, 8, 10), rtol=0, atol=1e-6)
+    assert trainer.step == 10
+
+
+def test_without_overlap_each_fragment_is_replaced_by_its_global(tmp_path: Path) -> None:
+    before, after = Snapshots(), Snapshots()
+    diloco = CollectiveDiLoCo(inner_steps=4, fragments=4, outer_lr=1.0, outer_momentum=0.0)
+    fit(tmp_path, before, diloco, after, run={"max_steps": 4})
+    assert diloco.plan is not None and diloco.plan.offsets == (0, 1, 2, 3)
+    # outer lr 1 without momentum: the new global is the replica's own weights.
+    for step, fragment in ((1, 1), (2, 2), (3, 3), (4, 0)):
+        synced = diloco.plan.fragments[fragment]
+        assert diloco.layout is not None
+        for key, value in before.seen[step].items():
+            if diloco.layout.aliases.get(key, key) in synced:  # tied weights: both names
+                torch.testing.assert_close(after.seen[step][key], value, rtol=0, atol=1e-7)
+            else:
+                assert torch.equal(after.seen[step][key], value), (step, key)
+    assert diloco.outer_steps == 4
+
+
+# -- exact resume with an exchange in flight: two gloo ranks -------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    """One rank: 10 steps straight, then 4 steps (checkpoint at 4 with fragment 1's exchange
+    in flight until 6) and a resume to 10. Saves the final weights and losses."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    root = Path(out)
+
+    def run(name: str, steps: int, resume: bool = False) -> tuple[Trainer, list[float]]:
+        sections = config(
+            root / name,
+            run={"max_steps": steps},
+            checkpoint={"enabled": True, "every_steps": 4, "keep_last": None},
+            distributed={"timeout_s": 30.0},
+        )
+        callback = CollectiveDiLoCo(inner_steps=8, fragments=2, overlap_steps=2)
+        trainer, _ = build_runtime(sections, resume=resume, extra_callbacks=[callback])
+        result = trainer.fit()
+        return trainer, [float(r["loss"]) for r in result.metrics]
+
+    full, full_losses = run("full", 10)
+    run("part", 4)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="diloco")  # no "from rank 0" warning
+        resumed, resumed_losses = run("part", 10, resume=True)
+    torch.save(
+        {
+            "full": weights(full),
+            "resumed": weights(resumed),
+            "full_losses": full_losses,
+            "resumed_losses": resumed_losses,
+        },
+        root / f"rank{rank}.pt",
+    )
+
+
+def test_checkpoint_with_an_exchange_in_flight_resumes_exactly_on_two_ranks(
+    tmp_path: Path,
+) -> None:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch._dynamo", "speedtronic.runtime"])
+    port = _free_port()
+    ranks = [
+        context.Process(target=_rank, args=(rank, port, str(tmp_path)), daemon=True)
+        for rank in (0, 1)
+    ]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+        assert process.exitcode == 0
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    for result in results:
+        assert result["resumed_losses"] == result["full_losses"][4:]
+        for key, value in result["full"].items():
+            assert torch.equal(result["resumed"][key], value), key
+    # The replicas really differ (fragment 0 has not synchronised since step 8)...
+    assert any(
+        not torch.equal(results[0]["full"][key], value) for key, value in results[1]["full"].items()
+    )
