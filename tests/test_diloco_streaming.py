@@ -19,6 +19,7 @@ import torch
 import yaml
 from cli_runner import run_cli
 from distributed_worker import base_config
+from torch import nn
 
 from speedtronic.callback import Callback
 from speedtronic.config import ConfigError, SpeedtronicConfig
@@ -26,9 +27,24 @@ from speedtronic.contexts import CoordinateContext, FitContext
 from speedtronic.runtime import build_runtime
 from speedtronic.trainer import Trainer
 from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
+from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
 from speedtronic_callbacks.diloco.fragments import find_blocks, plan_fragments
+from speedtronic_callbacks.diloco.master import MasterLoop, MasterSettings
 from speedtronic_callbacks.diloco.math import NesterovOuterOptimizer
 from speedtronic_callbacks.diloco.model_layout import build_layout
+from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
+from speedtronic_callbacks.diloco.transport_base import (
+    RetryingTransport,
+    RetryPolicy,
+    TransientTransportError,
+)
+from speedtronic_callbacks.diloco.wire import (
+    DeltaInfo,
+    Rejected,
+    RejectionReason,
+    decode_delta,
+    encode_wire,
+)
 
 
 def config(out: Path, **sections: Mapping[str, object]) -> dict[str, object]:
@@ -77,7 +93,7 @@ def test_fragments_are_strided_over_the_blocks_with_staggered_offsets(tmp_path: 
     layout = build_layout(state)
     blocks = find_blocks(list(state))
     assert blocks is not None and (blocks.container, blocks.count) == ("transformer.h", 4)
-    plan = plan_fragments(state, layout.sync_keys, layout.aliases, fragments=2, inner_steps=8)
+    plan = plan_fragments(list(state), layout.sync_keys, layout.aliases, fragments=2, inner_steps=8)
     first, second = (set(keys) for keys in plan.fragments)
     assert first | second == set(layout.sync_keys) and not first & second
     for key in layout.sync_keys:
@@ -90,11 +106,13 @@ def test_fragments_are_strided_over_the_blocks_with_staggered_offsets(tmp_path: 
     assert plan.offsets == (0, 4)
     assert [step for step in range(1, 17) if plan.due(step)] == [4, 8, 12, 16]
     assert plan.due(4) == [1] and plan.due(8) == [0]
-    four = plan_fragments(state, layout.sync_keys, layout.aliases, fragments=4, inner_steps=10)
+    four = plan_fragments(
+        list(state), layout.sync_keys, layout.aliases, fragments=4, inner_steps=10
+    )
     assert four.offsets == (0, 2, 5, 7)
-    one = plan_fragments(state, layout.sync_keys, layout.aliases, fragments=1, inner_steps=3)
+    one = plan_fragments(list(state), layout.sync_keys, layout.aliases, fragments=1, inner_steps=3)
     assert one.fragments == (layout.sync_keys,)
-    assert [step for step in range(0, 10) if one.due(step)] == [3, 6, 9]
+    assert [step for step in range(1, 10) if one.due(step)] == [3, 6, 9]
 
 
 def test_more_fragments_than_blocks_is_a_clear_error_at_setup(tmp_path: Path) -> None:
@@ -103,7 +121,7 @@ def test_more_fragments_than_blocks_is_a_clear_error_at_setup(tmp_path: Path) ->
         fit(tmp_path, callback)
     flat = {"weight": torch.zeros(2), "bias": torch.zeros(2)}
     with pytest.raises(ValueError, match="no numbered list of blocks"):
-        plan_fragments(flat, ("bias", "weight"), {}, fragments=2, inner_steps=4)
+        plan_fragments(list(flat), ("bias", "weight"), {}, fragments=2, inner_steps=4)
 
 
 def test_overlap_must_end_before_the_next_fragment_starts(tmp_path: Path) -> None:
@@ -310,3 +328,145 @@ def test_checkpoint_with_an_exchange_in_flight_resumes_exactly_on_two_ranks(
     assert any(
         not torch.equal(results[0]["full"][key], value) for key, value in results[1]["full"].items()
     )
+
+
+# -- hub mode: fragments travel as whole files ----------------------------------------------
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)  # every node starts from the same weights
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))  # blocks "0" and "2"
+
+
+class _LoseFirstUpload(DirectoryTransport):
+    """A hub whose first delta upload is lost on the way (nothing arrives)."""
+
+    lost: list[str]
+
+    def put(self, path: str, data: bytes) -> None:
+        if path.startswith("nodes/") and not self.lost:
+            self.lost.append(path)
+            raise TransientTransportError("put", "connection reset")
+        super().put(path, data)
+
+
+class _HubNode:
+    def __init__(self, hub: DirectoryTransport, node_id: str, role: str, seed: int) -> None:
+        self.model = _mlp()
+        layout = build_layout(self.model.state_dict())
+        policy = RetryPolicy(attempts=1, initial=0.001, maximum=0.001, timeout=10)
+        transport = RetryingTransport(hub, policy, sleep=lambda _: None)
+        master = None
+        if role == "master":
+            settings = MasterSettings(node_id=node_id, delete_applied=False, outer_momentum=0.0)
+            master = MasterLoop(transport, layout, settings)
+        self.node = DiLoCoNode(
+            self.model,
+            transport,
+            layout,
+            NodeSettings(
+                node_id=node_id,
+                role="master" if role == "master" else "worker",
+                inner_steps=4,
+                poll_interval=0.0,
+                fragments=2,
+            ),
+            master=master,
+        )
+        self.inputs = torch.randn(32, 4, generator=torch.Generator().manual_seed(seed))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.step = 0
+        self.node.start(0)
+        assert self.node.wait_idle(10)
+
+    def train(self, steps: int) -> None:
+        for _ in range(steps):
+            self.step += 1
+            target = self.inputs.sum(dim=1, keepdim=True)
+            loss = nn.functional.mse_loss(self.model(self.inputs), target)
+            self.optimizer.zero_grad()
+            loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+            self.optimizer.step()
+            self.node.on_step(self.step)
+            assert self.node.wait_idle(10)
+
+
+def test_hub_fragments_are_sent_whole_and_a_lost_one_is_resent_before_new_work(
+    tmp_path: Path,
+) -> None:
+    MasterLoop._active.clear()
+    hub = _LoseFirstUpload(tmp_path / "hub")
+    hub.lost = []
+    master = _HubNode(hub, "master", "master", seed=1)
+    worker = _HubNode(hub, "worker", "worker", seed=2)
+    layout = worker.node.layout
+    first, second = worker.node.plan.fragments  # blocks "0" and "2"; offsets 0 and 2
+    assert first == ("0.bias", "0.weight") and second == ("2.bias", "2.weight")
+    worker.train(2)  # installs outer step 0; step 2: fragment 1's upload is lost
+    assert len(hub.lost) == 1 and worker.node.unconfirmed is not None
+    assert worker.node.unconfirmed.fragment == "1/2"
+    worker.train(2)  # step 4 (fragment 0's turn): the lost upload goes first, unchanged
+    files = {f.path for f in hub.list_files("nodes/worker")}
+    assert files == set(hub.lost) and worker.node.unconfirmed is None
+    pending = worker.node.pending
+    assert pending is not None and all(bool(pending[key].any()) for key in first)
+    assert master.node.master is not None
+    before = master.node.master.snapshot()
+    report = master.node.master.sync_once()  # applies fragment 1 only
+    after = master.node.master.snapshot()
+    assert before is not None and after is not None and report.published
+    assert [item.local_step for item in report.applied] == [2]
+    for key in first:
+        assert torch.equal(after.global_state[key], before.global_state[key])
+    for key in second:
+        assert not torch.equal(after.global_state[key], before.global_state[key])
+    worker.train(4)  # step 6: fragment 1 again; step 8: fragment 0 with all its progress
+    sent = {}
+    for item in hub.list_files("nodes/worker"):
+        data = hub.get(item.path)
+        assert data is not None
+        decoded = decode_delta(data, layout, secret=None)
+        sent[decoded.info.local_step] = (decoded.info.fragment, tuple(sorted(decoded.tensors)))
+    assert sent == {2: ("1/2", second), 6: ("1/2", second), 8: ("0/2", first)}
+    report = master.node.master.sync_once()
+    assert sorted(item.local_step for item in report.applied) == [6, 8]
+    worker.node.stop()
+    master.node.stop()
+
+
+@pytest.mark.parametrize(
+    ("fragment", "keys", "reason"),
+    [
+        ("0/2", ("0.weight",), RejectionReason.WRONG_KEYS),  # half a fragment
+        ("0/2", ("2.bias", "2.weight"), RejectionReason.WRONG_KEYS),  # another fragment
+        ("0/2", ("0.bias", "0.weight", "2.bias"), RejectionReason.WRONG_KEYS),
+        ("", ("0.bias", "0.weight"), RejectionReason.WRONG_KEYS),  # a whole model, truncated
+        ("2/2", ("0.bias", "0.weight"), RejectionReason.BAD_METADATA),
+        ("0/3", ("0.bias", "0.weight"), RejectionReason.BAD_METADATA),  # 2 blocks only
+        ("first", ("0.bias", "0.weight"), RejectionReason.BAD_METADATA),
+    ],
+)
+def test_a_fragment_file_is_accepted_whole_or_rejected(
+    fragment: str, keys: tuple[str, ...], reason: RejectionReason
+) -> None:
+    layout = build_layout(_mlp().state_dict())
+    tensors = {key: torch.ones(layout.wire_shapes[key]) for key in keys}
+    info = DeltaInfo(node_id="w", local_step=4, base_outer_step=0, fragment=fragment)
+    data = encode_wire(tensors, info, layout)
+    with pytest.raises(Rejected) as caught:
+        decode_delta(data, layout, secret=None)
+    assert caught.value.reason is reason
+    whole = {key: torch.ones(layout.wire_shapes[key]) for key in ("0.bias", "0.weight")}
+    good = DeltaInfo(node_id="w", local_step=4, base_outer_step=0, fragment="0/2")
+    assert set(decode_delta(encode_wire(whole, good, layout), layout, secret=None).tensors) == {
+        "0.bias",
+        "0.weight",
+    }
+
+
+def test_hub_fragments_larger_than_the_block_count_fail_at_setup(tmp_path: Path) -> None:
+    model = _mlp()
+    hub = RetryingTransport(DirectoryTransport(tmp_path), RetryPolicy(attempts=1))
+    settings = NodeSettings(node_id="w", role="worker", fragments=3)
+    with pytest.raises(ValueError, match="diloco.fragments: 3 is more than the model's 2 blocks"):
+        DiLoCoNode(model, hub, build_layout(model.state_dict()), settings)

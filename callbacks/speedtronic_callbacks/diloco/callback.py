@@ -217,6 +217,7 @@ def make_node(
         compression=Compression(options.compression),
         shutdown_timeout=options.shutdown_timeout,
         secret=secret,
+        fragments=options.fragments,
     )
     return DiLoCoNode(
         model, transport, layout, settings, master=master, reporter=reporter, publish=publish
@@ -398,11 +399,12 @@ class DiLoCoCallback(Callback):
             self.node = self._build_node(trainer)
             self._model_id = id(trainer.model)
             logger.info(
-                "diloco %s %r on %s: inner_steps=%d, compression=%s",
+                "diloco %s %r on %s: inner_steps=%d, fragments=%d, compression=%s",
                 self.options.role,
                 self.node_id,
                 self.node.transport.location,
                 self.options.inner_steps,
+                self.options.fragments,
                 self.options.compression,
             )
         if self._staged is not None:

@@ -76,7 +76,7 @@ from speedtronic.distributed import DistributedContext, ReplicaGroups, replica_g
 from speedtronic.evaluation import EVAL_LOSS
 from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic_callbacks.diloco.eval_keys import global_eval_metrics
-from speedtronic_callbacks.diloco.fragments import FragmentPlan, plan_fragments
+from speedtronic_callbacks.diloco.fragments import FragmentPlan, layout_plan
 from speedtronic_callbacks.diloco.math import (
     NesterovOuterOptimizer,
     check_same_layout,
@@ -206,13 +206,7 @@ class CollectiveDiLoCo(Callback):
         self._groups = self._replica_groups(trainer.distributed)
         state = trainer.model.state_dict()
         self.layout = build_layout(state)
-        self.plan = plan_fragments(
-            state,
-            self.layout.sync_keys,
-            self.layout.aliases,
-            fragments=self.options.fragments,
-            inner_steps=self.options.inner_steps,
-        )
+        self.plan = layout_plan(self.layout, self.options.fragments, self.options.inner_steps)
         staged, self._staged = self._staged, None
         if staged is not None:  # every rank loaded the same checkpoint: already in step
             self._restore(staged, ctx.start_step)

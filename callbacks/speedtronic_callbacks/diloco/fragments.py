@@ -28,7 +28,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FragmentPlan", "find_blocks", "plan_fragments", "sync_offset"]
+from speedtronic_callbacks.diloco.math import aggregate_deltas
+from speedtronic_callbacks.diloco.model_layout import ModelLayout
+
+__all__ = [
+    "FragmentPlan",
+    "aggregate_by_key",
+    "find_blocks",
+    "layout_plan",
+    "plan_fragments",
+    "sync_offset",
+]
 
 _NUMBERED = re.compile(r"^(?:(?P<container>.*?)\.)?(?P<index>\d+)\.")
 
@@ -78,8 +88,6 @@ class FragmentPlan:
 
     def due(self, step: int) -> list[int]:
         """The fragments that synchronise at ``step`` (ascending)."""
-        if step < 1:
-            return []
         phase = step % self.inner_steps
         return [p for p, offset in enumerate(self.offsets) if offset == phase]
 
@@ -90,23 +98,22 @@ def sync_offset(fragment: int, fragments: int, inner_steps: int) -> int:
 
 
 def plan_fragments(
-    state: Mapping[str, torch.Tensor],
+    order: Sequence[str],
     sync_keys: Sequence[str],
     aliases: Mapping[str, str],
     *,
     fragments: int,
     inner_steps: int,
 ) -> FragmentPlan:
-    """Split ``sync_keys`` of the live ``state`` (a ``model.state_dict()``, in module order)
-    into ``fragments`` strided fragments. ``aliases`` maps a tied duplicate key to the key
-    that is synchronised. A ``ValueError`` names the problem when the model has fewer
+    """Split ``sync_keys`` into ``fragments`` strided fragments; ``order`` is every key of
+    the model's ``state_dict`` in module order, ``aliases`` maps a tied duplicate key to the
+    key that is synchronised. A ``ValueError`` names the problem when the model has fewer
     blocks than fragments."""
     if fragments < 1:
         raise ValueError(f"diloco: fragments must be >= 1, got {fragments}")
     offsets = tuple(sync_offset(p, fragments, inner_steps) for p in range(fragments))
     if fragments == 1:
         return FragmentPlan(inner_steps, (tuple(sync_keys),), offsets)
-    order = list(state)
     blocks = find_blocks(order)
     if blocks is None:
         raise ValueError(
@@ -132,3 +139,31 @@ def plan_fragments(
     for key in sync_keys:
         groups[assigned[key]].append(key)
     return FragmentPlan(inner_steps, tuple(tuple(group) for group in groups), offsets)
+
+
+def layout_plan(layout: ModelLayout, fragments: int, inner_steps: int = 1) -> FragmentPlan:
+    """``plan_fragments`` for a ``ModelLayout`` (which records the module order)."""
+    return plan_fragments(
+        layout.key_order or layout.sync_keys,
+        layout.sync_keys,
+        layout.aliases,
+        fragments=fragments,
+        inner_steps=inner_steps,
+    )
+
+
+def aggregate_by_key(
+    deltas: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
+) -> dict[str, torch.Tensor]:
+    """``aggregate_deltas`` for deltas that may hold different fragments: each key is the
+    weighted mean (``sum w_i d_i / n``) over the ``n`` deltas that hold it. Deltas that all
+    hold the same keys give exactly ``aggregate_deltas``."""
+    keysets = {frozenset(delta) for delta in deltas}
+    if len(keysets) == 1:
+        return aggregate_deltas(deltas, weights)
+    result: dict[str, torch.Tensor] = {}
+    for key in sorted({key for delta in deltas for key in delta}):
+        holders = [(d, w) for d, w in zip(deltas, weights, strict=True) if key in d]
+        part = aggregate_deltas([{key: d[key]} for d, _ in holders], [w for _, w in holders])
+        result[key] = part[key]
+    return result

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from speedtronic_callbacks.diloco.fragments import aggregate_by_key
 from speedtronic_callbacks.diloco.legacy_hub import (
     V2Pointer,
     decode_v2_global,
@@ -49,7 +50,6 @@ from speedtronic_callbacks.diloco.legacy_hub import (
 from speedtronic_callbacks.diloco.math import (
     NesterovOuterOptimizer,
     StateDict,
-    aggregate_deltas,
     staleness_weight,
 )
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
@@ -593,7 +593,9 @@ class MasterLoop:
 
         power = self.settings.staleness_power
         weights = [staleness_weight(staleness, power) for _, _, staleness in accepted]
-        aggregated = aggregate_deltas([decoded.tensors for _, decoded, _ in accepted], weights)
+        # Deltas of streaming fragments hold only their keys: each key is averaged over
+        # the deltas that hold it, and the outer step moves only those keys.
+        aggregated = aggregate_by_key([decoded.tensors for _, decoded, _ in accepted], weights)
         new_global = dict(state.global_state)
         for key in aggregated:
             new_global[key] = state.global_state[key].clone()

@@ -15,6 +15,13 @@ Per step, in this order:
    an optimizer reset -- only for an accepted (installed) sync;
 4. schedule background work that is due (poll / master round).
 
+Streaming (``fragments`` P > 1, docs/distributed.md "Streaming"): the boundaries are those
+of ``fragments.FragmentPlan`` -- fragment ``p`` at every step ``s`` with ``s % H`` equal to
+its offset -- and each sends only its fragment's keys of the pending delta (a file with a
+``fragment`` field ``"p/P"``); the other keys' progress stays pending until their own
+boundary. A fragment's upload is one file: retried whole (as the unconfirmed job, before
+any new work) and validated whole by the master, so it is never half-applied.
+
 Exactly-once delivery: an upload that fails is re-sent later with the *same* content
 (the file name carries its content hash and the master dedupes by content hash), never
 merged into a later delta, so a "failed" upload that actually reached the hub is not
@@ -25,6 +32,7 @@ resynchronises from the next global instead of sending it again.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math as pymath
 import time
@@ -36,6 +44,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from speedtronic_callbacks.diloco.fragments import layout_plan
 from speedtronic_callbacks.diloco.lanes import ErrorReporter, Inbox, Lane
 from speedtronic_callbacks.diloco.master import (
     MasterConflictError,
@@ -55,6 +64,7 @@ from speedtronic_callbacks.diloco.wire import (
     decode_global,
     encode_wire,
     expand_aliases,
+    fragment_shapes,
     global_tensors,
     largest_file_bytes,
     parse_header,
@@ -81,6 +91,8 @@ class NodeSettings:
     secret: bytes | None = field(default=None, repr=False)
     max_file_bytes: int | None = None
     """Largest hub file read; ``None``: derived from the model (``largest_file_bytes``)."""
+    fragments: int = 1
+    """Streaming fragments P (1: the whole model at every boundary)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,8 @@ class UploadJob:
     delta: dict[str, torch.Tensor]
     local_step: int
     base_outer_step: int
+    fragment: str = ""
+    """``"p/P"`` for a streaming fragment's keys, ``""`` for the whole model."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +210,7 @@ class DiLoCoNode:
         self.transport = transport
         self.layout = layout
         self.settings = settings
+        self.plan = layout_plan(layout, settings.fragments, settings.inner_steps)
         self.master = master
         self.reporter = reporter or ErrorReporter()
         self._clock = clock
@@ -287,11 +302,13 @@ class DiLoCoNode:
             raise RuntimeError("DiLoCoNode.start must be called before on_step")
         self._last_step = step
         self._drain()
-        boundary = step % self.settings.inner_steps == 0
+        due = self.plan.due(step)
+        boundary = bool(due)
         dispatched = False
         if boundary:
             self._capture(step)
-            dispatched = self._dispatch(step)
+            for fragment in due:
+                dispatched = self._dispatch(step, fragment) or dispatched
         installed = self._install_candidate(step)
         self._schedule(step, boundary)
         return SyncOutcome(dispatched=dispatched, installed=installed)
@@ -311,17 +328,47 @@ class DiLoCoNode:
         self._captured_step = step
 
     def _add_pending(self, delta: Mapping[str, torch.Tensor], base: int) -> None:
-        """Add ``delta`` (made from global ``base``) to the pending delta. Out of place: a
+        """Add ``delta`` (made from global ``base``; a fragment's residual may hold only
+        some keys) to the pending delta, which always holds every key. Out of place: a
         checkpoint taken earlier may still hold the previous tensors."""
         if self.pending is None:
-            self.pending = dict(delta)
+            self.pending = {
+                key: delta[key] if key in delta else self._zeros(key)
+                for key in self.layout.sync_keys
+            }
             self.pending_base = base
         else:
-            self.pending = {key: value + delta[key] for key, value in self.pending.items()}
+            self.pending = {
+                key: value + delta[key] if key in delta else value
+                for key, value in self.pending.items()
+            }
             self.pending_base = min(self.pending_base, base)
 
-    def _dispatch(self, step: int) -> bool:
-        """Hand the unconfirmed job (a resend) or the pending delta to the upload lane."""
+    def _zeros(self, key: str) -> torch.Tensor:
+        return torch.zeros(self.layout.wire_shapes[key], dtype=torch.float32)
+
+    def _take_fragment(self, fragment: int) -> tuple[dict[str, torch.Tensor], str] | None:
+        """The pending delta's keys of ``fragment`` (``None`` when they are all zero);
+        they are removed from the pending delta (zeroed; all of it with one fragment)."""
+        pending = self.pending
+        assert pending is not None
+        if self.plan.count == 1:
+            if _all_zero(pending):
+                return None
+            self.pending = None
+            return pending, ""
+        keys = self.plan.fragments[fragment]
+        part = {key: pending[key] for key in keys}
+        if _all_zero(part):
+            return None
+        self.pending = {
+            key: self._zeros(key) if key in part else value for key, value in pending.items()
+        }
+        return part, f"{fragment}/{self.plan.count}"
+
+    def _dispatch(self, step: int, fragment: int = 0) -> bool:
+        """Hand the unconfirmed job (a resend, whatever its fragment) or ``fragment``'s
+        share of the pending delta to the upload lane."""
         if self.installed_step < 0 or self._resync or not self._startup_done:
             return False  # no global yet, or start-up reconciliation still open
         if self.upload_lane.busy:
@@ -331,7 +378,7 @@ class DiLoCoNode:
         job = self.unconfirmed
         if job is None:
             pending = self.pending
-            if pending is None or _all_zero(pending):
+            if pending is None:
                 return False
             if not _all_finite(pending):
                 logger.error(
@@ -344,8 +391,11 @@ class DiLoCoNode:
                 self._resync = True
                 self.stats.resyncs += 1
                 return False
-            job = UploadJob(pending, step, self.pending_base)
-            self.pending = None
+            base = self.pending_base
+            taken = self._take_fragment(fragment)
+            if taken is None:
+                return False
+            job = UploadJob(taken[0], step, base, taken[1])
             self.unconfirmed = job
         submitted = self.upload_lane.try_submit(lambda: self._upload(job))
         if not submitted:
@@ -412,10 +462,14 @@ class DiLoCoNode:
             local_step=job.local_step,
             base_outer_step=job.base_outer_step,
             incarnation=self.incarnation,
+            fragment=job.fragment,
         )
         residual = None
+        layout = self.layout
+        if job.fragment:  # the fragment's keys only
+            layout = dataclasses.replace(layout, sync_keys=tuple(job.delta))
         try:
-            wire = to_wire(job.delta, self.layout, self.settings.compression)
+            wire = to_wire(job.delta, layout, self.settings.compression)
             if self.settings.compression is not Compression.NONE:
                 residual = {key: job.delta[key] - wire[key].to(torch.float32) for key in wire}
             data = encode_wire(wire, info, self.layout, secret=self.settings.secret)
@@ -662,6 +716,7 @@ class DiLoCoNode:
                 "delta": job.delta,
                 "local_step": job.local_step,
                 "base_outer_step": job.base_outer_step,
+                "fragment": job.fragment,
             },
             "master": {} if self.master is None else self.master.state_dict(),
         }
@@ -700,12 +755,20 @@ class DiLoCoNode:
         self._held_base = min(bases, default=-1)
         unconfirmed = state.get("unconfirmed")
         if isinstance(unconfirmed, Mapping):
-            delta = _optional_tensors(unconfirmed, "delta", self.layout)
+            fragment = unconfirmed.get("fragment", "")
+            if not isinstance(fragment, str):
+                raise ValueError("diloco state: 'unconfirmed.fragment' must be a string")
+            try:
+                keys = tuple(fragment_shapes(self.layout, fragment))
+            except Rejected as exc:
+                raise ValueError(f"diloco state: 'unconfirmed': {exc.detail}") from None
+            delta = _optional_tensors(unconfirmed, "delta", self.layout, keys)
             if delta is not None:
                 self.unconfirmed = UploadJob(
                     delta,
                     _integer(unconfirmed, "local_step"),
                     _integer(unconfirmed, "base_outer_step"),
+                    fragment,
                 )
         self._checkpoint_step = _integer(state, "checkpoint_step")
         self._startup_done = False
@@ -762,12 +825,17 @@ def _integer(state: Mapping[str, object], key: str) -> int:
 
 
 def _optional_tensors(
-    state: Mapping[str, object], key: str, layout: ModelLayout
+    state: Mapping[str, object],
+    key: str,
+    layout: ModelLayout,
+    keys: tuple[str, ...] | None = None,
 ) -> dict[str, torch.Tensor] | None:
+    """``state[key]``: tensors of exactly ``keys`` (default: every synchronised key)."""
     value = state.get(key)
     if value is None:
         return None
-    if not isinstance(value, Mapping) or set(value) != set(layout.sync_keys):
+    expected = set(layout.sync_keys if keys is None else keys)
+    if not isinstance(value, Mapping) or set(value) != expected:
         raise ValueError(f"diloco state: {key!r} does not match this model's layout")
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in value.items():

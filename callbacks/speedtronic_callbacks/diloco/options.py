@@ -213,6 +213,7 @@ HUB_OPTIONS_SCHEMA: JSONSchema = {
             "description": "Hub token (2.0's distributed.token; redacted in saved configs). "
             "Prefer token_env: a token in a config file is easy to leak.",
         },
+        "fragments": _STREAMING["fragments"],
     },
 }
 
@@ -473,6 +474,7 @@ class DiLoCoOptions:
     num_nodes: int | None = None
     audit_log: bool = True
     token: str | None = dataclasses.field(default=None, repr=False)
+    fragments: int = 1
 
     def __post_init__(self) -> None:
         values = {

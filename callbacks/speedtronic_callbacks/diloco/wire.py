@@ -2,7 +2,9 @@
 
 Three kinds of tensor file share one format (``FORMAT``):
 
-* ``delta``  -- a node's pseudo-gradient (float32, or bf16/fp16 when compressed);
+* ``delta``  -- a node's pseudo-gradient (float32, or bf16/fp16 when compressed): of the
+  whole model, or -- with a ``fragment`` field ``"p/P"`` -- of exactly the keys of streaming
+  fragment ``p`` of ``P`` (``fragments.layout_plan``);
 * ``global`` -- the master's full model state after an outer step (native dtypes);
 * ``outer``  -- the master's outer-optimizer momentum plus its ledger (float32).
 
@@ -32,6 +34,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from speedtronic_callbacks.diloco.fragments import layout_plan
 from speedtronic_callbacks.diloco.math import StateDict, is_synchronised
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
 
@@ -379,6 +382,8 @@ class DeltaInfo:
     local_step: int
     base_outer_step: int
     incarnation: str = ""
+    fragment: str = ""
+    """``"p/P"``: the delta holds streaming fragment ``p`` of ``P``; ``""``: the whole model."""
 
 
 def to_wire(
@@ -404,6 +409,8 @@ def encode_wire(
         "base_outer_step": str(info.base_outer_step),
         "incarnation": info.incarnation,
     }
+    if info.fragment:
+        fields["fragment"] = info.fragment
     return encode_file("delta", wire, fields, fingerprint=layout.fingerprint, secret=secret)
 
 
@@ -431,12 +438,13 @@ class DecodedDelta:
 
 def decode_delta(data: bytes, layout: ModelLayout, *, secret: bytes | None) -> DecodedDelta:
     """Validate a delta file against ``layout``; ``Rejected`` on any problem."""
+    fragment = parse_header(data).metadata.get("fragment", "")
     decoded = decode_file(
         data,
         "delta",
         fingerprint=layout.fingerprint,
         secret=secret,
-        expected_shapes=layout.wire_shapes,
+        expected_shapes=fragment_shapes(layout, fragment),
         allowed_dtypes=_WIRE_DTYPES,
         what="delta",
     )
@@ -447,9 +455,30 @@ def decode_delta(data: bytes, layout: ModelLayout, *, secret: bytes | None) -> D
         local_step=int_field(meta, "local_step", "delta"),
         base_outer_step=int_field(meta, "base_outer_step", "delta"),
         incarnation=meta.get("incarnation", ""),
+        fragment=fragment,
     )
     tensors = {key: value.to(torch.float32) for key, value in decoded.tensors.items()}
     return DecodedDelta(info=info, tensors=tensors, sha256=decoded.sha256, size=decoded.size)
+
+
+_FRAGMENT = re.compile(r"^(\d{1,4})/(\d{1,4})$")
+
+
+def fragment_shapes(layout: ModelLayout, fragment: str) -> Mapping[str, tuple[int, ...]]:
+    """The keys and wire shapes a delta of ``fragment`` (``"p/P"``, or ``""`` for the whole
+    model) must hold exactly -- a fragment is applied whole or not at all."""
+    if not fragment:
+        return layout.wire_shapes
+    match = _FRAGMENT.match(fragment)
+    if match is None or not int(match[1]) < int(match[2]):
+        raise Rejected(RejectionReason.BAD_METADATA, f"delta fragment {fragment!r} is not 'p/P'")
+    try:
+        plan = layout_plan(layout, int(match[2]))
+    except ValueError as exc:
+        raise Rejected(
+            RejectionReason.BAD_METADATA, f"delta fragment {fragment!r}: {exc}"
+        ) from None
+    return {key: layout.wire_shapes[key] for key in plan.fragments[int(match[1])]}
 
 
 # -- global model and outer state ------------------------------------------------------
