@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 import yaml
 from cli_runner import run_cli
 from distributed_worker import base_config
+from test_distributed import free_port, rank_env
 from torch import nn
 
 from speedtronic.callback import Callback
@@ -255,24 +255,10 @@ def test_without_overlap_each_fragment_is_replaced_by_its_global(tmp_path: Path)
 # -- exact resume with an exchange in flight: two gloo ranks -------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def _rank(rank: int, port: int, out: str) -> None:
     """One rank: 10 steps straight, then 4 steps (checkpoint at 4 with fragment 1's exchange
     in flight until 6) and a resume to 10. Saves the final weights and losses."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    os.environ.update(rank_env(rank, 2, port))  # what torchrun sets
     torch.set_num_threads(1)
     root = Path(out)
 
@@ -309,7 +295,7 @@ def test_checkpoint_with_an_exchange_in_flight_resumes_exactly_on_two_ranks(
 ) -> None:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch._dynamo", "speedtronic.runtime"])
-    port = _free_port()
+    port = free_port()
     ranks = [
         context.Process(target=_rank, args=(rank, port, str(tmp_path)), daemon=True)
         for rank in (0, 1)
