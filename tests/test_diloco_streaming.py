@@ -133,6 +133,9 @@ def test_overlap_must_end_before_the_next_fragment_starts(tmp_path: Path) -> Non
         CollectiveDiLoCo(inner_steps=8, overlap_steps=8)
     with pytest.raises(ConfigError, match="fragments"):
         SpeedtronicConfig.from_dict({"callbacks": [{**entry, "fragments": 0}]})
+    hub = {"name": "diloco", "hub_dir": "h", "fragments": 2, "overlap_steps": 1}
+    with pytest.raises(ConfigError, match="overlap_steps: is an option of mode: collective"):
+        SpeedtronicConfig.from_dict({"callbacks": [hub]})
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump({"callbacks": [{**entry, "overlap_steps": 3}]}))
     done = run_cli("validate", "--config", str(path), cwd=tmp_path)

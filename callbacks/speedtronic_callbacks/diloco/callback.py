@@ -298,6 +298,12 @@ class DiLoCoCallback(Callback):
             for problem in streaming_problems(options):
                 yield f"{entry}.{problem}"
             return
+        if "overlap_steps" in options:
+            yield (
+                f"{entry}.overlap_steps: is an option of mode: collective; hub mode never waits "
+                "for the hub (uploads and polls run on background lanes), so it has no overlap "
+                "to set"
+            )
         try:  # the entry as it will be built: with the 2.0 section's keys beneath it
             merged = cls.options_from_legacy(sections, options) or dict(options)
         except ValueError:

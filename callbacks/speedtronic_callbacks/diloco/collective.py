@@ -569,10 +569,24 @@ class CollectiveDiLoCo(Callback):
     def _replica_blob(self, trainer: TrainerView) -> torch.Tensor:
         return _as_bytes(self._replica_tensors(trainer))
 
-    def _gather(self, blob: torch.Tensor, groups: ReplicaGroups) -> list[torch.Tensor]:
-        """Every replica's ``blob`` (same size everywhere: same model and optimizer)."""
+    def _gather(self, blob: torch.Tensor, groups: ReplicaGroups) -> list[torch.Tensor] | None:
+        """Every replica's ``blob``; ``None`` (with a warning) when their sizes differ (an
+        optimizer that holds state for different parameters on different replicas)."""
         assert self._context is not None
         device = self._context.collective_device
+        sizes = [
+            torch.zeros(1, dtype=torch.int64, device=device) for _ in range(groups.num_replicas)
+        ]
+        size = torch.tensor([blob.numel()], dtype=torch.int64, device=device)
+        dist.all_gather(sizes, size, group=groups.peers)
+        if len({int(item.item()) for item in sizes}) != 1:
+            warnings.warn(
+                "diloco: the replicas' states differ in size (their inner optimizers hold state "
+                "for different parameters); this checkpoint keeps rank 0's replica only",
+                UserWarning,
+                stacklevel=3,
+            )
+            return None
         local = blob.to(device)
         gathered = [torch.empty_like(local) for _ in range(groups.num_replicas)]
         dist.all_gather(gathered, local, group=groups.peers)
