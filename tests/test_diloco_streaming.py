@@ -28,9 +28,9 @@ from speedtronic.runtime import build_runtime
 from speedtronic.trainer import Trainer
 from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
 from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
-from speedtronic_callbacks.diloco.fragments import find_blocks, plan_fragments
-from speedtronic_callbacks.diloco.master import MasterLoop, MasterSettings
-from speedtronic_callbacks.diloco.math import NesterovOuterOptimizer
+from speedtronic_callbacks.diloco.fragments import aggregate_by_key, find_blocks, plan_fragments
+from speedtronic_callbacks.diloco.master import MasterLoop, MasterSettings, delta_path
+from speedtronic_callbacks.diloco.math import NesterovOuterOptimizer, aggregate_deltas
 from speedtronic_callbacks.diloco.model_layout import build_layout
 from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
 from speedtronic_callbacks.diloco.transport_base import (
@@ -44,6 +44,7 @@ from speedtronic_callbacks.diloco.wire import (
     RejectionReason,
     decode_delta,
     encode_wire,
+    parse_header,
 )
 
 
@@ -419,6 +420,21 @@ def test_hub_fragments_are_sent_whole_and_a_lost_one_is_resent_before_new_work(
     assert sent == {2: ("1/2", second), 6: ("1/2", second), 8: ("0/2", first)}
     report = master.node.master.sync_once()
     assert sorted(item.local_step for item in report.applied) == [6, 8]
+    # Half a fragment on the hub: a logged rejection, and the global does not move.
+    half = {"0.weight": torch.ones(layout.wire_shapes["0.weight"])}
+    info = DeltaInfo(node_id="evil", local_step=9, base_outer_step=2, fragment="0/2")
+    data = encode_wire(half, info, layout)
+    hub.put(delta_path("evil", 9, parse_header(data).metadata["sha256"]), data)
+    before = master.node.master.snapshot()
+    report = master.node.master.sync_once()
+    assert not report.published and [r.reason for r in report.rejected] == [
+        RejectionReason.WRONG_KEYS
+    ]
+    unchanged = master.node.master.snapshot()
+    assert before is not None and unchanged is not None
+    assert unchanged.outer_step == before.outer_step
+    for key, value in before.global_state.items():
+        assert torch.equal(unchanged.global_state[key], value)
     worker.node.stop()
     master.node.stop()
 
@@ -459,3 +475,14 @@ def test_hub_fragments_larger_than_the_block_count_fail_at_setup(tmp_path: Path)
     settings = NodeSettings(node_id="w", role="worker", fragments=3)
     with pytest.raises(ValueError, match="diloco.fragments: 3 is more than the model's 2 blocks"):
         DiLoCoNode(model, hub, build_layout(model.state_dict()), settings)
+
+
+def test_the_master_averages_each_key_over_the_deltas_that_hold_it() -> None:
+    whole = {"a": torch.full((2,), 4.0), "b": torch.full((2,), 8.0)}
+    fragment_a = {"a": torch.full((2,), 2.0)}
+    fragment_b = {"b": torch.full((2,), 6.0)}
+    mixed = aggregate_by_key([whole, fragment_a, fragment_b], [1.0, 0.5, 1.0])
+    assert torch.equal(mixed["a"], torch.full((2,), (4.0 + 0.5 * 2.0) / 2))
+    assert torch.equal(mixed["b"], torch.full((2,), (8.0 + 6.0) / 2))
+    same = aggregate_by_key([fragment_a, {"a": torch.zeros(2)}], [1.0, 1.0])
+    assert torch.equal(same["a"], aggregate_deltas([fragment_a, {"a": torch.zeros(2)}])["a"])
