@@ -422,9 +422,9 @@ def report_streaming(
     )
     print(
         "| run | encoding | held-out loss | bytes / step / rank | vs DDP "
-        "| peak bytes / sync | vs DiLoCo P=1 | stall / sync (s) |"
+        "| peak bytes / sync | vs DiLoCo P=1 | stall / sync (s) | wall s |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
 
     def stall_text(label: str, encoding: str) -> str:
         return "-" if label == "DDP" else f"{mean('stall_per_sync', label, encoding):.3f}"
@@ -438,12 +438,19 @@ def report_streaming(
         print(
             f"| {label} | {encoding} | {mean('loss', label, encoding):.4f} | {sent:,.0f} "
             f"| 1/{ddp / sent:.1f} | {peak:,.0f} | {vs_peak} "
-            f"| {stall_text(label, encoding)} |"
+            f"| {stall_text(label, encoding)} | {mean('seconds', label, encoding):.1f} |"
         )
         if label.startswith("Streaming") and base in rows:
             ratio = mean("peak", *base) / peak
             if not 3.0 <= ratio <= 5.0:
                 failures.append(f"{label} {encoding}: peak bytes 1/{ratio:.2f} of DiLoCo's")
+        blocking = ("Streaming P=4, tau=0", encoding)
+        if label.startswith("Streaming") and "tau=0" not in label and blocking in rows:
+            hidden = mean("stall_per_sync", label, encoding)
+            if hidden > 0.5 * mean("stall_per_sync", *blocking):
+                failures.append(
+                    f"{label} {encoding}: stall {hidden:.3f} s is not below half tau=0's"
+                )
     print()
     return failures
 
