@@ -26,7 +26,7 @@ the loss reached at an equal number of inner steps.
    slow link (``CollectiveDiLoCo.link_delay_s``: an exchange's result is available no
    earlier than that many seconds after it started) -- tau = 5 should hide the delay.
 
-    python benchmarks/diloco.py              # ~3-5 minutes on 2 CPU cores (both parts)
+    python benchmarks/diloco.py              # ~5-7 minutes on 2 idle CPU cores (both parts)
     python benchmarks/diloco.py --part streaming --quick   # a smoke run of part 3
     python benchmarks/diloco.py --check      # exit status 1 when a target is missed
 
