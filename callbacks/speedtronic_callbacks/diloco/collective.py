@@ -152,6 +152,9 @@ class _PackedGather:
     replicas' coefficients and the number of values packed."""
 
     handles: list[dist.Work]
+    sent: list[torch.Tensor]
+    """This replica's codes and scales on the collective device, alive until the handles
+    complete."""
     codes: list[torch.Tensor]
     scales: list[torch.Tensor]
     coefficients: list[float]
@@ -566,12 +569,13 @@ class CollectiveDiLoCo(Callback):
             kept = coefficients[self._replica_index()] > 0
             self.residuals[fragment] = flat - unpack(packed) if kept else torch.zeros_like(flat)
         groups, context = self._groups, self._context
-        gather = _PackedGather([], [packed.codes], [packed.scales], coefficients, flat.numel())
+        gather = _PackedGather([], [], [packed.codes], [packed.scales], coefficients, flat.numel())
         if groups is None or context is None or groups.num_replicas < 2:
             return gather
         gather.codes, gather.scales = [], []
         for part, rows in ((packed.codes, gather.codes), (packed.scales, gather.scales)):
             local = part.to(context.collective_device)
+            gather.sent.append(local)
             rows.extend(torch.empty_like(local) for _ in range(groups.num_replicas))
             gather.handles.append(dist.all_gather(rows, local, group=groups.peers, async_op=True))
             self.bytes_reduced += local.numel() * local.element_size()
@@ -582,6 +586,7 @@ class CollectiveDiLoCo(Callback):
         and combine them as ``sum(c_i * delta_i) / replicas`` in float32, in replica order."""
         for handle in gather.handles:
             handle.wait()
+        gather.handles, gather.sent = [], []
         total = torch.zeros(gather.values, dtype=torch.float32)
         rows = zip(gather.codes, gather.scales, gather.coefficients, strict=True)
         for codes, scales, coefficient in rows:
