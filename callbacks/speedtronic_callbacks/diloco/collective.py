@@ -45,11 +45,14 @@ new weights: plain data-parallel training (tested against DDP with SGD).
 Streaming (``fragments`` P, ``overlap_steps`` tau; docs/distributed.md, "Streaming"): the
 synchronised entries are split into P strided fragments (``fragments.plan_fragments``), each
 exchanged every H steps at its own offset, so one exchange moves about 1/P of the model.
-With tau > 0 the exchange is an asynchronous all-reduce started at the fragment's sync step
-and applied tau steps later with the *delta-carry* rule: the fragment's new global plus the
-local progress made since the exchange started. With P = 1 and tau = 0 this is exactly the
-round above. A streaming run's checkpoints hold every replica's local weights, inner-optimizer
-state and in-flight exchange (gathered to rank 0), so they resume exactly at any step.
+With tau > 0 the exchange is an asynchronous all-reduce (int8/fp4: asynchronous all-gathers
+of the packed codes and scales, after the blocking all-gather of the screening numbers)
+started at the fragment's sync step and applied tau steps later with the *delta-carry*
+rule: the fragment's new global plus the local progress made since the exchange started.
+With P = 1 and tau = 0 this is exactly the round above. Screening and error feedback are
+per fragment (a norm history and a residual each). A streaming run's checkpoints hold every
+replica's local weights, inner-optimizer state, residuals and in-flight exchange (gathered
+to rank 0), so they resume exactly at any step.
 """
 
 from __future__ import annotations
