@@ -16,9 +16,18 @@ the loss reached at an equal number of inner steps.
    of one master and two workers that each ran S steps on their own shard of the learnable
    synthetic language (``LearnableLanguageDataset``; its entropy floor is printed).
    Target: the three-node global model at least matches the single node.
+3. Streaming (``--part streaming``), collective mode on two ``gloo`` ranks, the same token
+   budget for every run, seeds interleaved (seed-major order): DDP, DiLoCo (P = 1) and
+   Streaming DiLoCo (P = 4 fragments, overlap tau = 0 and tau = 5), each with every delta
+   encoding the options schema offers (fp32 and bf16; int8/fp4 when the schema lists them).
+   Reported: held-out loss of the replicas' averaged weights, bytes each rank hands to its
+   all-reduces per step, **peak bytes of one synchronisation** (target about 1/P of
+   DiLoCo's), and the training thread's **stall per synchronisation** with an artificially
+   slow link (``CollectiveDiLoCo.link_delay_s``: an exchange's result is available no
+   earlier than that many seconds after it started) -- tau = 5 should hide the delay.
 
-    python benchmarks/diloco.py              # ~1-2 minutes on 2 CPU cores
-    python benchmarks/diloco.py --quick      # a smoke run
+    python benchmarks/diloco.py              # ~5-7 minutes on 2 idle CPU cores (both parts)
+    python benchmarks/diloco.py --part streaming --quick   # a smoke run of part 3
     python benchmarks/diloco.py --check      # exit status 1 when a target is missed
 
 Single-threaded (``torch.set_num_threads(1)``) so results are comparable across machines.
@@ -56,9 +65,11 @@ TRAIN_SAMPLES, EVAL_START, EVAL_SAMPLES = 6000, 50_000, 256
 DATA_SEED = 7
 
 
-def make_model() -> ReferenceTransformer:
-    torch.manual_seed(0)  # every node, and every run, starts from the same weights
-    return ReferenceTransformer(vocab_size=VOCAB, block_size=BLOCK, n_layer=2, n_head=4, d_model=64)
+def make_model(n_layer: int = 2, seed: int = 0) -> ReferenceTransformer:
+    torch.manual_seed(seed)  # every node, and every run, starts from the same weights
+    return ReferenceTransformer(
+        vocab_size=VOCAB, block_size=BLOCK, n_layer=n_layer, n_head=4, d_model=64
+    )
 
 
 def language(num_samples: int) -> LearnableLanguageDataset:
@@ -67,14 +78,14 @@ def language(num_samples: int) -> LearnableLanguageDataset:
     )
 
 
-def shard_loader(shard: int, shards: int) -> DataLoader[object]:
+def shard_loader(shard: int, shards: int, seed: int = 0) -> DataLoader[object]:
     """Node ``shard`` of ``shards`` sees every ``shards``-th training sample."""
     dataset = language(TRAIN_SAMPLES)
     return DataLoader(
         Subset(dataset, range(shard, TRAIN_SAMPLES, shards)),
         batch_size=BATCH,
         shuffle=True,
-        generator=torch.Generator().manual_seed(1000 + shard),
+        generator=torch.Generator().manual_seed(1000 * (seed + 1) + shard),
     )
 
 
@@ -235,6 +246,216 @@ def run_single(steps: int, root: Path) -> tuple[float, float]:
     return held_out_loss(trainer.model), time.perf_counter() - started
 
 
+# -- streaming: collective mode on two gloo ranks -------------------------------------------
+
+STREAM_LAYERS = 4
+"""Blocks of the streaming part's model (P = 4 fragments need at least 4)."""
+
+
+def encodings() -> dict[str, dict[str, object]]:
+    """The delta encodings collective mode offers, read from its options schema: an
+    encoding option (``delta_dtype``) when there is one, else ``compression``."""
+    from speedtronic_callbacks.diloco.options import COLLECTIVE_OPTIONS_SCHEMA
+
+    properties = COLLECTIVE_OPTIONS_SCHEMA["properties"]
+    assert isinstance(properties, dict)
+    for option in ("delta_dtype", "encoding"):
+        spec = properties.get(option)
+        if isinstance(spec, dict) and isinstance(spec.get("enum"), list):
+            # null means "what compression says": not an encoding of its own
+            names = [str(value) for value in spec["enum"] if value not in ("fp16", None)]
+            return {name: {option: name} for name in names}
+    names = [str(value) for value in properties["compression"]["enum"] if value != "fp16"]
+    return {("fp32" if name == "none" else name): {"compression": name} for name in names}
+
+
+@dataclass(frozen=True)
+class StreamCase:
+    label: str
+    encoding: str
+    options: dict[str, object] | None
+    """``CollectiveDiLoCo`` options; ``None``: DDP."""
+
+
+def stream_cases(inner: int, overlap: int) -> list[StreamCase]:
+    cases = [StreamCase("DDP", "fp32", None)]
+    for name, option in encodings().items():
+        base: dict[str, object] = {"inner_steps": inner, **option}
+        cases.append(StreamCase("DiLoCo P=1", name, base))
+        cases.append(StreamCase("Streaming P=4, tau=0", name, {**base, "fragments": 4}))
+        cases.append(
+            StreamCase(
+                f"Streaming P=4, tau={overlap}",
+                name,
+                {**base, "fragments": 4, "overlap_steps": overlap},
+            )
+        )
+    return cases
+
+
+def _stream_rank(
+    rank: int,
+    port: int,
+    steps: int,
+    inner: int,
+    overlap: int,
+    seeds: int,
+    delay: float,
+    root: str,
+    results: multiprocessing.queues.Queue[dict[str, object]],
+) -> None:
+    from speedtronic.distributed import setup_distributed
+    from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo, CollectiveDiLoCoOptions
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    logging.getLogger("speedtronic").setLevel(logging.WARNING)
+    distributed = setup_distributed("cpu", timeout_s=120.0)
+    assert distributed is not None
+    for seed in range(seeds):  # seed-major: every case sees the same machine state
+        for index, case in enumerate(stream_cases(inner, overlap)):
+            model = make_model(STREAM_LAYERS, seed)
+            callbacks = []
+            diloco = None
+            if case.options is not None:
+                diloco = CollectiveDiLoCo(CollectiveDiLoCoOptions.from_mapping(case.options))
+                diloco.link_delay_s = delay
+                callbacks.append(diloco)
+            trainer = Trainer(
+                model,
+                torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0),
+                shard_loader(rank, 2, seed),
+                callbacks=callbacks,
+                output_dir=Path(root) / f"s{seed}-c{index}-r{rank}",
+                metrics_every=10_000,
+                distributed=distributed,
+                max_steps=steps,
+            )
+            started = time.perf_counter()
+            trainer.fit()
+            seconds = time.perf_counter() - started
+            with torch.no_grad():  # the replicas' average: the model a user would keep
+                for tensor in model.state_dict().values():
+                    if tensor.is_floating_point():
+                        dist.all_reduce(tensor)
+                        tensor.div_(2)
+            grad_bytes = 4 * sum(p.numel() for p in model.parameters())
+            if diloco is None:
+                sent, peak, stall, syncs = grad_bytes * steps, grad_bytes, 0.0, steps
+            else:
+                assert diloco.plan is not None
+                sent, peak, stall = diloco.bytes_reduced, diloco.peak_sync_bytes, diloco.stall_s
+                syncs = max(1, diloco.outer_steps)
+            if rank == 0:
+                results.put(
+                    {
+                        "seed": seed,
+                        "label": case.label,
+                        "encoding": case.encoding,
+                        "loss": held_out_loss(model),
+                        "sent_per_step": sent / steps,
+                        "peak": peak,
+                        "stall_per_sync": stall / syncs,
+                        "seconds": seconds,
+                    }
+                )
+    if rank == 0:
+        results.put({"done": True})
+    dist.destroy_process_group()
+
+
+def run_streaming(
+    steps: int, inner: int, overlap: int, seeds: int, delay: float
+) -> list[dict[str, object]]:
+    """Every streaming case on two spawned gloo ranks; rank 0's reports."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = multiprocessing.get_context("spawn")
+    results: multiprocessing.queues.Queue[dict[str, object]] = context.Queue()
+    with tempfile.TemporaryDirectory(prefix="diloco-stream-") as scratch:
+        ranks = [
+            context.Process(
+                target=_stream_rank,
+                args=(rank, port, steps, inner, overlap, seeds, delay, scratch, results),
+            )
+            for rank in (0, 1)
+        ]
+        for process in ranks:
+            process.start()
+        reports = []
+        while True:
+            report = results.get(timeout=900)
+            if report.get("done"):
+                break
+            reports.append(report)
+        for process in ranks:
+            process.join(timeout=60)
+            if process.exitcode != 0:
+                raise RuntimeError(f"streaming rank exited with status {process.exitcode}")
+    return reports
+
+
+def report_streaming(
+    reports: list[dict[str, object]], inner: int, steps: int, delay: float
+) -> list[str]:
+    """Print the streaming table (means over seeds); the missed targets."""
+    rows: dict[tuple[str, str], list[dict[str, object]]] = {}
+    for report in reports:
+        rows.setdefault((str(report["label"]), str(report["encoding"])), []).append(report)
+
+    def mean(key: str, label: str, encoding: str) -> float:
+        values = [float(str(item[key])) for item in rows[(label, encoding)]]
+        return sum(values) / len(values)
+
+    ddp = mean("sent_per_step", "DDP", "fp32")
+    seeds = len(rows[("DDP", "fp32")])
+    print(
+        f"Streaming, collective mode, 2 gloo ranks, {STREAM_LAYERS}-block model, "
+        f"{steps} steps per rank, H = {inner}, {seeds} seed(s), link delay {delay:g} s\n"
+    )
+    print(
+        "| run | encoding | held-out loss | bytes / step / rank | vs DDP "
+        "| peak bytes / sync | vs DiLoCo P=1 | stall / sync (s) | wall s |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+
+    def stall_text(label: str, encoding: str) -> str:
+        return "-" if label == "DDP" else f"{mean('stall_per_sync', label, encoding):.3f}"
+
+    failures: list[str] = []
+    for label, encoding in rows:
+        sent = mean("sent_per_step", label, encoding)
+        peak = mean("peak", label, encoding)
+        base = ("DiLoCo P=1", encoding)
+        vs_peak = f"1/{mean('peak', *base) / peak:.2f}" if base in rows and label != "DDP" else "-"
+        print(
+            f"| {label} | {encoding} | {mean('loss', label, encoding):.4f} | {sent:,.0f} "
+            f"| 1/{ddp / sent:.1f} | {peak:,.0f} | {vs_peak} "
+            f"| {stall_text(label, encoding)} | {mean('seconds', label, encoding):.1f} |"
+        )
+        if label.startswith("Streaming") and base in rows:
+            ratio = mean("peak", *base) / peak
+            if not 3.0 <= ratio <= 5.0:
+                failures.append(f"{label} {encoding}: peak bytes 1/{ratio:.2f} of DiLoCo's")
+        blocking = ("Streaming P=4, tau=0", encoding)
+        if label.startswith("Streaming") and "tau=0" not in label and blocking in rows:
+            hidden = mean("stall_per_sync", label, encoding)
+            if hidden > 0.5 * mean("stall_per_sync", *blocking):
+                failures.append(
+                    f"{label} {encoding}: stall {hidden:.3f} s is not below half tau=0's"
+                )
+    print()
+    return failures
+
+
 # -- report ----------------------------------------------------------------------------------
 
 
@@ -244,12 +465,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner-steps", type=int, default=20, help="H")
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument("--part", choices=("hub", "streaming", "all"), default="all")
+    parser.add_argument("--stream-steps", type=int, default=240, help="steps per rank (part 3)")
+    parser.add_argument("--stream-inner-steps", type=int, default=24, help="H of part 3")
+    parser.add_argument("--overlap", type=int, default=5, help="tau of part 3")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds of part 3")
+    parser.add_argument("--link-delay", type=float, default=0.1, help="seconds (part 3)")
     args = parser.parse_args(argv)
     steps, inner = (40, 10) if args.quick else (args.steps, args.inner_steps)
     if steps % inner:
         parser.error("--steps must be a multiple of --inner-steps")
     torch.set_num_threads(1)
     logging.getLogger("speedtronic.diloco").setLevel(logging.WARNING)
+    failures: list[str] = []
+    if args.part != "hub":
+        stream_steps, seeds = (48, 1) if args.quick else (args.stream_steps, args.seeds)
+        reports = run_streaming(
+            stream_steps, args.stream_inner_steps, args.overlap, seeds, args.link_delay
+        )
+        failures += report_streaming(
+            reports, args.stream_inner_steps, stream_steps, args.link_delay
+        )
+        if args.part == "streaming":
+            for failure in failures:
+                print(f"MISSED: {failure}")
+            return 1 if failures and args.check else 0
 
     layout = build_layout(make_model().state_dict())
     print(
@@ -263,7 +503,6 @@ def main(argv: list[str] | None = None) -> int:
         single_loss, single_seconds = run_single(steps, root)
         runs = {name: run_diloco(steps, inner, name, root) for name in ("none", "bf16")}
 
-    failures: list[str] = []
     print("| sync | bytes sent / step / worker | vs data parallel | target | received / step |")
     print("|---|---:|---:|---:|---:|")
     print(f"| data parallel (all-reduce, N=2) | {ddp:,.0f} | 1 | 1 | {ddp:,.0f} |")

@@ -93,6 +93,7 @@ from speedtronic_callbacks.diloco.options import (
     normalise_distributed_section,
     options_from_distributed_section,
     robust_settings,
+    streaming_problems,
 )
 from speedtronic_callbacks.diloco.transport_base import RetryingTransport, RetryPolicy, Transport
 from speedtronic_callbacks.diloco.wire import Compression
@@ -223,6 +224,7 @@ def make_node(
         secret=secret,
         delta_dtype=delta_encoding(options),
         error_feedback=options.error_feedback,
+        fragments=options.fragments,
     )
     return DiLoCoNode(
         model, transport, layout, settings, master=master, reporter=reporter, publish=publish
@@ -302,7 +304,15 @@ class DiLoCoCallback(Callback):
         if options.get("mode") == "collective":
             yield from _collective_timeout_problems(entry, options, step_timeout)
             yield from (f"{entry}.{problem}" for problem in encoding_problems(options))
+            for problem in streaming_problems(options):
+                yield f"{entry}.{problem}"
             return
+        if "overlap_steps" in options:
+            yield (
+                f"{entry}.overlap_steps: is an option of mode: collective; hub mode never waits "
+                "for the hub (uploads and polls run on background lanes), so it has no overlap "
+                "to set"
+            )
         try:  # the entry as it will be built: with the 2.0 section's keys beneath it
             merged = cls.options_from_legacy(sections, options) or dict(options)
         except ValueError:
@@ -404,11 +414,12 @@ class DiLoCoCallback(Callback):
             self.node = self._build_node(trainer)
             self._model_id = id(trainer.model)
             logger.info(
-                "diloco %s %r on %s: inner_steps=%d, compression=%s",
+                "diloco %s %r on %s: inner_steps=%d, fragments=%d, compression=%s",
                 self.options.role,
                 self.node_id,
                 self.node.transport.location,
                 self.options.inner_steps,
+                self.options.fragments,
                 self.options.compression,
             )
         if self._staged is not None:

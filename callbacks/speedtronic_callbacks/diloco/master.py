@@ -50,6 +50,7 @@ from speedtronic_callbacks.diloco.aggregation import (
     state_norm,
     work_weights,
 )
+from speedtronic_callbacks.diloco.fragments import aggregate_by_key
 from speedtronic_callbacks.diloco.legacy_hub import (
     V2Pointer,
     decode_v2_global,
@@ -59,7 +60,6 @@ from speedtronic_callbacks.diloco.legacy_hub import (
 from speedtronic_callbacks.diloco.math import (
     NesterovOuterOptimizer,
     StateDict,
-    aggregate_deltas,
     staleness_weight,
 )
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
@@ -196,6 +196,9 @@ class RoundReport:
     """Why the round did nothing (the hub pointer is unreadable), or ``None``."""
     norms: tuple[float, ...] = ()
     """The applied deltas' norms (clipped ones at the bound): the outlier history."""
+    norm_fragments: tuple[str, ...] = ()
+    """Per norm, the delta's streaming fragment (``"p/P"``; ``""``: the whole model): each
+    fragment has its own outlier history."""
 
     @property
     def included(self) -> int:
@@ -239,7 +242,8 @@ class MasterLoop:
         self._expected_pointer: tuple[int, str] | None = None
         self._known_applied: dict[str, str] = {}
         self._paused: str | None = None
-        self._norms = NormHistory(settings.robust.window)
+        self._norms: dict[str, NormHistory] = {}
+        """Outlier history per streaming fragment (``""``: whole-model deltas)."""
         transport.limit_file_size(settings.max_file_bytes or largest_file_bytes(layout))
 
     # -- single master per hub (per process) -------------------------------------------
@@ -298,7 +302,12 @@ class MasterLoop:
             "applied": sorted(snapshot.ledger.applied),
             "progress": progress_to_json(snapshot.ledger.progress),
             "rejected": rejected,
-            "norm_history": self._norms.to_list(),
+            "norm_history": self._history("").to_list(),
+            "fragment_norm_history": {
+                fragment: history.to_list()
+                for fragment, history in sorted(self._norms.items())
+                if fragment
+            },
         }
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -320,7 +329,13 @@ class MasterLoop:
         except ValueError as exc:
             raise ValueError(f"diloco master state: {exc}") from None
         ledger = Ledger(applied={str(h) for h in applied}, progress=parsed_progress)
-        norms = NormHistory.from_state(self.settings.robust.window, state.get("norm_history"))
+        window = self.settings.robust.window
+        norms = {"": NormHistory.from_state(window, state.get("norm_history"))}
+        per_fragment = state.get("fragment_norm_history", {})
+        if not isinstance(per_fragment, Mapping):
+            raise ValueError("diloco master state: 'fragment_norm_history' must be a mapping")
+        for fragment, value in per_fragment.items():
+            norms[str(fragment)] = NormHistory.from_state(window, value)
         with self._lock:
             self._norms = norms
             self._state = OuterState(global_state, momentum, outer_step, ledger)
@@ -550,7 +565,12 @@ class MasterLoop:
             )
             with self._lock:
                 self._state = new_state
-                self._norms.record(report.norms)
+                for fragment in set(report.norm_fragments):
+                    self._history(fragment).record(
+                        norm
+                        for norm, where in zip(report.norms, report.norm_fragments, strict=True)
+                        if where == fragment
+                    )
             report = RoundReport(
                 outer_step=new_state.outer_step,
                 published=True,
@@ -628,7 +648,9 @@ class MasterLoop:
             staleness_weight(staleness, power) * share * clip
             for (_, _, staleness), share, clip in zip(accepted, work, clips, strict=True)
         ]
-        aggregated = aggregate_deltas([decoded.tensors for _, decoded, _ in accepted], weights)
+        # Deltas of streaming fragments hold only their keys: each key is averaged over
+        # the deltas that hold it, and the outer step moves only those keys.
+        aggregated = aggregate_by_key([decoded.tensors for _, decoded, _ in accepted], weights)
         new_global = dict(state.global_state)
         for key in aggregated:
             new_global[key] = state.global_state[key].clone()
@@ -670,8 +692,16 @@ class MasterLoop:
             rejected=tuple(rejected),
             duplicates=duplicates,
             norms=tuple(norm * clip for norm, clip in zip(norms, clips, strict=True)),
+            norm_fragments=tuple(decoded.info.fragment for _, decoded, _ in accepted),
         )
         return report, new_state, cleanup
+
+    def _history(self, fragment: str) -> NormHistory:
+        """The outlier history of ``fragment``'s deltas (created empty)."""
+        history = self._norms.get(fragment)
+        if history is None:
+            history = self._norms[fragment] = NormHistory(self.settings.robust.window)
+        return history
 
     def _screen(
         self,
@@ -680,20 +710,33 @@ class MasterLoop:
         rejected: list[DeltaRejection],
     ) -> tuple[list[tuple[RemoteFile, DecodedDelta, int]], list[float], list[float]]:
         """Outlier screening of the round's deltas (``aggregation.screen``): returns the
-        deltas kept, their clip factors and norms; rejected outliers join ``rejected``."""
+        deltas kept, their clip factors and norms; rejected outliers join ``rejected``.
+        Deltas of one streaming fragment are judged together, against that fragment's
+        history (a fragment's norm is not comparable with another's or the model's)."""
         if not accepted:
             return [], [], []
         norms = [state_norm(decoded.tensors) for _, decoded, _ in accepted]
-        model_norm = None
-        if len(self._norms.norms) + len(norms) < MIN_REFERENCE:
-            model_norm = state_norm(state.global_state, self.layout.sync_keys)
-        screening = screen(norms, self._norms, self.settings.robust, model_norm)
+        groups: dict[str, list[int]] = {}
+        for index, (_, decoded, _) in enumerate(accepted):
+            groups.setdefault(decoded.info.fragment, []).append(index)
+        factors = [1.0] * len(accepted)
+        bounds: list[float | None] = [None] * len(accepted)
+        for fragment, members in groups.items():
+            history = self._history(fragment)
+            model_norm = None
+            if len(history.norms) + len(members) < MIN_REFERENCE:
+                keys = list(accepted[members[0]][1].tensors) if fragment else None
+                model_norm = state_norm(state.global_state, keys or self.layout.sync_keys)
+            group_norms = [norms[i] for i in members]
+            screening = screen(group_norms, history, self.settings.robust, model_norm)
+            for index, factor in zip(members, screening.factors, strict=True):
+                factors[index], bounds[index] = factor, screening.bound
         kept: list[tuple[RemoteFile, DecodedDelta, int]] = []
         clips: list[float] = []
         kept_norms: list[float] = []
-        for item, norm, factor in zip(accepted, norms, screening.factors, strict=True):
+        for item, norm, factor, bound in zip(accepted, norms, factors, bounds, strict=True):
             if factor == 0.0:
-                detail = f"pseudo-gradient norm {norm:.4g} exceeds the bound {screening.bound}"
+                detail = f"pseudo-gradient norm {norm:.4g} exceeds the bound {bound}"
                 rejected.append(self._reject(item[0], Rejected(RejectionReason.OUTLIER, detail)))
                 continue
             if factor != 1.0:
@@ -702,7 +745,7 @@ class MasterLoop:
                     "(outlier_factor x the recent median)",
                     item[0].path,
                     norm,
-                    screening.bound,
+                    bound,
                 )
             kept.append(item)
             clips.append(factor)

@@ -29,6 +29,9 @@ class ModelLayout:
     state_shapes: Mapping[str, tuple[int, ...]]
     aliases: Mapping[str, str]
     fingerprint: str
+    key_order: tuple[str, ...] = ()
+    """Every ``state_dict`` key in module order (what streaming fragments are cut from);
+    not part of the fingerprint."""
 
     @property
     def sync_numel(self) -> int:
@@ -81,4 +84,5 @@ def build_layout(state: StateDict, config_fingerprint: str = "") -> ModelLayout:
         state_shapes=shapes,
         aliases=aliases,
         fingerprint=digest.hexdigest()[:32],
+        key_order=tuple(state),
     )

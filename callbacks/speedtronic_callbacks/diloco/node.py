@@ -15,6 +15,13 @@ Per step, in this order:
    an optimizer reset -- only for an accepted (installed) sync;
 4. schedule background work that is due (poll / master round).
 
+Streaming (``fragments`` P > 1, docs/distributed.md "Streaming"): the boundaries are those
+of ``fragments.FragmentPlan`` -- fragment ``p`` at every step ``s`` with ``s % H`` equal to
+its offset -- and each sends only its fragment's keys of the pending delta (a file with a
+``fragment`` field ``"p/P"``); the other keys' progress stays pending until their own
+boundary. A fragment's upload is one file: retried whole (as the unconfirmed job, before
+any new work) and validated whole by the master, so it is never half-applied.
+
 Exactly-once delivery: an upload that fails is re-sent later with the *same* content
 (the file name carries its content hash and the master dedupes by content hash), never
 merged into a later delta, so a "failed" upload that actually reached the hub is not
@@ -37,6 +44,7 @@ import torch
 from torch import nn
 
 from speedtronic_callbacks.diloco.encoding import Encoding
+from speedtronic_callbacks.diloco.fragments import layout_plan
 from speedtronic_callbacks.diloco.lanes import ErrorReporter, Inbox, Lane
 from speedtronic_callbacks.diloco.master import (
     MasterConflictError,
@@ -56,6 +64,8 @@ from speedtronic_callbacks.diloco.wire import (
     decode_global,
     encode_wire,
     expand_aliases,
+    fragment_layout,
+    fragment_shapes,
     from_wire,
     global_tensors,
     largest_file_bytes,
@@ -87,6 +97,8 @@ class NodeSettings:
     """The delta encoding (``None``: the one ``compression`` names)."""
     error_feedback: bool = True
     """Carry what a lossy encoding dropped into the next delta."""
+    fragments: int = 1
+    """Streaming fragments P (1: the whole model at every boundary)."""
 
     @property
     def encoding(self) -> Encoding:
@@ -103,6 +115,8 @@ class UploadJob:
     base_outer_step: int
     tokens: int = 0
     samples: int = 0
+    fragment: str = ""
+    """``"p/P"`` for a streaming fragment's keys, ``""`` for the whole model."""
 
 
 @dataclass(frozen=True)
@@ -209,6 +223,7 @@ class DiLoCoNode:
         self.transport = transport
         self.layout = layout
         self.settings = settings
+        self.plan = layout_plan(layout, settings.fragments, settings.inner_steps)
         self.master = master
         self.reporter = reporter or ErrorReporter()
         self._clock = clock
@@ -305,11 +320,13 @@ class DiLoCoNode:
             raise RuntimeError("DiLoCoNode.start must be called before on_step")
         self._last_step = step
         self._drain()
-        boundary = step % self.settings.inner_steps == 0
+        due = self.plan.due(step)
+        boundary = bool(due)
         dispatched = False
         if boundary:
             self._capture(step)
-            dispatched = self._dispatch(step)
+            for fragment in due:
+                dispatched = self._dispatch(step, fragment) or dispatched
         installed = self._install_candidate(step)
         self._schedule(step, boundary)
         return SyncOutcome(dispatched=dispatched, installed=installed)
@@ -332,14 +349,21 @@ class DiLoCoNode:
         self, delta: Mapping[str, torch.Tensor], base: int, work: tuple[int, int] = (0, 0)
     ) -> None:
         """Add ``delta`` (made from global ``base`` by training ``work`` tokens and
-        samples) to the pending delta. Out of place: a checkpoint taken earlier may still
+        samples; a fragment's residual may hold only some keys) to the pending delta,
+        which always holds every key. Out of place: a checkpoint taken earlier may still
         hold the previous tensors."""
         if self.pending is None:
-            self.pending = dict(delta)
+            self.pending = {
+                key: delta[key] if key in delta else self._zeros(key)
+                for key in self.layout.sync_keys
+            }
             self.pending_base = base
             self.pending_work = work
         else:
-            self.pending = {key: value + delta[key] for key, value in self.pending.items()}
+            self.pending = {
+                key: value + delta[key] if key in delta else value
+                for key, value in self.pending.items()
+            }
             self.pending_base = min(self.pending_base, base)
             self.pending_work = (self.pending_work[0] + work[0], self.pending_work[1] + work[1])
 
@@ -353,8 +377,31 @@ class DiLoCoNode:
         self._work_mark = now
         return (max(0, now[0] - mark[0]), max(0, now[1] - mark[1]))
 
-    def _dispatch(self, step: int) -> bool:
-        """Hand the unconfirmed job (a resend) or the pending delta to the upload lane."""
+    def _zeros(self, key: str) -> torch.Tensor:
+        return torch.zeros(self.layout.wire_shapes[key], dtype=torch.float32)
+
+    def _take_fragment(self, fragment: int) -> tuple[dict[str, torch.Tensor], str] | None:
+        """The pending delta's keys of ``fragment`` (``None`` when they are all zero);
+        they are removed from the pending delta (zeroed; all of it with one fragment)."""
+        pending = self.pending
+        assert pending is not None
+        if self.plan.count == 1:
+            if _all_zero(pending):
+                return None
+            self.pending = None
+            return pending, ""
+        keys = self.plan.fragments[fragment]
+        part = {key: pending[key] for key in keys}
+        if _all_zero(part):
+            return None
+        self.pending = {
+            key: self._zeros(key) if key in part else value for key, value in pending.items()
+        }
+        return part, f"{fragment}/{self.plan.count}"
+
+    def _dispatch(self, step: int, fragment: int = 0) -> bool:
+        """Hand the unconfirmed job (a resend, whatever its fragment) or ``fragment``'s
+        share of the pending delta to the upload lane."""
         if self.installed_step < 0 or self._resync or not self._startup_done:
             return False  # no global yet, or start-up reconciliation still open
         if self.upload_lane.busy:
@@ -364,7 +411,7 @@ class DiLoCoNode:
         job = self.unconfirmed
         if job is None:
             pending = self.pending
-            if pending is None or _all_zero(pending):
+            if pending is None:
                 return False
             if not _all_finite(pending):
                 logger.error(
@@ -377,8 +424,13 @@ class DiLoCoNode:
                 self._resync = True
                 self.stats.resyncs += 1
                 return False
-            job = UploadJob(pending, step, self.pending_base, *self.pending_work)
-            self.pending = None
+            base, work = self.pending_base, self.pending_work
+            taken = self._take_fragment(fragment)
+            if taken is None:
+                return False
+            if self.pending is not None:  # a fragment: the work so far travels with it
+                self.pending_work = (0, 0)
+            job = UploadJob(taken[0], step, base, *work, taken[1])
             self.unconfirmed = job
         submitted = self.upload_lane.try_submit(lambda: self._upload(job))
         if not submitted:
@@ -447,13 +499,15 @@ class DiLoCoNode:
             incarnation=self.incarnation,
             tokens=job.tokens,
             samples=job.samples,
+            fragment=job.fragment,
         )
         residual = None
         try:
             encoding = self.settings.encoding
-            wire = to_wire(job.delta, self.layout, encoding)
+            layout = fragment_layout(self.layout, job.fragment)  # the fragment's keys only
+            wire = to_wire(job.delta, layout, encoding)
             if encoding.lossy and self.settings.error_feedback:
-                sent = from_wire(wire, self.layout, encoding)
+                sent = from_wire(wire, layout, encoding)
                 residual = {key: job.delta[key] - sent[key] for key in sent}
             data = encode_wire(
                 wire, info, self.layout, secret=self.settings.secret, encoding=encoding
@@ -706,6 +760,7 @@ class DiLoCoNode:
                 "base_outer_step": job.base_outer_step,
                 "tokens": job.tokens,
                 "samples": job.samples,
+                "fragment": job.fragment,
             },
             "master": {} if self.master is None else self.master.state_dict(),
         }
@@ -747,13 +802,21 @@ class DiLoCoNode:
         self._work_mark = self._work_now = _work(state, "work_mark")
         unconfirmed = state.get("unconfirmed")
         if isinstance(unconfirmed, Mapping):
-            delta = _optional_tensors(unconfirmed, "delta", self.layout)
+            fragment = unconfirmed.get("fragment", "")
+            if not isinstance(fragment, str):
+                raise ValueError("diloco state: 'unconfirmed.fragment' must be a string")
+            try:
+                keys = tuple(fragment_shapes(self.layout, fragment))
+            except Rejected as exc:
+                raise ValueError(f"diloco state: 'unconfirmed': {exc.detail}") from None
+            delta = _optional_tensors(unconfirmed, "delta", self.layout, keys)
             if delta is not None:
                 self.unconfirmed = UploadJob(
                     delta,
                     _integer(unconfirmed, "local_step"),
                     _integer(unconfirmed, "base_outer_step"),
                     *_work(unconfirmed, "tokens", "samples"),
+                    fragment,
                 )
         self._checkpoint_step = _integer(state, "checkpoint_step")
         self._startup_done = False
@@ -825,12 +888,17 @@ def _work(state: Mapping[str, object], *keys: str) -> tuple[int, int]:
 
 
 def _optional_tensors(
-    state: Mapping[str, object], key: str, layout: ModelLayout
+    state: Mapping[str, object],
+    key: str,
+    layout: ModelLayout,
+    keys: tuple[str, ...] | None = None,
 ) -> dict[str, torch.Tensor] | None:
+    """``state[key]``: tensors of exactly ``keys`` (default: every synchronised key)."""
     value = state.get(key)
     if value is None:
         return None
-    if not isinstance(value, Mapping) or set(value) != set(layout.sync_keys):
+    expected = set(layout.sync_keys if keys is None else keys)
+    if not isinstance(value, Mapping) or set(value) != expected:
         raise ValueError(f"diloco state: {key!r} does not match this model's layout")
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in value.items():

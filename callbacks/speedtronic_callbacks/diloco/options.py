@@ -37,6 +37,7 @@ __all__ = [
     "collective_option_problems",
     "delta_encoding",
     "encoding_problems",
+    "streaming_problems",
     "DiLoCoOptions",
     "DistributedSection",
     "distributed_section_problems",
@@ -103,6 +104,26 @@ _ENCODING_AND_AGGREGATION: dict[str, object] = {
         "default": True,
         "description": "Weight each pseudo-gradient by the tokens (else samples) trained "
         "for it, relative to the round's mean (with the staleness weight in hub mode).",
+    },
+}
+
+# Streaming DiLoCo (docs/distributed.md, "Streaming"): fragments and overlap.
+_STREAMING: dict[str, object] = {
+    "fragments": {
+        "type": "integer",
+        "minimum": 1,
+        "default": 1,
+        "description": "P: the model's blocks are split into P strided fragments, each "
+        "synchronised every inner_steps steps at its own offset (1: the whole model at once, "
+        "plain DiLoCo). At most the number of blocks.",
+    },
+    "overlap_steps": {
+        "type": "integer",
+        "minimum": 0,
+        "default": 0,
+        "description": "tau: a fragment's exchange runs in the background and is applied this "
+        "many inner steps after it started, keeping the local progress made meanwhile (0: "
+        "blocking). Must be below inner_steps / fragments.",
     },
 }
 
@@ -243,6 +264,7 @@ HUB_OPTIONS_SCHEMA: JSONSchema = {
             "description": "Hub token (2.0's distributed.token; redacted in saved configs). "
             "Prefer token_env: a token in a config file is easy to leak.",
         },
+        "fragments": _STREAMING["fragments"],
     },
 }
 
@@ -288,6 +310,7 @@ COLLECTIVE_OPTIONS_SCHEMA: JSONSchema = {
             "description": "Timeout of the outer all-reduce (null: distributed.timeout_s). "
             "Give slow links or large models more time than the per-step collectives.",
         },
+        **_STREAMING,
     },
 }
 
@@ -509,6 +532,7 @@ class DiLoCoOptions:
     num_nodes: int | None = None
     audit_log: bool = True
     token: str | None = dataclasses.field(default=None, repr=False)
+    fragments: int = 1
 
     def __post_init__(self) -> None:
         values = {
@@ -619,6 +643,8 @@ class CollectiveDiLoCoOptions:
     reset_optimizer: bool = True
     ranks_per_replica: int = 1
     sync_timeout_s: float | None = None
+    fragments: int = 1
+    overlap_steps: int = 0
 
     def __post_init__(self) -> None:
         problems = collective_option_problems(dataclasses.asdict(self))
@@ -642,8 +668,31 @@ _COLLECTIVE_VALIDATOR = Draft202012Validator(COLLECTIVE_OPTIONS_SCHEMA)
 
 
 def collective_option_problems(values: Mapping[str, object]) -> list[str]:
-    """Every problem of collective-mode options, each starting with its key."""
-    return [*_schema_problems(_COLLECTIVE_VALIDATOR, values), *encoding_problems(values)]
+    """Every problem of collective-mode options, each starting with its key: the schema's,
+    then the encoding rules (``encoding_problems``) and the streaming rule
+    (``streaming_problems``)."""
+    problems = [*_schema_problems(_COLLECTIVE_VALIDATOR, values), *encoding_problems(values)]
+    if not problems:
+        problems.extend(streaming_problems(values))
+    return problems
+
+
+def streaming_problems(values: Mapping[str, object]) -> Iterator[str]:
+    """``overlap_steps`` must be below ``inner_steps / fragments``: a fragment's exchange
+    has to be applied before the next fragment's starts. (``fragments`` larger than the
+    model's number of blocks is refused when the model is known, at setup.)"""
+    inner = values.get("inner_steps", 500)
+    count = values.get("fragments", 1)
+    overlap = values.get("overlap_steps", 0)
+    if not (_is_int(inner) and _is_int(count) and _is_int(overlap)):
+        return
+    assert isinstance(inner, int) and isinstance(count, int) and isinstance(overlap, int)
+    if count >= 1 and overlap > 0 and overlap * count >= inner:
+        yield (
+            f"overlap_steps: {overlap} is not below inner_steps / fragments "
+            f"({inner} / {count} = {inner / count:g}); a fragment's exchange must be applied "
+            "before the next fragment's starts"
+        )
 
 
 def _schema_problems(validator: Draft202012Validator, values: Mapping[str, object]) -> list[str]:

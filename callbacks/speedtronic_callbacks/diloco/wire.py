@@ -4,7 +4,9 @@ Three kinds of tensor file share one format (``FORMAT``):
 
 * ``delta``  -- a node's pseudo-gradient, in its ``encoding`` (``diloco.encoding``):
   one tensor per synchronised key (fp32/bf16/fp16), or the packed ``codes`` and ``scales``
-  of the flattened delta (int8/fp4);
+  of the flattened delta (int8/fp4); of the whole model, or -- with a ``fragment`` field
+  ``"p/P"`` -- of exactly the keys of streaming fragment ``p`` of ``P``
+  (``fragments.layout_plan``; a packed fragment flattens just those keys);
 * ``global`` -- the master's full model state after an outer step (native dtypes);
 * ``outer``  -- the master's outer-optimizer momentum plus its ledger (float32).
 
@@ -21,6 +23,7 @@ files must contain (``ModelLayout``) in ``model_layout``.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import hmac
@@ -42,6 +45,7 @@ from speedtronic_callbacks.diloco.encoding import (
     pack,
     unpack,
 )
+from speedtronic_callbacks.diloco.fragments import layout_plan
 from speedtronic_callbacks.diloco.math import StateDict, is_synchronised
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
 
@@ -395,6 +399,8 @@ class DeltaInfo:
     incarnation: str = ""
     tokens: int = 0
     samples: int = 0
+    fragment: str = ""
+    """``"p/P"``: the delta holds streaming fragment ``p`` of ``P``; ``""``: the whole model."""
 
 
 PACKED_KEYS = ("codes", "scales")
@@ -478,7 +484,8 @@ def encode_wire(
 ) -> bytes:
     """A delta file from tensors already in their wire form (see ``to_wire``). The
     ``encoding`` (read from the tensors' dtypes when not given; required for int8/fp4) is
-    recorded in the signed metadata, with the block size and value count of a packed one."""
+    recorded in the signed metadata, with the block size and value count of a packed one.
+    ``layout`` is the whole model's, also for a fragment's delta (``info.fragment``)."""
     encoding = encoding or wire_encoding(wire)
     if encoding is Encoding.FP16 and any(t.dtype == torch.float32 for t in wire.values()):
         encoding = Encoding.FP32  # to_wire's overflow fallback
@@ -493,7 +500,9 @@ def encode_wire(
     }
     if encoding.packed:
         fields["block_size"] = str(BLOCK_SIZE)
-        fields["values"] = str(layout.sync_numel)
+        fields["values"] = str(fragment_layout(layout, info.fragment).sync_numel)
+    if info.fragment:
+        fields["fragment"] = info.fragment
     return encode_file("delta", wire, fields, fingerprint=layout.fingerprint, secret=secret)
 
 
@@ -505,9 +514,10 @@ def encode_delta(
     compression: Compression | Encoding = Compression.NONE,
     secret: bytes | None = None,
 ) -> bytes:
-    """A delta file in ``compression``'s encoding (a ``Compression`` or an ``Encoding``)."""
+    """A delta file in ``compression``'s encoding (a ``Compression`` or an ``Encoding``);
+    with ``info.fragment``, of that streaming fragment's keys of ``delta``."""
     encoding = _as_encoding(compression)
-    wire = to_wire(delta, layout, encoding)
+    wire = to_wire(delta, fragment_layout(layout, info.fragment), encoding)
     return encode_wire(wire, info, layout, secret=secret, encoding=encoding)
 
 
@@ -537,16 +547,19 @@ def _declared_encoding(data: bytes) -> Encoding | str | None:
 def decode_delta(data: bytes, layout: ModelLayout, *, secret: bytes | None) -> DecodedDelta:
     """Validate a delta file against ``layout``; ``Rejected`` on any problem: an encoding
     this version does not know is ``UNKNOWN_ENCODING`` (after the signature and
-    fingerprint checks), packed data that does not fit its header ``BAD_PACKING``."""
+    fingerprint checks), packed data that does not fit its header ``BAD_PACKING``. A
+    ``fragment`` field restricts the keys the file must hold to that fragment's."""
     declared = _declared_encoding(data)
     packed = isinstance(declared, Encoding) and declared.packed
     known = declared is None or isinstance(declared, Encoding)
+    fragment = parse_header(data).metadata.get("fragment", "")
+    expected = fragment_layout(layout, fragment)
     decoded = decode_file(
         data,
         "delta",
         fingerprint=layout.fingerprint,
         secret=secret,
-        expected_shapes=layout.wire_shapes if known and not packed else None,
+        expected_shapes=expected.wire_shapes if known and not packed else None,
         allowed_dtypes=(_PACKED_DTYPES if packed else _WIRE_DTYPES) if known else None,
         what="delta",
     )
@@ -565,10 +578,11 @@ def decode_delta(data: bytes, layout: ModelLayout, *, secret: bytes | None) -> D
         incarnation=meta.get("incarnation", ""),
         tokens=_count_field(meta, "tokens"),
         samples=_count_field(meta, "samples"),
+        fragment=fragment,
     )
     encoding = declared or wire_encoding(decoded.tensors)
     if encoding.packed:
-        tensors = _unpack_delta(decoded, layout, encoding)
+        tensors = _unpack_delta(decoded, expected, encoding)
     else:
         tensors = {key: value.to(torch.float32) for key, value in decoded.tensors.items()}
     return DecodedDelta(
@@ -616,6 +630,35 @@ def _unpack_delta(
     except PackingError as exc:
         raise Rejected(RejectionReason.BAD_PACKING, f"delta: {exc}") from None
     return unflatten_delta(flat, layout)
+
+
+_FRAGMENT = re.compile(r"^(\d{1,4})/(\d{1,4})$")
+
+
+def fragment_shapes(layout: ModelLayout, fragment: str) -> Mapping[str, tuple[int, ...]]:
+    """The keys and wire shapes a delta of ``fragment`` (``"p/P"``, or ``""`` for the whole
+    model) must hold exactly -- a fragment is applied whole or not at all."""
+    return fragment_layout(layout, fragment).wire_shapes
+
+
+def fragment_layout(layout: ModelLayout, fragment: str) -> ModelLayout:
+    """``layout`` restricted to the synchronised keys of ``fragment`` (``"p/P"``; ``""``:
+    ``layout`` itself): what a fragment's delta file is encoded and checked against (its
+    fingerprint stays the model's). ``Rejected`` (``BAD_METADATA``) for a malformed field."""
+    if not fragment:
+        return layout
+    match = _FRAGMENT.match(fragment)
+    if match is None or not int(match[1]) < int(match[2]):
+        raise Rejected(RejectionReason.BAD_METADATA, f"delta fragment {fragment!r} is not 'p/P'")
+    try:
+        plan = layout_plan(layout, int(match[2]))
+    except ValueError as exc:
+        raise Rejected(
+            RejectionReason.BAD_METADATA, f"delta fragment {fragment!r}: {exc}"
+        ) from None
+    keys = plan.fragments[int(match[1])]
+    shapes = {key: layout.wire_shapes[key] for key in keys}
+    return dataclasses.replace(layout, sync_keys=keys, wire_shapes=shapes)
 
 
 # -- global model and outer state ------------------------------------------------------
