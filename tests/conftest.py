@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from forked import Forked, forked_children
 from mypy_outside import MypyRun, wanted
 
 torch.set_num_threads(1)
@@ -60,3 +61,9 @@ def mypy_outside() -> MypyRun:
     if not _MYPY_RUNS:  # requested in a way collection did not see
         _MYPY_RUNS.append(MypyRun())
     return _MYPY_RUNS[0]
+
+
+@pytest.fixture
+def forked() -> Iterator[Forked]:
+    """Real child processes forked from a server that already imported torch (tests/forked.py)."""
+    yield from forked_children()
