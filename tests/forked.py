@@ -37,6 +37,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
@@ -84,6 +85,9 @@ def _child_main(
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    # multiprocessing made "forkserver" this process's default start method; a fresh
+    # interpreter has the platform default (DataLoader workers use it).
+    multiprocessing.set_start_method(None, force=True)
     import torch
 
     torch.set_num_threads(1)
@@ -118,6 +122,19 @@ class Child:
         if code is None:
             raise TimeoutError(f"child {self.pid} still running after {timeout} s")
         return code
+
+    def wait_for_output(self, text: str, timeout: float) -> str:
+        """Wait until the child has written ``text``; what it wrote so far. Fails if the
+        child exits first or ``timeout`` s pass."""
+        deadline = time.monotonic() + timeout
+        while True:
+            output = self.output
+            if text in output:
+                return output
+            code = self.poll()
+            assert code is None, f"child exited with {code} before {text!r}:\n{output}"
+            assert time.monotonic() < deadline, f"no {text!r} after {timeout} s:\n{output}"
+            time.sleep(0.02)
 
     def send_signal(self, sig: int) -> None:
         if self.process.exitcode is None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -21,11 +19,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked import Forked
 from torch import nn
+from torch.utils.data import Dataset
 
 from speedtronic.callback import Callback
 from speedtronic.checkpoint import CheckpointManager, checkpoint_step
+from speedtronic.config import load_config
 from speedtronic.contexts import MicrobatchContext, StepContext
+from speedtronic.data import build_dataloader
 from speedtronic.stop_watch import StopTimeoutError
 from speedtronic.trainer import Trainer
 from speedtronic.view import TrainerView
@@ -83,27 +85,26 @@ CONFIG = textwrap.dedent(
 )
 
 
-def test_sigterm_stops_a_fit_whose_worker_hangs_and_leaves_no_worker(tmp_path: Path) -> None:
+def cli_fit(config: str) -> int:
+    """``speedtronic fit --config <config>`` as the process's whole life (the exit code)."""
+    from speedtronic.cli import main
+
+    return main(["fit", "--config", config])
+
+
+def test_sigterm_stops_a_fit_whose_worker_hangs_and_leaves_no_worker(
+    tmp_path: Path, forked: Forked
+) -> None:
     (tmp_path / "hanging_data.py").write_text(HANGING_MODULE.format(grace=GRACE_S))
     (tmp_path / "run.yaml").write_text(CONFIG)
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "callbacks")]),
-        OMP_NUM_THREADS="1",
-    )
-    child = subprocess.Popen(
-        [sys.executable, "-m", "speedtronic", "fit", "--config", "run.yaml"],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    # A process of its own (forked from the suite's preloaded server: tests/forked.py): the
+    # signal, its DataLoader worker and its exit are real.
+    child = forked.start(cli_fit, "run.yaml", cwd=tmp_path)
     marker = tmp_path / "worker.pid"
     try:
         deadline = time.monotonic() + 120
         while not marker.is_file() or not marker.read_text():
-            assert child.poll() is None, child.communicate()
+            assert child.poll() is None, child.output
             assert time.monotonic() < deadline, "the worker never reached the hanging batch"
             time.sleep(0.05)
         worker = int(marker.read_text())
@@ -115,12 +116,11 @@ def test_sigterm_stops_a_fit_whose_worker_hangs_and_leaves_no_worker(tmp_path: P
         assert alive(worker)
         sent = time.monotonic()
         child.send_signal(signal.SIGTERM)
-        _, err = child.communicate(timeout=GRACE_S + SLACK_S)
+        child.wait(timeout=GRACE_S + SLACK_S)
         took = time.monotonic() - sent
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+        child.kill()  # if it still runs
+    err = child.output  # stdout and stderr
     assert child.returncode == 1, err
     assert took < GRACE_S + SLACK_S
     assert "received SIGTERM: stopping after step 3" in err
@@ -277,38 +277,34 @@ def test_a_slow_batch_that_comes_within_the_grace_is_waited_for() -> None:
     assert result.stop_reason == "test stop" and result.steps == 1
 
 
-KILLED_CHILD = textwrap.dedent(
-    """
-    import os, time
-    from pathlib import Path
-    from torch.utils.data import Dataset
-    from speedtronic.config import load_config
-    from speedtronic.data import build_dataloader
+class _Hangs(Dataset[object]):
+    """Every item hangs, after writing the loading process's pid to ``marker``."""
 
-    class Hangs(Dataset):
-        def __len__(self):
-            return 8
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
 
-        def __getitem__(self, index):
-            Path({marker!r}).write_text(str(os.getpid()))
-            time.sleep(3600)
+    def __len__(self) -> int:
+        return 8
 
-    config = load_config({{"data": {{"micro_batch_size": 2, "num_workers": 1}}}})
-    next(iter(build_dataloader(config.data, dataset=Hangs())))
-    """
-)
+    def __getitem__(self, index: int) -> object:
+        Path(self.marker).write_text(str(os.getpid()))
+        time.sleep(3600)
+        raise AssertionError("unreachable")
 
 
-def test_a_hung_worker_exits_when_its_process_is_killed(tmp_path: Path) -> None:
+def load_from_a_hung_worker(marker: str) -> None:
+    """The process the next test kills: it waits for a batch its one worker never sends."""
+    config = load_config({"data": {"micro_batch_size": 2, "num_workers": 1}})
+    next(iter(build_dataloader(config.data, dataset=_Hangs(marker))))
+
+
+def test_a_hung_worker_exits_when_its_process_is_killed(tmp_path: Path, forked: Forked) -> None:
     # Nothing can run in a SIGKILLed process (nor in one a SIGTERM kills without a handler,
     # e.g. with checkpointing off -- the same case for the worker): the worker notices that
-    # its parent is gone by itself.
+    # its parent is gone by itself. The process is forked from the suite's preloaded server.
     sig = signal.SIGKILL
     marker = tmp_path / "worker.pid"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "callbacks")]))
-    child = subprocess.Popen(
-        [sys.executable, "-c", KILLED_CHILD.format(marker=str(marker))], env=env, cwd=tmp_path
-    )
+    child = forked.start(load_from_a_hung_worker, str(marker), cwd=tmp_path)
     try:
         deadline = time.monotonic() + 120
         while not marker.is_file() or not marker.read_text():
@@ -319,9 +315,7 @@ def test_a_hung_worker_exits_when_its_process_is_killed(tmp_path: Path) -> None:
         child.send_signal(sig)
         assert child.wait(timeout=30) == -sig
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+        child.kill()  # if it still runs
     deadline = time.monotonic() + 5
     while alive(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
