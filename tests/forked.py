@@ -98,6 +98,14 @@ def _child_main(
         sys.exit(code)  # multiprocessing turns SystemExit(n) into exit code n
 
 
+def cli_main(*argv: str) -> int:
+    """A target: ``speedtronic *argv`` as the child's whole life (its exit code), as the
+    console script would run it minus the interpreter start-up."""
+    from speedtronic.cli import main
+
+    return main(list(argv))
+
+
 class Child:
     """One forked child; the parts of ``subprocess.Popen`` the tests use."""
 
@@ -218,4 +226,4 @@ def forked_children() -> Iterator[Forked]:
         children.close()
 
 
-__all__ = ["PRELOAD", "Child", "Forked", "context", "forked_children"]
+__all__ = ["PRELOAD", "Child", "Forked", "cli_main", "context", "forked_children"]

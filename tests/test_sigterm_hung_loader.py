@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from forked import Forked
+from forked import Forked, cli_main
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -85,13 +85,6 @@ CONFIG = textwrap.dedent(
 )
 
 
-def cli_fit(config: str) -> int:
-    """``speedtronic fit --config <config>`` as the process's whole life (the exit code)."""
-    from speedtronic.cli import main
-
-    return main(["fit", "--config", config])
-
-
 def test_sigterm_stops_a_fit_whose_worker_hangs_and_leaves_no_worker(
     tmp_path: Path, forked: Forked
 ) -> None:
@@ -99,7 +92,7 @@ def test_sigterm_stops_a_fit_whose_worker_hangs_and_leaves_no_worker(
     (tmp_path / "run.yaml").write_text(CONFIG)
     # A process of its own (forked from the suite's preloaded server: tests/forked.py): the
     # signal, its DataLoader worker and its exit are real.
-    child = forked.start(cli_fit, "run.yaml", cwd=tmp_path)
+    child = forked.start(cli_main, "fit", "--config", "run.yaml", cwd=tmp_path)
     marker = tmp_path / "worker.pid"
     try:
         deadline = time.monotonic() + 120
