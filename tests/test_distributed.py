@@ -5,8 +5,8 @@ the torchrun variables set (exactly what torchrun does) on a free localhost port
 writes a JSON report (and tensors) that the test compares. The ranks are forked from a fork
 server that already imported torch (``tests/forked.py``), so they start in milliseconds;
 ``test_torchrun_runs_the_cli_data_parallel`` starts the real ``torchrun`` and console entry
-point once. The rest are in-process unit tests of the
-launch environment, the rank policy, rank-sharded data and the config rule.
+point once. The rest are in-process unit tests of the launch environment, the rank policy,
+rank-sharded data and the config rule.
 """
 
 from __future__ import annotations
