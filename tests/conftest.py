@@ -9,14 +9,15 @@ torch's stubs ~40 s, so
   undone afterwards). Fresh interpreters stay where the start-up is the point: the
   launchers and a fresh interpreter's ``sys.path`` (test_cli_namespaces), a closed pipe
   (test_cli_preflight), fresh-interpreter import order (test_static_types, test_public_api),
-  one real torchrun (test_distributed).
-  Independent processes of one test start together, so they share the two cores.
+  one real torchrun (test_distributed), and the DiLoCo end-to-end nodes (test_diloco_e2e:
+  its learning outcome depends on how far apart the nodes start). Independent processes of
+  one test start together, so they share the two cores.
 - the files the tests type with mypy are checked in ONE ``mypy --strict`` run outside the
   repository (``mypy_outside``), started in the background once collection is done, so it
   runs on the other core; each test reads only its own file's lines. Under pytest-xdist
   (the README's ``-n 2``) the workers share that one run.
-- processes that need not be a fresh interpreter (rank processes, DiLoCo nodes, signalled
-  and killed training runs, a process holding a run lock) are forked from a server that
+- processes that need not be a fresh interpreter (rank processes, signalled and killed
+  training runs, a process holding a run lock) are forked from a server that
   imported torch once (``forked``: the fixture below, tests/forked.py).
 """
 

@@ -9,7 +9,9 @@ separate OS process: its own pid, memory, signal handlers, exit code and process
 membership, its own ``torch.distributed`` process group -- so rank processes, DiLoCo nodes,
 signals and kills are tested for real. What it cannot test is a fresh interpreter's start-up
 (``sys.path`` at launch, the console script, ``python -m``, torchrun): keep a real
-``subprocess`` for those.
+``subprocess`` for those. Children also start within milliseconds of each other, not
+seconds apart: a test whose outcome depends on that spacing (test_diloco_e2e's three nodes)
+is not a candidate either.
 
 Use it through the ``forked`` fixture (tests/conftest.py), which kills what a test left
 running::
