@@ -1,5 +1,8 @@
 """One rank of a distributed test run, started by ``tests/test_distributed.py``.
 
+The tests fork each rank from the preloaded fork server (``tests/forked.py``) and call
+``run_rank`` there with the torchrun variables set; by hand it runs as a script::
+
     RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
         python tests/distributed_worker.py <scenario> <out_dir> '<json params>'
 
@@ -269,8 +272,9 @@ SCENARIOS: dict[str, Callable[[Path, int, Mapping[str, object]], dict[str, objec
 }
 
 
-def main() -> int:
-    scenario, out_dir, raw = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+def run_rank(scenario: str, out: str, raw: str) -> int:
+    """This process's rank (from the torchrun environment) plays ``scenario``; the exit code."""
+    out_dir = Path(out)
     rank = int(os.environ["RANK"])
     out_dir.mkdir(parents=True, exist_ok=True)
     report = SCENARIOS[scenario](out_dir, rank, json.loads(raw))
@@ -279,4 +283,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_rank(sys.argv[1], sys.argv[2], sys.argv[3]))

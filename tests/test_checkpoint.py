@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 import warnings
@@ -18,6 +17,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
+from forked import Forked
 from torch import nn
 
 from speedtronic.callback import Callback
@@ -37,7 +37,7 @@ from speedtronic.checkpoint import (
 )
 from speedtronic.checkpoint_async import StateSnapshot
 from speedtronic.config import SpeedtronicConfig
-from speedtronic.contexts import FitContext, OptimizerStepContext, TeardownContext
+from speedtronic.contexts import FitContext, OptimizerStepContext, StepContext, TeardownContext
 from speedtronic.plugins import PluginContext
 from speedtronic.trainer import Trainer
 from speedtronic_callbacks.checkpoint import CheckpointCallback
@@ -661,49 +661,28 @@ def test_second_signal_is_ignored_when_it_was_ignored_before(tmp_path: Path) -> 
         signal.signal(signal.SIGINT, previous)
 
 
-SIGTERM_CHILD = textwrap.dedent(
-    """
-    import signal, sys, time
-    import torch
-    sys.path.insert(0, {tests!r})
-    from test_checkpoint import tiny_trainer
-    from speedtronic_callbacks.checkpoint import CheckpointCallback
-    from speedtronic.callback import Callback
-    from speedtronic.checkpoint import requeue_exit_code
+def sigterm_child(directory: str) -> int:
+    """The process ``test_sigterm_saves_and_exits_with_requeue_code`` stops with SIGTERM."""
 
     class Report(Callback):
-        def on_step_end(self, trainer, ctx):
+        def on_step_end(self, trainer: Trainer, ctx: StepContext) -> None:
             print("step", trainer.step, flush=True)
             time.sleep(0.02)
 
-    torch.set_num_threads(1)
-    result = tiny_trainer([Report(), CheckpointCallback({directory!r}, every_steps=1000)]).fit(
-        100000
-    )
+    result = tiny_trainer([Report(), CheckpointCallback(directory, every_steps=1000)]).fit(100000)
     print("restored", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
     print("final", result.steps, result.stop_reason, flush=True)
-    sys.exit(requeue_exit_code(result.stop_reason) or 0)
-    """
-)
+    return requeue_exit_code(result.stop_reason) or 0
 
 
-def test_sigterm_saves_and_exits_with_requeue_code(tmp_path: Path) -> None:
-    script = SIGTERM_CHILD.format(tests=str(REPO / "tests"), directory=str(tmp_path / "ck"))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "callbacks")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    child = subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO
-    )
-    assert child.stdout is not None
-    for line in child.stdout:
-        if line.startswith("step 3"):
-            child.send_signal(signal.SIGTERM)
-            break
-    rest = child.stdout.read()
+def test_sigterm_saves_and_exits_with_requeue_code(tmp_path: Path, forked: Forked) -> None:
+    # A process of its own (forked from the suite's preloaded server: tests/forked.py), so the
+    # signal, the handler's restore and the exit code are the real ones.
+    child = forked.start(sigterm_child, str(tmp_path / "ck"), cwd=REPO)
+    child.wait_for_output("step 3\n", timeout=60)
+    child.send_signal(signal.SIGTERM)
     assert child.wait(timeout=60) == 128 + signal.SIGTERM
+    rest = child.output.split("step 3\n", 1)[1]
     final = next(line for line in rest.splitlines() if line.startswith("final"))
     _, steps, reason = final.split(" ", 2)
     assert reason == "signal SIGTERM"

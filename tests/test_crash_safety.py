@@ -5,13 +5,12 @@ loadable checkpoint, the pointer names a real checkpoint, and a temp file left b
 that was cut short is never taken for a checkpoint. Each trial's child resumes from what the
 previous one left, so resume-after-kill is exercised too.
 
-Children are forked from a ``forkserver`` that has already imported torch, so a trial costs
-milliseconds of start-up instead of a fresh interpreter.
+Children are forked from the suite's fork server, which has already imported torch
+(``tests/forked.py``), so a trial costs milliseconds of start-up instead of a fresh interpreter.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 import signal
@@ -21,6 +20,7 @@ from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
 import torch
+from forked import Forked
 from torch import nn
 
 from speedtronic.callback import Callback
@@ -94,12 +94,7 @@ def check_directory(directory: Path) -> int:
     return loaded.step
 
 
-def test_sigkill_at_random_moments_never_breaks_resume(tmp_path: Path) -> None:
-    context = multiprocessing.get_context("forkserver")
-    # torch._dynamo is imported lazily by the first optimizer: ~2 s that every child would pay.
-    context.set_forkserver_preload(
-        ["torch", "torch._dynamo", "speedtronic.trainer", "speedtronic_callbacks.checkpoint"]
-    )
+def test_sigkill_at_random_moments_never_breaks_resume(tmp_path: Path, forked: Forked) -> None:
     directory = tmp_path / "ck"
     chooser = random.Random(20240601)
     steps: list[int] = []
@@ -108,17 +103,12 @@ def test_sigkill_at_random_moments_never_breaks_resume(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a torn checkpoint would be a fallback warning
         for _ in range(TRIALS):
-            ready = context.Event()
-            child = context.Process(
-                target=train_until_killed, args=(str(directory), ready), daemon=True
-            )
-            child.start()
+            ready = forked.context.Event()
+            child = forked.start(train_until_killed, str(directory), ready)
             assert ready.wait(timeout=30), "the child never completed a step"
             time.sleep(chooser.uniform(0.0, 0.08))
-            assert child.pid is not None
             os.kill(child.pid, signal.SIGKILL)
-            child.join(timeout=30)
-            assert child.exitcode == -signal.SIGKILL
+            assert child.wait(timeout=30) == -signal.SIGKILL
             torn_writes += any(".tmp-" in p.name for p in directory.iterdir())
             steps.append(check_directory(directory))
             assert time.monotonic() < deadline, "crash-safety test is too slow"

@@ -1,9 +1,12 @@
 """Scale-out on torch.distributed, with real processes on gloo (CPU).
 
-Multi-process tests start one ``tests/distributed_worker.py`` per rank with the torchrun
-variables set (exactly what torchrun does) on a free localhost port; each rank writes a JSON
-report (and tensors) that the test compares. The rest are in-process unit tests of the
-launch environment, the rank policy, rank-sharded data and the config rule.
+Multi-process tests start one process per rank running ``tests/distributed_worker.py`` with
+the torchrun variables set (exactly what torchrun does) on a free localhost port; each rank
+writes a JSON report (and tensors) that the test compares. The ranks are forked from a fork
+server that already imported torch (``tests/forked.py``), so they start in milliseconds;
+``test_torchrun_runs_the_cli_data_parallel`` starts the real ``torchrun`` and console entry
+point once. The rest are in-process unit tests of the launch environment, the rank policy,
+rank-sharded data and the config rule.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from distributed_worker import DDP_EVAL, base_config
+from distributed_worker import DDP_EVAL, base_config, run_rank
+from forked import Forked
 from torch.utils.data import DataLoader, Dataset
 
 from speedtronic.callback import Callback
@@ -47,7 +51,6 @@ from speedtronic_callbacks.jsonl import JsonlCallback
 from speedtronic_callbacks.progress import ProgressBarCallback
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("distributed_worker.py")
 
 
 # -- launching ranks ------------------------------------------------------------------------
@@ -68,25 +71,20 @@ class RankOutcome:
 
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    env = {
-        key: value
-        for key, value in os.environ.items()
-        if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    """The variables torchrun sets for ``rank``."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
     }
-    env.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
-    )
-    return env
 
 
 def launch(
+    forked: Forked,
     scenario: str,
     out: Path,
     params: Mapping[str, object] | None = None,
@@ -95,35 +93,29 @@ def launch(
     timeout: float = 90.0,
     wait_for: Sequence[int] | None = None,
 ) -> list[RankOutcome]:
-    """Run ``scenario`` on ``world`` ranks. With ``wait_for``, only those ranks are awaited
-    and the others are killed afterwards (a rank that hangs on purpose)."""
+    """Run ``scenario`` on ``world`` ranks, each a process of its own (forked from the
+    preloaded fork server, so none pays ``import torch``). With ``wait_for``, only those
+    ranks are awaited and the others are killed afterwards (a rank that hangs on purpose)."""
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(out), json.dumps(params or {})],
-            env=rank_env(rank, world, port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+    children = [
+        forked.start(
+            run_rank, scenario, str(out), json.dumps(params or {}), env=rank_env(rank, world, port)
         )
         for rank in range(world)
     ]
     awaited = set(range(world) if wait_for is None else wait_for)
-    outputs: dict[int, str] = {}
     try:
         for rank in sorted(awaited):
-            outputs[rank] = procs[rank].communicate(timeout=timeout)[0]
+            children[rank].wait(timeout=timeout)
     finally:
-        for rank, proc in enumerate(procs):
-            if proc.poll() is None:
-                proc.kill()
-            if rank not in outputs:
-                outputs[rank] = proc.communicate()[0]
+        for child in children:
+            child.kill()  # only those still running
     outcomes = []
-    for rank, proc in enumerate(procs):
+    for rank, child in enumerate(children):
         path = out / f"rank{rank}.json"
         report = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-        outcomes.append(RankOutcome(proc.returncode, outputs[rank], report))
+        assert child.returncode is not None
+        outcomes.append(RankOutcome(child.returncode, child.output, report))
     return outcomes
 
 
@@ -291,8 +283,10 @@ def test_iterable_data_is_sharded_by_rank_and_worker(tmp_path: Path) -> None:
 # -- data-parallel training ---------------------------------------------------------------
 
 
-def test_two_rank_ddp_matches_one_process_and_resumes_exactly(tmp_path: Path) -> None:
-    reports = succeeded(launch("ddp", tmp_path / "ddp"))
+def test_two_rank_ddp_matches_one_process_and_resumes_exactly(
+    tmp_path: Path, forked: Forked
+) -> None:
+    reports = succeeded(launch(forked, "ddp", tmp_path / "ddp"))
     weights = [tensors(tmp_path / "ddp" / f"rank{r}.pt") for r in (0, 1)]
     assert_same_weights(weights[0]["full"], weights[1]["full"])
     assert reports[0]["full"] == reports[1]["full"]
@@ -338,8 +332,8 @@ def test_two_rank_ddp_matches_one_process_and_resumes_exactly(tmp_path: Path) ->
 # -- synchronous DiLoCo -------------------------------------------------------------------
 
 
-def test_synchronous_diloco_h1_equals_data_parallel_sgd(tmp_path: Path) -> None:
-    reports = succeeded(launch("diloco_equivalence", tmp_path, {"steps": 5}))
+def test_synchronous_diloco_h1_equals_data_parallel_sgd(tmp_path: Path, forked: Forked) -> None:
+    reports = succeeded(launch(forked, "diloco_equivalence", tmp_path, {"steps": 5}))
     report = reports[0]
     assert report["ddp_wrapped"] is True and report["diloco_wrapped"] is False
     assert report["outer_steps"] == 5
@@ -359,11 +353,13 @@ def test_synchronous_diloco_h1_equals_data_parallel_sgd(tmp_path: Path) -> None:
     assert_same_weights(weights[0]["fp4"], weights[1]["fp4"])
 
 
-def test_replicas_of_two_ranks_run_ddp_inside_and_diloco_across(tmp_path: Path) -> None:
+def test_replicas_of_two_ranks_run_ddp_inside_and_diloco_across(
+    tmp_path: Path, forked: Forked
+) -> None:
     """4 ranks = 2 replicas x 2 ranks: DDP within a replica, one all-reduce across the
     replicas per round; with H=1, lr 1, momentum 0 this is 4-rank data-parallel SGD."""
     params = {"steps": 3, "ranks_per_replica": 2}
-    reports = succeeded(launch("diloco_equivalence", tmp_path, params, world=4))
+    reports = succeeded(launch(forked, "diloco_equivalence", tmp_path, params, world=4))
     report = reports[0]
     assert report["ddp_wrapped"] is True and report["diloco_wrapped"] is True
     assert curve(report, "diloco") == pytest.approx(curve(report, "ddp"), rel=1e-6)
@@ -377,9 +373,9 @@ def test_replicas_of_two_ranks_run_ddp_inside_and_diloco_across(tmp_path: Path) 
     assert report["bf16_bytes"] == 2 * synced * 2  # the whole model, with its peer replica
 
 
-def test_synchronous_diloco_h4_trains_and_resumes_exactly(tmp_path: Path) -> None:
+def test_synchronous_diloco_h4_trains_and_resumes_exactly(tmp_path: Path, forked: Forked) -> None:
     steps = 24
-    reports = succeeded(launch("diloco_resume", tmp_path, {"steps": steps}))
+    reports = succeeded(launch(forked, "diloco_resume", tmp_path, {"steps": steps}))
     full = curve(reports[0], "full")
     assert reports[0]["outer_steps"] == steps // 4
     assert curve(reports[1], "full") == full  # the loss is reduced over ranks
@@ -411,9 +407,9 @@ def test_synchronous_diloco_h4_trains_and_resumes_exactly(tmp_path: Path) -> Non
 # -- failures ---------------------------------------------------------------------------------
 
 
-def test_a_killed_rank_ends_the_run_with_an_error(tmp_path: Path) -> None:
+def test_a_killed_rank_ends_the_run_with_an_error(tmp_path: Path, forked: Forked) -> None:
     started = time.monotonic()
-    outcomes = launch("failure", tmp_path, {"how": "die", "timeout_s": 20}, timeout=60)
+    outcomes = launch(forked, "failure", tmp_path, {"how": "die", "timeout_s": 20}, timeout=60)
     assert outcomes[1].returncode == 17
     assert outcomes[0].returncode == 1, outcomes[0].output[-3000:]
     error = outcomes[0].report["error"]
@@ -422,9 +418,9 @@ def test_a_killed_rank_ends_the_run_with_an_error(tmp_path: Path) -> None:
     assert time.monotonic() - started < 45
 
 
-def test_a_hung_rank_times_out_instead_of_hanging(tmp_path: Path) -> None:
+def test_a_hung_rank_times_out_instead_of_hanging(tmp_path: Path, forked: Forked) -> None:
     outcomes = launch(
-        "failure", tmp_path, {"how": "hang", "timeout_s": 3}, timeout=60, wait_for=[0]
+        forked, "failure", tmp_path, {"how": "hang", "timeout_s": 3}, timeout=60, wait_for=[0]
     )
     assert outcomes[0].returncode == 1, outcomes[0].output[-3000:]
     error = outcomes[0].report["error"]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cli_runner import run_cli as speedtronic
+from forked import Forked, cli_main
 
 from speedtronic.run_lock import LOCK_NAME, RunDirectoryError, RunDirectoryLock
 
@@ -70,16 +71,15 @@ def config_file(tmp_path: Path) -> Path:
 
 
 def test_a_second_run_in_a_busy_directory_exits_2_at_once(
-    config_file: Path, tmp_path: Path
+    config_file: Path, tmp_path: Path, forked: Forked
 ) -> None:
-    # The holder is a real process (its own PID, killed below to leave a stale lock); the
-    # commands that meet its lock run in this process.
+    # The holder is a real process (its own PID, killed below to leave a stale lock; forked
+    # from the suite's preloaded server, tests/forked.py); the commands that meet its lock
+    # run in this process.
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "callbacks")]))
-    first = subprocess.Popen(
-        [sys.executable, "-m", "speedtronic", "fit", "--config", str(config_file),
-         "--output-dir", str(out), "--max-steps", "100000000"],
-        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    first = forked.start(
+        cli_main, "fit", "--config", str(config_file), "--output-dir", str(out),
+        "--max-steps", "100000000", cwd=tmp_path,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
@@ -94,7 +94,7 @@ def test_a_second_run_in_a_busy_directory_exits_2_at_once(
         assert (out / "metrics.jsonl").stat().st_size >= metrics_before  # untouched
     finally:
         first.send_signal(signal.SIGKILL)
-        first.wait()
+        first.wait(timeout=30)
     # The killed run left its lock behind: the next run on this host takes it over.
     resumed = speedtronic("fit", "--config", str(config_file), "--output-dir", str(out),
                           "--resume", "--max-steps", "1", cwd=tmp_path)  # fmt: skip

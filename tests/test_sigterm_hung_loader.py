@@ -1,18 +1,17 @@
 """Issue 12, item 10: a hung data loader must not make SIGTERM a no-op.
 
 The first SIGTERM asks for a stop after the current step. When that step waits for a batch
-that never comes, the stop gives up on it after ``Trainer.stop_grace_s`` seconds: the fit
-fails with ``StopTimeoutError`` (``speedtronic fit`` exits 1 saying so), the periodic
-checkpoints stay, and no DataLoader worker is left behind. A step that computes (rather than
-waits for data) is never cut short, and the final checkpoint of a clean stop is unchanged.
+that never comes, the stop gives up on it after ``run.stop_grace_s`` seconds (on a Python
+``Trainer``: ``stop_grace_s``): the fit fails with ``StopTimeoutError`` (``speedtronic fit``
+exits 1 saying so), the periodic checkpoints stay, and no DataLoader worker is left behind.
+A step that computes (rather than waits for data) is never cut short, and the final
+checkpoint of a clean stop is unchanged.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -21,11 +20,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked import Forked, cli_main
 from torch import nn
+from torch.utils.data import Dataset
 
 from speedtronic.callback import Callback
 from speedtronic.checkpoint import CheckpointManager, checkpoint_step
+from speedtronic.config import load_config
 from speedtronic.contexts import MicrobatchContext, StepContext
+from speedtronic.data import build_dataloader
 from speedtronic.stop_watch import StopTimeoutError
 from speedtronic.trainer import Trainer
 from speedtronic.view import TrainerView
@@ -81,27 +84,19 @@ CONFIG = textwrap.dedent(
 ).replace("GRACE", str(GRACE_S))  # run.stop_grace_s: the bound this test checks
 
 
-def test_sigterm_stops_a_fit_whose_worker_hangs_and_leaves_no_worker(tmp_path: Path) -> None:
+def test_sigterm_stops_a_fit_whose_worker_hangs_and_leaves_no_worker(
+    tmp_path: Path, forked: Forked
+) -> None:
     (tmp_path / "hanging_data.py").write_text(HANGING_MODULE)
     (tmp_path / "run.yaml").write_text(CONFIG)
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "callbacks")]),
-        OMP_NUM_THREADS="1",
-    )
-    child = subprocess.Popen(
-        [sys.executable, "-m", "speedtronic", "fit", "--config", "run.yaml"],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    # A process of its own (forked from the suite's preloaded server: tests/forked.py): the
+    # signal, its DataLoader worker and its exit are real.
+    child = forked.start(cli_main, "fit", "--config", "run.yaml", cwd=tmp_path)
     marker = tmp_path / "worker.pid"
     try:
         deadline = time.monotonic() + 120
         while not marker.is_file() or not marker.read_text():
-            assert child.poll() is None, child.communicate()
+            assert child.poll() is None, child.output
             assert time.monotonic() < deadline, "the worker never reached the hanging batch"
             time.sleep(0.05)
         worker = int(marker.read_text())
@@ -113,12 +108,11 @@ def test_sigterm_stops_a_fit_whose_worker_hangs_and_leaves_no_worker(tmp_path: P
         assert alive(worker)
         sent = time.monotonic()
         child.send_signal(signal.SIGTERM)
-        _, err = child.communicate(timeout=GRACE_S + SLACK_S)
+        child.wait(timeout=GRACE_S + SLACK_S)
         took = time.monotonic() - sent
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+        child.kill()  # if it still runs
+    err = child.output  # stdout and stderr
     assert child.returncode == 1, err
     assert took < GRACE_S + SLACK_S
     assert "received SIGTERM: stopping after step 3" in err
@@ -275,38 +269,34 @@ def test_a_slow_batch_that_comes_within_the_grace_is_waited_for() -> None:
     assert result.stop_reason == "test stop" and result.steps == 1
 
 
-KILLED_CHILD = textwrap.dedent(
-    """
-    import os, time
-    from pathlib import Path
-    from torch.utils.data import Dataset
-    from speedtronic.config import load_config
-    from speedtronic.data import build_dataloader
+class _Hangs(Dataset[object]):
+    """Every item hangs, after writing the loading process's pid to ``marker``."""
 
-    class Hangs(Dataset):
-        def __len__(self):
-            return 8
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
 
-        def __getitem__(self, index):
-            Path({marker!r}).write_text(str(os.getpid()))
-            time.sleep(3600)
+    def __len__(self) -> int:
+        return 8
 
-    config = load_config({{"data": {{"micro_batch_size": 2, "num_workers": 1}}}})
-    next(iter(build_dataloader(config.data, dataset=Hangs())))
-    """
-)
+    def __getitem__(self, index: int) -> object:
+        Path(self.marker).write_text(str(os.getpid()))
+        time.sleep(3600)
+        raise AssertionError("unreachable")
 
 
-def test_a_hung_worker_exits_when_its_process_is_killed(tmp_path: Path) -> None:
+def load_from_a_hung_worker(marker: str) -> None:
+    """The process the next test kills: it waits for a batch its one worker never sends."""
+    config = load_config({"data": {"micro_batch_size": 2, "num_workers": 1}})
+    next(iter(build_dataloader(config.data, dataset=_Hangs(marker))))
+
+
+def test_a_hung_worker_exits_when_its_process_is_killed(tmp_path: Path, forked: Forked) -> None:
     # Nothing can run in a SIGKILLed process (nor in one a SIGTERM kills without a handler,
     # e.g. with checkpointing off -- the same case for the worker): the worker notices that
-    # its parent is gone by itself.
+    # its parent is gone by itself. The process is forked from the suite's preloaded server.
     sig = signal.SIGKILL
     marker = tmp_path / "worker.pid"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "callbacks")]))
-    child = subprocess.Popen(
-        [sys.executable, "-c", KILLED_CHILD.format(marker=str(marker))], env=env, cwd=tmp_path
-    )
+    child = forked.start(load_from_a_hung_worker, str(marker), cwd=tmp_path)
     try:
         deadline = time.monotonic() + 120
         while not marker.is_file() or not marker.read_text():
@@ -317,9 +307,7 @@ def test_a_hung_worker_exits_when_its_process_is_killed(tmp_path: Path) -> None:
         child.send_signal(sig)
         assert child.wait(timeout=30) == -sig
     finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+        child.kill()  # if it still runs
     deadline = time.monotonic() + 5
     while alive(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
