@@ -302,6 +302,9 @@ def test_fp4_uploads_carry_the_rounding_residual_into_the_next_delta(
     node.record_work(0, 0)
     node.on_step(1)
     assert node.installed_step == 0  # the bootstrap global
+    # Step 1 starts the master's first round in the background: let it finish before the
+    # upload, or a slow round lists (applies and deletes) the delta this test reads.
+    assert node.wait_idle(10)
     with torch.no_grad():
         model.weight.add_(torch.linspace(-0.3, 0.2, model.weight.numel()).view_as(model.weight))
     node.record_work(640, 32)
