@@ -48,17 +48,17 @@ def test_each_mode_accepts_only_its_own_keys(options: dict[str, object], fragmen
     assert fragment in str(caught.value)
 
 
-def test_hub_mode_refuses_to_run_as_several_torchrun_ranks(tmp_path: Path) -> None:
+def test_a_hub_master_refuses_to_run_as_several_torchrun_ranks(tmp_path: Path) -> None:
     from types import SimpleNamespace
     from typing import cast
 
     from speedtronic import Trainer
     from speedtronic.contexts import FitContext
 
-    config = config_with({"hub_dir": str(tmp_path / "hub"), "role": "worker"})
+    config = config_with({"hub_dir": str(tmp_path / "hub"), "role": "master"})
     spec = config.callbacks[0]
     context = PluginContext(config=config, output_dir=tmp_path, device=torch.device("cpu"))
     callback = build_callback(spec.name, spec.options, context)
     two_ranks = cast(Trainer, SimpleNamespace(multi_rank=True))
-    with pytest.raises(RuntimeError, match="mode: collective"):
+    with pytest.raises(RuntimeError, match="role: master runs as one process"):
         callback.on_setup(two_ranks, FitContext(0, 10))
