@@ -32,6 +32,12 @@ options (``options.options_from_distributed_section``); explicit options win. Th
 builder (``build_diloco``) picks the callback class for the ``mode`` option, so
 ``DiLoCoCallback.from_options`` only ever builds a ``DiLoCoCallback``.
 
+A worker node may be a multi-rank torchrun job (DDP inside the node): only rank 0 builds
+the ``DiLoCoNode`` and talks to the hub; after every optimizer step it broadcasts whether it
+installed a global model, and on an install broadcasts the model's state, so every rank
+installs at the same step (``_agree_on_install``; docs/scale-out.md "DiLoCo nodes that are
+torchrun jobs"). A master, or FSDP inside a node, under several ranks is refused at setup.
+
 Per-node data: ``data_seed_offset`` (the ``node_index`` option, else a stable hash of the
 node id) is meant to be added to the data seed, and ``data_shard`` (``node_index``,
 ``num_nodes``) to pick a shard, so that workers do not all train on identical batches.
@@ -413,6 +419,12 @@ class DiLoCoCallback(Callback):
                 "diloco mode 'hub' with role: master runs as one process and is not supported "
                 "under torchrun with several ranks; start the master without torchrun (worker "
                 "nodes may be multi-rank torchrun jobs), or use mode: collective"
+            )
+        if trainer.multi_rank and trainer.sharded_state:
+            # Rank 0 would hold only its shards of the weights the node exchanges.
+            raise SameOnEveryRankError(
+                "diloco mode 'hub' inside a torchrun job needs parallel.strategy: ddp (every "
+                "rank holds the whole model); parallel.strategy: fsdp is not supported there"
             )
         self._job = trainer.distributed if trainer.multi_rank else None
         if self._job is not None and not self._job.is_main:
