@@ -140,14 +140,19 @@ class ShardsData(Protocol):
 def data_shard(
     callbacks: Sequence[Callback], distributed: DistributedContext | None
 ) -> tuple[int, int]:
-    """``(index, count)`` of the data this process reads: its torch.distributed rank, or the
-    shard a callback (a node of a hub-synchronised run) asks for, or all of it."""
-    if distributed is not None and distributed.world_size > 1:
-        return distributed.rank, distributed.world_size
+    """``(index, count)`` of the data this process reads: the shard a callback (a node of a
+    hub-synchronised run) asks for, split once more by the torch.distributed rank when the
+    node itself has several ranks; else the rank's share, or all of it."""
+    ranks = (
+        (distributed.rank, distributed.world_size)
+        if distributed is not None and distributed.world_size > 1
+        else (0, 1)
+    )
     for callback in callbacks:
         if isinstance(callback, ShardsData) and callback.data_shard is not None:
-            return callback.data_shard
-    return 0, 1
+            index, count = callback.data_shard
+            return index * ranks[1] + ranks[0], count * ranks[1]
+    return ranks
 
 
 def optimizer_section(section: OptimizerConfig, callbacks: Sequence[Callback]) -> OptimizerConfig:

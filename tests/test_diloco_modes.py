@@ -48,7 +48,23 @@ def test_each_mode_accepts_only_its_own_keys(options: dict[str, object], fragmen
     assert fragment in str(caught.value)
 
 
-def test_hub_mode_refuses_to_run_as_several_torchrun_ranks(tmp_path: Path) -> None:
+def test_a_hub_master_refuses_to_run_as_several_torchrun_ranks(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+    from typing import cast
+
+    from speedtronic import Trainer
+    from speedtronic.contexts import FitContext
+
+    config = config_with({"hub_dir": str(tmp_path / "hub"), "role": "master"})
+    spec = config.callbacks[0]
+    context = PluginContext(config=config, output_dir=tmp_path, device=torch.device("cpu"))
+    callback = build_callback(spec.name, spec.options, context)
+    two_ranks = cast(Trainer, SimpleNamespace(multi_rank=True))
+    with pytest.raises(RuntimeError, match="role: master runs as one process"):
+        callback.on_setup(two_ranks, FitContext(0, 10))
+
+
+def test_a_hub_node_refuses_fsdp_inside_its_torchrun_job(tmp_path: Path) -> None:
     from types import SimpleNamespace
     from typing import cast
 
@@ -59,6 +75,6 @@ def test_hub_mode_refuses_to_run_as_several_torchrun_ranks(tmp_path: Path) -> No
     spec = config.callbacks[0]
     context = PluginContext(config=config, output_dir=tmp_path, device=torch.device("cpu"))
     callback = build_callback(spec.name, spec.options, context)
-    two_ranks = cast(Trainer, SimpleNamespace(multi_rank=True))
-    with pytest.raises(RuntimeError, match="mode: collective"):
-        callback.on_setup(two_ranks, FitContext(0, 10))
+    sharded = cast(Trainer, SimpleNamespace(multi_rank=True, sharded_state=True))
+    with pytest.raises(RuntimeError, match="parallel.strategy: fsdp is not supported"):
+        callback.on_setup(sharded, FitContext(0, 10))

@@ -325,7 +325,7 @@ def test_diloco_hub_mode_refusal_under_torchrun_is_the_same_on_every_rank(tmp_pa
     from speedtronic.plugins import PluginContext, build_callback
 
     config = SpeedtronicConfig.from_dict(
-        {"callbacks": [{"name": "diloco", "hub_dir": str(tmp_path / "hub"), "role": "worker"}]}
+        {"callbacks": [{"name": "diloco", "hub_dir": str(tmp_path / "hub"), "role": "master"}]}
     )
     spec = config.callbacks[0]
     context = PluginContext(config=config, output_dir=tmp_path, device=CPU)

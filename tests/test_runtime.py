@@ -9,6 +9,7 @@ import torch
 
 from speedtronic import Callback, build_runtime, train_from_config
 from speedtronic.checkpoint import CheckpointManager
+from speedtronic.distributed import DistributedContext
 from speedtronic.runtime import callback_specs, data_shard
 from speedtronic.stage_streams import StageStreamCallback
 
@@ -77,6 +78,15 @@ def test_data_shard_prefers_a_callback_shard_without_torch_distributed() -> None
 
     assert data_shard([Callback(), Node()], None) == (1, 3)
     assert data_shard([Callback()], None) == (0, 1)
+
+
+def test_data_shard_of_a_multi_rank_node_splits_the_node_shard_by_rank() -> None:
+    class Node(Callback):
+        data_shard = (1, 3)
+
+    rank = DistributedContext(1, 2, 1, "gloo", torch.device("cpu"), 30.0)
+    assert data_shard([Callback(), Node()], rank) == (3, 6)  # node 1's second half
+    assert data_shard([Callback()], rank) == (1, 2)
 
 
 def test_resume_without_checkpoint_warns_once_and_starts_fresh(tmp_path: Path) -> None:

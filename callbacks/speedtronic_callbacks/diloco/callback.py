@@ -32,6 +32,12 @@ options (``options.options_from_distributed_section``); explicit options win. Th
 builder (``build_diloco``) picks the callback class for the ``mode`` option, so
 ``DiLoCoCallback.from_options`` only ever builds a ``DiLoCoCallback``.
 
+A worker node may be a multi-rank torchrun job (DDP inside the node): only rank 0 builds
+the ``DiLoCoNode`` and talks to the hub; after every optimizer step it broadcasts whether it
+installed a global model, and on an install broadcasts the model's state, so every rank
+installs at the same step (``_agree_on_install``; docs/scale-out.md "DiLoCo nodes that are
+torchrun jobs"). A master, or FSDP inside a node, under several ranks is refused at setup.
+
 Per-node data: ``data_seed_offset`` (the ``node_index`` option, else a stable hash of the
 node id) is meant to be added to the data seed, and ``data_shard`` (``node_index``,
 ``num_nodes``) to pick a shard, so that workers do not all train on identical batches.
@@ -49,6 +55,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from typing_extensions import Self
 
@@ -65,7 +73,7 @@ from speedtronic.contexts import (
     MetricsContext,
     TeardownContext,
 )
-from speedtronic.distributed import SameOnEveryRankError
+from speedtronic.distributed import DistributedContext, SameOnEveryRankError
 from speedtronic.evaluation import EVAL_LOSS, EVAL_PPL
 from speedtronic.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
@@ -265,6 +273,8 @@ class DiLoCoCallback(Callback):
         self.reporter = ErrorReporter()
         self.global_eval: dict[str, int | float] | None = None
         """The master's evaluation of its newest global model, until a record takes it."""
+        self._job: DistributedContext | None = None
+        """The node's torchrun job when it has several ranks (rank 0 talks to the hub)."""
 
     # -- plugin configuration -------------------------------------------------------------
     implied_order: ClassVar[int] = 20
@@ -402,14 +412,26 @@ class DiLoCoCallback(Callback):
     # -- hooks --------------------------------------------------------------------------
 
     def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
-        if trainer.multi_rank:
-            # Every rank would act as a separate hub node with diverging weights. Every rank
-            # refuses; the CLI prints the refusal once (rank 0).
+        if trainer.multi_rank and self.options.role == "master":
+            # The master's rounds and its global-model evaluation are not split across
+            # ranks. Every rank refuses alike; the CLI prints the refusal once (rank 0).
             raise SameOnEveryRankError(
-                "diloco mode 'hub' runs one node per process and is not supported under "
-                "torchrun with several ranks; use mode: collective (synchronous DiLoCo over "
-                "torch.distributed), or start one single-process node per machine"
+                "diloco mode 'hub' with role: master runs as one process and is not supported "
+                "under torchrun with several ranks; start the master without torchrun (worker "
+                "nodes may be multi-rank torchrun jobs), or use mode: collective"
             )
+        if trainer.multi_rank and trainer.sharded_state:
+            # Rank 0 would hold only its shards of the weights the node exchanges.
+            raise SameOnEveryRankError(
+                "diloco mode 'hub' inside a torchrun job needs parallel.strategy: ddp (every "
+                "rank holds the whole model); parallel.strategy: fsdp is not supported there"
+            )
+        self._job = trainer.distributed if trainer.multi_rank else None
+        if self._job is not None and not self._job.is_main:
+            # Only rank 0 talks to the hub; the others receive every install from it
+            # (on_coordinate). The checkpointed node state is rank 0's business.
+            self._staged = None
+            return
         if self.node is None or self._model_id != id(trainer.model):
             self.node = self._build_node(trainer)
             self._model_id = id(trainer.model)
@@ -431,14 +453,20 @@ class DiLoCoCallback(Callback):
             self.node.start(ctx.start_step)
 
     def on_coordinate(self, trainer: TrainerView, ctx: CoordinateContext) -> None:
-        if self.node is None:
+        installed: int | None = None
+        if self.node is not None:
+            # The node's work is its ranks' together; DDP gives each rank an equal share.
+            ranks = self._job.world_size if self._job is not None else 1
+            self.node.record_work(trainer.tokens * ranks, trainer.samples * ranks)
+            installed = self.node.on_step(ctx.step).installed
+        if self._job is not None:
+            installed = _agree_on_install(self._job, trainer.model, installed)
+        elif self.node is None:
             return
-        self.node.record_work(trainer.tokens, trainer.samples)
-        outcome = self.node.on_step(ctx.step)
-        if outcome.installed is None:
+        if installed is None:
             return
-        if self.node.master is not None and trainer.eval_every > 0:
-            self._evaluate_global(trainer, outcome.installed)
+        if self.node is not None and self.node.master is not None and trainer.eval_every > 0:
+            self._evaluate_global(trainer, installed)
         if self.options.reset_optimizer:
             trainer.request_optimizer_reset("diloco")
 
@@ -481,6 +509,31 @@ class DiLoCoCallback(Callback):
             self.node.load_state_dict(state)
         else:
             self._staged = state
+
+
+def _agree_on_install(
+    job: DistributedContext, model: nn.Module, installed: int | None
+) -> int | None:
+    """Every step of a multi-rank node: rank 0 (the only rank with a hub connection) says
+    whether it installed a global model at this step -- one tiny broadcast -- and, when it
+    did, broadcasts the installed weights to every rank before any of them continues. All
+    ranks return the same answer, so all of them install at the same step (and reset
+    their optimizers alike). A dead or silent peer fails the broadcast after the job's
+    collective timeout (``distributed.timeout_s``) instead of hanging."""
+    device = job.collective_device
+    flag = torch.tensor([-1 if installed is None else installed], dtype=torch.int64, device=device)
+    dist.broadcast(flag, src=0)
+    step = int(flag.item())
+    if step < 0:
+        return None
+    with torch.no_grad():
+        for value in model.state_dict().values():
+            direct = value.device == device and value.is_contiguous()
+            buffer = value if direct else value.to(device).contiguous()
+            dist.broadcast(buffer, src=0)
+            if not direct:
+                value.copy_(buffer)
+    return step
 
 
 def _global_eval_from_state(value: object) -> dict[str, int | float] | None:

@@ -1,0 +1,155 @@
+"""Processes of ``tests/test_diloco_nodes.py``: a hub-mode DiLoCo master, worker nodes that
+are multi-rank torch.distributed jobs (each rank forked from the preloaded fork server with
+the torchrun variables set), and a single-node reference run. Each writes what the test
+checks to ``<out>/<tag>-rank<r>.json`` and its final weights to ``<out>/<tag>-rank<r>.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from distributed_worker import base_config
+
+from speedtronic.callback import Callback
+from speedtronic.contexts import OptimizerStepContext, StepContext
+from speedtronic.runtime import build_runtime
+from speedtronic.trainer import Trainer
+from speedtronic_callbacks.diloco import DiLoCoCallback
+
+torch.set_num_threads(1)
+
+SAMPLES_PER_NODE_STEP = 8
+NODES = 3  # the master and two workers
+INNER_STEPS = 10
+
+
+def run_config(out: Path, steps: int, **sections: Mapping[str, object]) -> dict[str, object]:
+    """The tiny language-model run every process trains (2048 samples of 16 tokens)."""
+    config = base_config(
+        out,
+        run={"max_steps": steps, "seed": 7},
+        data={"num_tokens": 16 * 2048, "micro_batch_size": 8, "target_batch_size": None},
+        optimizer={"lr": 1e-2},
+        scheduler={"name": "constant", "warmup_steps": 0},
+        checkpoint={"enabled": True, "every_steps": 5, "keep_last": 2},
+        distributed={"timeout_s": 10.0},
+    )
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values}  # type: ignore[dict-item]  # test helper
+    return config
+
+
+def diloco_options(hub: Path, role: str, node: str, index: int) -> dict[str, object]:
+    return {
+        "name": "diloco",
+        "role": role,
+        "node_id": node,
+        "hub_dir": str(hub),
+        "inner_steps": INNER_STEPS,
+        "node_index": index,
+        "num_nodes": NODES,
+        "poll_interval": 0.05,
+        "retry_initial": 0.01,
+        "retry_max": 0.1,
+        # Asynchronous rounds of one delta each: no outer momentum to amplify them, and no
+        # optimizer reset at every install (a few steps apart at this scale).
+        "outer_lr": 0.5,
+        "outer_momentum": 0.0,
+        "reset_optimizer": False,
+    }
+
+
+class _Die(Callback):
+    """This rank dies at the start of step ``step`` (a killed rank)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_start(self, trainer: Trainer, ctx: StepContext) -> None:
+        if ctx.step == self.step:
+            os._exit(17)
+
+
+class _MasterHold(Callback):
+    """After ``budget`` steps the master stops training (its steps change nothing) but keeps
+    aggregating until every worker in ``wait_for`` is done and its deltas were applied."""
+
+    def __init__(self, hub: Path, budget: int, wait_for: list[str], deadline: float) -> None:
+        self.hub, self.budget, self.wait_for = hub, budget, wait_for
+        self.deadline = time.monotonic() + deadline
+
+    def on_before_optimizer_step(self, trainer: Trainer, ctx: OptimizerStepContext) -> None:
+        if ctx.step > self.budget:
+            trainer.skip_update()
+            time.sleep(0.02)
+
+    def on_step_end(self, trainer: Trainer, ctx: StepContext) -> None:
+        if time.monotonic() > self.deadline:
+            trainer.request_stop("deadline")
+        if ctx.step <= self.budget:
+            return
+        done = all((self.hub.parent / f"{name}.done").exists() for name in self.wait_for)
+        pending = list((self.hub / "nodes").glob("*/*.safetensors")) if done else [None]
+        diloco = next(cb for cb in trainer.callbacks if isinstance(cb, DiLoCoCallback))
+        if not pending and diloco.node is not None and not diloco.node.master_lane.busy:
+            trainer.request_stop("workers finished")
+
+
+def _report(
+    out: Path, tag: str, rank: int, report: Mapping[str, object], trainer: Trainer | None
+) -> None:
+    if trainer is not None:
+        weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        torch.save(weights, out / f"{tag}-rank{rank}.pt")
+    (out / f"{tag}-rank{rank}.json").write_text(json.dumps(report), encoding="utf-8")
+
+
+def node(out_dir: str, raw: str) -> int:
+    """One process: ``params["kind"]`` is ``master``, ``worker`` (one rank of a worker node)
+    or ``single`` (the single-node reference run)."""
+    params = json.loads(raw)
+    out, kind, tag = Path(out_dir), params["kind"], params["tag"]
+    hub = out / "hub"
+    rank = int(os.environ.get("RANK", "0"))
+    steps = int(params["steps"])
+    extra: list[Callback] = []
+    if kind == "single":
+        config = run_config(
+            out / tag, steps, data={"target_batch_size": NODES * SAMPLES_PER_NODE_STEP}
+        )
+    elif kind == "master":
+        config = run_config(out / tag, 100_000)
+        config["callbacks"] = [diloco_options(hub, "master", tag, 0)]
+        extra.append(_MasterHold(hub, steps, list(params["wait_for"]), params["deadline"]))
+    else:
+        config = run_config(out / tag, steps, data={"micro_batch_size": SAMPLES_PER_NODE_STEP // 2})
+        config["callbacks"] = [diloco_options(hub, "worker", tag, int(params["index"]))]
+        if params.get("die_at") is not None and rank == 1:
+            extra.append(_Die(int(params["die_at"])))
+    trainer: Trainer | None = None
+    report: dict[str, object] = {"error": None}
+    try:
+        trainer, _ = build_runtime(config, resume=bool(params.get("resume")), extra_callbacks=extra)  # type: ignore[arg-type]  # test helper
+        result = trainer.fit()
+        report["steps"] = result.steps
+        report["stop_reason"] = result.stop_reason
+        records = [
+            {k: v for k, v in r.items() if k.startswith("diloco/") or k == "step"}
+            for r in result.metrics
+        ]
+        report["records"] = records
+        diloco = [cb for cb in trainer.callbacks if isinstance(cb, DiLoCoCallback)]
+        if diloco and diloco[0].node is not None:
+            report["uploads"] = diloco[0].node.stats.uploads
+            report["installs"] = diloco[0].node.stats.installs
+    except Exception as exc:  # what the test checks
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    _report(out, tag, rank, report, trainer)
+    if kind == "worker" and rank == 0 and report["error"] is None:
+        (hub.parent / f"{tag}.done").write_text("ok", encoding="utf-8")
+    return 1 if report["error"] else 0
