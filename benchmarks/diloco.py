@@ -277,9 +277,13 @@ class StreamCase:
     """``CollectiveDiLoCo`` options; ``None``: DDP."""
 
 
-def stream_cases(inner: int, overlap: int) -> list[StreamCase]:
+def stream_cases(inner: int, overlap: int, only: tuple[str, ...] = ()) -> list[StreamCase]:
+    """DDP, then DiLoCo P=1 and Streaming P=4 at tau 0 and ``overlap`` for each encoding
+    (those named in ``only``, when given)."""
     cases = [StreamCase("DDP", "fp32", None)]
     for name, option in encodings().items():
+        if only and name not in only:
+            continue
         base: dict[str, object] = {"inner_steps": inner, **option}
         cases.append(StreamCase("DiLoCo P=1", name, base))
         cases.append(StreamCase("Streaming P=4, tau=0", name, {**base, "fragments": 4}))
@@ -303,6 +307,7 @@ def _stream_rank(
     delay: float,
     root: str,
     results: multiprocessing.queues.Queue[dict[str, object]],
+    only: tuple[str, ...] = (),
 ) -> None:
     from speedtronic.distributed import setup_distributed
     from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo, CollectiveDiLoCoOptions
@@ -320,7 +325,7 @@ def _stream_rank(
     distributed = setup_distributed("cpu", timeout_s=120.0)
     assert distributed is not None
     for seed in range(seeds):  # seed-major: every case sees the same machine state
-        for index, case in enumerate(stream_cases(inner, overlap)):
+        for index, case in enumerate(stream_cases(inner, overlap, only)):
             model = make_model(STREAM_LAYERS, seed)
             callbacks = []
             diloco = None
@@ -372,7 +377,7 @@ def _stream_rank(
 
 
 def run_streaming(
-    steps: int, inner: int, overlap: int, seeds: int, delay: float
+    steps: int, inner: int, overlap: int, seeds: int, delay: float, only: tuple[str, ...] = ()
 ) -> list[dict[str, object]]:
     """Every streaming case on two spawned gloo ranks; rank 0's reports."""
     with socket.socket() as probe:
@@ -384,7 +389,7 @@ def run_streaming(
         ranks = [
             context.Process(
                 target=_stream_rank,
-                args=(rank, port, steps, inner, overlap, seeds, delay, scratch, results),
+                args=(rank, port, steps, inner, overlap, seeds, delay, scratch, results, only),
             )
             for rank in (0, 1)
         ]
@@ -445,6 +450,18 @@ def report_streaming(
             ratio = mean("peak", *base) / peak
             if not 3.0 <= ratio <= 5.0:
                 failures.append(f"{label} {encoding}: peak bytes 1/{ratio:.2f} of DiLoCo's")
+        same_fp32 = (label, "fp32")
+        if label != "DDP" and encoding != "fp32" and same_fp32 in rows:
+            # Low-bit targets (issue 14): held-out loss within 2% of fp32 with the same P
+            # and tau; fp4's bytes at most 1/7 of fp32's, scales included.
+            loss, fp32_loss = mean("loss", label, encoding), mean("loss", *same_fp32)
+            if loss > 1.02 * fp32_loss:
+                failures.append(
+                    f"{label} {encoding}: loss {loss:.4f} > 1.02 x fp32's {fp32_loss:.4f}"
+                )
+            fp32_sent = mean("sent_per_step", *same_fp32)
+            if encoding == "fp4" and sent > fp32_sent / 7:
+                failures.append(f"{label} fp4: bytes 1/{fp32_sent / sent:.2f} of fp32's (> 1/7)")
         blocking = ("Streaming P=4, tau=0", encoding)
         if label.startswith("Streaming") and "tau=0" not in label and blocking in rows:
             hidden = mean("stall_per_sync", label, encoding)
@@ -471,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap", type=int, default=5, help="tau of part 3")
     parser.add_argument("--seeds", type=int, default=2, help="seeds of part 3")
     parser.add_argument("--link-delay", type=float, default=0.1, help="seconds (part 3)")
+    parser.add_argument(
+        "--encodings", default="", help="comma-separated encodings of part 3 (default: all)"
+    )
     args = parser.parse_args(argv)
     steps, inner = (40, 10) if args.quick else (args.steps, args.inner_steps)
     if steps % inner:
@@ -480,8 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     if args.part != "hub":
         stream_steps, seeds = (48, 1) if args.quick else (args.stream_steps, args.seeds)
+        only = tuple(name for name in args.encodings.split(",") if name)
         reports = run_streaming(
-            stream_steps, args.stream_inner_steps, args.overlap, seeds, args.link_delay
+            stream_steps, args.stream_inner_steps, args.overlap, seeds, args.link_delay, only
         )
         failures += report_streaming(
             reports, args.stream_inner_steps, stream_steps, args.link_delay
