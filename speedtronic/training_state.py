@@ -58,7 +58,12 @@ def capture_training_state(self: Trainer) -> dict[str, object]:
         "optimizer": optimizer,
         "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
         "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-        "counters": {"step": self.step, "samples": self.samples, "tokens": self.tokens},
+        "counters": {
+            "step": self.step,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "world_size": _world(self)[1],  # the counters above are this rank's share
+        },
         "rng": capture_rng_state(),
         "data": self.stream.state_dict(),
         "callbacks": self.callback_states(),
@@ -121,11 +126,8 @@ def restore_training_state(
     if self.scaler is not None and state.get("scaler") is not None:
         self.scaler.load_state_dict(cast(dict[str, object], state["scaler"]))
     counters = cast(Mapping[str, int], state["counters"])
-    self.step, self.samples, self.tokens = (
-        int(counters["step"]),
-        int(counters["samples"]),
-        int(counters["tokens"]),
-    )
+    self.step = int(counters["step"])
+    self.samples, self.tokens = _rank_share(self, counters)
     restore_rng_state(cast(Mapping[str, object] | None, state.get("rng")))
     _adopt_saved_cuda_rng(self, state.get("rng"))
     data_state = state.get("data")
@@ -135,6 +137,34 @@ def restore_training_state(
         _load_callback_states(
             self, cast(Mapping[str, Mapping[str, object]], state.get("callbacks") or {})
         )
+
+
+def _world(self: Trainer) -> tuple[int, int]:
+    """This trainer's rank and world size (0 and 1 without a process group)."""
+    distributed = self.distributed
+    return (distributed.rank, distributed.world_size) if distributed is not None else (0, 1)
+
+
+def _rank_share(self: Trainer, counters: Mapping[str, int]) -> tuple[int, int]:
+    """This rank's share of the saved sample and token counters.
+
+    Each rank counts what it trained, and the run's totals are the sum over ranks; a
+    checkpoint holds rank 0's counts. In the same world size every rank saw as many samples
+    as rank 0, so the counts carry over as they are. In another world size the saved run's
+    totals (rank 0's counts times its world size) are split over the new ranks, the remainder
+    to the lowest ranks, so the new run's totals continue from the old run's. States written
+    before ``world_size`` was recorded carry over as they are."""
+    samples, tokens = int(counters["samples"]), int(counters["tokens"])
+    saved_world = int(counters.get("world_size", 0))
+    rank, world = _world(self)
+    if saved_world in (0, world):
+        return samples, tokens
+
+    def share(count: int) -> int:
+        total = count * saved_world
+        return total // world + (1 if rank < total % world else 0)
+
+    return share(samples), share(tokens)
 
 
 def _adopt_saved_cuda_rng(self: Trainer, rng: object) -> None:

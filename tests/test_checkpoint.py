@@ -398,7 +398,8 @@ def test_interval_and_final_saves(tmp_path: Path) -> None:
     assert saved_steps(tmp_path) == [4, 6]
     assert callback.last_path == tmp_path / "step_000000000006.pt"
     state = CheckpointManager(tmp_path).load_latest()
-    assert state is not None and state["counters"] == {"step": 6, "samples": 24, "tokens": 144}
+    assert state is not None
+    assert state["counters"] == {"step": 6, "samples": 24, "tokens": 144, "world_size": 1}
 
 
 def test_no_final_save_when_disabled_or_already_saved(
@@ -429,7 +430,7 @@ def test_save_on_exception_keeps_the_last_completed_steps_data_position(tmp_path
         trainer.fit(10)
     state = CheckpointManager(tmp_path).load_latest()
     assert state is not None
-    assert state["counters"] == {"step": 2, "samples": 8, "tokens": 48}
+    assert state["counters"] == {"step": 2, "samples": 8, "tokens": 48, "world_size": 1}
     # The failing step had already pulled K batches; the checkpoint must not skip them.
     # (5 batches per epoch: 3 * K = 6 pulled is epoch 1, batch 1.)
     assert trainer.stream.state_dict() == {"epoch": 1, "batches_in_epoch": 1}

@@ -364,10 +364,17 @@ def test_one_process_checkpoint_resumes_on_two_ranks(two_ranks: Path) -> None:
     grown = torch.load(two_ranks / "rank0.pt", weights_only=True)["grown"]
     assert_same(grown, written)  # 1 -> 2: the same weights and moments, now sharded
     written_carried = json.loads((two_ranks / "one_rank_carried.json").read_text())
+    written_samples = written_carried.pop("samples")
+    shares = []
     for report in reports(two_ranks):
         assert str(report["grown_from"]).endswith("step_000000000005.dcp")
-        assert report["grown_carried"] == written_carried  # counters, data, RNG, callbacks
+        grown_carried = dict(report["grown_carried"])  # type: ignore[call-overload]  # JSON
+        shares.append(grown_carried.pop("samples"))
+        assert grown_carried == written_carried  # step, data, RNG, callbacks
         assert len(as_floats(report["grown_loss"])) == 2  # steps 6 and 7 on two ranks
+    # The one process's samples are the run's total: the two ranks split it between them,
+    # so the grown run's totals (the sum over ranks) continue from it.
+    assert shares == [written_samples // 2, written_samples // 2]
 
 
 def test_two_rank_checkpoint_resumes_on_one_process(two_ranks: Path) -> None:
@@ -379,7 +386,11 @@ def test_two_rank_checkpoint_resumes_on_one_process(two_ranks: Path) -> None:
     assert "__1_0.distcp is missing" in str(caught[0].message)
     assert trainer.step == 5
     assert_same(full_state(trainer), torch.load(two_ranks / "rank0.pt")["at5"])
-    assert carried(trainer) == reports(two_ranks)[0]["carried5"]  # rank 0's, as saved
+    saved = dict(reports(two_ranks)[0]["carried5"])  # type: ignore[call-overload]  # JSON
+    now = carried(trainer)
+    # One process now holds the whole run: both ranks' samples (rank 0's, as saved, twice).
+    assert now.pop("samples") == 2 * saved.pop("samples")
+    assert now == saved  # step, data position, RNG, callbacks as saved by rank 0
     with pytest.warns(UserWarning, match="already holds a checkpoint of step 10"):
         assert len(losses(trainer, 7)) == 2  # and it trains on
 

@@ -8,6 +8,8 @@ import json
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from speedtronic.data.held_out import build_eval_loader
 from speedtronic.model import ReferenceTransformer
 from speedtronic.resume import resume_from
 from speedtronic.trainer import Trainer, TrainingStateError
+from speedtronic.training_state import _rank_share
 from speedtronic_callbacks.checkpoint import CheckpointCallback
 from speedtronic_callbacks.jsonl import JsonlCallback
 
@@ -335,3 +338,28 @@ def test_metrics_jsonl_continues_without_duplicates_after_a_crash(tmp_path: Path
         resumed.fit(12)
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(1, 13))
+
+
+@pytest.mark.parametrize(("saved_world", "world"), [(2, 1), (1, 2), (2, 3), (3, 2), (4, 4), (0, 3)])
+def test_a_changed_world_size_splits_the_saved_run_totals_over_the_new_ranks(
+    saved_world: int, world: int
+) -> None:
+    """Counters are per rank and a checkpoint holds rank 0's: in another world size the
+    saved run's totals are split so that the new ranks' sum continues from them (a state
+    without ``world_size``, written before it was recorded, carries over as it is)."""
+    counters = {"step": 9, "samples": 7, "tokens": 301}
+    if saved_world:
+        counters["world_size"] = saved_world
+    shares = [
+        _rank_share(
+            cast(Trainer, SimpleNamespace(distributed=SimpleNamespace(rank=r, world_size=world))),
+            counters,
+        )
+        for r in range(world)
+    ]
+    if saved_world in (0, world):
+        assert shares == [(7, 301)] * world
+    else:
+        assert sum(s for s, _ in shares) == 7 * saved_world
+        assert sum(t for _, t in shares) == 301 * saved_world
+        assert max(s for s, _ in shares) - min(s for s, _ in shares) <= 1

@@ -63,7 +63,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, cast
 
 from typing_extensions import Self
 
@@ -533,7 +533,9 @@ class CheckpointCallback(Callback):
         recorded = self._step_end_state
         if recorded is not None and recorded[0]["step"] == trainer.step:
             counters, rng, data = recorded
-            state["counters"], state["rng"], state["data"] = dict(counters), rng, dict(data)
+            live = cast(Mapping[str, int], state["counters"])  # keeps its world size
+            state["counters"] = {**live, **counters}
+            state["rng"], state["data"] = rng, dict(data)
         return state
 
     def _warn_about_foreign_checkpoints(self, start_step: int) -> None:
