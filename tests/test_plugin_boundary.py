@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from speedtronic.trainer import Trainer
-from speedtronic.view import TrainerView
+from speedtronic.engine.trainer import Trainer
+from speedtronic.engine.view import TrainerView
 
 ROOT = Path(__file__).resolve().parent.parent
 CALLBACKS = ROOT / "callbacks"
-ENGINE_INTERNALS = ("speedtronic.trainer", "speedtronic.loop", "speedtronic.dispatch")
+ENGINE_INTERNALS = ("speedtronic.engine.trainer", "speedtronic.engine.loop", "speedtronic.engine.dispatch")
 REACHING_BUILTINS = {"getattr", "setattr", "delattr", "vars", "hasattr"}
 
 
@@ -120,8 +120,8 @@ def test_the_checks_catch_what_they_are_for() -> None:
     text = "\n".join(found)
     for expected in ("trainer.scaler", "assigns trainer.step", "getattr()", "view.optimizer"):
         assert expected in text
-    imports = "from speedtronic.trainer import Trainer\nimport speedtronic.loop\n"
-    imports += "from speedtronic import Trainer\nfrom speedtronic.view import TrainerView\n"
+    imports = "from speedtronic.engine.trainer import Trainer\nimport speedtronic.engine.loop\n"
+    imports += "from speedtronic import Trainer\nfrom speedtronic.engine.view import TrainerView\n"
     assert len(list(engine_imports(imports, "x.py"))) == 3
 
 

@@ -20,8 +20,8 @@ from typing import ClassVar
 import pytest
 import torch
 
-from speedtronic.callback import Callback, JSONSchema, LegacySections, PluginOptions
 from speedtronic.config import ConfigError, SpeedtronicConfig
+from speedtronic.engine.callback import Callback, JSONSchema, LegacySections, PluginOptions
 from speedtronic.plugins import PluginContext, callback_registry, register_callback
 from speedtronic.runtime import build_callbacks, callback_specs
 
@@ -328,7 +328,7 @@ def _context() -> PluginContext:
 
 
 def test_a_2_0_config_resumes_through_the_resume_source(tmp_path: Path) -> None:
-    from speedtronic.resume import ResumeSource
+    from speedtronic.state.resume import ResumeSource
 
     config = SpeedtronicConfig.load(
         {"checkpoint": {"resume": True, "load_callback_state": False, "directory": "ck"}}

@@ -9,6 +9,6 @@
   ``logger=``, ``checkpoint_manager=``, ``coordinator=``
 
 The old import paths (``speedtronic.profiling``, ``speedtronic.hooks``,
-``speedtronic.integrations``, ``speedtronic.coordinator``) re-export these names, so 2.0 code
+``speedtronic.integrations``, ``speedtronic.compat.coordinator``) re-export these names, so 2.0 code
 keeps working unchanged. New code should use the callbacks in ``speedtronic_callbacks``.
 """
