@@ -127,7 +127,9 @@ def free_port() -> int:
 
 def measure() -> list[dict[str, int | str]]:
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed.fsdp", "speedtronic.engine.trainer"])
+    context.set_forkserver_preload(
+        ["torch", "torch.distributed.fsdp", "speedtronic.engine.trainer"]
+    )
     records: list[dict[str, int | str]] = []
     with tempfile.TemporaryDirectory() as out:
         for world in RANKS:

@@ -297,7 +297,13 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     (out / "one_rank_carried.json").write_text(json.dumps(carried(one)))
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(
-        ["torch", "torch._dynamo", "torch.distributed.fsdp", "speedtronic.engine.trainer", "test_fsdp"]
+        [
+            "torch",
+            "torch._dynamo",
+            "torch.distributed.fsdp",
+            "speedtronic.engine.trainer",
+            "test_fsdp",
+        ]
     )
     port = free_port()
     ranks = [context.Process(target=rank_main, args=(r, port, str(out))) for r in range(2)]

@@ -310,7 +310,8 @@ class CallbackPlan:
 
     def emit(self, trainer: TrainerView, key: EventSpec[CtxT], ctx: CtxT) -> None:
         """Call the hooks of ``key``'s event that are due in the current step with ``ctx``
-        (typed: mypy rejects a context that is not the event's, see ``speedtronic.engine.events.On``)."""
+        (typed: mypy rejects a context that is not the event's, see
+        ``speedtronic.engine.events.On``)."""
         for hook in self._due[key]:
             hook(trainer, ctx)
 

@@ -3,10 +3,11 @@
 ``fit`` emits ``setup -> fit_start -> [global steps] -> fit_end -> teardown`` (on error
 ``exception`` then ``teardown``); each global step is ``loop.run_global_step``.
 
-Given a ``DistributedContext`` (``speedtronic.systems.distributed``) the trainer trains data-parallel:
-DDP around the model (``trainer.model`` stays the raw module), ``no_sync`` on all but the
-last microbatch, metrics reduced across ranks on logging steps, callbacks placed by their
-``rank_policy``, and a stop requested on any rank honoured by all ranks at the same step.
+Given a ``DistributedContext`` (``speedtronic.systems.distributed``) the trainer trains
+data-parallel: DDP around the model (``trainer.model`` stays the raw module), ``no_sync`` on
+all but the last microbatch, metrics reduced across ranks on logging steps, callbacks placed
+by their ``rank_policy``, and a stop requested on any rank honoured by all ranks at the same
+step.
 """
 
 from __future__ import annotations
@@ -309,8 +310,9 @@ class Trainer:
     @property
     def sharded_state(self) -> bool:
         """Whether the training state is sharded (``parallel.strategy: fsdp``): checkpoints
-        are DCP directories every rank writes its shard of (``speedtronic.state.sharded_checkpoint``),
-        also on a single process, so they resume on any number of ranks."""
+        are DCP directories every rank writes its shard of
+        (``speedtronic.state.sharded_checkpoint``), also on a single process, so they resume on
+        any number of ranks."""
         return self._sharded_state
 
     @property
