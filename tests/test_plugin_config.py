@@ -35,15 +35,15 @@ CORE_FILES = (
         REPO / "speedtronic" / f"{name}.py"
         for name in (
             "runtime",
-            "trainer",
-            "loop",
-            "dispatch",
-            "view",
-            "filters",
-            "forward_path",
-            "training_state",
-            "step_state",
-            "run_lock",
+            "engine/trainer",
+            "engine/loop",
+            "engine/dispatch",
+            "engine/view",
+            "engine/filters",
+            "engine/forward_path",
+            "engine/step_state",
+            "state/training_state",
+            "state/run_lock",
         )
     ),
     *sorted((REPO / "speedtronic" / "config").glob("*.py")),
@@ -129,7 +129,9 @@ def _names_in_code(path: Path, plugin_names: set[str]) -> Iterator[tuple[int, st
             yield node.lineno, node.target.id
 
 
-@pytest.mark.parametrize("path", CORE_FILES, ids=lambda path: path.name)
+@pytest.mark.parametrize(
+    "path", CORE_FILES, ids=lambda path: path.relative_to(REPO / "speedtronic").as_posix()
+)
 def test_the_core_names_no_builtin_plugin_and_no_diloco_key(path: Path) -> None:
     plugin_names = builtin_plugin_names()
     forbidden = plugin_names | SECTION_ALIASES | DILOCO_KEYS
