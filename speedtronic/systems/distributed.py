@@ -15,7 +15,8 @@ The ``Trainer`` then wraps its model in ``DistributedDataParallel`` (``trainer.m
 the raw module, so checkpoints and callbacks see plain parameter names), skips the gradient
 all-reduce on every microbatch but the last (``no_sync``), reduces the logged loss and
 throughput across ranks on logging steps only, and makes every rank stop at the same step
-(``agree_on_stop``). Callbacks run where their ``rank_policy`` says (``speedtronic.engine.dispatch``).
+(``agree_on_stop``). Callbacks run where their ``rank_policy`` says
+(``speedtronic.engine.dispatch``).
 
 *Replicas*: by default all ranks form one data-parallel replica. A callback that keeps
 several replicas in step itself (synchronous DiLoCo) implements ``ReplicaSync``; the trainer
@@ -45,28 +46,6 @@ from speedtronic.systems.precision import resolve_device
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
-    from speedtronic_callbacks.diloco.original_api import DeltaUploadJob as DeltaUploadJob
-    from speedtronic_callbacks.diloco.original_api import DumbDiLoCo as DumbDiLoCo
-    from speedtronic_callbacks.diloco.original_api import (
-        DumbDiLoCoCoordinator as DumbDiLoCoCoordinator,
-    )
-    from speedtronic_callbacks.diloco.original_api import GlobalMetadata as GlobalMetadata
-    from speedtronic_callbacks.diloco.original_api import HubClient as HubClient
-    from speedtronic_callbacks.diloco.original_api import HubError as HubError
-    from speedtronic_callbacks.diloco.original_api import HubTransport as HubTransport
-    from speedtronic_callbacks.diloco.original_api import HubUnavailable as HubUnavailable
-    from speedtronic_callbacks.diloco.original_api import MasterOuterLoop as MasterOuterLoop
-    from speedtronic_callbacks.diloco.original_api import (
-        NesterovOuterOptimizer as NesterovOuterOptimizer,
-    )
-    from speedtronic_callbacks.diloco.original_api import SyncResult as SyncResult
-    from speedtronic_callbacks.diloco.original_api import average_deltas as average_deltas
-    from speedtronic_callbacks.diloco.original_api import (
-        compute_pseudo_gradient as compute_pseudo_gradient,
-    )
-    from speedtronic_callbacks.diloco.original_api import load_delta as load_delta
-    from speedtronic_callbacks.diloco.original_api import load_safetensors as load_safetensors
-    from speedtronic_callbacks.diloco.original_api import save_safetensors as save_safetensors
 
 __all__ = [
     "TORCHRUN_VARIABLES",
@@ -87,23 +66,6 @@ __all__ = [
     "teardown_distributed",
     "wrap_data_parallel",
 ]
-
-
-def __getattr__(name: str) -> object:
-    """2.0's asynchronous-training names of this module (``HubClient``, ``GlobalMetadata``,
-    ``DumbDiLoCoCoordinator``, ``load_delta``, ...; see ``__all__`` of the plugin module
-    below). They are a plugin's now and resolve through its entry point at first use
-    (``speedtronic.compat.plugin_exports``), so importing this module imports no plugin."""
-    if name.startswith("__"):
-        raise AttributeError(name)
-    from speedtronic.compat.plugin_exports import plugin_attribute
-
-    module = plugin_attribute("diloco", "original_api", "speedtronic.systems.distributed")
-    if name not in getattr(module, "__all__", ()):
-        raise AttributeError(f"module 'speedtronic.systems.distributed' has no attribute {name!r}")
-    value = getattr(module, name)
-    globals()[name] = value
-    return value
 
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
