@@ -39,11 +39,16 @@ from pathlib import Path
 
 import torch
 
-from speedtronic.callback import Callback
-from speedtronic.checkpoint import CheckpointManager
-from speedtronic.contexts import CheckpointContext, FitContext, OptimizerStepContext, StepContext
-from speedtronic.model import ReferenceTransformer
-from speedtronic.trainer import Trainer
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import (
+    CheckpointContext,
+    FitContext,
+    OptimizerStepContext,
+    StepContext,
+)
+from speedtronic.engine.trainer import Trainer
+from speedtronic.models.transformer import ReferenceTransformer
+from speedtronic.state.checkpoint import CheckpointManager
 from speedtronic_callbacks.checkpoint import CheckpointCallback
 
 

@@ -56,7 +56,7 @@ from torch.utils.data import DataLoader, Subset
 
 from speedtronic import Trainer
 from speedtronic.data import LearnableLanguageDataset
-from speedtronic.model import ReferenceTransformer
+from speedtronic.models.transformer import ReferenceTransformer
 from speedtronic_callbacks.diloco import DiLoCoCallback
 from speedtronic_callbacks.diloco.model_layout import build_layout
 
@@ -309,7 +309,7 @@ def _stream_rank(
     results: multiprocessing.queues.Queue[dict[str, object]],
     only: tuple[str, ...] = (),
 ) -> None:
-    from speedtronic.distributed import setup_distributed
+    from speedtronic.systems.distributed import setup_distributed
     from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo, CollectiveDiLoCoOptions
 
     os.environ.update(

@@ -7,7 +7,7 @@ micro-batch 8). Cases, interleaved round by round:
 
   hand loop        ``model.eval()``; ``inference_mode``; ``model(**batch)["loss"]`` summed
                    per batch; one ``.item()`` at the end -- what a user would write
-  evaluate_model   ``speedtronic.evaluation.evaluate_model`` on the same B batches
+  evaluate_model   ``speedtronic.engine.evaluation.evaluate_model`` on the same B batches
                    (token-weighted sums on the device, one read back, RNG restored)
   fit, no eval     ``Trainer.fit`` of STEPS steps without evaluation
   fit, eval idle   the same fit with ``eval_every`` larger than the fit: no step evaluates
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from overhead import make_batches, make_model  # noqa: E402
 
 from speedtronic import Trainer  # noqa: E402
-from speedtronic.evaluation import evaluate_model  # noqa: E402
+from speedtronic.engine.evaluation import evaluate_model  # noqa: E402
 
 EVAL_BATCHES = 32
 FIT_STEPS = 100

@@ -65,10 +65,10 @@ def rank_main(rank: int, world: int, port: int, strategy: str, out: str) -> None
     from torch.distributed.tensor import DTensor
 
     from speedtronic.config import ModelConfig
-    from speedtronic.distributed import setup_distributed, teardown_distributed
-    from speedtronic.model_registry import build_model
-    from speedtronic.sharding import find_shard_blocks
-    from speedtronic.trainer import Trainer
+    from speedtronic.engine.trainer import Trainer
+    from speedtronic.models.registry import build_model
+    from speedtronic.systems.distributed import setup_distributed, teardown_distributed
+    from speedtronic.systems.sharding import find_shard_blocks
 
     context = setup_distributed("cpu", timeout_s=120.0) if world > 1 else None
     # What every run pays once, not for its model: the lazy imports of the first optimizer
@@ -127,7 +127,9 @@ def free_port() -> int:
 
 def measure() -> list[dict[str, int | str]]:
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed.fsdp", "speedtronic.trainer"])
+    context.set_forkserver_preload(
+        ["torch", "torch.distributed.fsdp", "speedtronic.engine.trainer"]
+    )
     records: list[dict[str, int | str]] = []
     with tempfile.TemporaryDirectory() as out:
         for world in RANKS:

@@ -33,7 +33,7 @@ from torch import nn
 
 from speedtronic.config import OptimizerConfig
 from speedtronic.data import LearnableLanguageDataset
-from speedtronic.model import ReferenceTransformer
+from speedtronic.models.transformer import ReferenceTransformer
 from speedtronic.optimizers import (
     CPU_BF16_MIN_SIDE,
     Muon,

@@ -45,7 +45,7 @@ import torch
 
 from speedtronic import Callback, Event, Trainer
 from speedtronic.data import LearnableLanguageDataset, collate_batch
-from speedtronic.model import ReferenceTransformer
+from speedtronic.models.transformer import ReferenceTransformer
 
 STEPS = 300
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from overhead import STEPS, K, make_batches, make_model, optimizer_for  # noqa: E402
 
 from speedtronic import Callback, Trainer  # noqa: E402
-from speedtronic.contexts import FitContext, FitEndContext  # noqa: E402
+from speedtronic.engine.contexts import FitContext, FitEndContext  # noqa: E402
 
 
 class FitTimer(Callback):

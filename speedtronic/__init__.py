@@ -4,7 +4,7 @@ Public names are imported lazily so that ``import speedtronic`` stays cheap for 
 (``speedtronic validate`` / ``schema``) that do not train. Every name in ``__all__`` is
 declared for type checkers under ``TYPE_CHECKING`` with the same type it has at run time, in
 any import order: no public name is also the name of a submodule (a submodule, once imported,
-would replace the package attribute -- hence ``speedtronic.model_registry`` holds the
+would replace the package attribute -- hence ``speedtronic.models.registry`` holds the
 ``registry`` instance). ``tests/test_static_types.py`` checks this.
 """
 
@@ -17,19 +17,19 @@ __version__ = "3.0.0"
 
 _EXPORTS: dict[str, str] = {
     # events and callbacks
-    "Event": "speedtronic.events",
-    "Callback": "speedtronic.callback",
-    "CallbackPlan": "speedtronic.dispatch",
-    "CallbackWarning": "speedtronic.dispatch",
-    "MetricRecord": "speedtronic.metrics",
-    "TrainResult": "speedtronic.result",
-    "SyncCoordinator": "speedtronic.coordinator",
+    "Event": "speedtronic.engine.events",
+    "Callback": "speedtronic.engine.callback",
+    "CallbackPlan": "speedtronic.engine.dispatch",
+    "CallbackWarning": "speedtronic.engine.dispatch",
+    "MetricRecord": "speedtronic.engine.metrics",
+    "TrainResult": "speedtronic.engine.result",
+    "SyncCoordinator": "speedtronic.compat.coordinator",
     # trainer and runtime
-    "Trainer": "speedtronic.trainer",
-    "TrainerView": "speedtronic.view",
-    "TrainingEngine": "speedtronic.trainer",
-    "SpeedtronicTrainer": "speedtronic.trainer",
-    "TrainingStateError": "speedtronic.trainer",
+    "Trainer": "speedtronic.engine.trainer",
+    "TrainerView": "speedtronic.engine.view",
+    "TrainingEngine": "speedtronic.engine.trainer",
+    "SpeedtronicTrainer": "speedtronic.engine.trainer",
+    "TrainingStateError": "speedtronic.engine.trainer",
     "build_runtime": "speedtronic.runtime",
     "train_from_config": "speedtronic.runtime",
     "build_callbacks": "speedtronic.runtime",
@@ -55,23 +55,23 @@ _EXPORTS: dict[str, str] = {
     "PluginError": "speedtronic.plugins",
     "register_callback": "speedtronic.plugins",
     "callback_registry": "speedtronic.plugins",
-    "ModelRegistry": "speedtronic.model_registry",
-    "register_model": "speedtronic.model_registry",
-    "build_model": "speedtronic.model_registry",
-    "registry": "speedtronic.model_registry",
+    "ModelRegistry": "speedtronic.models.registry",
+    "register_model": "speedtronic.models.registry",
+    "build_model": "speedtronic.models.registry",
+    "registry": "speedtronic.models.registry",
     "register_dataset": "speedtronic.data",
     "build_dataloader": "speedtronic.data",
     # model
-    "GPT": "speedtronic.model",
-    "GPTConfig": "speedtronic.model",
-    "ReferenceTransformer": "speedtronic.model",
+    "GPT": "speedtronic.models.transformer",
+    "GPTConfig": "speedtronic.models.transformer",
+    "ReferenceTransformer": "speedtronic.models.transformer",
     # precision
-    "PrecisionPlan": "speedtronic.precision",
+    "PrecisionPlan": "speedtronic.systems.precision",
     # reproducibility
-    "seed_everything": "speedtronic.rng",
+    "seed_everything": "speedtronic.state.rng",
     # utilities of the original API
     "set_gradient_checkpointing": "speedtronic.module_utils",
-    "CheckpointManager": "speedtronic.checkpoint",
+    "CheckpointManager": "speedtronic.state.checkpoint",
     "MetricLogger": "speedtronic.profiling",
     "WandbHook": "speedtronic.integrations",
     "TensorboardHook": "speedtronic.integrations",
@@ -83,13 +83,13 @@ _EXPORTS: dict[str, str] = {
     "newton_schulz": "speedtronic.optimizers",
     "post_polar_normalize": "speedtronic.optimizers",
     "route_parameters": "speedtronic.optimizers",
-    "StageInfo": "speedtronic.stage_streams",
-    "StageStreamScheduler": "speedtronic.stage_streams",
-    "ShapeProfile": "speedtronic.shapes",
-    "ShapeReport": "speedtronic.shapes",
-    "ShapeWarning": "speedtronic.shapes",
-    "resolve_shape_profile": "speedtronic.shapes",
-    "validate_startup_shapes": "speedtronic.shapes",
+    "StageInfo": "speedtronic.systems.stage_streams",
+    "StageStreamScheduler": "speedtronic.systems.stage_streams",
+    "ShapeProfile": "speedtronic.systems.shapes",
+    "ShapeReport": "speedtronic.systems.shapes",
+    "ShapeWarning": "speedtronic.systems.shapes",
+    "resolve_shape_profile": "speedtronic.systems.shapes",
+    "validate_startup_shapes": "speedtronic.systems.shapes",
 }
 
 # Original names whose implementation is a plugin: resolved through the plugin's entry point
@@ -115,9 +115,8 @@ def __getattr__(name: str) -> object:
 
 
 if TYPE_CHECKING:
-    from speedtronic.callback import Callback as Callback
-    from speedtronic.checkpoint import CheckpointManager as CheckpointManager
     from speedtronic.compat.checkpoint_config import CheckpointConfig as CheckpointConfig
+    from speedtronic.compat.coordinator import SyncCoordinator as SyncCoordinator
     from speedtronic.config import Config as Config
     from speedtronic.config import ConfigError as ConfigError
     from speedtronic.config import DataConfig as DataConfig
@@ -133,22 +132,28 @@ if TYPE_CHECKING:
     from speedtronic.config import SpeedtronicConfig as SpeedtronicConfig
     from speedtronic.config import load_config as load_config
     from speedtronic.config import load_yaml_config as load_yaml_config
-    from speedtronic.coordinator import SyncCoordinator as SyncCoordinator
     from speedtronic.data import build_dataloader as build_dataloader
     from speedtronic.data import register_dataset as register_dataset
-    from speedtronic.dispatch import CallbackPlan as CallbackPlan
-    from speedtronic.dispatch import CallbackWarning as CallbackWarning
-    from speedtronic.events import Event as Event
+    from speedtronic.engine.callback import Callback as Callback
+    from speedtronic.engine.dispatch import CallbackPlan as CallbackPlan
+    from speedtronic.engine.dispatch import CallbackWarning as CallbackWarning
+    from speedtronic.engine.events import Event as Event
+    from speedtronic.engine.metrics import MetricRecord as MetricRecord
+    from speedtronic.engine.result import TrainResult as TrainResult
+    from speedtronic.engine.trainer import SpeedtronicTrainer as SpeedtronicTrainer
+    from speedtronic.engine.trainer import Trainer as Trainer
+    from speedtronic.engine.trainer import TrainingEngine as TrainingEngine
+    from speedtronic.engine.trainer import TrainingStateError as TrainingStateError
+    from speedtronic.engine.view import TrainerView as TrainerView
     from speedtronic.integrations import TensorboardHook as TensorboardHook
     from speedtronic.integrations import WandbHook as WandbHook
-    from speedtronic.metrics import MetricRecord as MetricRecord
-    from speedtronic.model import GPT as GPT
-    from speedtronic.model import GPTConfig as GPTConfig
-    from speedtronic.model import ReferenceTransformer as ReferenceTransformer
-    from speedtronic.model_registry import ModelRegistry as ModelRegistry
-    from speedtronic.model_registry import build_model as build_model
-    from speedtronic.model_registry import register_model as register_model
-    from speedtronic.model_registry import registry as registry
+    from speedtronic.models.registry import ModelRegistry as ModelRegistry
+    from speedtronic.models.registry import build_model as build_model
+    from speedtronic.models.registry import register_model as register_model
+    from speedtronic.models.registry import registry as registry
+    from speedtronic.models.transformer import GPT as GPT
+    from speedtronic.models.transformer import GPTConfig as GPTConfig
+    from speedtronic.models.transformer import ReferenceTransformer as ReferenceTransformer
     from speedtronic.module_utils import set_gradient_checkpointing as set_gradient_checkpointing
     from speedtronic.optimizers import CautiousOptimizer as CautiousOptimizer
     from speedtronic.optimizers import HybridOptimizer as HybridOptimizer
@@ -161,24 +166,19 @@ if TYPE_CHECKING:
     from speedtronic.plugins import PluginError as PluginError
     from speedtronic.plugins import callback_registry as callback_registry
     from speedtronic.plugins import register_callback as register_callback
-    from speedtronic.precision import PrecisionPlan as PrecisionPlan
     from speedtronic.profiling import MetricLogger as MetricLogger
-    from speedtronic.result import TrainResult as TrainResult
-    from speedtronic.rng import seed_everything as seed_everything
     from speedtronic.runtime import build_callbacks as build_callbacks
     from speedtronic.runtime import build_runtime as build_runtime
     from speedtronic.runtime import train_from_config as train_from_config
-    from speedtronic.shapes import ShapeProfile as ShapeProfile
-    from speedtronic.shapes import ShapeReport as ShapeReport
-    from speedtronic.shapes import ShapeWarning as ShapeWarning
-    from speedtronic.shapes import resolve_shape_profile as resolve_shape_profile
-    from speedtronic.shapes import validate_startup_shapes as validate_startup_shapes
-    from speedtronic.stage_streams import StageInfo as StageInfo
-    from speedtronic.stage_streams import StageStreamScheduler as StageStreamScheduler
-    from speedtronic.trainer import SpeedtronicTrainer as SpeedtronicTrainer
-    from speedtronic.trainer import Trainer as Trainer
-    from speedtronic.trainer import TrainingEngine as TrainingEngine
-    from speedtronic.trainer import TrainingStateError as TrainingStateError
-    from speedtronic.view import TrainerView as TrainerView
+    from speedtronic.state.checkpoint import CheckpointManager as CheckpointManager
+    from speedtronic.state.rng import seed_everything as seed_everything
+    from speedtronic.systems.precision import PrecisionPlan as PrecisionPlan
+    from speedtronic.systems.shapes import ShapeProfile as ShapeProfile
+    from speedtronic.systems.shapes import ShapeReport as ShapeReport
+    from speedtronic.systems.shapes import ShapeWarning as ShapeWarning
+    from speedtronic.systems.shapes import resolve_shape_profile as resolve_shape_profile
+    from speedtronic.systems.shapes import validate_startup_shapes as validate_startup_shapes
+    from speedtronic.systems.stage_streams import StageInfo as StageInfo
+    from speedtronic.systems.stage_streams import StageStreamScheduler as StageStreamScheduler
     from speedtronic_callbacks.diloco import DumbDiLoCoCoordinator as DumbDiLoCoCoordinator
     from speedtronic_callbacks.diloco import HubClient as HubClient

@@ -118,7 +118,7 @@ def _load(args: argparse.Namespace, extra: Sequence[str] = ()) -> object:
 def _preflight(config: object, *, device: str | None = None, max_steps: int | None = None) -> None:
     """Stop on what cannot work on this machine (exit 2); print one line per warning."""
     from speedtronic.config import SpeedtronicConfig
-    from speedtronic.preflight import check
+    from speedtronic.config.preflight import check
 
     assert isinstance(config, SpeedtronicConfig)
     outcome = check(config, device=device, max_steps=max_steps)
@@ -148,9 +148,9 @@ def _show_warning(
 def _fit(args: argparse.Namespace) -> int:
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.config.schema import core_maximum
-    from speedtronic.distributed import teardown_distributed
-    from speedtronic.run_lock import claim_run_directory
     from speedtronic.runtime import build_runtime, save_run_config
+    from speedtronic.state.run_lock import claim_run_directory
+    from speedtronic.systems.distributed import teardown_distributed
 
     extra = [f"run.output_dir={json.dumps(args.output_dir)}"] if args.output_dir else []
     config = _load(args, extra)
@@ -189,7 +189,7 @@ def _fit(args: argparse.Namespace) -> int:
         )
         if result.stop_reason:
             print(f"stopped early: {result.stop_reason}")
-    from speedtronic.checkpoint import requeue_exit_code
+    from speedtronic.state.checkpoint import requeue_exit_code
 
     # A signal stop (after the final checkpoint) exits 128+signal so a scheduler requeues it.
     requeue = requeue_exit_code(result.stop_reason)
@@ -204,7 +204,7 @@ def _fit(args: argparse.Namespace) -> int:
 @contextmanager
 def _callback_failures() -> Iterator[list[str]]:
     """Collect the observer failures (``CallbackWarning``) shown while the block runs."""
-    from speedtronic.dispatch import CallbackWarning
+    from speedtronic.engine.dispatch import CallbackWarning
 
     failed: list[str] = []
     show = warnings.showwarning
@@ -233,7 +233,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     the config, the checkpoint and the held-out data; writes nothing (no lock, no metrics)."""
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.data import DataSourceError
-    from speedtronic.evaluation import EVAL_LOSS, EVAL_PPL, EvaluationError
+    from speedtronic.engine.evaluation import EVAL_LOSS, EVAL_PPL, EvaluationError
     from speedtronic.runtime import evaluate_checkpoint
 
     config = _load(args)
@@ -254,7 +254,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 def _validate(args: argparse.Namespace) -> int:
     from speedtronic.config import SpeedtronicConfig
-    from speedtronic.dispatch import describe_classes, format_plan
+    from speedtronic.engine.dispatch import describe_classes, format_plan
     from speedtronic.runtime import callback_classes
 
     config = _load(args)
@@ -284,7 +284,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _check_shardable(config: object, model: torch.nn.Module) -> None:
     """``parallel.strategy: fsdp`` needs a model with blocks to shard (exit 2 otherwise)."""
     from speedtronic.config import SpeedtronicConfig
-    from speedtronic.sharding import ShardingError, find_shard_blocks
+    from speedtronic.systems.sharding import ShardingError, find_shard_blocks
 
     assert isinstance(config, SpeedtronicConfig)
     if config.parallel.strategy != "fsdp":
@@ -300,7 +300,7 @@ def _meta_model(config: object) -> torch.nn.Module:
     import torch
 
     from speedtronic.config import SpeedtronicConfig
-    from speedtronic.model_registry import build_model
+    from speedtronic.models.registry import build_model
     from speedtronic.plugins import import_modules
 
     assert isinstance(config, SpeedtronicConfig)
@@ -310,7 +310,7 @@ def _meta_model(config: object) -> torch.nn.Module:
 
 
 def _model_summary(model: torch.nn.Module) -> str:
-    from speedtronic.model_summary import format_model_summary, summarize_model
+    from speedtronic.models.summary import format_model_summary, summarize_model
 
     return format_model_summary(summarize_model(model))
 
@@ -360,7 +360,7 @@ def _schema(args: argparse.Namespace) -> int:
 
 def _plugins(args: argparse.Namespace) -> int:
     from speedtronic.data import collate_registry, dataset_registry
-    from speedtronic.model_registry import registry
+    from speedtronic.models.registry import registry
     from speedtronic.plugins import PluginRegistry, callback_registry
 
     _import_config_modules(args)
@@ -382,7 +382,7 @@ def _plugins(args: argparse.Namespace) -> int:
 
 def _options_schema(kind: str, name: str) -> dict[str, object] | None:
     """The options schema a model or callback plugin declares (None for the others)."""
-    from speedtronic.model_registry import registry
+    from speedtronic.models.registry import registry
     from speedtronic.plugins import PluginError, callback_options_schema
 
     try:
@@ -427,14 +427,14 @@ _COMMANDS = {
 def _user_error_types() -> tuple[type[BaseException], ...]:
     import yaml
 
-    from speedtronic.checkpoint import CheckpointError
     from speedtronic.config import ConfigError
-    from speedtronic.distributed import DistributedSetupError
+    from speedtronic.engine.trainer import TrainingStateError
     from speedtronic.plotting import PlotError
     from speedtronic.plugins import PluginError
-    from speedtronic.run_lock import RunDirectoryError
-    from speedtronic.sharding import ShardingError
-    from speedtronic.trainer import TrainingStateError
+    from speedtronic.state.checkpoint import CheckpointError
+    from speedtronic.state.run_lock import RunDirectoryError
+    from speedtronic.systems.distributed import DistributedSetupError
+    from speedtronic.systems.sharding import ShardingError
 
     return (
         UserError,
@@ -505,6 +505,6 @@ def _reported_by_rank_zero(exc: BaseException) -> bool:
     """An error every rank raises alike is printed by rank 0 only (once per job)."""
     import os
 
-    from speedtronic.distributed import SameOnEveryRankError
+    from speedtronic.systems.distributed import SameOnEveryRankError
 
     return isinstance(exc, SameOnEveryRankError) and os.environ.get("RANK", "0") != "0"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar, overload
 
 import torch
 
-from speedtronic.callback import Callback
+from speedtronic.engine.callback import Callback
 from speedtronic.user_imports import import_user_module
 
 if TYPE_CHECKING:

@@ -25,8 +25,6 @@ from typing import Protocol, cast, runtime_checkable
 
 import torch
 
-from speedtronic.callback import Callback
-from speedtronic.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
 from speedtronic.compat.metric_logger import MetricLogger
 from speedtronic.config import CallbackSpec, ConfigError, JSONValue, SpeedtronicConfig
 from speedtronic.config.sections import OptimizerConfig
@@ -37,10 +35,12 @@ from speedtronic.data.held_out import (
     known_empty,
     training_excludes_tail,
 )
-from speedtronic.distributed import DistributedContext, setup_distributed, teardown_distributed
-from speedtronic.evaluation import EvalOutcome, evaluate_model
-from speedtronic.model_registry import build_model
-from speedtronic.model_summary import parameter_count
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.evaluation import EvalOutcome, evaluate_model
+from speedtronic.engine.result import TrainResult
+from speedtronic.engine.trainer import Trainer, TrainingStateError
+from speedtronic.models.registry import build_model
+from speedtronic.models.summary import parameter_count
 from speedtronic.optimizers import build_optimizer as build_optimizer  # 2.0's import path
 from speedtronic.optimizers import build_scheduler as build_scheduler
 from speedtronic.plugins import (
@@ -51,24 +51,28 @@ from speedtronic.plugins import (
     import_modules,
     legacy_sections_of,
 )
-from speedtronic.precision import resolve_device, resolve_precision
-from speedtronic.result import TrainResult
-from speedtronic.resume import ResumeSource, resume_from
-from speedtronic.rng import seed_everything
-from speedtronic.run_lock import (
+from speedtronic.state.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
+from speedtronic.state.resume import ResumeSource, resume_from
+from speedtronic.state.rng import seed_everything
+from speedtronic.state.run_lock import (
     check_earlier_run,
     claim_run_directory,
     earlier_run_files,
     launched_as_main_process,
 )
-from speedtronic.shapes import validate_startup_shapes
-from speedtronic.sharded_checkpoint import (
+from speedtronic.state.sharded_checkpoint import (
     SHARDED_DIRECTORY,
     SHARDED_SUFFIX,
     load_sharded_weights,
 )
-from speedtronic.stage_streams import StageStreamCallback, StageStreamScheduler
-from speedtronic.trainer import Trainer, TrainingStateError
+from speedtronic.systems.distributed import (
+    DistributedContext,
+    setup_distributed,
+    teardown_distributed,
+)
+from speedtronic.systems.precision import resolve_device, resolve_precision
+from speedtronic.systems.shapes import validate_startup_shapes
+from speedtronic.systems.stage_streams import StageStreamCallback, StageStreamScheduler
 
 ConfigSource = SpeedtronicConfig | Mapping[str, object] | str | Path
 
@@ -235,7 +239,7 @@ def build_runtime(
     not change the LR schedule's horizon, so a stopped run resumes on the same schedule).
 
     ``overwrite`` checks the run directory for an earlier run's files (the plugins say which,
-    ``speedtronic.run_lock.LeavesRunFiles``): ``False`` refuses a fresh run over them,
+    ``speedtronic.state.run_lock.LeavesRunFiles``): ``False`` refuses a fresh run over them,
     ``True`` deletes them first; ``None`` (the default, as in 2.0) does not look."""
     cfg = as_config(config)
     import_modules(cfg.imports)
@@ -477,7 +481,7 @@ def train_from_config(
 ) -> TrainResult:
     """Build the runtime, write the resolved config to the run directory, and fit. The run
     directory is locked meanwhile; an earlier run's files there need ``resume`` (continue)
-    or ``overwrite`` (replace), see ``speedtronic.run_lock``."""
+    or ``overwrite`` (replace), see ``speedtronic.state.run_lock``."""
     cfg = as_config(config)
     with claim_run_directory(cfg.run.output_dir):
         trainer, _ = build_runtime(

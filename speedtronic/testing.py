@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from speedtronic.callback import Callback
-from speedtronic.contexts import (
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import (
     BackwardContext,
     CheckpointContext,
     CoordinateContext,
@@ -30,11 +30,11 @@ from speedtronic.contexts import (
     StepContext,
     TeardownContext,
 )
-from speedtronic.events import Event, expected_step_trace
-from speedtronic.filters import StepFilter
+from speedtronic.engine.events import Event, expected_step_trace
+from speedtronic.engine.filters import StepFilter
 
 if TYPE_CHECKING:
-    from speedtronic.view import TrainerView
+    from speedtronic.engine.view import TrainerView
 
 __all__ = ["EventRecorder", "TraceEntry", "expected_fit_trace", "expected_step_trace"]
 
@@ -52,7 +52,7 @@ class EventRecorder(Callback):
     """A callback that listens to every event and keeps the trace in order.
 
     ``due_when`` (optional) filters its per-step hooks like any callback's
-    (``speedtronic.filters``), so a test can assert on which steps a filtered hook ran."""
+    (``speedtronic.engine.filters``), so a test can assert on which steps a filtered hook ran."""
 
     is_observer = False  # a recorder that fails should fail the test
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from distributed_worker import base_config
 
-from speedtronic.callback import Callback
-from speedtronic.contexts import OptimizerStepContext, StepContext
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import OptimizerStepContext, StepContext
+from speedtronic.engine.trainer import Trainer
 from speedtronic.runtime import build_runtime
-from speedtronic.trainer import Trainer
 from speedtronic_callbacks.diloco import DiLoCoCallback
 
 torch.set_num_threads(1)

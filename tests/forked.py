@@ -54,7 +54,7 @@ PRELOAD = [
     "speedtronic",
     "speedtronic.cli",
     "speedtronic.runtime",
-    "speedtronic.trainer",
+    "speedtronic.engine.trainer",
     "speedtronic_callbacks.checkpoint",
     "speedtronic_callbacks.jsonl",
     "speedtronic_callbacks.console",

@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from speedtronic.callback import Callback
 from speedtronic.config import SpeedtronicConfig
-from speedtronic.contexts import StepContext
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import StepContext
+from speedtronic.engine.trainer import Trainer
 from speedtronic.plugins import PluginContext
-from speedtronic.trainer import Trainer
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

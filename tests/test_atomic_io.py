@@ -1,4 +1,4 @@
-"""speedtronic.atomic_io: the one helper that replaces a file atomically and durably."""
+"""speedtronic.state.atomic_io: the one helper that replaces a file atomically and durably."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from speedtronic.atomic_io import atomic_write, atomic_write_bytes, atomic_write_text
+from speedtronic.state.atomic_io import atomic_write, atomic_write_bytes, atomic_write_text
 
 
 def test_writes_and_replaces_creating_missing_directories(tmp_path: Path) -> None:

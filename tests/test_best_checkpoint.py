@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from speedtronic import Callback, Trainer
-from speedtronic.checkpoint import BEST_POINTER_NAME, CheckpointManager
 from speedtronic.config import ConfigError, SpeedtronicConfig
-from speedtronic.contexts import MetricsContext
-from speedtronic.resume import resume_from
-from speedtronic.view import TrainerView
+from speedtronic.engine.contexts import MetricsContext
+from speedtronic.engine.view import TrainerView
+from speedtronic.state.checkpoint import BEST_POINTER_NAME, CheckpointManager
+from speedtronic.state.resume import resume_from
 from speedtronic_callbacks.checkpoint import CheckpointCallback
 from speedtronic_callbacks.early_stopping import EarlyStopping
 from speedtronic_callbacks.monitor import MonitorError

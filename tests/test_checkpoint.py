@@ -20,8 +20,17 @@ import torch
 from forked import Forked
 from torch import nn
 
-from speedtronic.callback import Callback
-from speedtronic.checkpoint import (
+from speedtronic.config import SpeedtronicConfig
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import (
+    FitContext,
+    OptimizerStepContext,
+    StepContext,
+    TeardownContext,
+)
+from speedtronic.engine.trainer import Trainer
+from speedtronic.plugins import PluginContext
+from speedtronic.state.checkpoint import (
     CheckpointError,
     CheckpointManager,
     CorruptCheckpointError,
@@ -35,11 +44,7 @@ from speedtronic.checkpoint import (
     requeue_exit_code,
     restore_rng_state,
 )
-from speedtronic.checkpoint_async import StateSnapshot
-from speedtronic.config import SpeedtronicConfig
-from speedtronic.contexts import FitContext, OptimizerStepContext, StepContext, TeardownContext
-from speedtronic.plugins import PluginContext
-from speedtronic.trainer import Trainer
+from speedtronic.state.checkpoint_async import StateSnapshot
 from speedtronic_callbacks.checkpoint import CheckpointCallback
 
 REPO = Path(__file__).resolve().parents[1]

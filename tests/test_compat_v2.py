@@ -71,7 +71,7 @@ def test_every_2_0_top_level_name_imports_from_speedtronic() -> None:
         assert getattr(speedtronic, name) is not None, name
     from speedtronic.config import RunConfig
     from speedtronic.optimizers import Muon
-    from speedtronic.stage_streams import StageStreamScheduler
+    from speedtronic.systems.stage_streams import StageStreamScheduler
 
     assert speedtronic.RunConfig is RunConfig
     assert speedtronic.Muon is Muon
@@ -223,7 +223,7 @@ def test_compile_ooo_backprop_and_shape_events_reach_hooks(
 def test_a_failing_note_listener_does_not_break_the_publisher(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from speedtronic.notes import Notes
+    from speedtronic.engine.notes import Notes
 
     notes = Notes()
     notes.publish("nobody", {"x": 1})  # no listener: nothing happens

@@ -10,7 +10,6 @@ from typing import ClassVar
 
 import pytest
 
-from speedtronic.callback import Callback, JSONSchema
 from speedtronic.config import (
     CallbackSpec,
     Config,
@@ -27,6 +26,7 @@ from speedtronic.config import (
     parse_override,
 )
 from speedtronic.config.sections import JSONValue
+from speedtronic.engine.callback import Callback, JSONSchema
 from speedtronic.plugins import register_callback
 
 PROBE = "test-config-probe"
@@ -521,7 +521,7 @@ def test_imports_make_a_user_callback_visible(
     (tmp_path / f"{module}.py").write_text(
         textwrap.dedent(
             f"""
-            from speedtronic.callback import Callback
+            from speedtronic.engine.callback import Callback
             from speedtronic.plugins import register_callback
 
             @register_callback({plugin!r})

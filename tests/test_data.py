@@ -594,7 +594,7 @@ def _drain(stream: Iterator[object], count: int) -> list[object]:
 
 
 def test_learnable_data_trains_the_reference_model_toward_its_floor() -> None:
-    from speedtronic.model import ReferenceTransformer
+    from speedtronic.models.transformer import ReferenceTransformer
 
     torch.manual_seed(0)
     settings = Settings(

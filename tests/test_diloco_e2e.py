@@ -18,12 +18,12 @@ from jsonschema import Draft202012Validator
 from torch.utils.data import DataLoader, Subset
 
 from speedtronic import Trainer
-from speedtronic.callback import Callback
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.config.sections import DistributedConfig
-from speedtronic.contexts import OptimizerResetContext
 from speedtronic.data import LearnableLanguageDataset
-from speedtronic.model import ReferenceTransformer
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import OptimizerResetContext
+from speedtronic.models.transformer import ReferenceTransformer
 from speedtronic.plugins import PluginContext, callback_registry
 from speedtronic.runtime import build_callbacks
 from speedtronic_callbacks.diloco import (
@@ -238,9 +238,9 @@ import torch
 torch.set_num_threads(1)
 from torch.utils.data import DataLoader, Subset
 from speedtronic import Trainer
-from speedtronic.callback import Callback
+from speedtronic.engine.callback import Callback
 from speedtronic.data import LearnableLanguageDataset
-from speedtronic.model import ReferenceTransformer
+from speedtronic.models.transformer import ReferenceTransformer
 from speedtronic_callbacks.diloco import DiLoCoCallback
 
 args = json.loads(sys.argv[1])

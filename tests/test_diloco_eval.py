@@ -16,10 +16,10 @@ import torch
 from torch.utils.data import DataLoader, Subset
 
 from speedtronic import Trainer
-from speedtronic.callback import Callback
 from speedtronic.data import LearnableLanguageDataset
-from speedtronic.evaluation import evaluate_model
-from speedtronic.model import ReferenceTransformer
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.evaluation import evaluate_model
+from speedtronic.models.transformer import ReferenceTransformer
 from speedtronic_callbacks.diloco import DiLoCoCallback
 from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
 from speedtronic_callbacks.diloco.eval_keys import (

@@ -53,7 +53,7 @@ def test_a_hub_master_refuses_to_run_as_several_torchrun_ranks(tmp_path: Path) -
     from typing import cast
 
     from speedtronic import Trainer
-    from speedtronic.contexts import FitContext
+    from speedtronic.engine.contexts import FitContext
 
     config = config_with({"hub_dir": str(tmp_path / "hub"), "role": "master"})
     spec = config.callbacks[0]
@@ -69,7 +69,7 @@ def test_a_hub_node_refuses_fsdp_inside_its_torchrun_job(tmp_path: Path) -> None
     from typing import cast
 
     from speedtronic import Trainer
-    from speedtronic.contexts import FitContext
+    from speedtronic.engine.contexts import FitContext
 
     config = config_with({"hub_dir": str(tmp_path / "hub"), "role": "worker"})
     spec = config.callbacks[0]

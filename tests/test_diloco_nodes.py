@@ -19,8 +19,8 @@ from test_distributed import free_port, rank_env
 
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.data.held_out import build_eval_loader
-from speedtronic.evaluation import evaluate_model
-from speedtronic.model_registry import build_model
+from speedtronic.engine.evaluation import evaluate_model
+from speedtronic.models.registry import build_model
 from speedtronic_callbacks.diloco.model_layout import build_layout
 from speedtronic_callbacks.diloco.pointer import POINTER_PATH, decode_pointer
 from speedtronic_callbacks.diloco.wire import decode_global

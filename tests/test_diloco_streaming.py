@@ -22,11 +22,11 @@ from distributed_worker import base_config
 from test_distributed import free_port, rank_env
 from torch import nn
 
-from speedtronic.callback import Callback
 from speedtronic.config import ConfigError, SpeedtronicConfig
-from speedtronic.contexts import CoordinateContext, FitContext
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import CoordinateContext, FitContext
+from speedtronic.engine.trainer import Trainer
 from speedtronic.runtime import build_runtime
-from speedtronic.trainer import Trainer
 from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
 from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
 from speedtronic_callbacks.diloco.encoding import Encoding

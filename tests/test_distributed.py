@@ -28,21 +28,21 @@ from distributed_worker import DDP_EVAL, base_config, run_rank
 from forked import Forked
 from torch.utils.data import DataLoader, Dataset
 
-from speedtronic.callback import Callback
 from speedtronic.config import ConfigError, load_config
 from speedtronic.config.schema import cross_field_errors
-from speedtronic.contexts import FitContext
 from speedtronic.data import BatchStream, ResumableSampler, TextFileTokenDataset
 from speedtronic.data.stream import RankShardedIterable
-from speedtronic.dispatch import CallbackPlan
-from speedtronic.distributed import (
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import FitContext
+from speedtronic.engine.dispatch import CallbackPlan
+from speedtronic.engine.events import Event
+from speedtronic.engine.trainer import Trainer
+from speedtronic.runtime import build_runtime
+from speedtronic.systems.distributed import (
     DistributedSetupError,
     read_launch_environment,
     setup_distributed,
 )
-from speedtronic.events import Event
-from speedtronic.runtime import build_runtime
-from speedtronic.trainer import Trainer
 from speedtronic_callbacks.checkpoint import CheckpointCallback
 from speedtronic_callbacks.console import ConsoleCallback
 from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo

@@ -76,5 +76,5 @@ def test_mypy_strict_from_another_directory_resolves_the_installed_package(
     assert len(notes) == 2, mypy_outside.stdout
     assert "-> uses_builtin.QuietConsole" in notes[0]
     assert "speedtronic_callbacks.checkpoint.CheckpointCallback" in notes[1]
-    assert "speedtronic.callback.Callback" in notes[1]
+    assert "speedtronic.engine.callback.Callback" in notes[1]
     assert "Any" not in " ".join(notes)

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from speedtronic import Callback, Event, Trainer
-from speedtronic.contexts import EvalEndContext, EvalStartContext, MetricsContext
-from speedtronic.evaluation import EvaluationError, evaluate_model
-from speedtronic.events import expected_step_trace
-from speedtronic.filters import logging_steps
+from speedtronic.engine.contexts import EvalEndContext, EvalStartContext, MetricsContext
+from speedtronic.engine.evaluation import EvaluationError, evaluate_model
+from speedtronic.engine.events import expected_step_trace
+from speedtronic.engine.filters import logging_steps
+from speedtronic.engine.view import TrainerView
 from speedtronic.testing import EventRecorder, expected_fit_trace
-from speedtronic.view import TrainerView
 
 
 class TinyLM(nn.Module):

@@ -82,7 +82,7 @@ def test_training_stream_excludes_the_tail_only_when_evaluation_uses_it(tmp_path
 
 
 def test_an_empty_held_out_tail_is_a_clear_error(tmp_path: Path) -> None:
-    from speedtronic.evaluation import EvaluationError, evaluate_model
+    from speedtronic.engine.evaluation import EvaluationError, evaluate_model
 
     path = tmp_path / "one_word.txt"
     path.write_text("x" * 200, encoding="utf-8")  # no whitespace: nothing to cut off

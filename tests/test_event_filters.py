@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from speedtronic import Callback, Event, Trainer
-from speedtronic.contexts import FitContext, StepContext
-from speedtronic.dispatch import FilterError, describe_classes
-from speedtronic.filters import StepFilter, every, final_step, logging_steps, never, once
-from speedtronic.metrics import MetricRecord
+from speedtronic.engine.contexts import FitContext, StepContext
+from speedtronic.engine.dispatch import FilterError, describe_classes
+from speedtronic.engine.filters import StepFilter, every, final_step, logging_steps, never, once
+from speedtronic.engine.metrics import MetricRecord
+from speedtronic.engine.view import TrainerView
 from speedtronic.testing import EventRecorder
-from speedtronic.view import TrainerView
 
 
 class Scalar(nn.Module):

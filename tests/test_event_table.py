@@ -1,4 +1,4 @@
-"""The one event table (``speedtronic.events.On``): every event has its context type there,
+"""The one event table (``speedtronic.engine.events.On``): every event has its context type there,
 the hooks are typed to match, the engine's emits are type-checked against it, and an
 ``on_*`` method that is no event's hook is an error when the trainer is built."""
 
@@ -12,10 +12,10 @@ from mypy_outside import MypyRun, register
 from torch import nn
 
 from speedtronic import Callback, Event, Trainer
-from speedtronic.contexts import StepContext
-from speedtronic.dispatch import CallbackPlan, UnknownHookError, describe_classes
-from speedtronic.events import CONTEXT_TYPES, EVENT_KEYS, On
-from speedtronic.view import TrainerView
+from speedtronic.engine.contexts import StepContext
+from speedtronic.engine.dispatch import CallbackPlan, UnknownHookError, describe_classes
+from speedtronic.engine.events import CONTEXT_TYPES, EVENT_KEYS, On
+from speedtronic.engine.view import TrainerView
 
 
 def test_every_event_has_exactly_one_row() -> None:
@@ -82,10 +82,10 @@ def test_an_inherited_typo_is_found_and_helpers_without_on_are_fine() -> None:
 
 
 WRONG_EMIT = (
-    "from speedtronic.contexts import FitContext, StepContext\n"
-    "from speedtronic.dispatch import CallbackPlan\n"
-    "from speedtronic.events import On\n"
-    "from speedtronic.view import TrainerView\n\n"
+    "from speedtronic.engine.contexts import FitContext, StepContext\n"
+    "from speedtronic.engine.dispatch import CallbackPlan\n"
+    "from speedtronic.engine.events import On\n"
+    "from speedtronic.engine.view import TrainerView\n\n"
     "def emit_all(plan: CallbackPlan, trainer: TrainerView) -> None:\n"
     "    plan.emit(trainer, On.STEP_END, StepContext(1, 1))\n"
     "    plan.emit(trainer, On.STEP_END, FitContext(0, 1))\n"

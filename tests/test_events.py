@@ -9,9 +9,14 @@ import torch
 from torch import nn
 
 from speedtronic import Callback, Event, Trainer
-from speedtronic.contexts import CoordinateContext, MetricsContext, StepContext
-from speedtronic.dispatch import CallbackPlan, CallbackWarning, DuplicateStateKeyError, overrides
-from speedtronic.events import STEP_TAIL_EVENTS, expected_step_trace
+from speedtronic.engine.contexts import CoordinateContext, MetricsContext, StepContext
+from speedtronic.engine.dispatch import (
+    CallbackPlan,
+    CallbackWarning,
+    DuplicateStateKeyError,
+    overrides,
+)
+from speedtronic.engine.events import STEP_TAIL_EVENTS, expected_step_trace
 from speedtronic.testing import EventRecorder, expected_fit_trace
 
 

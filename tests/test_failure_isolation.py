@@ -10,8 +10,13 @@ import torch
 from torch import nn
 
 from speedtronic import Callback, Trainer
-from speedtronic.contexts import ExceptionContext, FitEndContext, StepContext, TeardownContext
-from speedtronic.view import TrainerView
+from speedtronic.engine.contexts import (
+    ExceptionContext,
+    FitEndContext,
+    StepContext,
+    TeardownContext,
+)
+from speedtronic.engine.view import TrainerView
 
 
 class Scalar(nn.Module):

@@ -26,21 +26,21 @@ import yaml
 from cli_runner import run_cli as speedtronic
 from torch import nn
 
-from speedtronic.callback import Callback
-from speedtronic.checkpoint import (
+from speedtronic.config import ConfigError, load_config
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import StepContext
+from speedtronic.engine.trainer import Trainer, TrainingStateError
+from speedtronic.engine.view import TrainerView
+from speedtronic.state.checkpoint import (
     POINTER_NAME,
     CheckpointError,
     CheckpointManager,
     UnsafeCheckpointError,
 )
-from speedtronic.config import ConfigError, load_config
-from speedtronic.contexts import StepContext
-from speedtronic.resume import resume_from
-from speedtronic.run_lock import check_earlier_run
-from speedtronic.sharded_checkpoint import MANIFEST_NAME, STATE_NAME
-from speedtronic.sharding import ShardingError, find_shard_blocks
-from speedtronic.trainer import Trainer, TrainingStateError
-from speedtronic.view import TrainerView
+from speedtronic.state.resume import resume_from
+from speedtronic.state.run_lock import check_earlier_run
+from speedtronic.state.sharded_checkpoint import MANIFEST_NAME, STATE_NAME
+from speedtronic.systems.sharding import ShardingError, find_shard_blocks
 from speedtronic_callbacks.checkpoint import CheckpointCallback
 
 torch.set_num_threads(1)
@@ -199,8 +199,8 @@ def rank_main(rank: int, port: int, out: str) -> None:
     warnings.simplefilter("ignore")
     from torch.distributed.tensor import DTensor
 
-    from speedtronic.contexts import FitContext
-    from speedtronic.distributed import setup_distributed, teardown_distributed
+    from speedtronic.engine.contexts import FitContext
+    from speedtronic.systems.distributed import setup_distributed, teardown_distributed
     from speedtronic_callbacks.console import describe_fit_start
 
     context = setup_distributed("cpu", timeout_s=60.0)
@@ -297,7 +297,13 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     (out / "one_rank_carried.json").write_text(json.dumps(carried(one)))
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(
-        ["torch", "torch._dynamo", "torch.distributed.fsdp", "speedtronic.trainer", "test_fsdp"]
+        [
+            "torch",
+            "torch._dynamo",
+            "torch.distributed.fsdp",
+            "speedtronic.engine.trainer",
+            "test_fsdp",
+        ]
     )
     port = free_port()
     ranks = [context.Process(target=rank_main, args=(r, port, str(out))) for r in range(2)]

@@ -20,9 +20,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from speedtronic.checkpoint import CheckpointError, CheckpointManager, Pointer, parse_pointer
 from speedtronic.config import ConfigError, SpeedtronicConfig, load_config
 from speedtronic.config.loading import apply_overrides, parse_yaml
+from speedtronic.state.checkpoint import CheckpointError, CheckpointManager, Pointer, parse_pointer
 
 EXAMPLES = 300
 BOUND_S = 5.0  # per example, generous for a loaded CI machine; typical is milliseconds

@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from speedtronic.callback import Callback
-from speedtronic.contexts import FitContext, TeardownContext
-from speedtronic.model import ReferenceTransformer
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import FitContext, TeardownContext
+from speedtronic.engine.trainer import Trainer
+from speedtronic.models.transformer import ReferenceTransformer
 from speedtronic.module_utils import set_gradient_checkpointing
-from speedtronic.trainer import Trainer
 from speedtronic_callbacks.gradient_checkpointing import CheckpointedForward, GradientCheckpointing
 
 FIT = FitContext(start_step=0, target_step=1)

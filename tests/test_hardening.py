@@ -16,8 +16,10 @@ import torch
 import yaml
 from cli_runner import run_cli as speedtronic_cli
 
-from speedtronic.callback import Callback
-from speedtronic.checkpoint import (
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import OptimizerStepContext
+from speedtronic.engine.trainer import Trainer
+from speedtronic.state.checkpoint import (
     CheckpointError,
     CheckpointManager,
     CorruptCheckpointError,
@@ -25,8 +27,6 @@ from speedtronic.checkpoint import (
     archive_checksum,
     checkpoint_step,
 )
-from speedtronic.contexts import OptimizerStepContext
-from speedtronic.trainer import Trainer
 from speedtronic_callbacks.checkpoint import CheckpointCallback
 
 

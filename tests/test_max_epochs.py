@@ -12,12 +12,12 @@ import pytest
 import torch
 from sink_helpers import TinyRegressor, make_batches, make_trainer
 
-from speedtronic.callback import Callback
 from speedtronic.config import ConfigError, load_config
-from speedtronic.contexts import StepContext
 from speedtronic.data import BatchStream, EpochLimitReached
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import StepContext
+from speedtronic.engine.trainer import Trainer
 from speedtronic.runtime import build_runtime
-from speedtronic.trainer import Trainer
 
 
 class Losses(Callback):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speedtronic.model import (
+from speedtronic.models.transformer import (
     GPT,
     CausalSelfAttention,
     GPTConfig,

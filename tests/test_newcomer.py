@@ -22,8 +22,8 @@ import speedtronic
 from speedtronic.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
 from speedtronic.config import ConfigError, load_config
 from speedtronic.data import collate_batch, resolve_collate
-from speedtronic.model import ReferenceTransformer
-from speedtronic.model_summary import format_model_summary, summarize_model
+from speedtronic.models.summary import format_model_summary, summarize_model
+from speedtronic.models.transformer import ReferenceTransformer
 from speedtronic.runtime import AUTO_THREADS_MAX_PARAMETERS, choose_threads
 from speedtronic.user_imports import search_dirs
 
@@ -129,7 +129,7 @@ def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
         yield tmp_path
     sys.modules.pop("newcomer_plugins", None)
     from speedtronic.data import collate_registry, dataset_registry
-    from speedtronic.model_registry import registry
+    from speedtronic.models.registry import registry
     from speedtronic.plugins import callback_registry
 
     registry.unregister("newcomer_mlp")
@@ -304,7 +304,7 @@ def test_an_error_every_rank_raises_prints_on_rank_zero_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import speedtronic.cli as cli
-    from speedtronic.distributed import SameOnEveryRankError
+    from speedtronic.systems.distributed import SameOnEveryRankError
 
     def refuse(args: object) -> int:
         raise SameOnEveryRankError("diloco mode 'hub' ... torchrun")
@@ -320,9 +320,9 @@ def test_an_error_every_rank_raises_prints_on_rank_zero_only(
 
 def test_diloco_hub_mode_refusal_under_torchrun_is_the_same_on_every_rank(tmp_path: Path) -> None:
     from speedtronic.config import SpeedtronicConfig
-    from speedtronic.contexts import FitContext
-    from speedtronic.distributed import SameOnEveryRankError
+    from speedtronic.engine.contexts import FitContext
     from speedtronic.plugins import PluginContext, build_callback
+    from speedtronic.systems.distributed import SameOnEveryRankError
 
     config = SpeedtronicConfig.from_dict(
         {"callbacks": [{"name": "diloco", "hub_dir": str(tmp_path / "hub"), "role": "master"}]}
@@ -335,7 +335,7 @@ def test_diloco_hub_mode_refusal_under_torchrun_is_the_same_on_every_rank(tmp_pa
 
 
 def test_the_start_line_shows_world_size_and_strategy() -> None:
-    from speedtronic.contexts import FitContext
+    from speedtronic.engine.contexts import FitContext
     from speedtronic_callbacks.console import describe_fit_start
 
     trainer = SimpleNamespace(

@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from speedtronic.callback import Callback
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.config.sections import OptimizerConfig
-from speedtronic.model import ReferenceTransformer
+from speedtronic.engine.callback import Callback
+from speedtronic.models.transformer import ReferenceTransformer
 from speedtronic.optimizers import (
     DEFAULT_NS_COEFFICIENTS,
     ROLE_ATTRIBUTE,

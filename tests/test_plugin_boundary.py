@@ -14,12 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from speedtronic.trainer import Trainer
-from speedtronic.view import TrainerView
+from speedtronic.engine.trainer import Trainer
+from speedtronic.engine.view import TrainerView
 
 ROOT = Path(__file__).resolve().parent.parent
 CALLBACKS = ROOT / "callbacks"
-ENGINE_INTERNALS = ("speedtronic.trainer", "speedtronic.loop", "speedtronic.dispatch")
+ENGINE_INTERNALS = (
+    "speedtronic.trainer",  # the 2.0 import path of the Trainer
+    "speedtronic.engine.trainer",
+    "speedtronic.engine.loop",
+    "speedtronic.engine.dispatch",
+)
 REACHING_BUILTINS = {"getattr", "setattr", "delattr", "vars", "hasattr"}
 
 
@@ -86,10 +91,10 @@ def engine_imports(source: str, filename: str) -> Iterator[str]:
         elif isinstance(node, ast.ImportFrom) and node.module is not None:
             if node.module.startswith(ENGINE_INTERNALS):
                 yield f"{where}: from {node.module} import ..."
-            elif node.module == "speedtronic":
+            elif node.module in ("speedtronic", "speedtronic.engine"):
                 for alias in node.names:
                     if alias.name in ("trainer", "loop", "dispatch", "Trainer"):
-                        yield f"{where}: from speedtronic import {alias.name}"
+                        yield f"{where}: from {node.module} import {alias.name}"
 
 
 @pytest.mark.parametrize("path", callback_sources(), ids=lambda p: str(p.relative_to(CALLBACKS)))
@@ -120,9 +125,10 @@ def test_the_checks_catch_what_they_are_for() -> None:
     text = "\n".join(found)
     for expected in ("trainer.scaler", "assigns trainer.step", "getattr()", "view.optimizer"):
         assert expected in text
-    imports = "from speedtronic.trainer import Trainer\nimport speedtronic.loop\n"
-    imports += "from speedtronic import Trainer\nfrom speedtronic.view import TrainerView\n"
-    assert len(list(engine_imports(imports, "x.py"))) == 3
+    imports = "from speedtronic.engine.trainer import Trainer\nimport speedtronic.engine.loop\n"
+    imports += "from speedtronic import Trainer\nfrom speedtronic.engine.view import TrainerView\n"
+    imports += "from speedtronic.trainer import Trainer\nfrom speedtronic.engine import loop\n"
+    assert len(list(engine_imports(imports, "x.py"))) == 5
 
 
 def test_the_trainer_satisfies_the_view_structurally() -> None:

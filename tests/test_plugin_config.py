@@ -20,8 +20,8 @@ from typing import ClassVar
 import pytest
 import torch
 
-from speedtronic.callback import Callback, JSONSchema, LegacySections, PluginOptions
 from speedtronic.config import ConfigError, SpeedtronicConfig
+from speedtronic.engine.callback import Callback, JSONSchema, LegacySections, PluginOptions
 from speedtronic.plugins import PluginContext, callback_registry, register_callback
 from speedtronic.runtime import build_callbacks, callback_specs
 
@@ -35,15 +35,15 @@ CORE_FILES = (
         REPO / "speedtronic" / f"{name}.py"
         for name in (
             "runtime",
-            "trainer",
-            "loop",
-            "dispatch",
-            "view",
-            "filters",
-            "forward_path",
-            "training_state",
-            "step_state",
-            "run_lock",
+            "engine/trainer",
+            "engine/loop",
+            "engine/dispatch",
+            "engine/view",
+            "engine/filters",
+            "engine/forward_path",
+            "engine/step_state",
+            "state/training_state",
+            "state/run_lock",
         )
     ),
     *sorted((REPO / "speedtronic" / "config").glob("*.py")),
@@ -129,7 +129,9 @@ def _names_in_code(path: Path, plugin_names: set[str]) -> Iterator[tuple[int, st
             yield node.lineno, node.target.id
 
 
-@pytest.mark.parametrize("path", CORE_FILES, ids=lambda path: path.name)
+@pytest.mark.parametrize(
+    "path", CORE_FILES, ids=lambda path: path.relative_to(REPO / "speedtronic").as_posix()
+)
 def test_the_core_names_no_builtin_plugin_and_no_diloco_key(path: Path) -> None:
     plugin_names = builtin_plugin_names()
     forbidden = plugin_names | SECTION_ALIASES | DILOCO_KEYS
@@ -328,7 +330,7 @@ def _context() -> PluginContext:
 
 
 def test_a_2_0_config_resumes_through_the_resume_source(tmp_path: Path) -> None:
-    from speedtronic.resume import ResumeSource
+    from speedtronic.state.resume import ResumeSource
 
     config = SpeedtronicConfig.load(
         {"checkpoint": {"resume": True, "load_callback_state": False, "directory": "ck"}}

@@ -43,7 +43,8 @@ def test_original_api_names_keep_working() -> None:
 
 
 def test_original_module_path_of_stage_streams_keeps_working() -> None:
-    from speedtronic import scheduling, stage_streams
+    from speedtronic import scheduling
+    from speedtronic.systems import stage_streams
 
     assert scheduling.StageStreamScheduler is stage_streams.StageStreamScheduler
     assert scheduling.StageInfo is stage_streams.StageInfo

@@ -15,16 +15,16 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from speedtronic.callback import Callback
-from speedtronic.checkpoint import CheckpointManager
 from speedtronic.config.sections import DataConfig, EvalConfig
-from speedtronic.contexts import MetricsContext, StepContext
 from speedtronic.data import TextFileTokenDataset, build_dataloader
 from speedtronic.data.held_out import build_eval_loader
-from speedtronic.model import ReferenceTransformer
-from speedtronic.resume import resume_from
-from speedtronic.trainer import Trainer, TrainingStateError
-from speedtronic.training_state import _rank_share
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import MetricsContext, StepContext
+from speedtronic.engine.trainer import Trainer, TrainingStateError
+from speedtronic.models.transformer import ReferenceTransformer
+from speedtronic.state.checkpoint import CheckpointManager
+from speedtronic.state.resume import resume_from
+from speedtronic.state.training_state import _rank_share
 from speedtronic_callbacks.checkpoint import CheckpointCallback
 from speedtronic_callbacks.jsonl import JsonlCallback
 

@@ -17,7 +17,7 @@ import yaml
 from cli_runner import run_cli as speedtronic
 from forked import Forked, cli_main
 
-from speedtronic.run_lock import LOCK_NAME, RunDirectoryError, RunDirectoryLock
+from speedtronic.state.run_lock import LOCK_NAME, RunDirectoryError, RunDirectoryLock
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from speedtronic import Callback, build_runtime, train_from_config
-from speedtronic.checkpoint import CheckpointManager
-from speedtronic.distributed import DistributedContext
 from speedtronic.runtime import callback_specs, data_shard
-from speedtronic.stage_streams import StageStreamCallback
+from speedtronic.state.checkpoint import CheckpointManager
+from speedtronic.systems.distributed import DistributedContext
+from speedtronic.systems.stage_streams import StageStreamCallback
 
 
 def tiny(tmp_path: Path, **extra: object) -> dict[str, object]:

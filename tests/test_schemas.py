@@ -11,7 +11,6 @@ from typing import ClassVar
 import pytest
 from jsonschema import Draft202012Validator
 
-from speedtronic.callback import Callback, JSONSchema
 from speedtronic.config import (
     ConfigError,
     SpeedtronicConfig,
@@ -29,6 +28,7 @@ from speedtronic.config.schema import (
     plugin_section_keys,
 )
 from speedtronic.config.sections import _SECTION_TYPES
+from speedtronic.engine.callback import Callback, JSONSchema
 from speedtronic.plugins import register_callback
 
 REPO = Path(__file__).resolve().parents[1]

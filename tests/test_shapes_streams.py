@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from speedtronic.precision import resolve_precision
-from speedtronic.shapes import ShapeReport, resolve_shape_profile, validate_startup_shapes
-from speedtronic.stage_streams import StageStreamScheduler
+from speedtronic.systems.precision import resolve_precision
+from speedtronic.systems.shapes import ShapeReport, resolve_shape_profile, validate_startup_shapes
+from speedtronic.systems.stage_streams import StageStreamScheduler
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")  # a device object only: nothing runs on it here

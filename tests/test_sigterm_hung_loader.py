@@ -24,14 +24,14 @@ from forked import Forked, cli_main
 from torch import nn
 from torch.utils.data import Dataset
 
-from speedtronic.callback import Callback
-from speedtronic.checkpoint import CheckpointManager, checkpoint_step
 from speedtronic.config import load_config
-from speedtronic.contexts import MicrobatchContext, StepContext
 from speedtronic.data import build_dataloader
-from speedtronic.stop_watch import StopTimeoutError
-from speedtronic.trainer import Trainer
-from speedtronic.view import TrainerView
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import MicrobatchContext, StepContext
+from speedtronic.engine.stop_watch import StopTimeoutError
+from speedtronic.engine.trainer import Trainer
+from speedtronic.engine.view import TrainerView
+from speedtronic.state.checkpoint import CheckpointManager, checkpoint_step
 from speedtronic_callbacks.checkpoint import CheckpointCallback
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,11 +22,12 @@ from sink_helpers import (
     read_jsonl,
 )
 
-from speedtronic.callback import Callback
-from speedtronic.contexts import MetricsContext, StepContext
-from speedtronic.dispatch import CallbackWarning
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import MetricsContext, StepContext
+from speedtronic.engine.dispatch import CallbackWarning
+from speedtronic.engine.metrics import MetricRecord
+from speedtronic.engine.trainer import Trainer
 from speedtronic.hooks import on_event
-from speedtronic.metrics import MetricRecord
 from speedtronic.profiling import (
     CallbackList,
     MetricLogger,
@@ -34,7 +35,6 @@ from speedtronic.profiling import (
     Payload,
     memory_usage_bytes,
 )
-from speedtronic.trainer import Trainer
 from speedtronic_callbacks.background import BackgroundWorker
 from speedtronic_callbacks.console import ConsoleCallback
 from speedtronic_callbacks.csv_sink import CsvCallback

@@ -10,9 +10,9 @@ import pytest
 import torch
 from sink_helpers import make_batches, make_trainer, read_jsonl
 
-from speedtronic.callback import Callback
-from speedtronic.contexts import MetricsContext
-from speedtronic.trainer import Trainer
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import MetricsContext
+from speedtronic.engine.trainer import Trainer
 from speedtronic_callbacks.checkpoint import CheckpointCallback
 from speedtronic_callbacks.console import ConsoleCallback
 from speedtronic_callbacks.csv_sink import CsvCallback

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from speedtronic import Trainer
-from speedtronic.batch import ModelOutputError, loss_from_logits, resolve_loss
+from speedtronic.engine.batch import ModelOutputError, loss_from_logits, resolve_loss
 
 
 class MeanModel(nn.Module):
@@ -181,7 +181,7 @@ def test_state_dict_round_trip_continues_identically() -> None:
 
 
 def test_mismatched_state_is_a_clear_error() -> None:
-    from speedtronic.trainer import TrainingStateError
+    from speedtronic.engine.trainer import TrainingStateError
 
     model = MeanModel()
     trainer = Trainer(
@@ -199,7 +199,7 @@ def test_a_different_optimizer_group_layout_is_a_clear_error() -> None:
     """A checkpoint whose optimizer has other parameter groups than this run's (e.g. written
     before ``optimizer.decay_norms_and_biases: false`` split gains and biases off) names the
     setting, and leaves the trainer's weights as they were."""
-    from speedtronic.trainer import TrainingStateError
+    from speedtronic.engine.trainer import TrainingStateError
 
     class TwoWeights(nn.Module):
         def __init__(self) -> None:
@@ -230,8 +230,8 @@ def test_original_constructor_arguments_still_work(tmp_path: Path) -> None:
     """The original Trainer(logger=..., checkpoint_manager=...) keeps its behaviour."""
     import io
 
-    from speedtronic.checkpoint import CheckpointManager
     from speedtronic.profiling import MetricLogger
+    from speedtronic.state.checkpoint import CheckpointManager
 
     model = MeanModel()
     stream = io.StringIO()
@@ -290,7 +290,7 @@ def test_scaler_overflow_step_is_not_counted_and_is_retried() -> None:
     CUDA fp16 is the only place speedtronic makes a scaler; torch's CPU GradScaler exercises
     the same loop logic here."""
     from speedtronic import Callback
-    from speedtronic.contexts import OptimizerStepContext
+    from speedtronic.engine.contexts import OptimizerStepContext
 
     class Overflows(nn.Module):
         def __init__(self) -> None:

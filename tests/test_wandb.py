@@ -13,11 +13,11 @@ import pytest
 import wandb
 from sink_helpers import StateAtStep, make_trainer
 
-from speedtronic.callback import Callback
 from speedtronic.config import SpeedtronicConfig
-from speedtronic.contexts import StepContext
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import StepContext
+from speedtronic.engine.trainer import Trainer
 from speedtronic.integrations import WandbHook
-from speedtronic.trainer import Trainer
 from speedtronic_callbacks.early_stopping import EarlyStopping
 from speedtronic_callbacks.wandb import WandbCallback
 

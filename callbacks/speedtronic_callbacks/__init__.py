@@ -1,6 +1,6 @@
 """The built-in callbacks, one feature per module (``speedtronic_callbacks.checkpoint``, ...).
 
-Each is a ``speedtronic.callback.Callback`` plugin found through the
+Each is a ``speedtronic.engine.callback.Callback`` plugin found through the
 ``speedtronic.callbacks`` entry-point group, exactly like a third-party plugin. The import
 name is ``speedtronic_callbacks``, not ``callbacks``, so that a project's own
 ``callbacks.py`` never shadows it (see docs/callbacks.md).

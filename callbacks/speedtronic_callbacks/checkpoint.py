@@ -11,7 +11,7 @@ callback is the run's ``ResumeSource``: ``resume: true`` resumes before the fit.
 
 What is saved is ``trainer.state_dict()`` -- model, optimizer, scheduler, grad scaler,
 counters, RNG, data position and every callback's state -- so a resumed run continues bit
-for bit. Files, the pointer and retention are ``speedtronic.checkpoint.CheckpointManager``'s
+for bit. Files, the pointer and retention are ``speedtronic.state.checkpoint.CheckpointManager``'s
 job; this callback decides *when*.
 
 When a save happens:
@@ -30,7 +30,7 @@ When a save happens:
 Signals: with ``save_on_signal`` the first SIGTERM or SIGINT asks the trainer to stop after
 the current step (``trainer.request_stop("signal SIGTERM")``); the fit then ends normally,
 the final checkpoint is written, and ``TrainResult.stop_reason`` says which signal it was
-(``speedtronic.checkpoint.requeue_exit_code`` maps it to the exit status 128 + signal
+(``speedtronic.state.checkpoint.requeue_exit_code`` maps it to the exit status 128 + signal
 number). A second signal is handled the way it was before the fit (Ctrl-C twice interrupts
 at once). The previous handlers are restored at ``teardown``.
 
@@ -67,16 +67,14 @@ from typing import TYPE_CHECKING, ClassVar, Literal, cast
 
 from typing_extensions import Self
 
-from speedtronic.callback import (
+from speedtronic.engine.callback import (
     Callback,
     JSONSchema,
     LegacySections,
     PluginOptions,
     legacy_section,
 )
-from speedtronic.checkpoint import CheckpointError, CheckpointManager, signal_stop_reason
-from speedtronic.checkpoint_async import AsyncCheckpointWriter
-from speedtronic.contexts import (
+from speedtronic.engine.contexts import (
     CheckpointContext,
     ExceptionContext,
     FitContext,
@@ -85,14 +83,16 @@ from speedtronic.contexts import (
     OptimizerStepContext,
     TeardownContext,
 )
-from speedtronic.events import Event
-from speedtronic.filters import METRICS_ON_LOGGING_STEPS, never
-from speedtronic.rng import capture_rng_state
+from speedtronic.engine.events import Event
+from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS, never
+from speedtronic.state.checkpoint import CheckpointError, CheckpointManager, signal_stop_reason
+from speedtronic.state.checkpoint_async import AsyncCheckpointWriter
+from speedtronic.state.rng import capture_rng_state
 from speedtronic_callbacks.monitor import Mode, check_monitor, improves, read_monitored
 
 if TYPE_CHECKING:
+    from speedtronic.engine.view import TrainerView
     from speedtronic.plugins import PluginContext
-    from speedtronic.view import TrainerView
 
 __all__ = ["CheckpointCallback"]
 
@@ -355,7 +355,7 @@ class CheckpointCallback(Callback):
 
     @property
     def checkpoint_manager(self) -> CheckpointManager:
-        """Where this run's checkpoints are (``speedtronic.resume.ResumeSource``)."""
+        """Where this run's checkpoints are (``speedtronic.state.resume.ResumeSource``)."""
         return self.manager
 
     @property
@@ -364,7 +364,7 @@ class CheckpointCallback(Callback):
 
     def earlier_run_files(self) -> list[Path]:
         """Checkpoints (and their pointer) already in the directory this run saves to
-        (``speedtronic.run_lock.LeavesRunFiles``): a fresh run there would mix with them."""
+        (``speedtronic.state.run_lock.LeavesRunFiles``): a fresh run there would mix with them."""
         if not self.manager.enabled:
             return []
         pointers = [self.manager.pointer_path, self.manager.best_pointer_path]

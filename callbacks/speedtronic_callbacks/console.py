@@ -21,9 +21,9 @@ import torch
 from tqdm import tqdm
 from typing_extensions import Self
 
-from speedtronic.callback import JSONSchema, LegacySections, PluginOptions, legacy_section
-from speedtronic.contexts import ExceptionContext, FitContext, FitEndContext, TeardownContext
-from speedtronic.model_summary import format_model_summary, summarize_model
+from speedtronic.engine.callback import JSONSchema, LegacySections, PluginOptions, legacy_section
+from speedtronic.engine.contexts import ExceptionContext, FitContext, FitEndContext, TeardownContext
+from speedtronic.models.summary import format_model_summary, summarize_model
 from speedtronic_callbacks.sink import (
     MetricSink,
     NumberFormat,
@@ -37,8 +37,8 @@ from speedtronic_callbacks.sink import (
 )
 
 if TYPE_CHECKING:
+    from speedtronic.engine.view import TrainerView
     from speedtronic.plugins import PluginContext
-    from speedtronic.view import TrainerView
 
 StreamName = Literal["stdout", "stderr"]
 

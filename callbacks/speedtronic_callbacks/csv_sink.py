@@ -17,14 +17,14 @@ from typing import IO, TYPE_CHECKING, ClassVar
 
 from typing_extensions import Self
 
-from speedtronic.atomic_io import atomic_write_text
-from speedtronic.callback import JSONSchema
-from speedtronic.contexts import FitContext, TeardownContext
+from speedtronic.engine.callback import JSONSchema
+from speedtronic.engine.contexts import FitContext, TeardownContext
+from speedtronic.state.atomic_io import atomic_write_text
 from speedtronic_callbacks.sink import MetricSink, Record, keep_earlier_run, resolve_path
 
 if TYPE_CHECKING:
+    from speedtronic.engine.view import TrainerView
     from speedtronic.plugins import PluginContext
-    from speedtronic.view import TrainerView
 
 DEFAULT_FILENAME = "metrics.csv"
 

@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from typing_extensions import Self
 
-from speedtronic.callback import Callback, JSONSchema
-from speedtronic.contexts import FitContext, MetricsContext
-from speedtronic.filters import METRICS_ON_LOGGING_STEPS
+from speedtronic.engine.callback import Callback, JSONSchema
+from speedtronic.engine.contexts import FitContext, MetricsContext
+from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic_callbacks.monitor import Mode, MonitorError, check_monitor, read_monitored
 
 if TYPE_CHECKING:
+    from speedtronic.engine.view import TrainerView
     from speedtronic.plugins import PluginContext
-    from speedtronic.view import TrainerView
 
 __all__ = ["EarlyStopping", "Mode", "MonitorError"]
 

@@ -25,11 +25,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from speedtronic.callback import Callback, JSONSchema, LegacySections, PluginOptions
-from speedtronic.contexts import FitContext, TeardownContext
+from speedtronic.engine.callback import Callback, JSONSchema, LegacySections, PluginOptions
+from speedtronic.engine.contexts import FitContext, TeardownContext
 
 if TYPE_CHECKING:
-    from speedtronic.view import TrainerView
+    from speedtronic.engine.view import TrainerView
 
 __all__ = ["CheckpointedForward", "GradientCheckpointing"]
 

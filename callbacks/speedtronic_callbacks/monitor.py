@@ -13,10 +13,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Literal
 
-from speedtronic.contexts import MetricsContext
+from speedtronic.engine.contexts import MetricsContext
 
 if TYPE_CHECKING:
-    from speedtronic.view import TrainerView
+    from speedtronic.engine.view import TrainerView
 
 __all__ = ["EVAL_PREFIX", "Mode", "MonitorError", "check_monitor", "improves", "read_monitored"]
 

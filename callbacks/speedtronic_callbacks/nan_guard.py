@@ -39,14 +39,19 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import torch
 from typing_extensions import Self
 
-from speedtronic.callback import Callback, JSONSchema
-from speedtronic.contexts import BackwardContext, FitContext, MetricsContext, OptimizerStepContext
-from speedtronic.events import Event
-from speedtronic.filters import every, logging_steps
+from speedtronic.engine.callback import Callback, JSONSchema
+from speedtronic.engine.contexts import (
+    BackwardContext,
+    FitContext,
+    MetricsContext,
+    OptimizerStepContext,
+)
+from speedtronic.engine.events import Event
+from speedtronic.engine.filters import every, logging_steps
 
 if TYPE_CHECKING:
+    from speedtronic.engine.view import TrainerView
     from speedtronic.plugins import PluginContext
-    from speedtronic.view import TrainerView
 
 Action = Literal["stop", "raise", "skip"]
 SKIPPED_KEY = "nan_guard/skipped_steps"

@@ -20,15 +20,15 @@ from typing import IO, TYPE_CHECKING, ClassVar, Literal
 from tqdm import tqdm
 from typing_extensions import Never, Self
 
-from speedtronic.callback import Callback, JSONSchema, RankPolicy
-from speedtronic.contexts import (
+from speedtronic.engine.callback import Callback, JSONSchema, RankPolicy
+from speedtronic.engine.contexts import (
     FitContext,
     FitEndContext,
     MetricsContext,
     StepContext,
     TeardownContext,
 )
-from speedtronic.filters import METRICS_ON_LOGGING_STEPS
+from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic_callbacks.sink import (
     NumberFormat,
     Record,
@@ -39,8 +39,8 @@ from speedtronic_callbacks.sink import (
 )
 
 if TYPE_CHECKING:
+    from speedtronic.engine.view import TrainerView
     from speedtronic.plugins import PluginContext
-    from speedtronic.view import TrainerView
 
 Mode = Literal["auto", "bar", "lines"]
 StreamName = Literal["stdout", "stderr"]

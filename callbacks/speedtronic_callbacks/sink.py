@@ -23,13 +23,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from speedtronic.callback import Callback, RankPolicy
-from speedtronic.contexts import MetricsContext
-from speedtronic.filters import METRICS_ON_LOGGING_STEPS
-from speedtronic.metrics import MetricValue
+from speedtronic.engine.callback import Callback, RankPolicy
+from speedtronic.engine.contexts import MetricsContext
+from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
+from speedtronic.engine.metrics import MetricValue
 
 if TYPE_CHECKING:
-    from speedtronic.view import TrainerView
+    from speedtronic.engine.view import TrainerView
 
 Record = Mapping[str, MetricValue]
 """A finished metric record as plain Python values (``MetricRecord.values()``)."""

@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 import torch
 from typing_extensions import Self
 
-from speedtronic.callback import Callback, JSONSchema, RankPolicy
-from speedtronic.contexts import FitContext, MetricsContext
-from speedtronic.filters import METRICS_ON_LOGGING_STEPS
+from speedtronic.engine.callback import Callback, JSONSchema, RankPolicy
+from speedtronic.engine.contexts import FitContext, MetricsContext
+from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.profiling import memory_usage_bytes
 
 if TYPE_CHECKING:
+    from speedtronic.engine.view import TrainerView
     from speedtronic.plugins import PluginContext
-    from speedtronic.view import TrainerView
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks from the vendors' data sheets, FLOP/s.
 # Matched against torch.cuda.get_device_name() in order, first hit wins.

@@ -29,16 +29,16 @@ from typing import TYPE_CHECKING, ClassVar
 
 from typing_extensions import Self
 
-from speedtronic.callback import JSONSchema
-from speedtronic.contexts import FitContext, FitEndContext, TeardownContext
+from speedtronic.engine.callback import JSONSchema
+from speedtronic.engine.contexts import FitContext, FitEndContext, TeardownContext
 from speedtronic_callbacks.background import BackgroundWorker
 from speedtronic_callbacks.sink import MetricSink, Record, numeric_items, resolve_path
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
+    from speedtronic.engine.view import TrainerView
     from speedtronic.plugins import PluginContext
-    from speedtronic.view import TrainerView
 
 DEFAULT_LOG_DIR = "tensorboard"
 _INSTALL_HINT = "the tensorboard sink needs tensorboard: pip install 'speedtronic[logging]'"

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from typing_extensions import Self
 
-from speedtronic.callback import JSONSchema
-from speedtronic.contexts import FitContext, FitEndContext, TeardownContext
+from speedtronic.engine.callback import JSONSchema
+from speedtronic.engine.contexts import FitContext, FitEndContext, TeardownContext
 from speedtronic_callbacks.background import BackgroundWorker
 from speedtronic_callbacks.sink import MetricSink, Record, resolve_path
 
@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 
     from wandb.sdk.wandb_run import Run
 
+    from speedtronic.engine.view import TrainerView
     from speedtronic.plugins import PluginContext
-    from speedtronic.view import TrainerView
 
 WandbMode = Literal["online", "offline", "disabled"]
 _INSTALL_HINT = "the wandb sink needs wandb: pip install 'speedtronic[logging]'"

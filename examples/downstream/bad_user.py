@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from speedtronic import Callback
-from speedtronic.view import TrainerView
+from speedtronic.engine.view import TrainerView
 
 
 class WrongSignature(Callback):

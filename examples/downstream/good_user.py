@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from speedtronic import Callback, Trainer, register_model
-from speedtronic.contexts import EvalEndContext, MetricsContext, StepContext
-from speedtronic.view import TrainerView
+from speedtronic.engine.contexts import EvalEndContext, MetricsContext, StepContext
+from speedtronic.engine.view import TrainerView
 
 
 @register_model("downstream_mlp")

@@ -8,7 +8,8 @@
 * ``trainer_args`` -- the ``Trainer``'s legacy arguments: ``config=`` defaults,
   ``logger=``, ``checkpoint_manager=``, ``coordinator=``
 
-The old import paths (``speedtronic.profiling``, ``speedtronic.hooks``,
-``speedtronic.integrations``, ``speedtronic.coordinator``) re-export these names, so 2.0 code
-keeps working unchanged. New code should use the callbacks in ``speedtronic_callbacks``.
+The 2.0 import paths (``speedtronic.profiling``, ``speedtronic.hooks``,
+``speedtronic.integrations``, ``speedtronic.trainer``) and the package re-export these names,
+so 2.0 code keeps working unchanged. New code should use the callbacks in
+``speedtronic_callbacks``.
 """

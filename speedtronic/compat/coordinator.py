@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from torch import nn
 
-from speedtronic.callback import Callback
-from speedtronic.contexts import CoordinateContext, FitContext, TeardownContext
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import CoordinateContext, FitContext, TeardownContext
 
 if TYPE_CHECKING:
-    from speedtronic.view import TrainerView
+    from speedtronic.engine.view import TrainerView
 
 
 @runtime_checkable

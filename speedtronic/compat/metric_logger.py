@@ -24,8 +24,8 @@ from typing import IO, TYPE_CHECKING, ClassVar, Literal, Protocol, TextIO, runti
 
 import torch
 
-from speedtronic.callback import Callback, RankPolicy
-from speedtronic.contexts import (
+from speedtronic.engine.callback import Callback, RankPolicy
+from speedtronic.engine.contexts import (
     ExceptionContext,
     FitContext,
     FitEndContext,
@@ -35,11 +35,11 @@ from speedtronic.contexts import (
     StepContext,
     TeardownContext,
 )
-from speedtronic.filters import METRICS_ON_LOGGING_STEPS
+from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
 
 if TYPE_CHECKING:
-    from speedtronic.notes import Notes
-    from speedtronic.view import TrainerView
+    from speedtronic.engine.notes import Notes
+    from speedtronic.engine.view import TrainerView
 
 __all__ = [
     "CallbackList",
@@ -288,7 +288,7 @@ class MetricLoggerCallback(Callback):
     ``train_end`` (fit end) and ``train_error`` (the fit failed). ``close_logger`` closes the
     logger at teardown (off by default: the caller owns it, as in the original).
 
-    The other 2.0 events come as notes (``speedtronic.notes``) and are emitted under their
+    The other 2.0 events come as notes (``speedtronic.engine.notes``) and are emitted under their
     names: ``compile`` and ``ooo_backprop`` from the engine, ``outer_step`` and
     ``delta_upload_*`` from the DiLoCo plugin, and -- at the first fit -- ``shape_profile``
     and one ``shape_warning`` per warning of the trainer's startup shape report. ``notes``
@@ -351,7 +351,7 @@ class MetricLoggerCallback(Callback):
         runtime made at start-up."""
         from dataclasses import asdict
 
-        from speedtronic.shapes import ShapeReport
+        from speedtronic.systems.shapes import ShapeReport
 
         if not isinstance(report, ShapeReport):
             return
@@ -414,7 +414,7 @@ class MetricLoggerCallback(Callback):
 
 def _shape_report_of(trainer: TrainerView) -> object:
     """The startup shape report the runtime gave the trainer (``None`` without one)."""
-    from speedtronic.trainer import Trainer
+    from speedtronic.engine.trainer import Trainer
 
     return trainer.shape_report if isinstance(trainer, Trainer) else None
 
@@ -422,6 +422,6 @@ def _shape_report_of(trainer: TrainerView) -> object:
 def _callbacks_of(trainer: TrainerView) -> Sequence[Callback]:
     """The callbacks of the run: the 2.0 logger reports the checkpoint callback's saves.
     A shim of the original API may know the concrete trainer; plugins may not."""
-    from speedtronic.trainer import Trainer
+    from speedtronic.engine.trainer import Trainer
 
     return trainer.callbacks if isinstance(trainer, Trainer) else ()

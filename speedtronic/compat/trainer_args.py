@@ -15,17 +15,17 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from speedtronic.callback import Callback
 from speedtronic.compat.coordinator import CoordinatorCallback, SyncCoordinator
 from speedtronic.compat.metric_logger import MetricLogger, MetricLoggerCallback
+from speedtronic.engine.callback import Callback
 from speedtronic.plugins import callback_registry
-from speedtronic.precision import PrecisionPlan, resolve_device, resolve_precision
+from speedtronic.systems.precision import PrecisionPlan, resolve_device, resolve_precision
 
 if TYPE_CHECKING:
-    from speedtronic.checkpoint import CheckpointManager
     from speedtronic.config import SpeedtronicConfig
-    from speedtronic.distributed import DistributedContext
-    from speedtronic.notes import Notes
+    from speedtronic.engine.notes import Notes
+    from speedtronic.state.checkpoint import CheckpointManager
+    from speedtronic.systems.distributed import DistributedContext
 
 __all__ = ["TrainerSettings", "coerce_config", "legacy_callbacks", "resolve_settings"]
 

@@ -32,7 +32,7 @@ from jsonschema import Draft202012Validator, ValidationError, validators
 from jsonschema.exceptions import SchemaError
 
 from speedtronic import plugins
-from speedtronic.callback import Callback
+from speedtronic.engine.callback import Callback
 
 SchemaDict = dict[str, object]
 """A JSON Schema document as a plain (JSON-compatible) dict."""
@@ -244,7 +244,7 @@ def callback_entry_schema(name: str, options_schema: Mapping[str, object]) -> Sc
 def model_option_schemas(names: Iterable[str] | None = None) -> dict[str, Mapping[str, object]]:
     """The ``model.options`` schema of each named model that declares one (default: every
     model the registry knows); models that fail to load are left out."""
-    from speedtronic.model_registry import registry
+    from speedtronic.models.registry import registry
 
     found: dict[str, Mapping[str, object]] = {}
     for name in registry.names() if names is None else names:
@@ -652,7 +652,7 @@ def _model_rules(values: _Values) -> Iterator[str]:
     """The model plugin's rules: ``model.options`` against the factory's ``options_schema``,
     and the reference transformer's dimension rules (for that model only). A model name
     that is not registered (yet) is reported when the model is built."""
-    from speedtronic.model_registry import registry
+    from speedtronic.models.registry import registry
 
     name = values.text("model", "name")
     if name is None or name not in registry:
@@ -680,7 +680,7 @@ def _model_rules(values: _Values) -> Iterator[str]:
 
 
 def _is_reference_transformer(factory: object) -> bool:
-    from speedtronic.model import ReferenceTransformer
+    from speedtronic.models.transformer import ReferenceTransformer
 
     return isinstance(factory, type) and issubclass(factory, ReferenceTransformer)
 

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, ClassVar, Literal, TypeAlias, cast
 import yaml
 from typing_extensions import Self
 
-from speedtronic.atomic_io import atomic_write_text
 from speedtronic.config.loading import (
     CASE_FOLDS,
     REDACTED,
@@ -49,6 +48,7 @@ from speedtronic.config.schema import (
     schema_defaults,
 )
 from speedtronic.plugins import configurable_plugins
+from speedtronic.state.atomic_io import atomic_write_text
 
 JSONValue: TypeAlias = None | bool | int | float | str | list["JSONValue"] | dict[str, "JSONValue"]
 """A value that JSON (and YAML) can represent."""

@@ -15,7 +15,7 @@ from speedtronic.optimizers.muon import LR_SCALES, LrScale
 from speedtronic.optimizers.orthogonalize import PostPolarMode, check_coefficients
 from speedtronic.optimizers.routing import ParameterRouting, route_parameters
 from speedtronic.optimizers.settings import OptimizerSettings, RunSettings
-from speedtronic.precision import supports_fused_adamw
+from speedtronic.systems.precision import supports_fused_adamw
 
 __all__ = ["build_optimizer", "build_v2_optimizer"]
 

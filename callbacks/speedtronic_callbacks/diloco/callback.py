@@ -60,22 +60,22 @@ import torch.distributed as dist
 from torch import nn
 from typing_extensions import Self
 
-from speedtronic.callback import (
+from speedtronic.engine.callback import (
     Callback,
     JSONSchema,
     LegacySections,
     PluginOptions,
     legacy_section,
 )
-from speedtronic.contexts import (
+from speedtronic.engine.contexts import (
     CoordinateContext,
     FitContext,
     MetricsContext,
     TeardownContext,
 )
-from speedtronic.distributed import DistributedContext, SameOnEveryRankError
-from speedtronic.evaluation import EVAL_LOSS, EVAL_PPL
-from speedtronic.filters import METRICS_ON_LOGGING_STEPS
+from speedtronic.engine.evaluation import EVAL_LOSS, EVAL_PPL
+from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
+from speedtronic.systems.distributed import DistributedContext, SameOnEveryRankError
 from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
 from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
 from speedtronic_callbacks.diloco.eval_keys import (
@@ -107,8 +107,8 @@ from speedtronic_callbacks.diloco.transport_base import RetryingTransport, Retry
 from speedtronic_callbacks.diloco.wire import Compression
 
 if TYPE_CHECKING:
+    from speedtronic.engine.view import TrainerView
     from speedtronic.plugins import PluginContext
-    from speedtronic.view import TrainerView
 
 __all__ = [
     "GLOBAL_EVAL_LOSS",

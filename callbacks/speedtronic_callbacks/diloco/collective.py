@@ -70,8 +70,8 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
-from speedtronic.callback import Callback, JSONSchema, RankPolicy
-from speedtronic.contexts import (
+from speedtronic.engine.callback import Callback, JSONSchema, RankPolicy
+from speedtronic.engine.contexts import (
     CoordinateContext,
     EvalEndContext,
     FitContext,
@@ -79,9 +79,9 @@ from speedtronic.contexts import (
     MetricsContext,
     TeardownContext,
 )
-from speedtronic.distributed import DistributedContext, ReplicaGroups, replica_groups
-from speedtronic.evaluation import EVAL_LOSS
-from speedtronic.filters import METRICS_ON_LOGGING_STEPS
+from speedtronic.engine.evaluation import EVAL_LOSS
+from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
+from speedtronic.systems.distributed import DistributedContext, ReplicaGroups, replica_groups
 from speedtronic_callbacks.diloco.aggregation import (
     MIN_REFERENCE,
     NormHistory,
@@ -106,8 +106,8 @@ from speedtronic_callbacks.diloco.options import (
 )
 
 if TYPE_CHECKING:
+    from speedtronic.engine.view import TrainerView
     from speedtronic.plugins import PluginContext
-    from speedtronic.view import TrainerView
 
 __all__ = [
     "COLLECTIVE_OPTIONS_SCHEMA",

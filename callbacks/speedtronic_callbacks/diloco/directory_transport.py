@@ -1,7 +1,7 @@
 """A DiLoCo hub in a directory shared by all nodes (local disk, NFS, SMB, a mounted bucket).
 
 Writes go to a temporary sibling, are fsynced and atomically renamed
-(``speedtronic.atomic_io``), so a reader sees either the old file or the complete new one,
+(``speedtronic.state.atomic_io``), so a reader sees either the old file or the complete new one,
 never half of one.
 """
 
@@ -13,7 +13,7 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from speedtronic.atomic_io import atomic_write_bytes
+from speedtronic.state.atomic_io import atomic_write_bytes
 from speedtronic_callbacks.diloco.transport_base import (
     HubNotCreatedError,
     PermanentTransportError,

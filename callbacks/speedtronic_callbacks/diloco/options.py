@@ -23,7 +23,7 @@ from typing import Literal, Protocol, cast
 
 from jsonschema import Draft202012Validator
 
-from speedtronic.callback import JSONSchema
+from speedtronic.engine.callback import JSONSchema
 from speedtronic_callbacks.diloco.aggregation import RobustSettings
 from speedtronic_callbacks.diloco.encoding import Encoding
 from speedtronic_callbacks.diloco.master import NODE_ID_PATTERN

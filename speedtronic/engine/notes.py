@@ -1,6 +1,6 @@
 """Notes: named, optional events that any part of a run publishes for whoever listens.
 
-The callback events (``speedtronic.events``) are the engine's contract with plugins. Some
+The callback events (``speedtronic.engine.events``) are the engine's contract with plugins. Some
 things worth telling an observer fit none of them: ``torch.compile`` fell back to eager, the
 out-of-order backprop scheduler is off and why, a DiLoCo master finished an outer round, a
 delta upload was queued or failed. Whoever knows publishes a *note* -- an event name and a

@@ -2,7 +2,7 @@
 
 Subclass it and override the hooks you need. The trainer only calls hooks a subclass
 overrides, so an unused hook costs nothing. Hooks receive the trainer and a frozen,
-typed context (``speedtronic.contexts``); mypy --strict checks your overrides against
+typed context (``speedtronic.engine.contexts``); mypy --strict checks your overrides against
 these signatures.
 """
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, cast
 
 from typing_extensions import Self
 
-from speedtronic.contexts import (
+from speedtronic.engine.contexts import (
     BackwardContext,
     CheckpointContext,
     CoordinateContext,
@@ -31,12 +31,12 @@ from speedtronic.contexts import (
     StepContext,
     TeardownContext,
 )
-from speedtronic.events import Event
-from speedtronic.filters import StepFilter
+from speedtronic.engine.events import Event
+from speedtronic.engine.filters import StepFilter
 
 if TYPE_CHECKING:
+    from speedtronic.engine.view import TrainerView
     from speedtronic.plugins import PluginContext
-    from speedtronic.view import TrainerView
 
 JSONSchema = Mapping[str, object]
 """A JSON Schema document (draft 2020-12) as a mapping."""
@@ -77,7 +77,7 @@ class Callback:
       (in order) before all ``"consume"`` callbacks (sinks), so a sink sees every key.
     * ``plugin_name`` / ``options_schema`` -- the name used in ``callbacks:`` in config and
       the JSON Schema of its options (the ``name`` key excluded).
-    * ``due_when`` -- per event, the steps on which the hook is due (``speedtronic.filters``:
+    * ``due_when`` -- per event, the steps on which the hook is due (``speedtronic.engine.filters``:
       ``every(n)``, ``once(step)``, ``final_step()``, ``logging_steps()``); the trainer does
       not call the hook on other steps. Set it on the class or, for a cadence that comes from
       options, on the instance in ``__init__``. Hooks without an entry run on every step.

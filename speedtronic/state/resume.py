@@ -12,11 +12,11 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from speedtronic.checkpoint import CheckpointManager
-from speedtronic.trainer import TrainingStateError
+from speedtronic.engine.trainer import TrainingStateError
+from speedtronic.state.checkpoint import CheckpointManager
 
 if TYPE_CHECKING:
-    from speedtronic.trainer import Trainer
+    from speedtronic.engine.trainer import Trainer
 
 __all__ = ["ResumeSource", "resume_from"]
 

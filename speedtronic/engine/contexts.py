@@ -19,8 +19,8 @@ from typing import NamedTuple
 
 import torch
 
-from speedtronic.metrics import MetricRecord
-from speedtronic.result import TrainResult
+from speedtronic.engine.metrics import MetricRecord
+from speedtronic.engine.result import TrainResult
 
 
 class FitContext(NamedTuple):

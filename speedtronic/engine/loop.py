@@ -1,7 +1,7 @@
 """The per-step loop: one global step of K microbatches, and the events around it.
 
 This is the only place that runs forward/backward/optimizer work. Read it top to bottom
-next to ``speedtronic/events.py``: the order of ``emit`` calls here *is* the event contract.
+next to ``speedtronic/engine/events.py``: the order of ``emit`` calls here *is* the event contract.
 Nothing here reads a device value back to the host; the loss stays a device tensor until
 a metric is due.
 """
@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from speedtronic.batch import move_to_device, resolve_loss
-from speedtronic.contexts import (
+from speedtronic.data.collate import batch_size_and_tokens
+from speedtronic.engine.batch import move_to_device, resolve_loss
+from speedtronic.engine.contexts import (
     BackwardContext,
     CheckpointContext,
     CoordinateContext,
@@ -25,15 +26,14 @@ from speedtronic.contexts import (
     SchedulerContext,
     StepContext,
 )
-from speedtronic.data.collate import batch_size_and_tokens
-from speedtronic.evaluation import add_eval_results, is_eval_step, run_step_evaluation
-from speedtronic.events import On
-from speedtronic.metrics import MetricRecord
-from speedtronic.sharding import global_grad_norm
+from speedtronic.engine.evaluation import add_eval_results, is_eval_step, run_step_evaluation
+from speedtronic.engine.events import On
+from speedtronic.engine.metrics import MetricRecord
+from speedtronic.systems.sharding import global_grad_norm
 
 if TYPE_CHECKING:
-    from speedtronic.dispatch import EventHooks, HookTable
-    from speedtronic.trainer import Trainer
+    from speedtronic.engine.dispatch import EventHooks, HookTable
+    from speedtronic.engine.trainer import Trainer
 
 
 def run_global_step(t: Trainer, step: int) -> bool:

@@ -1,7 +1,7 @@
 """The event list: every point in a fit where callbacks run, in the order they run.
 
 This file is the single source of truth for the event contract. The per-step loop
-(`speedtronic.loop`) emits exactly these events in exactly this order; the docs page
+(`speedtronic.engine.loop`) emits exactly these events in exactly this order; the docs page
 `docs/events.md` and the golden-trace tests are written against it.
 """
 
@@ -11,7 +11,7 @@ import enum
 from collections.abc import Mapping
 from typing import Generic, TypeVar, final
 
-from speedtronic.contexts import (
+from speedtronic.engine.contexts import (
     BackwardContext,
     CheckpointContext,
     CoordinateContext,

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from speedtronic.distributed import DistributedContext
-    from speedtronic.notes import Notes
+    from speedtronic.engine.notes import Notes
+    from speedtronic.systems.distributed import DistributedContext
 
 __all__ = ["TrainerView"]
 
@@ -132,7 +132,7 @@ class TrainerView(Protocol):
 
     @property
     def notes(self) -> Notes:
-        """The run's board of optional named notes (``speedtronic.notes``): publish what an
+        """The run's board of optional named notes (``speedtronic.engine.notes``): publish what an
         observer may want to know that no event carries (``trainer.notes.publish("name",
         {...})``, from any thread); the 2.0 ``MetricLogger`` hands them to its hooks."""
 

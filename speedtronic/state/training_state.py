@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from speedtronic import __version__
-from speedtronic.rng import capture_rng_state, restore_rng_state
-from speedtronic.sharded_checkpoint import (
+from speedtronic.state.rng import capture_rng_state, restore_rng_state
+from speedtronic.state.sharded_checkpoint import (
     SHARDED_DIRECTORY,
     SHARDED_MARKER,
     capture_sharded_tensors,
@@ -27,7 +27,7 @@ from speedtronic.sharded_checkpoint import (
 )
 
 if TYPE_CHECKING:
-    from speedtronic.trainer import Trainer
+    from speedtronic.engine.trainer import Trainer
 
 __all__ = [
     "STATE_FORMAT_VERSION",

@@ -2,7 +2,7 @@
 
 One object owns everything between "a batch on the device" and "its model output": the DDP
 wrapper of a data-parallel run (``no_sync`` on all but the last microbatch) or the FSDP2
-sharding of a ``parallel.strategy: fsdp`` run (``speedtronic.sharding``; no reduce-scatter
+sharding of a ``parallel.strategy: fsdp`` run (``speedtronic.systems.sharding``; no reduce-scatter
 on all but the last microbatch), ``torch.compile``
 with its fallback to eager when the compiler itself fails, and autocast for mixed precision.
 ``plain`` is true when none of the contexts is needed, so the loop enters no context manager.
@@ -18,18 +18,18 @@ from typing import cast
 import torch
 from torch import nn
 
-from speedtronic.batch import run_model
-from speedtronic.callback import Callback
-from speedtronic.distributed import (
+from speedtronic.engine.batch import run_model
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.notes import Notes
+from speedtronic.systems.distributed import (
     DistributedContext,
     ReplicaSync,
     no_sync_on_non_final,
     replica_groups,
     wrap_data_parallel,
 )
-from speedtronic.notes import Notes
-from speedtronic.precision import PrecisionPlan, autocast_context
-from speedtronic.sharding import ShardingError, gradient_sync_on_final, shard_model
+from speedtronic.systems.precision import PrecisionPlan, autocast_context
+from speedtronic.systems.sharding import ShardingError, gradient_sync_on_final, shard_model
 
 __all__ = ["ForwardPath", "is_compile_failure"]
 
@@ -104,7 +104,7 @@ class ForwardPath:
         *,
         reshard_after_forward: bool,
     ) -> bool:
-        """Shard the model with FSDP2 over its replica's ranks (``speedtronic.sharding``;
+        """Shard the model with FSDP2 over its replica's ranks (``speedtronic.systems.sharding``;
         a collective) and point ``optimizer`` at the sharded parameters. Returns False,
         leaving the model whole, when the replica is a single process."""
         context = self.distributed

@@ -12,7 +12,7 @@ call it on other steps (in the spirit of Ignite's ``Events.ITERATION_COMPLETED(e
             self.due_when = {Event.STEP_END: every(n) | final_step()}
 
 Filters combine with ``|`` (a hook is due when any part is). They apply to the events inside a
-global step (``speedtronic.events.STEP_EVENTS``); fit-level events run once anyway.
+global step (``speedtronic.engine.events.STEP_EVENTS``); fit-level events run once anyway.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from speedtronic.events import Event
+from speedtronic.engine.events import Event
 
 __all__ = [
     "METRICS_ON_LOGGING_STEPS",

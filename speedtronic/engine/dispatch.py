@@ -19,12 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from speedtronic.callback import Callback, RankPolicy
-from speedtronic.events import EVENT_KEYS, FIT_EVENTS, Event, EventKey, EventSpec
-from speedtronic.filters import StepFilter
+from speedtronic.engine.callback import Callback, RankPolicy
+from speedtronic.engine.events import EVENT_KEYS, FIT_EVENTS, Event, EventKey, EventSpec
+from speedtronic.engine.filters import StepFilter
 
 if TYPE_CHECKING:
-    from speedtronic.view import TrainerView
+    from speedtronic.engine.view import TrainerView
 
 BoundHook = Callable[["TrainerView", object], None]
 """A callback's hook method bound to its instance, as the dispatch plan calls it
@@ -108,7 +108,7 @@ def check_hook_names(cls: type[Callback], display_name: str | None = None) -> No
     hint = f"did you mean {close[0]!r}? " if close else ""
     raise UnknownHookError(
         f"callback {display_name or cls.__name__!r} defines {name!r}, which is not an event "
-        f"hook: {hint}(hooks are on_<event> for the events in speedtronic.events.Event; "
+        f"hook: {hint}(hooks are on_<event> for the events in speedtronic.engine.events.Event; "
         "rename the method, or drop the on_ prefix for a helper)"
     )
 
@@ -310,7 +310,8 @@ class CallbackPlan:
 
     def emit(self, trainer: TrainerView, key: EventSpec[CtxT], ctx: CtxT) -> None:
         """Call the hooks of ``key``'s event that are due in the current step with ``ctx``
-        (typed: mypy rejects a context that is not the event's, see ``speedtronic.events.On``)."""
+        (typed: mypy rejects a context that is not the event's, see
+        ``speedtronic.engine.events.On``)."""
         for hook in self._due[key]:
             hook(trainer, ctx)
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from speedtronic.distributed import SameOnEveryRankError
+from speedtronic.systems.distributed import SameOnEveryRankError
 
 __all__ = [
     "SHARD_BLOCKS_METHOD",

@@ -22,11 +22,16 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from speedtronic.callback import Callback
-from speedtronic.contexts import BackwardContext, FitContext, MicrobatchContext, TeardownContext
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import (
+    BackwardContext,
+    FitContext,
+    MicrobatchContext,
+    TeardownContext,
+)
 
 if TYPE_CHECKING:
-    from speedtronic.view import TrainerView
+    from speedtronic.engine.view import TrainerView
 
 __all__ = [
     "MAX_STREAMS",

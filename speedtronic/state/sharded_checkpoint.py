@@ -79,7 +79,7 @@ _HASH_CHUNK = 16 * 1024 * 1024
 
 
 def _errors() -> tuple[type[Exception], type[Exception]]:
-    from speedtronic.checkpoint import CheckpointError, CorruptCheckpointError
+    from speedtronic.state.checkpoint import CheckpointError, CorruptCheckpointError
 
     return CheckpointError, CorruptCheckpointError
 
@@ -150,7 +150,7 @@ def _reader(path: Path) -> Any:
 def _read_metadata(path: Path, load_id: object, storage_meta: type) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from speedtronic.checkpoint import UnsafeCheckpointError
+    from speedtronic.state.checkpoint import UnsafeCheckpointError
 
     try:
         with torch.serialization.safe_globals(_metadata_classes()):
@@ -224,7 +224,7 @@ def write_sharded(path: Path, state: Mapping[str, object]) -> str:
     load with ``weights_only=True``."""
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    from speedtronic.checkpoint import plain_state
+    from speedtronic.state.checkpoint import plain_state
 
     checkpoint_error = _errors()[0]
     rest = plain_state(
@@ -367,7 +367,7 @@ def agree_corrupt(verdict: int) -> int:
 def read_sharded_state(path: Path) -> dict[str, object]:
     """The non-tensor part of a verified sharded checkpoint (weights-only), marked with the
     directory the tensors are to be loaded from (``load_sharded_tensors``)."""
-    from speedtronic.checkpoint import load_checkpoint_file
+    from speedtronic.state.checkpoint import load_checkpoint_file
 
     state = load_checkpoint_file(path / STATE_NAME)
     state[SHARDED_MARKER] = True

@@ -6,7 +6,7 @@ device tensors; deferred for storages the caller promises not to touch until
 and hands it to one writer thread, which saves it through a ``CheckpointManager``.
 
 The files themselves -- atomic writes, the pointer, retention, what a checkpoint may hold --
-are ``speedtronic.checkpoint``'s business; this module only decides how a state gets there
+are ``speedtronic.state.checkpoint``'s business; this module only decides how a state gets there
 without stopping training for the write.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 # _TENSOR_TYPES: the snapshot copies byte-wise exactly the tensor types plain_state admits.
-from speedtronic.checkpoint import (
+from speedtronic.state.checkpoint import (
     _TENSOR_TYPES,
     CheckpointError,
     CheckpointManager,

@@ -30,17 +30,23 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from speedtronic.batch import IGNORE_INDEX, batch_labels, move_to_device, resolve_loss, run_model
-from speedtronic.contexts import EvalEndContext, EvalStartContext
 from speedtronic.data.collate import batch_size_and_tokens
-from speedtronic.events import On
-from speedtronic.metrics import MetricRecord
-from speedtronic.precision import PrecisionPlan, autocast_context
-from speedtronic.rng import capture_rng_state, restore_rng_state
+from speedtronic.engine.batch import (
+    IGNORE_INDEX,
+    batch_labels,
+    move_to_device,
+    resolve_loss,
+    run_model,
+)
+from speedtronic.engine.contexts import EvalEndContext, EvalStartContext
+from speedtronic.engine.events import On
+from speedtronic.engine.metrics import MetricRecord
+from speedtronic.state.rng import capture_rng_state, restore_rng_state
+from speedtronic.systems.precision import PrecisionPlan, autocast_context
 
 if TYPE_CHECKING:
-    from speedtronic.distributed import DistributedContext
-    from speedtronic.trainer import Trainer
+    from speedtronic.engine.trainer import Trainer
+    from speedtronic.systems.distributed import DistributedContext
 
 __all__ = [
     "EVAL_LOSS",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from speedtronic.metrics import MetricValue
+from speedtronic.engine.metrics import MetricValue
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""The engine: events, callbacks and their dispatch, the per-step loop, the Trainer."""

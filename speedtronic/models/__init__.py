@@ -1,0 +1,1 @@
+"""The model registry, the reference transformer and model summaries."""

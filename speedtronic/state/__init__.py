@@ -1,0 +1,1 @@
+"""What a checkpoint holds, and how it is written, found and restored."""

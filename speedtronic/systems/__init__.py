@@ -1,0 +1,1 @@
+"""Devices and precision, torch.distributed (DDP, FSDP), shapes, CUDA streams."""
