@@ -8,9 +8,16 @@ is, so a shared VM gives the same answer as a quiet one.
 Each case runs in its own process under ``valgrind --tool=callgrind`` with collection off
 except inside two marker calls: ``functools.reduce`` wraps a 100-step run and ``sorted`` a
 300-step run (after a 20-step warm-up). The per-step count is the difference of the two
-markers' inclusive counts over the 200 extra steps, so setup and teardown cancel out.
+markers' inclusive counts over the 200 extra steps, so setup and teardown cancel out. The
+heap left by the imports and the warm-up is frozen (``gc.freeze``) first, so that a full
+garbage collection of it cannot land in one marker and not the other.
 
     python benchmarks/loop_instructions.py          # hand loop, 0 and 20 no-op callbacks
+    python benchmarks/loop_instructions.py --baseline ec44da5   # and an earlier Trainer
+
+``--baseline`` counts the Trainer of an earlier commit too (unpacked with ``git archive``;
+the benchmark's own scripts stay today's), so a timing taken on another machine at that
+commit converts into µs per instruction there.
 
 Needs ``valgrind``; each case takes about six CPU-minutes (mostly ``import torch`` under
 valgrind), the three cases run side by side.
@@ -18,7 +25,9 @@ valgrind), the three cases run side by side.
 
 from __future__ import annotations
 
+import argparse
 import functools
+import gc
 import os
 import re
 import shutil
@@ -42,6 +51,11 @@ def child(case: str) -> None:
     torch.set_num_threads(1)
     run = hand_loop if case == "hand" else trainer_loop(int(case))
     run(20)
+    # Without this, whether a full (generation 2) collection of torch's ~10^5 objects falls
+    # into one marker or the other moved the count by up to ±30,000 instructions per step.
+    # Frozen objects are never collected again; young ones still are, as in a real run.
+    gc.collect()
+    gc.freeze()
     functools.reduce(lambda _a, _b: run(100), [0, 0])
     sorted([0, 1], key=lambda a: (run(300) or 0) if a else 0)  # keys must compare
 
@@ -61,34 +75,59 @@ def inclusive_counts(out_file: Path) -> dict[str, int]:
     return counts
 
 
+def export_revision(revision: str, into: Path) -> Path:
+    """The tree of git ``revision`` unpacked under ``into`` (its speedtronic, not this one)."""
+    tree = into / "baseline"
+    tree.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(HERE.parent), "archive", revision], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
+def callgrind(case: str, out: Path, source: Path) -> subprocess.Popen[bytes]:
+    """One case under callgrind, importing speedtronic from ``source``."""
+    path = os.pathsep.join([str(source), str(source / "callbacks")])
+    return subprocess.Popen(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            "--collect-atstart=no",
+            *(f"--toggle-collect={marker}" for marker in MARKERS),
+            f"--callgrind-out-file={out}",
+            sys.executable,
+            __file__,
+            "--child",
+            case,
+        ],
+        env=dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         child(sys.argv[2])
         return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also count the Trainer of git revision REV (no callbacks), e.g. the commit an "
+        "earlier timing was taken at",
+    )
+    args = parser.parse_args()
     if shutil.which("valgrind") is None:
         sys.exit("needs valgrind (apt install valgrind)")
-    env = dict(os.environ, PYTHONHASHSEED="0")
     with tempfile.TemporaryDirectory() as tmp:
         outs = {case: Path(tmp) / f"callgrind.{case}" for case in CASES}
-        running = [
-            subprocess.Popen(
-                [
-                    "valgrind",
-                    "--tool=callgrind",
-                    "--collect-atstart=no",
-                    *(f"--toggle-collect={marker}" for marker in MARKERS),
-                    f"--callgrind-out-file={outs[case]}",
-                    sys.executable,
-                    __file__,
-                    "--child",
-                    case,
-                ],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            for case in CASES
-        ]
+        running = [callgrind(case, outs[case], HERE.parent) for case in CASES]
+        if args.baseline:
+            outs["baseline"] = Path(tmp) / "callgrind.baseline"
+            source = export_revision(args.baseline, Path(tmp))
+            running.append(callgrind("0", outs["baseline"], source))
         for process in running:
             if process.wait() != 0:
                 sys.exit(f"a valgrind run failed (exit {process.returncode})")
@@ -98,11 +137,14 @@ def main() -> None:
             per_step[case] = (counts["builtin_sorted"] - counts["functools_reduce"]) / 200
     hand = per_step["hand"]
     print(f"hand-written loop: {hand:,.0f} instructions per step")
-    print("| callbacks | instructions/step | extra over the hand loop | extra |")
-    print("|---:|---:|---:|---:|")
-    for case in CASES[1:]:
+    print("| Trainer | instructions/step | extra over the hand loop | extra |")
+    print("|---|---:|---:|---:|")
+    rows = [(f"{case} callbacks", case) for case in CASES[1:]]
+    if args.baseline:
+        rows.append((f"{args.baseline}, no callbacks", "baseline"))
+    for label, case in rows:
         extra = per_step[case] - hand
-        print(f"| {case} | {per_step[case]:,.0f} | {extra:,.0f} | {extra / hand:.1%} |")
+        print(f"| {label} | {per_step[case]:,.0f} | {extra:,.0f} | {extra / hand:.1%} |")
 
 
 if __name__ == "__main__":
