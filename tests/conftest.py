@@ -116,6 +116,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the shared mypy run and this process's fork server as soon as the tests that
     use them are known: both work in the background while the first tests run."""
+    if session.config.option.collectonly:
+        return
     names = [list(getattr(item, "fixturenames", ())) for item in session.items]
     if wanted(names):
         MypyRun.start_or_join(session_directory())
