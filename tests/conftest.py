@@ -9,16 +9,19 @@ torch's stubs ~40 s, so
   undone afterwards). Fresh interpreters stay where the start-up is the point: the
   launchers and a fresh interpreter's ``sys.path`` (test_cli_namespaces), a closed pipe
   (test_cli_preflight), fresh-interpreter import order (test_static_types, test_public_api),
-  one real torchrun (test_distributed), and the DiLoCo end-to-end nodes (test_diloco_e2e:
-  its learning outcome depends on how far apart the nodes start). Independent processes of
-  one test start together, so they share the two cores.
+  and one real torchrun (test_distributed). Independent processes of one test start
+  together, so they share the two cores.
 - the files the tests type with mypy are checked in ONE ``mypy --strict`` run outside the
   repository (``mypy_outside``), started in the background once collection is done, so it
   runs on the other core; each test reads only its own file's lines. Under pytest-xdist
   (the README's ``-n 2``) the workers share that one run.
-- processes that need not be a fresh interpreter (rank processes, signalled and killed
-  training runs, a process holding a run lock) are forked from a server that
-  imported torch once (``forked``: the fixture below, tests/forked.py).
+- processes that need not be a fresh interpreter (rank processes, DiLoCo nodes, signalled
+  and killed training runs, a process holding a run lock, a CLI run that needs a clean
+  ``sys.modules``) are forked from a server that imported torch once (``forked``: the
+  fixture below, tests/forked.py); each test process starts its server in the background
+  once collection is done.
+- the known-slow tests run first (``SLOW_FIRST``), so that the two xdist workers finish
+  together on short tests.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
-from forked import Forked, forked_children
+from forked import Forked, forked_children, start_server
 from mypy_outside import RUN_DIRECTORY, MypyRun, session_directory, stop, wanted
 
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -72,11 +75,54 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         stop(session_directory())
 
 
+# The slowest tests (durations measured with ``--durations``), longest first. They run first,
+# so that the two xdist workers end together on short tests instead of one waiting for a
+# long test that happened to start last. A file name moves the whole file (its
+# module-scoped fixtures still run once per worker); a test name moves that test alone.
+SLOW_FIRST = (
+    "tests/test_cli_namespaces.py::test_nothing_in_the_working_directory_runs_unless_imported",
+    "tests/test_diloco_wire_fuzz.py::test_any_json_header_decodes_or_is_rejected",
+    "tests/test_distributed.py::test_torchrun_runs_the_cli_data_parallel",
+    "tests/test_distributed.py::test_synchronous_diloco_h4_trains_and_resumes_exactly",
+    "tests/test_wandb.py",
+    "tests/test_fuzz.py",
+    "tests/test_fsdp.py",
+    "tests/test_crash_safety.py",
+    "tests/test_diloco_streaming.py",
+    "tests/test_distributed.py::test_two_rank_ddp_matches_one_process_and_resumes_exactly",
+    "tests/test_diloco_nodes.py",
+    "tests/test_compile.py::test_compiled_training_matches_eager",
+    "tests/test_public_api.py::test_engine_modules_never_import_callbacks",
+    "tests/test_diloco_wire_fuzz.py",
+    "tests/test_cli_preflight.py::test_validate_into_a_closed_pipe_exits_quietly",
+    "tests/test_plot.py",
+    "tests/test_docs.py",
+    "tests/test_diloco_e2e.py",
+)
+
+
+def _slow_rank(item: pytest.Item) -> int:
+    for rank, prefix in enumerate(SLOW_FIRST):
+        if item.nodeid.startswith(prefix):
+            return rank
+    return len(SLOW_FIRST)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Known-slow tests first (``SLOW_FIRST``); the rest keep their order."""
+    items.sort(key=_slow_rank)  # stable
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the shared mypy run as soon as the tests that read it are known."""
+    """Start the shared mypy run and this process's fork server as soon as the tests that
+    use them are known: both work in the background while the first tests run."""
+    if session.config.option.collectonly:
+        return
     names = [list(getattr(item, "fixturenames", ())) for item in session.items]
     if wanted(names):
         MypyRun.start_or_join(session_directory())
+    if _runs_tests(session.config) and any("forked" in fixtures for fixtures in names):
+        start_server()
 
 
 @pytest.fixture(scope="session")

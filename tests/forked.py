@@ -10,8 +10,8 @@ membership, its own ``torch.distributed`` process group -- so rank processes, Di
 signals and kills are tested for real. What it cannot test is a fresh interpreter's start-up
 (``sys.path`` at launch, the console script, ``python -m``, torchrun): keep a real
 ``subprocess`` for those. Children also start within milliseconds of each other, not
-seconds apart: a test whose outcome depends on that spacing (test_diloco_e2e's three nodes)
-is not a candidate either.
+seconds apart: a test must not depend on that spacing (wait for an explicit condition, or
+assert what holds in every interleaving, as test_diloco_e2e's three nodes do).
 
 Use it through the ``forked`` fixture (tests/conftest.py), which kills what a test left
 running::
@@ -106,6 +106,15 @@ def cli_main(*argv: str) -> int:
     from speedtronic.cli import main
 
     return main(list(argv))
+
+
+def cli_main_stderr_to(stderr: str, *argv: str) -> int:
+    """``cli_main`` with the child's stderr (file descriptor 2) in the file ``stderr``, so
+    that ``child.output`` holds stdout alone."""
+    fd = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return cli_main(*argv)
 
 
 class Child:
@@ -213,6 +222,14 @@ def _nothing() -> None:
 _warm: list[bool] = []
 
 
+def start_server() -> None:
+    """Start the fork server now, without waiting: it imports ``PRELOAD`` in the background
+    (while other tests run) and the first child waits only for what is left of that."""
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+
+
 def forked_children() -> Iterator[Forked]:
     """The ``forked`` fixture's body (tests/conftest.py). The first use waits until the fork
     server has imported ``PRELOAD`` (seconds), so that no test's own timing includes it."""
@@ -228,4 +245,13 @@ def forked_children() -> Iterator[Forked]:
         children.close()
 
 
-__all__ = ["PRELOAD", "Child", "Forked", "cli_main", "context", "forked_children"]
+__all__ = [
+    "PRELOAD",
+    "Child",
+    "Forked",
+    "cli_main",
+    "cli_main_stderr_to",
+    "context",
+    "forked_children",
+    "start_server",
+]

@@ -1,9 +1,10 @@
 """A user's project never clashes with speedtronic's own modules (issue 10, item 7).
 
 Through the real launchers (a fresh interpreter is the point: what it finds on ``sys.path``
-at start-up), run from a temporary project directory: the built-in callbacks load when the
-project has its own ``callbacks.py`` / ``callbacks/`` (named in ``imports:`` or not), and
-nothing in the working directory runs unless ``imports:`` names it.
+at start-up), run from a temporary project directory: nothing in the working directory runs
+unless ``imports:`` names it, and the built-in callbacks load beside a project's own
+``callbacks.py`` / ``callbacks/``. A project ``callbacks`` module named in ``imports:`` runs
+the command in a forked child with a clean ``sys.modules`` (tests/forked.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cli_runner import run_cli as run_in_process
+from forked import Forked, cli_main_stderr_to
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSOLE_SCRIPT = Path(sys.executable).with_name("speedtronic")
@@ -95,8 +97,12 @@ def assert_default_sinks_ran(done: subprocess.CompletedProcess[str], project: Pa
 
 
 def test_a_project_module_named_callbacks_in_imports_works_with_the_builtins(
-    tmp_path: Path,
+    tmp_path: Path, forked: Forked
 ) -> None:
+    # The command runs in a child forked from the preloaded fork server (tests/forked.py):
+    # like the console script, it starts with a clean ``sys.modules`` (the server never
+    # imported the project's module) and without the working directory on ``sys.path``;
+    # the console script's own start-up is tested below.
     (tmp_path / "callbacks.py").write_text(
         "from speedtronic import Callback, register_callback\n"
         "@register_callback('hello')\n"
@@ -105,7 +111,11 @@ def test_a_project_module_named_callbacks_in_imports_works_with_the_builtins(
         "        print('HELLO from the project callbacks module')\n"
     )
     write_config(tmp_path, imports=["callbacks"], callbacks=[{"name": "hello"}])
-    done = run_cli("console script", "fit", "--config", "run.yaml", cwd=tmp_path)
+    stderr = tmp_path / "stderr.txt"
+    args = ("fit", "--config", "run.yaml")
+    child = forked.start(cli_main_stderr_to, str(stderr), *args, cwd=tmp_path)
+    code = child.wait(timeout=300)
+    done = subprocess.CompletedProcess(args, code, child.output, stderr.read_text())
     assert_default_sinks_ran(done, tmp_path)
     assert "HELLO from the project callbacks module" in done.stdout
 

@@ -1,19 +1,19 @@
 """DiLoCo end to end: the callback inside real Trainers, its options and schema, and one
-master plus two workers as separate OS processes on a temporary directory hub."""
+master plus two workers as separate OS processes on a temporary directory hub (forked from
+the preloaded fork server, tests/forked.py; the node code is tests/diloco_e2e_node.py)."""
 
 from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
-import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 import torch
+from diloco_e2e_node import run_node
+from forked import Child, Forked
 from jsonschema import Draft202012Validator
 from torch.utils.data import DataLoader, Subset
 
@@ -231,86 +231,18 @@ def test_missing_signing_secret_is_a_clear_error(
 
 # -- three processes -------------------------------------------------------------------------
 
-NODE_SCRIPT = r"""
-import json, os, sys, time
-from pathlib import Path
-import torch
-torch.set_num_threads(1)
-from torch.utils.data import DataLoader, Subset
-from speedtronic import Trainer
-from speedtronic.engine.callback import Callback
-from speedtronic.data import LearnableLanguageDataset
-from speedtronic.models.transformer import ReferenceTransformer
-from speedtronic_callbacks.diloco import DiLoCoCallback
 
-args = json.loads(sys.argv[1])
-hub, out = Path(args["hub"]), Path(args["out"])
-torch.manual_seed(0)
-model = ReferenceTransformer(vocab_size=32, block_size=16, n_layer=1, n_head=2, d_model=32)
-data = LearnableLanguageDataset(num_samples=1024, block_size=16, vocab_size=32, seed=7)
-loader = DataLoader(Subset(data, range(args["shard"], 1024, 3)), batch_size=16, shuffle=True,
-                    generator=torch.Generator().manual_seed(args["shard"]))
-diloco = DiLoCoCallback(role=args["role"], node_id=args["node"], hub_dir=str(hub), inner_steps=10,
-                        poll_interval=0.2, retry_initial=0.05, retry_max=0.5)
-
-
-class Pace(Callback):
-    # Tiny CPU steps take milliseconds; a short pause makes a step last about as long as a
-    # hub round trip, so that nodes overlap in time as real ones would.
-    def on_step_end(self, trainer, ctx):
-        time.sleep(args["pace"])
-
-
-class MasterStop(Callback):
-    # Keep aggregating until every worker is done and its last delta was applied.
-    def on_step_end(self, trainer, ctx):
-        done = all((hub.parent / f"{name}.done").exists() for name in args["wait_for"])
-        pending = [p for p in (hub / "nodes").glob("w*/*.safetensors")] if done else [1]
-        node = diloco.node
-        if done and not pending and node is not None and not node.master_lane.busy:
-            trainer.request_stop("workers finished")
-        if time.monotonic() - started > args["deadline"]:
-            trainer.request_stop("deadline")
-
-
-trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=3e-3), loader,
-                  callbacks=[diloco, Pace()] + ([MasterStop()] if args["role"] == "master" else []),
-                  output_dir=out, metrics_every=1)
-if args.get("resume"):
-    trainer.load_state_dict(torch.load(out / "state.pt", weights_only=False))
-started = time.monotonic()
-result = trainer.fit(args["steps"])
-torch.save(trainer.state_dict(), out / "state.pt")
-records = [{k: v for k, v in r.items() if k.startswith("diloco/") or k == "step"}
-           for r in result.metrics]
-(out / f"result-{args['tag']}.json").write_text(json.dumps(
-    {"steps": result.steps, "stop_reason": result.stop_reason, "records": records,
-     "uploads": diloco.node.stats.uploads, "unconfirmed": diloco.node.unconfirmed is not None}))
-(hub.parent / f"{args['tag']}.done").write_text("ok")
-"""
-
-
-def launch(tmp_path: Path, **args: object) -> subprocess.Popen[bytes]:
+def launch(forked: Forked, tmp_path: Path, **args: object) -> Child:
+    """A node process (``diloco_e2e_node.run_node``), forked from the suite's preloaded fork
+    server: a separate process with its own threads, hub lanes and exit."""
     out = tmp_path / str(args["node"])
     out.mkdir(exist_ok=True)
     payload = {"hub": str(tmp_path / "hub"), "out": str(out), "pace": 0.02, **args}
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "callbacks")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    return subprocess.Popen(
-        [sys.executable, "-c", NODE_SCRIPT, json.dumps(payload)],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    return forked.start(run_node, json.dumps(payload), cwd=REPO_ROOT)
 
 
-def finish(process: subprocess.Popen[bytes], timeout: float) -> None:
-    _, stderr = process.communicate(timeout=timeout)
-    assert process.returncode == 0, stderr.decode()[-3000:]
+def finish(process: Child, timeout: float) -> None:
+    assert process.wait(timeout=timeout) == 0, process.output[-3000:]
 
 
 def result_of(tmp_path: Path, node: str, tag: str) -> Mapping[str, object]:
@@ -336,22 +268,10 @@ def eval_loss(state: Mapping[str, torch.Tensor] | None) -> float:
     )
 
 
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Node processes of a test; any still running when it ends (a failure) are killed."""
-    launched: list[subprocess.Popen[bytes]] = []
-    yield launched
-    for process in launched:
-        if process.poll() is None:
-            process.kill()
-            process.wait(timeout=30)
-
-
-def test_one_master_two_workers_as_processes(
-    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
-) -> None:
+def test_one_master_two_workers_as_processes(tmp_path: Path, forked: Forked) -> None:
     started = time.monotonic()
     master = launch(
+        forked,
         tmp_path,
         role="master",
         node="master",
@@ -361,19 +281,18 @@ def test_one_master_two_workers_as_processes(
         deadline=150,
         wait_for=["w0", "w1b"],
     )
-    processes.append(master)
     pointer_file = tmp_path / "hub" / POINTER_PATH
     while not pointer_file.exists() and master.poll() is None:  # the master bootstrapped
         time.sleep(0.1)
-    w0 = launch(tmp_path, role="worker", node="w0", tag="w0", shard=1, steps=60)
-    w1 = launch(tmp_path, role="worker", node="w1", tag="w1a", shard=2, steps=30)
-    processes.extend([w0, w1])
+    w0 = launch(forked, tmp_path, role="worker", node="w0", tag="w0", shard=1, steps=60)
+    w1 = launch(forked, tmp_path, role="worker", node="w1", tag="w1a", shard=2, steps=30)
     finish(w1, timeout=180)  # w1 stops half way (its state is saved) ...
     layout = build_layout(tiny_model().state_dict())
     pointer = decode_pointer(pointer_file.read_bytes(), fingerprint=layout.fingerprint, secret=None)
     hub_step_at_restart = pointer.outer_step
-    w1b = launch(tmp_path, role="worker", node="w1", tag="w1b", shard=2, steps=60, resume=True)
-    processes.append(w1b)
+    w1b = launch(
+        forked, tmp_path, role="worker", node="w1", tag="w1b", shard=2, steps=60, resume=True
+    )
     finish(w0, timeout=180)
     finish(w1b, timeout=180)  # ... and is restarted from its checkpoint
     finish(master, timeout=180)
@@ -413,4 +332,5 @@ def test_one_master_two_workers_as_processes(
         (tmp_path / "hub" / POINTER_PATH).read_bytes(), fingerprint=layout.fingerprint, secret=None
     )
     weights = decode_global((tmp_path / "hub" / final.model_file).read_bytes(), layout, secret=None)
-    assert eval_loss(weights) < eval_loss(None) - 0.3
+    # measured 1.60-1.79 against 3.46 untrained, in every interleaving (diloco_e2e_node.py)
+    assert eval_loss(weights) < eval_loss(None) - 1.0

@@ -1,4 +1,5 @@
-"""The checkout itself: no merge leftovers in any tracked text file."""
+"""The checkout itself: no merge leftovers in any tracked text file; the suite's ordering list
+names tests that exist."""
 
 from __future__ import annotations
 
@@ -27,3 +28,16 @@ def test_no_merge_conflict_markers() -> None:
         if path.is_file() and MARKER.search(path.read_text(encoding="utf-8", errors="replace"))
     ]
     assert offenders == []
+
+
+def test_every_slow_first_entry_names_an_existing_test() -> None:
+    """``conftest.SLOW_FIRST`` orders the suite; a renamed test would silently drop out."""
+    from conftest import SLOW_FIRST
+
+    stale = []
+    for entry in SLOW_FIRST:
+        file, _, test = entry.partition("::")
+        path = ROOT / file
+        if not path.is_file() or (test and f"\ndef {test}(" not in path.read_text()):
+            stale.append(entry)
+    assert SLOW_FIRST and not stale, stale
