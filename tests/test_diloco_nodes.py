@@ -133,9 +133,10 @@ def test_master_and_two_multi_rank_worker_nodes_train_like_one_node(
     )
     assert diloco < untrained - 1.0  # the nodes learned the language together
     # Issue 13: within 5% of a single node of the same total budget (120 steps x 24
-    # samples). Measured 1.257-1.306 against 1.261 (ratio 0.997-1.035, docs/scale-out.md).
+    # samples). Measured 1.257-1.309 against 1.261 in 26 runs (ratio 0.997-1.038; the
+    # rounds' timing varies, docs/scale-out.md).
     # Before the hub-mode delta-carry rule (a node installing a global dropped its unsent
-    # progress from its weights) it was 1.6-1.8 against 1.44 at 40 steps.
+    # progress from its weights) it was 1.6-1.9 against 1.44 at 40 steps.
     assert diloco <= reference * 1.05
 
 
