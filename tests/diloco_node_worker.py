@@ -44,13 +44,15 @@ def run_config(out: Path, steps: int, **sections: Mapping[str, object]) -> dict[
     return config
 
 
-def diloco_options(hub: Path, role: str, node: str, index: int) -> dict[str, object]:
+def diloco_options(
+    hub: Path, role: str, node: str, index: int, inner_steps: int = INNER_STEPS
+) -> dict[str, object]:
     return {
         "name": "diloco",
         "role": role,
         "node_id": node,
         "hub_dir": str(hub),
-        "inner_steps": INNER_STEPS,
+        "inner_steps": inner_steps,
         "node_index": index,
         "num_nodes": NODES,
         "poll_interval": 0.05,
@@ -123,6 +125,7 @@ def node(out_dir: str, raw: str) -> int:
     # (three processes x every 5 steps is most of a cheap step's cost).
     checkpoint = {"enabled": bool(params.get("checkpoints", True))}
     logging = {"every_steps": int(params.get("log_every", 1))}
+    inner_steps = int(params.get("inner_steps", INNER_STEPS))
     extra: list[Callback] = []
     if kind == "single":
         config = run_config(
@@ -139,7 +142,7 @@ def node(out_dir: str, raw: str) -> int:
         )
     elif kind == "master":
         config = run_config(out / tag, 100_000, checkpoint=checkpoint, logging=logging)
-        config["callbacks"] = [diloco_options(hub, "master", tag, 0)]
+        config["callbacks"] = [diloco_options(hub, "master", tag, 0, inner_steps)]
         extra.append(_MasterHold(hub, steps, list(params["wait_for"]), params["deadline"]))
     else:
         config = run_config(
@@ -149,7 +152,9 @@ def node(out_dir: str, raw: str) -> int:
             checkpoint=checkpoint,
             logging=logging,
         )
-        config["callbacks"] = [diloco_options(hub, "worker", tag, int(params["index"]))]
+        config["callbacks"] = [
+            diloco_options(hub, "worker", tag, int(params["index"]), inner_steps)
+        ]
         if params.get("die_at") is not None and rank == 1:
             extra.append(_Die(int(params["die_at"])))
     trainer: Trainer | None = None
