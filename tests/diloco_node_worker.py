@@ -44,20 +44,24 @@ def run_config(out: Path, steps: int, **sections: Mapping[str, object]) -> dict[
     return config
 
 
-def diloco_options(hub: Path, role: str, node: str, index: int) -> dict[str, object]:
+def diloco_options(
+    hub: Path, role: str, node: str, index: int, inner_steps: int = INNER_STEPS
+) -> dict[str, object]:
     return {
         "name": "diloco",
         "role": role,
         "node_id": node,
         "hub_dir": str(hub),
-        "inner_steps": INNER_STEPS,
+        "inner_steps": inner_steps,
         "node_index": index,
         "num_nodes": NODES,
         "poll_interval": 0.05,
         "retry_initial": 0.01,
         "retry_max": 0.1,
-        # Asynchronous rounds of one delta each: no outer momentum to amplify them, and no
-        # optimizer reset at every install (a few steps apart at this scale).
+        # Asynchronous rounds of one delta each: each counts outer_lr x its staleness weight
+        # (0.5 x ~0.7, about 1/3 with three nodes, so the global moves by about the nodes'
+        # mean progress); no outer momentum to amplify them, and no optimizer reset at every
+        # install (a few steps apart at this scale). See docs/scale-out.md.
         "outer_lr": 0.5,
         "outer_momentum": 0.0,
         "reset_optimizer": False,
@@ -117,18 +121,40 @@ def node(out_dir: str, raw: str) -> int:
     hub = out / "hub"
     rank = int(os.environ.get("RANK", "0"))
     steps = int(params["steps"])
+    # The kill-and-resume test needs checkpoints; the learning test does not write them
+    # (three processes x every 5 steps is most of a cheap step's cost).
+    checkpoint = {"enabled": bool(params.get("checkpoints", True))}
+    logging = {"every_steps": int(params.get("log_every", 1))}
+    inner_steps = int(params.get("inner_steps", INNER_STEPS))
     extra: list[Callback] = []
     if kind == "single":
         config = run_config(
-            out / tag, steps, data={"target_batch_size": NODES * SAMPLES_PER_NODE_STEP}
+            out / tag,
+            steps,
+            # one micro-batch of all three nodes' samples per step (the same mean gradient
+            # as accumulating three, in a third of the loop's steps)
+            data={
+                "micro_batch_size": NODES * SAMPLES_PER_NODE_STEP,
+                "target_batch_size": NODES * SAMPLES_PER_NODE_STEP,
+            },
+            checkpoint=checkpoint,
+            logging=logging,
         )
     elif kind == "master":
-        config = run_config(out / tag, 100_000)
-        config["callbacks"] = [diloco_options(hub, "master", tag, 0)]
+        config = run_config(out / tag, 100_000, checkpoint=checkpoint, logging=logging)
+        config["callbacks"] = [diloco_options(hub, "master", tag, 0, inner_steps)]
         extra.append(_MasterHold(hub, steps, list(params["wait_for"]), params["deadline"]))
     else:
-        config = run_config(out / tag, steps, data={"micro_batch_size": SAMPLES_PER_NODE_STEP // 2})
-        config["callbacks"] = [diloco_options(hub, "worker", tag, int(params["index"]))]
+        config = run_config(
+            out / tag,
+            steps,
+            data={"micro_batch_size": SAMPLES_PER_NODE_STEP // 2},
+            checkpoint=checkpoint,
+            logging=logging,
+        )
+        config["callbacks"] = [
+            diloco_options(hub, "worker", tag, int(params["index"]), inner_steps)
+        ]
         if params.get("die_at") is not None and rank == 1:
             extra.append(_Die(int(params["die_at"])))
     trainer: Trainer | None = None

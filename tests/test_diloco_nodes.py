@@ -25,23 +25,29 @@ from speedtronic_callbacks.diloco.model_layout import build_layout
 from speedtronic_callbacks.diloco.pointer import POINTER_PATH, decode_pointer
 from speedtronic_callbacks.diloco.wire import decode_global
 
-STEPS = 40  # per node: 4 outer rounds of inner_steps=10
+STEPS = 40  # per node: 4 outer rounds of inner_steps=10 (the kill-and-resume test)
+LEARNING_STEPS = 120  # per node: 6 outer rounds of inner_steps=20 (the held-out loss test)
 
 
-def start_node(forked: Forked, out: Path, tag: str, index: int, **params: object) -> list[Child]:
+def start_node(
+    forked: Forked, out: Path, tag: str, index: int, steps: int = STEPS, **params: object
+) -> list[Child]:
     """A worker node: two ranks of one torch.distributed job."""
     port = free_port()
-    payload = json.dumps({"kind": "worker", "tag": tag, "index": index, "steps": STEPS, **params})
+    payload = json.dumps({"kind": "worker", "tag": tag, "index": index, "steps": steps, **params})
     return [forked.start(node, str(out), payload, env=rank_env(r, 2, port)) for r in (0, 1)]
 
 
-def start_master(forked: Forked, out: Path, wait_for: Sequence[str]) -> Child:
+def start_master(
+    forked: Forked, out: Path, wait_for: Sequence[str], steps: int = STEPS, **params: object
+) -> Child:
     payload = {
         "kind": "master",
         "tag": "master",
-        "steps": STEPS,
+        "steps": steps,
         "wait_for": list(wait_for),
-        "deadline": 60,
+        "deadline": max(60, steps),
+        **params,
     }
     return forked.start(node, str(out), json.dumps(payload), env={"RANK": None})
 
@@ -95,18 +101,19 @@ def test_master_and_two_multi_rank_worker_nodes_train_like_one_node(
     tmp_path: Path, forked: Forked
 ) -> None:
     started = time.monotonic()
-    master = start_master(forked, tmp_path, ["w1", "w2"])
-    ranks = start_node(forked, tmp_path, "w1", 1) + start_node(forked, tmp_path, "w2", 2)
-    single = forked.start(
-        node, str(tmp_path), json.dumps({"kind": "single", "tag": "single", "steps": STEPS})
-    )
-    finished([*ranks, single, master], timeout=90)
+    steps, cheap = LEARNING_STEPS, {"checkpoints": False, "log_every": 40, "inner_steps": 20}
+    master = start_master(forked, tmp_path, ["w1", "w2"], steps, **cheap)
+    ranks = start_node(forked, tmp_path, "w1", 1, steps, **cheap)
+    ranks += start_node(forked, tmp_path, "w2", 2, steps, **cheap)
+    single = {"kind": "single", "tag": "single", "steps": steps, **cheap}
+    reference_run = forked.start(node, str(tmp_path), json.dumps(single))
+    finished([*ranks, reference_run, master], timeout=150)
     seconds = time.monotonic() - started
 
     for tag in ("w1", "w2"):
         assert_ranks_agree(tmp_path, tag)  # every install reached both ranks, at one step
         outcome = report(tmp_path, tag)
-        assert outcome["steps"] == STEPS
+        assert outcome["steps"] == steps
         assert int(outcome["uploads"]) >= 3  # type: ignore[call-overload]  # JSON int
         assert int(outcome["installs"]) >= 2  # type: ignore[call-overload]  # JSON int
         assert "uploads" not in report(tmp_path, tag, 1)  # only rank 0 talks to the hub
@@ -125,11 +132,12 @@ def test_master_and_two_multi_rank_worker_nodes_train_like_one_node(
         f"untrained {untrained:.4f} ({seconds:.1f} s)"
     )
     assert diloco < untrained - 1.0  # the nodes learned the language together
-    # Issue 13 asks for "within 5% of a single node of the same budget". At this budget
-    # (40 steps of 8 samples per node, asynchronous rounds of one delta each) it is not:
-    # measured 1.75 against 1.44 (+22%); single-process nodes measured worse (see
-    # docs/scale-out.md). This bound only catches a broken exchange, not a tuning gap.
-    assert diloco < reference * 1.5
+    # Issue 13: within 5% of a single node of the same total budget (120 steps x 24
+    # samples, H = 20). Measured 1.269-1.291 against 1.261 in 15 runs (ratio 1.006-1.024;
+    # the rounds' timing varies. With H = 10: 0.997-1.045, docs/scale-out.md).
+    # Before the hub-mode delta-carry rule (a node installing a global dropped its unsent
+    # progress from its weights) it was 1.6-1.9 against 1.44 at 40 steps.
+    assert diloco <= reference * 1.05
 
 
 def test_a_killed_rank_ends_its_node_and_the_node_resumes_and_rejoins(

@@ -471,8 +471,11 @@ class DiLoCoCallback(Callback):
             trainer.request_optimizer_reset("diloco")
 
     def _evaluate_global(self, trainer: TrainerView, outer_step: int) -> None:
-        """Evaluate the global model of ``outer_step``, just installed into the model."""
-        metrics = trainer.evaluate()
+        """Evaluate the global model of ``outer_step``, just installed into the model (plus
+        the master's own unsent progress, set aside for the evaluation)."""
+        assert self.node is not None  # only the master evaluates
+        with self.node.holding_global():
+            metrics = trainer.evaluate()
         self.global_eval = {
             GLOBAL_EVAL_LOSS: metrics[EVAL_LOSS],
             GLOBAL_EVAL_PPL: metrics[EVAL_PPL],

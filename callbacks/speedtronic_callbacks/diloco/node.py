@@ -9,10 +9,12 @@ Per step, in this order:
 1. drain the lanes' results (confirmed uploads, fetched globals, master rounds);
 2. at a boundary (``step % inner_steps == 0``): fold the progress since the baseline into
    the pending delta and hand it to the upload lane -- **upload first**;
-3. if a newer global arrived: fold any progress not yet sent into the pending delta (so it
-   is sent at the next boundary instead of being thrown away), then install the global and
-   make it the new baseline. Returns the installed outer step so the callback can ask for
-   an optimizer reset -- only for an accepted (installed) sync;
+3. if a newer global arrived: fold any progress not yet sent into the pending delta, then
+   install the global *plus* that unsent progress (the hub-mode **delta-carry rule**,
+   ``weights <- global - pending``, the same rule as streaming's): the node keeps building
+   on its own work instead of dropping it from its weights, and sends it at the next
+   boundary, now based on the installed global. Returns the installed outer step so the
+   callback can ask for an optimizer reset -- only for an accepted (installed) sync;
 4. schedule background work that is due (poll / master round).
 
 Streaming (``fragments`` P > 1, docs/distributed.md "Streaming"): the boundaries are those
@@ -36,7 +38,8 @@ import logging
 import math as pymath
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -231,6 +234,8 @@ class DiLoCoNode:
         """Where the 2.0 events go (``outer_step``, ``delta_upload_*``): the trainer's notes."""
         self.incarnation = uuid.uuid4().hex[:12]
         self.installed_step = -1
+        self.installed_global: Mapping[str, torch.Tensor] | None = None
+        """The global model last installed (the weights hold it plus unsent progress)."""
         self.baseline: dict[str, torch.Tensor] | None = None
         self.pending: dict[str, torch.Tensor] | None = None
         self.pending_base = -1
@@ -458,12 +463,19 @@ class DiLoCoNode:
                 # First global, and it is not the weights this node started from (another
                 # seed): progress measured from those weights means nothing to the hub.
                 self.pending = None
-            elif self.installed_step < 0:
-                self.pending_base = candidate.outer_step
-        full = expand_aliases(candidate.state, self.layout)
+        state = dict(candidate.state)
+        if self.pending is not None:
+            # The delta-carry rule: the weights become the global plus the progress the hub
+            # does not have yet, and that progress now stands on this global (its base).
+            # Installing the bare global instead would throw the node's unsent work out of
+            # its weights, to come back only at outer_lr x staleness weight a round later.
+            state.update(carry(candidate.state, self.pending))
+            self.pending_base = candidate.outer_step
+        full = expand_aliases(state, self.layout)
         with torch.no_grad():
             self.model.load_state_dict(full, strict=True)
-        self.baseline = {key: candidate.state[key] for key in self.layout.sync_keys}
+        self.baseline = {key: state[key] for key in self.layout.sync_keys}
+        self.installed_global = candidate.state
         self._captured_step = step
         self.installed_step = candidate.outer_step
         self.stats.installs += 1
@@ -474,6 +486,27 @@ class DiLoCoNode:
             step,
         )
         return candidate.outer_step
+
+    @contextmanager
+    def holding_global(self) -> Iterator[None]:
+        """The model holds the installed global model exactly inside the block (not the
+        global plus the progress carried at the install), and its own weights again after
+        it: what evaluates "the global model" (the master's ``diloco/eval_global``)."""
+        installed = self.installed_global
+        state = self.model.state_dict()
+        if installed is None or all(
+            torch.equal(state[key], installed[key]) for key in self.layout.sync_keys
+        ):
+            yield
+            return
+        own = {key: value.detach().clone() for key, value in state.items()}
+        with torch.no_grad():
+            self.model.load_state_dict(expand_aliases(installed, self.layout), strict=True)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                self.model.load_state_dict(own, strict=True)
 
     def _started_from(self, candidate: GlobalCandidate) -> bool:
         """Whether ``baseline + pending`` (the weights this node started from) equals the
@@ -856,6 +889,23 @@ class DiLoCoNode:
                 )
                 values["diloco/staleness_max"] = max(staleness, default=0)
         return values
+
+
+def carry(
+    global_state: Mapping[str, torch.Tensor], pending: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``global - pending`` for every key of ``pending`` (a pseudo-gradient: ``baseline -
+    weights``), in the global's dtypes; complex entries from their wire form."""
+    result: dict[str, torch.Tensor] = {}
+    for key, delta in pending.items():
+        target = global_state[key]
+        if target.is_complex():
+            real = torch.view_as_real(target.to(torch.complex64)) - delta
+            result[key] = torch.view_as_complex(real.contiguous()).to(target.dtype)
+        else:
+            wide = torch.promote_types(target.dtype, torch.float32)
+            result[key] = (target.to(wide) - delta.to(wide)).to(target.dtype)
+    return result
 
 
 def _text(state: Mapping[str, object], key: str) -> str:
