@@ -23,7 +23,7 @@ FACES = {"__init__", "__main__", "runtime", "cli", "plugins", "user_imports", "t
 V2_PATHS: dict[str, str] = {
     "config": (
         "ConfigError RunConfig ModelConfig DataConfig OptimizerConfig SchedulerConfig "
-        "PrecisionConfig LoggingConfig DistributedConfig ShapeValidationConfig "
+        "PrecisionConfig CheckpointConfig LoggingConfig DistributedConfig ShapeValidationConfig "
         "SpeedtronicConfig Config load_config load_yaml_config"
     ),
     "runtime": (

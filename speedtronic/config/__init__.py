@@ -10,6 +10,8 @@ and composed in (see ``speedtronic.config.schema``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from speedtronic.config.loading import (
     OPTIMIZER_ALIASES,
     RUN_ALIASES,
@@ -54,11 +56,15 @@ from speedtronic.config.sections import (
     redact_secrets,
 )
 
+if TYPE_CHECKING:
+    from speedtronic.compat.checkpoint_config import CheckpointConfig
+
 __all__ = [
     "OPTIMIZER_ALIASES",
     "RUN_ALIASES",
     "SECRET_KEYS",
     "CallbackSpec",
+    "CheckpointConfig",
     "Config",
     "ConfigError",
     "ConfigSource",
@@ -93,3 +99,13 @@ __all__ = [
     "section_aliases",
     "write_schemas",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """2.0's ``CheckpointConfig`` lives with the 2.0 shims, which import this package, so it
+    resolves here on first use."""
+    if name == "CheckpointConfig":
+        from speedtronic.compat.checkpoint_config import CheckpointConfig
+
+        return CheckpointConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
