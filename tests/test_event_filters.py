@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
+from scalar_model import Scalar
 
 from speedtronic import Callback, Event, Trainer
 from speedtronic.engine.contexts import FitContext, StepContext
@@ -16,15 +16,6 @@ from speedtronic.engine.filters import StepFilter, every, final_step, logging_st
 from speedtronic.engine.metrics import MetricRecord
 from speedtronic.engine.view import TrainerView
 from speedtronic.testing import EventRecorder
-
-
-class Scalar(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.v = nn.Parameter(torch.zeros(()))
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return ((self.v * x - y) ** 2).mean()
 
 
 def fit(*callbacks: Callback, steps: int = 5, metrics_every: int = 2, k: int = 1) -> Trainer:

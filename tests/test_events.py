@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
+from scalar_model import Scalar
 
 from speedtronic import Callback, Event, Trainer
 from speedtronic.engine.contexts import CoordinateContext, MetricsContext, StepContext
@@ -18,15 +18,6 @@ from speedtronic.engine.dispatch import (
 )
 from speedtronic.engine.events import STEP_TAIL_EVENTS, expected_step_trace
 from speedtronic.testing import EventRecorder, expected_fit_trace
-
-
-class Scalar(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.v = nn.Parameter(torch.zeros(()))
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return ((self.v * x - y) ** 2).mean()
 
 
 def batches(n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:

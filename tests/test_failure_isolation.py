@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
+from scalar_model import Scalar
 
 from speedtronic import Callback, Trainer
 from speedtronic.engine.contexts import (
@@ -17,15 +17,6 @@ from speedtronic.engine.contexts import (
     TeardownContext,
 )
 from speedtronic.engine.view import TrainerView
-
-
-class Scalar(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.v = nn.Parameter(torch.zeros(()))
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return ((self.v * x - y) ** 2).mean()
 
 
 def make_trainer(*callbacks: Callback, steps: int = 3) -> Trainer:
