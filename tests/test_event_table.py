@@ -5,6 +5,8 @@ the hooks are typed to match, the engine's emits are type-checked against it, an
 from __future__ import annotations
 
 import inspect
+import re
+import typing
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from mypy_outside import MypyRun, register
 from torch import nn
 
 from speedtronic import Callback, Event, Trainer
+from speedtronic.engine import contexts, loop
 from speedtronic.engine.contexts import StepContext
 from speedtronic.engine.dispatch import CallbackPlan, UnknownHookError, describe_classes
 from speedtronic.engine.events import CONTEXT_TYPES, EVENT_KEYS, On
@@ -82,7 +85,7 @@ def test_an_inherited_typo_is_found_and_helpers_without_on_are_fine() -> None:
 
 
 WRONG_EMIT = (
-    "from speedtronic.engine.contexts import FitContext, StepContext\n"
+    "from speedtronic.engine.contexts import FitContext, StepContext, new_context\n"
     "from speedtronic.engine.dispatch import CallbackPlan\n"
     "from speedtronic.engine.events import On\n"
     "from speedtronic.engine.view import TrainerView\n\n"
@@ -92,6 +95,8 @@ WRONG_EMIT = (
     "    for hook in plan.begin_step(1, 2, 1)[On.STEP_END]:\n"  # how the loop calls hooks
     "        hook(trainer, StepContext(1, 1))\n"
     "        hook(trainer, FitContext(0, 1))\n"
+    "        hook(trainer, new_context(StepContext, (1, 1)))\n"  # how the loop builds them
+    "        hook(trainer, new_context(StepContext, (1, 'one')))\n"
 )
 register("wrong_emit.py", lambda: WRONG_EMIT)
 
@@ -101,8 +106,36 @@ def test_mypy_rejects_a_wrong_context_for_an_event(mypy_outside: MypyRun) -> Non
     calls through the due-hook table (``HookTable``)."""
     assert mypy_outside.returncode == 1, mypy_outside.stdout
     errors = [line for line in mypy_outside.lines("wrong_emit.py") if ": error:" in line]
-    assert len(errors) == 2, mypy_outside.stdout
+    assert len(errors) == 3, mypy_outside.stdout
     # mypy words it "Cannot infer value of type parameter CtxT" or names FitContext.
     assert "wrong_emit.py:8:" in errors[0], errors
     assert "CtxT" in errors[0] or '"FitContext"' in errors[0], errors
     assert "wrong_emit.py:11:" in errors[1] and '"FitContext"' in errors[1], errors
+    # The loop's fast constructor checks the fields against the context's own.
+    assert "wrong_emit.py:13:" in errors[2] and '"tuple[int, int]"' in errors[2], errors
+
+
+def test_new_context_overloads_match_the_named_tuples() -> None:
+    """``new_context`` (the loop's C-speed constructor) declares each context's fields by
+    hand; they must be the named tuple's fields, in order, or mypy would check the wrong
+    thing."""
+    overloads = typing.get_overloads(contexts.NewContext.__call__)
+    assert overloads, "NewContext declares no overloads"
+    covered = set()
+    for declared in overloads:
+        hints = typing.get_type_hints(declared, vars(contexts))
+        (cls,) = typing.get_args(hints["cls"])
+        fields = typing.get_type_hints(cls)
+        assert list(fields) == list(cls._fields), cls
+        assert hints["fields"] == tuple[tuple(fields.values())], cls
+        assert hints["return"] is cls
+        covered.add(cls)
+    # Every context the loop builds per step has an overload.
+    loop_source = inspect.getsource(loop)
+    built = {
+        getattr(contexts, name)
+        for name in re.findall(r"new_context\((\w+),", loop_source)
+    }
+    assert built and built <= covered
+    assert contexts.new_context(StepContext, (3, 2)) == StepContext(3, 2)
+    assert type(contexts.new_context(StepContext, (3, 2))) is StepContext

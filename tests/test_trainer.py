@@ -9,8 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from speedtronic import Trainer
+from speedtronic import Callback, Trainer
 from speedtronic.engine.batch import ModelOutputError, loss_from_logits, resolve_loss
+from speedtronic.engine.contexts import StepContext
+from speedtronic.engine.view import TrainerView
 
 
 class MeanModel(nn.Module):
@@ -35,6 +37,33 @@ def test_accumulation_scales_gradients_and_reports_mean_loss() -> None:
     assert result.steps == 1
     assert result.samples == 2
 
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_last_loss_is_the_steps_mean_loss_detached(k: int) -> None:
+    """With one microbatch the loop keeps the model's loss as returned (no ``detach`` per
+    step); ``last_loss`` hands it out detached, the value of that step's loss."""
+    seen: list[tuple[float, bool]] = []
+
+    class Reader(Callback):
+        def on_step_end(self, trainer: TrainerView, ctx: StepContext) -> None:
+            loss = trainer.last_loss
+            assert loss is not None
+            seen.append((loss.item(), loss.requires_grad))
+
+    model = MeanModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [{"labels": torch.tensor([2.0])}]
+    trainer = Trainer(
+        model, opt, data, callbacks=[Reader()], accumulation_steps=k, max_steps=2
+    )
+    result = trainer.fit()
+    # v: 0 -> 0.4 after step 1 (grad -4, lr 0.1): losses (0-2)^2 = 4, then (0.4-2)^2 = 2.56.
+    assert seen == [(pytest.approx(4.0), False), (pytest.approx(2.56), False)]
+    assert result.final_loss == pytest.approx(2.56)
+    assert trainer.last_loss is not None and not trainer.last_loss.requires_grad
+    # Read once, the detached tensor is what the trainer keeps: the graph's nodes are gone.
+    assert trainer.step_loss is trainer.last_loss
 
 def test_absolute_max_steps_and_repeated_fit() -> None:
     model = MeanModel()

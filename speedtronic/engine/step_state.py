@@ -1,7 +1,7 @@
 """Per-fit step state besides the counters: where the fit's clock started, and what callbacks
 asked for during a step (stop after it, reset the optimizer).
 
-The counters themselves (``step``, ``samples``, ``tokens``, ``last_loss``) are plain trainer
+The counters themselves (``step``, ``samples``, ``tokens``, ``step_loss``) are plain trainer
 attributes: the loop updates them every microbatch, and plugins read them through
 ``TrainerView``.
 """

@@ -186,7 +186,10 @@ class Trainer:
         self.step = start_step
         self.samples = 0
         self.tokens = 0
-        self.last_loss: torch.Tensor | None = None
+        self.step_loss: torch.Tensor | None = None
+        """The last completed step's loss as the loop left it: with one microbatch still
+        attached to its (already freed) graph, like a hand-written loop's ``loss``; read it
+        through ``last_loss``."""
         self.due_records: list[dict[str, MetricValue]] = []
         self.fit_clock = FitClock(time.perf_counter(), start_step, 0, 0)
         self.skipped_steps = 0
@@ -265,6 +268,16 @@ class Trainer:
     def stop_requested(self) -> bool:
         """Whether a stop was requested on this rank (see ``stop_reason`` for the outcome)."""
         return self.requests.stop_reason is not None
+
+    @property
+    def last_loss(self) -> torch.Tensor | None:
+        """The mean microbatch loss of the last completed step, detached (a 0-d device
+        tensor). Detached here, on the first read, rather than every step in the loop."""
+        loss = self.step_loss
+        if loss is not None and loss.requires_grad:
+            # Keep the detached tensor: later reads are free and the graph's nodes go now.
+            loss = self.step_loss = loss.detach()
+        return loss
 
     @property
     def stop_reason(self) -> str | None:
@@ -398,7 +411,7 @@ class Trainer:
         self.model.train()
         self.forward_path.prepare(self.model, self.callbacks)
         self.optimizer.zero_grad(set_to_none=True)
-        self.last_loss = None
+        self.step_loss = None
         error: BaseException | None = None
         raised: BaseException | None = None
         try:
