@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -60,16 +61,17 @@ def child(case: str) -> None:
     sorted([0, 1], key=lambda a: (run(300) or 0) if a else 0)  # keys must compare
 
 
-def inclusive_counts(out_file: Path) -> dict[str, int]:
+def inclusive_counts(out_file: Path, markers: Sequence[str] = MARKERS) -> dict[str, int]:
+    """Each marker function's inclusive instruction count in a callgrind output file."""
     annotated = subprocess.run(
-        ["callgrind_annotate", "--inclusive=yes", str(out_file)],
+        ["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(out_file)],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
     counts: dict[str, int] = {}
     for line in annotated.splitlines():
-        for marker in MARKERS:
+        for marker in markers:
             if line.rstrip().endswith("]") and f":{marker} " in line:
                 counts[marker] = int(re.sub(r"[^0-9]", "", line.split()[0]))
     return counts
@@ -86,25 +88,33 @@ def export_revision(revision: str, into: Path) -> Path:
     return tree
 
 
-def callgrind(case: str, out: Path, source: Path) -> subprocess.Popen[bytes]:
-    """One case under callgrind, importing speedtronic from ``source``."""
+def start_callgrind(
+    script: str, child_args: Sequence[str], markers: Sequence[str], out: Path, source: Path
+) -> subprocess.Popen[bytes]:
+    """``script --child *child_args`` under callgrind, collecting only inside ``markers``
+    and importing speedtronic from ``source``."""
     path = os.pathsep.join([str(source), str(source / "callbacks")])
     return subprocess.Popen(
         [
             "valgrind",
             "--tool=callgrind",
             "--collect-atstart=no",
-            *(f"--toggle-collect={marker}" for marker in MARKERS),
+            *(f"--toggle-collect={marker}" for marker in markers),
             f"--callgrind-out-file={out}",
             sys.executable,
-            __file__,
+            script,
             "--child",
-            case,
+            *child_args,
         ],
         env=dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=path),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+def callgrind(case: str, out: Path, source: Path) -> subprocess.Popen[bytes]:
+    """One case under callgrind, importing speedtronic from ``source``."""
+    return start_callgrind(__file__, [case], MARKERS, out, source)
 
 
 def main() -> None:

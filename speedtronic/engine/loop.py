@@ -131,7 +131,7 @@ def run_global_step(t: Trainer, step: int) -> bool:
 def _accumulate_microbatches(t: Trainer, due: HookTable, step: int, k: int) -> torch.Tensor:
     """Forward/backward K microbatches; returns the sum of their unscaled losses (with K=1
     the one loss as the model returned it: ``Trainer.last_loss`` detaches it when read, so a
-    step costs no extra tensor op -- a ``detach`` is a dispatcher call, ~15,000 instructions)."""
+    step costs no extra tensor op: a ``detach`` is ~3,900 instructions, ``loop_pieces.py``)."""
     mb_start, mb_end = due[On.MICROBATCH_START], due[On.MICROBATCH_END]
     before_bw, after_bw = due[On.BEFORE_BACKWARD], due[On.AFTER_BACKWARD]
     stream, device, path = t.stream, t.device, t.forward_path
