@@ -171,7 +171,7 @@ ContextT = TypeVar("ContextT", bound=tuple[object, ...])
 class NewContext(Protocol):
     """``tuple.__new__`` as the loop calls it: ``new_context(StepContext, (step, k))`` builds
     the named tuple from its fields in one C call. One overload per per-step context, so mypy
-    checks the fields against the context's own (``tests/test_contexts.py`` checks that each
+    checks the fields against the context's own (``tests/test_event_table.py`` checks that each
     overload's field types are the named tuple's, in order)."""
 
     @overload
