@@ -128,3 +128,29 @@ def test_fresh_run_over_an_earlier_run_is_refused_until_resume_or_overwrite(
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.suffix == ".pt") == [
         "step_000000000002.pt"
     ]
+
+
+def test_a_stale_lock_naming_a_live_pid_is_described_as_such(
+    config_file: Path, tmp_path: Path
+) -> None:
+    # Issue 22, item 10: a stale lock whose PID now belongs to another (live) process was
+    # described as "no longer runs". That process does not hold the flock, so it is not the
+    # run: the lock is taken over, and the warning says what is true.
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        holder = {"host": socket.gethostname(), "pid": other.pid, "started": "earlier"}
+        (out / LOCK_NAME).write_text(json.dumps(holder))
+        result = speedtronic("fit", "--config", str(config_file), "--output-dir", str(out),
+                             "--max-steps", "1", cwd=tmp_path)  # fmt: skip
+        assert other.poll() is None  # still alive: the PID was live throughout
+    finally:
+        other.kill()
+        other.wait()
+    assert result.returncode == 0, result.stderr
+    warning = [line for line in result.stderr.splitlines() if "stale lock" in line]
+    assert len(warning) == 1, result.stderr
+    assert f"stale lock {out / LOCK_NAME} of PID {other.pid} on this host" in warning[0]
+    assert "does not hold the lock, so it is not the run" in warning[0]
+    assert "no longer runs" not in warning[0]

@@ -129,11 +129,12 @@ class RunDirectoryLock:
         same_host = holder.get("host") == socket.gethostname()
         if not same_host or not isinstance(pid, int):
             raise self._in_use(holder, hint="if that run is gone, delete the lock file")
-        if fcntl is None and _pid_alive(pid) and pid != os.getpid():
+        alive = _pid_alive(pid)
+        if fcntl is None and alive and pid != os.getpid():
             raise self._in_use(holder)
         warnings.warn(
-            f"taking over the stale lock {self.path} of PID {pid} on this host, which no "
-            "longer runs (it ended without releasing it)",
+            f"taking over the stale lock {self.path} of PID {pid} on this host: "
+            + _why_stale(pid, alive),
             UserWarning,
             stacklevel=4,
         )
@@ -161,6 +162,19 @@ class RunDirectoryLock:
             handle.truncate()
             handle.flush()
         handle.close()  # closing drops the flock
+
+
+def _why_stale(pid: int, alive: bool) -> str:
+    """Why a lock whose ``flock`` nobody holds names ``pid`` (POSIX: the holder of a run keeps
+    the ``flock`` until it ends, so the run that wrote the file is gone either way)."""
+    if pid == os.getpid():
+        return "this process wrote it for an earlier run that ended without releasing it"
+    if alive:
+        return (
+            "a process with that PID runs, but it does not hold the lock, so it is not the run "
+            "that wrote it (that run ended without releasing it; its PID was reused)"
+        )
+    return "it no longer runs (it ended without releasing the lock)"
 
 
 def _this_process() -> dict[str, object]:
