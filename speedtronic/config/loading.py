@@ -129,8 +129,7 @@ def _construct_int(loader: _YamlLoader, node: yaml.ScalarNode) -> int | Oversize
     literal = str(loader.construct_scalar(node))
     if len(literal) > MAX_NUMBER_CHARS:
         return OversizedNumber(literal)
-    value: int = loader.construct_yaml_int(node)  # type: ignore[no-untyped-call]  # untyped in types-PyYAML
-    return value
+    return loader.construct_yaml_int(node)
 
 
 _YamlLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
