@@ -116,12 +116,13 @@ def _load(args: argparse.Namespace, extra: Sequence[str] = ()) -> object:
 
 
 def _preflight(config: object, *, device: str | None = None, max_steps: int | None = None) -> None:
-    """Stop on what cannot work on this machine (exit 2); print one line per warning."""
+    """Stop on what cannot work on this machine (exit 2); print one line per warning. The
+    same checks for ``validate`` and ``fit`` (``speedtronic.runtime.preflight``)."""
     from speedtronic.config import SpeedtronicConfig
-    from speedtronic.config.preflight import check
+    from speedtronic.runtime import preflight
 
     assert isinstance(config, SpeedtronicConfig)
-    outcome = check(config, device=device, max_steps=max_steps)
+    outcome = preflight(config, device=device, max_steps=max_steps)
     for message in outcome.warnings:
         _print_warning(message)
     if outcome.errors:

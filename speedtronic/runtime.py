@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Protocol, cast, runtime_checkable
 
 import torch
+from torch.utils.data import Dataset
 
 from speedtronic.compat.metric_logger import MetricLogger
 from speedtronic.config import CallbackSpec, ConfigError, JSONValue, SpeedtronicConfig
+from speedtronic.config.preflight import Preflight, check
 from speedtronic.config.sections import OptimizerConfig
 from speedtronic.data import DataSourceError, build_dataloader
 from speedtronic.data.held_out import (
@@ -35,6 +37,7 @@ from speedtronic.data.held_out import (
     known_empty,
     training_excludes_tail,
 )
+from speedtronic.data.loader import training_dataset
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.evaluation import EvalOutcome, evaluate_model
 from speedtronic.engine.result import TrainResult
@@ -263,18 +266,21 @@ def build_runtime(
         streams = StageStreamScheduler(net, resolved_device, num_streams=cfg.ooo_streams)
         callbacks.append(StageStreamCallback(streams))
     shard_index, shard_count = data_shard(callbacks, distributed)
-    loader = (
-        dataloader
-        if dataloader is not None
-        else build_dataloader(
-            cfg.data,
-            pin_memory_device=resolved_device.type == "cuda",
-            vocab_size=cfg.data.vocab_size,
-            rank=shard_index,
-            world_size=shard_count,
-            held_out_fraction=training_excludes_tail(cfg.eval),
+    try:
+        loader = (
+            dataloader
+            if dataloader is not None
+            else build_dataloader(
+                cfg.data,
+                pin_memory_device=resolved_device.type == "cuda",
+                vocab_size=cfg.data.vocab_size,
+                rank=shard_index,
+                world_size=shard_count,
+                held_out_fraction=training_excludes_tail(cfg.eval),
+            )
         )
-    )
+    except DataSourceError as exc:  # what ``preflight`` reports (exit 2 in the CLI)
+        raise ConfigError(str(exc)) from None
     target_step = max_steps if max_steps is not None else cfg.target_steps
     horizon = cfg.scheduler_steps
     epoch_steps = epoch_step_limit(loader, cfg.run.max_epochs, cfg.accumulation_steps)
@@ -338,6 +344,13 @@ def held_out_loader(
     rank, world_size = (
         (distributed.rank, distributed.world_size) if distributed is not None else (0, 1)
     )
+    return build_eval_loader(
+        config.data, config.eval, rank=rank, world_size=world_size, dataset=_held_out(config)
+    )
+
+
+def _held_out(config: SpeedtronicConfig) -> Dataset[object]:
+    """The held-out dataset, or ``ConfigError`` when it cannot be built or is certainly empty."""
     try:
         dataset = held_out_dataset(config.data, config.eval, vocab_size=config.data.vocab_size)
     except DataSourceError as exc:
@@ -348,9 +361,38 @@ def held_out_loader(
             f"eval: the held-out set is empty ({empty}); raise eval.fraction or name a "
             "held-out source with eval.text_path or eval.dataset"
         )
-    return build_eval_loader(
-        config.data, config.eval, rank=rank, world_size=world_size, dataset=dataset
-    )
+    return dataset
+
+
+def preflight(
+    config: SpeedtronicConfig, *, device: str | None = None, max_steps: int | None = None
+) -> Preflight:
+    """Every check ``speedtronic fit`` makes before it trains, without training: the config's
+    checks on this machine (``speedtronic.config.preflight.check``: the device, the text
+    files, the warm-up; ``device`` and ``max_steps`` are the CLI's ``--device`` and
+    ``--max-steps``), then the training and held-out datasets, built as the run builds them
+    (a dataset is built lazily: nothing is read yet) -- an unknown dataset name, a
+    ``text`` dataset without a path, an empty held-out set. ``speedtronic validate`` and
+    ``speedtronic fit`` both run it, so what ``validate`` passes, ``fit`` starts."""
+    outcome = check(config, device=device, max_steps=max_steps)
+    if outcome.errors:
+        return outcome  # the datasets may need the very files that are missing
+    try:
+        training_dataset(
+            config.data,
+            vocab_size=config.data.vocab_size,
+            held_out_fraction=training_excludes_tail(config.eval),
+        )
+    except DataSourceError as exc:
+        outcome.errors.append(str(exc))
+        if not (config.eval.text_path or config.eval.dataset):
+            return outcome  # the held-out set is a split of that same source
+    if config.eval.every_steps is not None:
+        try:
+            _held_out(config)
+        except ConfigError as exc:
+            outcome.errors.extend(exc.errors)
+    return outcome
 
 
 def evaluate_checkpoint(
