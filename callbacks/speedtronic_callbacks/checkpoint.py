@@ -576,7 +576,7 @@ class CheckpointCallback(Callback):
                 "received %s: stopping after step %d and saving a checkpoint "
                 "(send it again to stop immediately)",
                 received.name,
-                trainer.step + 1,
+                trainer.step_in_progress,
             )
 
         for sig in HANDLED_SIGNALS:
