@@ -49,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
             "--resume", action="store_true", help="continue from the latest checkpoint"
         )
         fit.add_argument(
+            "--resume-from-other-run",
+            action="store_true",
+            help="resume even from a checkpoint another run wrote (a shared checkpoint "
+            "directory); implies --resume",
+        )
+        fit.add_argument(
             "--overwrite",
             action="store_true",
             help="replace an earlier run in the run directory (deletes its checkpoints and "
@@ -164,13 +170,15 @@ def _fit(args: argparse.Namespace) -> int:
             f"{core_maximum('run', 'max_steps')} (the bound of run.max_steps)"
         )
     _preflight(config, device=args.device, max_steps=args.max_steps)
-    with claim_run_directory(config.run.output_dir):
+    with claim_run_directory(config.run.output_dir) as claim:
         trainer, _ = build_runtime(
             config,
             resume=args.resume,
             device=args.device,
             max_steps=args.max_steps,
             overwrite=args.overwrite,
+            claim=claim,
+            resume_other_run=args.resume_from_other_run,
         )
         try:
             main_rank = trainer.distributed is None or trainer.distributed.is_main

@@ -26,6 +26,7 @@ from typing_extensions import Self
 from speedtronic.engine.callback import JSONSchema, LegacySections, PluginOptions, legacy_section
 from speedtronic.engine.contexts import ExceptionContext, FitContext, FitEndContext, TeardownContext
 from speedtronic.models.summary import format_model_summary, summarize_model
+from speedtronic.state.run_lock import RunPaths
 from speedtronic_callbacks.sink import (
     MetricSink,
     NumberFormat,
@@ -230,6 +231,10 @@ class ConsoleCallback(MetricSink):
             keys=[str(key) for key in keys] if isinstance(keys, list) else (),
             summary=options.get("summary", True) is not False,
         )
+
+    def run_paths(self, output_dir: Path) -> RunPaths:
+        """The text file, when lines go to one, locked for the run."""
+        return RunPaths(files=(resolve_path(self.file, output_dir),) if self.file else ())
 
     # -- output -------------------------------------------------------------------------
 

@@ -184,6 +184,10 @@ class Trainer:
         self.allow_optimizer_reset = settings.allow_optimizer_reset
         self.max_steps = settings.max_steps
         self.output_dir = settings.output_dir
+        self.run_id: str | None = None
+        """Which run this trainer continues (``speedtronic.state.run_identity``): recorded in
+        every checkpoint it saves. ``build_runtime`` sets it from the run directory; ``None``
+        (a trainer built in Python) records nothing and resumes any checkpoint."""
         self.shape_report = shape_report
         self.target_step = self.max_steps or 0
         """The absolute step this fit trains up to (set by ``fit``)."""
