@@ -49,6 +49,12 @@ def _parser() -> argparse.ArgumentParser:
             "--resume", action="store_true", help="continue from the latest checkpoint"
         )
         fit.add_argument(
+            "--resume-from-other-run",
+            action="store_true",
+            help="resume even from a checkpoint another run wrote (a shared checkpoint "
+            "directory); implies --resume",
+        )
+        fit.add_argument(
             "--overwrite",
             action="store_true",
             help="replace an earlier run in the run directory (deletes its checkpoints and "
@@ -116,12 +122,13 @@ def _load(args: argparse.Namespace, extra: Sequence[str] = ()) -> object:
 
 
 def _preflight(config: object, *, device: str | None = None, max_steps: int | None = None) -> None:
-    """Stop on what cannot work on this machine (exit 2); print one line per warning."""
+    """Stop on what cannot work on this machine (exit 2); print one line per warning. The
+    same checks for ``validate`` and ``fit`` (``speedtronic.runtime.preflight``)."""
     from speedtronic.config import SpeedtronicConfig
-    from speedtronic.config.preflight import check
+    from speedtronic.runtime import preflight
 
     assert isinstance(config, SpeedtronicConfig)
-    outcome = check(config, device=device, max_steps=max_steps)
+    outcome = preflight(config, device=device, max_steps=max_steps)
     for message in outcome.warnings:
         _print_warning(message)
     if outcome.errors:
@@ -163,13 +170,15 @@ def _fit(args: argparse.Namespace) -> int:
             f"{core_maximum('run', 'max_steps')} (the bound of run.max_steps)"
         )
     _preflight(config, device=args.device, max_steps=args.max_steps)
-    with claim_run_directory(config.run.output_dir):
+    with claim_run_directory(config.run.output_dir) as claim:
         trainer, _ = build_runtime(
             config,
             resume=args.resume,
             device=args.device,
             max_steps=args.max_steps,
             overwrite=args.overwrite,
+            claim=claim,
+            resume_other_run=args.resume_from_other_run,
         )
         try:
             main_rank = trainer.distributed is None or trainer.distributed.is_main

@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Protocol, cast, runtime_checkable
 
 import torch
+from torch.utils.data import Dataset
 
 from speedtronic.compat.metric_logger import MetricLogger
 from speedtronic.config import CallbackSpec, ConfigError, JSONValue, SpeedtronicConfig
+from speedtronic.config.preflight import Preflight, check
 from speedtronic.config.sections import OptimizerConfig
 from speedtronic.data import DataSourceError, build_dataloader
 from speedtronic.data.held_out import (
@@ -35,6 +37,7 @@ from speedtronic.data.held_out import (
     known_empty,
     training_excludes_tail,
 )
+from speedtronic.data.loader import training_dataset
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.evaluation import EvalOutcome, evaluate_model
 from speedtronic.engine.result import TrainResult
@@ -54,7 +57,9 @@ from speedtronic.plugins import (
 from speedtronic.state.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
 from speedtronic.state.resume import ResumeSource, resume_from
 from speedtronic.state.rng import seed_everything
+from speedtronic.state.run_identity import new_run_id, read_run_id, write_run_id
 from speedtronic.state.run_lock import (
+    RunClaim,
     check_earlier_run,
     claim_run_directory,
     earlier_run_files,
@@ -234,13 +239,22 @@ def build_runtime(
     dataloader: Iterable[object] | None = None,
     extra_callbacks: Sequence[Callback] = (),
     overwrite: bool | None = None,
+    claim: RunClaim | None = None,
+    resume_other_run: bool = False,
 ) -> tuple[Trainer, CheckpointManager]:
     """Build everything a run needs. ``max_steps`` is the absolute step to stop at (it does
     not change the LR schedule's horizon, so a stopped run resumes on the same schedule).
 
     ``overwrite`` checks the run directory for an earlier run's files (the plugins say which,
     ``speedtronic.state.run_lock.LeavesRunFiles``): ``False`` refuses a fresh run over them,
-    ``True`` deletes them first; ``None`` (the default, as in 2.0) does not look."""
+    ``True`` deletes them first; ``None`` (the default, as in 2.0) does not look.
+
+    ``claim`` (what ``claim_run_directory`` yields, as the CLI and ``train_from_config``
+    hold it) also locks every path the plugins write (``RunClaim.cover``) before the
+    earlier-run check, and records the run's id in the run directory. The trainer's
+    ``run_id`` is the run directory's on resume (``speedtronic.state.run_identity``), a new
+    one on a fresh start; resuming another run's checkpoint is refused unless
+    ``resume_other_run`` (which also resumes)."""
     cfg = as_config(config)
     import_modules(cfg.imports)
     logging.getLogger("speedtronic").setLevel(cfg.logging.level)
@@ -259,22 +273,27 @@ def build_runtime(
     output_dir = Path(cfg.run.output_dir).expanduser().resolve()
     context = PluginContext(config=cfg, output_dir=output_dir, device=resolved_device)
     callbacks = build_callbacks(cfg, context) + list(extra_callbacks)
+    if claim is not None:
+        claim.cover(callbacks)  # before anything looks at or writes those paths
     if cfg.ooo_backprop:
         streams = StageStreamScheduler(net, resolved_device, num_streams=cfg.ooo_streams)
         callbacks.append(StageStreamCallback(streams))
     shard_index, shard_count = data_shard(callbacks, distributed)
-    loader = (
-        dataloader
-        if dataloader is not None
-        else build_dataloader(
-            cfg.data,
-            pin_memory_device=resolved_device.type == "cuda",
-            vocab_size=cfg.data.vocab_size,
-            rank=shard_index,
-            world_size=shard_count,
-            held_out_fraction=training_excludes_tail(cfg.eval),
+    try:
+        loader = (
+            dataloader
+            if dataloader is not None
+            else build_dataloader(
+                cfg.data,
+                pin_memory_device=resolved_device.type == "cuda",
+                vocab_size=cfg.data.vocab_size,
+                rank=shard_index,
+                world_size=shard_count,
+                held_out_fraction=training_excludes_tail(cfg.eval),
+            )
         )
-    )
+    except DataSourceError as exc:  # what ``preflight`` reports (exit 2 in the CLI)
+        raise ConfigError(str(exc)) from None
     target_step = max_steps if max_steps is not None else cfg.target_steps
     horizon = cfg.scheduler_steps
     epoch_steps = epoch_step_limit(loader, cfg.run.max_epochs, cfg.accumulation_steps)
@@ -318,13 +337,23 @@ def build_runtime(
     )
     if cfg.run.stop_grace_s is not None:  # else the Trainer's (class) default
         trainer.stop_grace_s = cfg.run.stop_grace_s
-    resuming = resume or (source is not None and source.resume_requested)
+    resuming = resume or resume_other_run or (source is not None and source.resume_requested)
     if overwrite is not None and launched_as_main_process():
         check_earlier_run(earlier_run_files(callbacks), resume=resuming, overwrite=overwrite)
+    trainer.run_id = read_run_id(output_dir) if resuming else new_run_id()
     if resuming:
         # resume_from warns (and the run starts fresh) when there is no checkpoint.
         load_callback_state = source.load_callback_state if source is not None else True
-        resume_from(trainer, manager, load_callback_state=load_callback_state)
+        resume_from(
+            trainer,
+            manager,
+            load_callback_state=load_callback_state,
+            allow_other_run=resume_other_run,
+        )
+    if trainer.run_id is None:  # resumed nothing, in a directory without an id
+        trainer.run_id = new_run_id()
+    if claim is not None and claim.enabled:
+        write_run_id(output_dir, trainer.run_id)
     return trainer, manager
 
 
@@ -338,6 +367,13 @@ def held_out_loader(
     rank, world_size = (
         (distributed.rank, distributed.world_size) if distributed is not None else (0, 1)
     )
+    return build_eval_loader(
+        config.data, config.eval, rank=rank, world_size=world_size, dataset=_held_out(config)
+    )
+
+
+def _held_out(config: SpeedtronicConfig) -> Dataset[object]:
+    """The held-out dataset, or ``ConfigError`` when it cannot be built or is certainly empty."""
     try:
         dataset = held_out_dataset(config.data, config.eval, vocab_size=config.data.vocab_size)
     except DataSourceError as exc:
@@ -348,9 +384,38 @@ def held_out_loader(
             f"eval: the held-out set is empty ({empty}); raise eval.fraction or name a "
             "held-out source with eval.text_path or eval.dataset"
         )
-    return build_eval_loader(
-        config.data, config.eval, rank=rank, world_size=world_size, dataset=dataset
-    )
+    return dataset
+
+
+def preflight(
+    config: SpeedtronicConfig, *, device: str | None = None, max_steps: int | None = None
+) -> Preflight:
+    """Every check ``speedtronic fit`` makes before it trains, without training: the config's
+    checks on this machine (``speedtronic.config.preflight.check``: the device, the text
+    files, the warm-up; ``device`` and ``max_steps`` are the CLI's ``--device`` and
+    ``--max-steps``), then the training and held-out datasets, built as the run builds them
+    (a dataset is built lazily: nothing is read yet) -- an unknown dataset name, a
+    ``text`` dataset without a path, an empty held-out set. ``speedtronic validate`` and
+    ``speedtronic fit`` both run it, so what ``validate`` passes, ``fit`` starts."""
+    outcome = check(config, device=device, max_steps=max_steps)
+    if outcome.errors:
+        return outcome  # the datasets may need the very files that are missing
+    try:
+        training_dataset(
+            config.data,
+            vocab_size=config.data.vocab_size,
+            held_out_fraction=training_excludes_tail(config.eval),
+        )
+    except DataSourceError as exc:
+        outcome.errors.append(str(exc))
+        if not (config.eval.text_path or config.eval.dataset):
+            return outcome  # the held-out set is a split of that same source
+    if config.eval.every_steps is not None:
+        try:
+            _held_out(config)
+        except ConfigError as exc:
+            outcome.errors.extend(exc.errors)
+    return outcome
 
 
 def evaluate_checkpoint(
@@ -478,14 +543,23 @@ def train_from_config(
     device: str | torch.device | None = None,
     max_steps: int | None = None,
     overwrite: bool = False,
+    resume_other_run: bool = False,
 ) -> TrainResult:
     """Build the runtime, write the resolved config to the run directory, and fit. The run
-    directory is locked meanwhile; an earlier run's files there need ``resume`` (continue)
-    or ``overwrite`` (replace), see ``speedtronic.state.run_lock``."""
+    directory and every path the plugins write are locked meanwhile; an earlier run's files
+    there need ``resume`` (continue) or ``overwrite`` (replace), see
+    ``speedtronic.state.run_lock``; another run's checkpoints need ``resume_other_run``
+    (``speedtronic.state.run_identity``)."""
     cfg = as_config(config)
-    with claim_run_directory(cfg.run.output_dir):
+    with claim_run_directory(cfg.run.output_dir) as claim:
         trainer, _ = build_runtime(
-            cfg, resume=resume, device=device, max_steps=max_steps, overwrite=overwrite
+            cfg,
+            resume=resume,
+            device=device,
+            max_steps=max_steps,
+            overwrite=overwrite,
+            claim=claim,
+            resume_other_run=resume_other_run,
         )
         try:
             assert trainer.config is not None

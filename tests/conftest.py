@@ -98,6 +98,7 @@ SLOW_FIRST = (
     "tests/test_plot.py",
     "tests/test_docs.py",
     "tests/test_diloco_e2e.py",
+    "tests/test_run_lock.py::test_two_runs_started_together_on_one_checkpoint_directory",
 )
 
 

@@ -58,6 +58,59 @@ def test_missing_text_file_is_a_validate_error(
     assert not (tmp_path / "out").exists()  # nothing was built or written
 
 
+@pytest.mark.parametrize(
+    ("sections", "expected"),
+    [
+        ({"run": {"device": "meta"}}, "run.device: 'meta' holds no data"),
+        ({"run": {"device": "bogus"}}, "run.device: 'bogus' is not a device torch knows"),
+        (
+            {"eval": {"every_steps": 2, "text_path": "/nonexistent"}},
+            "eval.text_path: '/nonexistent' does not exist",
+        ),
+        ({"data": {"dataset": "nosuch"}}, "data.dataset: unknown dataset 'nosuch'"),
+        ({"data": {"dataset": "text"}}, "dataset 'text' needs options.path"),
+        (
+            {"eval": {"every_steps": 2, "text_path": "EMPTY"}},
+            "eval: the held-out set is empty (EMPTY has no bytes in it)",
+        ),
+    ],
+    ids=["meta-device", "unknown-device", "missing-eval-text", "unknown-dataset",
+         "text-without-path", "empty-held-out"],
+)  # fmt: skip
+def test_validate_refuses_what_fit_refuses_before_training(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    sections: dict[str, dict[str, object]],
+    expected: str,
+) -> None:
+    # Issue 22, item 10: validate passed run.device: meta (fit then trained on meta tensors
+    # and exited 1) and a missing eval.text_path (fit refused it). Both commands now run the
+    # same checks (speedtronic.runtime.preflight): exit 2, one message, nothing written.
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    eval_section = sections.get("eval", {})
+    if eval_section.get("text_path") == "EMPTY":
+        sections = {**sections, "eval": {**eval_section, "text_path": str(empty)}}
+        expected = expected.replace("EMPTY", str(empty))
+    path = write_config(tmp_path, **sections)
+    assert main(["validate", "--config", str(path)]) == EXIT_USAGE
+    validate_err = capsys.readouterr().err
+    assert expected in validate_err and "Traceback" not in validate_err
+    assert main(["fit", "--config", str(path)]) == EXIT_USAGE
+    fit_err = capsys.readouterr().err
+    assert fit_err == validate_err  # the same checks, the same words
+    assert not (tmp_path / "out").exists()  # nothing was built or written
+
+
+def test_fit_device_meta_on_the_command_line_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_config(tmp_path)
+    assert main(["fit", "--config", str(path), "--device", "meta"]) == EXIT_USAGE
+    assert "run.device: 'meta' holds no data" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 def test_cuda_without_cuda_is_a_validate_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -1,5 +1,6 @@
 """Property tests of the parsers that take untrusted input (issue 12, fuzzing): the run
-config (YAML text and ``--set`` strings) and the checkpoint pointer ``latest.json``.
+config (YAML text and ``--set`` strings, and its limits on text size, values and number
+length: issue 22) and the checkpoint pointer ``latest.json``.
 
 Property: every input gives a valid object or the project's own error with a message --
 never another exception -- in bounded time. Derandomized (the same examples every run, no
@@ -9,6 +10,7 @@ example database), a few hundred examples each, so CI stays fast and determinist
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 import time
 import warnings
@@ -21,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from speedtronic.config import ConfigError, SpeedtronicConfig, load_config
-from speedtronic.config.loading import apply_overrides, parse_yaml
+from speedtronic.config.loading import MAX_NODES, MAX_TEXT_BYTES, apply_overrides, parse_yaml
+from speedtronic.config.schema import MAX_NUMBER_CHARS
 from speedtronic.state.checkpoint import CheckpointError, CheckpointManager, Pointer, parse_pointer
 
 EXAMPLES = 300
@@ -157,6 +160,76 @@ def test_set_strings_on_a_valid_config_give_data_or_a_config_error(sets: list[st
     except ConfigError as exc:
         assert str(exc)
     within_bound(start, sets)
+
+
+# -- the config text limits (issue 22): long numbers, many values, long text -----------------
+
+number_literals = st.tuples(
+    st.sampled_from(["", "-", "+"]),
+    st.sampled_from(["", "0x", "0b", "0o", "0"]),
+    st.text(alphabet="0123456789abcdef_:.e", min_size=1, max_size=30),
+    st.integers(min_value=0, max_value=6000),  # how often the digits repeat
+).map(lambda parts: parts[0] + parts[1] + parts[2] * max(1, parts[3] // len(parts[2])))
+NUMBER_KEYS = ["run.seed", "optimizer.lr", "model.n_layer", "data.dataset_options.n", "extra"]
+
+
+@fuzz
+@given(literal=number_literals, key=st.sampled_from(NUMBER_KEYS), as_json=st.booleans())
+def test_any_number_literal_anywhere_gives_a_config_or_a_short_config_error(
+    workdir: Path, literal: str, key: str, as_json: bool
+) -> None:
+    *sections, name = key.split(".")
+    if as_json:
+        if not literal.lstrip("-").isdigit() or literal.startswith("+"):
+            literal = "".join(c for c in literal if c.isdigit()) or "0"
+        literal = literal.lstrip("0") or "0"  # JSON integers have no leading zeros
+        body = f'{{"{name}": {literal}}}'
+        for section in reversed(sections):
+            body = f'{{"{section}": {body}}}'
+        path = workdir / "number.json"
+    else:
+        body = "".join(f"{'  ' * depth}{section}:\n" for depth, section in enumerate(sections))
+        body += f"{'  ' * len(sections)}{name}: {literal}\n"
+        path = workdir / "number.yaml"
+    path.write_text(body)
+    start = time.perf_counter()
+    try:
+        load_config(path)
+    except ConfigError as exc:
+        message = str(exc)
+        assert message and len(message) < 2000, message[:300]  # never every digit
+        decimal = re.fullmatch(r"[-+]?[1-9][0-9_]*", literal) is not None  # an int in YAML
+        if decimal and len(literal) > MAX_NUMBER_CHARS:
+            assert f"{key}: " in message and "out of range" in message
+    within_bound(start, literal)
+
+
+@settings(fuzz, max_examples=6)  # each parses up to MAX_NODES values: about 0.5 s
+@given(
+    values=st.integers(min_value=MAX_NODES // 2 - 50, max_value=MAX_NODES // 2 + 50),
+    padding=st.sampled_from([0, MAX_TEXT_BYTES]),
+    flow=st.booleans(),
+)
+def test_documents_at_the_limits_are_parsed_or_refused_saying_which(
+    values: int, padding: int, flow: bool
+) -> None:
+    # ``values`` keys are 2 * values nodes (a key and its value) plus the root mapping.
+    items = [f"k{i}: {i}" for i in range(values)]
+    text = ("{" + ", ".join(items) + "}" if flow else "\n".join(items)) + "\n"
+    text += "# " + "x" * max(0, padding - len(text) - 3) + "\n" if padding else ""
+    start = time.perf_counter()
+    try:
+        parsed = parse_yaml(text)
+    except ConfigError as exc:
+        too_many = 2 * values + 1 > MAX_NODES
+        too_long = len(text) > MAX_TEXT_BYTES
+        assert too_many or too_long, str(exc)
+        limit = f"{MAX_TEXT_BYTES:,}" if too_long else f"more than {MAX_NODES:,} values"
+        assert limit in str(exc) and "alias" not in str(exc)
+    else:
+        assert isinstance(parsed, dict) and len(parsed) == values
+        assert 2 * values + 1 <= MAX_NODES and len(text) <= MAX_TEXT_BYTES
+    within_bound(start, (values, padding))
 
 
 # -- the checkpoint pointer ---------------------------------------------------------------------

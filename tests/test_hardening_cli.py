@@ -281,6 +281,30 @@ def test_a_full_disk_mid_run_says_no_space_left_and_the_path(
     assert reports[1].startswith("speedtronic: error: the run finished, but callback 'jsonl'")
 
 
+def test_logging_file_on_a_full_disk_is_one_warning_naming_the_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Issue 22, item 10: the console sink writing logging.file used to give four warnings
+    # (fit_start, metrics, fit_end, teardown), none naming the file.
+    path = write_config(tmp_path, logging={"file": "/dev/full", "console": True})
+    code, out, err = run_cli("fit", "--config", str(path), capsys=capsys)
+    assert code == EXIT_FAILED, err
+    assert "completed steps=4 " in out and "fit start:" not in out  # not the terminal either
+    warnings = [line for line in err.splitlines() if "warning:" in line]
+    assert len(warnings) == 1, err
+    assert "callback 'console' failed in 'fit_start'" in warnings[0]
+    assert "the console sink cannot write /dev/full: No space left on device" in warnings[0]
+    # A directory in the way is refused at setup, once, naming it.
+    (tmp_path / "log-dir").mkdir()
+    path = write_config(tmp_path, logging={"file": str(tmp_path / "log-dir"), "console": True})
+    code, out, err = run_cli("fit", "--config", str(path), "--overwrite", capsys=capsys)
+    assert code == EXIT_FAILED, err
+    warnings = [line for line in err.splitlines() if "warning:" in line]
+    assert len(warnings) == 1, err
+    assert f"the console sink cannot write {tmp_path / 'log-dir'}: Is a directory" in warnings[0]
+    assert "fit end:" not in out
+
+
 def test_a_csv_sink_that_fails_mid_run_is_reported_once(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,4 +1,5 @@
-"""Issue 12, item 10: a hung data loader must not make SIGTERM a no-op.
+"""Issue 12, item 10 and issue 22, item 8: a hung data loader must not make SIGTERM a no-op,
+the training stream's or the held-out set's.
 
 The first SIGTERM asks for a stop after the current step. When that step waits for a batch
 that never comes, the stop gives up on it after ``run.stop_grace_s`` seconds (on a Python
@@ -22,7 +23,7 @@ import pytest
 import torch
 from forked import Forked, cli_main
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from speedtronic.config import load_config
 from speedtronic.data import build_dataloader
@@ -130,6 +131,72 @@ def test_sigterm_stops_a_fit_whose_worker_hangs_and_leaves_no_worker(
     assert manager.latest_path() == manager.path_for(2)
 
 
+HANGING_EVAL_MODULE = textwrap.dedent(
+    """
+    import os, time
+    from pathlib import Path
+    from speedtronic.data import register_dataset
+    from speedtronic.data.synthetic import SyntheticTokenDataset
+
+    MARKER = Path(__file__).with_name("eval.pid")
+
+    class HangingHeldOut(SyntheticTokenDataset):
+        def __getitem__(self, index):
+            MARKER.write_text(str(os.getpid()))  # the held-out set's first item never comes
+            time.sleep(3600)
+
+    @register_dataset("hanging_held_out")
+    def hanging_held_out(request):
+        return HangingHeldOut(num_samples=8, block_size=request.block_size,
+                              vocab_size=request.vocab_size, seed=request.seed)
+    """
+)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sigterm_while_the_held_out_data_hangs_ends_the_run(
+    tmp_path: Path, forked: Forked, workers: int
+) -> None:
+    # Issue 22, item 8: the evaluation of step 4 waits for a held-out batch that never comes;
+    # SIGTERM printed "stopping after step 4" and the run went on forever. The stop watch now
+    # bounds that wait too: exit 1 within the grace, step 3 the newest checkpoint.
+    (tmp_path / "hanging_eval.py").write_text(HANGING_EVAL_MODULE)
+    config = (
+        CONFIG.replace("[hanging_data]", "[hanging_eval]")
+        .replace("dataset: hanging, micro_batch_size: 2, num_workers: 1", "micro_batch_size: 2, "
+                 f"num_workers: {workers}")
+    )  # fmt: skip
+    config += "eval: {every_steps: 4, dataset: hanging_held_out}\n"
+    (tmp_path / "run.yaml").write_text(config)
+    child = forked.start(cli_main, "fit", "--config", "run.yaml", cwd=tmp_path)
+    marker = tmp_path / "eval.pid"
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.is_file() or not marker.read_text():
+            assert child.poll() is None, child.output
+            assert time.monotonic() < deadline, "the evaluation never started"
+            time.sleep(0.05)
+        assert int(marker.read_text()) == child.pid  # the held-out set loads in the main process
+        time.sleep(0.3)
+        sent = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        child.wait(timeout=GRACE_S + SLACK_S)
+        took = time.monotonic() - sent
+    finally:
+        child.kill()  # if it still runs
+    err = child.output
+    assert child.returncode == 1, err
+    assert took < GRACE_S + SLACK_S
+    assert "received SIGTERM: stopping after step 4" in err
+    assert (
+        "StopTimeoutError: stop requested (signal SIGTERM) during step 4, but the held-out "
+        f"batch its evaluation was waiting for did not come within {GRACE_S:g} s" in err
+    )
+    assert "Traceback" not in err
+    manager = CheckpointManager(tmp_path / "out" / "checkpoints")
+    assert manager.latest_path() == manager.path_for(3)  # step 4 never completed
+
+
 # -- in process: the watch itself ---------------------------------------------------------
 
 
@@ -218,6 +285,36 @@ def test_a_stop_while_waiting_for_a_batch_gives_up_after_the_grace(tmp_path: Pat
     assert (delay > 0) == (timer_before[0] > 0)  # a timer (pytest-timeout's) is untouched
     assert not [t for t in threading.enumerate() if t.name == "speedtronic-stop-watch"]
     assert trainer.stream.state_dict() == {"epoch": 0, "batches_in_epoch": 3}  # resumable
+
+
+@pytest.mark.usefixtures("default_signal_handlers")
+def test_a_stop_while_the_held_out_workers_hang_stops_them(tmp_path: Path) -> None:
+    # The evaluation of step 2 reads a DataLoader whose two workers hang in the dataset's
+    # code: the watch gives up on the held-out batch and the workers are stopped at once.
+    marker = tmp_path / "worker.pid"
+    held_out = DataLoader(_Hangs(str(marker)), batch_size=2, num_workers=2)
+    checkpoint = CheckpointCallback(tmp_path / "ck", every_steps=1)
+    trainer = trainer_on(batches(4), [checkpoint])
+    trainer.eval_data, trainer.eval_every = held_out, 2
+    reached = threading.Event()
+
+    def wait_for_the_marker() -> None:
+        while not marker.is_file():
+            time.sleep(0.05)
+        reached.set()
+
+    threading.Thread(target=wait_for_the_marker, daemon=True).start()
+    sender = sigterm_when(reached)
+    with pytest.raises(StopTimeoutError, match=r"during step 2, but the held-out batch"):
+        trainer.fit(4)
+    sender.join()
+    worker = int(marker.read_text())
+    deadline = time.monotonic() + 5
+    while alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(worker), "a hung held-out worker was left behind"
+    assert checkpoint.manager.latest_path() == checkpoint.manager.path_for(1)
+    assert not [t for t in threading.enumerate() if t.name == "speedtronic-stop-watch"]
 
 
 class SlowStepAfterStop(Callback):

@@ -88,6 +88,7 @@ from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS, never
 from speedtronic.state.checkpoint import CheckpointError, CheckpointManager, signal_stop_reason
 from speedtronic.state.checkpoint_async import AsyncCheckpointWriter
 from speedtronic.state.rng import capture_rng_state
+from speedtronic.state.run_lock import RunPaths
 from speedtronic_callbacks.monitor import Mode, check_monitor, improves, read_monitored
 
 if TYPE_CHECKING:
@@ -370,6 +371,11 @@ class CheckpointCallback(Callback):
         pointers = [self.manager.pointer_path, self.manager.best_pointer_path]
         return self.manager.checkpoint_paths() + [p for p in pointers if p.is_file()]
 
+    def run_paths(self, output_dir: Path) -> RunPaths:
+        """The checkpoint directory, locked for the run (``speedtronic.state.run_lock``)."""
+        del output_dir  # the manager's directory is absolute (or the caller's own choice)
+        return RunPaths(directories=(self.manager.directory,) if self.manager.enabled else ())
+
     # -- state (with a monitor): the best value so far -----------------------------------
 
     def state_dict(self) -> dict[str, object]:
@@ -576,7 +582,7 @@ class CheckpointCallback(Callback):
                 "received %s: stopping after step %d and saving a checkpoint "
                 "(send it again to stop immediately)",
                 received.name,
-                trainer.step + 1,
+                trainer.step_in_progress,
             )
 
         for sig in HANDLED_SIGNALS:

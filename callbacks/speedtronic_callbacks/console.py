@@ -7,7 +7,9 @@
     fit end: 100 steps in 0:08 | final loss 1.8400 | 12.1 steps/s
 
 Lines go to stdout (through ``tqdm.write`` so they never tear a progress bar apart) or,
-with ``file``, to a text file (appended, line-buffered).
+with ``file``, to a text file (appended, line-buffered). A file that cannot be written (a
+full disk, ``/dev/full``, a directory in the way) is reported once, naming the path
+(``MetricSink.write_failed``); the file's later lines are dropped.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing_extensions import Self
 from speedtronic.engine.callback import JSONSchema, LegacySections, PluginOptions, legacy_section
 from speedtronic.engine.contexts import ExceptionContext, FitContext, FitEndContext, TeardownContext
 from speedtronic.models.summary import format_model_summary, summarize_model
+from speedtronic.state.run_lock import RunPaths
 from speedtronic_callbacks.sink import (
     MetricSink,
     NumberFormat,
@@ -229,25 +232,44 @@ class ConsoleCallback(MetricSink):
             summary=options.get("summary", True) is not False,
         )
 
+    def run_paths(self, output_dir: Path) -> RunPaths:
+        """The text file, when lines go to one, locked for the run."""
+        return RunPaths(files=(resolve_path(self.file, output_dir),) if self.file else ())
+
     # -- output -------------------------------------------------------------------------
 
     def _write(self, line: str) -> None:
-        if self._handle is not None:
-            self._handle.write(line + "\n")
+        if self.file is not None:
+            if self.write_failure is not None or self._handle is None:
+                return  # reported once (``write_failed``); the file's later lines are lost
+            try:
+                self._handle.write(line + "\n")
+            except OSError as exc:
+                raise self.write_failed(self.file, exc) from exc
         else:
             # tqdm.write clears and redraws any active bar on the stream around the line.
             tqdm.write(line, file=self._stream or sys.stdout)
 
     def _open(self) -> None:
+        self.write_failure = None
         if self.file is not None and self._handle is None:
-            self.file.parent.mkdir(parents=True, exist_ok=True)
-            self._handle = self.file.open("a", encoding="utf-8", buffering=1)
+            try:
+                self.file.parent.mkdir(parents=True, exist_ok=True)
+                self._handle = self.file.open("a", encoding="utf-8", buffering=1)
+            except OSError as exc:
+                raise self.write_failed(self.file, exc) from exc
         self._stream = sys.stderr if self.stream_name == "stderr" else sys.stdout
 
     def _close(self) -> None:
         handle, self._handle = self._handle, None
-        if handle is not None:
-            handle.close()
+        if handle is None:
+            return
+        try:
+            handle.close()  # flushes what line buffering still holds
+        except OSError as exc:
+            if self.write_failure is None:  # not reported yet: this is the one report
+                assert self.file is not None
+                raise self.write_failed(self.file, exc) from exc
 
     @property
     def closed(self) -> bool:

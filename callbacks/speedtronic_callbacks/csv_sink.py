@@ -20,6 +20,7 @@ from typing_extensions import Self
 from speedtronic.engine.callback import JSONSchema
 from speedtronic.engine.contexts import FitContext, TeardownContext
 from speedtronic.state.atomic_io import atomic_write_text
+from speedtronic.state.run_lock import RunPaths
 from speedtronic_callbacks.sink import MetricSink, Record, keep_earlier_run, resolve_path
 
 if TYPE_CHECKING:
@@ -81,6 +82,10 @@ class CsvCallback(MetricSink):
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
         path = options.get("path", DEFAULT_FILENAME)
         return cls(resolve_path(str(path), context.output_dir))
+
+    def run_paths(self, output_dir: Path) -> RunPaths:
+        """The CSV file, locked for the run (``speedtronic.state.run_lock``)."""
+        return RunPaths(files=(resolve_path(self.path, output_dir),))
 
     @property
     def closed(self) -> bool:

@@ -28,6 +28,7 @@ from typing_extensions import Self
 from speedtronic.engine.callback import JSONSchema, LegacySections, PluginOptions, legacy_section
 from speedtronic.engine.contexts import FitContext, TeardownContext
 from speedtronic.state.atomic_io import atomic_write_text
+from speedtronic.state.run_lock import RunPaths
 from speedtronic_callbacks.sink import MetricSink, Record, keep_earlier_run, resolve_path
 
 if TYPE_CHECKING:
@@ -179,6 +180,10 @@ class JsonlCallback(MetricSink):
         still relative to the run directory is only known at ``setup``, so it is not checked."""
         path = self.path
         return [path] if path.is_absolute() and path.is_file() and path.stat().st_size else []
+
+    def run_paths(self, output_dir: Path) -> RunPaths:
+        """The metrics file, locked for the run (``speedtronic.state.run_lock``)."""
+        return RunPaths(files=(resolve_path(self.path, output_dir),))
 
     @property
     def closed(self) -> bool:

@@ -31,6 +31,7 @@ from typing_extensions import Self
 
 from speedtronic.engine.callback import JSONSchema
 from speedtronic.engine.contexts import FitContext, FitEndContext, TeardownContext
+from speedtronic.state.run_lock import RunPaths
 from speedtronic_callbacks.background import BackgroundWorker
 from speedtronic_callbacks.sink import MetricSink, Record, numeric_items, resolve_path
 
@@ -129,6 +130,11 @@ class TensorBoardCallback(MetricSink):
             flush_secs=flush_secs if isinstance(flush_secs, int) else 10,
             log_config=bool(options.get("log_config", True)),
         )
+
+    def run_paths(self, output_dir: Path) -> RunPaths:
+        """The log directory, locked for the run: another run's event files there would
+        show as this run's curves."""
+        return RunPaths(directories=(resolve_path(self.log_dir, output_dir),))
 
     @property
     def closed(self) -> bool:

@@ -17,7 +17,14 @@ from pathlib import Path
 import yaml
 
 from speedtronic import plugins
-from speedtronic.config.schema import ConfigError, format_path, section_aliases, section_names
+from speedtronic.config.schema import (
+    MAX_NUMBER_CHARS,
+    ConfigError,
+    OversizedNumber,
+    format_path,
+    section_aliases,
+    section_names,
+)
 
 RawConfig = dict[str, object]
 """A configuration as plain data, before validation."""
@@ -56,6 +63,14 @@ original (plugins fold their own keys in ``Callback.normalise_legacy``)."""
 # -- YAML -------------------------------------------------------------------------------
 
 
+MAX_TEXT_BYTES = 1_048_576
+"""The longest configuration text read at all (a file, a string source, a ``--set`` value),
+checked before any parsing: a run configuration is a few kilobytes, and PyYAML parses about
+2 MB a second, so this bounds the time a file can take (about half a second)."""
+MAX_NODES = 20_000
+"""Most values (scalars, lists, mappings, keys) a configuration document may spell out,
+counted while composing, before aliases are expanded: a bound on the parser's work that
+refuses a 150,000-key file after 20,000 of them instead of after all."""
 MAX_NESTING = 64
 """Deepest nesting of mappings/lists a configuration may have (aliases expanded)."""
 MAX_VALUES = 100_000
@@ -63,27 +78,61 @@ MAX_VALUES = 100_000
 that an alias bomb (``&a [*b, *b, ...]`` nested a few times) can cause."""
 
 
+def _check_text_size(size: int, unit: str = "bytes") -> None:
+    """``ConfigError`` for configuration text longer than ``MAX_TEXT_BYTES``."""
+    if size > MAX_TEXT_BYTES:
+        raise ConfigError(
+            f"the configuration text is {size:,} {unit} long, more than the limit of "
+            f"{MAX_TEXT_BYTES:,} (1 MiB); a run configuration is a few kilobytes: is this "
+            "the right file?"
+        )
+
+
+def _too_many_values(where: str) -> ConfigError:
+    return ConfigError(
+        f"{where} holds more than {MAX_NODES:,} values (keys, scalars, lists, mappings); a "
+        "run configuration needs far fewer: refusing to read further"
+    )
+
+
 class _YamlLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that reads ``3e-4`` as a float (YAML 1.2; PyYAML's 1.1 resolver
-    makes it a string), rejects duplicate keys instead of keeping the last one, and refuses
-    nesting deeper than ``MAX_NESTING`` while composing (before any recursion runs deep)."""
+    makes it a string), rejects duplicate keys instead of keeping the last one, refuses
+    nesting deeper than ``MAX_NESTING`` and documents of more than ``MAX_NODES`` values
+    while composing (before any recursion runs deep, or the rest of the text is parsed),
+    and reads an integer longer than ``MAX_NUMBER_CHARS`` as an ``OversizedNumber``."""
 
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self.nesting = 0
+        self.nodes = 0
 
     def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
         self.nesting += 1
+        self.nodes += 1
         try:
-            if self.nesting > MAX_NESTING:
+            if self.nesting > MAX_NESTING or self.nodes > MAX_NODES:
                 mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]  # untyped in types-PyYAML
-                raise ConfigError(
-                    f"YAML nested more than {MAX_NESTING} levels deep (at line "
-                    f"{mark.line + 1}, column {mark.column + 1})"
-                )
+                where = f"line {mark.line + 1}, column {mark.column + 1}"
+                if self.nodes > MAX_NODES:
+                    raise _too_many_values(f"the YAML document (up to {where})")
+                raise ConfigError(f"YAML nested more than {MAX_NESTING} levels deep (at {where})")
             return super().compose_node(parent, index)
         finally:
             self.nesting -= 1
+
+
+def _construct_int(loader: _YamlLoader, node: yaml.ScalarNode) -> int | OversizedNumber:
+    """PyYAML's int (every base, ``1_000``, ``1:30``), or an ``OversizedNumber`` for a literal
+    too long to be a setting: building it could fail (Python's limit on int/str conversion)
+    or take quadratic time, and no message could print it."""
+    literal = str(loader.construct_scalar(node))
+    if len(literal) > MAX_NUMBER_CHARS:
+        return OversizedNumber(literal)
+    return loader.construct_yaml_int(node)
+
+
+_YamlLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
 _YamlLoader.add_implicit_resolver(
@@ -121,10 +170,14 @@ _YamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _con
 
 def parse_yaml(text: str, name: str | None = None) -> object:
     """Parse YAML (or JSON) text; ``ConfigError`` on syntax errors, on values YAML cannot
-    build (``2001-13-45`` as a date), and on documents nested deeper than ``MAX_NESTING``
-    or expanding (through aliases) to more than ``MAX_VALUES`` values -- checked on the
-    composed node graph, before anything is built, so the work stays bounded. ``name``
-    (the file path) is what syntax errors point at instead of ``<unicode string>``."""
+    build (``2001-13-45`` as a date), on text longer than ``MAX_TEXT_BYTES`` characters
+    (before parsing), documents of more than ``MAX_NODES`` values or nested deeper than
+    ``MAX_NESTING`` (while composing), or expanding (through aliases) to more than
+    ``MAX_VALUES`` values -- checked on the composed node graph, before anything is built, so
+    the work stays bounded. An integer longer than ``MAX_NUMBER_CHARS`` is read as an
+    ``OversizedNumber`` (validation reports it with its path). ``name`` (the file path) is
+    what syntax errors point at instead of ``<unicode string>``."""
+    _check_text_size(len(text), "characters")
     _check_flow_nesting(text)
     try:
         return _compose_and_build(text, name)
@@ -213,16 +266,26 @@ def _check_expansion(root: yaml.Node) -> None:
 
 
 def _check_plain_nesting(value: object, origin: str) -> None:
-    """``ConfigError`` when parsed JSON nests deeper than ``MAX_NESTING`` (iterative)."""
+    """``ConfigError`` when parsed JSON nests deeper than ``MAX_NESTING`` or holds more than
+    ``MAX_NODES`` values (iterative)."""
     pending: list[tuple[object, int]] = [(value, 0)]
+    values = 0
     while pending:
         item, depth = pending.pop()
+        values += 1 + (len(item) if isinstance(item, dict) else 0)  # a key counts too
+        if values > MAX_NODES:
+            raise ConfigError(_too_many_values("the JSON document").errors, source=origin)
         if depth > MAX_NESTING:
             raise ConfigError(f"JSON nested more than {MAX_NESTING} levels deep", source=origin)
         if isinstance(item, dict):
             pending.extend((child, depth + 1) for child in item.values())
         elif isinstance(item, list):
             pending.extend((child, depth + 1) for child in item)
+
+
+def _json_int(literal: str) -> int | OversizedNumber:
+    """A JSON integer, or an ``OversizedNumber`` when it is too long to be a setting."""
+    return OversizedNumber(literal) if len(literal) > MAX_NUMBER_CHARS else int(literal)
 
 
 # -- sources ----------------------------------------------------------------------------
@@ -255,8 +318,13 @@ def read_file(path: str | os.PathLike[str], *, yaml_only: bool = False) -> RawCo
     """A configuration file: ``.yaml``/``.yml`` (or ``yaml_only``) as YAML, anything else
     as JSON. A missing file raises ``FileNotFoundError``."""
     path = Path(path)
+    with path.open("rb") as stream:
+        raw = stream.read(MAX_TEXT_BYTES + 1)  # never more: a huge file is refused unread
     try:
-        text = path.read_text(encoding="utf-8")
+        _check_text_size(max(len(raw), path.stat().st_size))
+        text = raw.decode("utf-8")
+    except ConfigError as exc:
+        raise ConfigError(exc.errors, source=str(path)) from None
     except UnicodeDecodeError as exc:
         raise ConfigError(
             f"<root>: not UTF-8 text ({exc.reason} at byte {exc.start})", source=str(path)
@@ -268,7 +336,7 @@ def read_file(path: str | os.PathLike[str], *, yaml_only: bool = False) -> RawCo
             raise ConfigError(exc.errors, source=str(path)) from None
     else:
         try:
-            parsed = json.loads(text)
+            parsed = json.loads(text, parse_int=_json_int)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"invalid JSON: {exc}", source=str(path)) from None
         except RecursionError:
@@ -436,6 +504,15 @@ def _fold_values(data: RawConfig) -> None:
 # -- overrides --------------------------------------------------------------------------
 
 _PATH_TOKEN = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+_SHOWN_CHARS = 120
+
+
+def _shown(text: str) -> str:
+    """``repr(text)``, shortened in the middle when long: an override is quoted in its
+    errors, and a 1 MB ``--set`` value must not make a 1 MB message."""
+    if len(text) <= _SHOWN_CHARS:
+        return repr(text)
+    return repr(f"{text[:80]}...{text[-30:]}") + f" ({len(text):,} characters)"
 
 
 def parse_override(text: str) -> tuple[list[str | int], object]:
@@ -446,22 +523,22 @@ def parse_override(text: str) -> tuple[list[str | int], object]:
     key, sep, value_text = text.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. optimizer.lr=0.001")
+        raise ConfigError(f"override {_shown(text)}: expected KEY=VALUE, e.g. optimizer.lr=0.001")
     parts: list[str | int] = []
     position = 0
     for match in _PATH_TOKEN.finditer(key):
         expected_dot = parts and match.group(1) is not None
         gap = key[position : match.start()]
         if gap != ("." if expected_dot else ""):
-            raise ConfigError(f"override {text!r}: malformed key {key!r}")
+            raise ConfigError(f"override {_shown(text)}: malformed key {_shown(key)}")
         parts.append(match.group(1) if match.group(1) is not None else int(match.group(2)))
         position = match.end()
     if position != len(key) or not parts or isinstance(parts[0], int):
-        raise ConfigError(f"override {text!r}: malformed key {key!r}")
+        raise ConfigError(f"override {_shown(text)}: malformed key {_shown(key)}")
     try:
         value = parse_yaml(value_text)
     except ConfigError as exc:
-        raise ConfigError(f"override {text!r}: {exc.errors[0]}") from None
+        raise ConfigError(f"override {_shown(text)}: {exc.errors[0]}") from None
     return parts, value
 
 
@@ -552,11 +629,12 @@ def _assign(data: RawConfig, path: list[str | int], value: object, text: str) ->
         if not isinstance(child, wanted):
             kind = "a list" if wanted is list else "a mapping"
             raise ConfigError(
-                f"override {text!r}: {format_path(here)} is {type(child).__name__}, not {kind}"
+                f"override {_shown(text)}: {format_path(here)} is {type(child).__name__}, "
+                f"not {kind}"
             )
         if isinstance(next_part, int) and not 0 <= next_part < len(child):
             raise ConfigError(
-                f"override {text!r}: index {next_part} is out of range for "
+                f"override {_shown(text)}: index {next_part} is out of range for "
                 f"{format_path(here)} ({len(child)} items)"
             )
         node = child

@@ -2,9 +2,10 @@
 
 Schema validation answers "is this config well formed"; these checks answer "will this run
 work on this machine, and does it do what the user probably meant". ``speedtronic validate``
-and ``speedtronic fit`` run them before building the model, so a missing text file or
-``device: cuda`` on a machine without CUDA is an exit 2 at ``validate`` time, not an exit 1
-halfway through ``fit``.
+and ``speedtronic fit`` run them before building the model (through
+``speedtronic.runtime.preflight``, which adds the checks of the run's datasets), so a missing
+text file, ``device: cuda`` on a machine without CUDA or ``device: meta`` is an exit 2 at
+``validate`` time, not an exit 1 halfway through ``fit``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,28 @@ class Preflight:
 def _device_error(device: str) -> str | None:
     import torch
 
-    kind = device.split(":", 1)[0]
+    name = device.strip().lower()
+    if name == "auto":
+        return None
+    try:
+        kind = torch.device(name).type
+    except (RuntimeError, ValueError) as exc:
+        return f"run.device: {device!r} is not a device torch knows ({exc})"
+    if kind == "meta":
+        return (
+            f"run.device: {device!r} holds no data (meta tensors only describe shapes): a run "
+            "cannot train or evaluate on it; use auto, cpu, cuda[:N] or mps"
+        )
+    if kind == "cpu":
+        return None
+    if kind not in ("cuda", "mps"):
+        backend = getattr(torch, kind, None)
+        available = getattr(backend, "is_available", None)
+        if not callable(available) or not available():
+            return (
+                f"run.device: {device!r} was asked for but {kind} is not available on this machine"
+            )
+        return None
     if kind == "cuda" and not torch.cuda.is_available():
         return f"run.device: {device!r} was asked for but CUDA is not available on this machine"
     if kind == "cuda" and ":" in device:
@@ -42,16 +64,24 @@ def _device_error(device: str) -> str | None:
     return None
 
 
-def _data_errors(config: SpeedtronicConfig) -> list[str]:
-    path = config.data.text_path
+def _file_error(key: str, path: str | None) -> str | None:
     if path is None:
-        return []
+        return None
     file = Path(path).expanduser()
     if not file.exists():
-        return [f"data.text_path: {path!r} does not exist"]
+        return f"{key}: {path!r} does not exist"
     if not file.is_file():
-        return [f"data.text_path: {path!r} is not a file"]
-    return []
+        return f"{key}: {path!r} is not a file"
+    return None
+
+
+def _data_errors(config: SpeedtronicConfig) -> list[str]:
+    """The text files the run reads: ``data.text_path``, and ``eval.text_path`` when the fit
+    evaluates (``speedtronic evaluate`` reports it itself otherwise)."""
+    found = [_file_error("data.text_path", config.data.text_path)]
+    if config.eval.every_steps is not None:
+        found.append(_file_error("eval.text_path", config.eval.text_path))
+    return [error for error in found if error is not None]
 
 
 def _warmup_warning(config: SpeedtronicConfig, target_steps: int) -> str | None:

@@ -26,6 +26,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from importlib import metadata, resources
 from pathlib import Path
+from typing import TypeGuard, cast
 from urllib.parse import quote
 
 from jsonschema import Draft202012Validator, ValidationError, validators
@@ -63,6 +64,56 @@ INT64_MAX = 2**63 - 1
 """The largest integer any ``integer`` key accepts, whatever its schema says: every core key
 has a much smaller ``maximum`` (docs/configuration.md, "Bounds"); this also bounds the
 integer options of plugins that declare none (``checkpoint.every_steps: 1e41``)."""
+
+
+MAX_NUMBER_CHARS = 80
+"""The longest number a configuration may spell out (any base: ``0x...``, ``0b...``, decimal,
+YAML 1.1's sexagesimal ``1:2:3``). 2**63 - 1, the largest integer any key accepts, takes 19
+decimal digits; a longer literal is out of range wherever it is, and building or printing it
+could take quadratic time or fail (Python's 4,300-digit limit on int/str conversion)."""
+MAX_INTEGER_BITS = 256
+"""An integer given from Python (a mapping source) wider than this is reported like a number
+literal longer than ``MAX_NUMBER_CHARS``, without ever printing its digits."""
+
+
+class OversizedNumber:
+    """A number too long to build or to show, read from configuration text (or a Python int
+    wider than ``MAX_INTEGER_BITS``). It stands in the raw configuration only: ``config_errors``
+    reports it at its path, so it never reaches a typed config. Its ``repr`` is a short
+    preview (``0xffffffff...ffffff``), safe in any message."""
+
+    __slots__ = ("length", "preview")
+
+    def __init__(self, literal: str, length: int | None = None) -> None:
+        self.length = len(literal) if length is None else length
+        self.preview = literal if len(literal) <= 24 else f"{literal[:12]}...{literal[-6:]}"
+
+    @classmethod
+    def of_int(cls, value: int) -> OversizedNumber:
+        """A preview of a huge Python int, from its hex digits (linear, never decimal)."""
+        digits = round(value.bit_length() * math.log10(2)) + 1  # about that many decimals
+        return cls(hex(value), length=digits)
+
+    def describe(self) -> str:
+        return (
+            f"{self.preview} is a number of {self.length:,} characters, out of range "
+            f"(a number in a configuration has at most {MAX_NUMBER_CHARS} characters; "
+            f"no integer key accepts more than 2**63 - 1)"
+        )
+
+    def __repr__(self) -> str:
+        return self.preview
+
+    __str__ = __repr__
+
+
+def oversized_integer(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is a Python int too wide to validate or print (``MAX_INTEGER_BITS``)."""
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and value.bit_length() > MAX_INTEGER_BITS
+    )
 
 
 class ConfigError(ValueError):
@@ -416,12 +467,19 @@ def config_errors(data: Mapping[str, object]) -> list[str]:
     names, then the composed-schema pass, non-finite or non-JSON values, and the
     cross-field rules. Nothing is imported except the listed ``imports``.
     """
+    data, oversized = _without_oversized_numbers(data)
     errors = _import_errors(data.get("imports"))
     plugin_schemas, plugin_errors = _referenced_plugin_schemas(data.get("callbacks"))
     errors.extend(plugin_errors)
-    schema_errors = _schema_errors(_validator(plugin_schemas), data)
+    # A number too long to be anything is reported as that, not as a type mismatch.
+    schema_errors = [
+        (path, message)
+        for path, message in _schema_errors(_validator(plugin_schemas), data)
+        if path not in oversized
+    ]
     errors.extend(message for _, message in schema_errors)
-    reported = {path for path, _ in schema_errors}
+    errors.extend(oversized.values())
+    reported = {path for path, _ in schema_errors} | set(oversized)
     errors.extend(
         message
         for path, message in _value_errors(data)
@@ -429,6 +487,32 @@ def config_errors(data: Mapping[str, object]) -> list[str]:
     )
     errors.extend(cross_field_errors(data))
     return errors
+
+
+def _without_oversized_numbers(
+    data: Mapping[str, object],
+) -> tuple[Mapping[str, object], dict[str, str]]:
+    """``data`` with every Python int wider than ``MAX_INTEGER_BITS`` replaced by an
+    ``OversizedNumber`` (a copy, only when there is one: the schema's messages would print
+    its digits), and the path -> message of every oversized number in it."""
+    found: dict[str, str] = {}
+
+    def walk(value: object, parts: tuple[str | int, ...]) -> object:
+        number = OversizedNumber.of_int(value) if oversized_integer(value) else value
+        if isinstance(number, OversizedNumber):
+            path = format_path(parts)
+            found[path] = f"{path}: {number.describe()}"
+            return number
+        if isinstance(value, Mapping):
+            return {key: walk(item, (*parts, str(key))) for key, item in value.items()}
+        if isinstance(value, list):
+            return [walk(item, (*parts, index)) for index, item in enumerate(value)]
+        return value
+
+    cleaned = walk(data, ())
+    if not found:
+        return data, found
+    return cast(Mapping[str, object], cleaned), found
 
 
 def _import_errors(imports: object) -> list[str]:
@@ -502,7 +586,18 @@ def _describe(error: ValidationError) -> Iterator[tuple[str, str]]:
                 yield path, f"{path}: unknown key{_suggestion(key, allowed, parts)}"
         return
     path = format_path(parts)
-    yield path, f"{path}: {error.message}"
+    yield path, f"{path}: {_shortened(error.message)}"
+
+
+_MESSAGE_CHARS = 300
+
+
+def _shortened(message: str) -> str:
+    """A schema message cut in the middle when long: jsonschema quotes the whole value, and
+    a value may be a string of a megabyte."""
+    if len(message) <= _MESSAGE_CHARS:
+        return message
+    return f"{message[:160]} ... {message[-100:]} ({len(message):,} characters)"
 
 
 def _suggestion(key: object, allowed: Sequence[str], parts: Sequence[str | int]) -> str:

@@ -64,6 +64,7 @@ __all__ = [
     "register_dataset",
     "resolve_collate",
     "resolve_dataset",
+    "training_dataset",
 ]
 
 DEFAULT_DATA_SEED = 1234
@@ -374,6 +375,25 @@ def exit_with_parent(worker_id: int) -> None:
     threading.Thread(target=watch, name="speedtronic-parent-watch", daemon=True).start()
 
 
+def training_dataset(
+    config: DataSettings,
+    *,
+    tokenizer: Tokenizer | None = None,
+    vocab_size: int | None = None,
+    held_out_fraction: float | None = None,
+) -> Dataset[object]:
+    """The dataset ``build_dataloader`` trains on: all of the source, or its training part
+    when ``held_out_fraction`` is given (evaluation on the source's own held-out split).
+    Building it reads nothing yet; ``DataSourceError`` when the source cannot be."""
+    return resolve_dataset(
+        config,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        part="all" if held_out_fraction is None else "train",
+        held_out_fraction=0.05 if held_out_fraction is None else held_out_fraction,
+    )
+
+
 def build_dataloader(
     config: DataSettings,
     *,
@@ -395,12 +415,11 @@ def build_dataloader(
     source = (
         dataset
         if dataset is not None
-        else resolve_dataset(
+        else training_dataset(
             config,
             tokenizer=tokenizer,
             vocab_size=vocab_size,
-            part="all" if held_out_fraction is None else "train",
-            held_out_fraction=0.05 if held_out_fraction is None else held_out_fraction,
+            held_out_fraction=held_out_fraction,
         )
     )
     seed = config.seed if config.seed is not None else DEFAULT_DATA_SEED

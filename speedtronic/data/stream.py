@@ -38,6 +38,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 __all__ = [
     "BatchStream",
+    "DataPass",
     "EMPTY_SOURCE_MESSAGE",
     "EpochLimitReached",
     "RankShardedIterable",
@@ -384,16 +385,7 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
         and then shut down as usual. The position is kept: the next batch opens the pass
         again where it stood."""
         iterator, self._iterator = self._iterator, None
-        source = self.source
-        if isinstance(source, DataLoader) and getattr(source, "_iterator", None) is iterator:
-            source._iterator = None  # a persistent-workers loader must not reuse it
-        workers = getattr(iterator, "_workers", None)
-        for worker in workers if isinstance(workers, list) else ():
-            if worker.is_alive():
-                worker.terminate()
-        shutdown = getattr(iterator, "_shutdown_workers", None)
-        if callable(shutdown):
-            shutdown()
+        _stop_workers(self.source, iterator)
 
     def state_dict(self) -> dict[str, int]:
         """The position: the epoch and how many of its batches were handed out (plus the
@@ -427,6 +419,48 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
         self.epoch = epoch
         self.batches_in_epoch = batches
         self._iterator = None
+
+
+class DataPass(Iterator[BatchT], Generic[BatchT]):
+    """One pass over ``source`` (a held-out set, say) that counts the batches it handed out
+    (``batches``) and can be dropped at once (``abandon``), as ``BatchStream`` can: the stop
+    watch (``speedtronic.engine.stop_watch``) bounds a wait in its ``__next__`` like a wait
+    for a training batch. Nothing per batch beyond the count."""
+
+    def __init__(self, source: Iterable[BatchT]) -> None:
+        self.source = source
+        self.batches = 0
+        self._iterator: Iterator[BatchT] | None = iter(source)
+
+    def __iter__(self) -> DataPass[BatchT]:
+        return self
+
+    def __next__(self) -> BatchT:
+        if self._iterator is None:
+            raise StopIteration
+        batch = next(self._iterator)
+        self.batches += 1
+        return batch
+
+    def abandon(self) -> None:
+        """End the pass now, stopping a ``DataLoader``'s workers without waiting for them."""
+        iterator, self._iterator = self._iterator, None
+        _stop_workers(self.source, iterator)
+
+
+def _stop_workers(source: object, iterator: Iterator[object] | None) -> None:
+    """Stop the worker processes of ``source``'s (a ``DataLoader``'s) ``iterator`` without
+    waiting for them -- they may be stuck in the dataset's code; torch's workers exit at once
+    on their parent's SIGTERM -- and then shut them down as usual."""
+    if isinstance(source, DataLoader) and getattr(source, "_iterator", None) is iterator:
+        source._iterator = None  # a persistent-workers loader must not reuse it
+    workers = getattr(iterator, "_workers", None)
+    for worker in workers if isinstance(workers, list) else ():
+        if worker.is_alive():
+            worker.terminate()
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if callable(shutdown):
+        shutdown()
 
 
 _END = object()

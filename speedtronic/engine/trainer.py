@@ -12,11 +12,13 @@ step.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +27,7 @@ from torch import nn
 from speedtronic.compat.trainer_args import coerce_config, legacy_callbacks, resolve_settings
 from speedtronic.config.sections import ParallelConfig
 from speedtronic.data import BatchStream, EpochLimitReached
+from speedtronic.data.stream import DataPass
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import (
     ExceptionContext,
@@ -47,7 +50,7 @@ from speedtronic.engine.notes import Notes
 from speedtronic.engine.result import TrainResult
 from speedtronic.engine.step_state import FitClock as FitClock
 from speedtronic.engine.step_state import StepRequests
-from speedtronic.engine.stop_watch import STOP_GRACE_S, StopWatch
+from speedtronic.engine.stop_watch import STOP_GRACE_S, StopTimeoutError, StopWatch
 from speedtronic.state.training_state import STATE_FORMAT_VERSION as STATE_FORMAT_VERSION
 from speedtronic.state.training_state import TrainingStateError as TrainingStateError
 from speedtronic.state.training_state import capture_training_state, restore_training_state
@@ -71,6 +74,7 @@ if TYPE_CHECKING:
     from speedtronic.state.checkpoint import CheckpointManager
 
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
+_GLOBAL_STEP_CODE = run_global_step.__code__
 
 
 def _parallel_settings(
@@ -180,6 +184,10 @@ class Trainer:
         self.allow_optimizer_reset = settings.allow_optimizer_reset
         self.max_steps = settings.max_steps
         self.output_dir = settings.output_dir
+        self.run_id: str | None = None
+        """Which run this trainer continues (``speedtronic.state.run_identity``): recorded in
+        every checkpoint it saves. ``build_runtime`` sets it from the run directory; ``None``
+        (a trainer built in Python) records nothing and resumes any checkpoint."""
         self.shape_report = shape_report
         self.target_step = self.max_steps or 0
         """The absolute step this fit trains up to (set by ``fit``)."""
@@ -196,6 +204,7 @@ class Trainer:
         self.requests = StepRequests()
         self._in_loop = False
         self._stop_watch: StopWatch | None = None
+        self._held_out_pass: DataPass[object] | None = None  # the evaluation reading now
         self.callbacks: list[Callback] = list(callbacks)
         self._notes = Notes()
         self.callbacks += legacy_callbacks(coordinator, logger, checkpoint_manager, self._notes)
@@ -253,7 +262,30 @@ class Trainer:
         within ``stop_grace_s`` seconds (``speedtronic.engine.stop_watch``)."""
         self.requests.request_stop(reason)
         if self._in_loop and self._stop_watch is None:
-            self._stop_watch = StopWatch.arm(self.stream, self.stop_grace_s, reason, self.step + 1)
+            self._stop_watch = StopWatch.arm(
+                self.stream,
+                self.stop_grace_s,
+                reason,
+                self.step_in_progress,
+                self._reading_held_out,
+            )
+
+    @property
+    def step_in_progress(self) -> int:
+        """The global step the loop is running now (``TrainerView.step_in_progress``). Read
+        from the stack (the ``step`` of ``run_global_step``'s frame), so the loop pays nothing
+        for it; only the thread that runs the loop sees it (``step + 1`` elsewhere)."""
+        frame: FrameType | None = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is _GLOBAL_STEP_CODE:
+                step = frame.f_locals.get("step")
+                if isinstance(step, int):
+                    return step
+            frame = frame.f_back
+        return self.step + 1
+
+    def _reading_held_out(self) -> DataPass[object] | None:
+        return self._held_out_pass
 
     def _end_stop_watch(self) -> None:
         """Disarm the stop watch; when it gave up on a batch, stop the data workers now."""
@@ -491,16 +523,27 @@ class Trainer:
             raise EvaluationError(
                 "no held-out data to evaluate: pass data to evaluate() or eval_data to Trainer"
             )
-        return evaluate_model(
-            self.model,
-            source,
-            device=self.device,
-            precision=self.precision,
-            max_batches=self.eval_max_batches,
-            # Ranks reduce their shards' sums only when they hold one model replica; a rank
-            # that is its own replica evaluates its local model alone.
-            distributed=self.distributed if self.forward_path.one_replica(self.callbacks) else None,
-        )
+        # Read through a DataPass, whose waits the stop watch bounds as it bounds the
+        # training stream's (a SIGTERM while the held-out data hangs still ends the run).
+        batches = self._held_out_pass = DataPass(source)
+        try:
+            return evaluate_model(
+                self.model,
+                batches,
+                device=self.device,
+                precision=self.precision,
+                max_batches=self.eval_max_batches,
+                # Ranks reduce their shards' sums only when they hold one model replica; a
+                # rank that is its own replica evaluates its local model alone.
+                distributed=(
+                    self.distributed if self.forward_path.one_replica(self.callbacks) else None
+                ),
+            )
+        except StopTimeoutError:
+            batches.abandon()  # its workers may be stuck in the dataset's code
+            raise
+        finally:
+            self._held_out_pass = None
 
     def evaluate(self, data: Iterable[object] | None = None) -> dict[str, float]:
         """The held-out metrics of the model as it is now: ``{"eval/loss": ...,

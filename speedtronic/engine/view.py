@@ -63,6 +63,12 @@ class TrainerView(Protocol):
         """Global steps completed so far (the last completed step's number)."""
 
     @property
+    def step_in_progress(self) -> int:
+        """The global step the loop is running now -- the one a stop requested now ends
+        after. ``step + 1`` until its optimizer update, ``step`` while its later hooks run
+        (evaluation, metrics, checkpoint, ``step_end``); ``step + 1`` outside the loop."""
+
+    @property
     def samples(self) -> int:
         """Samples consumed so far by this rank (all fits of this trainer, resumed included)."""
 

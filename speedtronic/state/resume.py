@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from speedtronic.engine.trainer import TrainingStateError
 from speedtronic.state.checkpoint import CheckpointManager
+from speedtronic.state.run_identity import check_same_run
 
 if TYPE_CHECKING:
     from speedtronic.engine.trainer import Trainer
@@ -46,7 +47,11 @@ class ResumeSource(Protocol):
 
 
 def resume_from(
-    trainer: Trainer, manager: CheckpointManager, *, load_callback_state: bool = True
+    trainer: Trainer,
+    manager: CheckpointManager,
+    *,
+    load_callback_state: bool = True,
+    allow_other_run: bool = False,
 ) -> Path | None:
     """Restore ``trainer`` from the newest readable checkpoint of ``manager``.
 
@@ -54,9 +59,12 @@ def resume_from(
     starts fresh) when the directory holds no checkpoint. A truncated newest checkpoint is
     skipped with a warning. ``CheckpointError`` for a checkpoint that cannot be used at all
     (pickled objects, nothing readable); ``TrainingStateError`` naming the file when its
-    content does not fit this trainer (model keys or shapes, optimizer groups, format).
-    With ``load_callback_state`` (the default) every callback's saved state is restored:
-    a stateful callback without saved state warns, saved state nobody claims is reported.
+    content does not fit this trainer (model keys or shapes, optimizer groups, format);
+    ``OtherRunError`` when another run wrote it (``trainer.run_id`` set and different, see
+    ``speedtronic.state.run_identity``) unless ``allow_other_run``. A trainer without a run id
+    takes the checkpoint's. With ``load_callback_state`` (the default) every callback's
+    saved state is restored: a stateful callback without saved state warns, saved state
+    nobody claims is reported.
     """
     loaded = manager.load_latest_checkpoint()
     if loaded is None:
@@ -66,6 +74,13 @@ def resume_from(
             stacklevel=2,
         )
         return None
+    run_id = check_same_run(
+        trainer.run_id,
+        trainer.output_dir,
+        loaded.state,
+        loaded.path,
+        allow_other_run=allow_other_run,
+    )
     try:
         trainer.load_state_dict(loaded.state, load_callbacks=load_callback_state)
     except KeyError as exc:
@@ -75,5 +90,6 @@ def resume_from(
         ) from exc
     except ValueError as exc:  # TrainingStateError, optimizer/sampler mismatches
         raise TrainingStateError(f"cannot resume from {loaded.path}: {exc}") from exc
+    trainer.run_id = run_id
     logger.info("resumed from %s at step %d", loaded.path, trainer.step)
     return loaded.path

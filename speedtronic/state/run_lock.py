@@ -1,12 +1,21 @@
 """One run per run directory, and nothing an earlier run wrote lost without being asked.
 
 ``RunDirectoryLock`` is held while a run uses its output directory: the lock file
-``<output_dir>/.speedtronic-run.lock`` names the holder (host, PID, start time) and the
-holder keeps an exclusive ``flock`` on it (POSIX). A second run finds the lock held and stops
-at once with ``RunDirectoryError`` naming the holder. The lock is released by emptying the
-file; a process that dies without releasing it loses the ``flock`` with it, so the next run
-on the same host takes the stale lock over with a warning. A lock naming another host whose
-lock cannot be checked from here is refused (delete the file once that run is gone).
+``<output_dir>/.speedtronic-run.lock`` names the holder (host, PID, start time, its run
+directory) and the holder keeps an exclusive ``flock`` on it (POSIX). A second run finds the
+lock held and stops at once with ``RunDirectoryError`` naming the holder. The lock is
+released by emptying the file; a process that dies without releasing it loses the ``flock``
+with it, so the next run on the same host takes the stale lock over with a warning. A lock
+naming another host whose lock cannot be checked from here is refused (delete the file once
+that run is gone).
+
+A run writes elsewhere too: a checkpoint directory or a metrics file given as an absolute
+path, a TensorBoard log directory. ``RunClaim`` (what ``claim_run_directory`` yields) locks
+those as well, once the plugins are built: each plugin that writes says where
+(``WritesRunPaths``, a ``RunPaths`` of directories and files); a directory gets the same lock
+file, a file a hidden ``.<name>.speedtronic-run.lock`` beside it, and anything inside a
+directory the run already holds needs nothing more. Two runs with different output
+directories and one ``checkpoint.directory`` are then refused like two runs in one directory.
 
 ``check_earlier_run`` refuses a fresh (non-resumed) run in a directory that holds an earlier
 run's checkpoints or metrics: continue it with ``--resume``, or replace it with
@@ -24,6 +33,7 @@ import shutil
 import socket
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Protocol, runtime_checkable
@@ -35,9 +45,12 @@ except ImportError:  # pragma: no cover - Windows: the PID in the file is all we
 
 __all__ = [
     "LOCK_NAME",
-    "RunDirectoryError",
     "LeavesRunFiles",
+    "RunClaim",
+    "RunDirectoryError",
     "RunDirectoryLock",
+    "RunPaths",
+    "WritesRunPaths",
     "check_earlier_run",
     "claim_run_directory",
     "earlier_run_files",
@@ -47,6 +60,8 @@ __all__ = [
 
 LOCK_NAME = ".speedtronic-run.lock"
 """The lock file in a run directory (empty when no run holds it)."""
+FILE_LOCK_SUFFIX = ".speedtronic-run.lock"
+"""A file a run writes outside its directories is locked by ``.<name><suffix>`` beside it."""
 
 
 class RunDirectoryError(RuntimeError):
@@ -72,11 +87,26 @@ def _pid_alive(pid: int) -> bool:
 
 
 class RunDirectoryLock:
-    """The lock of one run directory; use as a context manager or ``acquire``/``release``."""
+    """The lock of one run directory; use as a context manager or ``acquire``/``release``.
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    ``lock_name`` and ``what`` serve the other paths a run writes (``RunClaim``): the lock
+    file's name in ``directory`` and how messages name what is locked (default: ``run
+    directory <directory>``); ``run_directory`` is recorded in the lock for whoever meets it."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        lock_name: str = LOCK_NAME,
+        what: str | None = None,
+        run_directory: Path | None = None,
+        advice: str = "wait for it to finish, or give this run another --output-dir",
+    ) -> None:
         self.directory = Path(directory)
-        self.path = self.directory / LOCK_NAME
+        self.path = self.directory / lock_name
+        self.what = what if what is not None else f"run directory {self.directory}"
+        self.run_directory = run_directory
+        self.advice = advice
         self._handle: IO[str] | None = None
 
     def __enter__(self) -> RunDirectoryLock:
@@ -119,7 +149,10 @@ class RunDirectoryLock:
             self._take_over_or_refuse(holder)
         handle.seek(0)
         handle.truncate()
-        handle.write(json.dumps(_this_process()) + "\n")
+        holder = _this_process()
+        if self.run_directory is not None:
+            holder["run_directory"] = str(self.run_directory)
+        handle.write(json.dumps(holder) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -129,26 +162,27 @@ class RunDirectoryLock:
         same_host = holder.get("host") == socket.gethostname()
         if not same_host or not isinstance(pid, int):
             raise self._in_use(holder, hint="if that run is gone, delete the lock file")
-        if fcntl is None and _pid_alive(pid) and pid != os.getpid():
+        alive = _pid_alive(pid)
+        if fcntl is None and alive and pid != os.getpid():
             raise self._in_use(holder)
         warnings.warn(
-            f"taking over the stale lock {self.path} of PID {pid} on this host, which no "
-            "longer runs (it ended without releasing it)",
+            f"taking over the stale lock {self.path} of PID {pid} on this host: "
+            + _why_stale(pid, alive),
             UserWarning,
             stacklevel=4,
         )
 
     def _in_use(self, holder: dict[str, object], hint: str = "") -> RunDirectoryError:
+        run = holder.get("run_directory")
         who = (
             f"PID {holder.get('pid')} on host {holder.get('host')}"
-            f" (since {holder.get('started', '?')})"
+            f" (since {holder.get('started', '?')}"
+            + (f"; the run in {run})" if isinstance(run, str) else ")")
             if holder
             else "another process"
         )
-        advice = hint or "wait for it to finish, or give this run another --output-dir"
-        return RunDirectoryError(
-            f"run directory {self.directory} is in use by {who}; lock file {self.path}: {advice}"
-        )
+        advice = hint or self.advice
+        return RunDirectoryError(f"{self.what} is in use by {who}; lock file {self.path}: {advice}")
 
     def release(self) -> None:
         """Empty the lock file and drop the ``flock`` (the file stays: deleting it would let
@@ -161,6 +195,19 @@ class RunDirectoryLock:
             handle.truncate()
             handle.flush()
         handle.close()  # closing drops the flock
+
+
+def _why_stale(pid: int, alive: bool) -> str:
+    """Why a lock whose ``flock`` nobody holds names ``pid`` (POSIX: the holder of a run keeps
+    the ``flock`` until it ends, so the run that wrote the file is gone either way)."""
+    if pid == os.getpid():
+        return "this process wrote it for an earlier run that ended without releasing it"
+    if alive:
+        return (
+            "a process with that PID runs, but it does not hold the lock, so it is not the run "
+            "that wrote it (that run ended without releasing it; its PID was reused)"
+        )
+    return "it no longer runs (it ended without releasing the lock)"
 
 
 def _this_process() -> dict[str, object]:
@@ -228,7 +275,8 @@ def check_earlier_run(files: Sequence[Path], *, resume: bool, overwrite: bool) -
         raise RunDirectoryError(
             f"the run directory holds an earlier run ({found}); a fresh run would "
             "truncate its metrics and mix with its checkpoints. Continue it with --resume, "
-            "or replace it with --overwrite (deletes those files), or use another --output-dir"
+            "or replace it with --overwrite (deletes those files), or use another --output-dir "
+            "(and checkpoint directory, where that is one of its own)"
         )
     for path in files:
         with contextlib.suppress(FileNotFoundError):
@@ -251,12 +299,123 @@ def locked_run_directory(directory: Path, *, enabled: bool = True) -> Iterator[N
         yield
 
 
+# -- the other paths a run writes -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where a plugin writes during a run, outside what it shares with other runs (a hub
+    directory several nodes write is not one): ``directories`` it writes into and single
+    ``files``. Absolute, or relative to the run's output directory."""
+
+    directories: tuple[Path, ...] = ()
+    files: tuple[Path, ...] = ()
+
+
+@runtime_checkable
+class WritesRunPaths(Protocol):
+    """A plugin that writes files during a run (checkpoints, a metrics log, event files).
+    The runtime asks every such callback of a run and locks each path for the run
+    (``RunClaim``) before anything is written, so two runs never write one path."""
+
+    def run_paths(self, output_dir: Path) -> RunPaths:
+        """The directories and files this plugin will write for a run in ``output_dir``."""
+        ...
+
+
+def _special(path: Path) -> bool:
+    """``/dev/null``, ``/dev/full``, a FIFO, a terminal: nothing to keep apart."""
+    return path.exists() and not path.is_file() and not path.is_dir()
+
+
+class RunClaim:
+    """The locks one run holds: its run directory's (taken by ``claim_run_directory``) and
+    those of every other path its plugins write (``cover``). Only the launching process
+    (rank 0) locks (``enabled``); ``release`` drops them all."""
+
+    def __init__(self, directory: Path, *, enabled: bool) -> None:
+        self.directory = directory
+        self.enabled = enabled
+        self._locks: list[RunDirectoryLock] = []
+        self._held_directories: list[Path] = []
+
+    def _covered(self, path: Path) -> bool:
+        return any(path.is_relative_to(held) for held in self._held_directories)
+
+    def hold_run_directory(self) -> None:
+        if self.enabled:
+            self._take(RunDirectoryLock(self.directory, run_directory=self.directory))
+            self._held_directories.append(self.directory)
+
+    def cover(self, callbacks: Iterable[object]) -> None:
+        """Lock every path the ``callbacks`` write (``WritesRunPaths``) that the run does not
+        hold yet: ``RunDirectoryError`` naming the path and the run that holds it. A path
+        whose lock file cannot be created (a read-only directory) is left unlocked, with a
+        warning; ``/dev/null`` and the like are not locked."""
+        if not self.enabled:
+            return
+        for callback in callbacks:
+            if not isinstance(callback, WritesRunPaths):
+                continue
+            declared = callback.run_paths(self.directory)
+            writer = getattr(callback, "display_name", type(callback).__name__)
+            for directory in declared.directories:
+                self._cover(self._absolute(directory), writer, is_directory=True)
+            for file in declared.files:
+                self._cover(self._absolute(file), writer, is_directory=False)
+
+    def _absolute(self, path: Path) -> Path:
+        path = path.expanduser()
+        return (path if path.is_absolute() else self.directory / path).resolve()
+
+    def _cover(self, path: Path, writer: str, *, is_directory: bool) -> None:
+        if self._covered(path) or _special(path):
+            return
+        kind = "directory" if is_directory else "file"
+        lock = RunDirectoryLock(
+            path if is_directory else path.parent,
+            lock_name=LOCK_NAME if is_directory else f".{path.name}{FILE_LOCK_SUFFIX}",
+            what=f"{kind} {path} (written by this run's {writer} callback)",
+            run_directory=self.directory,
+            advice=f"wait for it to finish, or give this run's {writer} callback a {kind} of "
+            "its own",
+        )
+        try:
+            self._take(lock)
+        except OSError as exc:  # EACCES, EROFS: no lock file can be created there
+            warnings.warn(
+                f"cannot lock {path} ({exc.strerror or exc}): nothing keeps another run from "
+                "writing it at the same time",
+                UserWarning,
+                stacklevel=4,
+            )
+            return
+        if is_directory:
+            self._held_directories.append(path)
+
+    def _take(self, lock: RunDirectoryLock) -> None:
+        lock.acquire()
+        self._locks.append(lock)
+
+    def release(self) -> None:
+        """Drop every lock (the run directory's last)."""
+        locks, self._locks = self._locks, []
+        self._held_directories = []
+        for lock in reversed(locks):
+            lock.release()
+
+
 @contextlib.contextmanager
-def claim_run_directory(output_dir: str | os.PathLike[str]) -> Iterator[Path]:
+def claim_run_directory(output_dir: str | os.PathLike[str]) -> Iterator[RunClaim]:
     """What the CLI and ``train_from_config`` hold around building and fitting a run: the
-    lock of the run directory, taken by rank 0 only (the ranks of one run share it). The
-    earlier-run check happens once the plugins are built (``build_runtime(overwrite=...)``),
-    since they know which files they write. Yields the absolute directory."""
+    lock of the run directory, taken by rank 0 only (the ranks of one run share it). Yields
+    the ``RunClaim`` (its ``directory`` is the absolute run directory); ``build_runtime``
+    then locks what the plugins write (``RunClaim.cover``) and checks for an earlier run
+    (``build_runtime(overwrite=...)``), since the plugins know which files they write."""
     directory = Path(output_dir).expanduser().resolve()
-    with locked_run_directory(directory, enabled=launched_as_main_process()):
-        yield directory
+    claim = RunClaim(directory, enabled=launched_as_main_process())
+    claim.hold_run_directory()
+    try:
+        yield claim
+    finally:
+        claim.release()

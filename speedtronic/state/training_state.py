@@ -2,7 +2,8 @@
 
 ``capture_training_state`` returns everything needed to continue a run exactly -- model,
 optimizer, scheduler, grad scaler, counters, RNG, data position, every callback's state, the
-redacted config -- as tensors and plain data only (checkpoints load with
+redacted config, and which run wrote it (``run``: its id and run directory) -- as tensors and
+plain data only (checkpoints load with
 ``weights_only=True``). ``restore_training_state`` checks the model first and loads the
 optimizer before touching the weights, so a state that does not fit leaves the trainer as it
 was and raises ``TrainingStateError`` naming what does not fit.
@@ -19,6 +20,7 @@ import torch
 
 from speedtronic import __version__
 from speedtronic.state.rng import capture_rng_state, restore_rng_state
+from speedtronic.state.run_identity import RUN_STATE_KEY
 from speedtronic.state.sharded_checkpoint import (
     SHARDED_DIRECTORY,
     SHARDED_MARKER,
@@ -74,6 +76,8 @@ def capture_training_state(self: Trainer) -> dict[str, object]:
             "use_scaler": self.precision.use_scaler,
         },
     }
+    if self.run_id is not None:  # which run wrote it (speedtronic.state.run_identity)
+        state[RUN_STATE_KEY] = {"id": self.run_id, "output_dir": str(self.output_dir)}
     if self.sharded_state:
         state[SHARDED_MARKER] = True  # written as a sharded (DCP) checkpoint
     return state

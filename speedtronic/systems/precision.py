@@ -48,6 +48,8 @@ def resolve_device(requested: str | torch.device | None = "auto") -> torch.devic
         if torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
+    if name.split(":", 1)[0] == "meta":
+        raise RuntimeError(f"device {requested!r} holds no data: a run cannot train on it")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"device {requested!r} requested but CUDA is not available")
     if name.startswith("mps") and not torch.backends.mps.is_available():
