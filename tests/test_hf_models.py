@@ -32,6 +32,7 @@ from speedtronic.models.transformer import ReferenceTransformer
 from speedtronic.models.vocabulary import model_vocab_size
 from speedtronic.optimizers import route_parameters
 from speedtronic.runtime import build_runtime
+from speedtronic.systems.sharding import find_shard_blocks
 from speedtronic_callbacks.gradient_checkpointing import GradientCheckpointing
 
 
@@ -138,7 +139,7 @@ def test_init_weights_from_a_local_safetensors_directory(tmp_path: Path) -> None
     )
     ids = torch.randint(0, VOCAB, (2, BLOCK))
     assert torch.equal(logits(model, ids), logits(saved, ids))
-    with pytest.warns(UserWarning, match="hiden_size is not LlamaConfig field"):
+    with pytest.warns(UserWarning, match="hiden_size is not a LlamaConfig field"):
         build_hf_causal_lm(config={**LLAMA, "hiden_size": 8}, vocab_size=VOCAB)
 
 
@@ -233,20 +234,43 @@ def test_muon_keeps_hf_embeddings_and_heads_on_adamw() -> None:
 # -- from run.yaml ----------------------------------------------------------------------------
 
 
-def test_speedtronic_evaluate_scores_an_hf_causal_lm_run(tmp_path: Path) -> None:
+def losses(run_directory: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_directory / "metrics.jsonl").open()]
+    return {record["step"]: record["loss"] for record in records}
+
+
+@pytest.fixture(scope="module")
+def hf_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-step hf_causal_lm run from run.yaml: checkpoints and evaluation every 2 steps."""
+    tmp_path = tmp_path_factory.mktemp("hf_run")
     config = run_config(tmp_path, {"name": "hf_causal_lm", "options": {"config": LLAMA}})
     fit = run_cli("fit", "--config", str(config), cwd=tmp_path)
     assert fit.returncode == 0, fit.stderr
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    return config
+
+
+def test_speedtronic_evaluate_scores_an_hf_causal_lm_run(hf_run: Path) -> None:
+    records = [json.loads(line) for line in (hf_run.parent / "run" / "metrics.jsonl").open()]
     trained = {r["step"]: r["eval/loss"] for r in records if "eval/loss" in r}
     assert sorted(trained) == [2, 4] and trained[4] < trained[2]
-    evaluated = run_cli("evaluate", "--config", str(config), cwd=tmp_path)
+    evaluated = run_cli("evaluate", "--config", str(hf_run), cwd=hf_run.parent)
     assert evaluated.returncode == 0, evaluated.stderr
     match = re.match(r"eval/loss=(\S+) ", evaluated.stdout)
     assert match is not None and float(match.group(1)) == trained[4]
-    validate = run_cli("validate", "--config", str(config), cwd=tmp_path)
+    validate = run_cli("validate", "--config", str(hf_run), cwd=hf_run.parent)
     assert validate.returncode == 0, validate.stderr
     assert "LlamaForCausalLM" in validate.stdout
+
+
+def test_an_hf_causal_lm_run_resumes_exactly(hf_run: Path) -> None:
+    directory = hf_run.parent
+    split = ("fit", "--config", str(hf_run), "--output-dir", str(directory / "split"))
+    assert run_cli(*split, "--max-steps", "2", cwd=directory).returncode == 0
+    resumed = run_cli(*split, "--resume", cwd=directory)
+    assert resumed.returncode == 0, resumed.stderr
+    assert losses(directory / "split") == losses(directory / "run")  # bit for bit
+    model = build_hf_causal_lm(config=LLAMA, vocab_size=VOCAB)
+    assert find_shard_blocks(model) == list(model.hf.model.layers)  # FSDP's units
 
 
 def test_a_hub_id_is_refused_without_a_download(tmp_path: Path) -> None:

@@ -301,12 +301,21 @@ def _check_fields(fields: dict[str, object], where: str) -> str:
 
 def _warn_unknown_fields(config: object, fields: Mapping[str, object], where: str) -> None:
     """transformers keeps any unknown key as an attribute: a typo'd field would be lost."""
-    known = set(type(config)().to_dict())  # type: ignore[attr-defined]  # a PretrainedConfig
-    unknown = sorted(key for key in fields if key not in known)
+    cls = type(config)
+    # Known: the fields of a default config, the class's own attributes and properties
+    # (older spellings such as rope_scaling) and its aliases (gpt2's n_embd); a key the
+    # config consumed (rope_theta into rope_parameters) leaves no attribute behind.
+    defaults = cls().to_dict()  # type: ignore[attr-defined]  # a transformers config class
+    known = set(defaults) | set(dir(cls)) | set(getattr(cls, "attribute_map", {}))
+    unknown = sorted(key for key in fields if key not in known and hasattr(config, key))
     if unknown:
+        what = (
+            f"is not a {cls.__name__} field"
+            if len(unknown) == 1
+            else f"are not {cls.__name__} fields"
+        )
         warnings.warn(
-            f"{where}: {', '.join(unknown)} {'is' if len(unknown) == 1 else 'are'} not "
-            f"{type(config).__name__} field(s); transformers keeps them as plain attributes",
+            f"{where}: {', '.join(unknown)} {what}; transformers keeps it as a plain attribute",
             UserWarning,
             stacklevel=4,
         )
