@@ -98,6 +98,8 @@ SLOW_FIRST = (
     "tests/test_plot.py",
     "tests/test_docs.py",
     "tests/test_diloco_e2e.py",
+    "tests/test_export.py",  # the first test of each imports transformers' models (~8 s)
+    "tests/test_hf_models.py",
 )
 
 

@@ -88,6 +88,11 @@ def test_a_registered_transformers_model_learns_the_next_token_not_two_ahead(
     assert abs(float(once) - float(twice)) > 1e-3  # the two objectives are told apart
     result = trainer.fit()
     assert result.final_loss == float(once)
+    # A model handed to build_runtime is wrapped too when the data is the config's; with
+    # a DataLoader of your own the batches (and so the labels' convention) are yours.
+    assert isinstance(build_runtime(config, model=tiny_llama())[0].model, HFCausalLM)
+    own_data = build_runtime(config, model=raw, dataloader=[batch])[0].model
+    assert own_data is raw
 
 
 def test_hf_causal_lm_losses_equal_a_hand_written_loop_with_padding() -> None:
