@@ -109,9 +109,13 @@ def hand_loop(batches: list[object], log_every: int, log_path: Path) -> float:
 
 
 def trainer_run(
-    batches: list[object], callbacks: Callable[[Path], list[Callback]], log_every: int, out: Path
+    batches: list[object],
+    callbacks: Callable[[Path], list[Callback]],
+    log_every: int,
+    out: Path,
+    model_factory: Callable[[], torch.nn.Module] = make_model,
 ) -> float:
-    model = make_model()
+    model = model_factory()
     opt, sched = optimizer_for(model)
     trainer = Trainer(
         model,

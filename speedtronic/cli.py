@@ -71,6 +71,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps")
 
+    export = sub.add_parser(
+        "export", help="write a run's checkpoint as a Hugging Face model directory"
+    )
+    _add_config_args(export)
+    export.add_argument(
+        "--checkpoint", help="checkpoint file or .dcp directory (default: the run's latest)"
+    )
+    export.add_argument("--output", required=True, help="the directory to write")
+    export.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty --output directory"
+    )
+
     validate = sub.add_parser("validate", help="check a config; print it and the callback plan")
     _add_config_args(validate)
     validate.add_argument("--format", choices=("yaml", "json"), default="yaml")
@@ -261,6 +273,27 @@ def _evaluate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _export(args: argparse.Namespace) -> int:
+    """``speedtronic export``: one line naming what was written, and from which checkpoint."""
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.models.export import ExportError
+    from speedtronic.runtime import export_checkpoint
+
+    config = _load(args)
+    assert isinstance(config, SpeedtronicConfig)
+    try:
+        loaded, result = export_checkpoint(
+            config, Path(args.output), checkpoint=args.checkpoint, overwrite=args.overwrite
+        )
+    except ExportError as exc:
+        raise UserError(str(exc)) from None
+    print(
+        f"wrote {result.output} ({result.architecture}: {', '.join(result.files)}) "
+        f"step={loaded.step} checkpoint={loaded.path}"
+    )
+    return EXIT_OK
+
+
 def _validate(args: argparse.Namespace) -> int:
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.engine.dispatch import describe_classes, format_plan
@@ -426,6 +459,7 @@ _COMMANDS = {
     "fit": _fit,
     "train": _fit,
     "evaluate": _evaluate,
+    "export": _export,
     "validate": _validate,
     "schema": _schema,
     "plugins": _plugins,

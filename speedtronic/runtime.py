@@ -42,6 +42,13 @@ from speedtronic.engine.callback import Callback
 from speedtronic.engine.evaluation import EvalOutcome, evaluate_model
 from speedtronic.engine.result import TrainResult
 from speedtronic.engine.trainer import Trainer, TrainingStateError
+from speedtronic.models.export import (
+    ExportResult,
+    check_export_target,
+    export_model,
+    tokenizer_file,
+)
+from speedtronic.models.hf import adapt_model
 from speedtronic.models.registry import build_model
 from speedtronic.models.summary import parameter_count
 from speedtronic.optimizers import build_optimizer as build_optimizer  # 2.0's import path
@@ -264,7 +271,10 @@ def build_runtime(
     resolved_device = (
         distributed.device if distributed is not None else resolve_device(requested_device)
     )
-    net = model if model is not None else build_model(cfg.model)
+    if model is None:
+        net = build_model(cfg.model)
+    else:  # the config's data is next-token aligned: a raw transformers causal LM is wrapped
+        net = model if dataloader is not None else adapt_model(model)
     net.to(resolved_device)
     apply_threads(cfg.run.threads, resolved_device, net)
     precision = resolve_precision(cfg.precision, resolved_device)
@@ -434,6 +444,23 @@ def evaluate_checkpoint(
     resolved_device = resolve_device(device if device is not None else cfg.run.device)
     output_dir = Path(cfg.run.output_dir).expanduser().resolve()
     loaded = _checkpoint_to_evaluate(cfg, output_dir, resolved_device, checkpoint)
+    net = model_with_weights(cfg, loaded)
+    net.to(resolved_device)
+    _warn_if_trained_on_the_tail(cfg)
+    outcome = evaluate_model(
+        net,
+        held_out_loader(cfg, None),
+        device=resolved_device,
+        precision=resolve_precision(cfg.precision, resolved_device),
+        max_batches=cfg.eval.max_batches,
+    )
+    return loaded, outcome
+
+
+def model_with_weights(cfg: SpeedtronicConfig, loaded: LoadedCheckpoint) -> torch.nn.Module:
+    """The config's model (on the CPU) holding the weights of ``loaded``: a sharded (FSDP)
+    checkpoint's gathered whole. ``CheckpointError`` when it holds none,
+    ``TrainingStateError`` when they do not fit the model."""
     net = build_model(cfg.model)
     sharded = loaded.state.get(SHARDED_DIRECTORY)
     if isinstance(sharded, str):  # an FSDP run's checkpoint: its weights, gathered whole
@@ -455,16 +482,29 @@ def evaluate_checkpoint(
         raise TrainingStateError(
             f"checkpoint {loaded.path} does not match the model of this config: {problem}"
         ) from None
-    net.to(resolved_device)
-    _warn_if_trained_on_the_tail(cfg)
-    outcome = evaluate_model(
-        net,
-        held_out_loader(cfg, None),
-        device=resolved_device,
-        precision=resolve_precision(cfg.precision, resolved_device),
-        max_batches=cfg.eval.max_batches,
-    )
-    return loaded, outcome
+    return net
+
+
+def export_checkpoint(
+    config: ConfigSource,
+    output: str | Path,
+    *,
+    checkpoint: str | Path | None = None,
+    overwrite: bool = False,
+) -> tuple[LoadedCheckpoint, ExportResult]:
+    """Write a run's checkpoint (the named one, else the newest) as a Hugging Face
+    directory ``output`` (``speedtronic.models.export``), with the run's tokenizer file.
+    ``ExportError`` for an output in the way or a model with no Hugging Face form, before
+    anything is read; one process, on the CPU."""
+    cfg = as_config(config)
+    import_modules(cfg.imports)
+    target = Path(output).expanduser()
+    check_export_target(target, overwrite=overwrite)
+    tokenizer = tokenizer_file(cfg.data.to_dict())
+    output_dir = Path(cfg.run.output_dir).expanduser().resolve()
+    loaded = _checkpoint_to_evaluate(cfg, output_dir, torch.device("cpu"), checkpoint)
+    net = model_with_weights(cfg, loaded)
+    return loaded, export_model(net, target, overwrite=overwrite, tokenizer=tokenizer)
 
 
 def _warn_if_trained_on_the_tail(cfg: SpeedtronicConfig) -> None:

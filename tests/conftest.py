@@ -99,6 +99,8 @@ SLOW_FIRST = (
     "tests/test_docs.py",
     "tests/test_diloco_e2e.py",
     "tests/test_run_lock.py::test_two_runs_started_together_on_one_checkpoint_directory",
+    "tests/test_export.py",  # the first test of each imports transformers' models (~8 s)
+    "tests/test_hf_models.py",
 )
 
 

@@ -4,8 +4,9 @@ The process-global instance is ``registry`` here and ``speedtronic.registry`` at
 level. This module is named ``model_registry`` so that no module shares the instance's name:
 a submodule ``speedtronic.registry`` would replace the package attribute once imported.
 
-Built-in models (``reference_transformer``, ``gpt``) and third-party ones are declared as
-entry points in the ``speedtronic.models`` group and load lazily on first use.
+Built-in models (``reference_transformer``, ``gpt``, ``hf_causal_lm``) and third-party ones
+are declared as entry points in the ``speedtronic.models`` group and load lazily on first
+use.
 
 A factory receives the standard ``model:`` fields and the free-form ``model.options`` as
 keyword arguments. It may declare a JSON Schema of its options -- an ``options_schema``
@@ -91,12 +92,17 @@ class ModelRegistry(PluginRegistry[ModelFactory]):
         return declared if isinstance(declared, Mapping) else None
 
     def build(self, name: str, **kwargs: object) -> nn.Module:
+        """The model factory ``name`` returns. A ``transformers`` causal LM comes back
+        wrapped in ``HFCausalLM``: speedtronic's labels are already next-token aligned, and
+        the raw model would shift them again (``speedtronic.models.hf``)."""
         model = self.get(name)(**kwargs)
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"model factory {name!r} returned {type(model).__name__}, not an nn.Module"
             )
-        return model
+        from speedtronic.models.hf import adapt_model  # imports no transformers itself
+
+        return adapt_model(model)
 
 
 registry = ModelRegistry()

@@ -1,0 +1,326 @@
+"""Weights out: a trained model as a Hugging Face directory (``config.json`` +
+``model.safetensors``) that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+
+* an ``hf_causal_lm`` model (``HFCausalLM``) -- or a bare ``transformers`` model -- is written
+  by its own ``save_pretrained`` (safetensors);
+* the reference transformer is written as the equivalent ``LlamaForCausalLM``: the same
+  pre-norm blocks with RMSNorm, rotate-half RoPE with the same ``rope_base``, grouped K/V
+  heads (speedtronic repeats each K/V head for consecutive query heads, as Llama does), a
+  bias-free SwiGLU MLP and an optionally tied head. The weights only change names -- no
+  q/k permutation is needed, both use the rotate-half convention -- so its logits equal
+  speedtronic's (to float rounding). Anything the reference model holds that Llama has no
+  place for (a module of another class, an extra parameter such as a QK-norm, a bias,
+  norms with different eps) is an ``ExportError`` naming it. Dropout is a training-time
+  setting: the attention-probability dropout becomes ``attention_dropout``; the residual
+  and embedding dropout have no Llama field (a warning says so; inference is unaffected).
+
+The directory is written atomically: everything goes into a hidden temporary sibling,
+which is fsynced and renamed onto ``output`` (an existing non-empty ``output`` only with
+``overwrite``, moved aside first and removed after). ``transformers`` and ``safetensors``
+are imported inside the functions (the ``hf`` extra).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from speedtronic.models.hf import (
+    HFCausalLM,
+    is_transformers_model,
+    require_module,
+    transformers_api,
+)
+from speedtronic.models.transformer import (
+    CausalSelfAttention,
+    ReferenceTransformer,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    TransformerBlock,
+)
+from speedtronic.state.atomic_io import fsync_directory, temporary_sibling
+
+__all__ = [
+    "ExportError",
+    "ExportResult",
+    "check_export_target",
+    "export_model",
+    "llama_weights",
+    "reference_llama_config",
+    "tokenizer_file",
+]
+
+TOKENIZER_NAME = "tokenizer.json"
+LLAMA_ARCHITECTURE = "LlamaForCausalLM"
+
+
+class ExportError(ValueError):
+    """The model or the output directory cannot be exported as asked (a user mistake)."""
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What ``export_model`` wrote: the directory, its files and the architecture."""
+
+    output: Path
+    files: tuple[str, ...]
+    architecture: str
+
+
+# -- the output directory -------------------------------------------------------------------
+
+
+def check_export_target(output: Path, *, overwrite: bool) -> None:
+    """``ExportError`` unless ``output`` can receive an export: absent, an empty
+    directory, or a non-empty one with ``overwrite``."""
+    if output.exists() and not output.is_dir():
+        raise ExportError(f"--output {output} exists and is not a directory")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise ExportError(
+            f"--output {output} is not empty; pass --overwrite to replace its contents"
+        )
+
+
+def _install(temp: Path, output: Path) -> None:
+    """Rename the finished ``temp`` onto ``output``; an existing ``output`` is moved aside
+    first and removed after, so a reader sees the old directory or the new one."""
+    if output.exists():
+        aside = temporary_sibling(output)
+        os.replace(output, aside)
+        os.replace(temp, output)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(temp, output)
+    fsync_directory(output.parent)
+
+
+def _fsync_files(directory: Path) -> None:
+    for path in directory.iterdir():
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    fsync_directory(directory)
+
+
+# -- the reference transformer as Llama -------------------------------------------------------
+
+
+def _refuse(where: str, what: str) -> ExportError:
+    return ExportError(
+        f"cannot export the reference transformer as {LLAMA_ARCHITECTURE}: {where} {what}, "
+        "which LlamaForCausalLM has no equivalent for"
+    )
+
+
+def _expect(module: object, cls: type, where: str) -> None:
+    if type(module) is not cls:
+        raise _refuse(where, f"is {type(module).__name__}, not the reference's {cls.__name__}")
+
+
+def _llama_names(model: ReferenceTransformer) -> Iterator[tuple[str, str]]:
+    """(reference parameter name, Llama parameter name) for every weight, checking that
+    each module is the reference's own class."""
+    yield "transformer.wte.weight", "model.embed_tokens.weight"
+    for index, block in enumerate(model.blocks):
+        where = f"transformer.h.{index}"
+        _expect(block, TransformerBlock, where)
+        _expect(block.attn, CausalSelfAttention, f"{where}.attn")
+        _expect(block.mlp, SwiGLU, f"{where}.mlp")
+        for norm, llama in (("norm1", "input_layernorm"), ("norm2", "post_attention_layernorm")):
+            _expect(getattr(block, norm), RMSNorm, f"{where}.{norm}")
+            yield f"{where}.{norm}.weight", f"model.layers.{index}.{llama}.weight"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            yield f"{where}.attn.{proj}.weight", f"model.layers.{index}.self_attn.{proj}.weight"
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            yield f"{where}.mlp.{proj}.weight", f"model.layers.{index}.mlp.{proj}.weight"
+    _expect(model.transformer["ln_f"], RMSNorm, "transformer.ln_f")
+    _expect(model.rotary, RotaryEmbedding, "rotary")
+    yield "transformer.ln_f.weight", "model.norm.weight"
+    if not model.config.tie_weights:
+        yield "lm_head.weight", "lm_head.weight"
+
+
+def _norm_eps(model: ReferenceTransformer) -> float:
+    values = {
+        name: module.eps for name, module in model.named_modules() if isinstance(module, RMSNorm)
+    }
+    if len(set(values.values())) > 1:
+        found = ", ".join(f"{name}={eps}" for name, eps in sorted(values.items()))
+        raise _refuse("its RMSNorm layers", f"use different eps ({found})")
+    return float(next(iter(values.values())))
+
+
+def _check_reference(model: ReferenceTransformer) -> None:
+    if type(model).forward is not ReferenceTransformer.forward:
+        raise _refuse(type(model).__name__, "has its own forward")
+    tied = model.lm_head.weight is model.token_embedding.weight
+    if tied != model.config.tie_weights:
+        raise _refuse("lm_head.weight", f"is {'' if tied else 'not '}tied against tie_weights")
+
+
+def llama_weights(model: ReferenceTransformer) -> dict[str, torch.Tensor]:
+    """The reference transformer's weights under ``LlamaForCausalLM``'s names (a tied head
+    once, as ``model.embed_tokens.weight``); ``ExportError`` naming any weight or module
+    that has no Llama place."""
+    _check_reference(model)
+    state = model.state_dict()
+    names = dict(_llama_names(model))
+    tied_alias = {"lm_head.weight"} if model.config.tie_weights else set()
+    extra = sorted(key for key in state if key not in names and key not in tied_alias)
+    if extra:
+        raise _refuse(", ".join(extra[:5]), "has no Llama name")
+    return {llama: state[name].detach().to("cpu").contiguous() for name, llama in names.items()}
+
+
+def reference_llama_config(model: ReferenceTransformer) -> dict[str, object]:
+    """The ``LlamaConfig`` fields of the reference transformer's architecture."""
+    config = model.config
+    if config.dropout > 0:
+        warnings.warn(
+            f"model.dropout {config.dropout}: Llama has attention_dropout only; the reference's "
+            "residual and embedding dropout are not carried into the export (inference is the "
+            "same; fine-tuning the export trains without them)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return {
+        "architectures": [LLAMA_ARCHITECTURE],
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.d_model,
+        "intermediate_size": config.swiglu_hidden,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.block_size,
+        "rms_norm_eps": _norm_eps(model),
+        "rope_theta": float(config.rope_base),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": float(config.dropout),
+        "tie_word_embeddings": config.tie_weights,
+        # The token ids speedtronic's data uses are its own: Llama's defaults (1 and 2) would
+        # make generation stop on an ordinary token.
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
+
+
+def _write_llama(model: ReferenceTransformer, directory: Path) -> str:
+    weights = llama_weights(model)
+    fields = reference_llama_config(model)
+    transformers = require_module("transformers", "speedtronic export")
+    safetensors_torch = require_module("safetensors.torch", "speedtronic export")
+    transformers.LlamaConfig(**fields).save_pretrained(str(directory))
+    safetensors_torch.save_file(
+        weights, str(directory / "model.safetensors"), metadata={"format": "pt"}
+    )
+    return LLAMA_ARCHITECTURE
+
+
+# -- transformers models ------------------------------------------------------------------------
+
+
+def _write_transformers(model: nn.Module, directory: Path) -> str:
+    transformers = require_module("transformers", "speedtronic export")
+    major = int(str(transformers.__version__).split(".")[0])
+    # safetensors is the only format of transformers 5; 4.x is asked for it explicitly.
+    options = {} if major >= 5 else {"safe_serialization": True}
+    progress = transformers.utils.logging
+    shown = progress.is_progress_bar_enabled()
+    progress.disable_progress_bar()  # the CLI prints one line, not transformers' bars
+    try:
+        transformers_api(model).save_pretrained(str(directory), **options)
+    finally:
+        if shown:
+            progress.enable_progress_bar()
+    if not any(directory.glob("model*.safetensors")):
+        raise ExportError(f"{type(model).__name__}.save_pretrained wrote no safetensors file")
+    return type(model).__name__
+
+
+def _write_model(model: nn.Module, directory: Path) -> str:
+    if isinstance(model, HFCausalLM):
+        return _write_transformers(model.hf, directory)
+    if is_transformers_model(model):
+        return _write_transformers(model, directory)
+    if isinstance(model, ReferenceTransformer):
+        return _write_llama(model, directory)
+    raise ExportError(
+        f"cannot export a {type(model).__name__}: speedtronic export writes hf_causal_lm "
+        "models and the reference transformer (as LlamaForCausalLM)"
+    )
+
+
+def export_model(
+    model: nn.Module, output: Path, *, overwrite: bool = False, tokenizer: Path | None = None
+) -> ExportResult:
+    """Write ``model`` into ``output`` as a Hugging Face directory (module docstring), with
+    a copy of ``tokenizer`` as ``tokenizer.json`` when given. ``ExportError`` (nothing
+    written) when ``output`` is a file or not empty without ``overwrite``, or when the
+    model has no Hugging Face form."""
+    output = Path(output).expanduser()
+    check_export_target(output, overwrite=overwrite)
+    if tokenizer is not None and not tokenizer.is_file():
+        raise ExportError(f"the run's tokenizer {tokenizer} is not a file")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    temp = temporary_sibling(output)
+    temp.mkdir()
+    try:
+        architecture = _write_model(model, temp)
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, temp / TOKENIZER_NAME)
+        _fsync_files(temp)
+        files = tuple(sorted(path.name for path in temp.iterdir()))
+        _install(temp, output)
+    finally:
+        if temp.exists():
+            shutil.rmtree(temp, ignore_errors=True)
+    return ExportResult(output, files, architecture)
+
+
+# -- the run's tokenizer --------------------------------------------------------------------
+
+
+def _source_tokenizer(source: Mapping[str, object]) -> Path | None:
+    named = source.get("tokenizer")
+    if isinstance(named, str) and named and Path(named).expanduser().is_file():
+        return Path(named).expanduser()
+    tokens = source.get("tokens")
+    if isinstance(tokens, str) and tokens:
+        candidate = Path(tokens).expanduser() / TOKENIZER_NAME
+        return candidate if candidate.is_file() else None
+    return None
+
+
+def tokenizer_file(data: Mapping[str, object]) -> Path | None:
+    """The tokenizer file a run's ``data`` section used, to copy beside the weights:
+    ``data.tokenizer`` when it is a file (the byte tokenizer has none), else the
+    ``tokenizer.json`` inside a ``data.tokens`` shard directory, or of the sources of a
+    ``data.mixture`` (which must then agree). Keys are read by name from the resolved
+    section, so an absent key means no tokenizer."""
+    found = _source_tokenizer(data)
+    if found is not None:
+        return found
+    mixture = data.get("mixture")
+    sources = (
+        [item for item in mixture if isinstance(item, Mapping)] if isinstance(mixture, list) else []
+    )
+    files = [path for path in (_source_tokenizer(item) for item in sources) if path is not None]
+    contents = {path.read_bytes() for path in files}
+    if len(contents) > 1:
+        raise ExportError(
+            "data.mixture: the sources have different tokenizer.json files "
+            f"({', '.join(str(path) for path in files)}); there is no one tokenizer to export"
+        )
+    return files[0] if files else None
