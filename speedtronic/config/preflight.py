@@ -43,15 +43,49 @@ def _device_error(device: str) -> str | None:
 
 
 def _data_errors(config: SpeedtronicConfig) -> list[str]:
-    path = config.data.text_path
+    errors = _file_errors("data.text_path", config.data.text_path)
+    tokenizer = config.data.tokenizer
+    if tokenizer != "bytes":
+        errors.extend(_file_errors("data.tokenizer", tokenizer))
+    errors.extend(_shard_errors(config))
+    return errors
+
+
+def _file_errors(key: str, path: str | None) -> list[str]:
     if path is None:
         return []
     file = Path(path).expanduser()
     if not file.exists():
-        return [f"data.text_path: {path!r} does not exist"]
+        return [f"{key}: {path!r} does not exist"]
     if not file.is_file():
-        return [f"data.text_path: {path!r} is not a file"]
+        return [f"{key}: {path!r} is not a file"]
     return []
+
+
+def _shard_errors(config: SpeedtronicConfig) -> list[str]:
+    """Each shard directory has a usable manifest whose vocabulary fits the model (the
+    shards themselves are checked when the data is built)."""
+    directories = [("data.tokens", config.data.tokens)] if config.data.tokens else []
+    directories += [
+        (f"data.mixture[{index}].tokens", source.tokens)
+        for index, source in enumerate(config.data.mixture)
+    ]
+    if not directories:
+        return []
+    from speedtronic.data import DataSourceError
+    from speedtronic.data.shards import check_vocab_fits, read_manifest
+
+    errors = []
+    for key, directory in directories:
+        try:
+            manifest = read_manifest(directory)
+            if config.data.vocab_size is not None:
+                where = f"{key}: {directory}"
+                check_vocab_fits(manifest.vocab_size, config.data.vocab_size, source=where)
+        except DataSourceError as exc:
+            message = str(exc)
+            errors.append(message if message.startswith(key) else f"{key}: {message}")
+    return errors
 
 
 def _warmup_warning(config: SpeedtronicConfig, target_steps: int) -> str | None:
