@@ -7,13 +7,14 @@ The proportions therefore hold exactly per epoch, and closely within any stretch
 ``N`` positions of epoch ``e`` are dealt to the sources by a seeded permutation of the quota
 slots (``Permutation``, keyed by ``(data.seed, e)``), so a batch is a random draw from them.
 
-Each source is read as an endless sequence of its own epochs, each a fresh permutation of its
+Each source is read as an endless sequence of passes, each a fresh permutation of its
 windows (keyed by the source's position in the list and the pass number): draw ``k`` of
 source ``s`` is window ``perm_{s, k // n_s}(k % n_s)``, and epoch ``e`` of the mixture takes
-draws ``e * N_s .. (e + 1) * N_s - 1``. So a source that runs out (its quota is more than its
-windows: a small source with a large weight) starts its next pass, in a new order, within
-the same mixture epoch; a source with a smaller quota than windows continues where it
-stopped in the next mixture epoch, and every window of it is read before any repeats.
+draws ``e * N_s .. (e + 1) * N_s - 1`` (in a random order within the epoch). So a source that
+runs out -- a quota larger than its windows: a small source with a large weight -- starts
+its next pass, in a new order, within the same mixture epoch; a source with a smaller quota
+than windows continues in the next mixture epoch where it stopped. Either way the ``p``-th
+``n_s`` draws of a source are one whole pass over it: every window once.
 
 Everything is a pure function of ``(seed, epoch, position)``: the sampler (a
 ``WindowSampler``) yields draw keys, ranks take strided positions, and a resumed run continues
