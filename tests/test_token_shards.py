@@ -6,6 +6,7 @@ config rules; and one real two-rank ``speedtronic fit`` that reads every window 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 from collections import Counter
@@ -34,7 +35,7 @@ from speedtronic.data.collate import collate_causal
 from speedtronic.data.held_out import held_out_dataset
 from speedtronic.data.mixture import MixtureDataset, apportion, open_mixture
 from speedtronic.data.prepare import PrepareOptions, prepare
-from speedtronic.data.shards import MANIFEST_NAME, ManifestError, parse_manifest
+from speedtronic.data.shards import MANIFEST_NAME, ManifestError, ShardEntry, parse_manifest
 from speedtronic.data.tokenizer import FileTokenizer
 from speedtronic.data.windows import (
     FAULT_BYTES,
@@ -157,20 +158,43 @@ def test_windows_are_block_plus_one_tokens_at_stride_block_size(tmp_path: Path) 
     assert batch["input_ids"].dtype == torch.int64 and batch["input_ids"].is_contiguous()
 
 
-def test_the_dataset_drops_its_maps_to_bound_what_it_keeps_mapped(tmp_path: Path) -> None:
+def test_the_dataset_keeps_its_rss_flat_and_few_shards_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import psutil
+
+    from speedtronic.data import windows
+
     shards = make_shards(tmp_path, 60, shard_tokens=100)
     dataset = open_token_dataset(shards, block_size=8)
+    monkeypatch.setattr(windows, "MAX_OPEN_MAPS", 2)
     small = TokenWindowDataset(
         shards, dataset.manifest, dataset.shards, 8, resident_bytes=3 * FAULT_BYTES
     )
     opened = []
     for start in range(0, len(small) - 4, 4):
-        small.gather(list(range(start, start + 4)))
-        opened.append(len(small._maps._maps))
-    assert max(opened) <= 3 and len(set(dataset.shards)) > 3  # never all shards mapped at once
-    assert torch.equal(small.gather([0, 5])[0], dataset.gather([0, 5])[0])
+        inputs, labels = small.gather(list(range(start, start + 4)))
+        opened.append(small._maps.open_maps)
+        assert torch.equal(inputs, dataset.gather(list(range(start, start + 4)))[0])
+    assert max(opened) == 2 and len(dataset.shards) > 3  # never all shards mapped at once
     clone = pickle.loads(pickle.dumps(small))  # what a spawned DataLoader worker gets
-    assert clone._maps._maps == {} and torch.equal(clone.gather([3])[1], small.gather([3])[1])
+    assert clone._maps.open_maps == 0 and torch.equal(clone.gather([3])[1], small.gather([3])[1])
+
+    # A shuffled epoch over 64 MB of shards: what stays mapped is bounded by resident_bytes.
+    big = tmp_path / "big"
+    big.mkdir()
+    tokens = np.random.default_rng(0).integers(0, 300, 32 << 20, dtype=np.uint16)
+    tokens.tofile(big / "train-00000.bin")
+    entry = ShardEntry("train-00000.bin", "train", tokens.size, "0" * 64)
+    manifest = dataclasses.replace(dataset.manifest, shards=(entry,))
+    epoch = TokenWindowDataset(big, manifest, (entry,), 1024, resident_bytes=4 << 20)
+    order = np.random.default_rng(1).permutation(len(epoch))
+    before = psutil.Process().memory_info().rss
+    growth = 0
+    for start in range(0, len(order), 64):
+        epoch.gather(order[start : start + 64])
+        growth = max(growth, psutil.Process().memory_info().rss - before)
+    assert growth < 16 << 20, f"RSS grew by {growth / 2**20:.1f} MiB over a 64 MiB epoch"
 
 
 def test_training_never_reads_held_out_shards_and_eval_reads_them_by_default(

@@ -66,7 +66,12 @@ from speedtronic.data.tokenizer import (
     FileTokenizer,
     load_tokenizer,
 )
-from speedtronic.state.atomic_io import atomic_write, atomic_write_bytes, atomic_write_text
+from speedtronic.state.atomic_io import (
+    atomic_write,
+    atomic_write_bytes,
+    atomic_write_text,
+    fsync_directory,
+)
 
 __all__ = [
     "DEFAULT_EVAL_FRACTION",
@@ -472,10 +477,16 @@ def _publish(staging: Path, output: Path, replacing: bool) -> None:
         if output.is_dir():
             output.rmdir()  # empty (checked before); rename does not replace a directory everywhere
         os.replace(staging, output)
+        fsync_directory(output.parent)
         return
     aside = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:12]}"
     os.replace(output, aside)
-    os.replace(staging, output)
+    try:
+        os.replace(staging, output)
+    except BaseException:
+        os.replace(aside, output)  # the old set back in place
+        raise
+    fsync_directory(output.parent)
     shutil.rmtree(aside, ignore_errors=True)
 
 

@@ -22,14 +22,16 @@ Another ``data.collate`` gets ordinary ``{input_ids, labels}`` records.
 
 Memory. Pages of a memory-mapped file count in the process's RSS once touched (and on
 kernels with large folios one touch maps up to 2 MiB), so reading a shuffled epoch would
-grow RSS towards the corpus size although nothing is copied. The dataset therefore drops
-its maps after touching ``resident_bytes`` (charged at least ``FAULT_BYTES`` per window) and
-reopens them lazily: RSS stays within about ``resident_bytes`` whatever the corpus size.
-The pages stay in the kernel's page cache; only this process's mapping of them goes.
+grow RSS towards the corpus size although nothing is copied. The dataset therefore unmaps
+what it touched (``madvise(MADV_DONTNEED)``) after ``resident_bytes`` of reads (charged at
+least ``FAULT_BYTES`` per window): RSS stays within about ``resident_bytes`` whatever the
+corpus size. The pages stay in the kernel's page cache; only this process's mapping of them
+goes. At most ``MAX_OPEN_MAPS`` shards are mapped at a time.
 """
 
 from __future__ import annotations
 
+import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -70,6 +72,7 @@ ORDER_BLOCK = 8192
 FAULT_BYTES = 2 << 20
 """What one window may map at most beyond its own bytes (a 2 MiB large folio)."""
 DEFAULT_RESIDENT_BYTES = 32 << 20
+MAX_OPEN_MAPS = 64
 
 _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
@@ -164,9 +167,16 @@ class WindowSampler(ResumableSampler):
             yield from self._indices(positions % self.dataset_len).tolist()
 
 
+_ShardMap = np.memmap[tuple[int], np.dtype[np.unsignedinteger]]
+
+
 class _Maps:
-    """Lazily opened read-only memmaps of a set of shards, dropped (and reopened on the
-    next read) after ``resident_bytes`` of reads (module docstring, "Memory")."""
+    """Read-only memmaps of a set of shards (module docstring, "Memory"): opened lazily, at
+    most ``MAX_OPEN_MAPS`` at a time (each holds a file descriptor; the earliest opened is
+    closed), read through plain ``ndarray`` views (a slice of an ``np.memmap`` object
+    costs several times more), and after ``resident_bytes`` of reads unmapped from this
+    process's memory -- ``madvise(MADV_DONTNEED)`` on each map where the platform has it,
+    else the maps are closed and reopened on the next read."""
 
     def __init__(
         self,
@@ -179,17 +189,25 @@ class _Maps:
         self.lengths = list(lengths)
         self.dtype = dtype
         self.resident_bytes = resident_bytes
-        self._maps: dict[int, np.memmap[tuple[int], np.dtype[np.unsignedinteger]]] = {}
+        self._maps: dict[int, _ShardMap] = {}  # in the order they were opened
+        self._views: dict[int, npt.NDArray[np.unsignedinteger]] = {}
+        self._touched: set[int] = set()  # read since the last release
         self._charged = 0
 
-    def get(self, shard: int) -> np.memmap[tuple[int], np.dtype[np.unsignedinteger]]:
-        found = self._maps.get(shard)
-        if found is None:
-            found = np.memmap(
-                self.paths[shard], dtype=self.dtype, mode="r", shape=(self.lengths[shard],)
-            )
-            self._maps[shard] = found
-        return found
+    def get(self, shard: int) -> npt.NDArray[np.unsignedinteger]:
+        self._touched.add(shard)
+        view = self._views.get(shard)
+        if view is not None:
+            return view
+        if len(self._maps) >= MAX_OPEN_MAPS:
+            oldest = next(iter(self._maps))
+            del self._maps[oldest], self._views[oldest]
+        mapped: _ShardMap = np.memmap(
+            self.paths[shard], dtype=self.dtype, mode="r", shape=(self.lengths[shard],)
+        )
+        self._maps[shard] = mapped
+        view = self._views[shard] = mapped.view(np.ndarray)
+        return view
 
     def charge(self, nbytes: int) -> None:
         self._charged += nbytes
@@ -197,8 +215,20 @@ class _Maps:
             self.release()
 
     def release(self) -> None:
-        self._maps.clear()
+        """Unmap what this process touched; the maps stay usable."""
         self._charged = 0
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        for shard in self._touched & set(self._maps):
+            raw = getattr(self._maps[shard], "_mmap", None)  # numpy's mmap.mmap behind it
+            if advice is not None and isinstance(raw, mmap.mmap):
+                raw.madvise(advice)
+            else:
+                del self._maps[shard], self._views[shard]
+        self._touched.clear()
+
+    @property
+    def open_maps(self) -> int:
+        return len(self._maps)
 
 
 class WindowSource(Dataset[dict[str, torch.Tensor]], ABC):
