@@ -1,4 +1,5 @@
-"""The ``speedtronic`` command: fit (alias train), evaluate, validate, schema, plugins, plot.
+"""The ``speedtronic`` command: fit (alias train), evaluate, validate, schema, plugins, plot,
+prepare.
 
 User mistakes (bad config, unknown plugin, missing file, unreadable checkpoint) print
 ``speedtronic: error: ...`` and exit 2 -- never a traceback. A run that fails while
@@ -103,7 +104,49 @@ def _parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="draw a PNG of a run from its metrics.jsonl")
     plot.add_argument("output_dir", help="the run directory")
     plot.add_argument("--out", help="PNG path (default <output_dir>/metrics.png)")
+    _add_prepare_parser(sub)
     return parser
+
+
+def _add_prepare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    # The defaults are PrepareOptions' (a flag left out is not passed on).
+    prepare = sub.add_parser(
+        "prepare", help="tokenize a corpus once into token shards (data.tokens)"
+    )
+    prepare.add_argument(
+        "--input",
+        dest="inputs",
+        action="append",
+        required=True,
+        metavar="PATH",
+        help="a .txt, .jsonl or .parquet file, a directory of them, or a glob (repeatable)",
+    )
+    prepare.add_argument(
+        "--tokenizer", required=True, help="a tokenizer.json, or 'bytes' for the byte tokenizer"
+    )
+    prepare.add_argument("--output", required=True, help="the shard directory to write")
+    prepare.add_argument(
+        "--text-key", help="the JSONL key / parquet column of the text (default 'text')"
+    )
+    prepare.add_argument(
+        "--eos-token", help="the token that ends a document (default: the tokenizer's own)"
+    )
+    prepare.add_argument(
+        "--eval-fraction",
+        type=float,
+        help="share of the tokens held out: the last documents (default 0.01)",
+    )
+    prepare.add_argument(
+        "--shard-tokens",
+        type=int,
+        help="tokens per shard (default 100,000,000)",
+    )
+    prepare.add_argument("--workers", type=int, help="tokenizing processes (default 1)")
+    prepare.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the shard set in --output (once the new one is complete)",
+    )
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -455,6 +498,25 @@ def _plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    from speedtronic.data.prepare import PrepareOptions, prepare
+
+    given = {
+        key: getattr(args, key)
+        for key in ("text_key", "eos_token", "eval_fraction", "shard_tokens", "workers")
+        if getattr(args, key) is not None
+    }
+    options = PrepareOptions(
+        inputs=args.inputs,
+        tokenizer=args.tokenizer,
+        output=args.output,
+        overwrite=args.overwrite,
+        **given,
+    )
+    print(prepare(options).summary())
+    return EXIT_OK
+
+
 _COMMANDS = {
     "fit": _fit,
     "train": _fit,
@@ -464,6 +526,7 @@ _COMMANDS = {
     "schema": _schema,
     "plugins": _plugins,
     "plot": _plot,
+    "prepare": _prepare,
 }
 
 
@@ -471,6 +534,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     import yaml
 
     from speedtronic.config import ConfigError
+    from speedtronic.data import DataSourceError
     from speedtronic.engine.trainer import TrainingStateError
     from speedtronic.plotting import PlotError
     from speedtronic.plugins import PluginError
@@ -489,6 +553,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         RunDirectoryError,
         TrainingStateError,
         ShardingError,
+        DataSourceError,
         FileNotFoundError,
         yaml.YAMLError,
     )

@@ -97,6 +97,8 @@ SLOW_FIRST = (
     "tests/test_cli_preflight.py::test_validate_into_a_closed_pipe_exits_quietly",
     "tests/test_plot.py",
     "tests/test_docs.py",
+    "tests/test_prepare.py::test_prepare_fit_and_resume_on_token_shards_is_bitwise",
+    "tests/test_token_shards.py::test_two_ranks_read_disjoint_windows_that_cover_the_epoch",
     "tests/test_diloco_e2e.py",
     "tests/test_run_lock.py::test_two_runs_started_together_on_one_checkpoint_directory",
     "tests/test_export.py",  # the first test of each imports transformers' models (~8 s)

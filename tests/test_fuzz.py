@@ -296,3 +296,102 @@ def test_resume_with_any_pointer_loads_a_checkpoint_or_says_why(
         else:
             assert loaded is not None and loaded.step in (1, 3)
     within_bound(start, data)
+
+
+# -- the token-shard manifest (issue 23) ------------------------------------------------------
+
+SHARD_NAMES = ["train-00000.bin", "eval-00000.bin", "../escape.bin", "/etc/passwd", ".hidden",
+               "index.json", "tokenizer.json", "a/b.bin", "x" * 300, ""]  # fmt: skip
+MANIFEST_KEYS = ["format", "version", "dtype", "vocab_size", "eos_id", "tokenizer", "documents",
+                 "tokens", "eval_fraction", "shard_tokens", "shards", "file", "split", "sha256",
+                 "kind"]  # fmt: skip
+SHARD_TOKENS = 40
+VALID_MANIFEST = {
+    "format": "speedtronic-token-shards", "version": 1, "dtype": "uint16", "vocab_size": 300,
+    "eos_id": 0, "tokenizer": {"kind": "bytes", "sha256": "a" * 64, "file": None},
+    "documents": 3, "tokens": SHARD_TOKENS, "eval_fraction": 0.0, "shard_tokens": 100,
+    "shards": [{"file": "train-00000.bin", "split": "train", "tokens": SHARD_TOKENS,
+                "sha256": "b" * 64}],
+}  # fmt: skip
+manifest_values = st.recursive(
+    scalars | st.sampled_from(SHARD_NAMES) | st.sampled_from(["uint16", "uint32", "train", "eval",
+                                                              "a" * 64, "bytes"]),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.dictionaries(st.sampled_from(MANIFEST_KEYS), inner, max_size=5),
+    ),
+    max_leaves=16,
+)  # fmt: skip
+
+
+DELETE = object()
+
+
+def _mutated(changes: list[tuple[list[str], object]]) -> bytes:
+    """The valid manifest with the value at each key path replaced or (``DELETE``) removed;
+    a path through the shard list goes into its first shard."""
+    data = json.loads(json.dumps(VALID_MANIFEST))
+    for path, value in changes:
+        target: object = data
+        for key in path[:-1]:
+            target = target.get(key) if isinstance(target, dict) else None
+            if isinstance(target, list):
+                target = target[0] if target else None
+        if not isinstance(target, dict):
+            continue
+        if value is DELETE:
+            target.pop(path[-1], None)
+        else:
+            target[path[-1]] = value
+    return json.dumps(data).encode("utf-8")
+
+
+key_paths = st.lists(st.sampled_from(MANIFEST_KEYS), min_size=1, max_size=3)
+manifest_bytes = st.one_of(
+    st.just(json.dumps(VALID_MANIFEST).encode("utf-8")),
+    st.binary(max_size=300),
+    manifest_values.map(lambda value: json.dumps(value).encode("utf-8")),
+    st.integers(min_value=1, max_value=50_000).map(
+        lambda depth: b'{"a":' * depth + b"1" + b"}" * depth
+    ),
+    st.lists(st.tuples(key_paths, manifest_values | st.just(DELETE)), min_size=1, max_size=4).map(
+        _mutated
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def shard_directory(workdir: Path) -> Path:
+    directory = workdir / "shards"
+    directory.mkdir()
+    (directory / "train-00000.bin").write_bytes(b"\x01\x00" * SHARD_TOKENS)
+    return directory
+
+
+@fuzz
+@given(data=manifest_bytes)
+def test_manifest_bytes_give_a_manifest_or_a_manifest_error(
+    shard_directory: Path, data: bytes
+) -> None:
+    from speedtronic.data.shards import (
+        ManifestError,
+        ShardError,
+        TokenManifest,
+        parse_manifest,
+        verify_shards,
+    )
+
+    start = time.perf_counter()
+    try:
+        manifest = parse_manifest(data, "index.json")
+    except ManifestError as exc:
+        assert str(exc).startswith("index.json: ")
+    else:
+        assert isinstance(manifest, TokenManifest)
+        for shard in manifest.shards:  # every name stays inside the directory
+            assert (shard_directory / shard.file).resolve().parent == shard_directory.resolve()
+        try:
+            verify_shards(shard_directory, manifest, manifest.shards, checksums=True)
+        except ShardError as exc:
+            assert str(exc).startswith(str(shard_directory))
+    within_bound(start, data)

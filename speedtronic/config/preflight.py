@@ -79,6 +79,8 @@ def _data_errors(config: SpeedtronicConfig) -> list[str]:
     """The text files the run reads: ``data.text_path``, and ``eval.text_path`` when the fit
     evaluates (``speedtronic evaluate`` reports it itself otherwise)."""
     found = [_file_error("data.text_path", config.data.text_path)]
+    if config.data.tokenizer != "bytes":
+        found.append(_file_error("data.tokenizer", config.data.tokenizer))
     if config.eval.every_steps is not None:
         found.append(_file_error("eval.text_path", config.eval.text_path))
     return [error for error in found if error is not None]

@@ -838,6 +838,7 @@ def _data_rules(values: _Values) -> Iterator[str]:
             )
     if values.text("eval", "text_path") is not None and values.text("eval", "dataset"):
         yield "eval.dataset: give eval.text_path or eval.dataset, not both"
+    yield from _token_source_rules(values)
     data_vocab = values.positive_int("data", "vocab_size")
     model_vocab = values.positive_int("model", "vocab_size")
     if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
@@ -845,6 +846,32 @@ def _data_rules(values: _Values) -> Iterator[str]:
             f"data.vocab_size: {data_vocab} is larger than model.vocab_size ({model_vocab}); "
             "the model could not embed every token id"
         )
+
+
+_SOURCE_KEYS = ("tokens", "mixture", "text_path", "dataset")
+
+
+def _token_source_rules(values: _Values) -> Iterator[str]:
+    """``data.tokens`` and ``data.mixture`` exclude the other sources; ``data.tokenizer``
+    needs something to tokenize or check; a mixture is always shuffled."""
+    given = [
+        key
+        for key in _SOURCE_KEYS
+        if (values.get("data", key) if key == "mixture" else values.text("data", key))
+    ]
+    if {"tokens", "mixture"} & set(given) and len(given) > 1:
+        named = " and ".join(f"data.{key}" for key in given)
+        yield f"data.{given[1]}: give one training source, not {named}"
+    text_sources = ("text_path", "tokens", "mixture")
+    if values.text("data", "tokenizer") is not None and not (
+        {*text_sources} & set(given) or values.text("eval", "text_path")
+    ):
+        yield (
+            "data.tokenizer: nothing to tokenize or check (it applies to data.text_path, "
+            "eval.text_path, data.tokens and data.mixture)"
+        )
+    if "mixture" in given and values.get("data", "shuffle") is False:
+        yield "data.shuffle: false does not apply to data.mixture (a mixture is always shuffled)"
 
 
 EVAL_METRIC_PREFIX = "eval/"

@@ -127,6 +127,8 @@ def _coerce(hint: object, value: object) -> object:
             return dict(value)
         if choice is RoutingRule and isinstance(value, Mapping):
             return RoutingRule.from_mapping(value)
+        if choice is MixtureSource and isinstance(value, Mapping):
+            return MixtureSource.from_mapping(value)
     return value
 
 
@@ -287,6 +289,30 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+@dataclass(frozen=True)
+class MixtureSource:
+    """``data.mixture[i]`` -- a token-shard directory and its relative weight."""
+
+    tokens: str
+    weight: float = 1.0
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        return {"tokens": self.tokens, "weight": self.weight}
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, object]) -> MixtureSource | Mapping[str, object]:
+        """The source, or ``values`` unchanged when they do not fit (validation reports it)."""
+        factory = cast("Callable[..., MixtureSource]", cls)
+        try:
+            source = factory(**values)
+        except TypeError:
+            return values
+        weight = source.weight
+        if isinstance(weight, int) and not isinstance(weight, bool):
+            return dataclasses.replace(source, weight=float(weight))
+        return source
+
+
 @dataclass(repr=False)
 class DataConfig(_Section):
     """``data:`` -- the data source and batching (``target = K * micro``)."""
@@ -294,6 +320,10 @@ class DataConfig(_Section):
     section_name: ClassVar[str] = "data"
 
     text_path: str | None = None
+    tokens: str | None = None
+    mixture: list[MixtureSource] = field(default_factory=list)
+    tokenizer: str | None = None
+    verify_shards: bool = True
     dataset: str | None = None
     dataset_options: dict[str, JSONValue] = field(default_factory=dict)
     collate: str = "auto"
@@ -307,7 +337,8 @@ class DataConfig(_Section):
     num_workers: int = 0
     prefetch_factor: int | None = None
     pin_memory: bool | None = None
-    shuffle: bool = False
+    shuffle: bool | None = None
+    """``null``: on for ``tokens`` and ``mixture``, off for the other sources."""
     drop_last: bool = True
     seed: int | None = None
     max_steps: int | None = None

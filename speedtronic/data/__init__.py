@@ -6,7 +6,12 @@
 * ``collate`` -- ``collate_causal``, ``collate_batch``, ``register_collate``,
   ``batch_size_and_tokens``;
 * ``stream`` -- ``ResumableSampler``, ``BatchStream``, ``infinite_batches``;
-* ``loader`` -- ``build_dataloader`` and the dataset registry.
+* ``loader`` -- ``build_dataloader`` and the dataset registry;
+* ``shards`` -- the token-shard format (``index.json``, ``read_manifest``, ``verify_shards``);
+* ``windows`` -- ``TokenWindowDataset`` and ``WindowSampler`` (``data.tokens``);
+* ``mixture`` -- ``MixtureDataset`` (``data.mixture``);
+* ``tokenizer`` -- ``load_tokenizer`` (a ``tokenizer.json`` or the byte tokenizer);
+* ``corpus``, ``prepare`` -- ``speedtronic prepare`` (imported on use).
 """
 
 from __future__ import annotations
@@ -26,11 +31,22 @@ from speedtronic.data.loader import (
     DatasetFactory,
     DatasetRequest,
     DataSettings,
+    ProvidesSampler,
     build_dataloader,
     dataset_registry,
+    has_held_out_split,
     register_dataset,
     resolve_collate,
     resolve_dataset,
+)
+from speedtronic.data.mixture import MixtureDataset, MixtureSampler, open_mixture
+from speedtronic.data.shards import (
+    ManifestError,
+    ShardError,
+    TokenManifest,
+    check_vocab_fits,
+    read_manifest,
+    verify_shards,
 )
 from speedtronic.data.stream import (
     EMPTY_SOURCE_MESSAGE,
@@ -48,36 +64,54 @@ from speedtronic.data.text import (
     Tokenizer,
     encode_text,
 )
+from speedtronic.data.tokenizer import MissingExtraError, load_tokenizer
+from speedtronic.data.windows import TokenWindowDataset, WindowSampler, open_token_dataset
 
 __all__ = [
-    "DEFAULT_DATA_SEED",
-    "EMPTY_SOURCE_MESSAGE",
-    "IGNORE_INDEX",
-    "SYNTHETIC_KINDS",
     "BatchStream",
     "CharTokenizer",
     "CollateFn",
+    "DEFAULT_DATA_SEED",
     "DataSettings",
     "DataSourceError",
     "DatasetFactory",
     "DatasetRequest",
+    "EMPTY_SOURCE_MESSAGE",
     "EpochLimitReached",
+    "IGNORE_INDEX",
     "LearnableLanguageDataset",
+    "ManifestError",
+    "MissingExtraError",
+    "MixtureDataset",
+    "MixtureSampler",
+    "ProvidesSampler",
     "ResumableSampler",
+    "SYNTHETIC_KINDS",
+    "ShardError",
     "SupportsEncode",
     "SyntheticTokenDataset",
     "TextFileTokenDataset",
+    "TokenManifest",
+    "TokenWindowDataset",
     "Tokenizer",
+    "WindowSampler",
     "batch_size_and_tokens",
     "build_dataloader",
+    "check_vocab_fits",
     "collate_batch",
     "collate_causal",
     "collate_registry",
     "dataset_registry",
     "encode_text",
+    "has_held_out_split",
     "infinite_batches",
+    "load_tokenizer",
+    "open_mixture",
+    "open_token_dataset",
+    "read_manifest",
     "register_collate",
     "register_dataset",
     "resolve_collate",
     "resolve_dataset",
+    "verify_shards",
 ]

@@ -2,15 +2,18 @@
 
 Source order (first match wins):
 
-1. ``eval.text_path`` -> a ``TextFileTokenDataset`` of that whole file;
+1. ``eval.text_path`` -> a ``TextFileTokenDataset`` of that whole file, through
+   ``data.tokenizer`` as the training text is;
 2. ``eval.dataset`` -> a registered dataset, built like ``data.dataset`` with
    ``eval.dataset_options`` -- a user's held-out split through the same plugin mechanism as
    training data;
 3. the training source's own held-out split: the synthetic sources draw held-out items from
    another random stream (never a training item); a text file (``data.text_path`` or the
    ``text`` dataset) gives its last ``eval.fraction`` of bytes, which training then skips
-   (``training_excludes_tail``). Another named dataset has no split of its own: an error
-   that says to name one.
+   (``training_excludes_tail``); token shards (``data.tokens``) give their held-out shards,
+   a mixture the held-out shards of all its sources; a dataset registered with
+   ``held_out=True`` builds its own (``DatasetRequest.part``). Another named dataset has no
+   split of its own: an error that says to name one.
 
 The loader never shuffles, keeps the last incomplete batch, uses no worker processes and
 has its own generator, so every evaluation reads the same batches and touches no random
@@ -32,7 +35,9 @@ from speedtronic.data.loader import (
     DataSettings,
     _block_size,
     _named_dataset,
+    _text_vocab,
     resolve_dataset,
+    text_tokenizer,
 )
 from speedtronic.data.stream import RankShardedIterable
 from speedtronic.data.text import DataSourceError, TextFileTokenDataset
@@ -80,8 +85,9 @@ def held_out_dataset(
     """The held-out dataset (source order in the module docstring)."""
     vocab = vocab_size if vocab_size is not None else data.vocab_size
     if settings.text_path:
+        tokenizer = text_tokenizer(data, vocab)
         return TextFileTokenDataset(
-            settings.text_path, _block_size(data), vocab_size=256 if vocab is None else vocab
+            settings.text_path, _block_size(data), tokenizer, _text_vocab(tokenizer, vocab)
         )
     if settings.dataset:
         request = DatasetRequest(

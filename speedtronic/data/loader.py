@@ -3,20 +3,28 @@
 Source order (first match wins):
 
 1. the ``dataset=`` argument;
-2. ``data.text_path`` -> ``TextFileTokenDataset``;
-3. ``data.dataset``: a live ``Dataset`` object (programmatic use), or the name of a dataset
+2. ``data.tokens`` -> the training shards of a ``speedtronic prepare`` directory
+   (``speedtronic.data.windows``), or ``data.mixture`` -> several of them mixed by weight
+   (``speedtronic.data.mixture``); the config allows neither beside another source;
+3. ``data.text_path`` -> ``TextFileTokenDataset``, through ``data.tokenizer`` (a
+   ``tokenizer.json``) when it is set, else the byte tokenizer;
+4. ``data.dataset``: a live ``Dataset`` object (programmatic use), or the name of a dataset
    registered with ``register_dataset`` / the ``speedtronic.datasets`` entry-point group.
    A file path is refused: loading a pickled dataset would run arbitrary code;
-4. ``data.synthetic: true`` -> ``SyntheticTokenDataset`` (``synthetic_kind: uniform``) or
+5. ``data.synthetic: true`` -> ``SyntheticTokenDataset`` (``synthetic_kind: uniform``) or
    ``LearnableLanguageDataset`` (``learnable``), with ``data.num_tokens`` samples;
-5. otherwise a ``DataSourceError``.
+6. otherwise a ``DataSourceError``.
 
 Held-out data (``speedtronic.data.held_out``): with ``held_out_fraction`` given (evaluation
 is on and takes its held-out set from the training source), a text source trains only on
-the part of the file before its held-out tail.
+the part of the file before its held-out tail. Token shards never train on their held-out
+shards. A registered dataset declared with ``register_dataset(name, held_out=True)`` is
+asked for ``DatasetRequest.part`` ``"train"`` / ``"held_out"`` and builds its own split.
 
-Map-style datasets get a ``ResumableSampler`` seeded with ``data.seed``, so the shuffled
-order is reproducible and a resumed run continues at the exact sample. The loader also gets
+Map-style datasets get a ``ResumableSampler`` seeded with ``data.seed`` (or the sampler the
+dataset makes itself, ``ProvidesSampler``: token shards), so the shuffled order is
+reproducible and a resumed run continues at the exact sample. ``data.shuffle: null`` takes
+the dataset's ``default_shuffle`` (on for token shards), else off. The loader also gets
 its own ``torch.Generator``, so starting an epoch never touches the global RNG.
 
 Distributed runs (``rank``/``world_size``): map-style data is sharded by the sampler (each
@@ -39,18 +47,22 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sized
+from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypedDict, runtime_checkable
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from speedtronic.data.collate import CollateFn, collate_registry
+from speedtronic.data.mixture import open_mixture
+from speedtronic.data.shards import check_vocab_fits
 from speedtronic.data.stream import RankShardedIterable, ResumableSampler
 from speedtronic.data.synthetic import LearnableLanguageDataset, SyntheticTokenDataset
 from speedtronic.data.text import DataSourceError, TextFileTokenDataset, TextPart, Tokenizer
+from speedtronic.data.tokenizer import BYTES, load_tokenizer
+from speedtronic.data.windows import open_token_dataset
 from speedtronic.plugins import DATASET_GROUP, PluginError, PluginRegistry
 
 __all__ = [
@@ -58,13 +70,16 @@ __all__ = [
     "DataSettings",
     "DatasetFactory",
     "DatasetRequest",
+    "ProvidesSampler",
     "SYNTHETIC_KINDS",
     "build_dataloader",
     "dataset_registry",
+    "has_held_out_split",
     "register_dataset",
     "resolve_collate",
     "resolve_dataset",
     "training_dataset",
+    "text_tokenizer",
 ]
 
 DEFAULT_DATA_SEED = 1234
@@ -107,7 +122,9 @@ class DataSettings(Protocol):
     @property
     def pin_memory(self) -> bool | None: ...
     @property
-    def shuffle(self) -> bool: ...
+    def shuffle(self) -> bool | None:
+        """``None``: the dataset's ``default_shuffle`` (token shards: on), else off."""
+
     @property
     def drop_last(self) -> bool: ...
     @property
@@ -125,14 +142,32 @@ class DatasetRequest:
     num_samples: int
     options: Mapping[str, object] = field(default_factory=dict)
     part: TextPart = "all"
-    """``"all"``; or, for the built-in factories (``HELD_OUT_FACTORIES``), ``"train"`` /
-    ``"held_out"``: the training part or the held-out split of the same source."""
+    """``"all"``; or, for a factory registered with ``held_out=True`` (the built-in ones
+    too), ``"train"`` / ``"held_out"``: the training part or the held-out split of the same
+    source."""
     held_out_fraction: float = 0.05
     """The share of a text file that is the held-out split (``eval.fraction``)."""
 
 
-HELD_OUT_FACTORIES = frozenset({"synthetic", "learnable", "text"})
-"""Built-in dataset names whose factories build a held-out split (``DatasetRequest.part``)."""
+_HELD_OUT_DATASETS: set[str] = set()
+"""Registered datasets whose factories build a held-out split (``DatasetRequest.part``)."""
+
+
+def has_held_out_split(name: str) -> bool:
+    """Whether the dataset registered as ``name`` builds its own held-out split."""
+    if name in dataset_registry:
+        dataset_registry.get(name)  # an entry point's module declares it when imported
+    return name in _HELD_OUT_DATASETS
+
+
+@runtime_checkable
+class ProvidesSampler(Protocol):
+    """A map-style dataset that makes its own ``ResumableSampler`` (token shards: an order
+    that needs no permutation in memory, a mixture's draws)."""
+
+    def make_sampler(
+        self, *, shuffle: bool, seed: int, rank: int, world_size: int
+    ) -> ResumableSampler: ...
 
 
 DatasetFactory = Callable[[DatasetRequest], Dataset[object]]
@@ -147,15 +182,22 @@ _DATASET_COLLATES: dict[str, str | CollateFn] = {}
 
 
 def register_dataset(
-    name: str, *, collate: str | CollateFn | None = None
+    name: str, *, collate: str | CollateFn | None = None, held_out: bool = False
 ) -> Callable[[DatasetFactory], DatasetFactory]:
     """Decorator: make ``factory(request) -> Dataset`` usable as ``data.dataset: <name>``.
     ``collate`` is how its items become batches (a ``data.collate`` name or a function),
-    used unless the config sets ``data.collate``."""
+    used unless the config sets ``data.collate``. ``held_out=True``: the factory builds its
+    own held-out split -- it is asked for ``request.part == "train"`` (what to train on
+    while evaluation is on) and ``"held_out"`` (what ``eval:`` reads), so no
+    ``eval.dataset`` is needed; without it the whole dataset is training data."""
     if collate is None:
         _DATASET_COLLATES.pop(name, None)
     else:
         _DATASET_COLLATES[name] = collate
+    if held_out:
+        _HELD_OUT_DATASETS.add(name)
+    else:
+        _HELD_OUT_DATASETS.discard(name)
     return dataset_registry.register(name)
 
 
@@ -192,7 +234,7 @@ def _required_vocab(request: DatasetRequest, dataset: str) -> int:
     return request.vocab_size
 
 
-@register_dataset("synthetic")
+@register_dataset("synthetic", held_out=True)
 def _synthetic(request: DatasetRequest) -> Dataset[object]:
     """Uniform random tokens (``SyntheticTokenDataset``); no options."""
     _options(request, frozenset(), "synthetic")
@@ -205,7 +247,7 @@ def _synthetic(request: DatasetRequest) -> Dataset[object]:
     )
 
 
-@register_dataset("learnable")
+@register_dataset("learnable", held_out=True)
 def _learnable(request: DatasetRequest) -> Dataset[object]:
     """The Markov language (``LearnableLanguageDataset``); options ``branching``,
     ``concentration``."""
@@ -229,7 +271,7 @@ def _learnable(request: DatasetRequest) -> Dataset[object]:
     )
 
 
-@register_dataset("text")
+@register_dataset("text", held_out=True)
 def _text(request: DatasetRequest) -> Dataset[object]:
     """A UTF-8 file through the byte tokenizer; option ``path`` (required)."""
     _options(request, frozenset({"path"}), "text")
@@ -282,6 +324,82 @@ def _dataset_options(config: DataSettings) -> Mapping[str, object]:
     return options
 
 
+def _setting(config: DataSettings, name: str, default: object) -> object:
+    """A ``data`` key added after ``DataSettings`` was published (``tokens``, ``mixture``,
+    ``tokenizer``, ``verify_shards``, ``collate``): settings objects without it keep working."""
+    return getattr(config, name, default)
+
+
+def text_tokenizer(config: DataSettings, vocab: int | None) -> Tokenizer | None:
+    """The tokenizer ``data.tokenizer`` names for text files (``None``: the byte tokenizer),
+    checked against the model's vocabulary ``vocab``."""
+    spec = _setting(config, "tokenizer", None)
+    if not isinstance(spec, str) or spec == BYTES:
+        return None
+    loaded = load_tokenizer(spec)
+    if vocab is not None:
+        check_vocab_fits(loaded.vocab_size, vocab, source=f"data.tokenizer: {spec}")
+    return loaded
+
+
+def _text_vocab(tokenizer: Tokenizer | None, vocab: int | None) -> int:
+    if vocab is not None:
+        return vocab
+    own = getattr(tokenizer, "vocab_size", None)
+    return own if isinstance(own, int) else 256
+
+
+def _token_shards(
+    config: DataSettings, *, part: TextPart, vocab: int | None, seed: int
+) -> Dataset[object] | None:
+    """``data.tokens`` or ``data.mixture`` (their training or held-out shards), or None."""
+    tokens = _setting(config, "tokens", None)
+    mixture = _setting(config, "mixture", None)
+    if not tokens and not mixture:
+        return None
+    spec = _setting(config, "tokenizer", None)
+    tokenizer = spec if isinstance(spec, str) else None
+    verify = _setting(config, "verify_shards", True) is not False
+    common: _ShardArguments = {
+        "block_size": _block_size(config),
+        "part": part,
+        "vocab_size": vocab,
+        "tokenizer": tokenizer,
+        "verify": verify,
+    }
+    if isinstance(tokens, (str, Path)) and tokens:
+        return open_token_dataset(tokens, **common)
+    entries = [_mixture_entry(index, entry) for index, entry in enumerate(_sequence(mixture))]
+    return open_mixture(entries, seed=seed, **common)
+
+
+class _ShardArguments(TypedDict):
+    block_size: int
+    part: TextPart
+    vocab_size: int | None
+    tokenizer: str | None
+    verify: bool
+
+
+def _sequence(value: object) -> Sequence[object]:
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return value
+    raise DataSourceError(f"data.mixture must be a list of sources, got {value!r}")
+
+
+def _mixture_entry(index: int, entry: object) -> tuple[str, float]:
+    """``(directory, weight)`` of a ``data.mixture`` entry (a ``MixtureSource`` or a mapping)."""
+    if isinstance(entry, Mapping):
+        tokens, weight = entry.get("tokens"), entry.get("weight", 1.0)
+    else:
+        tokens, weight = getattr(entry, "tokens", None), getattr(entry, "weight", 1.0)
+    if not isinstance(tokens, (str, Path)) or not str(tokens):
+        raise DataSourceError(f"data.mixture[{index}].tokens must name a shard directory")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+        raise DataSourceError(f"data.mixture[{index}].weight must be a positive number")
+    return str(tokens), float(weight)
+
+
 def resolve_dataset(
     config: DataSettings,
     *,
@@ -292,12 +410,18 @@ def resolve_dataset(
 ) -> Dataset[object]:
     """The dataset ``config`` selects (source order in the module docstring). ``part``
     ``"train"``/``"held_out"`` selects the training part or the held-out split of the
-    source (``DatasetRequest.part``); a named dataset other than the built-in ones has no
-    held-out split of its own (``DataSourceError`` when ``"held_out"`` is asked of it)."""
+    source (``DatasetRequest.part``); a named dataset not registered with ``held_out=True``
+    has no held-out split of its own (``DataSourceError`` when ``"held_out"`` is asked of
+    it). ``tokenizer`` (a Python object) wins over ``data.tokenizer`` for a text file."""
     vocab = vocab_size if vocab_size is not None else config.vocab_size
     seed = config.seed if config.seed is not None else DEFAULT_DATA_SEED
+    shards = _token_shards(config, part=part, vocab=vocab, seed=seed)
+    if shards is not None:
+        return shards
     if config.text_path:
-        text_vocab = 256 if vocab is None else vocab
+        if tokenizer is None:
+            tokenizer = text_tokenizer(config, vocab)
+        text_vocab = _text_vocab(tokenizer, vocab)
         return TextFileTokenDataset(
             config.text_path,
             _block_size(config),
@@ -315,12 +439,13 @@ def resolve_dataset(
             )
         return named
     if isinstance(named, str):
-        if part != "all" and named not in HELD_OUT_FACTORIES:
+        if part != "all" and not has_held_out_split(named):
             if part == "train":
                 part = "all"  # the user's dataset is all training data
             else:
                 raise DataSourceError(
-                    f"data.dataset {named!r} has no built-in held-out split: name the held-out "
+                    f"data.dataset {named!r} has no held-out split of its own (it was not "
+                    "registered with register_dataset(..., held_out=True)): name the held-out "
                     "set with eval.dataset (and eval.dataset_options) or eval.text_path"
                 )
         request = DatasetRequest(
@@ -354,7 +479,8 @@ def resolve_dataset(
             held_out=part == "held_out",
         )
     raise DataSourceError(
-        "no data source: set data.text_path, data.dataset, or data.synthetic: true"
+        "no data source: set data.tokens, data.mixture, data.text_path, data.dataset, or "
+        "data.synthetic: true"
     )
 
 
@@ -439,9 +565,17 @@ def build_dataloader(
         if world_size > 1:
             source = RankShardedIterable(source, rank=rank, world_size=world_size)
     elif isinstance(source, Sized):
-        sampler = ResumableSampler(
-            len(source), shuffle=config.shuffle, seed=seed, rank=rank, world_size=world_size
-        )
+        shuffle = config.shuffle
+        if shuffle is None:
+            shuffle = getattr(source, "default_shuffle", False) is True
+        if isinstance(source, ProvidesSampler):
+            sampler = source.make_sampler(
+                shuffle=shuffle, seed=seed, rank=rank, world_size=world_size
+            )
+        else:
+            sampler = ResumableSampler(
+                len(source), shuffle=shuffle, seed=seed, rank=rank, world_size=world_size
+            )
     else:
         raise TypeError(
             f"map-style dataset {type(source).__name__} needs __len__ (for its sampler)"

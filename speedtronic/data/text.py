@@ -20,6 +20,7 @@ __all__ = [
     "TextFileTokenDataset",
     "Tokenizer",
     "encode_text",
+    "read_text_chunks",
 ]
 
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -209,42 +210,54 @@ class TextFileTokenDataset(IterableDataset[dict[str, torch.Tensor]]):
 
     def _text_chunks(self) -> Iterator[str]:
         """Decoded text, cut at whitespace (see the class docstring)."""
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="strict")
-        consumed = 0  # bytes handed to the decoder so far
-        pending = ""
-        try:
-            handle = self.path.open("rb")
-        except FileNotFoundError:
-            raise FileNotFoundError(f"text data file not found: {self.path}") from None
-        start, stop = self._byte_range
-        with handle:
-            handle.seek(start)
-            left = None if stop is None else stop - start
-            while True:
-                want = self.chunk_bytes if left is None else min(self.chunk_bytes, left)
-                raw = handle.read(want) if want > 0 else b""
-                if left is not None:
-                    left -= len(raw)
-                buffered = len(decoder.getstate()[0])
-                try:
-                    text = decoder.decode(raw, final=not raw)
-                except UnicodeDecodeError as exc:
-                    # exc.start indexes the decoder's buffered bytes followed by ``raw``.
-                    offset = start + consumed - buffered + exc.start
-                    raise DataSourceError(
-                        f"{self.path}: invalid UTF-8 at byte {offset} ({exc.reason})"
-                    ) from None
-                consumed += len(raw)
-                text = pending + text
-                if not raw:
-                    if text:
-                        yield text
-                    return
-                cut = max(text.rfind(char) for char in _CUT_CHARACTERS)
-                if cut <= 0:
-                    # No place to cut: tokenise it all rather than let the carry grow.
-                    pending = ""
-                    yield text
-                else:
-                    pending = text[cut:]
-                    yield text[:cut]
+        for text, _ in read_text_chunks(self.path, self.chunk_bytes, self._byte_range):
+            yield text
+
+
+def read_text_chunks(
+    path: Path, chunk_bytes: int, byte_range: tuple[int, int | None] = (0, None)
+) -> Iterator[tuple[str, int]]:
+    """The UTF-8 text of ``path`` (the bytes ``[start, stop)`` of ``byte_range``) in chunks of
+    about ``chunk_bytes`` bytes, each cut after its last ASCII whitespace character (the rest
+    goes to the next chunk), with the file offset read up to. Invalid UTF-8 is a
+    ``DataSourceError`` naming the file and the byte offset."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="strict")
+    consumed = 0  # bytes handed to the decoder so far
+    pending = ""
+    try:
+        handle = path.open("rb")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"text data file not found: {path}") from None
+    start, stop = byte_range
+    with handle:
+        handle.seek(start)
+        left = None if stop is None else stop - start
+        while True:
+            want = chunk_bytes if left is None else min(chunk_bytes, left)
+            raw = handle.read(want) if want > 0 else b""
+            if left is not None:
+                left -= len(raw)
+            buffered = len(decoder.getstate()[0])
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as exc:
+                # exc.start indexes the decoder's buffered bytes followed by ``raw``.
+                offset = start + consumed - buffered + exc.start
+                raise DataSourceError(
+                    f"{path}: invalid UTF-8 at byte {offset} ({exc.reason})"
+                ) from None
+            consumed += len(raw)
+            text = pending + text
+            position = start + consumed
+            if not raw:
+                if text:
+                    yield text, position
+                return
+            cut = max(text.rfind(char) for char in _CUT_CHARACTERS)
+            if cut <= 0:
+                # No place to cut: tokenise it all rather than let the carry grow.
+                pending = ""
+                yield text, position
+            else:
+                pending = text[cut:]
+                yield text[:cut], position

@@ -1,0 +1,449 @@
+"""Real-data throughput (issue 23): the token-shard loader and ``speedtronic prepare``.
+
+Loader. A 1 GB shard set of random ``uint16`` tokens (4 shards) in a temporary directory;
+every case reads the same windows (``block_size + 1 = 1025`` tokens, batches of 8, the first
+WINDOWS windows of the loader's shuffled order) into ``int64`` ``input_ids``/``labels``:
+
+  bare, nanoGPT   nanoGPT's ``get_batch``: ``np.memmap`` re-created every batch (what keeps
+                  its memory flat), ``torch.stack`` of ``from_numpy(slice.astype(int64))``
+  bare, one map   the same slicing with one ``np.memmap`` per shard kept open for the run
+                  (fastest; the mapped pages of every window read stay in the RSS)
+  speedtronic     ``build_dataloader`` of ``data.tokens`` (``DataLoader``, no workers):
+                  ``WindowSampler`` order, one gather per batch, maps dropped after 32 MiB
+  speedtronic, maps kept   the same dataset with ``resident_bytes`` unbounded
+
+Then one whole epoch (all ~524k windows, 1 GB) through the default loader and through the
+one-map loop, sampling the process RSS (psutil) every 256 batches: the growth is what stays
+mapped. On kernels with large folios (Linux 6.x), one touched window maps a 2 MiB folio, so
+the one-map loop's RSS grows to the size of the shard set although nothing is copied.
+
+Smoke model: ``configs/smoke.yaml`` trained for a few dozen steps on this CPU, its
+tokens/s against the loader's at the same batch shape (block 32, micro-batch 8).
+
+Prepare. A JSONL corpus (random-word documents) and a BPE tokenizer trained on part of it:
+``speedtronic prepare`` with ``--workers 1`` and ``--workers 2`` against ``tokenizers``' own
+``encode_batch`` (and ``encode_batch_fast``, the faster of the two is the baseline) over the
+same documents held in memory, single-threaded (``TOKENIZERS_PARALLELISM=false``, as every
+prepare process runs); plus ``encode_batch`` on all cores for reference. Rounds interleave
+the cases; the tables show best and median tokens/s of ROUNDS rounds.
+
+Shard verification: ``verify_shards`` (sha256 of each shard) over the 1 GB set.
+
+    python benchmarks/data.py              # prints tables; --markdown for docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import random
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from speedtronic.config import load_config  # noqa: E402
+from speedtronic.data import build_dataloader  # noqa: E402
+from speedtronic.data.prepare import PrepareOptions, prepare  # noqa: E402
+from speedtronic.data.shards import (  # noqa: E402
+    _VERIFIED,
+    MANIFEST_NAME,
+    ShardEntry,
+    TokenizerRecord,
+    TokenManifest,
+    read_manifest,
+    verify_shards,
+)
+from speedtronic.data.tokenizer import BYTE_TOKENIZER_SHA256  # noqa: E402
+from speedtronic.data.windows import TokenWindowDataset  # noqa: E402
+from speedtronic.runtime import build_runtime  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+GIGABYTE = 1 << 30
+SHARDS = 4
+BLOCK = 1024
+BATCH = 8
+WINDOWS = 16384
+ROUNDS = 5
+CORPUS_DOCS = 24_000
+
+
+# -- the shard set ----------------------------------------------------------------------------
+
+
+def make_token_set(directory: Path, total_bytes: int = GIGABYTE) -> Path:
+    """Random uint16 shards and their manifest, written as ``speedtronic prepare`` would."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    per_shard = total_bytes // 2 // SHARDS
+    entries = []
+    for index in range(SHARDS):
+        tokens = rng.integers(0, 50_000, per_shard, dtype=np.uint16)
+        path = directory / f"train-{index:05d}.bin"
+        tokens.tofile(path)
+        digest = hashlib.sha256(tokens.tobytes()).hexdigest()
+        entries.append(ShardEntry(path.name, "train", per_shard, digest))
+    manifest = TokenManifest(
+        dtype="uint16",
+        vocab_size=50_257,
+        eos_id=50_256,
+        tokenizer=TokenizerRecord("bytes", BYTE_TOKENIZER_SHA256, None),
+        documents=1,
+        eval_fraction=0.0,
+        shard_tokens=per_shard,
+        shards=tuple(entries),
+    )
+    (directory / MANIFEST_NAME).write_text(manifest.to_json())
+    return directory
+
+
+def data_config(directory: Path, block: int = BLOCK, batch: int = BATCH) -> object:
+    return load_config(
+        {
+            "data": {"tokens": str(directory), "micro_batch_size": batch, "block_size": block},
+            "model": {"vocab_size": 50_257, "max_seq_len": block},
+        }
+    ).data
+
+
+def rss() -> int:
+    return int(psutil.Process().memory_info().rss)
+
+
+# -- loader cases -----------------------------------------------------------------------------
+
+
+def window_plan(directory: Path, count: int) -> list[tuple[int, int]]:
+    """``(shard, token offset)`` of the first ``count`` windows of the loader's order."""
+    loader = build_dataloader(data_config(directory))  # type: ignore[arg-type]
+    dataset = loader.dataset
+    assert isinstance(dataset, TokenWindowDataset)
+    order = list(loader.sampler)[:count]  # type: ignore[arg-type]  # a WindowSampler
+    starts = dataset._starts
+    shards = np.searchsorted(starts, order, side="right") - 1
+    return [(int(s), int((w - starts[s]) * BLOCK)) for s, w in zip(shards, order, strict=True)]
+
+
+def shard_paths(directory: Path) -> list[Path]:
+    return [directory / shard.file for shard in read_manifest(directory).shards]
+
+
+def bare_loop(directory: Path, plan: list[tuple[int, int]], *, remap_every_batch: bool) -> int:
+    """nanoGPT's ``get_batch`` over ``plan``; with ``remap_every_batch`` its memmaps are made
+    anew for every batch (as nanoGPT does), else kept open for the whole loop."""
+    paths = shard_paths(directory)
+    kept: dict[int, np.memmap] = {}
+    tokens = 0
+    for begin in range(0, len(plan), BATCH):
+        maps: dict[int, np.memmap] = {} if remap_every_batch else kept
+        xs, ys = [], []
+        for shard, offset in plan[begin : begin + BATCH]:
+            data = maps.get(shard)
+            if data is None:
+                data = maps[shard] = np.memmap(paths[shard], dtype=np.uint16, mode="r")
+            xs.append(torch.from_numpy(data[offset : offset + BLOCK].astype(np.int64)))
+            ys.append(torch.from_numpy(data[offset + 1 : offset + 1 + BLOCK].astype(np.int64)))
+        x, y = torch.stack(xs), torch.stack(ys)
+        tokens += x.numel()
+        del y
+    return tokens
+
+
+def speedtronic_loader(directory: Path, count: int, resident: int | None = None) -> int:
+    loader = build_dataloader(data_config(directory))  # type: ignore[arg-type]
+    dataset = loader.dataset
+    assert isinstance(dataset, TokenWindowDataset)
+    if resident is not None:
+        dataset._maps.resident_bytes = resident
+    tokens = 0
+    for index, batch in enumerate(loader):
+        tokens += batch["input_ids"].numel()
+        if (index + 1) * BATCH >= count:
+            break
+    return tokens
+
+
+def timed(run: Callable[[], int], cpu: dict[str, list[float]] | None = None) -> float:
+    """Tokens/s of ``run``; with ``cpu``, also the CPU seconds per million tokens of this
+    process (all its threads) and of its reaped children (prepare's workers)."""
+    gc.collect()
+    own, children = time.process_time(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
+    start = time.perf_counter()
+    tokens = run()
+    elapsed = time.perf_counter() - start
+    if cpu is not None:
+        cpu["main"].append((time.process_time() - own) / tokens * 1e6)
+        worker = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime - children
+        cpu["workers"].append(worker / tokens * 1e6)
+    return tokens / elapsed
+
+
+def loader_rounds(directory: Path) -> dict[str, list[float]]:
+    plan = window_plan(directory, WINDOWS)
+    cases: dict[str, Callable[[], int]] = {
+        "bare, nanoGPT (re-map every batch)": lambda: bare_loop(
+            directory, plan, remap_every_batch=True
+        ),
+        "bare, one map kept": lambda: bare_loop(directory, plan, remap_every_batch=False),
+        "speedtronic (default)": lambda: speedtronic_loader(directory, WINDOWS),
+        "speedtronic, maps kept": lambda: speedtronic_loader(directory, WINDOWS, 1 << 62),
+    }
+    results: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(ROUNDS):
+        for name, run in cases.items():
+            results[name].append(timed(run))
+    return results
+
+
+def epoch_rss(directory: Path) -> dict[str, tuple[float, float]]:
+    """``case -> (RSS growth in MB, tokens/s)`` over one whole epoch."""
+    found: dict[str, tuple[float, float]] = {}
+    loader = build_dataloader(data_config(directory))  # type: ignore[arg-type]
+    gc.collect()
+    before, peak, tokens = rss(), 0, 0
+    start = time.perf_counter()
+    for index, batch in enumerate(loader):
+        tokens += batch["input_ids"].numel()
+        if index % 256 == 0:
+            peak = max(peak, rss() - before)
+    found["speedtronic (default), 1 epoch"] = (
+        max(peak, rss() - before) / 1e6,
+        tokens / (time.perf_counter() - start),
+    )
+    del loader
+    gc.collect()
+    plan = window_plan(directory, 1 << 62)
+    maps = [np.memmap(path, dtype=np.uint16, mode="r") for path in shard_paths(directory)]
+    before, peak, tokens = rss(), 0, 0
+    start = time.perf_counter()
+    for begin in range(0, len(plan), BATCH):
+        rows = [maps[s][o : o + BLOCK].astype(np.int64) for s, o in plan[begin : begin + BATCH]]
+        tokens += len(rows) * BLOCK
+        if begin % (256 * BATCH) == 0:
+            peak = max(peak, rss() - before)
+    found["bare, one map kept, 1 epoch"] = (
+        max(peak, rss() - before) / 1e6,
+        tokens / (time.perf_counter() - start),
+    )
+    return found
+
+
+# -- the smoke model ----------------------------------------------------------------------------
+
+
+def smoke_tokens_per_second(output: Path) -> float:
+    config = yaml.safe_load((ROOT / "configs" / "smoke.yaml").read_text())
+    config["run"].update(max_steps=60, output_dir=str(output))
+    config["checkpoint"] = {"enabled": False}
+    config["logging"] = {"every_steps": 1000, "console": False, "jsonl": False}
+    trainer, _ = build_runtime(load_config(config))
+    start = time.perf_counter()
+    result = trainer.fit()
+    return result.tokens / (time.perf_counter() - start)
+
+
+def smoke_shape_loader(directory: Path) -> float:
+    config = data_config(directory, block=32, batch=8)
+    loader = build_dataloader(config)  # type: ignore[arg-type]
+    start, tokens = time.perf_counter(), 0
+    for index, batch in enumerate(loader):
+        tokens += batch["input_ids"].numel()
+        if index == 20_000:
+            break
+    return tokens / (time.perf_counter() - start)
+
+
+# -- prepare ------------------------------------------------------------------------------------
+
+WORDS = [
+    "".join(random.Random(seed).choice("abcdefghijklmnopqrstuvwxyz") for _ in range(1 + seed % 9))
+    for seed in range(3000)
+]
+
+
+def make_corpus(directory: Path) -> tuple[list[Path], list[str]]:
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(1)
+    texts = [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 400))) for _ in range(CORPUS_DOCS)
+    ]
+    files = []
+    for part in range(4):
+        path = directory / f"part-{part}.jsonl"
+        chunk = texts[part::4]
+        path.write_text("".join(json.dumps({"text": text}) + "\n" for text in chunk))
+        files.append(path)
+    return files, [text for part in range(4) for text in texts[part::4]]
+
+
+def train_tokenizer(texts: list[str], path: Path) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=4096,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts[:2000], trainer)
+    tokenizer.save(str(path))
+    return path
+
+
+def encode_all(tokenizer_path: Path, texts: list[str], method: str, parallel: bool) -> int:
+    from tokenizers import Tokenizer
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if parallel else "false"
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    encode = getattr(tokenizer, method)
+    tokens = 0
+    for begin in range(0, len(texts), 1000):
+        for encoding in encode(texts[begin : begin + 1000], add_special_tokens=False):
+            tokens += len(encoding.ids)
+    return tokens
+
+
+def prepare_rounds(work: Path, cpu: dict[str, dict[str, list[float]]]) -> dict[str, list[float]]:
+    files, texts = make_corpus(work)
+    tokenizer = train_tokenizer(texts, work / "tokenizer.json")
+    outputs = iter(range(1000))
+
+    def run_prepare(workers: int) -> int:
+        output = work / f"out-{next(outputs)}"
+        options = PrepareOptions(
+            inputs=[str(f) for f in files], tokenizer=str(tokenizer), output=output,
+            workers=workers, eval_fraction=0.0,
+        )  # fmt: skip
+        manifest = prepare(options).manifest
+        return manifest.tokens - manifest.documents  # without the end-of-document ids
+
+    cases: dict[str, Callable[[], int]] = {
+        "encode_batch, 1 thread": lambda: encode_all(tokenizer, texts, "encode_batch", False),
+        "encode_batch_fast, 1 thread": lambda: encode_all(
+            tokenizer, texts, "encode_batch_fast", False
+        ),
+        f"encode_batch, all {os.cpu_count()} cores": lambda: encode_all(
+            tokenizer, texts, "encode_batch", True
+        ),
+        "prepare --workers 1": lambda: run_prepare(1),
+        "prepare --workers 2": lambda: run_prepare(2),
+    }
+    results: dict[str, list[float]] = {name: [] for name in cases}
+    for name in cases:
+        cpu[name] = {"main": [], "workers": []}
+    for _ in range(ROUNDS):
+        for name, run in cases.items():
+            results[name].append(timed(run, cpu[name]))
+    os.environ.pop("TOKENIZERS_PARALLELISM", None)
+    return results
+
+
+def verify_seconds_per_gb(directory: Path) -> list[float]:
+    manifest = read_manifest(directory)
+    times = []
+    for _ in range(3):
+        _VERIFIED.clear()
+        start = time.perf_counter()
+        verify_shards(directory, manifest, manifest.shards, checksums=True)
+        times.append((time.perf_counter() - start) / (manifest.tokens * 2 / GIGABYTE))
+    return times
+
+
+# -- output ---------------------------------------------------------------------------------
+
+
+def table(
+    title: str, results: dict[str, list[float]], baseline: str, markdown: bool
+) -> Iterator[str]:
+    base = statistics.median(results[baseline])
+    yield f"\n{title}"
+    if markdown:
+        yield "\n| case | best tokens/s | median tokens/s | median / baseline |"
+        yield "|---|---|---|---|"
+    for name, values in results.items():
+        best, median = max(values), statistics.median(values)
+        ratio = median / base
+        if markdown:
+            yield f"| {name} | {best / 1e6:,.1f} M | {median / 1e6:,.1f} M | {ratio:.2f}x |"
+        else:
+            yield (
+                f"  {name:<40} best {best / 1e6:8.2f} M  median {median / 1e6:8.2f} M  "
+                f"{ratio:5.2f}x"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--skip-prepare", action="store_true")
+    parser.add_argument("--skip-loader", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="speedtronic-data-bench-") as folder:
+        work = Path(folder)
+        lines: list[str] = [f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()}"]
+        if not args.skip_loader:
+            shards = make_token_set(work / "shards")
+            results = loader_rounds(shards)
+            lines += table(
+                f"loader: {WINDOWS} windows of {BLOCK + 1} tokens, batches of {BATCH}, "
+                f"{ROUNDS} rounds",
+                results,
+                "bare, nanoGPT (re-map every batch)",
+                args.markdown,
+            )
+            one_map = statistics.median(results["bare, one map kept"])
+            ours = statistics.median(results["speedtronic (default)"])
+            lines.append(f"  speedtronic (default) / bare one map: {ours / one_map:.2f}x")
+            for name, (growth, rate) in epoch_rss(shards).items():
+                lines.append(f"  {name}: RSS growth {growth:.1f} MB, {rate / 1e6:.1f} M tokens/s")
+            smoke = smoke_tokens_per_second(work / "smoke")
+            shaped = smoke_shape_loader(shards)
+            lines.append(
+                f"  smoke model: {smoke:,.0f} tokens/s; loader at its shape (block 32, batch 8): "
+                f"{shaped:,.0f} tokens/s = {shaped / smoke:,.0f}x"
+            )
+            verify = verify_seconds_per_gb(shards)
+            lines.append(
+                f"  verify_shards (sha256): best {min(verify):.2f} s/GB, median "
+                f"{statistics.median(verify):.2f} s/GB"
+            )
+        if not args.skip_prepare:
+            cpu: dict[str, dict[str, list[float]]] = {}
+            results = prepare_rounds(work / "prepare", cpu)
+            faster = max(
+                ("encode_batch, 1 thread", "encode_batch_fast, 1 thread"),
+                key=lambda name: statistics.median(results[name]),
+            )
+            lines += table(
+                f"prepare: {CORPUS_DOCS} JSONL documents, {ROUNDS} rounds (baseline: {faster})",
+                results,
+                faster,
+                args.markdown,
+            )
+            lines.append("  CPU s per million tokens (median): this process / worker processes")
+            for name, seconds in cpu.items():
+                main_s = statistics.median(seconds["main"])
+                workers_s = statistics.median(seconds["workers"])
+                lines.append(f"    {name:<38} {main_s:6.2f} / {workers_s:6.2f}")
+        print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

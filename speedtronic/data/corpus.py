@@ -1,0 +1,243 @@
+"""The documents of a corpus, for ``speedtronic prepare``: which files, and the text in them.
+
+Inputs (``expand_inputs``): each ``--input`` is a file, a directory (its ``.txt``, ``.jsonl``
+and ``.parquet`` files, recursively, sorted by path) or a glob (``*``, ``?``, ``[...]``;
+``**`` descends; matches sorted). Files are read in the order the inputs are given; a file
+named twice is read once, the first time.
+
+Documents, by suffix (``read_segments``):
+
+* ``.txt``: the whole file is one document, read in chunks of about ``TEXT_CHUNK_BYTES``
+  cut at whitespace (a chunk boundary never splits a word), so a file of any size streams;
+* ``.jsonl``: one document per line, the string under ``text_key`` (blank lines skipped);
+* ``.parquet`` (needs ``pyarrow``): one document per row of the string column ``text_key``.
+
+Empty documents are skipped. A leading UTF-8 byte-order mark is not text and is dropped.
+
+Every problem is a ``CorpusError`` (a ``DataSourceError``) that names the file and the place:
+the line of a JSONL row (malformed JSON, no ``text_key``, not a string), the byte offset of
+invalid UTF-8 (or of a NUL byte: a binary file), the row of a parquet null.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from speedtronic.data.text import DataSourceError, read_text_chunks
+from speedtronic.data.tokenizer import require_module
+
+__all__ = ["SUFFIXES", "CorpusError", "Segment", "expand_inputs", "read_segments"]
+
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+TEXT_CHUNK_BYTES = 1 << 20
+PARQUET_BATCH_ROWS = 1024
+_BOM = "\ufeff"
+_GLOB_CHARACTERS = frozenset("*?[")
+
+
+class CorpusError(DataSourceError):
+    """An input of ``speedtronic prepare`` that cannot be read as text."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A piece of a document: its text, whether the document ends with it, and how many
+    bytes of the input file it accounts for (for the progress bar)."""
+
+    text: str
+    ends_document: bool
+    nbytes: int
+
+
+def _suffix(path: Path) -> str:
+    return path.suffix.lower()
+
+
+def _directory_files(directory: Path) -> list[Path]:
+    files = sorted(path for path in directory.rglob("*") if path.is_file())
+    usable = [path for path in files if _suffix(path) in SUFFIXES]
+    if not usable:
+        others = ", ".join(path.name for path in files[:3]) or "none"
+        raise CorpusError(
+            f"--input {directory}: a directory with no {', '.join(SUFFIXES)} files in it "
+            f"({len(files)} other files: {others}{', ...' if len(files) > 3 else ''})"
+        )
+    return usable
+
+
+def _one_input(pattern: str) -> list[Path]:
+    path = Path(pattern).expanduser()
+    if path.is_dir():
+        return _directory_files(path)
+    if path.exists():
+        found = [path]
+    elif _GLOB_CHARACTERS & set(pattern):
+        found = sorted(Path(match) for match in glob.glob(str(path), recursive=True))
+        found = [match for match in found if match.is_file()]
+        if not found:
+            raise CorpusError(f"--input {pattern!r} matches no file")
+    else:
+        raise CorpusError(f"--input {pattern}: no such file or directory")
+    for file in found:
+        if not file.is_file():
+            raise CorpusError(f"--input {file}: not a regular file")
+        if _suffix(file) not in SUFFIXES:
+            matched = f" (matched by {pattern!r})" if str(file) != pattern else ""
+            raise CorpusError(
+                f"--input {file}{matched}: not a {', '.join(SUFFIXES)} file; rename it or "
+                "leave it out"
+            )
+    return found
+
+
+def expand_inputs(patterns: Sequence[str]) -> list[Path]:
+    """The input files, in order, each once (module docstring)."""
+    if not patterns:
+        raise CorpusError("no --input given")
+    files: list[Path] = []
+    seen: set[Path] = set()
+    for pattern in patterns:
+        for file in _one_input(pattern):
+            resolved = file.resolve()
+            if resolved not in seen:
+                seen.add(resolved)
+                files.append(file)
+    return files
+
+
+def read_segments(path: Path, text_key: str) -> Iterator[Segment]:
+    """The documents of one input file as segments (module docstring)."""
+    suffix = _suffix(path)
+    if suffix == ".txt":
+        return _text_file(path)
+    if suffix == ".jsonl":
+        return _jsonl_file(path, text_key)
+    return _parquet_file(path, text_key)
+
+
+def _text_file(path: Path) -> Iterator[Segment]:
+    held: Segment | None = None  # the last chunk is held back: it ends the document
+    read = 0  # file offset read up to
+    text_bytes = 0  # bytes of the text handed out so far (where the next chunk starts)
+    try:
+        for text, end in read_text_chunks(path, TEXT_CHUNK_BYTES):
+            if read == 0 and text.startswith(_BOM):
+                text, text_bytes = text[1:], 3
+            nul = text.find("\x00")
+            if nul >= 0:
+                offset = text_bytes + len(text[:nul].encode("utf-8"))
+                raise CorpusError(f"{path}: binary data, not text (a NUL byte at byte {offset})")
+            text_bytes += len(text) if text.isascii() else len(text.encode("utf-8"))
+            if held is not None:
+                yield held
+            held = Segment(text, False, end - read)
+            read = end
+    except CorpusError:
+        raise
+    except DataSourceError as exc:  # invalid UTF-8, with its byte offset
+        raise CorpusError(str(exc)) from None
+    if held is not None:
+        yield Segment(held.text, True, held.nbytes)
+
+
+def _jsonl_file(path: Path, text_key: str) -> Iterator[Segment]:
+    offset = 0
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            start, offset = offset, offset + len(raw)
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw, start = raw[3:], start + 3
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise CorpusError(
+                    f"{path}:{number}: invalid UTF-8 at byte {start + exc.start} ({exc.reason})"
+                ) from None
+            if not line.strip():
+                continue
+            text = _jsonl_text(path, number, line, text_key)
+            yield Segment(text, bool(text), len(raw))
+
+
+def _jsonl_text(path: Path, number: int, line: str, text_key: str) -> str:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise CorpusError(
+            f"{path}:{number}: malformed JSON at column {exc.colno} ({exc.msg})"
+        ) from None
+    except (RecursionError, ValueError) as exc:
+        raise CorpusError(f"{path}:{number}: malformed JSON ({type(exc).__name__})") from None
+    if not isinstance(row, dict):
+        raise CorpusError(
+            f"{path}:{number}: a line must be a JSON object with a {text_key!r} key, got "
+            f"{type(row).__name__}"
+        )
+    if text_key not in row:
+        keys = ", ".join(repr(key) for key in list(row)[:8]) or "none"
+        raise CorpusError(
+            f"{path}:{number}: no {text_key!r} key (the row has {keys}); name the text field "
+            "with --text-key"
+        )
+    text = row[text_key]
+    if not isinstance(text, str):
+        kind = "null" if text is None else type(text).__name__
+        raise CorpusError(f"{path}:{number}: {text_key!r} is {kind}, not a string")
+    _check_encodable(text, f"{path}:{number}")
+    return text
+
+
+def _check_encodable(text: str, where: str) -> None:
+    """JSON's ``\\ud800`` escapes decode to lone surrogates, which are not UTF-8."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise CorpusError(
+            f"{where}: the text holds {text[exc.start]!r} (an unpaired surrogate), not UTF-8"
+        ) from None
+
+
+def _parquet_file(path: Path, text_key: str) -> Iterator[Segment]:
+    parquet = require_module("pyarrow.parquet", f"reading {path}")
+    try:
+        reader = parquet.ParquetFile(str(path))
+        schema = reader.schema_arrow
+    except Exception as exc:  # pyarrow raises its own ArrowException subclasses
+        raise CorpusError(f"{path}: not a readable parquet file ({_first_line(exc)})") from None
+    if text_key not in schema.names:
+        names = ", ".join(repr(name) for name in schema.names[:8]) or "none"
+        raise CorpusError(
+            f"{path}: no column {text_key!r} (columns: {names}); name the text column with "
+            "--text-key"
+        )
+    kind = str(schema.field(text_key).type)
+    if kind not in ("string", "large_string", "string_view"):
+        raise CorpusError(f"{path}: column {text_key!r} is {kind}, not a string column")
+    rows = max(1, int(reader.metadata.num_rows))
+    size = path.stat().st_size
+    row = 0
+    try:
+        for batch in reader.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_key]):
+            values = batch.column(0).to_pylist()
+            share = size * len(values) // rows
+            for text in values:
+                row += 1
+                if text is None:
+                    raise CorpusError(f"{path}: row {row} of column {text_key!r} is null")
+                yield Segment(text, bool(text), 0)
+            yield Segment("", False, share)
+    except CorpusError:
+        raise
+    except Exception as exc:  # a corrupt page, invalid UTF-8 in a string column, ...
+        raise CorpusError(f"{path}: after row {row}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,229 @@
+"""Several token-shard sources mixed by weight (``data.mixture``).
+
+An epoch of the mixture has as many samples as all its sources have windows together
+(``N = n_1 + ... + n_S``), and source ``s`` contributes exactly ``N_s`` of them: ``N * w_s``
+for the normalised weight ``w_s``, rounded by largest remainder so the quotas sum to ``N``.
+The proportions therefore hold exactly per epoch, and closely within any stretch of it: the
+``N`` positions of epoch ``e`` are dealt to the sources by a seeded permutation of the quota
+slots (``Permutation``, keyed by ``(data.seed, e)``), so a batch is a random draw from them.
+
+Each source is read as an endless sequence of passes, each a fresh permutation of its
+windows (keyed by the source's position in the list and the pass number): draw ``k`` of
+source ``s`` is window ``perm_{s, k // n_s}(k % n_s)``, and epoch ``e`` of the mixture takes
+draws ``e * N_s .. (e + 1) * N_s - 1`` (in a random order within the epoch). So a source that
+runs out -- a quota larger than its windows: a small source with a large weight -- starts
+its next pass, in a new order, within the same mixture epoch; a source with a smaller quota
+than windows continues in the next mixture epoch where it stopped. Either way the ``p``-th
+``n_s`` draws of a source are one whole pass over it: every window once.
+
+Everything is a pure function of ``(seed, epoch, position)``: the sampler (a
+``WindowSampler``) yields draw keys, ranks take strided positions, and a resumed run continues
+at the exact position, as for a single source. The mixture is always shuffled.
+
+Its held-out set (``eval:``) is every source's held-out shards, one source after the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch.utils.data import ConcatDataset, Dataset
+
+from speedtronic.data.shards import read_manifest
+from speedtronic.data.stream import _epoch_seed
+from speedtronic.data.text import DataSourceError, TextPart
+from speedtronic.data.windows import (
+    Permutation,
+    TokenWindowDataset,
+    WindowSampler,
+    WindowSource,
+    open_token_dataset,
+)
+
+__all__ = ["MixtureDataset", "MixtureSampler", "apportion", "open_mixture"]
+
+_MIX_STREAM = 0x6D1C_7E00
+_SOURCE_STREAM = 0x5A0C_E500
+_KEY_LIMIT = 1 << 62
+
+
+def apportion(total: int, weights: Sequence[float]) -> list[int]:
+    """``total`` split in proportion to ``weights`` by largest remainder (ties to the
+    earlier source): whole numbers that sum to ``total``."""
+    weight_sum = sum(weights)
+    exact = [total * weight / weight_sum for weight in weights]
+    quotas = [int(value) for value in exact]
+    left = total - sum(quotas)
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(exact[i] - quotas[i]), i))
+    for index in by_remainder[:left]:
+        quotas[index] += 1
+    return quotas
+
+
+class MixtureDataset(WindowSource):
+    """The sources' windows addressed by draw keys ``k * S + s`` (draw ``k`` of source
+    ``s``, module docstring); ``len`` is the epoch length ``N``. Its ``make_sampler`` yields the
+    keys; use it (the keys are not the positions ``0 .. N - 1``)."""
+
+    default_shuffle = True
+
+    def __init__(
+        self, sources: Sequence[TokenWindowDataset], weights: Sequence[float], *, seed: int
+    ) -> None:
+        if not sources or len(sources) != len(weights):
+            raise ValueError("a mixture needs one weight per source, and at least one source")
+        if any(not weight > 0 for weight in weights):
+            raise ValueError(f"mixture weights must be positive, got {list(weights)}")
+        self.sources = list(sources)
+        self.weights = [float(weight) for weight in weights]
+        self.seed = seed
+        self.sizes = np.array([len(source) for source in self.sources], dtype=np.int64)
+        self.length = int(self.sizes.sum())
+        self.quotas = np.array(apportion(self.length, self.weights), dtype=np.int64)
+        self.quota_starts = np.concatenate([[0], np.cumsum(self.quotas)]).astype(np.int64)
+        self._orders: dict[tuple[int, int], Permutation] = {}
+
+    def __len__(self) -> int:
+        return self.length
+
+    def decode(
+        self, keys: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """``(source, window)`` of each draw key."""
+        count = len(self.sources)
+        sources = keys % count
+        draws = keys // count
+        sizes = self.sizes[sources]
+        passes = draws // sizes
+        within = draws % sizes
+        windows = np.empty_like(within)
+        for source in np.unique(sources).tolist():
+            of_source = sources == source
+            for pass_ in np.unique(passes[of_source]).tolist():
+                chosen = of_source & (passes == pass_)
+                windows[chosen] = self._pass_order(source, pass_)(within[chosen])
+        return sources, windows
+
+    def _pass_order(self, source: int, pass_: int) -> Permutation:
+        """The order of pass ``pass_`` over source ``source`` (a few kept: consecutive
+        batches ask for the same ones)."""
+        found = self._orders.get((source, pass_))
+        if found is None:
+            if len(self._orders) >= 4 * len(self.sources):
+                self._orders.clear()
+            key = _epoch_seed(_epoch_seed(self.seed, source) ^ _SOURCE_STREAM, pass_)
+            found = Permutation(int(self.sizes[source]), key)
+            self._orders[(source, pass_)] = found
+        return found
+
+    def gather(
+        self, keys: Sequence[int] | npt.NDArray[np.int64]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        wanted = np.asarray(keys, dtype=np.int64)
+        if wanted.size and wanted.min() < 0:
+            raise IndexError("mixture draw keys are non-negative")
+        sources, windows = self.decode(wanted)
+        size = self.sources[0].block_size
+        inputs = torch.empty((wanted.size, size), dtype=torch.int64)
+        labels = torch.empty((wanted.size, size), dtype=torch.int64)
+        for source in np.unique(sources).tolist():
+            rows = np.flatnonzero(sources == source)
+            part_inputs, part_labels = self.sources[source].gather(windows[rows])
+            index = torch.from_numpy(rows)
+            inputs[index] = part_inputs
+            labels[index] = part_labels
+        return inputs, labels
+
+    def make_sampler(
+        self, *, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1
+    ) -> MixtureSampler:
+        del shuffle  # a mixture is always shuffled (module docstring)
+        return MixtureSampler(self, seed=seed, rank=rank, world_size=world_size)
+
+
+class MixtureSampler(WindowSampler):
+    """The mixture's order: positions of epoch ``e`` -> quota slots (a permutation keyed by
+    ``(seed, e)``) -> draw keys ``(e * N_s + j) * S + s`` (module docstring)."""
+
+    def __init__(self, mixture: MixtureDataset, *, seed: int, rank: int, world_size: int) -> None:
+        super().__init__(len(mixture), shuffle=True, seed=seed, rank=rank, world_size=world_size)
+        self.mixture = mixture
+
+    def _indices(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        mixture = self.mixture
+        count = len(mixture.sources)
+        if (self.epoch + 1) * int(mixture.quotas.max()) * count >= _KEY_LIMIT:
+            raise ValueError(f"epoch {self.epoch} is past what the mixture's keys can address")
+        key = _epoch_seed(self.seed ^ _MIX_STREAM, self.epoch)
+        slots = self._permutation(self.dataset_len, key)(positions)
+        sources = np.searchsorted(mixture.quota_starts, slots, side="right") - 1
+        draws = self.epoch * mixture.quotas[sources] + (slots - mixture.quota_starts[sources])
+        keys: npt.NDArray[np.int64] = draws * count + sources
+        return keys
+
+
+def open_mixture(
+    entries: Sequence[tuple[str, float]],
+    *,
+    block_size: int,
+    seed: int,
+    part: TextPart = "all",
+    vocab_size: int | None = None,
+    tokenizer: str | None = None,
+    verify: bool = True,
+) -> Dataset[dict[str, torch.Tensor]]:
+    """The mixture of ``entries`` (``(directory, weight)``) for training, or for ``part``
+    ``"held_out"`` the held-out shards of the sources that have them, one source after the
+    other. All sources must come from one tokenizer (the same ids for the same text)."""
+    if not entries:
+        raise DataSourceError("data.mixture: no sources")
+    held_out = part == "held_out"
+    sources: list[tuple[int, TokenWindowDataset]] = []
+    for index, (directory, _) in enumerate(entries):
+        if held_out and not read_manifest(directory).split("eval"):
+            continue  # this source has no held-out shards; the others may
+        dataset = open_token_dataset(
+            directory,
+            block_size=block_size,
+            part=part,
+            vocab_size=vocab_size,
+            tokenizer=tokenizer,
+            verify=verify,
+            key=f"data.mixture[{index}].tokens",
+        )
+        sources.append((index, dataset))
+    _same_tokenizer(sources)
+    if held_out:
+        if not sources:
+            raise DataSourceError(
+                "data.mixture: no source has held-out shards (all were prepared with "
+                "--eval-fraction 0): name a held-out source with eval.text_path or eval.dataset"
+            )
+        return ConcatDataset([dataset for _, dataset in sources])
+    weights = [weight for _, weight in entries]
+    quotas = apportion(sum(len(dataset) for _, dataset in sources), weights)
+    for (index, _), quota in zip(sources, quotas, strict=True):
+        if quota == 0:
+            raise DataSourceError(
+                f"data.mixture[{index}].weight: {weights[index]} is too small to draw one "
+                "sample of this source in an epoch"
+            )
+    return MixtureDataset([dataset for _, dataset in sources], weights, seed=seed)
+
+
+def _same_tokenizer(sources: Sequence[tuple[int, TokenWindowDataset]]) -> None:
+    if not sources:
+        return
+    first = sources[0][1]
+    expected = first.manifest.tokenizer.sha256
+    for index, source in sources[1:]:
+        found = source.manifest.tokenizer.sha256
+        if found != expected:
+            raise DataSourceError(
+                f"data.mixture[{index}].tokens: {source.directory} was prepared with another "
+                f"tokenizer than {first.directory} (sha256 {found[:12]}... vs "
+                f"{expected[:12]}...): mix sources of one tokenizer"
+            )

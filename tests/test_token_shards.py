@@ -1,0 +1,597 @@
+"""Issue 23, items 2-4 below the CLI: the window sampler (order, ranks, resume), the memmap
+window dataset, the mixture (proportions, epochs, resume), the manifest parser, the held-out
+split, ``data.tokenizer`` for text, ``DatasetRequest.part`` for registered datasets, the
+config rules; and one real two-rank ``speedtronic fit`` that reads every window once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from cli_runner import run_cli
+from forked import Forked, cli_main
+from token_data import bpe_tokenizer, documents, losses, run_config, write_config, write_jsonl
+from torch.utils.data import ConcatDataset, Dataset
+
+from speedtronic.config import ConfigError, load_config
+from speedtronic.data import (
+    BatchStream,
+    DatasetRequest,
+    ResumableSampler,
+    TextFileTokenDataset,
+    build_dataloader,
+    read_manifest,
+    register_dataset,
+)
+from speedtronic.data.collate import collate_causal
+from speedtronic.data.held_out import held_out_dataset
+from speedtronic.data.mixture import MixtureDataset, apportion, open_mixture
+from speedtronic.data.prepare import PrepareOptions, prepare
+from speedtronic.data.shards import MANIFEST_NAME, ManifestError, ShardEntry, parse_manifest
+from speedtronic.data.tokenizer import FileTokenizer
+from speedtronic.data.windows import (
+    FAULT_BYTES,
+    Permutation,
+    TokenWindowDataset,
+    WindowSampler,
+    open_token_dataset,
+)
+from speedtronic.runtime import build_runtime
+
+
+def make_shards(
+    directory: Path, count: int, *, seed: int = 0, shard_tokens: int = 300, fraction: float = 0.1
+) -> Path:
+    """Shards of ``count`` documents, prepared with the test tokenizer."""
+    corpus = write_jsonl(directory / "corpus.jsonl", documents(count, seed=seed))
+    tokenizer = bpe_tokenizer(directory)
+    output = directory / "shards"
+    prepare(
+        PrepareOptions(
+            inputs=[str(corpus)],
+            tokenizer=str(tokenizer),
+            output=output,
+            shard_tokens=shard_tokens,
+            eval_fraction=fraction,
+        )
+    )
+    return output
+
+
+# -- the order -----------------------------------------------------------------------------------
+
+
+def test_permutation_is_a_keyed_bijection_of_any_size() -> None:
+    for n in [*range(1, 70), 1000, 4097, 65_537]:
+        values = Permutation(n, key=7)(np.arange(n, dtype=np.int64))
+        assert sorted(values.tolist()) == list(range(n)), n
+    a = Permutation(1000, key=1)(np.arange(1000, dtype=np.int64))
+    b = Permutation(1000, key=2)(np.arange(1000, dtype=np.int64))
+    assert (a != b).mean() > 0.9  # another key, another order
+    assert not np.array_equal(a, np.arange(1000))
+
+
+@pytest.mark.parametrize(("n", "world"), [(10, 1), (10, 3), (7, 2), (2, 3), (1000, 4)])
+def test_window_sampler_keeps_the_resumable_sampler_contract(n: int, world: int) -> None:
+    for shuffle in (False, True):
+        samplers = [
+            WindowSampler(n, shuffle=shuffle, seed=5, rank=rank, world_size=world)
+            for rank in range(world)
+        ]
+        plain = [
+            ResumableSampler(n, shuffle=False, seed=5, rank=rank, world_size=world)
+            for rank in range(world)
+        ]
+        for epoch in (0, 1):
+            for sampler in samplers:
+                sampler.set_epoch(epoch)
+            orders = [list(sampler) for sampler in samplers]
+            assert all(len(order) == -(-n // world) for order in orders)
+            every = Counter(index for order in orders for index in order)
+            assert set(every) == set(range(n))  # every window, each once but the padding
+            assert sum(every.values()) - n == -n % world
+            if not shuffle:  # without shuffle: exactly ResumableSampler's sharded order
+                assert orders == [sampler.order() for sampler in plain]
+            # resume: starting at position k of an epoch is the rest of that epoch
+            for sampler, order in zip(samplers, orders, strict=True):
+                sampler.set_start(len(order) // 2)
+                assert list(sampler) == order[len(order) // 2 :]
+                assert len(sampler) == len(order) - len(order) // 2
+                assert sampler.order() == order
+    shuffled = WindowSampler(1000, shuffle=True, seed=5)
+    first = list(shuffled)
+    shuffled.set_epoch(1)
+    assert list(shuffled) != first  # a new order each epoch
+    assert WindowSampler(1000, shuffle=True, seed=6).order() != first  # and each seed
+
+
+def test_window_sampler_takes_o1_memory_for_a_huge_corpus() -> None:
+    sampler = WindowSampler(10**12, shuffle=True, seed=1, rank=3, world_size=8)
+    sampler.set_start(10**11)
+    window = next(iter(sampler))
+    assert 0 <= window < 10**12
+
+
+# -- the windows ---------------------------------------------------------------------------------
+
+
+def test_windows_are_block_plus_one_tokens_at_stride_block_size(tmp_path: Path) -> None:
+    shards = make_shards(tmp_path, 60)
+    manifest = read_manifest(shards)
+    dataset = open_token_dataset(shards, block_size=16)
+    train = manifest.split("train")
+    assert dataset.shards == train
+    expected = 0
+    for shard in train:
+        tokens = np.fromfile(shards / shard.file, dtype="<u2").astype(np.int64)
+        count = (len(tokens) - 1) // 16
+        for window in (0, count - 1):
+            item = dataset[expected + window]
+            start = window * 16
+            assert item["input_ids"].tolist() == tokens[start : start + 16].tolist()
+            assert item["labels"].tolist() == tokens[start + 1 : start + 17].tolist()
+        expected += count
+    assert len(dataset) == expected
+    # the fast collate and the generic one give the same batch
+    loader = build_dataloader(
+        load_config(
+            {
+                "data": {"tokens": str(shards), "micro_batch_size": 5},
+                "model": {"vocab_size": 320, "max_seq_len": 16},
+            }
+        ).data
+    )
+    batch = next(iter(loader))
+    indices = list(loader.sampler)[:5]  # type: ignore[arg-type]  # a WindowSampler
+    generic = collate_causal([dataset[index] for index in indices])
+    assert set(batch) == {"input_ids", "labels"}
+    assert torch.equal(batch["input_ids"], generic["input_ids"])
+    assert torch.equal(batch["labels"], generic["labels"])
+    assert batch["input_ids"].dtype == torch.int64 and batch["input_ids"].is_contiguous()
+
+
+def test_the_dataset_keeps_its_rss_flat_and_few_shards_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import psutil
+
+    from speedtronic.data import windows
+
+    shards = make_shards(tmp_path, 60, shard_tokens=100)
+    dataset = open_token_dataset(shards, block_size=8)
+    monkeypatch.setattr(windows, "MAX_OPEN_MAPS", 2)
+    small = TokenWindowDataset(
+        shards, dataset.manifest, dataset.shards, 8, resident_bytes=3 * FAULT_BYTES
+    )
+    opened = []
+    for start in range(0, len(small) - 4, 4):
+        inputs, labels = small.gather(list(range(start, start + 4)))
+        opened.append(small._maps.open_maps)
+        assert torch.equal(inputs, dataset.gather(list(range(start, start + 4)))[0])
+    assert max(opened) == 2 and len(dataset.shards) > 3  # never all shards mapped at once
+    clone = pickle.loads(pickle.dumps(small))  # what a spawned DataLoader worker gets
+    assert clone._maps.open_maps == 0 and torch.equal(clone.gather([3])[1], small.gather([3])[1])
+
+    # A shuffled epoch over 64 MB of shards: what stays mapped is bounded by resident_bytes.
+    big = tmp_path / "big"
+    big.mkdir()
+    tokens = np.random.default_rng(0).integers(0, 300, 32 << 20, dtype=np.uint16)
+    tokens.tofile(big / "train-00000.bin")
+    entry = ShardEntry("train-00000.bin", "train", tokens.size, "0" * 64)
+    manifest = dataclasses.replace(dataset.manifest, shards=(entry,))
+    epoch = TokenWindowDataset(big, manifest, (entry,), 1024, resident_bytes=4 << 20)
+    order = np.random.default_rng(1).permutation(len(epoch))
+    before = psutil.Process().memory_info().rss
+    growth = 0
+    for start in range(0, len(order), 64):
+        epoch.gather(order[start : start + 64])
+        growth = max(growth, psutil.Process().memory_info().rss - before)
+    assert growth < 16 << 20, f"RSS grew by {growth / 2**20:.1f} MiB over a 64 MiB epoch"
+
+
+def test_training_never_reads_held_out_shards_and_eval_reads_them_by_default(
+    tmp_path: Path,
+) -> None:
+    shards = make_shards(tmp_path, 80)
+    manifest = read_manifest(shards)
+    config = load_config(
+        run_config(tmp_path / "run", {"tokens": str(shards)}, eval={"every_steps": 2})
+    )
+    trainer, _ = build_runtime(config)
+    train = trainer.stream.source.dataset  # type: ignore[attr-defined]  # a DataLoader
+    held = trainer.eval_data.dataset  # type: ignore[union-attr]  # the eval DataLoader
+    assert isinstance(train, TokenWindowDataset) and isinstance(held, TokenWindowDataset)
+    assert train.shards == manifest.split("train") and held.shards == manifest.split("eval")
+    # the held-out split is the last documents, about eval_fraction of the tokens
+    held_tokens = sum(shard.tokens for shard in held.shards)
+    assert 0.05 < held_tokens / manifest.tokens < 0.2
+    eos = manifest.eos_id
+    last_train = np.fromfile(shards / manifest.split("train")[-1].file, dtype="<u2")
+    assert last_train[-1] == eos  # the split falls on a document boundary
+    assert sorted(shard.file for shard in held.shards)[0] == "eval-00000.bin"
+
+
+# -- the mixture ---------------------------------------------------------------------------------
+
+
+def test_apportion_is_exact_and_follows_the_weights() -> None:
+    assert apportion(10, [0.8, 0.2]) == [8, 2]
+    assert apportion(7, [1, 1, 1]) == [3, 2, 2]
+    assert sum(apportion(1001, [0.3, 0.3, 0.4])) == 1001
+
+
+class Windows(TokenWindowDataset):
+    """A stand-in source of ``n`` windows whose window ``i`` is ``[tag, i, ...]``."""
+
+    def __init__(self, tag: int, n: int) -> None:  # noqa: D107
+        self.tag, self.n, self.block_size = tag, n, 2
+
+    def __len__(self) -> int:
+        return self.n
+
+    def gather(self, indices: object) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.as_tensor(np.asarray(indices), dtype=torch.int64)
+        inputs = torch.stack([torch.full_like(rows, self.tag), rows], dim=1)
+        return inputs, inputs
+
+
+def draws(mixture: MixtureDataset, sampler: WindowSampler) -> list[tuple[int, int]]:
+    inputs, _ = mixture.gather(list(sampler))
+    return [(int(tag), int(window)) for tag, window in inputs.tolist()]
+
+
+def test_mixture_proportions_hold_per_epoch_and_sources_continue_across_epochs() -> None:
+    web, code = Windows(0, 900), Windows(1, 100)
+    mixture = MixtureDataset([web, code], [0.5, 0.5], seed=3)
+    assert len(mixture) == 1000 and mixture.quotas.tolist() == [500, 500]
+    sampler = mixture.make_sampler(shuffle=True, seed=3)
+    epochs = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        epochs.append(draws(mixture, sampler))
+    for seen in epochs:
+        counts = Counter(tag for tag, _ in seen)
+        assert counts == {0: 500, 1: 500}  # exact per epoch
+        first = Counter(tag for tag, _ in seen[:100])
+        assert 35 <= first[0] <= 65  # and close within any stretch
+    # web (900 windows, 500 an epoch) continues where it stopped: its 1000 draws of epochs
+    # 0 and 1 are one whole pass (draws 0-899) and the first 100 draws of the next
+    web_draws = Counter(window for seen in epochs[:2] for tag, window in seen if tag == 0)
+    assert set(web_draws) == set(range(900))
+    assert Counter(web_draws.values()) == {1: 800, 2: 100}
+    # code (100 windows, 500 an epoch) starts a new pass, in a new order, when it runs out:
+    # its 500 draws of an epoch are five whole passes
+    code_draws = Counter(window for tag, window in epochs[0] if tag == 1)
+    assert code_draws == dict.fromkeys(range(100), 5)
+    keys = np.arange(200, dtype=np.int64) * 2 + 1  # draws 0-199 of source 1
+    sources, windows = mixture.decode(keys)
+    assert set(sources.tolist()) == {1}
+    first, second = windows[:100].tolist(), windows[100:].tolist()
+    assert sorted(first) == sorted(second) == list(range(100)) and first != second
+
+
+def test_mixture_ranks_are_disjoint_and_resume_at_the_exact_draw() -> None:
+    mixture = MixtureDataset([Windows(0, 60), Windows(1, 40), Windows(2, 7)], [3, 1, 1], seed=9)
+    one = mixture.make_sampler(shuffle=True, seed=9)
+    ranks = [mixture.make_sampler(shuffle=True, seed=9, rank=r, world_size=2) for r in (0, 1)]
+    whole = list(one)
+    shards = [list(sampler) for sampler in ranks]
+    assert sorted(shards[0] + shards[1]) == sorted(whole + whole[:1])  # 107 is odd: one pad
+    assert shards[0] == whole[0::2] and shards[1] == (whole + whole[:1])[1::2]
+    # a BatchStream resumes mid-epoch on the very next batch
+    loader = torch.utils.data.DataLoader(
+        mixture, batch_size=4, sampler=one, collate_fn=mixture.collate_fn
+    )
+    stream = BatchStream(loader)
+    seen = [next(stream)["input_ids"] for _ in range(40)]  # into the second epoch
+    state = stream.state_dict()
+    after = [next(stream)["input_ids"] for _ in range(5)]
+    again = BatchStream(
+        torch.utils.data.DataLoader(
+            mixture,
+            batch_size=4,
+            sampler=mixture.make_sampler(shuffle=True, seed=9),
+            collate_fn=mixture.collate_fn,
+        )
+    )
+    again.load_state_dict(state)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(after, [next(again)["input_ids"] for _ in range(5)], strict=True)
+    )
+    assert len(seen) == 40
+
+
+def test_a_mixture_from_config_trains_and_resumes_bitwise(tmp_path: Path) -> None:
+    web = make_shards(tmp_path / "web", 80, seed=1)
+    code = make_shards(tmp_path / "code", 30, seed=2)
+    data = {"mixture": [{"tokens": str(web), "weight": 0.8}, {"tokens": str(code), "weight": 0.2}]}
+    for name in ("full", "part"):
+        write_config(
+            tmp_path / f"{name}.yaml", run_config(tmp_path / name, data, eval={"every_steps": 4})
+        )
+    assert run_cli("fit", "--config", "full.yaml", cwd=tmp_path).returncode == 0
+    assert run_cli("fit", "--config", "part.yaml", "--max-steps", "3", cwd=tmp_path).returncode == 0
+    resumed = run_cli("fit", "--config", "part.yaml", "--resume", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert losses(tmp_path / "part" / "metrics.jsonl") == losses(
+        tmp_path / "full" / "metrics.jsonl"
+    )
+    # its held-out set: both sources' held-out shards
+    held = held_out_dataset(
+        load_config(tmp_path / "full.yaml").data, load_config(tmp_path / "full.yaml").eval
+    )
+    assert isinstance(held, ConcatDataset) and len(held.datasets) == 2
+
+
+def test_mixture_sources_must_share_a_tokenizer(tmp_path: Path) -> None:
+    bpe = make_shards(tmp_path / "bpe", 20)
+    corpus = write_jsonl(tmp_path / "b" / "c.jsonl", documents(20))
+    raw = tmp_path / "b" / "shards"
+    prepare(PrepareOptions(inputs=[str(corpus)], tokenizer="bytes", output=raw))
+    with pytest.raises(
+        ValueError, match=r"data.mixture\[1\].tokens: .* was prepared with another tokenizer"
+    ):
+        open_mixture([(str(bpe), 1.0), (str(raw), 1.0)], block_size=8, seed=0, vocab_size=320)
+
+
+# -- the manifest --------------------------------------------------------------------------------
+
+
+def test_the_manifest_round_trips_and_every_bad_field_is_named(tmp_path: Path) -> None:
+    shards = make_shards(tmp_path, 20)
+    text = (shards / MANIFEST_NAME).read_text()
+    manifest = read_manifest(shards)
+    assert manifest.to_json() == text  # what prepare wrote is what the parser reads back
+    good = json.loads(text)
+
+    def broken(path: str, value: object) -> str:
+        data = json.loads(text)
+        target = data
+        *parents, last = path.split(".")
+        for part in parents:
+            target = target[int(part)] if part.isdigit() else target[part]
+        if value is KeyError:
+            del target[last]
+        else:
+            target[last] = value
+        with pytest.raises(ManifestError) as caught:
+            parse_manifest(json.dumps(data).encode(), "index.json")
+        return str(caught.value)
+
+    assert broken("version", 2).startswith("index.json: version: 2 is newer than")
+    assert broken("format", "zip") == "index.json: format: 'zip' is not 'speedtronic-token-shards'"
+    assert (
+        broken("dtype", "uint8") == "index.json: dtype: 'uint8' is not one of ['uint16', 'uint32']"
+    )
+    assert (
+        broken("vocab_size", 70_000)
+        == "index.json: dtype: uint16 cannot hold a vocabulary of 70000 ids"
+    )
+    assert broken("eos_id", 999) == "index.json: eos_id: 999 is not in [0, 319]"
+    assert broken("tokens", 5) == "index.json: tokens: 5 is not the sum of the shards' tokens"
+    assert broken("shards", []) == "index.json: shards: must be a non-empty list"
+    assert (
+        broken("shards.0.tokens", 0)
+        == "index.json: shards[0].tokens: 0 is not in [1, 1125899906842624]"
+    )
+    assert broken("shards.0.sha256", "x") == (
+        "index.json: shards[0].sha256: 'x' is not a sha256 (64 lower-case hex digits)"
+    )
+    assert (
+        broken("shards.0.split", "test")
+        == "index.json: shards[0].split: 'test' is not one of ['train', 'eval']"
+    )
+    assert broken("shards.1.file", good["shards"][0]["file"]) == (
+        f"index.json: shards[1].file: {good['shards'][0]['file']!r} is listed twice"
+    )
+    assert broken("tokenizer.file", "../tokenizer.json").startswith(
+        "index.json: tokenizer.file: '../tokenizer.json'"
+    )
+    assert broken("documents", KeyError) == "index.json: documents: missing"
+    assert (
+        broken("eval_fraction", float("nan")) == "index.json: eval_fraction: nan is not in [0, 1)"
+    )
+    for data, message in [
+        (b"[" * 100_000, "index.json: not a usable JSON document (RecursionError)"),
+        (b"\xff", "index.json: not UTF-8 (byte 0)"),
+        (b"[]", "index.json: the manifest: must be an object, got list"),
+        (b'{"a": 1' + b"1" * 5000 + b"}", "index.json: not a usable JSON document (ValueError)"),
+        (b'{"a": ', "index.json: not JSON ("),
+    ]:
+        with pytest.raises(ManifestError) as caught:
+            parse_manifest(data, "index.json")
+        assert str(caught.value).startswith(message.rstrip("(")), str(caught.value)
+
+
+# -- data.tokenizer for text, DatasetRequest.part, config rules ------------------------------------
+
+
+def test_a_text_file_streams_through_data_tokenizer_for_training_and_eval(tmp_path: Path) -> None:
+    tokenizer = bpe_tokenizer(tmp_path)
+    text = " ".join(documents(30, seed=4))
+    (tmp_path / "train.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "eval.txt").write_text(text[:400], encoding="utf-8")
+    config = load_config(
+        {
+            "data": {"text_path": str(tmp_path / "train.txt"), "tokenizer": str(tokenizer)},
+            "eval": {"every_steps": 1, "text_path": str(tmp_path / "eval.txt")},
+            "model": {"vocab_size": 320, "max_seq_len": 8},
+        }
+    )
+    expected = FileTokenizer(tokenizer).encode(text)
+    assert max(expected) >= 256  # real BPE merges, not bytes
+    stream = build_dataloader(config.data).dataset
+    assert isinstance(stream, TextFileTokenDataset)
+    ids = [t for block in stream for t in block["input_ids"].tolist()[:8]][:64]
+    assert ids[:8] == expected[:8]
+    held = held_out_dataset(config.data, config.eval)
+    assert isinstance(held, TextFileTokenDataset)
+    assert next(iter(held))["input_ids"].tolist() == FileTokenizer(tokenizer).encode(text[:400])[:8]
+    small = config.to_dict()
+    small["model"]["vocab_size"] = 100  # type: ignore[index]  # the model section
+    small["data"]["vocab_size"] = None  # type: ignore[index]  # the data section
+    with pytest.raises(
+        ValueError,
+        match=r"data.tokenizer: .* holds token ids up to 319 .* model's vocabulary of 100",
+    ):
+        build_dataloader(load_config(small).data)
+
+
+def test_a_registered_dataset_names_its_own_held_out_split() -> None:
+    asked: list[str] = []
+
+    class Parts(Dataset[dict[str, torch.Tensor]]):
+        def __init__(self, part: str) -> None:
+            self.value = 1 if part == "held_out" else 0
+
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+            tokens = torch.full((5,), self.value)
+            return {"input_ids": tokens[:-1], "labels": tokens[1:]}
+
+    @register_dataset("parts-with-split", held_out=True)
+    def parts(request: DatasetRequest) -> Dataset[dict[str, torch.Tensor]]:
+        asked.append(request.part)
+        return Parts(request.part)
+
+    config = load_config(
+        {"data": {"dataset": "parts-with-split"}, "eval": {"every_steps": 1},
+         "model": {"vocab_size": 8, "max_seq_len": 4}, "run": {"max_steps": 1}}
+    )  # fmt: skip
+    trainer, _ = build_runtime(config)
+    assert asked == ["train", "held_out"]  # no eval.dataset needed
+    assert next(iter(trainer.eval_data))["input_ids"].unique().tolist() == [1]  # type: ignore[arg-type]
+    assert next(iter(trainer.stream.source))["input_ids"].unique().tolist() == [0]  # type: ignore[attr-defined, index]
+
+    @register_dataset("parts-without-split")
+    def plain(request: DatasetRequest) -> Dataset[dict[str, torch.Tensor]]:
+        asked.append(request.part)
+        return Parts(request.part)
+
+    config.data.dataset = "parts-without-split"
+    with pytest.raises(ValueError, match="has no held-out split of its own .*held_out=True"):
+        held_out_dataset(config.data, config.eval)
+
+
+def test_config_rules_of_the_token_sources() -> None:
+    def errors(data: dict[str, object], **sections: object) -> list[str]:
+        with pytest.raises(ConfigError) as caught:
+            load_config({"data": data, **sections})
+        return caught.value.errors
+
+    assert errors({"tokens": "a", "text_path": "b.txt"}) == [
+        "data.text_path: give one training source, not data.tokens and data.text_path"
+    ]
+    assert errors({"mixture": [{"tokens": "a"}], "dataset": "x"}) == [
+        "data.dataset: give one training source, not data.mixture and data.dataset"
+    ]
+    assert errors({"tokens": "a", "mixture": [{"tokens": "b"}]}) == [
+        "data.mixture: give one training source, not data.tokens and data.mixture"
+    ]
+    assert errors({"tokenizer": "t.json"}) == [
+        "data.tokenizer: nothing to tokenize or check (it applies to data.text_path, "
+        "eval.text_path, data.tokens and data.mixture)"
+    ]
+    assert errors({"mixture": [{"tokens": "a"}], "shuffle": False}) == [
+        "data.shuffle: false does not apply to data.mixture (a mixture is always shuffled)"
+    ]
+    assert errors({"mixture": [{"tokens": "a", "weight": 0}]})[0].startswith(
+        "data.mixture[0].weight: 0 is less than or equal to the minimum of 0"
+    )
+    assert errors({"mixture": [{"path": "a"}]})[0].startswith("data.mixture[0]")
+    fine = load_config({"data": {"mixture": [{"tokens": "a", "weight": 2}]}})
+    assert fine.data.mixture[0].weight == 2.0 and fine.data.shuffle is None
+    assert (
+        load_config({"data": {"text_path": "x.txt", "tokenizer": "bytes"}}).data.tokenizer
+        == "bytes"
+    )
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+
+def check_no_hf_import() -> int:
+    """A forked child: the core and the data modules import without the hf extra."""
+    import sys
+
+    import speedtronic.cli
+    import speedtronic.data.corpus
+    import speedtronic.data.mixture
+    import speedtronic.data.prepare
+    import speedtronic.data.windows
+    import speedtronic.runtime  # noqa: F401
+
+    loaded = sorted(
+        name for name in ("tokenizers", "pyarrow", "transformers") if name in sys.modules
+    )
+    print(f"loaded: {loaded}")
+    return 0 if not loaded else 3
+
+
+def test_nothing_in_the_core_imports_the_hf_extra(forked: Forked) -> None:
+    child = forked.start(check_no_hf_import)
+    assert child.wait(60) == 0, child.output
+
+
+RECORDER = """
+import json, os
+from speedtronic import Callback, register_callback
+
+@register_callback("record_windows")
+class RecordWindows(Callback):
+    def on_microbatch_start(self, trainer, ctx):
+        rows = ctx.batch["input_ids"].tolist()
+        with open(f"rows-{os.environ['RANK']}.jsonl", "a") as handle:
+            handle.write("".join(json.dumps(row) + "\\n" for row in rows))
+"""
+
+
+def test_two_ranks_read_disjoint_windows_that_cover_the_epoch(
+    tmp_path: Path, forked: Forked
+) -> None:
+    from test_distributed import free_port, rank_env
+
+    shards = make_shards(tmp_path, 30, seed=6)
+    dataset = open_token_dataset(shards, block_size=16)
+    n = len(dataset)
+    (tmp_path / "record_windows.py").write_text(RECORDER)
+    config = run_config(
+        tmp_path / "run",
+        {"tokens": str(shards), "micro_batch_size": 2, "drop_last": False},
+        run={"max_epochs": 1, "max_steps": 1000},
+        checkpoint={"enabled": False},
+    )
+    config["imports"] = ["record_windows"]
+    config["callbacks"] = [{"name": "record_windows"}]
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    children = [
+        forked.start(
+            cli_main, "fit", "--config", "run.yaml", env=rank_env(rank, 2, port), cwd=tmp_path
+        )
+        for rank in (0, 1)
+    ]
+    assert [child.wait(120) for child in children] == [0, 0], children[0].output[-3000:]
+    rows = [
+        [
+            tuple(json.loads(line))
+            for line in (tmp_path / f"rows-{rank}.jsonl").read_text().splitlines()
+        ]
+        for rank in (0, 1)
+    ]
+    assert len(rows[0]) == len(rows[1]) == -(-n // 2)
+    every = Counter(rows[0] + rows[1])
+    windows = Counter(tuple(row) for row in dataset.gather(list(range(n)))[0].tolist())
+    assert windows - every == Counter()  # every window of the epoch was read
+    assert sum((every - windows).values()) == n % 2  # and none twice, but one pad if n is odd
