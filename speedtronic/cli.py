@@ -428,6 +428,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     import yaml
 
     from speedtronic.config import ConfigError
+    from speedtronic.engine.dispatch import DuplicateStateKeyError, FilterError, UnknownHookError
     from speedtronic.engine.trainer import TrainingStateError
     from speedtronic.plotting import PlotError
     from speedtronic.plugins import PluginError
@@ -446,6 +447,9 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         RunDirectoryError,
         TrainingStateError,
         ShardingError,
+        UnknownHookError,  # a user's callback: a typo'd hook, a shared state_key, a bad filter
+        DuplicateStateKeyError,
+        FilterError,
         FileNotFoundError,
         yaml.YAMLError,
     )

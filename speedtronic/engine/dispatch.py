@@ -106,10 +106,16 @@ def check_hook_names(cls: type[Callback], display_name: str | None = None) -> No
     name = unknown[0]
     close = difflib.get_close_matches(name, sorted(HOOK_NAMES), n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
+    code = getattr(getattr(cls, name), "__code__", None)
+    where = (
+        f"{code.co_filename}:{code.co_firstlineno}"
+        if code is not None
+        else f"{cls.__module__}.{cls.__qualname__}"
+    )
     raise UnknownHookError(
-        f"callback {display_name or cls.__name__!r} defines {name!r}, which is not an event "
-        f"hook: {hint}(hooks are on_<event> for the events in speedtronic.engine.events.Event; "
-        "rename the method, or drop the on_ prefix for a helper)"
+        f"callback {display_name or cls.__name__!r} defines {name!r} (at {where}), which is "
+        f"not an event hook: {hint}(hooks are on_<event> for the events in "
+        "speedtronic.engine.events.Event; rename the method, or drop the on_ prefix for a helper)"
     )
 
 
