@@ -85,6 +85,13 @@ def _parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="draw a PNG of a run from its metrics.jsonl")
     plot.add_argument("output_dir", help="the run directory")
     plot.add_argument("--out", help="PNG path (default <output_dir>/metrics.png)")
+    plot.add_argument(
+        "--keys",
+        nargs="+",
+        metavar="KEY[,KEY...]",
+        help="draw these keys instead of the default panels: one panel per argument, "
+        "comma-joined keys share it; a key includes the keys under it (lr: lr/group1, ...)",
+    )
     return parser
 
 
@@ -408,7 +415,7 @@ def _schema_keys(schema: dict[str, object]) -> str:
 def _plot(args: argparse.Namespace) -> int:
     from speedtronic.plotting import plot_run
 
-    out = plot_run(Path(args.output_dir), Path(args.out) if args.out else None)
+    out = plot_run(Path(args.output_dir), Path(args.out) if args.out else None, keys=args.keys)
     print(f"wrote {out}")
     return EXIT_OK
 
