@@ -18,7 +18,6 @@ from __future__ import annotations
 import abc
 import math
 import os
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -27,6 +26,7 @@ from speedtronic.engine.callback import Callback, RankPolicy
 from speedtronic.engine.contexts import MetricsContext
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.engine.metrics import MetricValue
+from speedtronic.user_warnings import warn
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
@@ -99,11 +99,10 @@ def keep_earlier_run(path: Path, start_step: int) -> Path | None:
     while (kept := path.with_name(f"{path.stem}.{number}{path.suffix}")).exists():
         number += 1
     path.rename(kept)
-    warnings.warn(
+    warn(
         f"{path} held an earlier run's records; kept them as {kept.name} and started a new "
         "file (resume the earlier run to continue it instead)",
         UserWarning,
-        stacklevel=3,
     )
     return kept
 

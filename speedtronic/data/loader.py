@@ -38,7 +38,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +51,7 @@ from speedtronic.data.stream import RankShardedIterable, ResumableSampler
 from speedtronic.data.synthetic import LearnableLanguageDataset, SyntheticTokenDataset
 from speedtronic.data.text import DataSourceError, TextFileTokenDataset, TextPart, Tokenizer
 from speedtronic.plugins import DATASET_GROUP, PluginError, PluginRegistry
+from speedtronic.user_warnings import warn
 
 __all__ = [
     "DEFAULT_DATA_SEED",
@@ -413,9 +413,8 @@ def build_dataloader(
     sampler: ResumableSampler | None = None
     if isinstance(source, IterableDataset):
         if config.shuffle:
-            warnings.warn(
+            warn(
                 "data.shuffle is ignored for an iterable dataset (it streams in file order)",
-                stacklevel=2,
             )
         if world_size > 1:
             source = RankShardedIterable(source, rank=rank, world_size=world_size)
