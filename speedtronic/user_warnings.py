@@ -25,14 +25,20 @@ from types import CodeType, FrameType, TracebackType
 
 __all__ = ["skip_frames_under", "warn", "warn_at_failure"]
 
-_SKIPPED: list[str] = [str(Path(__file__).resolve().parent) + os.sep]
+def _prefixes(directory: str | Path) -> list[str]:
+    """``directory`` as code objects may name it: as imported and with links resolved."""
+    forms = {os.path.abspath(directory), str(Path(directory).resolve())}
+    return sorted(form + os.sep for form in forms)
+
+
+_SKIPPED: list[str] = _prefixes(Path(__file__).parent)
 
 
 def skip_frames_under(directory: str | Path) -> None:
     """Count the frames of files under ``directory`` as the framework's (``warn`` skips them)."""
-    prefix = str(Path(directory).resolve()) + os.sep
-    if prefix not in _SKIPPED:
-        _SKIPPED.append(prefix)
+    for prefix in _prefixes(directory):
+        if prefix not in _SKIPPED:
+            _SKIPPED.append(prefix)
 
 
 def _in_framework(filename: str) -> bool:
