@@ -104,6 +104,13 @@ def _parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="draw a PNG of a run from its metrics.jsonl")
     plot.add_argument("output_dir", help="the run directory")
     plot.add_argument("--out", help="PNG path (default <output_dir>/metrics.png)")
+    plot.add_argument(
+        "--keys",
+        nargs="+",
+        metavar="KEY[,KEY...]",
+        help="draw these keys instead of the default panels: one panel per argument, "
+        "comma-joined keys share it; a key includes the keys under it (lr: lr/group1, ...)",
+    )
     _add_prepare_parser(sub)
     return parser
 
@@ -493,7 +500,7 @@ def _schema_keys(schema: dict[str, object]) -> str:
 def _plot(args: argparse.Namespace) -> int:
     from speedtronic.plotting import plot_run
 
-    out = plot_run(Path(args.output_dir), Path(args.out) if args.out else None)
+    out = plot_run(Path(args.output_dir), Path(args.out) if args.out else None, keys=args.keys)
     print(f"wrote {out}")
     return EXIT_OK
 
@@ -535,6 +542,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 
     from speedtronic.config import ConfigError
     from speedtronic.data import DataSourceError
+    from speedtronic.engine.dispatch import DuplicateStateKeyError, FilterError, UnknownHookError
     from speedtronic.engine.trainer import TrainingStateError
     from speedtronic.plotting import PlotError
     from speedtronic.plugins import PluginError
@@ -553,6 +561,9 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         RunDirectoryError,
         TrainingStateError,
         ShardingError,
+        UnknownHookError,  # a user's callback: a typo'd hook, a shared state_key, a bad filter
+        DuplicateStateKeyError,
+        FilterError,
         DataSourceError,
         FileNotFoundError,
         yaml.YAMLError,

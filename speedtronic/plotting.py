@@ -1,16 +1,22 @@
 """``plot_run``: a PNG of a finished (or running) run from its ``metrics.jsonl``.
 
-    speedtronic plot runs/demo            # writes runs/demo/metrics.png
+    speedtronic plot runs/demo                          # writes runs/demo/metrics.png
+    speedtronic plot runs/demo --keys loss,eval/loss grad_max
 
-Panels: loss (and ``grad_norm`` when logged) against step, every learning-rate key against
-step, and throughput (tokens/s, or steps/s when no tokens are counted). A fourth panel
-shows device memory when the run logged ``memory_bytes``. No server and no display are
-needed: the figure is drawn with matplotlib's Agg canvas without touching pyplot's global
-state. matplotlib is the optional ``plot`` extra (``pip install 'speedtronic[plot]'``).
+By default the panels are: loss with the held-out ``eval/loss`` (log scale when it spans a
+decade), the gradient
+norm when logged, every learning-rate key, throughput (tokens/s, or steps/s when no tokens
+are counted), device memory when ``memory_bytes`` was logged, then one panel for each other
+key the run logged (a callback's own keys included; the counters ``samples``, ``tokens``,
+``elapsed_s``, ... are left out). ``--keys`` draws the panels it names instead. A dashed line
+marks where a resumed fit continued the file. No server and no display are needed: the
+figure is drawn with matplotlib's Agg canvas without touching pyplot's global state.
+matplotlib is the optional ``plot`` extra (``pip install 'speedtronic[plot]'``).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from collections.abc import Sequence
@@ -20,15 +26,50 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
-__all__ = ["METRICS_FILENAME", "PlotError", "RunSeries", "load_series", "plot_run"]
+__all__ = [
+    "METRICS_FILENAME",
+    "Panel",
+    "PlotError",
+    "RunSeries",
+    "default_panels",
+    "draw_run",
+    "load_series",
+    "plot_run",
+    "requested_panels",
+]
 
 METRICS_FILENAME = "metrics.jsonl"
 PLOT_FILENAME = "metrics.png"
 
+LOSS_KEYS = ("loss", "eval/loss")
+"""Drawn together on one log-scale panel: the training loss and the held-out loss."""
+
+COUNTER_KEYS = frozenset(
+    {
+        "samples",
+        "tokens",
+        "micro_batches",
+        "elapsed_s",
+        "steps_per_sec",
+        "samples_per_sec",
+        "tokens_per_sec",
+        "memory_peak_bytes",
+    }
+)
+"""Keys of every record that the default panels show in another form (or not at all):
+cumulative counters and the throughput rates besides the one drawn."""
+
+MAX_EXTRA_PANELS = 9
+"""Other keys drawn by default, one panel each; more are named in the title (use ``keys``)."""
+
+COLUMNS = 3
+"""Panels per row of the figure."""
 
 class PlotError(RuntimeError):
-    """The plot cannot be made: matplotlib is missing, or there are no metrics to draw."""
+    """The plot cannot be made: matplotlib is missing, there are no metrics to draw, or a
+    requested key was not logged."""
 
 
 @dataclass
@@ -36,12 +77,25 @@ class RunSeries:
     """Numeric series of a metrics file, keyed by record key, each as (steps, values)."""
 
     series: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    resumed_after: list[int] = field(default_factory=list)
+    """The last logged step before each resumed fit: where ``elapsed_s`` (seconds since the
+    fit started) starts again. The fit resumed from a checkpoint at that step or just after."""
 
     def get(self, key: str) -> tuple[list[int], list[float]] | None:
         return self.series.get(key)
 
     def keys_starting(self, prefix: str) -> list[str]:
         return sorted(key for key in self.series if key == prefix or key.startswith(prefix + "/"))
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One axes of the figure: the keys it draws, its title and whether its y axis may be
+    logarithmic (it is when the values span a decade)."""
+
+    title: str
+    keys: tuple[str, ...]
+    log_y: bool = False
 
 
 def _read_records(path: Path) -> dict[int, dict[str, object]]:
@@ -59,6 +113,13 @@ def _read_records(path: Path) -> dict[int, dict[str, object]]:
     return by_step
 
 
+def _number(value: object) -> float | None:
+    """``value`` as a finite float, or None (text, booleans, ``null`` and NaN are no points)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
 def load_series(path: Path) -> RunSeries:
     """Every numeric key of a metrics JSONL file as a series ordered by step."""
     if not path.is_file():
@@ -67,73 +128,188 @@ def load_series(path: Path) -> RunSeries:
     if not records:
         raise PlotError(f"{path} holds no metric records")
     result = RunSeries()
+    previous: tuple[int, float] | None = None  # (step, elapsed_s) of the record before
     for step in sorted(records):
         for key, value in records[step].items():
-            if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            if not math.isfinite(value):
+            number = _number(value)
+            if key == "step" or number is None:
                 continue
             steps, values = result.series.setdefault(key, ([], []))
             steps.append(step)
-            values.append(float(value))
+            values.append(number)
+        elapsed = _number(records[step].get("elapsed_s"))
+        if elapsed is not None:
+            if previous is not None and elapsed < previous[1]:
+                result.resumed_after.append(previous[0])
+            previous = (step, elapsed)
     return result
 
 
-def _all_positive(series: RunSeries, keys: Sequence[str]) -> bool:
-    values = [v for key in keys for v in (series.get(key) or ([], []))[1]]
-    return bool(values) and min(values) > 0
+def default_panels(series: RunSeries) -> list[Panel]:
+    """The panels drawn without ``keys``: the core metrics, then every other logged key."""
+    throughput = "tokens_per_sec" if series.get("tokens_per_sec") else "steps_per_sec"
+    panels = [Panel("loss", LOSS_KEYS, log_y=True)]
+    if series.get("grad_norm"):
+        panels.append(Panel("gradient norm (before clipping)", ("grad_norm",)))
+    panels.append(Panel("learning rate", tuple(series.keys_starting("lr"))))
+    panels.append(Panel(throughput.replace("_per_sec", "/s"), (throughput,)))
+    if series.get("memory_bytes"):
+        panels.append(Panel("device memory (bytes)", ("memory_bytes", "memory_peak_bytes")))
+    drawn = {key for panel in panels for key in panel.keys} | COUNTER_KEYS
+    others = [key for key in sorted(series.series) if key not in drawn]
+    return panels + [Panel(key, (key,)) for key in others[:MAX_EXTRA_PANELS]]
 
 
-def _draw(axes: Axes, series: RunSeries, keys: Sequence[str], title: str, log_y: bool) -> None:
+def requested_panels(series: RunSeries, requested: Sequence[str | Sequence[str]]) -> list[Panel]:
+    """One panel per item of ``requested``: a key, or several (``"loss,eval/loss"`` or a
+    list) that share the panel. A key names itself and every key under it (``lr`` is ``lr``
+    and ``lr/group1``). ``PlotError`` for a key the run did not log."""
+    panels = []
+    for item in requested:
+        names = item.split(",") if isinstance(item, str) else list(item)
+        keys: list[str] = []
+        for name in (name.strip() for name in names):
+            found = series.keys_starting(name)
+            if not found:
+                raise PlotError(_not_logged(series, name))
+            keys.extend(key for key in found if key not in keys)
+        log_y = any(key in LOSS_KEYS for key in keys)
+        panels.append(Panel(", ".join(names), tuple(keys), log_y=log_y))
+    if not panels:
+        raise PlotError("no keys to draw were given")
+    return panels
+
+
+def _not_logged(series: RunSeries, name: str) -> str:
+    close = difflib.get_close_matches(name, sorted(series.series), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (
+        f"key {name!r} was not logged (as a number) in this run: {hint}"
+        f"logged: {', '.join(sorted(series.series))}"
+    )
+
+
+def _values(series: RunSeries, keys: Sequence[str]) -> list[float]:
+    return [value for key in keys for value in (series.get(key) or ([], []))[1]]
+
+
+def _spans_a_decade(series: RunSeries, keys: Sequence[str]) -> bool:
+    """Positive values over a factor of 10 or more: a log scale shows them better (within
+    one decade a linear scale reads the same and labels more ticks)."""
+    values = _values(series, keys)
+    return bool(values) and min(values) > 0 and max(values) >= 10 * min(values)
+
+
+def _plain_log_ticks(axes: Axes) -> None:
+    """Label a log axis with plain numbers (``2``, ``0.5``), not ``2×10⁰``: the decades,
+    and within a range under ~1.5 decades the minor ticks too (1-2-5 when it nears one)."""
+    from matplotlib.ticker import FuncFormatter
+
+    def major(value: float, _: object) -> str:
+        return f"{value:.3g}"
+
+    def minor(value: float, _: object) -> str:
+        low, high = axes.get_ylim()
+        decades = math.log10(high / low) if low > 0 and high > low else 0.0
+        mantissa = round(value / 10 ** math.floor(math.log10(value)), 6) if value > 0 else 0.0
+        if decades > 1.5 or (decades > 0.7 and mantissa not in (2.0, 3.0, 5.0)):
+            return ""
+        return f"{value:.3g}"
+
+    axes.yaxis.set_major_formatter(FuncFormatter(major))
+    axes.yaxis.set_minor_formatter(FuncFormatter(minor))
+
+
+def _style_ticks(axes: Axes, values: Sequence[float], log_y: bool) -> None:
+    """Tick labels a reader takes in at a glance: ``0.003``, ``31.1k``, ``2.5G`` -- never an
+    offset or a ``1e8`` multiplier above the axis."""
+    from matplotlib.ticker import EngFormatter, FuncFormatter
+
+    if log_y:
+        _plain_log_ticks(axes)
+    elif max(abs(value) for value in values) >= 1e4:
+        axes.yaxis.set_major_formatter(EngFormatter(sep=""))
+    else:
+        axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:.4g}"))
+
+
+def _draw(axes: Axes, series: RunSeries, panel: Panel) -> None:
     drawn = False
-    for key in keys:
+    for key in panel.keys:
         data = series.get(key)
         if data is None:
             continue
-        axes.plot(data[0], data[1], label=key, linewidth=1.2)
+        sparse = key.startswith("eval/")  # evaluated every few steps: show the points
+        axes.plot(
+            data[0], data[1], label=key, linewidth=1.2, marker="o" if sparse else None, ms=3
+        )
         drawn = True
-    axes.set_title(title)
+    for step in series.resumed_after:
+        axes.axvline(step, color="0.45", linestyle="--", linewidth=1.0, label=f"resumed at {step}")
+    axes.set_title(panel.title)
     axes.set_xlabel("step")
     axes.grid(True, alpha=0.3)
-    if drawn:
-        axes.legend(loc="best", fontsize="small")
-        if log_y and _all_positive(series, keys):
-            axes.set_yscale("log")
-    else:
+    if not drawn:
         axes.text(0.5, 0.5, "not logged", ha="center", va="center", transform=axes.transAxes)
+        return
+    log_y = panel.log_y and _spans_a_decade(series, panel.keys)
+    if log_y:
+        axes.set_yscale("log")
+    _style_ticks(axes, _values(series, panel.keys), log_y)
+    axes.legend(loc="best", fontsize="small")
 
 
-def plot_run(output_dir: Path | str, out: Path | str | None = None) -> Path:
-    """Draw ``<output_dir>/metrics.jsonl`` into a PNG (default ``<output_dir>/metrics.png``).
-
-    Raises ``PlotError`` when matplotlib is not installed or the file is missing or empty.
-    Returns the path written.
-    """
+def draw_run(
+    output_dir: Path | str, *, keys: Sequence[str | Sequence[str]] | None = None
+) -> Figure:
+    """The figure of ``<output_dir>/metrics.jsonl``: ``default_panels``, or with ``keys``
+    the panels they name (``requested_panels``). Not saved (``plot_run`` saves it)."""
     run_dir = Path(output_dir)
     series = load_series(run_dir / METRICS_FILENAME)
+    panels = default_panels(series) if keys is None else requested_panels(series, keys)
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
         raise PlotError("plotting needs matplotlib: pip install 'speedtronic[plot]'") from exc
 
-    throughput = "tokens_per_sec" if series.get("tokens_per_sec") else "steps_per_sec"
-    panels: list[tuple[list[str], str, bool]] = [
-        (["loss", "grad_norm"], "loss", True),
-        (series.keys_starting("lr"), "learning rate", False),
-        ([throughput], throughput.replace("_per_sec", "/s"), False),
-    ]
-    if series.get("memory_bytes"):
-        panels.append((["memory_bytes", "memory_peak_bytes"], "device memory (bytes)", False))
-
-    figure = Figure(figsize=(6.0 * len(panels), 4.0), layout="constrained")
+    columns = min(len(panels), COLUMNS)
+    rows = math.ceil(len(panels) / columns)
+    figure = Figure(figsize=(5.5 * columns, 3.8 * rows), layout="constrained")
     FigureCanvasAgg(figure)
-    axes_row = figure.subplots(1, len(panels), squeeze=False)[0]
-    for axes, (keys, title, log_y) in zip(axes_row, panels, strict=True):
-        _draw(axes, series, keys, title, log_y)
-    figure.suptitle(run_dir.resolve().name)
+    grid = list(figure.subplots(rows, columns, squeeze=False).flat)
+    for axes, panel in zip(grid, panels, strict=False):
+        _draw(axes, series, panel)
+    for axes in grid[len(panels) :]:  # the empty cells of the last row
+        axes.remove()
+    title = run_dir.resolve().name
+    skipped = _skipped_keys(series) if keys is None else 0
+    if skipped:
+        title += f" ({skipped} more keys were logged: choose them with --keys)"
+    figure.suptitle(title)
+    return figure
 
-    target = Path(out) if out is not None else run_dir / PLOT_FILENAME
+
+def _skipped_keys(series: RunSeries) -> int:
+    """How many logged keys the default panels leave out beyond ``MAX_EXTRA_PANELS``."""
+    shown = {key for panel in default_panels(series) for key in panel.keys} | COUNTER_KEYS
+    return sum(1 for key in series.series if key not in shown)
+
+
+def plot_run(
+    output_dir: Path | str,
+    out: Path | str | None = None,
+    *,
+    keys: Sequence[str | Sequence[str]] | None = None,
+) -> Path:
+    """Draw ``<output_dir>/metrics.jsonl`` into a PNG (default ``<output_dir>/metrics.png``);
+    ``keys`` as for ``draw_run``.
+
+    Raises ``PlotError`` when matplotlib is not installed, the file is missing or empty, or
+    a requested key was not logged. Returns the path written.
+    """
+    figure = draw_run(output_dir, keys=keys)
+    target = Path(out) if out is not None else Path(output_dir) / PLOT_FILENAME
     target.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(target, format="png", dpi=100)
     return target

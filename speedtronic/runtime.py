@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, cast, runtime_checkable
@@ -85,6 +84,7 @@ from speedtronic.systems.distributed import (
 from speedtronic.systems.precision import resolve_device, resolve_precision
 from speedtronic.systems.shapes import validate_startup_shapes
 from speedtronic.systems.stage_streams import StageStreamCallback, StageStreamScheduler
+from speedtronic.user_warnings import warn
 
 ConfigSource = SpeedtronicConfig | Mapping[str, object] | str | Path
 
@@ -309,11 +309,10 @@ def build_runtime(
     epoch_steps = epoch_step_limit(loader, cfg.run.max_epochs, cfg.accumulation_steps)
     if epoch_steps is not None:
         if epoch_steps > target_step:
-            warnings.warn(
+            warn(
                 f"run.max_epochs: {cfg.run.max_epochs} epoch(s) are {epoch_steps} steps, but the "
                 f"run stops at step {target_step} first (run.max_steps); raise run.max_steps to "
                 "train every epoch",
-                stacklevel=2,
             )
         target_step = min(target_step, epoch_steps)
         if cfg.scheduler.max_steps is None:
@@ -512,12 +511,11 @@ def _warn_if_trained_on_the_tail(cfg: SpeedtronicConfig) -> None:
     own_split = not cfg.eval.text_path and not cfg.eval.dataset
     text = cfg.data.text_path or (cfg.data.dataset == "text")
     if own_split and text and training_excludes_tail(cfg.eval) is None:
-        warnings.warn(
+        warn(
             "eval.every_steps is not set, so this run trained on the whole text file: the "
             f"held-out tail it is evaluated on (the last eval.fraction={cfg.eval.fraction}) "
             "was training data too",
             UserWarning,
-            stacklevel=3,
         )
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,40 @@ def test_user_plugin_via_imports(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(wrong))
     invalid = speedtronic("validate", "--config", str(path), cwd=tmp_path)
     assert invalid.returncode == 2 and "callbacks[0].greeting" in invalid.stderr
+
+
+def test_a_typod_hook_in_an_imported_callback_exits_2_naming_its_line(tmp_path: Path) -> None:
+    (tmp_path / "my_plugins.py").write_text(
+        "from speedtronic import Callback, register_callback\n"
+        "@register_callback('typo')\n"
+        "class Typo(Callback):\n"
+        "    def on_step_ended(self, trainer, ctx):\n"
+        "        pass\n"
+    )
+    config = dict(TINY, imports=["my_plugins"], callbacks=[{"name": "typo"}])
+    config["run"] = dict(TINY["run"], max_steps=1, output_dir=str(tmp_path / "o"))
+    config["scheduler"] = {"warmup_steps": 0}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    for command in ("validate", "fit"):
+        done = speedtronic(command, "--config", str(path), cwd=tmp_path)
+        assert done.returncode == 2, (command, done.stderr)
+        (line,) = done.stderr.splitlines()  # one line, no traceback
+        assert line.startswith("speedtronic: error: callback "), command
+        assert f"defines 'on_step_ended' (at {tmp_path / 'my_plugins.py'}:4)" in line
+        assert "did you mean 'on_step_end'?" in line
+    # it stopped before training: no config copy, metrics or checkpoints
+    assert not {"config.yaml", "metrics.jsonl", "checkpoints"} & set(os.listdir(tmp_path / "o"))
+
+
+def test_two_callbacks_with_one_state_key_exit_2(config_file: Path, tmp_path: Path) -> None:
+    twice = "callbacks=[{name: nan_guard}, {name: nan_guard}]"
+    done = speedtronic("fit", "--config", str(config_file), "--set", twice, cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        "speedtronic: error: callbacks 'nan_guard' and 'nan_guard' both use state_key "
+        "'nan_guard'; give one of them another state_key"
+    )
 
 
 def test_stop_and_resume_from_the_cli_is_bitwise_identical(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from cli_runner import run_cli
 
 from speedtronic.cli import EXIT_OK, EXIT_USAGE, main
 
@@ -131,10 +132,31 @@ def test_warmup_covering_most_of_the_run_warns_in_one_line(
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if "warmup_steps" in line]
     assert lines == [
-        "speedtronic: warning: scheduler.warmup_steps=100 covers more than half of this "
-        "4-step run (the learning rate stays low for most of it); for short runs set "
-        "scheduler.warmup_steps to about 1 (10% of the steps)"
+        "speedtronic: warning: scheduler.warmup_steps=100 covers more than half of the "
+        "4-step LR schedule (run.max_steps=4): the learning rate stays low for most of it; "
+        "set scheduler.warmup_steps to about 1 (10% of the schedule)"
     ]
+
+
+def test_max_steps_neither_raises_nor_silences_the_warmup_warning(tmp_path: Path) -> None:
+    # The README's smoke run stopped early: the schedule keeps its 200 steps, so 10 warm-up
+    # steps are right and advice to shorten them would change the whole run.
+    smoke = str(ROOT / "configs" / "smoke.yaml")
+    out = ["--output-dir", str(tmp_path / "smoke")]
+    fit = run_cli("fit", "--config", smoke, "--max-steps", "3", *out, cwd=tmp_path)
+    assert fit.returncode == EXIT_OK and "warmup_steps" not in fit.stderr
+    # The schedule's own length decides, and the warning names the key it comes from.
+    short = run_cli("validate", "--config", smoke, "--set", "run.max_steps=15", cwd=tmp_path)
+    assert short.returncode == EXIT_OK
+    assert "of the 15-step LR schedule (run.max_steps=15)" in short.stderr
+    assert "set scheduler.warmup_steps to about 1 (10% of the schedule)" in short.stderr
+    # A short explicit schedule warns even when --max-steps runs far past it, and says that
+    # --max-steps is not what sets the schedule.
+    path = write_config(tmp_path, scheduler={"warmup_steps": 3, "max_steps": 4})
+    fit = run_cli("fit", "--config", str(path), "--max-steps", "2", cwd=tmp_path)
+    warned = [line for line in fit.stderr.splitlines() if "warmup_steps" in line]
+    assert fit.returncode == EXIT_OK and len(warned) == 1
+    assert "4-step LR schedule (scheduler.max_steps=4; --max-steps 2 moves only" in warned[0]
 
 
 def test_python_warnings_print_as_one_clean_line(

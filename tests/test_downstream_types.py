@@ -29,6 +29,11 @@ def test_mypy_rejects_a_wrong_override_signature(mypy_outside: MypyRun) -> None:
     assert mypy_outside.returncode == 1, mypy_outside.stdout
     errors = [line for line in mypy_outside.lines("bad_user.py") if ": error:" in line]
     assert any('Argument 2 of "on_step_end" is incompatible with supertype' in e for e in errors)
+    # ``@override`` on a misspelled hook: the typo is caught statically too.
+    assert any(
+        'Method "on_step_ended" is marked as an override, but no base method was found' in e
+        for e in errors
+    ), mypy_outside.stdout
 
 
 def test_reference_example_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -78,3 +83,46 @@ def test_mypy_strict_from_another_directory_resolves_the_installed_package(
     assert "speedtronic_callbacks.checkpoint.CheckpointCallback" in notes[1]
     assert "speedtronic.engine.callback.Callback" in notes[1]
     assert "Any" not in " ".join(notes)
+
+
+STATE_KEYS = """
+from typing import ClassVar
+
+from speedtronic import Callback
+
+
+class AsClassVar(Callback):
+    state_key: ClassVar[str] = "as_class_var"
+
+
+class Plain(Callback):
+    state_key = "plain"
+
+
+class Optional(Callback):
+    state_key: str | None = "optional"
+
+
+class PerInstance(Callback):
+    def __init__(self, name: str) -> None:
+        self.state_key = f"per_instance_{name}"
+
+
+def key_of(callback: Callback) -> str | None:
+    return callback.state_key
+
+
+reveal_type(AsClassVar.state_key)
+"""
+
+
+register("state_keys.py", lambda: STATE_KEYS)
+
+
+def test_every_spelling_of_state_key_type_checks_in_a_subclass(mypy_outside: MypyRun) -> None:
+    # ``state_key: ClassVar[str]`` was "Cannot override instance variable ... with class
+    # variable"; the other plugin attributes (``plugin_name``, ...) accept it.
+    lines = mypy_outside.lines("state_keys.py")
+    assert [line for line in lines if ": error:" in line] == [], mypy_outside.stdout
+    notes = [line.split("note: ")[1] for line in lines]
+    assert len(notes) == 1 and notes[0].endswith('str"') and "None" not in notes[0], notes

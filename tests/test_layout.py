@@ -17,8 +17,19 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "speedtronic"
 
-FACES = {"__init__", "__main__", "runtime", "cli", "plugins", "user_imports", "testing", "plotting"}
-"""The composition root and the faces users and tools touch."""
+FACES = {
+    "__init__",
+    "__main__",
+    "runtime",
+    "cli",
+    "plugins",
+    "user_imports",
+    "user_warnings",
+    "testing",
+    "plotting",
+}
+"""The composition root and the faces users and tools touch (``user_warnings``: plugin
+packages raise their warnings through it, and every layer does, so it sits at the top)."""
 
 V2_PATHS: dict[str, str] = {
     "config": (

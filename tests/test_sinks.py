@@ -379,7 +379,8 @@ def test_system_metrics_adds_flops_and_mfu_but_no_cpu_memory(tmp_path: Path) -> 
 
 def test_system_metrics_leaves_models_without_flop_counts_alone(tmp_path: Path) -> None:
     trainer = make_trainer(tmp_path, [SystemMetricsCallback(peak_flops=1e9)])
-    record = trainer.fit().metrics[-1]
+    with pytest.warns(UserWarning, match=r"no flops_per_sec or mfu: the model has no flops_per"):
+        record = trainer.fit().metrics[-1]
     assert "mfu" not in record and "flops_per_sec" not in record
 
 
@@ -412,6 +413,7 @@ def test_a_failing_sink_warns_once_and_training_continues(tmp_path: Path) -> Non
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 5  # other sinks unaffected
 
 
+@pytest.mark.filterwarnings("ignore:system_metrics. no flops_per_sec:UserWarning")
 def test_sinks_materialise_records_only_on_due_steps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

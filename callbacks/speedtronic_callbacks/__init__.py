@@ -13,7 +13,13 @@ run loads only the features its config names.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from speedtronic.user_warnings import skip_frames_under
+
+# The built-ins' warnings are reported at the user's line that led to them, not in here.
+skip_frames_under(Path(__file__).parent)
 
 _EXPORTS: dict[str, str] = {
     "CheckpointCallback": "speedtronic_callbacks.checkpoint",

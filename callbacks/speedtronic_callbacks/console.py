@@ -3,8 +3,12 @@
     fit start: step 0 -> 100 | device cpu | threads 1 (auto) | precision fp32 | ...
       module       type        params  trainable  dtype
       ...
-    step 10/100 | loss 3.4512 | lr 3.00e-04 | 12.3 steps/s | 1.2k tok/s
+    step 10/100 | loss 3.4512 | lr 3.00e-04 | 12.3 steps/s | 1.2k tok/s | mine/grad_max 0.8100
     fit end: 100 steps in 0:08 | final loss 1.8400 | 12.1 steps/s
+
+A step line shows the standard fields (loss, eval/loss, lr, grad_norm, rates, memory, mfu),
+then every other key a callback logged, so a contributor's key appears without configuring
+anything (``other_keys: false`` turns that off; ``keys`` puts chosen keys first).
 
 Lines go to stdout (through ``tqdm.write`` so they never tear a progress bar apart) or,
 with ``file``, to a text file (appended, line-buffered). A file that cannot be written (a
@@ -35,7 +39,9 @@ from speedtronic_callbacks.sink import (
     format_duration,
     format_float,
     format_si,
+    format_value,
     formatted_numbers,
+    other_keys,
     resolve_path,
 )
 
@@ -113,16 +119,28 @@ STEP_LINE_FIELDS: tuple[NumberFormat, ...] = (
 )
 
 
-def describe_record(record: Record, target_step: int, extra_keys: Sequence[str] = ()) -> str:
-    """One step line from a finished record; keys that are absent are left out."""
+STEP_LINE_KEYS = frozenset(key for key, _ in STEP_LINE_FIELDS) | {"steps_per_sec"}
+
+
+def describe_record(
+    record: Record,
+    target_step: int,
+    extra_keys: Sequence[str] = (),
+    *,
+    other: bool = True,
+) -> str:
+    """One step line from a finished record: the standard fields, then ``extra_keys``, then
+    (``other``) every other key a callback logged (``sink.other_keys``); keys that are
+    absent are left out."""
     parts = [f"step {record['step']}/{target_step}"]
     parts += formatted_numbers(record, STEP_LINE_FIELDS)
-    for key in extra_keys:
+    keys = list(extra_keys)
+    if other:
+        keys += other_keys(record, STEP_LINE_KEYS.union(extra_keys))
+    for key in keys:
         value = record.get(key)
-        if isinstance(value, float):
-            parts.append(f"{key} {format_float(value)}")
-        elif value is not None:
-            parts.append(f"{key} {value}")
+        if value is not None:
+            parts.append(f"{key} {format_value(key, value)}")
     return " | ".join(parts)
 
 
@@ -163,7 +181,14 @@ class ConsoleCallback(MetricSink):
                 "type": "array",
                 "items": {"type": "string"},
                 "default": [],
-                "description": "Extra record keys to show on each line.",
+                "description": "Record keys to show on each line right after the standard "
+                "fields, in this order.",
+            },
+            "other_keys": {
+                "type": "boolean",
+                "default": True,
+                "description": "Also show every other key a callback logs (after keys); "
+                "false: only the standard fields and keys.",
             },
             "summary": {
                 "type": "boolean",
@@ -212,11 +237,13 @@ class ConsoleCallback(MetricSink):
         stream: StreamName = "stdout",
         keys: Sequence[str] = (),
         summary: bool = True,
+        other_keys: bool = True,
     ) -> None:
         self.file = Path(file) if file is not None else None
         self.summary = summary
         self.stream_name: StreamName = stream
         self.extra_keys = tuple(keys)
+        self.other_keys = other_keys
         self._handle: IO[str] | None = None
         self._stream: IO[str] | None = None
 
@@ -230,6 +257,7 @@ class ConsoleCallback(MetricSink):
             stream="stderr" if stream == "stderr" else "stdout",
             keys=[str(key) for key in keys] if isinstance(keys, list) else (),
             summary=options.get("summary", True) is not False,
+            other_keys=options.get("other_keys", True) is not False,
         )
 
     def run_paths(self, output_dir: Path) -> RunPaths:
@@ -288,7 +316,8 @@ class ConsoleCallback(MetricSink):
                 self._write("  " + line)
 
     def write_record(self, trainer: TrainerView, record: Record) -> None:
-        self._write(describe_record(record, trainer.target_step, self.extra_keys))
+        line = describe_record(record, trainer.target_step, self.extra_keys, other=self.other_keys)
+        self._write(line)
 
     def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
         self._write(describe_fit_end(ctx))

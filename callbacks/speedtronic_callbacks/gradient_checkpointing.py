@@ -17,7 +17,6 @@ the callback warns and training continues unchanged. ``teardown`` undoes what ``
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
@@ -27,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from speedtronic.engine.callback import Callback, JSONSchema, LegacySections, PluginOptions
 from speedtronic.engine.contexts import FitContext, TeardownContext
+from speedtronic.user_warnings import warn
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
@@ -201,4 +201,4 @@ class GradientCheckpointing(Callback):
             wrapped_prefixes.append(name)
 
     def _warn(self, message: str) -> None:
-        warnings.warn(f"{self.display_name} callback: {message}", UserWarning, stacklevel=3)
+        warn(f"{self.display_name} callback: {message}", UserWarning)

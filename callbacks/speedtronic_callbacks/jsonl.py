@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, ClassVar
@@ -29,6 +28,7 @@ from speedtronic.engine.callback import JSONSchema, LegacySections, PluginOption
 from speedtronic.engine.contexts import FitContext, TeardownContext
 from speedtronic.state.atomic_io import atomic_write_text
 from speedtronic.state.run_lock import RunPaths
+from speedtronic.user_warnings import warn
 from speedtronic_callbacks.sink import MetricSink, Record, keep_earlier_run, resolve_path
 
 if TYPE_CHECKING:
@@ -207,12 +207,11 @@ class JsonlCallback(MetricSink):
         except OSError as exc:
             raise self.write_failed(path, exc) from exc
         if self.dropped_on_resume and ctx.start_step > 0:
-            warnings.warn(
+            warn(
                 f"{path}: removed {self.dropped_on_resume} line(s) after step "
                 f"{ctx.start_step} or unreadable, so the file continues where this fit "
                 "resumes",
                 UserWarning,
-                stacklevel=2,
             )
 
     def write_record(self, trainer: TrainerView, record: Record) -> None:

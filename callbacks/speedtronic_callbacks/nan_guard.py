@@ -32,7 +32,6 @@ What happens on a non-finite step (``action``):
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar, Literal
 
@@ -48,6 +47,7 @@ from speedtronic.engine.contexts import (
 )
 from speedtronic.engine.events import Event
 from speedtronic.engine.filters import every, logging_steps
+from speedtronic.user_warnings import warn
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
@@ -217,15 +217,14 @@ class NanGuard(Callback):
                 trainer, f"{message}; {self.consecutive} non-finite steps in a row, stopping"
             )
             return
-        warnings.warn(
+        warn(
             f"{message}; update skipped ({self.skipped_steps} skipped so far)",
             RuntimeWarning,
-            stacklevel=2,
         )
 
     @staticmethod
     def _stop(trainer: TrainerView, reason: str) -> None:
-        warnings.warn(reason, RuntimeWarning, stacklevel=3)
+        warn(reason, RuntimeWarning)
         trainer.request_stop(reason)
 
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:

@@ -1,8 +1,9 @@
 """``progress``: a tqdm progress bar on a terminal, plain log lines anywhere else.
 
 On a TTY the bar shows steps, ETA (tqdm's smoothed rate), and the latest loss, learning
-rate and tokens/s as its postfix. The bar advances every step (a counter update, no device
-sync); the postfix changes on due records only. When the stream is not a terminal (CI logs,
+rate and tokens/s as its postfix, then every key a callback logs (``sink.other_keys``). The
+bar advances every step (a counter update, no device sync); the postfix changes on due
+records only. When the stream is not a terminal (CI logs,
 ``> file``) there is no bar: each due record becomes one line with percent done, elapsed
 time and ETA, optionally thinned out with ``min_interval_s``.
 
@@ -35,7 +36,9 @@ from speedtronic_callbacks.sink import (
     format_duration,
     format_float,
     format_si,
+    format_value,
     formatted_numbers,
+    other_keys,
 )
 
 if TYPE_CHECKING:
@@ -54,7 +57,10 @@ def _parse_mode(value: object) -> Mode:
     return "auto"
 
 
-def _postfix(record: Record) -> str:
+POSTFIX_KEYS = frozenset({"loss", "eval/loss", "lr", "tokens_per_sec"})
+
+
+def _postfix(record: Record, other: bool = True) -> str:
     parts = []
     loss = record.get("loss")
     if isinstance(loss, (int, float)):
@@ -68,6 +74,9 @@ def _postfix(record: Record) -> str:
     tokens_per_sec = record.get("tokens_per_sec")
     if isinstance(tokens_per_sec, (int, float)):
         parts.append(f"tok/s={format_si(float(tokens_per_sec))}")
+    if other:
+        shown = POSTFIX_KEYS | LINE_KEYS  # the bar shows rates and time itself
+        parts += [f"{key}={format_value(key, record[key])}" for key in other_keys(record, shown)]
     return ", ".join(parts)
 
 
@@ -80,8 +89,18 @@ PROGRESS_LINE_FIELDS: tuple[NumberFormat, ...] = (
 )
 
 
-def progress_line(record: Record, start_step: int, target_step: int) -> str:
-    """The non-TTY line: ``step 10/100 (10%) | loss .. | lr .. | .. tok/s | elapsed | eta``."""
+LINE_KEYS = frozenset(key for key, _ in PROGRESS_LINE_FIELDS) | {
+    "steps_per_sec",
+    "grad_norm",
+    "eval/ppl",
+}
+"""Keys the progress output shows in its own way, and the trainer's keys it leaves to the
+``console`` line to stay short; every key a callback logs is appended (``other_keys``)."""
+
+
+def progress_line(record: Record, start_step: int, target_step: int, other: bool = True) -> str:
+    """The non-TTY line: ``step 10/100 (10%) | loss .. | lr .. | .. tok/s | elapsed | eta``,
+    then (``other``) every other key a callback logged."""
     step = int(record["step"])
     percent = 100.0 * step / target_step if target_step else 100.0
     parts = [f"step {step}/{target_step} ({percent:.0f}%)"]
@@ -89,6 +108,10 @@ def progress_line(record: Record, start_step: int, target_step: int) -> str:
     rate = record.get("steps_per_sec")
     if isinstance(rate, (int, float)) and rate > 0 and step > start_step:
         parts.append(f"eta {format_duration((target_step - step) / float(rate))}")
+    if other:
+        parts += [
+            f"{key} {format_value(key, record[key])}" for key in other_keys(record, LINE_KEYS)
+        ]
     return " | ".join(parts)
 
 
@@ -122,6 +145,12 @@ class ProgressBarCallback(Callback):
                 "default": True,
                 "description": "Keep the finished bar on screen.",
             },
+            "other_keys": {
+                "type": "boolean",
+                "default": True,
+                "description": "Also show every key a callback logs (in the bar's postfix "
+                "or the line); false: only loss, eval/loss, lr and tokens/s.",
+            },
         },
     }
 
@@ -132,6 +161,7 @@ class ProgressBarCallback(Callback):
         stream: StreamName | IO[str] = "stdout",
         min_interval_s: float = 0.0,
         leave: bool = True,
+        other_keys: bool = True,
     ) -> None:
         if min_interval_s < 0:
             raise ValueError(f"min_interval_s must be >= 0, got {min_interval_s}")
@@ -139,6 +169,7 @@ class ProgressBarCallback(Callback):
         self.stream = stream
         self.min_interval_s = float(min_interval_s)
         self.leave = leave
+        self.other_keys = other_keys
         self._bar: tqdm[Never] | None = None
         self._lines_stream: IO[str] | None = None
         self._start_step = 0
@@ -154,6 +185,7 @@ class ProgressBarCallback(Callback):
             stream="stderr" if options.get("stream") == "stderr" else "stdout",
             min_interval_s=float(interval) if isinstance(interval, (int, float)) else 0.0,
             leave=bool(options.get("leave", True)),
+            other_keys=options.get("other_keys", True) is not False,
         )
 
     def _resolve_stream(self) -> IO[str]:
@@ -199,7 +231,7 @@ class ProgressBarCallback(Callback):
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         bar = self._bar
         if bar is not None:
-            bar.set_postfix_str(_postfix(ctx.record.values()), refresh=False)
+            bar.set_postfix_str(_postfix(ctx.record.values(), self.other_keys), refresh=False)
             return
         if self._lines_stream is None:
             return
@@ -207,7 +239,8 @@ class ProgressBarCallback(Callback):
         final = ctx.step >= trainer.target_step
         if final or now - self._last_line_time >= self.min_interval_s:
             self._last_line_time = now
-            line = progress_line(ctx.record.values(), self._start_step, trainer.target_step)
+            record = ctx.record.values()
+            line = progress_line(record, self._start_step, trainer.target_step, self.other_keys)
             tqdm.write(line, file=self._lines_stream)
 
     def on_step_end(self, trainer: TrainerView, ctx: StepContext) -> None:

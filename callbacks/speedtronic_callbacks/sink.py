@@ -18,8 +18,7 @@ from __future__ import annotations
 import abc
 import math
 import os
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
@@ -27,6 +26,7 @@ from speedtronic.engine.callback import Callback, RankPolicy
 from speedtronic.engine.contexts import MetricsContext
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.engine.metrics import MetricValue
+from speedtronic.user_warnings import warn
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
@@ -99,11 +99,10 @@ def keep_earlier_run(path: Path, start_step: int) -> Path | None:
     while (kept := path.with_name(f"{path.stem}.{number}{path.suffix}")).exists():
         number += 1
     path.rename(kept)
-    warnings.warn(
+    warn(
         f"{path} held an earlier run's records; kept them as {kept.name} and started a new "
         "file (resume the earlier run to continue it instead)",
         UserWarning,
-        stacklevel=3,
     )
     return kept
 
@@ -120,6 +119,40 @@ def formatted_numbers(record: Record, fields: Sequence[NumberFormat]) -> list[st
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             parts.append(show(float(value)))
     return parts
+
+
+TRAINER_COUNTERS = frozenset(
+    {"step", "samples", "tokens", "micro_batches", "elapsed_s", "samples_per_sec"}
+)
+"""Keys the trainer puts in every record that the text sinks do not repeat on each line
+(their standard fields show the step, loss, rates and learning rate instead)."""
+
+
+def other_keys(record: Record, shown: Collection[str]) -> list[str]:
+    """The keys of ``record`` a text line does not show yet, in name order (so a callback's
+    ``prefix/...`` keys stand together): every key a callback logged (``mine/grad_max``,
+    ``host/rss_bytes``, ``diloco/...``), not the trainer's counters or its per-group
+    learning rates."""
+    return sorted(
+        key
+        for key in record
+        if key not in shown and key not in TRAINER_COUNTERS and not key.startswith("lr/")
+    )
+
+
+def format_value(key: str, value: MetricValue) -> str:
+    """A record value as a text sink shows it, by the unit its key ends with: ``*_bytes``
+    in binary units (326.94MiB), ``*_percent`` as 79.3%, ``*_per_sec`` as 8.5G; other floats
+    as ``format_float``, integers and text as they are."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if key.endswith("_bytes"):
+        return format_bytes(float(value))
+    if key.endswith("_percent"):
+        return f"{value:.1f}%"
+    if key.endswith("_per_sec"):
+        return format_si(float(value))
+    return format_float(value) if isinstance(value, float) else str(value)
 
 
 def numeric_items(record: Record) -> Iterator[tuple[str, float]]:

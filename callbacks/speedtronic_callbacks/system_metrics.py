@@ -1,4 +1,5 @@
-"""``system_metrics``: device memory and model-FLOPs utilisation, added to due records.
+"""``system_metrics``: device and host memory, CPU use and model-FLOPs utilisation, added to
+due records.
 
 A contributor: it runs before the sinks at the ``metrics`` event and only on due steps, so
 it adds no work to steps on which nothing is logged. Keys it adds:
@@ -8,17 +9,27 @@ it adds no work to steps on which nothing is logged. Keys it adds:
   CPU reports nothing, so on CPU the key is absent. These are allocator counters: reading
   them does not synchronise the device.
 * ``memory_peak_bytes`` -- CUDA only: the peak since the fit started.
+* ``host/rss_bytes`` / ``host/cpu_percent`` -- this process on the host, on every device
+  (the CPU machine included): resident memory (psutil when installed, else
+  ``/proc/self/statm`` on Linux) and CPU time over wall time since the previous due record,
+  in percent of one core (``top``'s convention: 400 is four busy cores). DataLoader worker
+  processes are not counted.
 * ``flops_per_sec`` / ``mfu`` -- when the model has ``flops_per_token(seq_len)`` (training
   FLOPs per token, forward + backward; the reference model has it): achieved model FLOP/s
   over the window since the previous due record, and that divided by the device's peak
   FLOP/s (``mfu``, a fraction). The peak is the ``peak_flops`` option, or for 16-bit
   precision on a few well-known CUDA GPUs, their dense bf16/fp16 tensor-core peak.
+
+What an option asks for but this run cannot give (device memory on a CPU without the host
+keys, FLOP counts of a model without ``flops_per_token``, ``mfu`` without a known peak, the
+host's memory without psutil or ``/proc``) is said once, at ``setup``, in one warning.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -28,6 +39,7 @@ from speedtronic.engine.callback import Callback, JSONSchema, RankPolicy
 from speedtronic.engine.contexts import FitContext, MetricsContext
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.profiling import memory_usage_bytes
+from speedtronic.user_warnings import warn
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
@@ -66,8 +78,33 @@ def known_peak_flops(device: torch.device, precision_mode: str) -> float | None:
     return None
 
 
+def _statm_rss() -> int | None:
+    """Resident memory from Linux's ``/proc/self/statm`` (pages), else None."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def resident_memory_probe() -> Callable[[], int | None] | None:
+    """A function reading this process's resident memory in bytes: psutil's when it is
+    installed, else Linux's ``/proc``; None when the host offers neither."""
+    try:
+        import psutil
+    except ImportError:  # optional: the dev extra has it, a bare install may not
+        return _statm_rss if _statm_rss() is not None else None
+    process = psutil.Process()
+
+    def rss() -> int | None:
+        return process.memory_info().rss
+
+    return rss
+
+
 class SystemMetricsCallback(Callback):
-    """Adds device memory and (when computable) ``flops_per_sec``/``mfu`` to due records."""
+    """Adds device memory, this process's host memory and CPU use and (when computable)
+    ``flops_per_sec``/``mfu`` to due records."""
 
     plugin_name: ClassVar[str | None] = "system_metrics"
     is_observer: ClassVar[bool] = True  # a failing probe must not stop training
@@ -81,6 +118,11 @@ class SystemMetricsCallback(Callback):
                 "type": "boolean",
                 "default": True,
                 "description": "Add memory_bytes (and memory_peak_bytes on CUDA).",
+            },
+            "host": {
+                "type": "boolean",
+                "default": True,
+                "description": "Add host/rss_bytes and host/cpu_percent (this process).",
             },
             "mfu": {
                 "type": "boolean",
@@ -98,13 +140,21 @@ class SystemMetricsCallback(Callback):
     }
 
     def __init__(
-        self, *, memory: bool = True, mfu: bool = True, peak_flops: float | None = None
+        self,
+        *,
+        memory: bool = True,
+        mfu: bool = True,
+        peak_flops: float | None = None,
+        host: bool = True,
     ) -> None:
         if peak_flops is not None and peak_flops <= 0:
             raise ValueError(f"peak_flops must be positive, got {peak_flops}")
         self.memory = memory
         self.mfu = mfu
         self.peak_flops = peak_flops
+        self.host = host
+        self._rss: Callable[[], int | None] | None = None
+        self._cpu_window: tuple[float, float] = (0.0, 0.0)  # (wall, process CPU) seconds
         self._resolved_peak: float | None = None
         self._flops_cache: dict[int, int] = {}
         self._window: tuple[float, int, int] = (0.0, 0, 0)  # (time, samples, tokens)
@@ -117,6 +167,7 @@ class SystemMetricsCallback(Callback):
             memory=bool(options.get("memory", True)),
             mfu=bool(options.get("mfu", True)),
             peak_flops=float(peak) if isinstance(peak, (int, float)) else None,
+            host=bool(options.get("host", True)),
         )
 
     def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
@@ -127,12 +178,51 @@ class SystemMetricsCallback(Callback):
         )
         if self.memory and trainer.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.device)
+        self._rss = resident_memory_probe() if self.host else None
+        self._cpu_window = (time.perf_counter(), time.process_time())
+        missing = self._unavailable(trainer)
+        if missing:
+            warn(f"{self.display_name}: {'; '.join(missing)}", UserWarning)
+
+    def _unavailable(self, trainer: TrainerView) -> list[str]:
+        """What the options ask for that this run cannot log, each with the reason."""
+        missing = []
+        if self.memory and memory_usage_bytes(trainer.device) is None and not self.host:
+            missing.append(
+                f"no memory_bytes: {trainer.device.type} has no device memory counters "
+                "(host: true logs this process's memory)"
+            )
+        if self.host and self._rss is None:
+            missing.append("no host/rss_bytes: it needs psutil here (pip install psutil)")
+        if self.mfu and not isinstance(trainer.model, CountsFlops):
+            missing.append(
+                "no flops_per_sec or mfu: the model has no flops_per_token(seq_len) method"
+            )
+        elif self.mfu and self._resolved_peak is None:
+            missing.append(
+                f"no mfu: the peak FLOP/s of {trainer.device.type} in "
+                f"{trainer.precision_mode} is not known (set the peak_flops option)"
+            )
+        return missing
 
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         if self.memory:
             self._add_memory(trainer, ctx)
+        if self.host:
+            self._add_host(ctx)
         if self.mfu:
             self._add_flops(trainer, ctx)
+
+    def _add_host(self, ctx: MetricsContext) -> None:
+        if self._rss is not None:
+            rss = self._rss()
+            if rss is not None:
+                ctx.record.set("host/rss_bytes", rss)
+        now, cpu = time.perf_counter(), time.process_time()
+        then, cpu_then = self._cpu_window
+        self._cpu_window = (now, cpu)
+        if now > then:
+            ctx.record.set("host/cpu_percent", 100.0 * (cpu - cpu_then) / (now - then))
 
     def _add_memory(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         allocated = memory_usage_bytes(trainer.device)

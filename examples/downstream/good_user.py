@@ -1,13 +1,16 @@
 """A downstream codebase using speedtronic with full mypy --strict types.
 
 It registers its own model, adds a typed callback, and runs a fit from Python. CI type-checks
-this file (tox env ``type``); ``tests/test_downstream_types.py`` runs it.
+this file (tox env ``type``); ``tests/test_downstream_types.py`` runs it. Its hooks carry
+``@override``, so a misspelled hook (``on_step_ended``) is a mypy error, not a method that is
+never called (the Trainer also rejects it when it is built: ``UnknownHookError``).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from typing_extensions import override  # ``typing.override`` on Python 3.12+
 
 from speedtronic import Callback, Trainer, register_model
 from speedtronic.engine.contexts import EvalEndContext, MetricsContext, StepContext
@@ -30,15 +33,18 @@ class LossPrinter(Callback):
         self.losses: list[float] = []
         self.eval_losses: list[float] = []
 
+    @override  # mypy reports a hook name that Callback does not have
     def on_eval_end(self, trainer: TrainerView, ctx: EvalEndContext) -> None:
         self.eval_losses.append(ctx.metrics["eval/loss"])
 
+    @override
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         if ctx.due:
             loss = ctx.record.get("loss")
             assert isinstance(loss, float)
             self.losses.append(loss)
 
+    @override
     def on_step_end(self, trainer: TrainerView, ctx: StepContext) -> None:
         if ctx.step >= 50:
             trainer.request_stop("enough")

@@ -86,14 +86,31 @@ def _data_errors(config: SpeedtronicConfig) -> list[str]:
     return [error for error in found if error is not None]
 
 
-def _warmup_warning(config: SpeedtronicConfig, target_steps: int) -> str | None:
+def _schedule_length_source(config: SpeedtronicConfig) -> str:
+    """The key the LR schedule's length comes from (``SpeedtronicConfig.scheduler_steps``)."""
+    if config.scheduler.max_steps is not None:
+        return "scheduler.max_steps"
+    return "run.max_steps" if config.data.max_steps is None else "data.max_steps"
+
+
+def _warmup_warning(config: SpeedtronicConfig, max_steps: int | None) -> str | None:
+    """Warn when the warm-up takes most of the LR *schedule*. The schedule's length is the
+    config's (``--max-steps`` moves the stop, never the schedule -- see docs/optimizers.md),
+    so that length, and only that one, decides the warning and its advice."""
     warmup = config.scheduler.warmup_steps
-    if target_steps <= 0 or warmup <= WARMUP_SHARE_LIMIT * target_steps:
+    horizon = config.scheduler_steps
+    if horizon <= 0 or warmup <= WARMUP_SHARE_LIMIT * horizon:
         return None
+    source = _schedule_length_source(config)
+    stop = (
+        f"; --max-steps {max_steps} moves only where the run stops, not the schedule"
+        if max_steps is not None and max_steps != horizon
+        else ""
+    )
     return (
-        f"scheduler.warmup_steps={warmup} covers more than half of this {target_steps}-step run "
-        "(the learning rate stays low for most of it); for short runs set "
-        f"scheduler.warmup_steps to about {max(1, target_steps // 10)} (10% of the steps)"
+        f"scheduler.warmup_steps={warmup} covers more than half of the {horizon}-step LR "
+        f"schedule ({source}={horizon}{stop}): the learning rate stays low for most of it; "
+        f"set scheduler.warmup_steps to about {max(1, horizon // 10)} (10% of the schedule)"
     )
 
 
@@ -106,7 +123,7 @@ def check(
     if device_error is not None:
         result.errors.append(device_error)
     result.errors.extend(_data_errors(config))
-    warmup = _warmup_warning(config, max_steps if max_steps is not None else config.target_steps)
+    warmup = _warmup_warning(config, max_steps)
     if warmup is not None:
         result.warnings.append(warmup)
     return result

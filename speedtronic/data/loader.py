@@ -46,7 +46,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +63,7 @@ from speedtronic.data.text import DataSourceError, TextFileTokenDataset, TextPar
 from speedtronic.data.tokenizer import BYTES, load_tokenizer
 from speedtronic.data.windows import open_token_dataset
 from speedtronic.plugins import DATASET_GROUP, PluginError, PluginRegistry
+from speedtronic.user_warnings import warn
 
 __all__ = [
     "DEFAULT_DATA_SEED",
@@ -558,9 +558,8 @@ def build_dataloader(
     sampler: ResumableSampler | None = None
     if isinstance(source, IterableDataset):
         if config.shuffle:
-            warnings.warn(
+            warn(
                 "data.shuffle is ignored for an iterable dataset (it streams in file order)",
-                stacklevel=2,
             )
         if world_size > 1:
             source = RankShardedIterable(source, rank=rank, world_size=world_size)

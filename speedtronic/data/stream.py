@@ -26,7 +26,6 @@ stream stands.
 from __future__ import annotations
 
 import random
-import warnings
 from collections.abc import Generator, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +34,8 @@ from typing import Generic, TypeVar, cast
 import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, Sampler
+
+from speedtronic.user_warnings import warn
 
 __all__ = [
     "BatchStream",
@@ -408,13 +409,12 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
         saved_shards = int(state.get("shards", 1))
         shards = data_shards(self.source)
         if saved_shards != shards:
-            warnings.warn(
+            warn(
                 f"the data position was saved with the data split into {saved_shards} rank "
                 f"shard(s) and is now restored with {shards}: the run continues at batch "
                 f"{batches} of epoch {epoch} of the new split, so this epoch may repeat or "
                 "skip samples (the world size changed)",
                 UserWarning,
-                stacklevel=2,
             )
         self.epoch = epoch
         self.batches_in_epoch = batches

@@ -87,7 +87,21 @@ class Callback:
       A single-process run is rank 0 and runs every callback.
     """
 
-    state_key: str | None = None
+    if TYPE_CHECKING:
+        # For mypy a settable property, so a subclass may declare it in any of the usual
+        # ways -- ``state_key = "x"``, ``state_key: ClassVar[str] = "x"``,
+        # ``state_key: str | None = "x"`` -- or set ``self.state_key`` in ``__init__``. (A
+        # plain ``str | None`` attribute here would reject the ``ClassVar`` spelling, a
+        # ``ClassVar`` the other two.) At run time it is the class attribute below.
+
+        @property
+        def state_key(self) -> str | None: ...
+
+        @state_key.setter
+        def state_key(self, value: str | None) -> None: ...
+
+    else:
+        state_key = None
     is_observer: ClassVar[bool] = False
     metrics_phase: ClassVar[Literal["contribute", "consume"]] = "contribute"
     plugin_name: ClassVar[str | None] = None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import difflib
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 from speedtronic.engine.callback import Callback, RankPolicy
 from speedtronic.engine.events import EVENT_KEYS, FIT_EVENTS, Event, EventKey, EventSpec
 from speedtronic.engine.filters import StepFilter
+from speedtronic.user_warnings import warn_at_failure
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
@@ -106,10 +106,16 @@ def check_hook_names(cls: type[Callback], display_name: str | None = None) -> No
     name = unknown[0]
     close = difflib.get_close_matches(name, sorted(HOOK_NAMES), n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
+    code = getattr(getattr(cls, name), "__code__", None)
+    where = (
+        f"{code.co_filename}:{code.co_firstlineno}"
+        if code is not None
+        else f"{cls.__module__}.{cls.__qualname__}"
+    )
     raise UnknownHookError(
-        f"callback {display_name or cls.__name__!r} defines {name!r}, which is not an event "
-        f"hook: {hint}(hooks are on_<event> for the events in speedtronic.engine.events.Event; "
-        "rename the method, or drop the on_ prefix for a helper)"
+        f"callback {display_name or cls.__name__!r} defines {name!r} (at {where}), which is "
+        f"not an event hook: {hint}(hooks are on_<event> for the events in "
+        "speedtronic.engine.events.Event; rename the method, or drop the on_ prefix for a helper)"
     )
 
 
@@ -159,12 +165,15 @@ class _GuardedHook:
         except Exception as exc:  # observers never stop training (DESIGN §3)
             if not self._reported:
                 self._reported = True
-                warnings.warn(
+                # Reported at the line of the user's hook that raised (or, for a built-in,
+                # at the user's line that started the fit), not here.
+                warn_at_failure(
                     f"callback {self._callback.display_name!r} failed in "
                     f"{self._event.value!r}: {type(exc).__name__}: {exc} "
                     "(training continues; further failures of this hook are not reported)",
                     CallbackWarning,
-                    stacklevel=2,
+                    exc,
+                    self._hook,
                 )
 
 

@@ -11,7 +11,6 @@ with its fallback to eager when the compiler itself fails, and autocast for mixe
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -30,6 +29,7 @@ from speedtronic.systems.distributed import (
 )
 from speedtronic.systems.precision import PrecisionPlan, autocast_context
 from speedtronic.systems.sharding import ShardingError, gradient_sync_on_final, shard_model
+from speedtronic.user_warnings import warn
 
 __all__ = ["ForwardPath", "is_compile_failure"]
 
@@ -145,7 +145,7 @@ class ForwardPath:
             if not is_compile_failure(exc):
                 raise
             reason = f"torch.compile failed ({type(exc).__name__}: {exc})"
-            warnings.warn(f"{reason}; continuing in eager mode", RuntimeWarning, stacklevel=2)
+            warn(f"{reason}; continuing in eager mode", RuntimeWarning)
             self.notes.publish("compile", {"enabled": False, "reason": reason})
             self.compiled = None
             return run_model(self.train_module, batch)
@@ -157,7 +157,7 @@ class ForwardPath:
             self.compiled = cast(nn.Module, torch.compile(self.train_module))
         except Exception as exc:  # compile unavailable on this platform: stay eager
             reason = f"torch.compile unavailable ({exc})"
-            warnings.warn(f"{reason}; running eagerly", RuntimeWarning, stacklevel=2)
+            warn(f"{reason}; running eagerly", RuntimeWarning)
             self.notes.publish("compile", {"enabled": False, "reason": reason})
         else:
             self.notes.publish("compile", {"enabled": True, "reason": "compiled"})

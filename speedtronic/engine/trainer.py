@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import sys
 import time
-import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -66,6 +65,7 @@ from speedtronic.systems.precision import (
     make_grad_scaler,
 )
 from speedtronic.systems.sharding import find_shard_blocks
+from speedtronic.user_warnings import warn
 
 if TYPE_CHECKING:
     from speedtronic.compat.coordinator import SyncCoordinator
@@ -237,12 +237,11 @@ class Trainer:
             optimizer, self.callbacks, reshard_after_forward=reshard_after_forward
         ):
             find_shard_blocks(model)  # a model torchrun could not shard fails here too
-            warnings.warn(
+            warn(
                 "parallel.strategy fsdp on a single process: the model is one whole shard "
                 "(not sharded); checkpoints are still written sharded (DCP) and resume on "
                 "any number of ranks",
                 UserWarning,
-                stacklevel=2,
             )
         self.trainable_parameters = [p for p in model.parameters() if p.requires_grad]
         self.eval_data = eval_data
@@ -346,10 +345,9 @@ class Trainer:
 
     def note_skipped_step(self, step: int) -> None:
         self.skipped_steps += 1
-        warnings.warn(
+        warn(
             f"step {step}: the fp16 grad scaler skipped the update (overflow); retrying the step",
             RuntimeWarning,
-            stacklevel=2,
         )
 
     @property

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import cast
 
 import torch
@@ -16,6 +15,7 @@ from speedtronic.optimizers.orthogonalize import PostPolarMode, check_coefficien
 from speedtronic.optimizers.routing import ParameterRouting, route_parameters
 from speedtronic.optimizers.settings import OptimizerSettings, RunSettings
 from speedtronic.systems.precision import supports_fused_adamw
+from speedtronic.user_warnings import warn
 
 __all__ = ["build_optimizer", "build_v2_optimizer"]
 
@@ -75,10 +75,9 @@ def _hybrid(
     routing: ParameterRouting, settings: OptimizerSettings, adamw: AdamWOptions
 ) -> HybridOptimizer:
     if not routing.muon:
-        warnings.warn(
+        warn(
             "optimizer.name is muon but no parameter was routed to Muon (see "
             "`speedtronic validate`); training with AdamW only",
-            stacklevel=3,
         )
     return HybridOptimizer(routing.muon, routing.adamw, muon=_muon_options(settings), adamw=adamw)
 

@@ -1,0 +1,6 @@
+class _MemoryInfo:
+    rss: int
+
+class Process:
+    def __init__(self, pid: int | None = None) -> None: ...
+    def memory_info(self) -> _MemoryInfo: ...
