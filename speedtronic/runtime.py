@@ -55,6 +55,7 @@ from speedtronic.plugins import (
     legacy_sections_of,
 )
 from speedtronic.state.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
+from speedtronic.state.model_fit import model_mismatch, tensor_shapes
 from speedtronic.state.resume import ResumeSource, resume_from
 from speedtronic.state.rng import seed_everything
 from speedtronic.state.run_identity import new_run_id, read_run_id, write_run_id
@@ -440,21 +441,9 @@ def evaluate_checkpoint(
         try:
             load_sharded_weights(Path(sharded), net)
         except ValueError as exc:
-            raise TrainingStateError(
-                f"checkpoint {loaded.path} does not match the model of this config: {exc}"
-            ) from None
-        weights: object = net.state_dict()
+            raise TrainingStateError(f"cannot evaluate {loaded.path}: {exc}") from None
     else:
-        weights = loaded.state.get("model")
-    if not isinstance(weights, Mapping):
-        raise CheckpointError(f"{loaded.path} holds no model weights (no 'model' entry)")
-    try:
-        net.load_state_dict(cast("Mapping[str, torch.Tensor]", weights))
-    except RuntimeError as exc:
-        problem = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TrainingStateError(
-            f"checkpoint {loaded.path} does not match the model of this config: {problem}"
-        ) from None
+        _load_weights(net, loaded)
     net.to(resolved_device)
     _warn_if_trained_on_the_tail(cfg)
     outcome = evaluate_model(
@@ -465,6 +454,21 @@ def evaluate_checkpoint(
         max_batches=cfg.eval.max_batches,
     )
     return loaded, outcome
+
+
+def _load_weights(net: torch.nn.Module, loaded: LoadedCheckpoint) -> None:
+    """The checkpoint's model weights into ``net``, checked first as a resume checks them
+    (``speedtronic.state.model_fit``: every key and shape that differs)."""
+    weights = loaded.state.get("model")
+    if not isinstance(weights, Mapping):
+        raise CheckpointError(f"{loaded.path} holds no model weights (no 'model' entry)")
+    problem = model_mismatch(tensor_shapes(net.state_dict()), tensor_shapes(weights))
+    if problem is not None:
+        raise TrainingStateError(f"cannot evaluate {loaded.path}: {problem}")
+    try:
+        net.load_state_dict(cast("Mapping[str, torch.Tensor]", weights))
+    except RuntimeError as exc:  # keys and shapes fit: what torch says is all there is
+        raise TrainingStateError(f"cannot evaluate {loaded.path}: {exc}") from None
 
 
 def _warn_if_trained_on_the_tail(cfg: SpeedtronicConfig) -> None:
