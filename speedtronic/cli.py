@@ -208,6 +208,8 @@ def _fit(args: argparse.Namespace) -> int:
             main_rank = trainer.distributed is None or trainer.distributed.is_main
             if main_rank:
                 save_run_config(config, trainer.output_dir)
+                if trainer.resumed_from is not None:
+                    print(trainer.resumed_from.describe(Path.cwd()), flush=True)
             start_step = trainer.step
             with _callback_failures() as failed:
                 result = trainer.fit()
