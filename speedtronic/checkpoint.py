@@ -8,6 +8,7 @@ from speedtronic.state.checkpoint import CheckpointManager as CheckpointManager
 from speedtronic.state.checkpoint import CorruptCheckpointError as CorruptCheckpointError
 from speedtronic.state.checkpoint import LoadedCheckpoint as LoadedCheckpoint
 from speedtronic.state.checkpoint import Pointer as Pointer
+from speedtronic.state.checkpoint import SkippedCheckpoint as SkippedCheckpoint
 from speedtronic.state.checkpoint import UnsafeCheckpointError as UnsafeCheckpointError
 from speedtronic.state.checkpoint import archive_checksum as archive_checksum
 from speedtronic.state.checkpoint import atomic_json_dump as atomic_json_dump
@@ -30,6 +31,7 @@ __all__ = [
     "LoadedCheckpoint",
     "POINTER_NAME",
     "Pointer",
+    "SkippedCheckpoint",
     "UnsafeCheckpointError",
     "archive_checksum",
     "atomic_json_dump",

@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -43,9 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_text in (("fit", "train a model from a config file"), ("train", "alias of fit")):
         fit = sub.add_parser(name, help=help_text)
         _add_config_args(fit)
-        fit.add_argument("--max-steps", type=int, help="absolute step to stop at")
-        fit.add_argument("--output-dir", help="run directory (overrides run.output_dir)")
-        fit.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps")
+        _add_max_steps(fit)
         fit.add_argument(
             "--resume", action="store_true", help="continue from the latest checkpoint"
         )
@@ -61,7 +60,6 @@ def _parser() -> argparse.ArgumentParser:
             help="replace an earlier run in the run directory (deletes its checkpoints and "
             "metrics)",
         )
-        fit.add_argument("--traceback", action="store_true", help="show tracebacks of failures")
 
     evaluate = sub.add_parser(
         "evaluate", help="evaluate a run's checkpoint on its held-out set (writes nothing)"
@@ -70,7 +68,6 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--checkpoint", help="checkpoint file to evaluate (default: the run's latest)"
     )
-    evaluate.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps")
 
     export = sub.add_parser(
         "export", help="write a run's checkpoint as a Hugging Face model directory"
@@ -86,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser("validate", help="check a config; print it and the callback plan")
     _add_config_args(validate)
+    _add_max_steps(validate)
     validate.add_argument("--format", choices=("yaml", "json"), default="yaml")
 
     schema = sub.add_parser("schema", help="print the composed JSON Schema of run.yaml")
@@ -112,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
         "comma-joined keys share it; a key includes the keys under it (lr: lr/group1, ...)",
     )
     _add_prepare_parser(sub)
+    _add_common_args(sub.choices.values())
     return parser
 
 
@@ -156,6 +155,17 @@ def _add_prepare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     )
 
 
+def _add_common_args(parsers: Iterable[argparse.ArgumentParser]) -> None:
+    """What every subcommand takes (one that declares it itself keeps its own)."""
+    for parser in parsers:
+        with suppress(argparse.ArgumentError):
+            parser.add_argument(
+                "--traceback",
+                action="store_true",
+                help="show the full traceback of an error (user mistakes included)",
+            )
+
+
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="YAML or JSON config file")
     parser.add_argument(
@@ -166,6 +176,12 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a config value, e.g. --set optimizer.lr=1e-3 (repeatable)",
     )
+    parser.add_argument("--output-dir", help="run directory (overrides run.output_dir)")
+    parser.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps")
+
+
+def _add_max_steps(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-steps", type=int, help="absolute step to stop at")
 
 
 def _version() -> str:
@@ -174,12 +190,14 @@ def _version() -> str:
     return f"speedtronic {__version__}"
 
 
-def _load(args: argparse.Namespace, extra: Sequence[str] = ()) -> object:
+def _load(args: argparse.Namespace) -> object:
+    """The config of ``--config`` with the ``--set`` overrides, and ``--output-dir``."""
     from speedtronic.config import load_config
 
     path = Path(args.config)
     if not path.is_file():
         raise UserError(f"config file not found: {path}")
+    extra = [f"run.output_dir={json.dumps(args.output_dir)}"] if args.output_dir else []
     return load_config(path, overrides=[*args.overrides, *extra])
 
 
@@ -195,6 +213,21 @@ def _preflight(config: object, *, device: str | None = None, max_steps: int | No
         _print_warning(message)
     if outcome.errors:
         raise UserError("; ".join(outcome.errors))
+
+
+def _checked_max_steps(args: argparse.Namespace) -> int | None:
+    """``--max-steps``, within the bounds of ``run.max_steps`` (exit 2 otherwise)."""
+    from speedtronic.config.schema import core_maximum
+
+    if args.max_steps is not None and args.max_steps <= 0:
+        raise UserError(f"--max-steps must be positive, got {args.max_steps}")
+    if args.max_steps is not None and args.max_steps > core_maximum("run", "max_steps"):
+        raise UserError(
+            f"--max-steps {args.max_steps} is greater than the maximum of "
+            f"{core_maximum('run', 'max_steps')} (the bound of run.max_steps)"
+        )
+    max_steps: int | None = args.max_steps
+    return max_steps
 
 
 def _print_warning(message: str) -> None:
@@ -216,22 +249,13 @@ def _show_warning(
 
 def _fit(args: argparse.Namespace) -> int:
     from speedtronic.config import SpeedtronicConfig
-    from speedtronic.config.schema import core_maximum
     from speedtronic.runtime import build_runtime, save_run_config
     from speedtronic.state.run_lock import claim_run_directory
     from speedtronic.systems.distributed import teardown_distributed
 
-    extra = [f"run.output_dir={json.dumps(args.output_dir)}"] if args.output_dir else []
-    config = _load(args, extra)
+    config = _load(args)
     assert isinstance(config, SpeedtronicConfig)
-    if args.max_steps is not None and args.max_steps <= 0:
-        raise UserError(f"--max-steps must be positive, got {args.max_steps}")
-    if args.max_steps is not None and args.max_steps > core_maximum("run", "max_steps"):
-        raise UserError(
-            f"--max-steps {args.max_steps} is greater than the maximum of "
-            f"{core_maximum('run', 'max_steps')} (the bound of run.max_steps)"
-        )
-    _preflight(config, device=args.device, max_steps=args.max_steps)
+    _preflight(config, device=args.device, max_steps=_checked_max_steps(args))
     with claim_run_directory(config.run.output_dir) as claim:
         trainer, _ = build_runtime(
             config,
@@ -246,6 +270,8 @@ def _fit(args: argparse.Namespace) -> int:
             main_rank = trainer.distributed is None or trainer.distributed.is_main
             if main_rank:
                 save_run_config(config, trainer.output_dir)
+                if trainer.resumed_from is not None:
+                    print(trainer.resumed_from.describe(Path.cwd()), flush=True)
             start_step = trainer.step
             with _callback_failures() as failed:
                 result = trainer.fit()
@@ -303,12 +329,16 @@ def _evaluate(args: argparse.Namespace) -> int:
     """``speedtronic evaluate``: one line with the held-out metrics of a checkpoint. Reads
     the config, the checkpoint and the held-out data; writes nothing (no lock, no metrics)."""
     from speedtronic.config import SpeedtronicConfig
+    from speedtronic.config.preflight import device_error
     from speedtronic.data import DataSourceError
     from speedtronic.engine.evaluation import EVAL_LOSS, EVAL_PPL, EvaluationError
     from speedtronic.runtime import evaluate_checkpoint
 
     config = _load(args)
     assert isinstance(config, SpeedtronicConfig)
+    problem = device_error(args.device or config.run.device)
+    if problem is not None:
+        raise UserError(problem)
     try:
         loaded, outcome = evaluate_checkpoint(
             config, checkpoint=args.checkpoint, device=args.device
@@ -351,21 +381,24 @@ def _validate(args: argparse.Namespace) -> int:
 
     config = _load(args)
     assert isinstance(config, SpeedtronicConfig)
-    _preflight(config)
+    _preflight(config, device=args.device, max_steps=_checked_max_steps(args))
+    # Everything that can still refuse the run comes before the first line is printed.
+    classes = callback_classes(config)
+    plan = format_plan(describe_classes(classes))
+    model = _meta_model(config)
+    _check_shardable(config, model)
+    summary, routing = _model_summary(model), _routing_table(config, model)
     if args.format == "json":
         print(json.dumps(config.to_dict(redact_secrets=True), indent=2))
     else:
         print(config.to_yaml(redact_secrets=True), end="")
-    classes = callback_classes(config)
     print("\n# callbacks: " + (", ".join(name for name, _ in classes) or "none"))
     print("# per-event plan (callbacks run in this order):")
-    print("\n".join("# " + line for line in format_plan(describe_classes(classes)).splitlines()))
-    model = _meta_model(config)
-    _check_shardable(config, model)
+    print("\n".join("# " + line for line in plan.splitlines()))
     print("# model summary (parameters per top-level module):")
-    print("\n".join("# " + line for line in _model_summary(model).splitlines()))
+    print("\n".join("# " + line for line in summary.splitlines()))
     print("# optimizer routing (which parameter goes where, and why):")
-    print("\n".join("# " + line for line in _routing_table(config, model).splitlines()))
+    print("\n".join("# " + line for line in routing.splitlines()))
     print(
         f"# OK: {args.config} is valid ({len(classes)} callbacks, "
         f"{config.target_steps} steps, model {config.model.name!r})"
@@ -611,9 +644,11 @@ def _run(args: argparse.Namespace) -> int:
         if _reported_by_rank_zero(exc):
             return EXIT_FAILED
         if isinstance(exc, _user_error_types()):
+            if args.traceback:  # asked for: where the mistake was found, then the message
+                traceback.print_exception(exc, file=sys.stderr)
             print(f"speedtronic: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
-        if getattr(args, "traceback", False):
+        if args.traceback:
             raise
         print(f"speedtronic: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         print("(run again with --traceback for the full stack)", file=sys.stderr)

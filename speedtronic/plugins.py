@@ -8,6 +8,7 @@ entry-point groups below -- exactly how the built-in callbacks in ``callbacks/``
 
 from __future__ import annotations
 
+import difflib
 import functools
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -29,6 +30,11 @@ T = TypeVar("T")
 CALLBACK_GROUP = "speedtronic.callbacks"
 MODEL_GROUP = "speedtronic.models"
 DATASET_GROUP = "speedtronic.datasets"
+
+
+NAME_HINT_CUTOFF = 0.7
+"""How close (``difflib`` ratio) a known name must be to a mistyped one to be suggested:
+``jsonn`` -> ``jsonl`` is 0.8, ``consol`` -> ``console`` 0.92."""
 
 
 class PluginError(KeyError):
@@ -115,8 +121,7 @@ class PluginRegistry(Generic[T]):
                 return self._items[name]
         entry = self._entry_points().get(name)
         if entry is None:
-            known = ", ".join(self.names()) or "none"
-            raise PluginError(f"unknown {self.kind} {name!r} (known: {known})")
+            raise PluginError(self.unknown(name))
         try:
             loaded: T = entry.load()
         except Exception as exc:  # a broken third-party plugin must name itself
@@ -128,6 +133,15 @@ class PluginRegistry(Generic[T]):
             dist = entry.dist.name if entry.dist is not None else "?"
             self._origins.setdefault(name, f"entry point {entry.value} ({dist})")
             return self._items[name]
+
+    def unknown(self, name: str) -> str:
+        """What is wrong with a name nothing registered: ``unknown model 'referance_model'
+        (did you mean 'reference_model'? known: ...)`` -- the closest known name, when one is
+        close, then every known name."""
+        names = self.names()
+        close = difflib.get_close_matches(name, names, n=1, cutoff=NAME_HINT_CUTOFF)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return f"unknown {self.kind} {name!r} ({hint}known: {', '.join(names) or 'none'})"
 
     def origin(self, name: str) -> str:
         """Where ``name`` comes from (for ``speedtronic plugins``)."""

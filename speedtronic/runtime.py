@@ -61,6 +61,7 @@ from speedtronic.plugins import (
     legacy_sections_of,
 )
 from speedtronic.state.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
+from speedtronic.state.model_fit import model_mismatch, tensor_shapes
 from speedtronic.state.resume import ResumeSource, resume_from
 from speedtronic.state.rng import seed_everything
 from speedtronic.state.run_identity import new_run_id, read_run_id, write_run_id
@@ -456,31 +457,21 @@ def evaluate_checkpoint(
     return loaded, outcome
 
 
-def model_with_weights(cfg: SpeedtronicConfig, loaded: LoadedCheckpoint) -> torch.nn.Module:
+def model_with_weights(
+    cfg: SpeedtronicConfig, loaded: LoadedCheckpoint, *, doing: str = "evaluate"
+) -> torch.nn.Module:
     """The config's model (on the CPU) holding the weights of ``loaded``: a sharded (FSDP)
     checkpoint's gathered whole. ``CheckpointError`` when it holds none,
-    ``TrainingStateError`` when they do not fit the model."""
+    ``TrainingStateError`` when they do not fit the model (``cannot <doing> <path>: ...``)."""
     net = build_model(cfg.model)
     sharded = loaded.state.get(SHARDED_DIRECTORY)
     if isinstance(sharded, str):  # an FSDP run's checkpoint: its weights, gathered whole
         try:
             load_sharded_weights(Path(sharded), net)
         except ValueError as exc:
-            raise TrainingStateError(
-                f"checkpoint {loaded.path} does not match the model of this config: {exc}"
-            ) from None
-        weights: object = net.state_dict()
+            raise TrainingStateError(f"cannot {doing} {loaded.path}: {exc}") from None
     else:
-        weights = loaded.state.get("model")
-    if not isinstance(weights, Mapping):
-        raise CheckpointError(f"{loaded.path} holds no model weights (no 'model' entry)")
-    try:
-        net.load_state_dict(cast("Mapping[str, torch.Tensor]", weights))
-    except RuntimeError as exc:
-        problem = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TrainingStateError(
-            f"checkpoint {loaded.path} does not match the model of this config: {problem}"
-        ) from None
+        _load_weights(net, loaded, doing=doing)
     return net
 
 
@@ -502,8 +493,23 @@ def export_checkpoint(
     tokenizer = tokenizer_file(cfg.data.to_dict())
     output_dir = Path(cfg.run.output_dir).expanduser().resolve()
     loaded = _checkpoint_to_evaluate(cfg, output_dir, torch.device("cpu"), checkpoint)
-    net = model_with_weights(cfg, loaded)
+    net = model_with_weights(cfg, loaded, doing="export")
     return loaded, export_model(net, target, overwrite=overwrite, tokenizer=tokenizer)
+
+
+def _load_weights(net: torch.nn.Module, loaded: LoadedCheckpoint, *, doing: str) -> None:
+    """The checkpoint's model weights into ``net``, checked first as a resume checks them
+    (``speedtronic.state.model_fit``: every key and shape that differs)."""
+    weights = loaded.state.get("model")
+    if not isinstance(weights, Mapping):
+        raise CheckpointError(f"{loaded.path} holds no model weights (no 'model' entry)")
+    problem = model_mismatch(tensor_shapes(net.state_dict()), tensor_shapes(weights))
+    if problem is not None:
+        raise TrainingStateError(f"cannot {doing} {loaded.path}: {problem}")
+    try:
+        net.load_state_dict(cast("Mapping[str, torch.Tensor]", weights))
+    except RuntimeError as exc:  # keys and shapes fit: what torch says is all there is
+        raise TrainingStateError(f"cannot {doing} {loaded.path}: {exc}") from None
 
 
 def _warn_if_trained_on_the_tail(cfg: SpeedtronicConfig) -> None:

@@ -488,11 +488,21 @@ def test_options_schema_is_valid_and_strict() -> None:
     assert not validator.is_valid({"keep_last": 0})
 
 
-def test_manager_or_directory() -> None:
+def test_manager_or_directory(tmp_path: Path) -> None:
     manager = CheckpointManager("x")
-    assert CheckpointCallback(manager=manager).manager is manager
-    with pytest.raises(ValueError, match="directory or a manager"):
-        CheckpointCallback()
+    given = CheckpointCallback(manager=manager)
+    assert given.manager is manager
+    given.bind_output_dir(tmp_path)
+    assert manager.directory == Path("x")  # a manager handed in is used as it is
+    # Without either: ``checkpoints`` under the run's output directory (issue 25, item 6:
+    # this was "needs a directory or a manager" although the Trainer had an output_dir).
+    default = CheckpointCallback()
+    assert default.run_paths(tmp_path).directories == (tmp_path / "checkpoints",)
+    default.bind_output_dir(tmp_path)
+    assert default.directory == tmp_path / "checkpoints"
+    absolute = CheckpointCallback(tmp_path / "elsewhere")
+    absolute.bind_output_dir(tmp_path / "run")
+    assert absolute.directory == tmp_path / "elsewhere"
     with pytest.raises(ValueError, match="not both"):
         CheckpointCallback("x", manager=manager)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from torch.utils.data import TensorDataset
 
 from speedtronic.config import (
     CallbackSpec,
@@ -26,6 +27,7 @@ from speedtronic.config import (
     parse_override,
 )
 from speedtronic.config.sections import JSONValue
+from speedtronic.data import dataset_registry
 from speedtronic.engine.callback import Callback, JSONSchema
 from speedtronic.plugins import register_callback
 
@@ -355,7 +357,13 @@ def test_pickled_dataset_paths_are_refused() -> None:
         "data.dataset: 'data/train.pt' looks like a pickled dataset file; name a registered "
         "dataset instead (pickle files are never loaded)"
     ]
-    config = load_config({"data": {"dataset": "tiny_shakespeare", "dataset_options": {"n": 1}}})
+    # A registered name passes with its free-form options (an unknown one is an error, with
+    # the other plugin names: test_plugin_names_are_checked_with_the_keys).
+    dataset_registry.register("tiny_shakespeare", lambda request: TensorDataset())
+    try:
+        config = load_config({"data": {"dataset": "tiny_shakespeare", "dataset_options": {"n": 1}}})
+    finally:
+        dataset_registry.unregister("tiny_shakespeare")
     assert config.data.dataset == "tiny_shakespeare"
     assert config.data.dataset_options == {"n": 1}
     assert errors_of({"data": {"dataset_options": {"n": object}}})[0].startswith(
@@ -739,7 +747,9 @@ def test_sections_may_be_given_as_mappings_and_wrong_types_are_errors() -> None:
 
 
 def test_free_form_secrets_stay_out_of_reprs() -> None:
-    config = load_config({"data": {"dataset": "d", "dataset_options": {"api_key": "k-123"}}})
+    config = load_config(
+        {"data": {"dataset": "synthetic", "dataset_options": {"api_key": "k-123"}}}
+    )
     assert "k-123" not in repr(config)
     assert config.data.dataset_options == {"api_key": "k-123"}
 

@@ -164,8 +164,12 @@ def test_a_user_dataset_names_its_held_out_split_with_eval_dataset() -> None:
     loader = build_eval_loader(data, settings)
     batches = list(loader)
     assert [len(b["input_ids"]) for b in batches] == [2, 1]  # type: ignore[index]  # dict batches
+    with pytest.raises(ConfigError, match="eval.dataset: unknown dataset 'nope'"):
+        EvalConfig(dataset="nope")  # the config names it first, with the other names
+    unchecked = EvalConfig()
+    unchecked.dataset = "nope"  # settings that skipped validation: the data layer says it
     with pytest.raises(DataSourceError, match="eval.dataset: unknown dataset 'nope'"):
-        held_out_dataset(data, EvalConfig(dataset="nope"))
+        held_out_dataset(data, unchecked)
 
 
 def test_eval_loader_shards_by_rank() -> None:

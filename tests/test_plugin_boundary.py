@@ -149,6 +149,7 @@ def test_the_trainer_satisfies_the_view_structurally() -> None:
         "trainable_parameters",
         "target_step",  # plain attributes, not properties: the loop reads them every step
         "multi_rank",
+        "resumed_from",  # set by resume_from
     }
     assert set(missing) <= instance_attributes, missing
 

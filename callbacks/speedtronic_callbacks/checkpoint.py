@@ -85,10 +85,15 @@ from speedtronic.engine.contexts import (
 )
 from speedtronic.engine.events import Event
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS, never
-from speedtronic.state.checkpoint import CheckpointError, CheckpointManager, signal_stop_reason
+from speedtronic.state.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    checkpoint_step,
+    signal_stop_reason,
+)
 from speedtronic.state.checkpoint_async import AsyncCheckpointWriter
 from speedtronic.state.rng import capture_rng_state
-from speedtronic.state.run_lock import RunPaths
+from speedtronic.state.run_lock import RunPaths, resolve_run_path
 from speedtronic_callbacks.monitor import Mode, check_monitor, improves, read_monitored
 
 if TYPE_CHECKING:
@@ -177,7 +182,10 @@ class CheckpointCallback(Callback):
 
     Build it with a ``directory`` (and the interval/retention options), or hand it an
     existing ``manager`` (the original ``Trainer(checkpoint_manager=...)`` path); the
-    manager's ``enabled`` flag switches all saving off.
+    manager's ``enabled`` flag switches all saving off. A relative ``directory`` (default
+    ``checkpoints``) is under the trainer's ``output_dir``, as from ``run.yaml``: it is
+    resolved at ``setup`` (and by ``resume_from``, ``bind_output_dir``). A ``manager``'s
+    directory is used as it is.
     """
 
     plugin_name: ClassVar[str | None] = "checkpoint"
@@ -281,11 +289,12 @@ class CheckpointCallback(Callback):
             raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
         if monitor is not None and not monitor:
             raise ValueError("monitor must be a metric key or None, got ''")
+        self._relative: Path | None = None  # a directory under the run's output_dir
         if manager is None:
-            if directory is None:
-                raise ValueError("CheckpointCallback needs a directory or a manager")
+            chosen = Path(DEFAULT_DIRECTORY if directory is None else directory).expanduser()
+            self._relative = None if chosen.is_absolute() else chosen
             manager = CheckpointManager(
-                directory, every_steps=every_steps, keep_last=keep_last, enabled=enabled
+                chosen, every_steps=every_steps, keep_last=keep_last, enabled=enabled
             )
         elif directory is not None:
             raise ValueError("CheckpointCallback takes a directory or a manager, not both")
@@ -333,9 +342,7 @@ class CheckpointCallback(Callback):
         """Options left out take the defaults of ``CheckpointCallback``'s constructor and
         ``checkpoints`` as the directory (under the run's output directory)."""
         merged = {**_OPTION_DEFAULTS, **options}
-        directory = Path(str(merged.pop("directory")))
-        if not directory.is_absolute():
-            directory = context.output_dir / directory
+        directory = resolve_run_path(str(merged.pop("directory")), context.output_dir)
         keep_last = merged["keep_last"]
         return cls(
             directory,
@@ -373,8 +380,17 @@ class CheckpointCallback(Callback):
 
     def run_paths(self, output_dir: Path) -> RunPaths:
         """The checkpoint directory, locked for the run (``speedtronic.state.run_lock``)."""
-        del output_dir  # the manager's directory is absolute (or the caller's own choice)
-        return RunPaths(directories=(self.manager.directory,) if self.manager.enabled else ())
+        if not self.manager.enabled:
+            return RunPaths()
+        directory = self._relative if self._relative is not None else self.manager.directory
+        return RunPaths(directories=(resolve_run_path(directory, output_dir),))
+
+    def bind_output_dir(self, output_dir: Path) -> None:
+        """Point the manager at the relative ``directory`` under ``output_dir`` (the run's:
+        ``setup`` does it, ``resume_from`` before it); a manager handed in is left as it is
+        (``speedtronic.state.run_lock.BindsOutputDir``)."""
+        if self._relative is not None:
+            self.manager.directory = resolve_run_path(self._relative, output_dir)
 
     # -- state (with a monitor): the best value so far -----------------------------------
 
@@ -407,6 +423,7 @@ class CheckpointCallback(Callback):
     # -- fit lifecycle ------------------------------------------------------------------
 
     def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
+        self.bind_output_dir(trainer.output_dir)
         if self.monitor is not None:
             check_monitor("checkpoint", self.monitor, trainer)
         self._best_pending = None
@@ -423,7 +440,7 @@ class CheckpointCallback(Callback):
                 "rank writes its shard of a sharded checkpoint, synchronously); set "
                 "async_save: false"
             )
-        self._warn_about_foreign_checkpoints(ctx.start_step)
+        self._warn_about_foreign_checkpoints(ctx.start_step, trainer)
         if self.async_save:
             self._writer = AsyncCheckpointWriter(self.manager)
         if self.save_on_signal:
@@ -544,17 +561,36 @@ class CheckpointCallback(Callback):
             state["rng"], state["data"] = rng, dict(data)
         return state
 
-    def _warn_about_foreign_checkpoints(self, start_step: int) -> None:
+    def _warn_about_foreign_checkpoints(self, start_step: int, trainer: TrainerView) -> None:
+        """A checkpoint newer than the fit's start would count as newer than what this fit
+        saves: say what it is. After a resume that fell back past it, it is this run's own
+        unreadable checkpoint; otherwise it was never committed or another run wrote it."""
         newest = self.manager.newest_step()
-        if newest is not None and newest > start_step:
-            warnings.warn(
-                f"checkpoint directory {self.manager.directory} already holds a checkpoint of "
-                f"step {newest}, beyond this fit's start step {start_step}: it is from another "
-                "run and counts as newer than this run's checkpoints. Resume it (--resume) or "
-                "use a fresh checkpoint directory.",
-                UserWarning,
-                stacklevel=2,
+        if newest is None or newest <= start_step:
+            return
+        where = (
+            f"checkpoint directory {self.manager.directory} already holds a checkpoint of "
+            f"step {newest}, beyond this fit's start step {start_step}"
+        )
+        resumed = trainer.resumed_from
+        if resumed is None:
+            message = (
+                f"{where}: it is from another run and counts as newer than this run's "
+                "checkpoints. Resume it (--resume) or use a fresh checkpoint directory."
             )
+        elif newest in {checkpoint_step(item.path.name) for item in resumed.skipped}:
+            message = (
+                f"{where}: it is this run's newest checkpoint, which could not be read (see "
+                f"above), so the fit resumed from {resumed.path.name}; it stays until this "
+                "run saves that step again or retention removes it"
+            )
+        else:
+            message = (
+                f"{where}: newer than the one the resume loaded ({resumed.path.name}), so it was "
+                "never committed (a save cut short) or another run wrote it; it stays until "
+                "this run saves that step again or retention removes it"
+            )
+        warnings.warn(message, UserWarning, stacklevel=2)
 
     # -- signals ------------------------------------------------------------------------
 
@@ -630,8 +666,11 @@ def _barrier(trainer: TrainerView) -> None:
         trainer.distributed.barrier()
 
 
+DEFAULT_DIRECTORY = "checkpoints"
+"""The checkpoint directory, under the run's output directory, when none is given."""
+
 _OPTION_DEFAULTS: dict[str, object] = {
-    "directory": "checkpoints",
+    "directory": DEFAULT_DIRECTORY,
     "every_steps": 500,
     "keep_last": 3,
     "enabled": True,

@@ -307,6 +307,8 @@ class ConsoleCallback(MetricSink):
     # -- hooks --------------------------------------------------------------------------
 
     def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
+        if self.file is not None:  # a relative file is under the run's output directory
+            self.file = resolve_path(self.file, trainer.output_dir)
         self._open()
 
     def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:

@@ -26,6 +26,7 @@ from speedtronic.engine.callback import Callback, RankPolicy
 from speedtronic.engine.contexts import MetricsContext
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.engine.metrics import MetricValue
+from speedtronic.state.run_lock import resolve_run_path
 from speedtronic.user_warnings import warn
 
 if TYPE_CHECKING:
@@ -82,9 +83,9 @@ class MetricSink(Callback, abc.ABC):
 
 
 def resolve_path(path: str | os.PathLike[str], output_dir: Path) -> Path:
-    """``path`` itself when absolute, else ``output_dir / path`` (``~`` is expanded)."""
-    candidate = Path(path).expanduser()
-    return candidate if candidate.is_absolute() else output_dir / candidate
+    """``path`` itself when absolute, else ``output_dir / path`` (``~`` is expanded): the
+    one rule of ``speedtronic.state.run_lock.resolve_run_path``."""
+    return resolve_run_path(path, output_dir)
 
 
 def keep_earlier_run(path: Path, start_step: int) -> Path | None:

@@ -27,7 +27,8 @@ class Preflight:
     warnings: list[str] = field(default_factory=list)
 
 
-def _device_error(device: str) -> str | None:
+def device_error(device: str) -> str | None:
+    """Why ``device`` cannot run here (unknown, ``meta``, not available), or ``None``."""
     import torch
 
     name = device.strip().lower()
@@ -119,9 +120,9 @@ def check(
 ) -> Preflight:
     """Check ``config`` as it would run here, with the CLI's ``--device``/``--max-steps``."""
     result = Preflight()
-    device_error = _device_error(device or config.run.device)
-    if device_error is not None:
-        result.errors.append(device_error)
+    problem = device_error(device or config.run.device)
+    if problem is not None:
+        result.errors.append(problem)
     result.errors.extend(_data_errors(config))
     warmup = _warmup_warning(config, max_steps)
     if warmup is not None:

@@ -26,7 +26,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from importlib import metadata, resources
 from pathlib import Path
-from typing import TypeGuard, cast
+from typing import Protocol, TypeGuard, cast
 from urllib.parse import quote
 
 from jsonschema import Draft202012Validator, ValidationError, validators
@@ -464,13 +464,15 @@ def config_errors(data: Mapping[str, object]) -> list[str]:
     """Every problem of a normalised configuration mapping (see ``loading.normalise``).
 
     Order: ``imports`` first (they may register the plugins that follow), then plugin
-    names, then the composed-schema pass, non-finite or non-JSON values, and the
-    cross-field rules. Nothing is imported except the listed ``imports``.
+    names (callbacks, the model, datasets, the collate function: an unknown one with the
+    closest known name), then the composed-schema pass, non-finite or non-JSON values, and
+    the cross-field rules. Nothing is imported except the listed ``imports``.
     """
     data, oversized = _without_oversized_numbers(data)
     errors = _import_errors(data.get("imports"))
     plugin_schemas, plugin_errors = _referenced_plugin_schemas(data.get("callbacks"))
     errors.extend(plugin_errors)
+    errors.extend(_plugin_name_errors(_Values(data)))
     # A number too long to be anything is reported as that, not as a type mismatch.
     schema_errors = [
         (path, message)
@@ -554,6 +556,39 @@ def _referenced_plugin_schemas(
             continue
         found[name] = options_schema
     return found, errors
+
+
+class _KnownNames(Protocol):
+    """What the name check needs of a registry (``plugins.PluginRegistry``, any item type)."""
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def unknown(self, name: str) -> str: ...
+
+
+def _plugin_name_errors(values: _Values) -> Iterator[str]:
+    """``model.name``, ``data.dataset``, ``eval.dataset`` and ``data.collate`` naming what
+    no registry (nor entry point) knows. Ill-typed values are the schema's to report, a
+    dataset name that looks like a file the data rules'."""
+    from speedtronic.data.collate import collate_registry
+    from speedtronic.data.loader import dataset_registry
+    from speedtronic.models.registry import registry
+
+    named: tuple[tuple[str, str, _KnownNames], ...] = (
+        ("model", "name", registry),
+        ("data", "dataset", dataset_registry),
+        ("eval", "dataset", dataset_registry),
+        ("data", "collate", collate_registry),
+    )
+    for section, key, registry_of_names in named:
+        name = values.text(section, key)
+        if name is None or name in registry_of_names or _looks_like_a_file(name):
+            continue
+        yield f"{section}.{key}: {registry_of_names.unknown(name)}"
+
+
+def _looks_like_a_file(name: str) -> bool:
+    return name.lower().endswith(_PICKLE_SUFFIXES) or "/" in name or "\\" in name
 
 
 def _plugin_schema_problem(name: str, options_schema: object) -> str | None:
@@ -745,8 +780,8 @@ def _batch_rules(values: _Values) -> Iterator[str]:
 
 def _model_rules(values: _Values) -> Iterator[str]:
     """The model plugin's rules: ``model.options`` against the factory's ``options_schema``,
-    and the reference transformer's dimension rules (for that model only). A model name
-    that is not registered (yet) is reported when the model is built."""
+    and the reference transformer's dimension rules (for that model only). An unknown model
+    name is reported with the other plugin names (``_plugin_name_errors``)."""
     from speedtronic.models.registry import registry
 
     name = values.text("model", "name")

@@ -313,8 +313,7 @@ def _named_dataset(name: str, request: DatasetRequest) -> Dataset[object]:
             "refused because unpickling runs arbitrary code. Register a dataset factory with "
             "speedtronic.data.register_dataset and give its name here, or use data.text_path"
         )
-    known = ", ".join(dataset_registry.names()) or "none"
-    raise DataSourceError(f"data.dataset: unknown dataset {name!r} (known: {known})")
+    raise DataSourceError(f"data.dataset: {dataset_registry.unknown(name)}")
 
 
 def _dataset_options(config: DataSettings) -> Mapping[str, object]:

@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     from speedtronic.compat.metric_logger import MetricLogger
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.state.checkpoint import CheckpointManager
+    from speedtronic.state.resume import ResumePoint
 
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
 _GLOBAL_STEP_CODE = run_global_step.__code__
@@ -188,6 +189,9 @@ class Trainer:
         """Which run this trainer continues (``speedtronic.state.run_identity``): recorded in
         every checkpoint it saves. ``build_runtime`` sets it from the run directory; ``None``
         (a trainer built in Python) records nothing and resumes any checkpoint."""
+        self.resumed_from: ResumePoint | None = None
+        """The checkpoint this trainer's state was restored from by ``resume_from`` (its
+        path, step and the newer checkpoints that could not be read); ``None``: not resumed."""
         self.shape_report = shape_report
         self.target_step = self.max_steps or 0
         """The absolute step this fit trains up to (set by ``fit``)."""

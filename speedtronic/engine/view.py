@@ -30,6 +30,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from speedtronic.engine.notes import Notes
+    from speedtronic.state.resume import ResumePoint
     from speedtronic.systems.distributed import DistributedContext
 
 __all__ = ["TrainerView"]
@@ -130,6 +131,12 @@ class TrainerView(Protocol):
         """True when the training state is sharded across the ranks (``parallel.strategy:
         fsdp``): ``state_dict()`` holds this rank's shards, and every rank takes part in
         writing a checkpoint (``CheckpointManager.save`` on every rank, rank 0 commits)."""
+
+    @property
+    def resumed_from(self) -> ResumePoint | None:
+        """The checkpoint the run resumed from (path, step, and the newer checkpoints it
+        fell back past because they could not be read), or ``None`` when it did not resume:
+        for a plugin that tells newer files in its directory apart from another run's."""
 
     @property
     def run_config(self) -> Mapping[str, object] | None:

@@ -88,6 +88,7 @@ __all__ = [
     "CorruptCheckpointError",
     "LoadedCheckpoint",
     "Pointer",
+    "SkippedCheckpoint",
     "UnsafeCheckpointError",
     "archive_checksum",
     "atomic_json_dump",
@@ -541,11 +542,21 @@ def _record_problem(
 
 @dataclass(frozen=True)
 class LoadedCheckpoint:
-    """A checkpoint read from disk: where it came from and its state."""
+    """A checkpoint read from disk: where it came from and its state; ``skipped``: the newer
+    ones passed over because they could not be read, newest first."""
 
     path: Path
     step: int
     state: dict[str, object]
+    skipped: tuple[SkippedCheckpoint, ...] = ()
+
+
+@dataclass(frozen=True)
+class SkippedCheckpoint:
+    """A checkpoint a load fell back past: ``reason`` is the error that made it unreadable."""
+
+    path: Path
+    reason: str
 
 
 # -- the pointer ------------------------------------------------------------------------------
@@ -1020,6 +1031,7 @@ class CheckpointManager:
         pointer = self._read_pointer(warn=True)
         candidates = self._resume_candidates(pointer.target)
         skipped: list[str] = []
+        unreadable: list[SkippedCheckpoint] = []
         for path in candidates:
             try:
                 checksum = _recorded_checksum(pointer.records, path.name)
@@ -1029,6 +1041,7 @@ class CheckpointManager:
                     state = load_checkpoint_file(path, checksum=checksum)
             except CorruptCheckpointError as exc:
                 skipped.append(path.name)
+                unreadable.append(SkippedCheckpoint(path, str(exc)))
                 warnings.warn(
                     f"{exc}; falling back to the previous checkpoint", UserWarning, stacklevel=2
                 )
@@ -1042,7 +1055,7 @@ class CheckpointManager:
                 )
             step = checkpoint_step(path.name)
             assert step is not None
-            return LoadedCheckpoint(path, step, state)
+            return LoadedCheckpoint(path, step, state, tuple(unreadable))
         if skipped:
             raise CheckpointError(
                 f"no readable checkpoint in {self.directory}: {', '.join(skipped)} are "

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from speedtronic.engine.trainer import TrainingStateError
-from speedtronic.state.checkpoint import CheckpointManager
+from speedtronic.state.checkpoint import CheckpointManager, SkippedCheckpoint
 from speedtronic.state.run_identity import check_same_run
+from speedtronic.state.run_lock import BindsOutputDir
 
 if TYPE_CHECKING:
     from speedtronic.engine.trainer import Trainer
 
-__all__ = ["ResumeSource", "resume_from"]
+__all__ = ["ResumePoint", "ResumeSource", "resume_from"]
 
 logger = logging.getLogger("speedtronic.checkpoint")
 
@@ -46,6 +48,36 @@ class ResumeSource(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed trainer's state came from (``Trainer.resumed_from``): the checkpoint
+    ``path`` of ``step``, and the newer ones passed over because they could not be read
+    (newest first)."""
+
+    path: Path
+    step: int
+    skipped: tuple[SkippedCheckpoint, ...] = ()
+
+    def describe(self, base: Path | None = None) -> str:
+        """One line: ``resumed from runs/a/checkpoints/step_000000000200.pt (step 200)``,
+        or after a fall-back ``... (step 180; step_000000000200.pt is unreadable
+        (checksum mismatch: ...))``. Paths inside ``base`` are shown relative to it."""
+        shown = self.path
+        if base is not None and self.path.is_relative_to(base):
+            shown = self.path.relative_to(base)
+        notes = [f"step {self.step}", *(_why_skipped(item) for item in self.skipped)]
+        return f"resumed from {shown} ({'; '.join(notes)})"
+
+
+def _why_skipped(item: SkippedCheckpoint) -> str:
+    """``step_...pt is unreadable (...)``: the error's words after its path."""
+    reason = item.reason
+    full = f"{item.path} "
+    if full in reason:
+        return f"{item.path.name} {reason.split(full, 1)[1]}"
+    return f"{item.path.name} was unreadable: {reason}"
+
+
 def resume_from(
     trainer: Trainer,
     manager: CheckpointManager,
@@ -64,8 +96,12 @@ def resume_from(
     ``speedtronic.state.run_identity``) unless ``allow_other_run``. A trainer without a run id
     takes the checkpoint's. With ``load_callback_state`` (the default) every callback's
     saved state is restored: a stateful callback without saved state warns, saved state
-    nobody claims is reported.
+    nobody claims is reported. ``trainer.resumed_from`` then says which checkpoint it was
+    and which newer ones could not be read (``ResumePoint``; the CLI prints its line).
     """
+    for callback in trainer.callbacks:  # where setup would point them: the run's directory
+        if isinstance(callback, BindsOutputDir):
+            callback.bind_output_dir(trainer.output_dir)
     loaded = manager.load_latest_checkpoint()
     if loaded is None:
         warnings.warn(
@@ -91,5 +127,6 @@ def resume_from(
     except ValueError as exc:  # TrainingStateError, optimizer/sampler mismatches
         raise TrainingStateError(f"cannot resume from {loaded.path}: {exc}") from exc
     trainer.run_id = run_id
-    logger.info("resumed from %s at step %d", loaded.path, trainer.step)
+    trainer.resumed_from = ResumePoint(loaded.path, trainer.step, loaded.skipped)
+    logger.info("%s", trainer.resumed_from.describe())
     return loaded.path

@@ -45,6 +45,7 @@ except ImportError:  # pragma: no cover - Windows: the PID in the file is all we
 
 __all__ = [
     "LOCK_NAME",
+    "BindsOutputDir",
     "LeavesRunFiles",
     "RunClaim",
     "RunDirectoryError",
@@ -56,6 +57,7 @@ __all__ = [
     "earlier_run_files",
     "launched_as_main_process",
     "locked_run_directory",
+    "resolve_run_path",
 ]
 
 LOCK_NAME = ".speedtronic-run.lock"
@@ -302,6 +304,26 @@ def locked_run_directory(directory: Path, *, enabled: bool = True) -> Iterator[N
 # -- the other paths a run writes -----------------------------------------------------------
 
 
+def resolve_run_path(path: str | os.PathLike[str], output_dir: Path) -> Path:
+    """Where a plugin's ``path`` is for a run in ``output_dir``: ``path`` itself when it is
+    absolute, else under ``output_dir`` (``~`` is expanded). The one rule for every path a
+    plugin writes, whether built from ``run.yaml`` (``PluginContext.output_dir``), set up by
+    a ``Trainer`` built in Python (``trainer.output_dir``) or locked (``RunClaim``)."""
+    candidate = Path(path).expanduser()
+    return candidate if candidate.is_absolute() else output_dir / candidate
+
+
+@runtime_checkable
+class BindsOutputDir(Protocol):
+    """A plugin whose relative paths stay relative until the run's output directory is known
+    (one built in Python without it: ``CheckpointCallback(every_steps=100)``). It resolves
+    them at ``setup``; ``resume_from`` asks it before (it must look where the run saves)."""
+
+    def bind_output_dir(self, output_dir: Path) -> None:
+        """Resolve the relative paths under ``output_dir`` (``resolve_run_path``)."""
+        ...
+
+
 @dataclass(frozen=True)
 class RunPaths:
     """Where a plugin writes during a run, outside what it shares with other runs (a hub
@@ -365,8 +387,7 @@ class RunClaim:
                 self._cover(self._absolute(file), writer, is_directory=False)
 
     def _absolute(self, path: Path) -> Path:
-        path = path.expanduser()
-        return (path if path.is_absolute() else self.directory / path).resolve()
+        return resolve_run_path(path, self.directory).resolve()
 
     def _cover(self, path: Path, writer: str, *, is_directory: bool) -> None:
         if self._covered(path) or _special(path):

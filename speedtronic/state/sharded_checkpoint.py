@@ -50,6 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from speedtronic.state.model_fit import Shape, model_mismatch, tensor_shapes
+
 __all__ = [
     "MANIFEST_NAME",
     "SHARDED_SUFFIX",
@@ -391,27 +393,14 @@ def _check_against(path: Path, model_state: Mapping[str, object]) -> None:
     from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 
     saved = _read_metadata(path, None, StorageMeta).state_dict_metadata
-    own = {f"model.{key}": value for key, value in model_state.items()}
-    missing = sorted(key for key in own if key not in saved)
-    saved_model = sorted(key for key in saved if key.startswith("model."))
-    unexpected = [key for key in saved_model if key not in own]
-    mismatched = []
-    for key, value in own.items():
-        entry = saved.get(key)
-        if isinstance(entry, TensorStorageMetadata) and isinstance(value, torch.Tensor):
-            if tuple(entry.size) != tuple(value.shape):
-                mismatched.append(
-                    f"{key[6:]}: checkpoint {tuple(entry.size)} vs model {tuple(value.shape)}"
-                )
-    problems = []
-    if missing:
-        problems.append("missing keys: " + ", ".join(key[6:] for key in missing[:10]))
-    if unexpected:
-        problems.append("unexpected keys: " + ", ".join(key[6:] for key in unexpected[:10]))
-    if mismatched:
-        problems.append("shape mismatch: " + "; ".join(mismatched[:10]))
-    if problems:
-        raise ValueError("checkpoint does not match the model: " + " | ".join(problems))
+    saved_model: dict[str, Shape] = {
+        key[6:]: tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
+        for key, entry in saved.items()
+        if key.startswith("model.")
+    }
+    problem = model_mismatch(tensor_shapes(model_state), saved_model)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def _load(state: dict[str, object], path: Path) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from speedtronic import __version__
+from speedtronic.state.model_fit import model_mismatch, tensor_shapes
 from speedtronic.state.rng import capture_rng_state, restore_rng_state
 from speedtronic.state.run_identity import RUN_STATE_KEY
 from speedtronic.state.sharded_checkpoint import (
@@ -182,23 +183,9 @@ def _adopt_saved_cuda_rng(self: Trainer, rng: object) -> None:
 
 
 def _check_model(self: Trainer, weights: Mapping[str, torch.Tensor]) -> None:
-    own = self.model.state_dict()
-    missing = sorted(set(own) - set(weights))
-    unexpected = sorted(set(weights) - set(own))
-    mismatched = [
-        f"{k}: checkpoint {tuple(weights[k].shape)} vs model {tuple(own[k].shape)}"
-        for k in own
-        if k in weights and tuple(weights[k].shape) != tuple(own[k].shape)
-    ]
-    problems = []
-    if missing:
-        problems.append(f"missing keys: {', '.join(missing[:10])}")
-    if unexpected:
-        problems.append(f"unexpected keys: {', '.join(unexpected[:10])}")
-    if mismatched:
-        problems.append(f"shape mismatch: {'; '.join(mismatched[:10])}")
-    if problems:
-        raise TrainingStateError("checkpoint does not match the model: " + " | ".join(problems))
+    problem = model_mismatch(tensor_shapes(self.model.state_dict()), tensor_shapes(weights))
+    if problem is not None:
+        raise TrainingStateError(problem)
 
 
 def _load_callback_states(self: Trainer, states: Mapping[str, Mapping[str, object]]) -> None:
