@@ -213,10 +213,11 @@ def test_too_many_values_are_refused_while_parsing(tmp_path: Path, kind: str) ->
     path = tmp_path / name
     path.write_text(text)
     assert len(text) < MAX_TEXT_BYTES
-    # Typically 0.5 s; the bound is generous for a loaded machine. What proves the work is
+    # Typically 0.5 s; the bound is generous for a loaded machine (the 2.3 MB file of the
+    # issue took 24 s before the limit). What proves the work is
     # bounded is where parsing stopped: at MAX_NODES values, not at the end of the text.
     error = refuses_quickly(
-        lambda: load_config(path), f"holds more than {MAX_NODES:,} values", limit_s=5.0
+        lambda: load_config(path), f"holds more than {MAX_NODES:,} values", limit_s=20.0
     )
     assert str(path) in str(error) and "alias" not in str(error)
     if kind == "block":  # two values (key and value) a line

@@ -493,7 +493,7 @@ def test_config_rules_of_the_token_sources() -> None:
     assert errors({"tokens": "a", "text_path": "b.txt"}) == [
         "data.text_path: give one training source, not data.tokens and data.text_path"
     ]
-    assert errors({"mixture": [{"tokens": "a"}], "dataset": "x"}) == [
+    assert errors({"mixture": [{"tokens": "a"}], "dataset": "learnable"}) == [
         "data.dataset: give one training source, not data.mixture and data.dataset"
     ]
     assert errors({"tokens": "a", "mixture": [{"tokens": "b"}]}) == [
