@@ -297,7 +297,7 @@ def test_outer_state_and_pointer_round_trip() -> None:
     ledger = Ledger(
         applied={"a" * 64},
         progress={"node-a": ("inc", 40)},
-        covered={"node-a": ("inc", {"0/2": 40, "1/2": 38})},
+        covered={"node-a": {"inc": {"0/2": 40, "1/2": 38}, "old": {"": 7}}},
     )
     data = encode_outer(momentum, ledger, 5, layout, secret=b"k")
     restored, restored_ledger = decode_outer(data, layout, secret=b"k", outer_step=5)
@@ -315,7 +315,7 @@ def test_outer_state_and_pointer_round_trip() -> None:
         updated_at="now",
         applied=("e" * 64, "f" * 64),
         progress={"node-a": ("inc", 40)},
-        covered={"node-a": ("inc", {"": 40})},
+        covered={"node-a": {"inc": {"": 40}}},
     )
     blob = encode_pointer(pointer, secret=b"k")
     assert decode_pointer(blob, fingerprint=layout.fingerprint, secret=b"k") == pointer

@@ -50,7 +50,8 @@ NODE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 FRAGMENT_PATTERN = re.compile(r"^(\d{1,4})/(\d{1,4})$", re.ASCII)
 """A streaming fragment field: ``"p/P"`` (``p < P`` is checked against the model)."""
 
-_DIGITS = re.compile(r"^-?[0-9]{1,20}$")
+_DIGITS = re.compile(r"^-?[0-9]+$")
+_MAX_DIGITS = 20
 _SHOWN = 40
 
 
@@ -77,6 +78,9 @@ class IntField:
     def parse(self, value: str) -> int:
         if not _DIGITS.match(value):
             raise FieldError(f"is not a decimal integer: {_shown(value)}")
+        digits = len(value.lstrip("-"))
+        if digits > _MAX_DIGITS:  # never handed to int(): bounded work, whatever the length
+            raise FieldError(f"is outside [{self.minimum}, {self.maximum}]: {digits} digits")
         number = int(value)
         if not self.minimum <= number <= self.maximum:
             raise FieldError(f"{number} is outside [{self.minimum}, {self.maximum}]")

@@ -36,6 +36,7 @@ applied twice.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -663,14 +664,8 @@ class MasterLoop:
                     )
                 if report.work_unit:
                     self._work_history(report.work_unit).record(report.works)
-            report = RoundReport(
-                outer_step=new_state.outer_step,
-                published=True,
-                found=report.found,
-                applied=report.applied,
-                rejected=report.rejected,
-                duplicates=report.duplicates,
-                latency_s=self._clock() - started,
+            report = dataclasses.replace(
+                report, published=True, latency_s=self._clock() - started
             )
             self._audit(report)
             return report

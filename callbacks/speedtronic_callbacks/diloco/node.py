@@ -726,10 +726,10 @@ class DiLoCoNode:
                 sent[fragment] = max(sent.get(fragment, -1), step)
 
         if pointer is not None:
-            covered = pointer.covered.get(node)
+            covered = pointer.covered.get(node, {}).get(incarnation)
             progress = pointer.progress.get(node)
-            if covered is not None and covered[0] == incarnation:
-                for fragment, step in covered[1].items():
+            if covered is not None:
+                for fragment, step in covered.items():
                     note(fragment, step)
             elif progress is not None and progress[0] == incarnation:
                 note("*", progress[1])

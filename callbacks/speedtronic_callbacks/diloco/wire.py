@@ -674,7 +674,10 @@ def fragment_layout(layout: ModelLayout, fragment: str) -> ModelLayout:
         return layout
     match = FRAGMENT_PATTERN.match(fragment)
     if match is None or not int(match[1]) < int(match[2]):
-        raise Rejected(RejectionReason.BAD_METADATA, f"delta fragment {fragment!r} is not 'p/P'")
+        raise Rejected(
+            RejectionReason.BAD_METADATA,
+            f"delta field 'fragment' {fragment!r:.20} is not 'p/P' with p < P",
+        )
     try:
         plan = layout_plan(layout, int(match[2]))
     except ValueError as exc:
@@ -754,10 +757,15 @@ def decode_global(
 Progress = dict[str, tuple[str, int]]
 """node id -> (incarnation, highest local step applied from that incarnation)."""
 
-Covered = dict[str, tuple[str, dict[str, int]]]
-"""node id -> (incarnation, streaming fragment -> highest local step applied from that
-incarnation); fragment ``""`` is whole-model deltas. What the master checks a delta's step
-range against (``Ledger.overlap``), and what a resumed node reads to skip what it sent."""
+Covered = dict[str, dict[str, dict[str, int]]]
+"""node id -> incarnation -> streaming fragment -> highest local step applied from that
+incarnation (fragment ``""``: whole-model deltas), for the ``MAX_INCARNATIONS`` newest
+incarnations of each node. What the master checks a delta's step range against
+(``Ledger.overlap``), and what a resumed node reads to skip what it sent."""
+
+MAX_INCARNATIONS = 4
+"""Incarnations per node whose applied step ranges the ledger keeps (a node restarted
+from scratch while deltas of its earlier life still wait has two)."""
 
 
 def progress_to_json(progress: Mapping[str, tuple[str, int]]) -> dict[str, dict[str, object]]:
@@ -767,17 +775,16 @@ def progress_to_json(progress: Mapping[str, tuple[str, int]]) -> dict[str, dict[
     }
 
 
-def _node_entry(node: object, entry: object) -> tuple[str, dict[str, object]]:
-    """A node id and its JSON entry, both checked: the id and the entry's incarnation like
-    the metadata fields they come from."""
-    incarnation = entry.get("incarnation") if isinstance(entry, dict) else None
-    if not isinstance(node, str) or not isinstance(entry, dict) or not isinstance(incarnation, str):
+def _check_ids(node: object, incarnation: object) -> tuple[str, str]:
+    """A node id and an incarnation from parsed JSON, checked like the metadata fields
+    they come from; ``ValueError`` otherwise."""
+    if not isinstance(node, str) or not isinstance(incarnation, str):
         raise ValueError(f"bad entry for node {node!r:.70}")
     try:
         metadata_fields({"node_id": node, "incarnation": incarnation}, "a node entry")
     except Rejected as exc:
         raise ValueError(exc.detail) from None
-    return node, entry
+    return node, incarnation
 
 
 def progress_from_json(raw: object) -> Progress:
@@ -786,34 +793,39 @@ def progress_from_json(raw: object) -> Progress:
     if not isinstance(raw, dict):
         raise ValueError("progress must be a JSON object")
     progress: Progress = {}
-    for key, value in raw.items():
-        node, entry = _node_entry(key, value)
-        progress[node] = (str(entry["incarnation"]), check_integer(entry.get("step"), "local_step"))
+    for key, entry in raw.items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"bad progress entry for {key!r:.70}")
+        node, incarnation = _check_ids(key, entry.get("incarnation"))
+        progress[node] = (incarnation, check_integer(entry.get("step"), "local_step"))
     return progress
 
 
-def covered_to_json(covered: Mapping[str, tuple[str, Mapping[str, int]]]) -> dict[str, object]:
+def covered_to_json(covered: Covered) -> dict[str, dict[str, dict[str, int]]]:
     return {
-        node: {"incarnation": incarnation, "steps": dict(sorted(steps.items()))}
-        for node, (incarnation, steps) in sorted(covered.items())
+        node: {incarnation: dict(sorted(steps.items())) for incarnation, steps in lives.items()}
+        for node, lives in sorted(covered.items())
     }
 
 
 def covered_from_json(raw: object) -> Covered:
-    """Parse ``covered_to_json`` output; ``ValueError`` on anything else."""
+    """Parse ``covered_to_json`` output (ids, fragments and steps checked, at most
+    ``MAX_INCARNATIONS`` per node); ``ValueError`` on anything else."""
     if not isinstance(raw, dict):
         raise ValueError("covered must be a JSON object")
     covered: Covered = {}
-    for key, value in raw.items():
-        node, entry = _node_entry(key, value)
-        steps = entry.get("steps")
-        if not isinstance(steps, dict):
-            raise ValueError(f"bad steps in the entry for {node!r}")
-        for fragment in steps:
-            if fragment and not (isinstance(fragment, str) and FRAGMENT_PATTERN.match(fragment)):
-                raise ValueError(f"bad fragment {fragment!r:.20} in the entry for {node!r}")
-        checked = {str(f): check_integer(step, "local_step") for f, step in steps.items()}
-        covered[node] = (str(entry["incarnation"]), checked)
+    for key, lives in raw.items():
+        if not isinstance(lives, dict) or len(lives) > MAX_INCARNATIONS:
+            raise ValueError(f"bad covered entry for node {key!r:.70}")
+        for life, steps in lives.items():
+            node, incarnation = _check_ids(key, life)
+            if not isinstance(steps, dict):
+                raise ValueError(f"bad steps of node {node!r}")
+            for fragment in steps:
+                if fragment and not FRAGMENT_PATTERN.match(fragment):
+                    raise ValueError(f"bad fragment {fragment!r:.20} of node {node!r}")
+            checked = {f: check_integer(step, "local_step") for f, step in steps.items()}
+            covered.setdefault(node, {})[incarnation] = checked
     return covered
 
 
@@ -833,8 +845,9 @@ class Ledger:
     ``applied`` holds the content hash of every delta ever applied (so a re-uploaded or
     renamed copy is never applied twice); ``progress`` the highest local step applied per
     node incarnation (what earlier versions' nodes read); ``covered`` the same per
-    streaming fragment, which the step range of every new delta of that incarnation must
-    start at or after (``overlap``) and which a resumed node reads to skip what it sent.
+    incarnation and streaming fragment, which the step range of every new delta of that
+    incarnation must start at or after (``overlap``) and which a resumed node reads to
+    skip what it sent.
     """
 
     applied: set[str] = field(default_factory=set)
@@ -842,30 +855,33 @@ class Ledger:
     covered: Covered = field(default_factory=dict)
 
     def copy(self) -> Ledger:
-        return Ledger(
-            set(self.applied),
-            dict(self.progress),
-            {node: (inc, dict(steps)) for node, (inc, steps) in self.covered.items()},
-        )
+        covered = {
+            node: {life: dict(steps) for life, steps in lives.items()}
+            for node, lives in self.covered.items()
+        }
+        return Ledger(set(self.applied), dict(self.progress), covered)
 
     def overlap(self, info: DeltaInfo) -> int | None:
         """The highest local step already applied from ``info``'s node incarnation that
         ``info``'s range reaches back to, or ``None`` when it does not overlap. A delta of
         an earlier version (no range) overlaps when it ends there or before."""
-        entry = self.covered.get(info.node_id)
-        if entry is None or entry[0] != info.incarnation:
+        steps = self.covered.get(info.node_id, {}).get(info.incarnation)
+        if steps is None:
             return None
-        through = covered_through(entry[1], info.fragment)
+        through = covered_through(steps, info.fragment)
         start = info.local_step - 1 if info.first_step is None else info.first_step
         return through if start < through else None
 
     def record(self, info: DeltaInfo) -> None:
-        """Note that ``info``'s delta was applied (a new incarnation replaces the old)."""
+        """Note that ``info``'s delta was applied (its incarnation becomes the node's
+        newest; beyond ``MAX_INCARNATIONS`` the oldest is forgotten)."""
         node, incarnation = info.node_id, info.incarnation
-        entry = self.covered.get(node)
-        steps = dict(entry[1]) if entry is not None and entry[0] == incarnation else {}
+        lives = self.covered.setdefault(node, {})
+        steps = lives.pop(incarnation, {})
         steps[info.fragment] = max(steps.get(info.fragment, -1), info.local_step)
-        self.covered[node] = (incarnation, steps)
+        lives[incarnation] = steps
+        while len(lives) > MAX_INCARNATIONS:
+            del lives[next(iter(lives))]
         previous = self.progress.get(node)
         step = info.local_step
         if previous is not None and previous[0] == incarnation:
