@@ -244,7 +244,9 @@ def assert_within_bounds(name: str, value: int | str) -> None:
         assert isinstance(value, int) and spec.minimum <= value <= spec.maximum, (name, value)
     else:
         assert isinstance(spec, TextField) and isinstance(value, str)
-        assert len(value) <= spec.max_length and spec.pattern.match(value), (name, value)
+        parts = (value.split(",") if value else []) if spec.items else [value]
+        assert len(value) <= spec.max_length, (name, value)
+        assert all(spec.pattern.match(part) for part in parts), (name, value)
 
 
 @FUZZ

@@ -664,9 +664,7 @@ class MasterLoop:
                     )
                 if report.work_unit:
                     self._work_history(report.work_unit).record(report.works)
-            report = dataclasses.replace(
-                report, published=True, latency_s=self._clock() - started
-            )
+            report = dataclasses.replace(report, published=True, latency_s=self._clock() - started)
             self._audit(report)
             return report
 
