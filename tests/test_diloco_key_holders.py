@@ -29,10 +29,13 @@ from speedtronic_callbacks.diloco.pointer import POINTER_PATH, decode_pointer
 from speedtronic_callbacks.diloco.transport_base import Replaced, RetryingTransport, RetryPolicy
 from speedtronic_callbacks.diloco.wire import (
     DeltaInfo,
+    Ledger,
     Rejected,
     RejectionReason,
     decode_delta,
     encode_file,
+    encode_global,
+    encode_outer,
     parse_header,
     to_wire,
 )
@@ -171,6 +174,9 @@ def test_a_signed_400_digit_token_count_is_quarantined_and_aggregation_goes_on(
         second = master.sync_once()  # every later round runs; the file is not retried
     assert second.published and [item.path for item in second.applied] == [later]
     assert second.rejected == () and evil not in caplog.text
+    (tmp_path / "hub" / evil).unlink()  # the operator removes it: the record goes too
+    master.sync_once()
+    assert master.state_dict()["rejected"] == {}
 
 
 @pytest.mark.parametrize(
@@ -216,6 +222,27 @@ def test_a_2_0_pointer_with_an_absurd_step_is_a_rejection(tmp_path: Path, step: 
     with pytest.raises(Rejected, match="2.0 pointer has outer step") as caught:
         master.reconcile(make_model().state_dict())
     assert caught.value.reason is RejectionReason.BAD_METADATA
+
+
+def test_global_files_named_beyond_any_valid_step_are_not_adopted(tmp_path: Path) -> None:
+    # A restarted master adopts the newest complete version on the hub; a planted
+    # model/outer pair named outer step 10**13 would have become its step, and every
+    # staleness weight after it overflowed.
+    transport = hub_of(tmp_path)
+    first = make_master(transport)
+    honest(transport, "w", 5, 0)
+    assert first.sync_once().published
+    first.release()
+    huge = 10**13  # validly signed files of a key holder
+    state = make_model().state_dict()
+    transport.put(pointers.model_file_name(huge), encode_global(state, huge, LAYOUT, secret=SECRET))
+    outer = encode_outer({}, Ledger(), huge, LAYOUT, secret=SECRET)
+    transport.put(pointers.outer_file_name(huge), outer)
+    MasterLoop._active.clear()
+
+    restarted = make_master(transport)
+
+    assert restarted.outer_step == 1
 
 
 # -- item 5: one signed delta takes the round's weight --------------------------------------
