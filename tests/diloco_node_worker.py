@@ -79,16 +79,22 @@ class _Die(Callback):
             os._exit(17)
 
 
-class _HoldAfter(Callback):
-    """After step ``step`` -- once its uploads finished -- the process writes ``marker``
-    (the last local step it sent) and waits to be killed: a SIGKILL after known uploads.
-    Until then each step takes ``pace`` seconds, so that uploads keep up with training."""
+class _Pace(Callback):
+    """Each step takes ``pace`` seconds more, so that uploads and polls keep up."""
 
-    def __init__(self, step: int, marker: Path, pace: float) -> None:
-        self.step, self.marker, self.pace = step, marker, pace
+    def __init__(self, pace: float) -> None:
+        self.pace = pace
 
     def on_step_end(self, trainer: Trainer, ctx: StepContext) -> None:
         time.sleep(self.pace)
+
+
+class _HoldAfter(Callback):
+    """After step ``step`` -- once its uploads finished -- the process writes ``marker``
+    (the last local step it sent) and waits to be killed: a SIGKILL after known uploads."""
+
+    def __init__(self, step: int, marker: Path) -> None:
+        self.step, self.marker = step, marker
 
     def on_step_start(self, trainer: Trainer, ctx: StepContext) -> None:
         if ctx.step != self.step + 1:
@@ -183,8 +189,9 @@ def node(out_dir: str, raw: str) -> int:
         if params.get("die_at") is not None and rank == 1:
             extra.append(_Die(int(params["die_at"])))
         if params.get("hold_after") is not None:
-            marker = out / f"{tag}.held"
-            extra.append(_HoldAfter(int(params["hold_after"]), marker, params.get("pace", 0.0)))
+            extra.append(_HoldAfter(int(params["hold_after"]), out / f"{tag}.held"))
+        if params.get("pace"):
+            extra.append(_Pace(float(params["pace"])))
     trainer: Trainer | None = None
     report: dict[str, object] = {"error": None}
     try:

@@ -185,7 +185,8 @@ def test_a_worker_killed_after_uploading_resumes_from_an_older_checkpoint_sendin
     cheap = {"inner_steps": 5, "checkpoint_every": 40, "log_every": 60}
     master = start_master(forked, tmp_path, ["w1"], 60, **cheap)
     worker = {"kind": "worker", "tag": "w1", "index": 1, "steps": 60, "micro_batch": 8, **cheap}
-    killed = {**worker, "hold_after": 50, "pace": 0.03}
+    worker["pace"] = 0.05  # steps slower than uploads and polls, as on a real model
+    killed = {**worker, "hold_after": 50}
     first = forked.start(node, str(tmp_path), json.dumps(killed), env={"RANK": None})
     held, audit = tmp_path / "w1.held", tmp_path / "master" / "diloco" / "rounds-master.jsonl"
     deadline = time.monotonic() + 90
