@@ -79,6 +79,33 @@ class _Die(Callback):
             os._exit(17)
 
 
+class _Pace(Callback):
+    """Each step takes ``pace`` seconds more, so that uploads and polls keep up."""
+
+    def __init__(self, pace: float) -> None:
+        self.pace = pace
+
+    def on_step_end(self, trainer: Trainer, ctx: StepContext) -> None:
+        time.sleep(self.pace)
+
+
+class _HoldAfter(Callback):
+    """After step ``step`` -- once its uploads finished -- the process writes ``marker``
+    (the last local step it sent) and waits to be killed: a SIGKILL after known uploads."""
+
+    def __init__(self, step: int, marker: Path) -> None:
+        self.step, self.marker = step, marker
+
+    def on_step_start(self, trainer: Trainer, ctx: StepContext) -> None:
+        if ctx.step != self.step + 1:
+            return
+        diloco = next(cb for cb in trainer.callbacks if isinstance(cb, DiLoCoCallback))
+        node = diloco.node
+        assert node is not None and node.wait_idle(30) and node.unconfirmed is None
+        self.marker.write_text(json.dumps({"sent_through": node._dispatched_through}))
+        time.sleep(3600)
+
+
 class _MasterHold(Callback):
     """After ``budget`` steps the master stops training (its steps change nothing) but keeps
     aggregating until every worker in ``wait_for`` is done and its deltas were applied."""
@@ -123,7 +150,10 @@ def node(out_dir: str, raw: str) -> int:
     steps = int(params["steps"])
     # The kill-and-resume test needs checkpoints; the learning test does not write them
     # (three processes x every 5 steps is most of a cheap step's cost).
-    checkpoint = {"enabled": bool(params.get("checkpoints", True))}
+    checkpoint = {
+        "enabled": bool(params.get("checkpoints", True)),
+        "every_steps": int(params.get("checkpoint_every", 5)),
+    }
     logging = {"every_steps": int(params.get("log_every", 1))}
     inner_steps = int(params.get("inner_steps", INNER_STEPS))
     extra: list[Callback] = []
@@ -145,10 +175,11 @@ def node(out_dir: str, raw: str) -> int:
         config["callbacks"] = [diloco_options(hub, "master", tag, 0, inner_steps)]
         extra.append(_MasterHold(hub, steps, list(params["wait_for"]), params["deadline"]))
     else:
+        micro_batch = int(params.get("micro_batch", SAMPLES_PER_NODE_STEP // 2))
         config = run_config(
             out / tag,
             steps,
-            data={"micro_batch_size": SAMPLES_PER_NODE_STEP // 2},
+            data={"micro_batch_size": micro_batch},
             checkpoint=checkpoint,
             logging=logging,
         )
@@ -157,6 +188,10 @@ def node(out_dir: str, raw: str) -> int:
         ]
         if params.get("die_at") is not None and rank == 1:
             extra.append(_Die(int(params["die_at"])))
+        if params.get("hold_after") is not None:
+            extra.append(_HoldAfter(int(params["hold_after"]), out / f"{tag}.held"))
+        if params.get("pace"):
+            extra.append(_Pace(float(params["pace"])))
     trainer: Trainer | None = None
     report: dict[str, object] = {"error": None}
     try:
@@ -164,6 +199,7 @@ def node(out_dir: str, raw: str) -> int:
         result = trainer.fit()
         report["steps"] = result.steps
         report["stop_reason"] = result.stop_reason
+        report["tokens"] = trainer.tokens
         records = [
             {k: v for k, v in r.items() if k.startswith("diloco/") or k == "step"}
             for r in result.metrics

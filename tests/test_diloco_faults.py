@@ -29,6 +29,7 @@ from speedtronic_callbacks.diloco.pointer import POINTER_PATH, decode_pointer
 from speedtronic_callbacks.diloco.transport_base import (
     PermanentTransportError,
     RemoteFile,
+    Replaced,
     RetryingTransport,
     RetryPolicy,
     TransientTransportError,
@@ -601,10 +602,10 @@ def test_a_failed_publication_changes_nothing_and_is_retried(tmp_path: Path) -> 
     class PointerDown(DirectoryTransport):
         down = False
 
-        def put(self, path: str, data: bytes) -> None:
+        def replace(self, path: str, data: bytes) -> Replaced:  # how the pointer is written
             if self.down and path == POINTER_PATH:
                 raise PermanentTransportError("put", "quota exceeded")
-            super().put(path, data)
+            return super().replace(path, data)
 
     hub = PointerDown(tmp_path / "hub")
     audit = tmp_path / "audit.jsonl"
@@ -634,11 +635,12 @@ def test_a_publication_reported_failed_that_landed_is_adopted(tmp_path: Path) ->
     class LostPointerAck(DirectoryTransport):
         lose_next = False
 
-        def put(self, path: str, data: bytes) -> None:
-            super().put(path, data)
+        def replace(self, path: str, data: bytes) -> Replaced:  # how the pointer is written
+            replaced = super().replace(path, data)
             if self.lose_next and path == POINTER_PATH:
                 self.lose_next = False
                 raise PermanentTransportError("put", "connection closed before the reply")
+            return replaced
 
     hub = LostPointerAck(tmp_path / "hub")
     audit = tmp_path / "audit.jsonl"
@@ -748,23 +750,26 @@ def test_a_resumed_worker_drops_work_it_had_already_sent(tmp_path: Path) -> None
     start(resumed)
     assert master.node.master is not None
     outer_at_resume = master.node.master.outer_step
-    resumed.train(3)  # replays steps 6..8 from the newest global, not from the checkpoint
+    resumed.train(3)  # recomputes steps 6..8, which the killed run sent (at 8 and 12) ...
     master.train(2)
-    resumed.train(4)
+    resumed.train(8)  # ... and 9..12; then new work, sent at step 16
+    master.train(2)
 
     assert resumed.node.stats.resyncs == 1  # the checkpointed unsent delta was dropped
     hashes = applied_hashes(audit)
     assert len(hashes) == len(set(hashes))
-    resent = [
+    applied = [
         item
         for record in audit_records(audit)
         for item in record["applied"]  # type: ignore[attr-defined]  # a JSON list
-        if item["node_id"] == "worker" and item["local_step"] == 8
+        if item["node_id"] == "worker"
     ]
-    # step 8 of the first run, then new work of the resumed run, measured from the global
-    # it installed at start-up (not the checkpoint's stale baseline)
-    assert len(resent) == 2
-    assert int(resent[1]["base_outer_step"]) >= outer_at_resume
+    # Issue 22 item 9: each step's progress once -- not step 8 of the first run and again
+    # the resumed run's recomputation of it (which this test asserted before).
+    ranges = [(item["first_step"], item["local_step"]) for item in applied]
+    assert sorted(ranges) == [(0, 4), (4, 8), (8, 12), (12, 16)]
+    new_work = next(item for item in applied if item["local_step"] == 16)
+    assert int(new_work["base_outer_step"]) >= outer_at_resume  # from a global after resume
     stop(master, resumed)
 
 
@@ -788,7 +793,9 @@ def test_dedupe_is_by_content_not_by_name(tmp_path: Path) -> None:
     second = master.node.master.sync_once()
     assert (second.included, second.published) == (0, False)
     assert hub.get(path) is None  # cleaned up
-    other = encode_delta({k: v * 2 for k, v in delta.items()}, DeltaInfo("w", 3, base, "x"), layout)
+    # Same name stem, new content (from another incarnation of "w": a second delta of the
+    # same incarnation for step 3 would repeat applied steps, an ``overlap`` rejection).
+    other = encode_delta({k: v * 2 for k, v in delta.items()}, DeltaInfo("w", 3, base, "y"), layout)
     hub.put(delta_path("w", 3, parse_header(other).metadata["sha256"]), other)
-    assert master.node.master.sync_once().included == 1  # same name stem, new content
+    assert master.node.master.sync_once().included == 1
     stop(master)

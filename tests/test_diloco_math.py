@@ -294,7 +294,11 @@ def test_global_file_round_trip_with_tied_weights() -> None:
 def test_outer_state_and_pointer_round_trip() -> None:
     layout = build_layout(nn.Linear(3, 2).state_dict())
     momentum = {"weight": torch.ones(2, 3)}
-    ledger = Ledger(applied={"a" * 64}, progress={"node-a": ("inc", 40)})
+    ledger = Ledger(
+        applied={"a" * 64},
+        progress={"node-a": ("inc", 40)},
+        covered={"node-a": {"inc": {"0/2": 40, "1/2": 38}, "old": {"": 7}}},
+    )
     data = encode_outer(momentum, ledger, 5, layout, secret=b"k")
     restored, restored_ledger = decode_outer(data, layout, secret=b"k", outer_step=5)
     assert torch.equal(restored["weight"], momentum["weight"])
@@ -303,14 +307,15 @@ def test_outer_state_and_pointer_round_trip() -> None:
     pointer = Pointer(
         outer_step=5,
         model_file=model_file_name(5),
-        model_sha256="m",
+        model_sha256="ab" * 32,
         outer_file=outer_file_name(5),
-        outer_sha256="o",
+        outer_sha256="cd" * 32,
         fingerprint=layout.fingerprint,
         master="boss",
         updated_at="now",
-        applied=("x", "y"),
+        applied=("e" * 64, "f" * 64),
         progress={"node-a": ("inc", 40)},
+        covered={"node-a": {"inc": {"": 40}}},
     )
     blob = encode_pointer(pointer, secret=b"k")
     assert decode_pointer(blob, fingerprint=layout.fingerprint, secret=b"k") == pointer
@@ -322,9 +327,9 @@ def test_outer_state_and_pointer_round_trip() -> None:
         Pointer(
             5,
             "nodes/x/evil.safetensors",
-            "m",
+            "ab" * 32,
             outer_file_name(5),
-            "o",
+            "cd" * 32,
             layout.fingerprint,
             "boss",
             "now",

@@ -161,3 +161,65 @@ def test_a_killed_rank_ends_its_node_and_the_node_resumes_and_rejoins(
     assert records[0]["step"] == 16  # resumed from its last checkpoint (step 15)
     assert int(outcome["uploads"]) >= 2  # type: ignore[call-overload]  # JSON int
     assert int(outcome["installs"]) >= 1  # type: ignore[call-overload]  # JSON int
+
+
+def _applied(audit: Path, node: str, kind: str = "applied") -> list[dict[str, object]]:
+    """The deltas of ``node`` that the master's audit log says it applied (or rejected)."""
+    if not audit.exists():
+        return []
+    records = [json.loads(line) for line in audit.read_text().splitlines() if line]
+    return [
+        item
+        for r in records
+        for item in r[kind]
+        if item.get("node_id") == node or str(item.get("path", "")).startswith(f"nodes/{node}/")
+    ]
+
+
+def test_a_worker_killed_after_uploading_resumes_from_an_older_checkpoint_sending_nothing_twice(
+    tmp_path: Path, forked: Forked
+) -> None:
+    # Issue 22 item 9: a worker uploads its deltas of steps 45 and 50, is SIGKILLed, and is
+    # resumed from its step-40 checkpoint: it recomputes steps 41..50, whose progress and
+    # tokens the hub already has, and must send neither again.
+    cheap = {"inner_steps": 5, "checkpoint_every": 40, "log_every": 60}
+    master = start_master(forked, tmp_path, ["w1"], 60, **cheap)
+    worker = {"kind": "worker", "tag": "w1", "index": 1, "steps": 60, "micro_batch": 8, **cheap}
+    worker["pace"] = 0.05  # steps slower than uploads and polls, as on a real model
+    killed = {**worker, "hold_after": 50}
+    first = forked.start(node, str(tmp_path), json.dumps(killed), env={"RANK": None})
+    held, audit = tmp_path / "w1.held", tmp_path / "master" / "diloco" / "rounds-master.jsonl"
+    deadline = time.monotonic() + 90
+    while not held.exists():
+        assert first.poll() is None, first.output[-3000:]
+        assert time.monotonic() < deadline, "the worker never reached step 50"
+        time.sleep(0.05)
+    sent = int(json.loads(held.read_text())["sent_through"])
+    assert sent > 40  # uploads made after the checkpoint (45 and 50 unless one was skipped)
+    while not any(item["local_step"] == sent for item in _applied(audit, "w1")):
+        assert master.poll() is None, master.output[-3000:]
+        assert time.monotonic() < deadline, f"the master never applied w1's step {sent}"
+        time.sleep(0.05)
+    first.kill()  # SIGKILL: no final checkpoint; the newest is step 40's
+
+    again = {**worker, "resume": True, "log_every": 1}
+    resumed = forked.start(node, str(tmp_path), json.dumps(again), env={"RANK": None})
+    finished([resumed, master], timeout=90)
+
+    outcome = report(tmp_path, "w1")
+    records = outcome["records"]
+    assert isinstance(records, list) and records[0]["step"] == 41  # from the step-40 checkpoint
+    assert records[-1]["diloco/resyncs"] == 1  # it dropped work the hub already had ...
+    assert _applied(audit, "w1", "rejected") == []  # ... and sent none of it again
+    applied = _applied(audit, "w1")
+    ranges = sorted((int(str(i["first_step"])), int(str(i["local_step"]))) for i in applied)
+    # From its first install (step 0 or 1; later when the hub had moved on from the weights
+    # the node started with, whose progress then does not count) to its last upload (step
+    # 60, or 55 when the upload of 55 was still running at step 60):
+    first, last = ranges[0][0], ranges[-1][1]
+    assert first < 40 and last > sent, ranges  # the resumed run sent new work
+    for (_, end), (start, _) in zip(ranges, ranges[1:], strict=False):
+        assert start == end, ranges  # every step's progress in exactly one applied delta
+    per_step = int(str(outcome["tokens"])) // 60
+    tokens = sum(int(str(item["tokens"])) for item in applied)
+    assert tokens == per_step * (last - first)  # every step's tokens counted once

@@ -16,8 +16,12 @@ of 1e6-valued entries is never applied as it is.
 
 **Work weighting** (``weight_by_work``). Each pseudo-gradient counts ``work_i / mean(work)``
 where work is the tokens trained for it when every one in the round reports tokens, else
-the samples, else nothing (weight 1). Equal work gives weight exactly 1, so a round of
-equal nodes averages as before. In hub mode this multiplies the staleness weight.
+the samples, else nothing (weight 1; ``work_unit``). Equal work gives weight exactly 1, so
+a round of equal nodes averages as before. In hub mode this multiplies the staleness
+weight, and a work figure is a claim in a file: the master caps it at what the node could
+have trained (``work_cap``: at most ``inner_steps`` steps of at most the largest batch)
+and screens the capped figures with the outlier rule above, so no delta takes more than a
+bounded share of a round.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ __all__ = [
     "replica_coefficients",
     "screen",
     "state_norm",
+    "work_cap",
+    "work_unit",
     "work_weights",
 ]
 
@@ -142,6 +148,26 @@ def screen(
         else:
             factors.append(bound / norm)
     return Screening(tuple(factors), bound)
+
+
+def work_unit(tokens: Sequence[int], samples: Sequence[int]) -> str | None:
+    """What weights a round: ``"tokens"`` when every delta reports tokens, else
+    ``"samples"`` when every one reports samples, else ``None`` (equal weights)."""
+    for unit, counts in (("tokens", tokens), ("samples", samples)):
+        if counts and all(count > 0 for count in counts):
+            return unit
+    return None
+
+
+def work_cap(steps: int | None, inner_steps: int | None, per_step: int | None) -> int | None:
+    """The most work a delta may claim: ``min(steps, inner_steps) x per_step``, where
+    ``steps`` is the length of its step range and ``per_step`` the most one optimizer step
+    trains (``None`` when not known: no cap). Either bound alone caps the steps; with
+    neither there is no cap."""
+    if per_step is None or per_step <= 0:
+        return None
+    bounds = [value for value in (steps, inner_steps) if value is not None]
+    return min(bounds) * per_step if bounds else None
 
 
 def work_weights(tokens: Sequence[int], samples: Sequence[int]) -> list[float]:

@@ -219,6 +219,9 @@ def make_node(
                 secret=secret,
                 robust=robust_settings(options),
                 weight_by_work=options.weight_by_work,
+                inner_steps=options.inner_steps,
+                max_step_tokens=options.max_step_tokens,
+                max_step_samples=options.max_step_samples,
             ),
             audit_path=audit_path,
         )

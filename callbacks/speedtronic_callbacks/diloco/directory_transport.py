@@ -3,21 +3,31 @@
 Writes go to a temporary sibling, are fsynced and atomically renamed
 (``speedtronic.state.atomic_io``), so a reader sees either the old file or the complete new one,
 never half of one.
+
+``replace`` (how the master writes the pointer) swaps the new file in with Linux's
+``renameat2(RENAME_EXCHANGE)`` where the kernel and filesystem support it: the file it
+replaced comes out at the temporary name, so the master sees exactly what it published
+over, even when someone wrote it a moment before. Elsewhere (other systems, NFS) it reads
+the file and then replaces it, and a write in between goes unseen.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import stat
-from collections.abc import Sequence
+import sys
+import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from speedtronic.state.atomic_io import atomic_write_bytes
+from speedtronic.state.atomic_io import atomic_write_bytes, fsync_directory
 from speedtronic_callbacks.diloco.transport_base import (
     HubNotCreatedError,
     PermanentTransportError,
     RemoteFile,
+    Replaced,
     TransientTransportError,
     Transport,
     TransportError,
@@ -29,6 +39,41 @@ _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | _NONBLOCK | getattr(os, "O_BINARY", 0)
 """Open without following a final symbolic link and without blocking on a FIFO (whose
 open would otherwise wait for a writer); the descriptor is checked before any read."""
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EXDEV, errno.EPERM}
+"""``renameat2`` errors that mean "not here" (old kernel, a filesystem without it)."""
+
+
+def _load_renameat2() -> Callable[[Path, Path, int], None] | None:
+    """glibc's ``renameat2`` as ``rename2(source, target, flags)`` (``OSError`` on failure),
+    or ``None`` off Linux or without it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    function.restype = ctypes.c_int
+
+    def rename2(source: Path, target: Path, flags: int) -> None:
+        if function(_AT_FDCWD, os.fsencode(source), _AT_FDCWD, os.fsencode(target), flags):
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code), str(target))
+
+    return rename2
+
+
+_rename2 = _load_renameat2()
 
 
 class DirectoryTransport(Transport):
@@ -161,6 +206,81 @@ class DirectoryTransport(Transport):
             atomic_write_bytes(target, data)
         except OSError as exc:
             raise self._os_error(f"put {path}", exc) from exc
+
+    def replace(self, path: str, data: bytes) -> Replaced:
+        """``put`` that returns exactly what it replaced, by an atomic exchange where the OS
+        has one (see the module docstring); otherwise ``Transport.replace``."""
+        if _rename2 is None:
+            return super().replace(path, data)
+        target = self._resolve(path)
+        self._require_root("put")
+        self._refuse_linked_folders(path, f"put {path}")
+        try:
+            swapped = self._exchange(target, data, _rename2)
+        except OSError as exc:
+            raise self._os_error(f"put {path}", exc) from exc
+        return super().replace(path, data) if swapped is None else swapped
+
+    def _exchange(
+        self, target: Path, data: bytes, rename2: Callable[[Path, Path, int], None]
+    ) -> Replaced | None:
+        """Write ``data`` to a fresh hidden sibling and swap it with ``target`` (or move it
+        there when there is no file); ``None`` when this filesystem cannot swap."""
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staged = target.with_name(f".{target.name}.swap-{uuid.uuid4().hex}")
+        fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            for _ in range(8):  # the target may appear or vanish between two attempts
+                try:
+                    rename2(staged, target, _RENAME_EXCHANGE)
+                except FileNotFoundError:
+                    try:
+                        rename2(staged, target, _RENAME_NOREPLACE)
+                    except FileExistsError:
+                        continue
+                    fsync_directory(target.parent)
+                    return Replaced(None, exact=True)
+                except OSError as exc:
+                    if exc.errno in _UNSUPPORTED:
+                        return None
+                    raise
+                fsync_directory(target.parent)
+                return self._take_out(staged, target.name)
+            raise OSError(errno.EAGAIN, "the file kept appearing and vanishing", str(target))
+        finally:
+            if staged.exists() or staged.is_symlink():
+                self._remove_entry(staged)
+
+    def _take_out(self, swapped: Path, name: str) -> Replaced:
+        """What the exchange moved out to ``swapped``: read as ``get`` reads (a link, FIFO,
+        directory or oversized file is not read: ``unreadable`` says which)."""
+        try:
+            fd = os.open(swapped, _READ_FLAGS)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP or swapped.is_symlink():
+                return Replaced(None, exact=True, unreadable="it was a symbolic link")
+            raise
+        try:
+            return Replaced(self._read_regular(fd, name), exact=True)
+        except UnreadableFileError as exc:
+            return Replaced(None, exact=True, unreadable=exc.message)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _remove_entry(path: Path) -> None:
+        """Remove what an exchange left at a temporary name (a file, link, FIFO or folder)."""
+        try:
+            if path.is_dir() and not path.is_symlink():
+                path.rmdir()
+            else:
+                path.unlink()
+        except OSError:
+            pass  # a hidden name: never listed, and harmless
 
     def delete(self, paths: Sequence[str]) -> None:
         self._require_root("delete")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import safetensors.torch
 import torch
 
+from speedtronic_callbacks.diloco.fields import FieldError, check_integer
 from speedtronic_callbacks.diloco.math import is_synchronised
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
 from speedtronic_callbacks.diloco.wire import (
@@ -27,6 +28,7 @@ from speedtronic_callbacks.diloco.wire import (
     RejectionReason,
     global_tensors,
     load_json,
+    metadata_fields,
     parse_header,
 )
 
@@ -57,10 +59,16 @@ def read_v2_pointer(raw: bytes) -> V2Pointer | None:
     if not isinstance(value, dict) or "format" in value:
         return None
     step = value.get("outer_step", value.get("step"))
-    if isinstance(step, str) and step.strip().isdigit():
-        step = int(step)
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise Rejected(RejectionReason.BAD_METADATA, f"2.0 pointer has outer step {step!r}")
+    try:  # bounded like this version's field: no 5,000-digit or superscript "steps"
+        if isinstance(step, str):
+            step = metadata_fields({"outer_step": step.strip()}, "2.0 pointer").integer(
+                "outer_step"
+            )
+        step = check_integer(step, "outer_step")
+    except (Rejected, FieldError):
+        raise Rejected(
+            RejectionReason.BAD_METADATA, f"2.0 pointer has outer step {step!r:.40}"
+        ) from None
     model_file = value.get("model_file", V2_MODEL_FILE)
     if not isinstance(model_file, str) or not _V2_MODEL_PATTERN.match(model_file):
         raise Rejected(RejectionReason.BAD_METADATA, f"2.0 pointer names {model_file!r}")

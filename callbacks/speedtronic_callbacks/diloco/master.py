@@ -11,16 +11,22 @@ One round (``sync_once``):
 2. download and validate each new candidate: only regular files within the size limit are
    read, then signature, fingerprint, keys, shapes, hash, NaN/Inf, name/header agreement;
    a delta whose content hash is in the ledger is a duplicate (removed), otherwise its
-   staleness is checked. Every failure is a logged rejection; the file stays on the hub;
+   staleness is checked, and its step range must not reach back into steps already
+   applied from its node incarnation (``overlap``). Every failure is a logged rejection:
+   the file is quarantined -- it stays on the hub and is not examined again until it
+   changes (``_rejected``, checkpointed) -- and the round goes on without it;
 3. screen the deltas' norms for outliers (``aggregation.screen``: clip, or reject as a
-   logged ``outlier`` rejection), weight each by its staleness times the work it reports
-   (``aggregation.work_weights``), aggregate, and apply the outer Nesterov step to a
-   *copy* of the global state;
+   logged ``outlier`` rejection), cap the work each claims at what its node could have
+   trained and screen those figures the same way (``_work_shares``), weight each delta by
+   its staleness times its share of the round's work, aggregate, and apply the outer
+   Nesterov step to a *copy* of the global state;
 4. publish model file, outer-state file, then the pointer (last, so readers never follow
    it to a missing file; on the Hub all three are one atomic commit), removing the applied
-   deltas and old global versions in the same commit. Only after the pointer is written is
-   the new state committed in memory; a failed publication leaves everything as it was and
-   the same deltas are applied (exactly once) by a later round.
+   deltas and old global versions in the same commit. The pointer is swapped in
+   (``Transport.replace``), so the master sees what it wrote over and reports a junk
+   pointer written during the round (``_judge_replaced``). Only after the pointer is
+   written is the new state committed in memory; a failed publication leaves everything
+   as it was and the same deltas are applied (exactly once) by a later round.
 
 Restart: ``reconcile`` treats the published pointer as the source of truth unless this
 master's checkpoint is ahead of it. A master resumed from an older checkpoint adopts the
@@ -30,6 +36,7 @@ applied twice.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -46,10 +53,13 @@ from speedtronic_callbacks.diloco.aggregation import (
     MIN_REFERENCE,
     NormHistory,
     RobustSettings,
+    Screening,
     screen,
     state_norm,
-    work_weights,
+    work_cap,
+    work_unit,
 )
+from speedtronic_callbacks.diloco.fields import MAX_STEP, NODE_ID_PATTERN
 from speedtronic_callbacks.diloco.fragments import aggregate_by_key
 from speedtronic_callbacks.diloco.legacy_hub import (
     V2Pointer,
@@ -71,12 +81,21 @@ from speedtronic_callbacks.diloco.pointer import (
     model_file_name,
     outer_file_name,
 )
-from speedtronic_callbacks.diloco.transport_base import RemoteFile, Transport, UnreadableFileError
+from speedtronic_callbacks.diloco.transport_base import (
+    RemoteFile,
+    Replaced,
+    Transport,
+    TransportError,
+    UnreadableFileError,
+)
 from speedtronic_callbacks.diloco.wire import (
     DecodedDelta,
+    DeltaInfo,
     Ledger,
     Rejected,
     RejectionReason,
+    covered_from_json,
+    covered_to_json,
     decode_delta,
     decode_global,
     decode_outer,
@@ -90,7 +109,22 @@ from speedtronic_callbacks.diloco.wire import (
 
 logger = logging.getLogger("speedtronic.diloco")
 
-NODE_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+__all__ = [
+    "DELTA_PATH_PATTERN",
+    "NODE_ID_PATTERN",
+    "AppliedDelta",
+    "DeltaName",
+    "DeltaRejection",
+    "MasterConflictError",
+    "MasterLoop",
+    "MasterSettings",
+    "OuterState",
+    "RoundReport",
+    "clone_state",
+    "delta_path",
+    "parse_delta_path",
+]
+
 DELTA_PATH_PATTERN = re.compile(
     r"^nodes/(?P<node>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})/"
     r"delta_(?P<step>\d+)_(?P<hash>[0-9a-f]{16})\.safetensors$"
@@ -156,6 +190,13 @@ class MasterSettings:
     """The outlier rule (``outlier_policy``, ``outlier_factor``, ``outlier_window``)."""
     weight_by_work: bool = True
     """Weight deltas by the tokens (else samples) they report, times staleness."""
+    inner_steps: int | None = None
+    """H of the fleet: a delta's claimed work counts at most H steps (``None``: its range)."""
+    max_step_tokens: int | None = None
+    """The most tokens one optimizer step of a node trains (``None``: the master's own, as
+    its node measures it: ``observe_step_work``)."""
+    max_step_samples: int | None = None
+    """The same in samples."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +220,26 @@ class AppliedDelta:
     """The factor an outlier was scaled by (1: applied as it came)."""
     tokens: int = 0
     samples: int = 0
+    first_step: int | None = None
+    """The start of the delta's step range (``local_step`` is its end)."""
+    work: float = 0.0
+    """The work figure the weight came from: the claimed tokens (else samples), capped at
+    what the node could have trained and screened like a norm (0: not weighted by work)."""
+
+
+@dataclass
+class _Accepted:
+    """A delta that passed validation, on its way through one round's screening."""
+
+    entry: RemoteFile
+    decoded: DecodedDelta
+    staleness: int
+    norm: float = 0.0
+    clip: float = 1.0
+    work: float = 0.0
+    """The work figure its weight comes from (0: the round is not weighted by work)."""
+    share: float = 1.0
+    """``work / mean(work)`` of the round (1: not weighted by work)."""
 
 
 @dataclass(frozen=True)
@@ -199,6 +260,10 @@ class RoundReport:
     norm_fragments: tuple[str, ...] = ()
     """Per norm, the delta's streaming fragment (``"p/P"``; ``""``: the whole model): each
     fragment has its own outlier history."""
+    works: tuple[float, ...] = ()
+    """The applied deltas' work figures (``AppliedDelta.work``): the work history."""
+    work_unit: str = ""
+    """``tokens``, ``samples`` or ``""`` (the round was not weighted by work)."""
 
     @property
     def included(self) -> int:
@@ -244,6 +309,13 @@ class MasterLoop:
         self._paused: str | None = None
         self._norms: dict[str, NormHistory] = {}
         """Outlier history per streaming fragment (``""``: whole-model deltas)."""
+        self._works: dict[str, NormHistory] = {}
+        """Recent applied work figures per unit (``tokens``, ``samples``)."""
+        self._step_work = (0, 0)
+        """The most tokens and samples one step of this master's own training took (0:
+        not measured yet), the default per-step work cap."""
+        self._capped: set[str] = set()
+        """Nodes whose claimed work was capped (logged once per node)."""
         transport.limit_file_size(settings.max_file_bytes or largest_file_bytes(layout))
 
     # -- single master per hub (per process) -------------------------------------------
@@ -285,7 +357,7 @@ class MasterLoop:
                 global_state=dict(state.global_state),
                 momentum=dict(state.momentum),
                 outer_step=state.outer_step,
-                ledger=Ledger(set(state.ledger.applied), dict(state.ledger.progress)),
+                ledger=state.ledger.copy(),
             )
 
     def state_dict(self) -> dict[str, object]:
@@ -301,6 +373,7 @@ class MasterLoop:
             "momentum": snapshot.momentum,
             "applied": sorted(snapshot.ledger.applied),
             "progress": progress_to_json(snapshot.ledger.progress),
+            "covered": covered_to_json(snapshot.ledger.covered),
             "rejected": rejected,
             "norm_history": self._history("").to_list(),
             "fragment_norm_history": {
@@ -308,6 +381,10 @@ class MasterLoop:
                 for fragment, history in sorted(self._norms.items())
                 if fragment
             },
+            "work_history": {
+                unit: history.to_list() for unit, history in sorted(self._works.items())
+            },
+            "step_work": list(self._step_work),
         }
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -319,24 +396,38 @@ class MasterLoop:
         outer_step = state.get("outer_step")
         applied = state.get("applied", [])
         progress = state.get("progress", {})
+        covered = state.get("covered", {})
         rejected = state.get("rejected", {})
         if not isinstance(outer_step, int) or not isinstance(applied, list):
             raise ValueError("diloco master state: bad outer_step or applied list")
         try:
-            parsed_progress = progress_from_json(
-                dict(progress) if isinstance(progress, Mapping) else progress
+            ledger = Ledger(
+                applied={str(h) for h in applied},
+                progress=progress_from_json(_plain(progress)),
+                covered=covered_from_json(_plain(covered)),
             )
         except ValueError as exc:
             raise ValueError(f"diloco master state: {exc}") from None
-        ledger = Ledger(applied={str(h) for h in applied}, progress=parsed_progress)
         window = self.settings.robust.window
         norms = {"": NormHistory.from_state(window, state.get("norm_history"))}
         per_fragment = state.get("fragment_norm_history", {})
-        if not isinstance(per_fragment, Mapping):
-            raise ValueError("diloco master state: 'fragment_norm_history' must be a mapping")
+        works = state.get("work_history", {})
+        if not isinstance(per_fragment, Mapping) or not isinstance(works, Mapping):
+            raise ValueError("diloco master state: the norm and work histories must be mappings")
         for fragment, value in per_fragment.items():
             norms[str(fragment)] = NormHistory.from_state(window, value)
+        step_work = state.get("step_work", [0, 0])
+        if not (
+            isinstance(step_work, (list, tuple))
+            and len(step_work) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in step_work)
+        ):
+            raise ValueError("diloco master state: 'step_work' must be [tokens, samples]")
         with self._lock:
+            self._works = {
+                str(unit): NormHistory.from_state(window, value) for unit, value in works.items()
+            }
+            self._step_work = (int(step_work[0]), int(step_work[1]))
             self._norms = norms
             self._state = OuterState(global_state, momentum, outer_step, ledger)
             self._reconciled = False
@@ -364,7 +455,7 @@ class MasterLoop:
             raw = self.transport.get(POINTER_PATH)
             if raw is None:
                 state = local or OuterState(clone_state(initial_global), {}, 0, Ledger())
-                self._publish(state, applied=())
+                self._publish(state, applied=(), judge=False)
                 logger.info(
                     "diloco master %s published outer step %d to %s (bootstrap)",
                     self.settings.node_id,
@@ -385,7 +476,7 @@ class MasterLoop:
                         local.outer_step,
                     )
                     state = local
-                    self._publish(state, applied=())
+                    self._publish(state, applied=(), judge=False)
                 elif local is not None and local.outer_step == pointer.outer_step:
                     state = local
                     self._expected_pointer = (pointer.outer_step, pointer.master)
@@ -415,7 +506,7 @@ class MasterLoop:
             global_state = decode_v2_global(data, self.layout)
             state = OuterState(global_state, {}, legacy.outer_step, Ledger())
         leftover = sum(1 for entry in self.transport.list_files("nodes") if is_v2_delta(entry.path))
-        self._publish(state, applied=())
+        self._publish(state, applied=(), judge=False)
         logger.warning(
             "diloco master %s continued a speedtronic 2.0 hub at %s from outer step %d "
             "(momentum restarts at zero; %d 2.0 delta file(s) under nodes/ are not applied "
@@ -450,7 +541,7 @@ class MasterLoop:
                     newest,
                     newest,
                 )
-                self._publish(state, applied=(), deletes=self._stale_globals(newest))
+                self._publish(state, applied=(), deletes=self._stale_globals(newest), judge=False)
                 return state
         state = self._adopt(pointer)
         self._expected_pointer = (pointer.outer_step, pointer.master)
@@ -571,15 +662,9 @@ class MasterLoop:
                         for norm, where in zip(report.norms, report.norm_fragments, strict=True)
                         if where == fragment
                     )
-            report = RoundReport(
-                outer_step=new_state.outer_step,
-                published=True,
-                found=report.found,
-                applied=report.applied,
-                rejected=report.rejected,
-                duplicates=report.duplicates,
-                latency_s=self._clock() - started,
-            )
+                if report.work_unit:
+                    self._work_history(report.work_unit).record(report.works)
+            report = dataclasses.replace(report, published=True, latency_s=self._clock() - started)
             self._audit(report)
             return report
 
@@ -587,8 +672,85 @@ class MasterLoop:
         self, state: OuterState, started: float
     ) -> tuple[RoundReport, OuterState | None, list[str]]:
         cleanup: list[str] = []
+        candidates = self._candidates(cleanup)
+        accepted, rejected, duplicates = self._validate(state, candidates, cleanup)
+        accepted = self._screen(state, accepted, rejected)
+        accepted, unit = self._work_shares(accepted, rejected)
+        if not accepted:
+            report = RoundReport(
+                outer_step=state.outer_step,
+                published=False,
+                found=len(candidates),
+                rejected=tuple(rejected),
+                duplicates=duplicates,
+                latency_s=self._clock() - started,
+            )
+            return report, None, cleanup
+        power = self.settings.staleness_power
+        weights = [
+            staleness_weight(item.staleness, power) * item.share * item.clip for item in accepted
+        ]
+        # Deltas of streaming fragments hold only their keys: each key is averaged over
+        # the deltas that hold it, and the outer step moves only those keys.
+        aggregated = aggregate_by_key([item.decoded.tensors for item in accepted], weights)
+        new_global = dict(state.global_state)
+        for key in aggregated:
+            new_global[key] = state.global_state[key].clone()
+        optimizer = NesterovOuterOptimizer(self.settings.outer_lr, self.settings.outer_momentum)
+        optimizer.buffers = {key: value.clone() for key, value in state.momentum.items()}
+        optimizer.step(new_global, aggregated)
+
+        ledger = state.ledger.copy()
+        applied: list[AppliedDelta] = []
+        for item, weight in zip(accepted, weights, strict=True):
+            info = item.decoded.info
+            ledger.applied.add(item.decoded.sha256)
+            ledger.record(info)
+            applied.append(
+                AppliedDelta(
+                    path=item.entry.path,
+                    sha256=item.decoded.sha256,
+                    node_id=info.node_id,
+                    local_step=info.local_step,
+                    base_outer_step=info.base_outer_step,
+                    staleness=item.staleness,
+                    weight=weight,
+                    norm=item.norm,
+                    clip=item.clip,
+                    tokens=info.tokens,
+                    samples=info.samples,
+                    first_step=info.first_step,
+                    work=item.work,
+                )
+            )
+            cleanup.append(item.entry.path)
+        new_state = OuterState(new_global, optimizer.buffers, state.outer_step + 1, ledger)
+        report = RoundReport(
+            outer_step=new_state.outer_step,
+            published=False,
+            found=len(candidates),
+            applied=tuple(applied),
+            rejected=tuple(rejected),
+            duplicates=duplicates,
+            norms=tuple(item.norm * item.clip for item in accepted),
+            norm_fragments=tuple(item.decoded.info.fragment for item in accepted),
+            works=tuple(item.work for item in accepted),
+            work_unit=unit,
+        )
+        return report, new_state, cleanup
+
+    def _candidates(self, cleanup: list[str]) -> list[tuple[RemoteFile, DeltaName]]:
+        """The delta files under ``nodes/`` to examine this round, by node and step. An
+        applied one seen before joins ``cleanup``; a quarantined one (rejected before and
+        unchanged) is skipped. Records of files no longer listed are forgotten, so the
+        quarantine list stays as long as the hub's own listing."""
+        listed = self.transport.list_files("nodes")
+        paths = {entry.path for entry in listed}
+        with self._lock:
+            self._rejected = {p: v for p, v in self._rejected.items() if p in paths}
+            self._known_applied = {p: v for p, v in self._known_applied.items() if p in paths}
         candidates: list[tuple[RemoteFile, DeltaName]] = []
-        for entry in self.transport.list_files("nodes"):
+        for entry in listed:
             name = parse_delta_path(entry.path)
             if name is None:
                 continue
@@ -596,14 +758,24 @@ class MasterLoop:
                 cleanup.append(entry.path)  # checked before: an applied delta, unchanged
                 continue
             if self._rejected.get(entry.path) == entry.version:
-                continue  # examined before, unchanged: reported once already
+                continue  # quarantined: examined before, unchanged, reported once already
             candidates.append((entry, name))
         candidates.sort(key=lambda item: (item[1].node_id, item[1].local_step, item[0].path))
+        return candidates
 
-        accepted: list[tuple[RemoteFile, DecodedDelta, int]] = []
+    def _validate(
+        self,
+        state: OuterState,
+        candidates: list[tuple[RemoteFile, DeltaName]],
+        cleanup: list[str],
+    ) -> tuple[list[_Accepted], list[DeltaRejection], int]:
+        """Download and check every candidate: the deltas to aggregate, the rejections and
+        the number of duplicates (applied before or twice in this round: ``cleanup``)."""
+        accepted: list[_Accepted] = []
         rejected: list[DeltaRejection] = []
         seen: set[str] = set()  # content hashes accepted in this round
         duplicates = 0
+        ranges = state.ledger.copy()  # the step ranges applied, and accepted in this round
         for entry, name in candidates:
             try:
                 decoded = self._download(entry, name)
@@ -616,85 +788,41 @@ class MasterLoop:
                         self._known_applied[entry.path] = entry.version
                     continue
                 staleness = self._staleness(decoded, state.outer_step)
+                if decoded.sha256 in seen:
+                    duplicates += 1
+                    cleanup.append(entry.path)
+                    continue
+                self._check_range(decoded.info, ranges)
             except Rejected as exc:
                 rejected.append(self._reject(entry, exc))
                 continue
-            if decoded.sha256 in seen:
-                duplicates += 1
-                cleanup.append(entry.path)
+            except TransportError:
+                raise  # the hub, not the file: the round fails and is retried
+            except Exception as exc:  # a file must never stop aggregation, even through a bug
+                logger.debug("diloco master: %s could not be validated", entry.path, exc_info=True)
+                detail = f"could not be validated ({type(exc).__name__}: {exc})"
+                rejected.append(self._reject(entry, Rejected(RejectionReason.CORRUPT, detail)))
                 continue
             seen.add(decoded.sha256)
-            accepted.append((entry, decoded, staleness))
+            ranges.record(decoded.info)
+            accepted.append(_Accepted(entry, decoded, staleness))
+        return accepted, rejected, duplicates
 
-        accepted, clips, norms = self._screen(state, accepted, rejected)
-        if not accepted:
-            report = RoundReport(
-                outer_step=state.outer_step,
-                published=False,
-                found=len(candidates),
-                rejected=tuple(rejected),
-                duplicates=duplicates,
-                latency_s=self._clock() - started,
-            )
-            return report, None, cleanup
-        power = self.settings.staleness_power
-        infos = [decoded.info for _, decoded, _ in accepted]
-        work = (
-            work_weights([i.tokens for i in infos], [i.samples for i in infos])
-            if self.settings.weight_by_work
-            else [1.0] * len(accepted)
+    @staticmethod
+    def _check_range(info: DeltaInfo, ranges: Ledger) -> None:
+        """``Rejected(OVERLAP)`` when ``info``'s step range reaches back into steps applied
+        (or accepted in this round) from its node incarnation: the same samples would
+        count twice (a resumed node of an earlier version resending them, or a second
+        process with this node id)."""
+        through = ranges.overlap(info)
+        if through is None:
+            return
+        start = info.local_step - 1 if info.first_step is None else info.first_step
+        raise Rejected(
+            RejectionReason.OVERLAP,
+            f"delta holds local steps {start + 1}..{info.local_step} of node "
+            f"{info.node_id!r}, whose steps up to {through} were applied already",
         )
-        weights = [
-            staleness_weight(staleness, power) * share * clip
-            for (_, _, staleness), share, clip in zip(accepted, work, clips, strict=True)
-        ]
-        # Deltas of streaming fragments hold only their keys: each key is averaged over
-        # the deltas that hold it, and the outer step moves only those keys.
-        aggregated = aggregate_by_key([decoded.tensors for _, decoded, _ in accepted], weights)
-        new_global = dict(state.global_state)
-        for key in aggregated:
-            new_global[key] = state.global_state[key].clone()
-        optimizer = NesterovOuterOptimizer(self.settings.outer_lr, self.settings.outer_momentum)
-        optimizer.buffers = {key: value.clone() for key, value in state.momentum.items()}
-        optimizer.step(new_global, aggregated)
-
-        ledger = Ledger(set(state.ledger.applied), dict(state.ledger.progress))
-        applied: list[AppliedDelta] = []
-        for (entry, decoded, staleness), weight, norm, clip in zip(
-            accepted, weights, norms, clips, strict=True
-        ):
-            path = entry.path
-            info = decoded.info
-            ledger.applied.add(decoded.sha256)
-            ledger.progress[info.node_id] = (info.incarnation, info.local_step)
-            applied.append(
-                AppliedDelta(
-                    path=path,
-                    sha256=decoded.sha256,
-                    node_id=info.node_id,
-                    local_step=info.local_step,
-                    base_outer_step=info.base_outer_step,
-                    staleness=staleness,
-                    weight=weight,
-                    norm=norm,
-                    clip=clip,
-                    tokens=info.tokens,
-                    samples=info.samples,
-                )
-            )
-            cleanup.append(path)
-        new_state = OuterState(new_global, optimizer.buffers, state.outer_step + 1, ledger)
-        report = RoundReport(
-            outer_step=new_state.outer_step,
-            published=False,
-            found=len(candidates),
-            applied=tuple(applied),
-            rejected=tuple(rejected),
-            duplicates=duplicates,
-            norms=tuple(norm * clip for norm, clip in zip(norms, clips, strict=True)),
-            norm_fragments=tuple(decoded.info.fragment for _, decoded, _ in accepted),
-        )
-        return report, new_state, cleanup
 
     def _history(self, fragment: str) -> NormHistory:
         """The outlier history of ``fragment``'s deltas (created empty)."""
@@ -703,54 +831,155 @@ class MasterLoop:
             history = self._norms[fragment] = NormHistory(self.settings.robust.window)
         return history
 
+    def _work_history(self, unit: str) -> NormHistory:
+        """The recent applied work figures in ``unit`` (created empty)."""
+        history = self._works.get(unit)
+        if history is None:
+            history = self._works[unit] = NormHistory(self.settings.robust.window)
+        return history
+
     def _screen(
-        self,
-        state: OuterState,
-        accepted: list[tuple[RemoteFile, DecodedDelta, int]],
-        rejected: list[DeltaRejection],
-    ) -> tuple[list[tuple[RemoteFile, DecodedDelta, int]], list[float], list[float]]:
+        self, state: OuterState, accepted: list[_Accepted], rejected: list[DeltaRejection]
+    ) -> list[_Accepted]:
         """Outlier screening of the round's deltas (``aggregation.screen``): returns the
-        deltas kept, their clip factors and norms; rejected outliers join ``rejected``.
-        Deltas of one streaming fragment are judged together, against that fragment's
-        history (a fragment's norm is not comparable with another's or the model's)."""
-        if not accepted:
-            return [], [], []
-        norms = [state_norm(decoded.tensors) for _, decoded, _ in accepted]
-        groups: dict[str, list[int]] = {}
-        for index, (_, decoded, _) in enumerate(accepted):
-            groups.setdefault(decoded.info.fragment, []).append(index)
-        factors = [1.0] * len(accepted)
-        bounds: list[float | None] = [None] * len(accepted)
+        deltas kept, with their norms and clip factors set; rejected outliers join
+        ``rejected``. Deltas of one streaming fragment are judged together, against that
+        fragment's history (a fragment's norm is not comparable with another's or the
+        model's)."""
+        for item in accepted:
+            item.norm = state_norm(item.decoded.tensors)
+        groups: dict[str, list[_Accepted]] = {}
+        for item in accepted:
+            groups.setdefault(item.decoded.info.fragment, []).append(item)
+        bounds: dict[int, float | None] = {}
         for fragment, members in groups.items():
             history = self._history(fragment)
             model_norm = None
             if len(history.norms) + len(members) < MIN_REFERENCE:
-                keys = list(accepted[members[0]][1].tensors) if fragment else None
+                keys = list(members[0].decoded.tensors) if fragment else None
                 model_norm = state_norm(state.global_state, keys or self.layout.sync_keys)
-            group_norms = [norms[i] for i in members]
-            screening = screen(group_norms, history, self.settings.robust, model_norm)
-            for index, factor in zip(members, screening.factors, strict=True):
-                factors[index], bounds[index] = factor, screening.bound
-        kept: list[tuple[RemoteFile, DecodedDelta, int]] = []
-        clips: list[float] = []
-        kept_norms: list[float] = []
-        for item, norm, factor, bound in zip(accepted, norms, factors, bounds, strict=True):
-            if factor == 0.0:
-                detail = f"pseudo-gradient norm {norm:.4g} exceeds the bound {bound}"
-                rejected.append(self._reject(item[0], Rejected(RejectionReason.OUTLIER, detail)))
+            screening = screen([m.norm for m in members], history, self.settings.robust, model_norm)
+            for member, factor in zip(members, screening.factors, strict=True):
+                member.clip, bounds[id(member)] = factor, screening.bound
+        kept: list[_Accepted] = []
+        for item in accepted:
+            bound = bounds[id(item)]
+            if item.clip == 0.0:
+                detail = f"pseudo-gradient norm {item.norm:.4g} exceeds the bound {bound}"
+                rejected.append(self._reject(item.entry, Rejected(RejectionReason.OUTLIER, detail)))
                 continue
-            if factor != 1.0:
+            if item.clip != 1.0:
                 logger.warning(
                     "diloco master clipped %s: pseudo-gradient norm %.4g is above %.4g "
                     "(outlier_factor x the recent median)",
-                    item[0].path,
-                    norm,
+                    item.entry.path,
+                    item.norm,
                     bound,
                 )
             kept.append(item)
-            clips.append(factor)
-            kept_norms.append(norm)
-        return kept, clips, kept_norms
+        return kept
+
+    # -- work weighting ------------------------------------------------------------------
+
+    def observe_step_work(self, tokens: int, samples: int) -> None:
+        """The tokens and samples one optimizer step of this master's own training took
+        (its node reports them at each capture); the largest seen is the default per-step
+        cap of a delta's claimed work (``max_step_tokens`` / ``max_step_samples``)."""
+        with self._lock:
+            self._step_work = (max(self._step_work[0], tokens), max(self._step_work[1], samples))
+
+    def _per_step(self, unit: str) -> int | None:
+        """The most ``unit`` one optimizer step of any node may claim (``None``: unknown)."""
+        settings = self.settings
+        configured = settings.max_step_tokens if unit == "tokens" else settings.max_step_samples
+        if configured is not None:
+            return configured
+        with self._lock:
+            measured = self._step_work[0 if unit == "tokens" else 1]
+        return measured or None
+
+    def _work_shares(
+        self, accepted: list[_Accepted], rejected: list[DeltaRejection]
+    ) -> tuple[list[_Accepted], str]:
+        """Each delta's share of the round's work (``weight_by_work``), and the unit:
+        a claimed figure above what its node could have trained (``aggregation.work_cap``)
+        counts as that much, and the capped figures are screened like norms (clipped to,
+        or left out above, ``outlier_factor`` x the median of recent figures). Shares are
+        ``work / mean(work)``: equal work weighs exactly 1."""
+        if not accepted or not self.settings.weight_by_work:
+            return accepted, ""
+        infos = [item.decoded.info for item in accepted]
+        unit = work_unit([i.tokens for i in infos], [i.samples for i in infos])
+        if unit is None:
+            return accepted, ""
+        per_step = self._per_step(unit)
+        figures: list[float] = []
+        for item, info in zip(accepted, infos, strict=True):
+            claim = info.tokens if unit == "tokens" else info.samples
+            cap = work_cap(info.steps, self.settings.inner_steps, per_step)
+            if cap is not None and claim > cap:
+                # A cumulative delta of several periods is capped quietly; a claim its
+                # own step range could not hold is reported.
+                holds = work_cap(info.steps, None, per_step)
+                if holds is None or claim > holds:
+                    self._log_cap(item.entry.path, info, claim, cap, unit)
+                claim = cap
+            figures.append(float(claim))
+        screening = screen(figures, self._work_history(unit), self.settings.robust)
+        kept = self._apply_work_screening(accepted, figures, screening, unit, rejected)
+        if kept:
+            mean = sum(item.work for item in kept) / len(kept)
+            for item in kept:
+                item.share = item.work / mean
+        return kept, unit
+
+    def _apply_work_screening(
+        self,
+        accepted: list[_Accepted],
+        figures: list[float],
+        screening: Screening,
+        unit: str,
+        rejected: list[DeltaRejection],
+    ) -> list[_Accepted]:
+        kept: list[_Accepted] = []
+        for item, figure, factor in zip(accepted, figures, screening.factors, strict=True):
+            if factor == 0.0:
+                detail = (
+                    f"claimed work of {figure:.6g} {unit} exceeds the bound "
+                    f"{screening.bound:.6g} (outlier_factor x the recent median)"
+                )
+                rejected.append(self._reject(item.entry, Rejected(RejectionReason.OUTLIER, detail)))
+                continue
+            if factor != 1.0:
+                logger.warning(
+                    "diloco master clipped the work of %s: %.6g %s is above %.6g "
+                    "(outlier_factor x the recent median)",
+                    item.entry.path,
+                    figure,
+                    unit,
+                    screening.bound,
+                )
+            item.work = figure * factor
+            kept.append(item)
+        return kept
+
+    def _log_cap(self, path: str, info: DeltaInfo, claim: int, cap: int, unit: str) -> None:
+        """One WARNING per node whose claimed work was capped (each cap is in the audit)."""
+        with self._lock:
+            first = info.node_id not in self._capped
+            self._capped.add(info.node_id)
+        if first:
+            logger.warning(
+                "diloco master capped the claimed work of %s: %d %s is more than node %r "
+                "could have trained (%d: at most inner_steps steps of max_step_%s); the "
+                "audit log has every capped figure",
+                path,
+                claim,
+                unit,
+                info.node_id,
+                cap,
+                unit,
+            )
 
     def _download(self, entry: RemoteFile, name: DeltaName) -> DecodedDelta | None:
         """Read and decode one candidate (``None`` if it vanished). Files that are not
@@ -878,6 +1107,7 @@ class MasterLoop:
         )
         state = self.snapshot()
         assert state is not None  # reconciled
+        self._expected_pointer = (pointer.outer_step, pointer.master)  # knowingly replaced
         self._publish(state, applied=(), deletes=self._stale_globals(state.outer_step))
 
     def _adopt_own(self, pointer: Pointer) -> None:
@@ -899,10 +1129,18 @@ class MasterLoop:
         raise MasterConflictError(reason)
 
     def _publish(
-        self, state: OuterState, applied: tuple[str, ...], deletes: list[str] | None = None
+        self,
+        state: OuterState,
+        applied: tuple[str, ...],
+        deletes: list[str] | None = None,
+        *,
+        judge: bool = True,
     ) -> Pointer:
         """Write model, outer state and -- last -- the pointer (one commit on the Hub),
-        removing ``deletes`` (applied deltas, old globals) in the same commit."""
+        removing ``deletes`` (applied deltas, old globals) in the same commit. Elsewhere
+        the pointer is swapped in (``Transport.replace``) and, with ``judge``, what it
+        replaced is judged (``_judge_replaced``): a junk pointer written during the round
+        is reported. Start-up (``reconcile``) replaces what it has just read, knowingly."""
         secret = self.settings.secret
         step = state.outer_step
         model_bytes = encode_global(state.global_state, step, self.layout, secret=secret)
@@ -918,17 +1156,70 @@ class MasterLoop:
             updated_at=datetime.now(timezone.utc).isoformat(),
             applied=applied,
             progress=dict(state.ledger.progress),
+            covered=state.ledger.copy().covered,
         )
-        self.transport.commit(
-            [
-                (pointer.model_file, model_bytes),
-                (pointer.outer_file, outer_bytes),
-                (POINTER_PATH, encode_pointer(pointer, secret=secret)),
-            ],
-            sorted(set(deletes or [])),
-        )
+        pointer_bytes = encode_pointer(pointer, secret=secret)
+        files = [(pointer.model_file, model_bytes), (pointer.outer_file, outer_bytes)]
+        removals = sorted(set(deletes or []))
+        expected = self._expected_pointer
+        if self.transport.atomic_commit:
+            self.transport.commit([*files, (POINTER_PATH, pointer_bytes)], removals)
+            self._expected_pointer = (step, self.settings.node_id)
+            return pointer
+        self.transport.commit(files)
+        replaced = self.transport.replace(POINTER_PATH, pointer_bytes)
         self._expected_pointer = (step, self.settings.node_id)
+        self.transport.commit([], removals)
+        if judge:
+            self._judge_replaced(replaced, expected, pointer_bytes, step)
         return pointer
+
+    def _judge_replaced(
+        self, replaced: Replaced, expected: tuple[int, str] | None, written: bytes, step: int
+    ) -> None:
+        """Report what a publication wrote over when it was not the pointer this master
+        last saw or wrote (``expected``): junk or an unreadable file (a WARNING -- the
+        publication replaced it, as the pause of a round would have waited for), an older
+        pointer (a replay: the ERROR of ``_reject_replay``), another master's (halt)."""
+        if expected is None or not replaced.seen or replaced.data == written:
+            return  # nothing expected or known, or a retried swap that had landed: our bytes
+        if replaced.data is None:
+            what = replaced.unreadable or "was missing"
+            logger.warning(
+                "diloco master %s published outer step %d over a hub pointer that %s "
+                "(written during the round)",
+                self.settings.node_id,
+                step,
+                what,
+            )
+            return
+        try:
+            found = self._decode_pointer(replaced.data)
+        except Rejected as exc:
+            logger.warning(
+                "diloco master %s published over an unusable hub pointer written during the "
+                "round (%s); the new pointer replaced it",
+                self.settings.node_id,
+                exc,
+            )
+            return
+        if (found.outer_step, found.master) == expected:
+            return
+        if found.outer_step < expected[0]:
+            logger.error(
+                "diloco master %s replaced a hub pointer at outer step %d written under %r "
+                "during the round (a replayed or rolled-back file)",
+                self.settings.node_id,
+                found.outer_step,
+                found.master,
+            )
+            return
+        self.halted = (
+            f"master {found.master!r} published outer step {found.outer_step} while this "
+            f"master ({self.settings.node_id!r}) was publishing over it; only one master may "
+            "serve a hub"
+        )
+        logger.error("diloco master stops aggregating: %s", self.halted)
 
     def _delete(self, paths: list[str]) -> None:
         if not paths or not self.settings.delete_applied:
@@ -976,9 +1267,12 @@ class MasterLoop:
                     "clip": item.clip,
                     "tokens": item.tokens,
                     "samples": item.samples,
+                    "first_step": item.first_step,
+                    "work": item.work,
                 }
                 for item in report.applied
             ],
+            "work_unit": report.work_unit,
             "rejected": [
                 {"path": item.path, "reason": item.reason.value, "detail": item.detail}
                 for item in report.rejected
@@ -999,8 +1293,16 @@ def _is_applied(sha256: str, applied: set[str]) -> bool:
 
 
 def _global_file_step(path: str) -> int | None:
-    match = re.match(r"^global/(?:model|outer)_(\d{8,})\.safetensors$", path)
-    return int(match.group(1)) if match else None
+    """The outer step of a global file's name (``None``: not one, or beyond ``MAX_STEP``,
+    which no valid pointer or file header can name)."""
+    match = re.match(r"^global/(?:model|outer)_(\d{8,13})\.safetensors$", path, re.ASCII)
+    step = int(match.group(1)) if match else None
+    return step if step is not None and step <= MAX_STEP else None
+
+
+def _plain(value: object) -> object:
+    """A checkpointed mapping as a plain dict (what the JSON parsers of ``wire`` take)."""
+    return dict(value) if isinstance(value, Mapping) else value
 
 
 def _tensor_map(value: object, what: str) -> dict[str, torch.Tensor]:

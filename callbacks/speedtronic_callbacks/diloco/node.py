@@ -27,9 +27,19 @@ any new work) and validated whole by the master, so it is never half-applied.
 Exactly-once delivery: an upload that fails is re-sent later with the *same* content
 (the file name carries its content hash and the master dedupes by content hash), never
 merged into a later delta, so a "failed" upload that actually reached the hub is not
-applied twice. On resume from a checkpoint the node asks the hub whether it had already
-sent work made after that checkpoint; if so it drops its checkpointed unsent work and
-resynchronises from the next global instead of sending it again.
+applied twice. Every delta carries its step range (``first_step``, ``local_step``: the
+local steps whose progress it holds), and the master applies no two deltas of one node
+incarnation whose ranges overlap.
+
+Resume (``_finish_startup``): a node resumed from a checkpoint at step ``c`` asks the hub
+what it had already sent after ``c`` -- per fragment, the highest local step of this
+incarnation that the master applied (the pointer's ``covered``) or that still waits under
+``nodes/<id>/`` (read from those files' signed headers). Training then recomputes steps
+``c + 1 ..`` from the checkpoint; the progress of every step up to what was sent is
+already on the hub, so the node drops it -- its checkpointed unsent work, and the progress
+and the tokens of the recomputed steps up to that step (``_drop_sent``) -- and uploads only
+what comes after. The recomputed progress leaves the weights at the next install (the
+delta-carry rule carries only the pending delta).
 """
 
 from __future__ import annotations
@@ -59,11 +69,16 @@ from speedtronic_callbacks.diloco.master import (
 from speedtronic_callbacks.diloco.math import pseudo_gradient
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
 from speedtronic_callbacks.diloco.pointer import POINTER_PATH, Pointer, decode_pointer
-from speedtronic_callbacks.diloco.transport_base import RetryingTransport, TransportError
+from speedtronic_callbacks.diloco.transport_base import (
+    RetryingTransport,
+    TransportError,
+    UnreadableFileError,
+)
 from speedtronic_callbacks.diloco.wire import (
     Compression,
     DeltaInfo,
     Rejected,
+    check_signature,
     decode_global,
     encode_wire,
     expand_aliases,
@@ -72,6 +87,7 @@ from speedtronic_callbacks.diloco.wire import (
     from_wire,
     global_tensors,
     largest_file_bytes,
+    metadata_fields,
     parse_header,
     to_wire,
 )
@@ -120,6 +136,8 @@ class UploadJob:
     samples: int = 0
     fragment: str = ""
     """``"p/P"`` for a streaming fragment's keys, ``""`` for the whole model."""
+    first_step: int | None = None
+    """The start of the job's step range: it holds the progress of steps after it."""
 
 
 @dataclass(frozen=True)
@@ -144,14 +162,17 @@ class GlobalCandidate:
 
 @dataclass(frozen=True)
 class PollResult:
-    """A poll's outcome. ``resent`` answers the start-up question "did this node already
-    send work made after its checkpoint?" (``None`` when it was not asked)."""
+    """A poll's outcome. ``sent`` answers the start-up question "what did this node
+    already send after its checkpoint?": per streaming fragment (``""``: whole-model
+    deltas, ``"*"``: unknown), the highest local step (``None`` when it was not asked).
+    ``progress``: the pointer's (incarnation, highest local step applied) of this node."""
 
     ok: bool
     pointer_step: int | None = None
     candidate: GlobalCandidate | None = None
-    resent: bool | None = None
+    sent: Mapping[str, int] | None = None
     latency_s: float = 0.0
+    progress: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -248,6 +269,21 @@ class DiLoCoNode:
         self._held_pending: dict[str, torch.Tensor] | None = None
         self._held_base = -1
         self._checkpoint_step: int | None = None
+        self._range_starts: list[int] | None = None
+        """Per fragment, the step after which its pending progress begins (its next
+        delta's ``first_step``)."""
+        self._baseline_step = 0
+        """The step the baseline was taken at (the start of the segment being trained)."""
+        self._skip: dict[int, int] | None = None
+        """Per fragment, the local step through which an earlier life of this node sent
+        its progress (set on resume; ``_drop_sent``)."""
+        self._skip_work = -1
+        """The step through which that earlier life reported its tokens and samples."""
+        self._dispatched_through = -1
+        """The highest local step of a delta this incarnation handed to the upload lane."""
+        self._work_step: int | None = None
+        """The step ``_work_mark`` was taken at (the master measures its step's work)."""
+        self._foreign_logged = False
         self._startup_done = True
         self._resync = False
         self._candidate: GlobalCandidate | None = None
@@ -288,6 +324,11 @@ class DiLoCoNode:
         self._last_step = step
         if self.baseline is None:
             self.baseline = _snapshot(self.model, self.layout.sync_keys)
+            self._baseline_step = step
+        if self._range_starts is None:
+            self._range_starts = [step] * self.plan.count
+        if self._work_step is None:
+            self._work_step = step
         self._started = True
         self._schedule(step, boundary=True)
 
@@ -346,9 +387,35 @@ class DiLoCoNode:
         assert self.baseline is not None  # set by start()
         current = _snapshot(self.model, self.layout.sync_keys)
         segment = pseudo_gradient(self.baseline, current, self.layout.sync_keys)
-        self._add_pending(segment, self.installed_step, self._take_work())
+        work = self._take_work(step)
+        if self._skip is not None:
+            segment, work = self._drop_sent(segment, work, step)
+        self._add_pending(segment, self.installed_step, work)
         self.baseline = current
+        self._baseline_step = step
         self._captured_step = step
+
+    def _drop_sent(
+        self, segment: dict[str, torch.Tensor], work: tuple[int, int], step: int
+    ) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
+        """The part of ``segment`` (the progress since the baseline, to ``step``) that an
+        earlier life of this node has not sent: a fragment's progress trained from a
+        baseline before the step it was sent through is dropped (those samples are on the
+        hub already) and its range restarts here; so are the segment's tokens and samples
+        when it began before the step they were reported through. Skipping ends once
+        every such step is passed."""
+        assert self._skip is not None and self._range_starts is not None
+        start = self._baseline_step
+        for fragment, through in self._skip.items():
+            if start < through:
+                for key in self.plan.fragments[fragment]:
+                    segment[key] = torch.zeros_like(segment[key])
+                self._range_starts[fragment] = step
+        if start < self._skip_work:
+            work = (0, 0)
+        if step >= max(self._skip_work, *self._skip.values()):
+            self._skip = None
+        return segment, work
 
     def _add_pending(
         self, delta: Mapping[str, torch.Tensor], base: int, work: tuple[int, int] = (0, 0)
@@ -377,10 +444,27 @@ class DiLoCoNode:
         they grew by since the last capture travels with the delta (``weight_by_work``)."""
         self._work_now = (tokens, samples)
 
-    def _take_work(self) -> tuple[int, int]:
+    def _take_work(self, step: int) -> tuple[int, int]:
+        """The tokens and samples trained since the last capture; a master also tells its
+        loop what one of its steps trains (the default cap of a delta's claimed work)."""
         now, mark = self._work_now, self._work_mark
         self._work_mark = now
-        return (max(0, now[0] - mark[0]), max(0, now[1] - mark[1]))
+        work = (max(0, now[0] - mark[0]), max(0, now[1] - mark[1]))
+        steps = 0 if self._work_step is None else step - self._work_step
+        self._work_step = step
+        if self.master is not None and steps > 0:
+            self.master.observe_step_work(-(-work[0] // steps), -(-work[1] // steps))
+        return work
+
+    def _drop_pending(self, step: int) -> None:
+        """Forget the pending delta (its work too); every fragment's range restarts here."""
+        self.pending = None
+        self.pending_work = (0, 0)
+        self._range_starts = [step] * self.plan.count
+
+    def _fragment_name(self, fragment: int) -> str:
+        """The ``fragment`` field of fragment ``fragment``'s deltas (``""``: P = 1)."""
+        return "" if self.plan.count == 1 else f"{fragment}/{self.plan.count}"
 
     def _zeros(self, key: str) -> torch.Tensor:
         return torch.zeros(self.layout.wire_shapes[key], dtype=torch.float32)
@@ -425,7 +509,7 @@ class DiLoCoNode:
                     self.settings.node_id,
                     step,
                 )
-                self.pending = None
+                self._drop_pending(step)
                 self._resync = True
                 self.stats.resyncs += 1
                 return False
@@ -435,7 +519,10 @@ class DiLoCoNode:
                 return False
             if self.pending is not None:  # a fragment: the work so far travels with it
                 self.pending_work = (0, 0)
-            job = UploadJob(taken[0], step, base, *work, taken[1])
+            assert self._range_starts is not None  # set by start()
+            job = UploadJob(taken[0], step, base, *work, taken[1], self._range_starts[fragment])
+            self._range_starts[fragment] = step
+            self._dispatched_through = max(self._dispatched_through, step)
             self.unconfirmed = job
         submitted = self.upload_lane.try_submit(lambda: self._upload(job))
         if not submitted:
@@ -454,15 +541,15 @@ class DiLoCoNode:
         if candidate is None or candidate.outer_step <= self.installed_step:
             return None
         if self._resync:
-            # Our unsent progress was already sent by an earlier run (or is NaN): drop it.
-            self.pending = None
+            # Our unsent progress is NaN/Inf: drop it.
+            self._drop_pending(step)
             self._resync = False
         else:
             self._capture(step)  # keep progress not yet sent: it goes out at the next boundary
             if self.installed_step < 0 and not self._started_from(candidate):
                 # First global, and it is not the weights this node started from (another
                 # seed): progress measured from those weights means nothing to the hub.
-                self.pending = None
+                self._drop_pending(step)
         state = dict(candidate.state)
         if self.pending is not None:
             # The delta-carry rule: the weights become the global plus the progress the hub
@@ -475,6 +562,7 @@ class DiLoCoNode:
         with torch.no_grad():
             self.model.load_state_dict(full, strict=True)
         self.baseline = {key: state[key] for key in self.layout.sync_keys}
+        self._baseline_step = step
         self.installed_global = candidate.state
         self._captured_step = step
         self.installed_step = candidate.outer_step
@@ -533,6 +621,7 @@ class DiLoCoNode:
             tokens=job.tokens,
             samples=job.samples,
             fragment=job.fragment,
+            first_step=job.first_step,
         )
         residual = None
         try:
@@ -564,9 +653,9 @@ class DiLoCoNode:
             if pointer is not None and pointer.outer_step < seen_step:
                 self._reject_replay(pointer.outer_step, seen_step)
                 pointer = None
-            resent = None
+            sent = None
             if checkpoint_step is not None:
-                resent = self._sent_after(checkpoint_step, pointer)
+                sent = self._sent_after(checkpoint_step, pointer)
             candidate = None
             if fetch and pointer is not None and pointer.outer_step > installed_step:
                 candidate = self._fetch_global(pointer)
@@ -584,8 +673,9 @@ class DiLoCoNode:
                 ok=True,
                 pointer_step=None if pointer is None else pointer.outer_step,
                 candidate=candidate,
-                resent=resent,
+                sent=sent,
                 latency_s=self._clock() - started,
+                progress=None if pointer is None else pointer.progress.get(self.settings.node_id),
             )
         )
 
@@ -622,19 +712,55 @@ class DiLoCoNode:
         )
         return GlobalCandidate(pointer.outer_step, state)
 
-    def _sent_after(self, checkpoint_step: int, pointer: Pointer | None) -> bool:
-        """Whether this node incarnation sent work made after ``checkpoint_step``: applied
-        (the pointer's progress) or still waiting under ``nodes/<id>/`` (any incarnation
-        counts there, which can only make the answer more cautious)."""
+    def _sent_after(self, checkpoint_step: int, pointer: Pointer | None) -> dict[str, int]:
+        """What this node incarnation sent of work made after ``checkpoint_step``: per
+        fragment field, the highest local step applied (the pointer's ``covered``; its
+        ``progress`` as ``"*"``, any fragment, from a master of an earlier version) or
+        still waiting under ``nodes/<id>/`` (this incarnation's files, by their signed
+        headers). Empty when nothing was sent after the checkpoint."""
+        node, incarnation = self.settings.node_id, self.incarnation
+        sent: dict[str, int] = {}
+
+        def note(fragment: str, step: int) -> None:
+            if step > checkpoint_step:
+                sent[fragment] = max(sent.get(fragment, -1), step)
+
         if pointer is not None:
-            entry = pointer.progress.get(self.settings.node_id)
-            if entry is not None and entry[0] == self.incarnation and entry[1] > checkpoint_step:
-                return True
-        for item in self.transport.list_files(f"nodes/{self.settings.node_id}"):
+            covered = pointer.covered.get(node, {}).get(incarnation)
+            progress = pointer.progress.get(node)
+            if covered is not None:
+                for fragment, step in covered.items():
+                    note(fragment, step)
+            elif progress is not None and progress[0] == incarnation:
+                note("*", progress[1])
+        for item in self.transport.list_files(f"nodes/{node}"):
             name = parse_delta_path(item.path)
-            if name is not None and name.local_step > checkpoint_step:
-                return True
-        return False
+            if name is None or name.local_step <= checkpoint_step:
+                continue
+            fragment_field = self._own_delta_fragment(item.path)
+            if fragment_field is not None:
+                note(fragment_field, name.local_step)
+        return sent
+
+    def _own_delta_fragment(self, path: str) -> str | None:
+        """The fragment field of a delta file under this node's folder when its signed
+        header says this node incarnation made it; ``None`` for anything else (another
+        incarnation's file, an unreadable or forged one)."""
+        try:
+            data = self.transport.get(path)
+            if data is None:
+                return None
+            metadata = parse_header(data).metadata
+            check_signature(metadata, self.settings.secret, "delta")
+            fields = metadata_fields(metadata, "delta", ("node_id", "incarnation"))
+        except (Rejected, UnreadableFileError):
+            return None
+        if (fields.text("node_id"), fields.text("incarnation")) != (
+            self.settings.node_id,
+            self.incarnation,
+        ):
+            return None
+        return fields.text("fragment", "")
 
     def _master_reconcile(self, initial: dict[str, torch.Tensor]) -> None:
         assert self.master is not None
@@ -689,8 +815,10 @@ class DiLoCoNode:
                 continue
             if poll.pointer_step is not None:
                 self.stats.hub_outer_step = max(self.stats.hub_outer_step, poll.pointer_step)
-            if poll.resent is not None and not self._startup_done:
-                self._finish_startup(poll.resent)
+            if poll.sent is not None and not self._startup_done:
+                self._finish_startup(poll.sent)
+            if poll.progress is not None and self._startup_done:
+                self._check_own_progress(*poll.progress)
             self._offer(poll.candidate)
         for event in self._rounds.drain():
             self._offer(event.candidate)
@@ -723,22 +851,79 @@ class DiLoCoNode:
             },
         )
 
-    def _finish_startup(self, resent: bool) -> None:
-        """Decide what to do with checkpointed, unsent work once the hub answered."""
-        if resent:
-            logger.info(
-                "diloco node %s: the hub already has work this node sent after its "
-                "checkpoint; dropping the checkpointed unsent delta and resynchronising",
+    def _finish_startup(self, sent: Mapping[str, int]) -> None:
+        """Decide what to do with checkpointed, unsent work once the hub answered what this
+        node had sent after its checkpoint (``_sent_after``): nothing -- the checkpointed
+        work goes out at the next boundary; something -- that work, and the recomputed
+        progress up to what was sent, is dropped per fragment (``_skip``, ``_drop_sent``)."""
+        held, self._held_pending = self._held_pending, None
+        skip = self._skip_plan(sent)
+        if not skip:
+            if held is not None:
+                self._add_pending(held, self._held_base, self._held_work)
+            self._startup_done = True
+            return
+        through = max(sent.values())
+        logger.info(
+            "diloco node %s: the hub already has this node's work up to local step %d "
+            "(after its checkpoint at step %s); that work and its recomputation are not "
+            "sent again",
+            self.settings.node_id,
+            through,
+            self._checkpoint_step,
+        )
+        merged = _merge_held(held, self.pending)
+        pending = None if merged is None else dict(merged)  # a checkpoint may share the old
+        assert self._range_starts is not None  # set by start()
+        for fragment in skip:
+            if pending is not None:
+                for key in self.plan.fragments[fragment]:
+                    pending[key] = torch.zeros_like(pending[key])
+            self._range_starts[fragment] = self._last_step
+        bases = [
+            base
+            for base, part in ((self._held_base, held), (self.pending_base, self.pending))
+            if part is not None
+        ]
+        self.pending = None if pending is None or _all_zero(pending) else pending
+        self.pending_base = min(bases, default=self.pending_base)
+        self.pending_work = (0, 0)  # reported with what was sent
+        self._skip, self._skip_work = skip, through
+        self._dispatched_through = max(self._dispatched_through, through)
+        self.stats.resyncs += 1
+        self._startup_done = True
+
+    def _skip_plan(self, sent: Mapping[str, int]) -> dict[int, int]:
+        """Per fragment of this node's plan, the local step through which its progress
+        was sent (``sent`` after ``_sent_after``); a field that is not one of this plan's
+        (``"*"``, or a fragment count this node no longer uses) counts for every fragment."""
+        names = [self._fragment_name(p) for p in range(self.plan.count)]
+        fallback = max((step for name, step in sent.items() if name not in names), default=-1)
+        plan = {p: max(sent.get(name, -1), fallback) for p, name in enumerate(names)}
+        return {p: step for p, step in plan.items() if step >= 0}
+
+    def _check_own_progress(self, incarnation: str, step: int) -> None:
+        """The hub says a delta of this incarnation ending at ``step`` was applied, but this
+        node never dispatched one that far: someone else sends under this node id (a
+        second process with the same id, or a holder of the signing secret). Its deltas
+        would make the master refuse this node's next ones as overlapping, so the node
+        continues under a new incarnation, and says so once."""
+        if incarnation != self.incarnation or step <= self._dispatched_through:
+            return
+        if not self._foreign_logged:
+            logger.error(
+                "diloco node %s: the hub applied a delta of this node (incarnation %s) for "
+                "local step %d, but this node has sent only up to step %d: another process "
+                "uses node id %r, or someone with the signing secret wrote it; this node "
+                "continues under a new incarnation (give every node its own node_id)",
+                self.settings.node_id,
+                incarnation,
+                step,
+                self._dispatched_through,
                 self.settings.node_id,
             )
-            self._held_pending = None
-            self.pending = None
-            self._resync = True
-            self.stats.resyncs += 1
-        elif self._held_pending is not None:
-            self._add_pending(self._held_pending, self._held_base, self._held_work)
-            self._held_pending = None
-        self._startup_done = True
+            self._foreign_logged = True
+        self.incarnation = uuid.uuid4().hex[:12]
 
     def _schedule(self, step: int, boundary: bool) -> None:
         now = self._clock()
@@ -785,6 +970,8 @@ class DiLoCoNode:
             "pending_work": list(self.pending_work) if self.pending is not None else [0, 0],
             "held_work": list(self._held_work),
             "work_mark": list(self._work_mark),
+            "range_starts": list(self._range_starts or []),
+            "dispatched_through": self._dispatched_through,
             "unconfirmed": None
             if job is None
             else {
@@ -794,6 +981,7 @@ class DiLoCoNode:
                 "tokens": job.tokens,
                 "samples": job.samples,
                 "fragment": job.fragment,
+                "first_step": job.first_step,
             },
             "master": {} if self.master is None else self.master.state_dict(),
         }
@@ -844,14 +1032,24 @@ class DiLoCoNode:
                 raise ValueError(f"diloco state: 'unconfirmed': {exc.detail}") from None
             delta = _optional_tensors(unconfirmed, "delta", self.layout, keys)
             if delta is not None:
+                first = unconfirmed.get("first_step")
                 self.unconfirmed = UploadJob(
                     delta,
                     _integer(unconfirmed, "local_step"),
                     _integer(unconfirmed, "base_outer_step"),
                     *_work(unconfirmed, "tokens", "samples"),
                     fragment,
+                    None if first is None else _integer(unconfirmed, "first_step"),
                 )
-        self._checkpoint_step = _integer(state, "checkpoint_step")
+        checkpoint_step = self._checkpoint_step = _integer(state, "checkpoint_step")
+        # Checkpoints of earlier versions do not record these: every range then starts at
+        # the checkpoint, and what the hub has of this node up to it is this node's.
+        self._range_starts = _steps(state, "range_starts", self.plan.count, checkpoint_step)
+        through = state.get("dispatched_through", checkpoint_step)
+        self._dispatched_through = _integer({"dispatched_through": through}, "dispatched_through")
+        self._baseline_step = checkpoint_step  # the baseline is from this step or before
+        self._work_step = None  # the work mark's step is not recorded: measure afresh
+        self._skip = None
         self._startup_done = False
         self._captured_step = None
 
@@ -920,6 +1118,19 @@ def _integer(state: Mapping[str, object], key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"diloco state: {key!r} must be an integer")
     return value
+
+
+def _steps(state: Mapping[str, object], key: str, count: int, default: int) -> list[int]:
+    """``count`` step numbers under ``key`` (``default`` each when absent or when the
+    checkpoint was taken with another number of fragments)."""
+    value = state.get(key)
+    if value is None:
+        return [default] * count
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(item, int) and not isinstance(item, bool) for item in value
+    ):
+        raise ValueError(f"diloco state: {key!r} must be a list of step numbers")
+    return [int(item) for item in value] if len(value) == count else [default] * count
 
 
 def _work(state: Mapping[str, object], *keys: str) -> tuple[int, int]:

@@ -217,6 +217,21 @@ HUB_OPTIONS_SCHEMA: JSONSchema = {
             "default": None,
             "description": "Reject deltas more than this many outer steps stale (null: never).",
         },
+        "max_step_tokens": {
+            "type": ["integer", "null"],
+            "minimum": 1,
+            "default": None,
+            "description": "Master, weight_by_work: the most tokens one optimizer step of any "
+            "node trains; a delta's claimed tokens count at most inner_steps (and its own "
+            "steps) times this (null: the master's own tokens per step, measured).",
+        },
+        "max_step_samples": {
+            "type": ["integer", "null"],
+            "minimum": 1,
+            "default": None,
+            "description": "The same cap in samples, for deltas that report no tokens (null: "
+            "the master's own samples per step).",
+        },
         "signing_secret_env": {
             "type": ["string", "null"],
             "minLength": 1,
@@ -524,6 +539,8 @@ class DiLoCoOptions:
     weight_by_work: bool = True
     staleness_power: float = 0.5
     max_staleness: int | None = None
+    max_step_tokens: int | None = None
+    max_step_samples: int | None = None
     signing_secret_env: str | None = None
     delete_applied_deltas: bool = True
     keep_global_versions: int = 2

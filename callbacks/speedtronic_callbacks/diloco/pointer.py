@@ -16,11 +16,14 @@ from dataclasses import dataclass, field
 
 from speedtronic_callbacks.diloco.wire import (
     FORMAT,
+    Covered,
     Rejected,
     RejectionReason,
     check_signature,
-    int_field,
+    covered_from_json,
+    covered_to_json,
     load_json,
+    metadata_fields,
     progress_from_json,
     progress_to_json,
     require_fields,
@@ -32,8 +35,8 @@ POINTER_PATH = "global/step_count.json"
 MAX_POINTER_BYTES = 16 * 1024 * 1024
 """Refuse pointer files larger than this (a real one is a few kilobytes per node)."""
 
-MODEL_FILE_PATTERN = re.compile(r"^global/model_(\d{8,})\.safetensors$")
-OUTER_FILE_PATTERN = re.compile(r"^global/outer_(\d{8,})\.safetensors$")
+MODEL_FILE_PATTERN = re.compile(r"^global/model_(\d{8,13})\.safetensors$", re.ASCII)
+OUTER_FILE_PATTERN = re.compile(r"^global/outer_(\d{8,13})\.safetensors$", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class Pointer:
     updated_at: str
     applied: tuple[str, ...] = ()
     progress: Mapping[str, tuple[str, int]] = field(default_factory=dict)
+    covered: Covered = field(default_factory=dict)
+    """The ledger's ``covered``: what a resumed node reads to skip the steps it sent."""
 
     def fields(self) -> dict[str, str]:
         return {
@@ -70,6 +75,7 @@ class Pointer:
             "updated_at": self.updated_at,
             "applied": ",".join(self.applied),
             "progress": json.dumps(progress_to_json(self.progress), separators=(",", ":")),
+            "covered": json.dumps(covered_to_json(self.covered), separators=(",", ":")),
         }
 
 
@@ -82,9 +88,10 @@ def encode_pointer(pointer: Pointer, *, secret: bytes | None) -> bytes:
 
 
 def decode_pointer(data: bytes, *, fingerprint: str, secret: bytes | None) -> Pointer:
-    """Validate the pointer: format, signature, fingerprint and file names on the
-    allow-list (``global/model_<step>.safetensors``), so a writer cannot point nodes at an
-    arbitrary file."""
+    """Validate the pointer: format, signature, every field's type and bounds
+    (``fields.FIELDS``), fingerprint and file names on the allow-list
+    (``global/model_<step>.safetensors``), so a writer cannot point nodes at an arbitrary
+    file."""
     if len(data) > MAX_POINTER_BYTES:
         raise Rejected(RejectionReason.TOO_LARGE, f"pointer is {len(data)} bytes")
     raw = load_json(data, "pointer")
@@ -93,27 +100,31 @@ def decode_pointer(data: bytes, *, fingerprint: str, secret: bytes | None) -> Po
     ):
         raise Rejected(RejectionReason.BAD_METADATA, "pointer must map strings to strings")
     names = ("format", "outer_step", "model_file", "model_sha256", "outer_file", "outer_sha256")
-    require_fields(raw, (*names, "fingerprint", "master", "updated_at"), "pointer")
+    required = (*names, "fingerprint", "master", "updated_at")
+    require_fields(raw, required, "pointer")
     if raw["format"] != FORMAT:
-        raise Rejected(RejectionReason.BAD_METADATA, f"pointer has format {raw['format']!r}")
+        raise Rejected(RejectionReason.BAD_METADATA, f"pointer has format {raw['format']!r:.60}")
     check_signature(raw, secret, "pointer")
+    fields = metadata_fields(raw, "pointer")
     if raw["fingerprint"] != fingerprint:
         raise Rejected(
             RejectionReason.FOREIGN_FINGERPRINT,
             f"hub holds model {raw['fingerprint']!r}, this run is {fingerprint!r}",
         )
-    outer_step = int_field(raw, "outer_step", "pointer")
+    outer_step = fields.integer("outer_step")
     model_match = MODEL_FILE_PATTERN.match(raw["model_file"])
     outer_match = OUTER_FILE_PATTERN.match(raw["outer_file"])
     if model_match is None or outer_match is None:
         raise Rejected(RejectionReason.BAD_METADATA, "pointer names files off the allow-list")
     if int(model_match.group(1)) != outer_step or int(outer_match.group(1)) != outer_step:
         raise Rejected(RejectionReason.BAD_METADATA, "pointer file names disagree on the step")
-    applied = tuple(h for h in raw.get("applied", "").split(",") if h)
+    applied = tuple(h for h in fields.text("applied", "").split(",") if h)
     try:
-        progress = progress_from_json(load_json(raw.get("progress", "{}"), "progress"))
+        progress = progress_from_json(load_json(fields.text("progress", "{}"), "progress"))
+        covered = covered_from_json(load_json(fields.text("covered", "{}"), "covered"))
     except (ValueError, Rejected) as exc:
-        raise Rejected(RejectionReason.BAD_METADATA, f"pointer progress: {exc}") from None
+        detail = exc.detail if isinstance(exc, Rejected) else str(exc)
+        raise Rejected(RejectionReason.BAD_METADATA, f"pointer progress: {detail}") from None
     return Pointer(
         outer_step=outer_step,
         model_file=raw["model_file"],
@@ -125,6 +136,7 @@ def decode_pointer(data: bytes, *, fingerprint: str, secret: bytes | None) -> Po
         updated_at=raw["updated_at"],
         applied=applied,
         progress=progress,
+        covered=covered,
     )
 
 

@@ -85,6 +85,20 @@ class RemoteFile:
     version: str
 
 
+@dataclass(frozen=True)
+class Replaced:
+    """What ``Transport.replace`` wrote over: the file's ``data`` (``None`` when there was
+    no file, or it could not be read: then ``unreadable`` says why). ``exact``: these are
+    exactly the bytes the write replaced (an atomic exchange); otherwise they were read
+    just before the write, and a write by someone else in between went unseen. ``seen``
+    is false when even that read failed (a transient error): nothing is known."""
+
+    data: bytes | None
+    exact: bool
+    unreadable: str | None = None
+    seen: bool = True
+
+
 def check_remote_path(path: str) -> str:
     """Reject absolute paths, ``..`` and odd characters (paths are joined to a root)."""
     if not _PATH_PATTERN.match(path) or any(part in {".", ".."} for part in path.split("/")):
@@ -144,6 +158,20 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def delete(self, paths: Sequence[str]) -> None:
         """Remove files; missing ones are ignored."""
+
+    def replace(self, path: str, data: bytes) -> Replaced:
+        """Write ``data`` to ``path`` (atomically, as ``put``) and say what it replaced, so
+        the master can tell what it published over (``master.MasterLoop._publish``). This
+        default reads the file, then puts (``exact`` false); ``DirectoryTransport`` swaps
+        the new file in atomically and reads what came out where the OS can."""
+        try:
+            previous = Replaced(self.get(path), exact=False)
+        except UnreadableFileError as exc:
+            previous = Replaced(None, exact=False, unreadable=exc.message)
+        except TransportError:
+            previous = Replaced(None, exact=False, seen=False)  # the write matters, not this
+        self.put(path, data)
+        return previous
 
     def commit(self, puts: Sequence[tuple[str, bytes]], deletes: Sequence[str] = ()) -> None:
         """Write ``puts`` in order, then remove ``deletes``.
@@ -317,6 +345,14 @@ class RetryingTransport(Transport):
 
     def delete(self, paths: Sequence[str]) -> None:
         self._call("delete", lambda: self.inner.delete(paths))
+
+    def replace(self, path: str, data: bytes) -> Replaced:
+        # A retry after a swap that landed but was reported failed replaces our own file:
+        # the master recognises its own bytes (``MasterLoop._judge_replaced``).
+        replaced = self._call(f"replace {path}", lambda: self.inner.replace(path, data))
+        with self._lock:
+            self.bytes_up += len(data)
+        return replaced
 
     def commit(self, puts: Sequence[tuple[str, bytes]], deletes: Sequence[str] = ()) -> None:
         if not self.inner.atomic_commit:

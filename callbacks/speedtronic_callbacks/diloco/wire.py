@@ -45,6 +45,13 @@ from speedtronic_callbacks.diloco.encoding import (
     pack,
     unpack,
 )
+from speedtronic_callbacks.diloco.fields import (
+    FRAGMENT_PATTERN,
+    FieldError,
+    Fields,
+    check_integer,
+    parse_fields,
+)
 from speedtronic_callbacks.diloco.fragments import layout_plan
 from speedtronic_callbacks.diloco.math import StateDict, is_synchronised
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
@@ -102,6 +109,7 @@ class RejectionReason(str, enum.Enum):
     UNKNOWN_ENCODING = "unknown_encoding"
     BAD_PACKING = "bad_packing"
     OUTLIER = "outlier"
+    OVERLAP = "overlap"
 
 
 class Rejected(Exception):
@@ -300,13 +308,13 @@ def require_fields(metadata: Mapping[str, str], names: Iterable[str], what: str)
         raise Rejected(RejectionReason.BAD_METADATA, f"{what} lacks metadata {missing}")
 
 
-def int_field(metadata: Mapping[str, str], name: str, what: str) -> int:
+def metadata_fields(metadata: Mapping[str, str], what: str, required: Iterable[str] = ()) -> Fields:
+    """Every declared field of ``metadata`` checked against its type and bounds
+    (``fields.FIELDS``); ``Rejected(BAD_METADATA)`` naming the first one that fails."""
     try:
-        return int(metadata[name])
-    except (KeyError, ValueError):
-        raise Rejected(
-            RejectionReason.BAD_METADATA, f"{what} field {name!r} is not an integer"
-        ) from None
+        return parse_fields(metadata, what, required)
+    except FieldError as exc:
+        raise Rejected(RejectionReason.BAD_METADATA, str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -317,6 +325,8 @@ class DecodedFile:
     metadata: Mapping[str, str]
     sha256: str
     size: int
+    fields: Fields
+    """The metadata's declared fields, typed and bounded (``fields.parse_fields``)."""
 
 
 def decode_file(
@@ -329,8 +339,9 @@ def decode_file(
     allowed_dtypes: Mapping[str, torch.dtype] | None,
     what: str,
 ) -> DecodedFile:
-    """Check format, kind, signature, fingerprint, keys/shapes, element count, payload hash
-    and finiteness, in that order; raise ``Rejected`` at the first failure."""
+    """Check format, kind, signature, every declared metadata field's type and bounds,
+    fingerprint, keys/shapes, element count, payload hash and finiteness, in that order;
+    raise ``Rejected`` at the first failure."""
     header = parse_header(data)
     meta = header.metadata
     require_fields(meta, ("format", "kind", "fingerprint", "numel", "sha256"), what)
@@ -339,6 +350,7 @@ def decode_file(
     if meta["kind"] != kind:
         raise Rejected(RejectionReason.BAD_METADATA, f"{what} is a {meta['kind']!r} file")
     check_signature(meta, secret, what)
+    fields = metadata_fields(meta, what)
     if meta["fingerprint"] != fingerprint:
         raise Rejected(
             RejectionReason.FOREIGN_FINGERPRINT,
@@ -355,7 +367,7 @@ def decode_file(
     except Exception as exc:  # the library raises several types for damaged payloads
         raise Rejected(RejectionReason.CORRUPT, f"{what} payload unreadable: {exc}") from None
     numel = sum(t.numel() for t in tensors.values())
-    if numel != int_field(meta, "numel", what):
+    if numel != fields.integer("numel"):
         raise Rejected(
             RejectionReason.ELEMENT_COUNT, f"{what} holds {numel} elements, says {meta['numel']}"
         )
@@ -365,7 +377,7 @@ def decode_file(
     for key, tensor in tensors.items():
         if is_synchronised(tensor) and not bool(torch.isfinite(tensor).all()):
             raise Rejected(RejectionReason.NON_FINITE, f"{what} has NaN/Inf in {key!r}")
-    return DecodedFile(tensors=tensors, metadata=meta, sha256=digest, size=len(data))
+    return DecodedFile(tensors=tensors, metadata=meta, sha256=digest, size=len(data), fields=fields)
 
 
 def _check_entries(header: Header, expected: Mapping[str, tuple[int, ...]], what: str) -> None:
@@ -391,7 +403,12 @@ def _check_entries(header: Header, expected: Mapping[str, tuple[int, ...]], what
 @dataclass(frozen=True)
 class DeltaInfo:
     """Who made a delta, from which global it started and how much it trained since
-    (``tokens``/``samples``: 0 when unknown; the master weights deltas by them)."""
+    (``tokens``/``samples``: 0 when unknown; the master weights deltas by them).
+
+    ``first_step`` and ``local_step`` are the delta's step range: it holds the node's
+    progress of local steps ``first_step + 1 .. local_step`` (``None``: files of earlier
+    versions, which do not say). The master applies no two deltas of one node incarnation
+    whose ranges overlap (docs/distributed.md, "Restarts")."""
 
     node_id: str
     local_step: int
@@ -401,6 +418,12 @@ class DeltaInfo:
     samples: int = 0
     fragment: str = ""
     """``"p/P"``: the delta holds streaming fragment ``p`` of ``P``; ``""``: the whole model."""
+    first_step: int | None = None
+
+    @property
+    def steps(self) -> int | None:
+        """How many local steps the delta's range spans (``None`` when it has none)."""
+        return None if self.first_step is None else self.local_step - self.first_step
 
 
 PACKED_KEYS = ("codes", "scales")
@@ -498,6 +521,8 @@ def encode_wire(
         "tokens": str(info.tokens),
         "samples": str(info.samples),
     }
+    if info.first_step is not None:
+        fields["first_step"] = str(info.first_step)
     if encoding.packed:
         fields["block_size"] = str(BLOCK_SIZE)
         fields["values"] = str(fragment_layout(layout, info.fragment).sync_numel)
@@ -569,17 +594,8 @@ def decode_delta(data: bytes, layout: ModelLayout, *, secret: bytes | None) -> D
             RejectionReason.UNKNOWN_ENCODING,
             f"delta is encoded as {declared[:40]!r}; this version reads {known_names}",
         )
-    meta = decoded.metadata
-    require_fields(meta, ("node_id", "local_step", "base_outer_step"), "delta")
-    info = DeltaInfo(
-        node_id=meta["node_id"],
-        local_step=int_field(meta, "local_step", "delta"),
-        base_outer_step=int_field(meta, "base_outer_step", "delta"),
-        incarnation=meta.get("incarnation", ""),
-        tokens=_count_field(meta, "tokens"),
-        samples=_count_field(meta, "samples"),
-        fragment=fragment,
-    )
+    require_fields(decoded.metadata, ("node_id", "local_step", "base_outer_step"), "delta")
+    info = _delta_info(decoded.fields, fragment)
     encoding = declared or wire_encoding(decoded.tensors)
     if encoding.packed:
         tensors = _unpack_delta(decoded, expected, encoding)
@@ -590,14 +606,26 @@ def decode_delta(data: bytes, layout: ModelLayout, *, secret: bytes | None) -> D
     )
 
 
-def _count_field(meta: Mapping[str, str], name: str) -> int:
-    """An optional non-negative count (``tokens``, ``samples``); 0 when absent."""
-    if name not in meta:
-        return 0
-    value = int_field(meta, name, "delta")
-    if value < 0:
-        raise Rejected(RejectionReason.BAD_METADATA, f"delta field {name!r} is negative")
-    return value
+def _delta_info(fields: Fields, fragment: str) -> DeltaInfo:
+    """The origin of a delta from its checked metadata (the required fields are there);
+    ``Rejected(BAD_METADATA)`` for an empty step range."""
+    local_step = fields.integer("local_step")
+    first_step = fields.integer("first_step") if "first_step" in fields else None
+    if first_step is not None and not first_step < local_step:
+        raise Rejected(
+            RejectionReason.BAD_METADATA,
+            f"delta field 'first_step' {first_step} is not below its local_step {local_step}",
+        )
+    return DeltaInfo(
+        node_id=fields.text("node_id"),
+        local_step=local_step,
+        base_outer_step=fields.integer("base_outer_step"),
+        incarnation=fields.text("incarnation", ""),
+        tokens=fields.integer("tokens", 0),
+        samples=fields.integer("samples", 0),
+        fragment=fragment,
+        first_step=first_step,
+    )
 
 
 def _unpack_delta(
@@ -605,15 +633,15 @@ def _unpack_delta(
 ) -> dict[str, torch.Tensor]:
     """The float32 delta of a packed file; ``BAD_PACKING`` when the codes or scales do not
     fit the header (block size, value count) or the model."""
-    tensors, meta = decoded.tensors, decoded.metadata
+    tensors, fields = decoded.tensors, decoded.fields
     if set(tensors) != set(PACKED_KEYS):
         raise Rejected(
             RejectionReason.WRONG_KEYS,
             f"a {encoding.value} delta holds {sorted(tensors)[:5]}, expected {list(PACKED_KEYS)}",
         )
-    require_fields(meta, ("block_size", "values"), "delta")
-    block_size = int_field(meta, "block_size", "delta")
-    values = int_field(meta, "values", "delta")
+    require_fields(decoded.metadata, ("block_size", "values"), "delta")
+    block_size = fields.integer("block_size")
+    values = fields.integer("values")
     expected = layout.sync_numel
     if values != expected:
         raise Rejected(
@@ -632,9 +660,6 @@ def _unpack_delta(
     return unflatten_delta(flat, layout)
 
 
-_FRAGMENT = re.compile(r"^(\d{1,4})/(\d{1,4})$")
-
-
 def fragment_shapes(layout: ModelLayout, fragment: str) -> Mapping[str, tuple[int, ...]]:
     """The keys and wire shapes a delta of ``fragment`` (``"p/P"``, or ``""`` for the whole
     model) must hold exactly -- a fragment is applied whole or not at all."""
@@ -647,9 +672,12 @@ def fragment_layout(layout: ModelLayout, fragment: str) -> ModelLayout:
     fingerprint stays the model's). ``Rejected`` (``BAD_METADATA``) for a malformed field."""
     if not fragment:
         return layout
-    match = _FRAGMENT.match(fragment)
+    match = FRAGMENT_PATTERN.match(fragment)
     if match is None or not int(match[1]) < int(match[2]):
-        raise Rejected(RejectionReason.BAD_METADATA, f"delta fragment {fragment!r} is not 'p/P'")
+        raise Rejected(
+            RejectionReason.BAD_METADATA,
+            f"delta field 'fragment' {fragment!r:.20} is not 'p/P' with p < P",
+        )
     try:
         plan = layout_plan(layout, int(match[2]))
     except ValueError as exc:
@@ -717,7 +745,7 @@ def decode_global(
     )
     _check_expected_hash(decoded, expected_sha256, "global model")
     if outer_step is not None:
-        found = int_field(decoded.metadata, "outer_step", "global model")
+        found = decoded.fields.integer("outer_step", -1)
         if found != outer_step:
             raise Rejected(
                 RejectionReason.BAD_METADATA,
@@ -729,6 +757,16 @@ def decode_global(
 Progress = dict[str, tuple[str, int]]
 """node id -> (incarnation, highest local step applied from that incarnation)."""
 
+Covered = dict[str, dict[str, dict[str, int]]]
+"""node id -> incarnation -> streaming fragment -> highest local step applied from that
+incarnation (fragment ``""``: whole-model deltas), for the ``MAX_INCARNATIONS`` newest
+incarnations of each node. What the master checks a delta's step range against
+(``Ledger.overlap``), and what a resumed node reads to skip what it sent."""
+
+MAX_INCARNATIONS = 4
+"""Incarnations per node whose applied step ranges the ledger keeps (a node restarted
+from scratch while deltas of its earlier life still wait has two)."""
+
 
 def progress_to_json(progress: Mapping[str, tuple[str, int]]) -> dict[str, dict[str, object]]:
     return {
@@ -737,19 +775,67 @@ def progress_to_json(progress: Mapping[str, tuple[str, int]]) -> dict[str, dict[
     }
 
 
+def _check_ids(node: object, incarnation: object) -> tuple[str, str]:
+    """A node id and an incarnation from parsed JSON, checked like the metadata fields
+    they come from; ``ValueError`` otherwise."""
+    if not isinstance(node, str) or not isinstance(incarnation, str):
+        raise ValueError(f"bad entry for node {node!r:.70}")
+    try:
+        metadata_fields({"node_id": node, "incarnation": incarnation}, "a node entry")
+    except Rejected as exc:
+        raise ValueError(exc.detail) from None
+    return node, incarnation
+
+
 def progress_from_json(raw: object) -> Progress:
-    """Parse ``progress_to_json`` output; ``ValueError`` on anything else."""
+    """Parse ``progress_to_json`` output (node ids, incarnations and steps checked like the
+    metadata fields they come from); ``ValueError`` on anything else."""
     if not isinstance(raw, dict):
         raise ValueError("progress must be a JSON object")
     progress: Progress = {}
-    for node, entry in raw.items():
+    for key, entry in raw.items():
         if not isinstance(entry, dict):
-            raise ValueError(f"bad progress entry for {node!r}")
-        incarnation, step = entry.get("incarnation"), entry.get("step")
-        if not isinstance(incarnation, str) or not isinstance(step, int):
-            raise ValueError(f"bad progress entry for {node!r}")
-        progress[str(node)] = (incarnation, step)
+            raise ValueError(f"bad progress entry for {key!r:.70}")
+        node, incarnation = _check_ids(key, entry.get("incarnation"))
+        progress[node] = (incarnation, check_integer(entry.get("step"), "local_step"))
     return progress
+
+
+def covered_to_json(covered: Covered) -> dict[str, dict[str, dict[str, int]]]:
+    return {
+        node: {incarnation: dict(sorted(steps.items())) for incarnation, steps in lives.items()}
+        for node, lives in sorted(covered.items())
+    }
+
+
+def covered_from_json(raw: object) -> Covered:
+    """Parse ``covered_to_json`` output (ids, fragments and steps checked, at most
+    ``MAX_INCARNATIONS`` per node); ``ValueError`` on anything else."""
+    if not isinstance(raw, dict):
+        raise ValueError("covered must be a JSON object")
+    covered: Covered = {}
+    for key, lives in raw.items():
+        if not isinstance(lives, dict) or len(lives) > MAX_INCARNATIONS:
+            raise ValueError(f"bad covered entry for node {key!r:.70}")
+        for life, steps in lives.items():
+            node, incarnation = _check_ids(key, life)
+            if not isinstance(steps, dict):
+                raise ValueError(f"bad steps of node {node!r}")
+            for fragment in steps:
+                if fragment and not FRAGMENT_PATTERN.match(fragment):
+                    raise ValueError(f"bad fragment {fragment!r:.20} of node {node!r}")
+            checked = {f: check_integer(step, "local_step") for f, step in steps.items()}
+            covered.setdefault(node, {})[incarnation] = checked
+    return covered
+
+
+def covered_through(steps: Mapping[str, int], fragment: str) -> int:
+    """The highest local step applied that a delta of ``fragment`` would overlap: the
+    fragment's own and whole-model deltas' for a fragment, every fragment's for a
+    whole-model delta (-1: none)."""
+    if fragment:
+        return max(steps.get(fragment, -1), steps.get("", -1))
+    return max(steps.values(), default=-1)
 
 
 @dataclass
@@ -758,15 +844,57 @@ class Ledger:
 
     ``applied`` holds the content hash of every delta ever applied (so a re-uploaded or
     renamed copy is never applied twice); ``progress`` the highest local step applied per
-    node incarnation (a resumed node uses it to drop work it had already sent).
+    node incarnation (what earlier versions' nodes read); ``covered`` the same per
+    incarnation and streaming fragment, which the step range of every new delta of that
+    incarnation must start at or after (``overlap``) and which a resumed node reads to
+    skip what it sent.
     """
 
     applied: set[str] = field(default_factory=set)
     progress: Progress = field(default_factory=dict)
+    covered: Covered = field(default_factory=dict)
+
+    def copy(self) -> Ledger:
+        covered = {
+            node: {life: dict(steps) for life, steps in lives.items()}
+            for node, lives in self.covered.items()
+        }
+        return Ledger(set(self.applied), dict(self.progress), covered)
+
+    def overlap(self, info: DeltaInfo) -> int | None:
+        """The highest local step already applied from ``info``'s node incarnation that
+        ``info``'s range reaches back to, or ``None`` when it does not overlap. A delta of
+        an earlier version (no range) overlaps when it ends there or before."""
+        steps = self.covered.get(info.node_id, {}).get(info.incarnation)
+        if steps is None:
+            return None
+        through = covered_through(steps, info.fragment)
+        start = info.local_step - 1 if info.first_step is None else info.first_step
+        return through if start < through else None
+
+    def record(self, info: DeltaInfo) -> None:
+        """Note that ``info``'s delta was applied (its incarnation becomes the node's
+        newest; beyond ``MAX_INCARNATIONS`` the oldest is forgotten)."""
+        node, incarnation = info.node_id, info.incarnation
+        lives = self.covered.setdefault(node, {})
+        steps = lives.pop(incarnation, {})
+        steps[info.fragment] = max(steps.get(info.fragment, -1), info.local_step)
+        lives[incarnation] = steps
+        while len(lives) > MAX_INCARNATIONS:
+            del lives[next(iter(lives))]
+        previous = self.progress.get(node)
+        step = info.local_step
+        if previous is not None and previous[0] == incarnation:
+            step = max(step, previous[1])
+        self.progress[node] = (incarnation, step)
 
     def to_json(self) -> str:
         return json.dumps(
-            {"applied": sorted(self.applied), "progress": progress_to_json(self.progress)},
+            {
+                "applied": sorted(self.applied),
+                "progress": progress_to_json(self.progress),
+                "covered": covered_to_json(self.covered),
+            },
             separators=(",", ":"),
         )
 
@@ -780,9 +908,19 @@ class Ledger:
         if not isinstance(raw, dict):
             raise ValueError("ledger is not a JSON object")
         applied = raw.get("applied", [])
-        if not isinstance(applied, list) or not all(isinstance(h, str) for h in applied):
-            raise ValueError("ledger 'applied' must be a list of strings")
-        return cls(applied=set(applied), progress=progress_from_json(raw.get("progress", {})))
+        if not isinstance(applied, list) or not all(
+            isinstance(h, str) and _APPLIED_HASH.match(h) for h in applied
+        ):
+            raise ValueError("ledger 'applied' must be a list of content hashes")
+        return cls(
+            applied=set(applied),
+            progress=progress_from_json(raw.get("progress", {})),
+            covered=covered_from_json(raw.get("covered", {})),
+        )
+
+
+_APPLIED_HASH = re.compile(r"^[0-9a-f]{16,64}$")
+"""A ledger's hash: a full sha256, or the 16-character prefix of a file name."""
 
 
 def encode_outer(
@@ -821,7 +959,7 @@ def decode_outer(
     for key, tensor in decoded.tensors.items():
         if layout.wire_shapes.get(key) != tuple(tensor.shape):
             raise Rejected(RejectionReason.WRONG_KEYS, f"outer state has stray key {key!r}")
-    if int_field(decoded.metadata, "outer_step", "outer state") != outer_step:
+    if decoded.fields.integer("outer_step", -1) != outer_step:
         raise Rejected(RejectionReason.BAD_METADATA, "outer state is for another outer step")
     require_fields(decoded.metadata, ("ledger",), "outer state")
     try:
