@@ -70,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint", help="checkpoint file to evaluate (default: the run's latest)"
     )
     evaluate.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps")
+    _add_weights_arg(evaluate)
 
     export = sub.add_parser(
         "export", help="write a run's checkpoint as a Hugging Face model directory"
@@ -82,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--overwrite", action="store_true", help="replace a non-empty --output directory"
     )
+    _add_weights_arg(export)
 
     validate = sub.add_parser("validate", help="check a config; print it and the callback plan")
     _add_config_args(validate)
@@ -116,6 +118,20 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a config value, e.g. --set optimizer.lr=1e-3 (repeatable)",
     )
+
+
+def _add_weights_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--weights",
+        default="model",
+        metavar="{model,ema,...}",
+        help="which weights: the model's own (default), or those a callback kept in the "
+        "checkpoint under its state key, e.g. ema (docs/ema-and-profiling.md)",
+    )
+
+
+def _weights_note(weights: str) -> str:
+    return "" if weights == "model" else f" weights={weights}"
 
 
 def _version() -> str:
@@ -261,7 +277,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     assert isinstance(config, SpeedtronicConfig)
     try:
         loaded, outcome = evaluate_checkpoint(
-            config, checkpoint=args.checkpoint, device=args.device
+            config, checkpoint=args.checkpoint, device=args.device, weights=args.weights
         )
     except (EvaluationError, DataSourceError) as exc:
         raise UserError(str(exc)) from None
@@ -269,6 +285,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     print(
         f"{EVAL_LOSS}={metrics[EVAL_LOSS]!r} {EVAL_PPL}={metrics[EVAL_PPL]!r} "
         f"step={loaded.step} batches={outcome.batches} checkpoint={loaded.path}"
+        f"{_weights_note(args.weights)}"
     )
     return EXIT_OK
 
@@ -283,13 +300,17 @@ def _export(args: argparse.Namespace) -> int:
     assert isinstance(config, SpeedtronicConfig)
     try:
         loaded, result = export_checkpoint(
-            config, Path(args.output), checkpoint=args.checkpoint, overwrite=args.overwrite
+            config,
+            Path(args.output),
+            checkpoint=args.checkpoint,
+            overwrite=args.overwrite,
+            weights=args.weights,
         )
     except ExportError as exc:
         raise UserError(str(exc)) from None
     print(
         f"wrote {result.output} ({result.architecture}: {', '.join(result.files)}) "
-        f"step={loaded.step} checkpoint={loaded.path}"
+        f"step={loaded.step} checkpoint={loaded.path}{_weights_note(args.weights)}"
     )
     return EXIT_OK
 
