@@ -27,6 +27,7 @@ from speedtronic.state.published_weights import (
 )
 from speedtronic.state.resume import resume_from
 from speedtronic_callbacks.checkpoint import CheckpointCallback
+from speedtronic_callbacks.early_stopping import EarlyStopping
 from speedtronic_callbacks.ema import EMA, EMA_EVAL_LOSS, EMA_EVAL_PPL
 
 torch.set_num_threads(1)
@@ -183,6 +184,10 @@ def test_eval_ema_metrics_are_the_shadows_and_training_is_undisturbed() -> None:
     assert final[EMA_EVAL_LOSS] == direct["eval/loss"]
     assert final[EMA_EVAL_PPL] == direct["eval/ppl"]
     assert final[EMA_EVAL_LOSS] != final["eval/loss"]  # it is another model's number
+    # A monitor reads the average's loss like any evaluation key.
+    watch = EarlyStopping("eval/ema/loss", patience=1, min_delta=10.0)
+    stopped = trainer(EMA(0.6), watch, steps=9, eval_every=3).fit()
+    assert stopped.steps == 6 and "eval/ema/loss did not improve" in str(stopped.stop_reason)
     off = EMA(0.6, evaluate=False)
     assert all(EMA_EVAL_LOSS not in r for r in trainer(off, steps=3, eval_every=3).fit().metrics)
 

@@ -52,7 +52,7 @@ from speedtronic.engine.contexts import (
 )
 from speedtronic.engine.evaluation import EVAL_LOSS, EVAL_PPL
 from speedtronic.engine.events import Event
-from speedtronic.engine.filters import every, logging_steps, once
+from speedtronic.engine.filters import StepFilter, every, logging_steps, once
 from speedtronic.state.published_weights import WEIGHTS_ENTRY
 from speedtronic.state.training_state import TrainingStateError, fit_problems
 
@@ -165,12 +165,13 @@ class EMA(Callback):
         self._weights_local: list[torch.Tensor] = []
         self._loaded: Mapping[str, torch.Tensor] | None = None
         self._eval_metrics: dict[str, float] | None = None
-        updates = every(every_steps)
-        self.due_when = {
-            # start_step itself too: the shadow takes the weights there.
-            Event.AFTER_OPTIMIZER_STEP: updates | once(start_step) if start_step else updates,
-            Event.METRICS: logging_steps(),  # evaluation steps are logging steps
-        }
+        due: dict[Event, StepFilter] = {Event.METRICS: logging_steps()}  # evaluation steps
+        if every_steps > 1 or start_step > 1:
+            # start_step itself too: the shadow takes the weights there. (Due on every step,
+            # the hook goes unfiltered: a filter due each step costs the plan a table a step.)
+            updates = every(every_steps)
+            due[Event.AFTER_OPTIMIZER_STEP] = updates | once(start_step) if start_step else updates
+        self.due_when = due
 
     @classmethod
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
