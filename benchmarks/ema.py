@@ -53,19 +53,24 @@ STEPS = 100
 HOOK_CALLS = 2000
 
 
-def fit(batches: list[object], callbacks: list[Callback]) -> float:
-    """CPU seconds per step of a fit of STEPS steps."""
+def smoke_trainer(batches: list[object], callbacks: list[Callback], steps: int) -> Trainer:
+    """The smoke model's Trainer (metrics due at the end only: no sink, no logging cost)."""
     model = make_model()
-    trainer = Trainer(
+    return Trainer(
         model,
         torch.optim.AdamW(model.parameters(), lr=3e-3),
         batches,
         device="cpu",
         callbacks=callbacks,
-        max_steps=STEPS,
+        max_steps=steps,
         accumulation_steps=K,
-        metrics_every=STEPS,
+        metrics_every=steps,
     )
+
+
+def fit(batches: list[object], callbacks: list[Callback]) -> float:
+    """CPU seconds per step of a fit of STEPS steps."""
+    trainer = smoke_trainer(batches, callbacks, STEPS)
     start = time.process_time()
     trainer.fit()
     return (time.process_time() - start) / STEPS
@@ -83,17 +88,7 @@ def calls_per_step(batches: list[object], callbacks: Callable[[], list[Callback]
     """Function calls (Python and C) per step of a fit, setup and teardown cancelled out."""
 
     def counted(steps: int) -> int:
-        model = make_model()
-        trainer = Trainer(
-            model,
-            torch.optim.AdamW(model.parameters(), lr=3e-3),
-            batches,
-            device="cpu",
-            callbacks=callbacks(),
-            max_steps=steps,
-            accumulation_steps=K,
-            metrics_every=1000,
-        )
+        trainer = smoke_trainer(batches, callbacks(), steps)
         calls = [0]
 
         def profile(frame: object, event: str, arg: object) -> None:
@@ -113,17 +108,8 @@ def calls_per_step(batches: list[object], callbacks: Callable[[], list[Callback]
 
 def hook_cost(batches: list[object]) -> float:
     """CPU seconds of one EMA update on the smoke model, after a short fit binds it."""
-    model = make_model()
     ema = EMA(0.999)
-    trainer = Trainer(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=3e-3),
-        batches,
-        device="cpu",
-        callbacks=[ema],
-        max_steps=2,
-        accumulation_steps=K,
-    )
+    trainer = smoke_trainer(batches, [ema], 2)
     trainer.fit()
     ctx = OptimizerStepContext(3)
     start = time.process_time()
