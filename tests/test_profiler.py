@@ -15,6 +15,7 @@ from scalar_model import Scalar
 
 from speedtronic import Trainer
 from speedtronic.engine.contexts import StepContext
+from speedtronic.engine.dispatch import CallbackWarning
 from speedtronic.engine.view import TrainerView
 from speedtronic_callbacks.profiler import Profiler
 
@@ -116,6 +117,20 @@ def test_only_the_chosen_ranks_profile(tmp_path: Path) -> None:
     everywhere = Watched(start_step=1, wait=0, warmup=1, active=1, ranks="all")
     fit(everywhere, tmp_path, steps=3)
     assert len(everywhere.traces) == 1
+
+
+def test_a_trace_that_cannot_be_written_is_reported_once_and_training_goes_on(
+    tmp_path: Path,
+) -> None:
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the trace directory should be")
+    profiler = Watched(start_step=1, wait=0, warmup=1, active=1, repeat=2, dir=blocked)
+    with pytest.warns(CallbackWarning, match="profiler") as caught:
+        trainer = fit(profiler, tmp_path, steps=6)
+    assert trainer.step == 6 and profiler.traces == []
+    assert len([w for w in caught if issubclass(w.category, CallbackWarning)]) == 1
+    assert not torch.autograd.profiler._is_profiler_enabled  # stopped, not left running
+    assert profiler.summaries == []  # and no second cycle was recorded
 
 
 @pytest.mark.parametrize(

@@ -224,6 +224,7 @@ class Profiler(Callback):
         self._rank = 0
         self._on_device = False
         self._notes: Notes | None = None
+        self._failure: Exception | None = None
         self._resolved = self.dir
         self.due_when = {
             Event.STEP_START: once(start_step),
@@ -314,11 +315,20 @@ class Profiler(Callback):
             # Each cycle is summarised on its own: that its events are cleared is the point.
             warnings.filterwarnings("ignore", "Warning: Profiler clears events")
             prof.step()  # the schedule's next step; at a cycle's end: _write_trace
-        if self._stepped >= self.repeat * self.cycle:
+        failure, self._failure = self._failure, None
+        # The last step of the window ends it, also when a retried (skipped fp16) step took
+        # one of its schedule's steps; a trace that could not be written ends it too.
+        done = self._stepped >= self.repeat * self.cycle or ctx.step >= self.last_step
+        if done or failure is not None:
             self._stop()
+        if failure is not None:
+            raise failure  # reported once (an observer); training goes on
 
     def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         self._stop()  # a fit that ended inside the window: what was recorded is written
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
 
     def _stop(self) -> None:
         prof, self._profile = self._profile, None
@@ -328,7 +338,15 @@ class Profiler(Callback):
     # -- the trace ------------------------------------------------------------------------
 
     def _write_trace(self, prof: profile) -> None:
-        """``on_trace_ready``: write the trace, then print and publish its summary."""
+        """``on_trace_ready``: write the trace, then print and publish its summary. A failure
+        is kept for the hook to raise once the profiler's own step is over: raised from
+        inside it, it would leave torch's profiler half-switched (and crash its ``stop``)."""
+        try:
+            self._write_and_summarise(prof)
+        except Exception as exc:
+            self._failure = self._failure or exc
+
+    def _write_and_summarise(self, prof: profile) -> None:
         cycle = len(self.traces)
         self._resolved.mkdir(parents=True, exist_ok=True)
         path = self._resolved / f"rank{self._rank}.{time.time_ns()}{TRACE_SUFFIX}"
