@@ -68,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--checkpoint", help="checkpoint file to evaluate (default: the run's latest)"
     )
+    _add_weights_arg(evaluate)
 
     export = sub.add_parser(
         "export", help="write a run's checkpoint as a Hugging Face model directory"
@@ -80,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--overwrite", action="store_true", help="replace a non-empty --output directory"
     )
+    _add_weights_arg(export)
 
     validate = sub.add_parser("validate", help="check a config; print it and the callback plan")
     _add_config_args(validate)
@@ -182,6 +184,20 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_max_steps(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, help="absolute step to stop at")
+
+
+def _add_weights_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--weights",
+        default="model",
+        metavar="{model,ema,...}",
+        help="which weights: the model's own (default), or those a callback kept in the "
+        "checkpoint under its state key, e.g. ema (docs/ema-and-profiling.md)",
+    )
+
+
+def _weights_note(weights: str) -> str:
+    return "" if weights == "model" else f" weights={weights}"
 
 
 def _version() -> str:
@@ -341,7 +357,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         raise UserError(problem)
     try:
         loaded, outcome = evaluate_checkpoint(
-            config, checkpoint=args.checkpoint, device=args.device
+            config, checkpoint=args.checkpoint, device=args.device, weights=args.weights
         )
     except (EvaluationError, DataSourceError) as exc:
         raise UserError(str(exc)) from None
@@ -349,6 +365,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     print(
         f"{EVAL_LOSS}={metrics[EVAL_LOSS]!r} {EVAL_PPL}={metrics[EVAL_PPL]!r} "
         f"step={loaded.step} batches={outcome.batches} checkpoint={loaded.path}"
+        f"{_weights_note(args.weights)}"
     )
     return EXIT_OK
 
@@ -363,13 +380,17 @@ def _export(args: argparse.Namespace) -> int:
     assert isinstance(config, SpeedtronicConfig)
     try:
         loaded, result = export_checkpoint(
-            config, Path(args.output), checkpoint=args.checkpoint, overwrite=args.overwrite
+            config,
+            Path(args.output),
+            checkpoint=args.checkpoint,
+            overwrite=args.overwrite,
+            weights=args.weights,
         )
     except ExportError as exc:
         raise UserError(str(exc)) from None
     print(
         f"wrote {result.output} ({result.architecture}: {', '.join(result.files)}) "
-        f"step={loaded.step} checkpoint={loaded.path}"
+        f"step={loaded.step} checkpoint={loaded.path}{_weights_note(args.weights)}"
     )
     return EXIT_OK
 

@@ -62,6 +62,7 @@ from speedtronic.plugins import (
 )
 from speedtronic.state.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
 from speedtronic.state.model_fit import model_mismatch, tensor_shapes
+from speedtronic.state.published_weights import MODEL_WEIGHTS, apply_weights, published_weights
 from speedtronic.state.resume import ResumeSource, resume_from
 from speedtronic.state.rng import seed_everything
 from speedtronic.state.run_identity import new_run_id, read_run_id, write_run_id
@@ -433,9 +434,11 @@ def evaluate_checkpoint(
     *,
     checkpoint: str | Path | None = None,
     device: str | torch.device | None = None,
+    weights: str = MODEL_WEIGHTS,
 ) -> tuple[LoadedCheckpoint, EvalOutcome]:
     """Evaluate a run's checkpoint on its held-out set (``eval:``) and write nothing: the
-    named ``checkpoint`` file, else the newest one in the run's checkpoint directory.
+    named ``checkpoint`` file, else the newest one in the run's checkpoint directory;
+    ``weights`` names which weights (``model_with_weights``).
     ``CheckpointError`` when there is none or it cannot be read, ``TrainingStateError`` when
     it does not fit the config's model. One process (no torch.distributed)."""
     cfg = as_config(config)
@@ -444,7 +447,7 @@ def evaluate_checkpoint(
     resolved_device = resolve_device(device if device is not None else cfg.run.device)
     output_dir = Path(cfg.run.output_dir).expanduser().resolve()
     loaded = _checkpoint_to_evaluate(cfg, output_dir, resolved_device, checkpoint)
-    net = model_with_weights(cfg, loaded)
+    net = model_with_weights(cfg, loaded, weights)
     net.to(resolved_device)
     _warn_if_trained_on_the_tail(cfg)
     outcome = evaluate_model(
@@ -458,11 +461,18 @@ def evaluate_checkpoint(
 
 
 def model_with_weights(
-    cfg: SpeedtronicConfig, loaded: LoadedCheckpoint, *, doing: str = "evaluate"
+    cfg: SpeedtronicConfig,
+    loaded: LoadedCheckpoint,
+    weights: str = MODEL_WEIGHTS,
+    *,
+    doing: str = "evaluate",
 ) -> torch.nn.Module:
     """The config's model (on the CPU) holding the weights of ``loaded``: a sharded (FSDP)
-    checkpoint's gathered whole. ``CheckpointError`` when it holds none,
+    checkpoint's gathered whole; with ``weights`` other than ``"model"``, its parameters
+    then replaced by the weights the callback of that state key published
+    (``speedtronic.state.published_weights``). ``CheckpointError`` when it holds none,
     ``TrainingStateError`` when they do not fit the model (``cannot <doing> <path>: ...``)."""
+    published = None if weights == MODEL_WEIGHTS else published_weights(loaded, weights)
     net = build_model(cfg.model)
     sharded = loaded.state.get(SHARDED_DIRECTORY)
     if isinstance(sharded, str):  # an FSDP run's checkpoint: its weights, gathered whole
@@ -472,6 +482,8 @@ def model_with_weights(
             raise TrainingStateError(f"cannot {doing} {loaded.path}: {exc}") from None
     else:
         _load_weights(net, loaded, doing=doing)
+    if published is not None:
+        apply_weights(net, published, weights)
     return net
 
 
@@ -481,9 +493,11 @@ def export_checkpoint(
     *,
     checkpoint: str | Path | None = None,
     overwrite: bool = False,
+    weights: str = MODEL_WEIGHTS,
 ) -> tuple[LoadedCheckpoint, ExportResult]:
     """Write a run's checkpoint (the named one, else the newest) as a Hugging Face
-    directory ``output`` (``speedtronic.models.export``), with the run's tokenizer file.
+    directory ``output`` (``speedtronic.models.export``), with the run's tokenizer file;
+    ``weights`` names which weights (``model_with_weights``).
     ``ExportError`` for an output in the way or a model with no Hugging Face form, before
     anything is read; one process, on the CPU."""
     cfg = as_config(config)
@@ -493,7 +507,7 @@ def export_checkpoint(
     tokenizer = tokenizer_file(cfg.data.to_dict())
     output_dir = Path(cfg.run.output_dir).expanduser().resolve()
     loaded = _checkpoint_to_evaluate(cfg, output_dir, torch.device("cpu"), checkpoint)
-    net = model_with_weights(cfg, loaded, doing="export")
+    net = model_with_weights(cfg, loaded, weights, doing="export")
     return loaded, export_model(net, target, overwrite=overwrite, tokenizer=tokenizer)
 
 

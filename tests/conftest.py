@@ -87,6 +87,7 @@ SLOW_FIRST = (
     "tests/test_wandb.py",
     "tests/test_fuzz.py",
     "tests/test_fsdp.py",
+    "tests/test_ema_fsdp.py",
     "tests/test_crash_safety.py",
     "tests/test_diloco_streaming.py",
     "tests/test_distributed.py::test_two_rank_ddp_matches_one_process_and_resumes_exactly",

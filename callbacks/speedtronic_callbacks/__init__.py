@@ -26,11 +26,13 @@ _EXPORTS: dict[str, str] = {
     "ConsoleCallback": "speedtronic_callbacks.console",
     "CsvCallback": "speedtronic_callbacks.csv_sink",
     "DiLoCoCallback": "speedtronic_callbacks.diloco",
+    "EMA": "speedtronic_callbacks.ema",
     "EarlyStopping": "speedtronic_callbacks.early_stopping",
     "GradientCheckpointing": "speedtronic_callbacks.gradient_checkpointing",
     "JsonlCallback": "speedtronic_callbacks.jsonl",
     "MetricSink": "speedtronic_callbacks.sink",
     "NanGuard": "speedtronic_callbacks.nan_guard",
+    "Profiler": "speedtronic_callbacks.profiler",
     "ProgressBarCallback": "speedtronic_callbacks.progress",
     "SystemMetricsCallback": "speedtronic_callbacks.system_metrics",
     "TensorBoardCallback": "speedtronic_callbacks.tensorboard",
@@ -55,11 +57,13 @@ if TYPE_CHECKING:
     from speedtronic_callbacks.csv_sink import CsvCallback as CsvCallback
     from speedtronic_callbacks.diloco import DiLoCoCallback as DiLoCoCallback
     from speedtronic_callbacks.early_stopping import EarlyStopping as EarlyStopping
+    from speedtronic_callbacks.ema import EMA as EMA
     from speedtronic_callbacks.gradient_checkpointing import (
         GradientCheckpointing as GradientCheckpointing,
     )
     from speedtronic_callbacks.jsonl import JsonlCallback as JsonlCallback
     from speedtronic_callbacks.nan_guard import NanGuard as NanGuard
+    from speedtronic_callbacks.profiler import Profiler as Profiler
     from speedtronic_callbacks.progress import ProgressBarCallback as ProgressBarCallback
     from speedtronic_callbacks.sink import MetricSink as MetricSink
     from speedtronic_callbacks.system_metrics import (

@@ -64,7 +64,7 @@ from speedtronic.systems.precision import (
     PrecisionPlan,
     make_grad_scaler,
 )
-from speedtronic.systems.sharding import find_shard_blocks
+from speedtronic.systems.sharding import find_shard_blocks, reshard_model
 from speedtronic.user_warnings import warn
 
 if TYPE_CHECKING:
@@ -528,6 +528,8 @@ class Trainer:
         # Read through a DataPass, whose waits the stop watch bounds as it bounds the
         # training stream's (a SIGTERM while the held-out data hangs still ends the run).
         batches = self._held_out_pass = DataPass(source)
+        if self.sharded_state:  # gather the shards as they are now (``reshard_model``)
+            reshard_model(self.model)
         try:
             return evaluate_model(
                 self.model,
@@ -546,6 +548,8 @@ class Trainer:
             raise
         finally:
             self._held_out_pass = None
+            if self.sharded_state:  # no gathered copy outlives the evaluation
+                reshard_model(self.model)
 
     def evaluate(self, data: Iterable[object] | None = None) -> dict[str, float]:
         """The held-out metrics of the model as it is now: ``{"eval/loss": ...,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-__all__ = ["MODEL_MISMATCH", "Shape", "model_mismatch", "tensor_shapes"]
+__all__ = ["MODEL_MISMATCH", "Shape", "model_mismatch", "tensor_shapes", "weights_mismatch"]
 
 MODEL_MISMATCH = "checkpoint does not match the model"
 """How every report of weights that do not fit begins."""
@@ -35,12 +35,15 @@ def tensor_shapes(state: Mapping[str, object]) -> dict[str, Shape]:
     return shapes
 
 
-def model_mismatch(model: Mapping[str, Shape], checkpoint: Mapping[str, Shape]) -> str | None:
+def model_mismatch(
+    model: Mapping[str, Shape], checkpoint: Mapping[str, Shape], *, all_needed: bool = True
+) -> str | None:
     """What differs between the ``model``'s entries and the ``checkpoint``'s (key -> shape,
     ``tensor_shapes``), as one line beginning with ``MODEL_MISMATCH``; ``None`` when every
     key is in both and every tensor has the same shape. Keys are in the model's order
-    (missing, shapes) and the checkpoint's (unexpected)."""
-    missing = [key for key in model if key not in checkpoint]
+    (missing, shapes) and the checkpoint's (unexpected). With ``all_needed=False`` the
+    checkpoint may hold a subset of the model's keys (weights that overwrite some of them)."""
+    missing = [key for key in model if key not in checkpoint] if all_needed else []
     unexpected = [key for key in checkpoint if key not in model]
     mismatched = [
         f"{key}: checkpoint {checkpoint[key]} vs model {shape}"
@@ -55,3 +58,10 @@ def model_mismatch(model: Mapping[str, Shape], checkpoint: Mapping[str, Shape]) 
     if mismatched:
         problems.append(f"shape mismatch: {'; '.join(mismatched)}")
     return f"{MODEL_MISMATCH}: {' | '.join(problems)}" if problems else None
+
+
+def weights_mismatch(
+    model: Mapping[str, object], weights: Mapping[str, object], *, all_needed: bool = True
+) -> str | None:
+    """``model_mismatch`` of two state dicts (name -> tensor)."""
+    return model_mismatch(tensor_shapes(model), tensor_shapes(weights), all_needed=all_needed)

@@ -5,6 +5,7 @@ under the same ``latest.json`` rules as) single-file checkpoints::
 
     step_000000000008.dcp/
         __0_0.distcp  __1_0.distcp   each rank's shard of the model and optimizer tensors
+                                     (and of callbacks' sharded tensors: callback_shards)
         .metadata                    DCP's index of the shards (which rank wrote what)
         state.pt                     everything else: counters, RNG, data position, callback
                                      and scheduler state, config (rank 0, weights-only)
@@ -53,6 +54,7 @@ from torch import nn
 from speedtronic.state.model_fit import Shape, model_mismatch, tensor_shapes
 
 __all__ = [
+    "CALLBACK_SHARDS",
     "MANIFEST_NAME",
     "SHARDED_SUFFIX",
     "STATE_NAME",
@@ -61,7 +63,9 @@ __all__ = [
     "is_sharded_state",
     "load_sharded_tensors",
     "load_sharded_weights",
+    "load_tensor_entries",
     "read_sharded_state",
+    "saved_tensor_entries",
     "verify_sharded",
     "write_sharded",
 ]
@@ -71,7 +75,10 @@ SHARDED_SUFFIX = ".dcp"
 STATE_NAME = "state.pt"
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
-TENSOR_KEYS = ("model", "optimizer")
+CALLBACK_SHARDS = "callback_shards"
+"""The entry of a training state holding the callbacks' ``DTensor`` leaves by index
+(``speedtronic.state.callback_shards``); present only when some callback has them."""
+TENSOR_KEYS = ("model", "optimizer", CALLBACK_SHARDS)
 """The entries of a training state that DCP writes shard by shard."""
 SHARDED_MARKER = "sharded"
 """A training state holding this key (True) is written as a sharded checkpoint; a loaded
@@ -238,7 +245,7 @@ def write_sharded(path: Path, state: Mapping[str, object]) -> str:
     try:
         with _single_process_quietly():
             save(
-                {key: state[key] for key in TENSOR_KEYS},
+                {key: state[key] for key in TENSOR_KEYS if key in state},
                 storage_writer=_writer(temp),
                 no_dist=not _multi_process(),
             )
@@ -430,6 +437,31 @@ def load_sharded_tensors(path: Path, model: nn.Module, optimizer: torch.optim.Op
         model_state_dict=cast(dict[str, Any], state["model"]),
         optim_state_dict=cast(dict[str, Any], state["optimizer"]),
     )
+
+
+def saved_tensor_entries(path: Path, entry: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors the sharded checkpoint ``path`` holds under the top-level ``entry``, by
+    key: their whole (unsharded) size and dtype, from its metadata."""
+    from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+
+    saved = _read_metadata(path, None, StorageMeta).state_dict_metadata
+    prefix = f"{entry}."
+    return {
+        key[len(prefix) :]: (tuple(value.size), value.properties.dtype)
+        for key, value in saved.items()
+        if key.startswith(prefix) and isinstance(value, TensorStorageMetadata)
+    }
+
+
+def load_tensor_entries(
+    path: Path, entry: str, templates: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Load the tensors under the top-level ``entry`` of the sharded checkpoint ``path``
+    into ``templates`` (on every rank: a collective); DCP reshards into how each template
+    is laid out (a ``DTensor``'s shards, or a whole plain tensor)."""
+    state: dict[str, object] = {entry: templates}
+    _load(state, path)
+    return templates
 
 
 def load_sharded_weights(path: Path, model: nn.Module) -> None:

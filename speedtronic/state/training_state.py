@@ -19,10 +19,16 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from speedtronic import __version__
+from speedtronic.state.callback_shards import (
+    CALLBACK_SHARD_PATHS,
+    split_callback_shards,
+    with_callback_shards,
+)
 from speedtronic.state.model_fit import model_mismatch, tensor_shapes
 from speedtronic.state.rng import capture_rng_state, restore_rng_state
 from speedtronic.state.run_identity import RUN_STATE_KEY
 from speedtronic.state.sharded_checkpoint import (
+    CALLBACK_SHARDS,
     SHARDED_DIRECTORY,
     SHARDED_MARKER,
     capture_sharded_tensors,
@@ -50,8 +56,13 @@ class TrainingStateError(ValueError):
 def capture_training_state(self: Trainer) -> dict[str, object]:
     """Everything needed to continue this run exactly (loads with weights_only=True)."""
     config = self.config.to_dict(redact_secrets=True) if self.config is not None else None
+    callbacks = self.callback_states()
+    sharded_leaves: dict[str, object] = {}
     if self.sharded_state:  # this rank's shards, keyed by parameter name (they reshard)
         model, optimizer = capture_sharded_tensors(self.model, self.optimizer)
+        callbacks, shards, paths = split_callback_shards(callbacks)
+        if shards:  # a callback's own DTensor shards go through DCP as well
+            sharded_leaves = {CALLBACK_SHARDS: shards, CALLBACK_SHARD_PATHS: paths}
     else:
         model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
     state: dict[str, object] = {
@@ -69,7 +80,7 @@ def capture_training_state(self: Trainer) -> dict[str, object]:
         },
         "rng": capture_rng_state(),
         "data": self.stream.state_dict(),
-        "callbacks": self.callback_states(),
+        "callbacks": callbacks,
         "config": config,
         "precision": {
             "mode": self.precision.mode,
@@ -81,6 +92,7 @@ def capture_training_state(self: Trainer) -> dict[str, object]:
         state[RUN_STATE_KEY] = {"id": self.run_id, "output_dir": str(self.output_dir)}
     if self.sharded_state:
         state[SHARDED_MARKER] = True  # written as a sharded (DCP) checkpoint
+        state.update(sharded_leaves)
     return state
 
 
@@ -109,9 +121,11 @@ def restore_training_state(
             f"unknown training-state format version {version!r} "
             f"(this speedtronic reads version {STATE_FORMAT_VERSION})"
         )
+    callback_states = with_callback_shards(state, like=self.model) if load_callbacks else {}
     if isinstance(state.get(SHARDED_DIRECTORY), str):
         # A sharded checkpoint: its tensors load (and reshard) from its directory, checked
-        # against the model before anything changes.
+        # against the model before anything changes (the callbacks' shards, above, load
+        # into fresh tensors).
         load_sharded_tensors(Path(str(state[SHARDED_DIRECTORY])), self.model, self.optimizer)
     elif self.sharded_state:
         raise TrainingStateError(
@@ -139,9 +153,7 @@ def restore_training_state(
     if isinstance(data_state, Mapping):
         self.stream.load_state_dict(cast(Mapping[str, int], data_state))
     if load_callbacks:
-        _load_callback_states(
-            self, cast(Mapping[str, Mapping[str, object]], state.get("callbacks") or {})
-        )
+        _load_callback_states(self, callback_states)
 
 
 def _world(self: Trainer) -> tuple[int, int]:

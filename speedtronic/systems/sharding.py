@@ -48,6 +48,7 @@ __all__ = [
     "global_grad_norm",
     "gradient_sync_on_final",
     "replace_optimizer_parameters",
+    "reshard_model",
     "shard_model",
 ]
 
@@ -203,6 +204,19 @@ def gradient_sync_on_final(
         return contextlib.nullcontext()
 
     return context
+
+
+def reshard_model(model: nn.Module) -> None:
+    """Free every gathered (unsharded) parameter of an FSDP ``model``, so that its next
+    forward gathers the shards as they are now. The root keeps its parameters gathered
+    after a forward (for the backward that follows in training); an evaluation, whose
+    forward no backward follows, must not leave them -- nor use them when the shards were
+    written in place since (weights swapped in for an evaluation)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def global_grad_norm(norm: torch.Tensor) -> torch.Tensor:
