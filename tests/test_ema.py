@@ -219,7 +219,11 @@ def test_an_interrupted_run_resumes_bit_exactly_with_ema(tmp_path: Path) -> None
 def test_a_shadow_that_does_not_fit_the_model_is_refused() -> None:
     ema = EMA(0.9)
     ema.load_state_dict({"weights": {"embed.weight": torch.zeros(3, 3)}, "live": True})
-    fits = r"trainable parameters: missing keys: head\.bias.*shape mismatch"
+    fits = (
+        r"trainable parameters: checkpoint does not match the model: missing keys: "
+        r"head\.weight, head\.bias \| shape mismatch: embed\.weight: checkpoint \(3, 3\) vs "
+        r"model \(11, 8\)$"
+    )
     with pytest.raises(ValueError, match=fits):
         trainer(ema, steps=1).fit()
 

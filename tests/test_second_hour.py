@@ -200,7 +200,9 @@ def test_validate_lists_every_mistake_at_once_with_hints(tmp_path: Path) -> None
     (tmp_path / "emma.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
     result = run_cli("validate", "--config", "emma.yaml", cwd=tmp_path)
     assert result.returncode == 2 and result.stdout == ""
-    assert "unknown callback 'emma' (known: checkpoint, console" in result.stderr
+    # A built-in ``ema`` callback exists now: the issue's own example gets its hint.
+    assert "unknown callback 'emma' (did you mean 'ema'?" in result.stderr
+    assert "known: checkpoint, console" in result.stderr
 
 
 # -- item 6: from Python, relative plugin paths are under the trainer's output_dir -------------
