@@ -338,6 +338,11 @@ def _metadata_problem(metadata: object) -> str | None:
             )
     if not (metadata.storage_meta is None or isinstance(metadata.storage_meta, StorageMeta)):
         return "its storage_meta is malformed"
+    for key, entry in metadata.state_dict_metadata.items():
+        chunks = entry.chunks if isinstance(entry, TensorStorageMetadata) else [None]
+        for chunk in chunks:
+            if MetadataIndex(key, chunk.offsets if chunk else None) not in metadata.storage_data:
+                return f"its entry {reprlib.repr(key)} has no record in storage_data"
     return None
 
 

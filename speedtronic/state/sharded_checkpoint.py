@@ -439,12 +439,17 @@ def load_sharded_tensors(path: Path, model: nn.Module, optimizer: torch.optim.Op
     _check_against(path, model_state)
     state: dict[str, object] = {"model": model_state, "optimizer": optimizer_state}
     _load(state, path)
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=cast(dict[str, Any], state["model"]),
-        optim_state_dict=cast(dict[str, Any], state["optimizer"]),
-    )
+    try:
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=cast(dict[str, Any], state["model"]),
+            optim_state_dict=cast(dict[str, Any], state["optimizer"]),
+        )
+    except Exception as exc:  # torch's errors for values of the wrong kind or shape
+        raise ValueError(
+            f"the checkpoint's state does not fit: {type(exc).__name__}: {first_line(exc)}"
+        ) from exc
 
 
 def load_sharded_weights(path: Path, model: nn.Module) -> None:
