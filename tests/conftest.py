@@ -98,6 +98,7 @@ SLOW_FIRST = (
     "tests/test_plot.py",
     "tests/test_docs.py",
     "tests/test_diloco_e2e.py",
+    "tests/test_checkpoint_signals.py::test_a_second_sigint_during_a_save_never_breaks_it",
 )
 
 
