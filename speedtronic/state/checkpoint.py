@@ -13,11 +13,13 @@ Layout of a checkpoint directory::
     best.json                   latest.json's format for the best checkpoint by a monitored
                                 metric, plus "monitor", "mode" and "value" (when asked for)
 
-A checkpoint is written to a hidden temp file in the same directory, flushed and fsynced,
-renamed onto its final name, and the directory is fsynced; only then is ``latest.json``
-rewritten the same way, and only then are old checkpoints pruned. A process killed at any
-moment therefore leaves the previous checkpoint and pointer intact. ``latest.json`` is the
-commit record: it names the newest *complete* checkpoint and nothing outside the directory.
+A checkpoint is written to a hidden temp file in the same directory (created exclusively,
+never through a symlink), flushed and fsynced, renamed onto its final name, and the directory
+is fsynced; only then is ``latest.json`` rewritten the same way -- without the records of the
+checkpoints retention is about to delete -- and only then are those deleted. A process killed
+at any moment therefore leaves the previous checkpoint and pointer intact, and the pointer
+never records a file that is gone. ``latest.json`` is the commit record: it names the newest
+*complete* checkpoint and nothing outside the directory.
 
 Integrity: ``torch.save`` writes a zip archive that stores a CRC-32 of every record; a save
 records the SHA-256 of that record index (names, offsets, sizes, CRC-32s) in the pointer, and
