@@ -237,3 +237,42 @@ def test_hub_files_are_written_through_the_atomic_writer(tmp_path: Path, preciou
     assert torch.equal(load_safetensors(saved)["w"], torch.zeros(3))
     assert hub.download(remote) == downloaded and not downloaded.is_symlink()
     assert precious.read_bytes() == before
+
+
+UNPICKLERS = {
+    "torch.load",
+    "torch.serialization.load",
+    "pickle.load",
+    "pickle.loads",
+    "pickle.Unpickler",
+    "dcp.load",
+    "torch.distributed.checkpoint.load",
+}
+"""Calls that unpickle (or run DCP's loader), by the dotted name they are called with."""
+
+
+def test_the_restricted_loader_is_the_only_unpickling_call_in_the_code() -> None:
+    """A guard for the rule itself: ``torch.load`` is called in ``safe_load.py`` alone, and
+    DCP's loader (whose default planner unpickles with ``weights_only=False``) is imported
+    only by ``dcp_io.py``, which runs it with the restricted reader and planner."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    found: dict[str, list[str]] = {}
+    for source in sorted([*root.glob("speedtronic/**/*.py"), *root.glob("callbacks/**/*.py")]):
+        where = str(source.relative_to(root))
+        for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (
+                "state_dict_loader" in (node.module or "")
+                or node.module in ("torch", "pickle", "torch.serialization")
+                and any(alias.name in ("load", "loads", "Unpickler") for alias in node.names)
+            ):
+                found.setdefault(where, []).append(f"from {node.module} import")
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in UNPICKLERS:
+                found.setdefault(where, []).append(ast.unparse(node.func))
+    assert found == {
+        "speedtronic/state/dcp_io.py": [
+            "from torch.distributed.checkpoint.state_dict_loader import"
+        ],
+        "speedtronic/state/safe_load.py": ["torch.load"],
+    }
