@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -209,17 +210,30 @@ def test_a_sharded_save_never_writes_through_a_planted_directory_link(
     assert set(rehash_free["files"]) == {".metadata", "__0_0.distcp", STATE_NAME}
 
 
-def test_a_symlinked_shard_is_not_read(tmp_path: Path, precious: Path) -> None:
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [("__0_0.distcp", "symlink"), ("__0_0.distcp", "fifo"), (MANIFEST_NAME, "fifo")],
+)
+def test_a_shard_or_manifest_that_is_no_regular_file_is_not_read(
+    tmp_path: Path, precious: Path, name: str, kind: str
+) -> None:
+    # A link is not followed out of the directory; a FIFO is not opened for reading (that
+    # would wait for a writer forever): either is damage, and the older checkpoint loads.
     newest = sharded_run(tmp_path / "ck")
-    shard = newest / "__0_0.distcp"
-    moved = precious.parent / "shard.distcp"
-    shard.rename(moved)
-    shard.symlink_to(moved)
-    rehash(newest)
-    manager = CheckpointManager(tmp_path / "ck")
-    with pytest.warns(UserWarning, match="__0_0.distcp is missing .* or is not a regular file"):
-        loaded = manager.load_latest_checkpoint()
-    assert loaded is not None and loaded.step == 5  # the link is damage: the older one loads
+    planted = newest / name
+    if kind == "symlink":
+        moved = precious.parent / "shard.distcp"
+        planted.rename(moved)
+        planted.symlink_to(moved)
+        rehash(newest)  # the manifest lists what the link leads to
+    else:
+        planted.unlink()
+        os.mkfifo(planted)
+    started = time.perf_counter()
+    with pytest.warns(UserWarning, match="falling back to the previous checkpoint"):
+        loaded = CheckpointManager(tmp_path / "ck").load_latest_checkpoint()
+    assert loaded is not None and loaded.step == 5
+    assert time.perf_counter() - started < 30
 
 
 def test_hub_files_are_written_through_the_atomic_writer(tmp_path: Path, precious: Path) -> None:

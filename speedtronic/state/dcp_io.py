@@ -29,6 +29,7 @@ this module only when it reads or writes a sharded checkpoint.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import os
@@ -89,6 +90,7 @@ METADATA_NAME = ".metadata"
 SHARD_FILE = re.compile(r"__\d{1,9}_\d{1,9}\.distcp")
 """The name of a rank's shard file, as DCP writes them (rank, then file number)."""
 _NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NON_BLOCKING = getattr(os, "O_NONBLOCK", 0)  # only so that opening a FIFO cannot hang
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _CHUNK = 16 * 1024 * 1024
 
@@ -111,8 +113,16 @@ def _metadata_classes() -> list[SafeGlobal]:
 
 
 def open_no_follow(path: Path) -> BinaryIO:
-    """``open(path, "rb")``, refusing a symlink (``OSError``)."""
-    return open(os.open(path, os.O_RDONLY | _NO_FOLLOW), "rb")
+    """``open(path, "rb")`` of a regular file: ``OSError`` for a symlink, and for a FIFO or
+    a device (opened without blocking, then refused: reading one could wait forever)."""
+    return _regular(os.open(path, os.O_RDONLY | _NO_FOLLOW | _NON_BLOCKING), path)
+
+
+def _regular(descriptor: int, path: str | os.PathLike[str]) -> BinaryIO:
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return open(descriptor, "rb")
 
 
 @contextlib.contextmanager
@@ -162,7 +172,9 @@ class BoundDirectory:
         return open(os.open(name, flags, 0o666, dir_fd=self.descriptor), "wb")
 
     def read(self, name: str) -> BinaryIO:
-        return open(os.open(name, os.O_RDONLY | _NO_FOLLOW, dir_fd=self.descriptor), "rb")
+        """``name`` for reading (a regular file only, as ``open_no_follow``)."""
+        flags = os.O_RDONLY | _NO_FOLLOW | _NON_BLOCKING
+        return _regular(os.open(name, flags, dir_fd=self.descriptor), self.path / name)
 
     def write_synced(self, name: str, write: Callable[[BinaryIO], object]) -> None:
         """Create ``name``, let ``write`` fill it, flush and fsync it."""
