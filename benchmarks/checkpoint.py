@@ -24,6 +24,13 @@ Rows:
                     wall time per save (it includes the background write competing with
                     training for cores and disk)
   prune             deleting one old checkpoint (retention), relative to a save
+  sharded (--sharded) the same state as a one-process FSDP run saves it: a DCP directory
+                    (CheckpointManager.save: DCP's save through speedtronic's exclusive,
+                    no-follow writer, state.pt, the manifest's SHA-256s, rename, pointer) vs
+                    a raw dcp.save of the tensors (fsynced, no manifest); load (verify every
+                    file's SHA-256 and the records, state.pt, then DCP's load through the
+                    restricted reader and planner into the model and optimizer) vs a raw
+                    dcp.load of the same directory
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ import shutil
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -52,8 +61,11 @@ from speedtronic.state.checkpoint import CheckpointManager
 from speedtronic_callbacks.checkpoint import CheckpointCallback
 
 
-def make_trainer(callbacks: list[Callback] | None = None, device: str = "cpu") -> Trainer:
-    """The reference transformer after one AdamW step (so the moment buffers exist)."""
+def make_trainer(
+    callbacks: list[Callback] | None = None, device: str = "cpu", strategy: str = "ddp"
+) -> Trainer:
+    """The reference transformer after one AdamW step (so the moment buffers exist);
+    ``strategy="fsdp"``: its state as sharded (DCP) checkpoints save it, in one process."""
     torch.manual_seed(0)
     model = ReferenceTransformer(
         vocab_size=8192, block_size=64, n_layer=8, n_head=8, d_model=512, d_ff=2048
@@ -61,7 +73,16 @@ def make_trainer(callbacks: list[Callback] | None = None, device: str = "cpu") -
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, 8192, (1, 33))
     batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
-    trainer = Trainer(model, optimizer, [batch], device=device, callbacks=callbacks or [])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "parallel.strategy fsdp on a single process")
+        trainer = Trainer(
+            model,
+            optimizer,
+            [batch],
+            device=device,
+            callbacks=callbacks or [],
+            parallel={"strategy": strategy},
+        )
     trainer.fit(1)
     return trainer
 
@@ -158,6 +179,60 @@ def run(directory: Path, repeats: int, device: str) -> list[tuple[str, float, fl
             med["prune"],
             med["prune"] / med["save"],
             "ratio = prune / save",
+        ),
+    ]
+
+
+def sharded(directory: Path, repeats: int) -> list[tuple[str, float, float, str]]:
+    """Sharded (DCP) save and load of the state of a one-process FSDP run against raw
+    ``dcp.save``/``dcp.load`` of the same tensors, interleaved, alternating the order."""
+    import torch.distributed.checkpoint as dcp
+
+    trainer = make_trainer(strategy="fsdp")
+    manager = CheckpointManager(directory / "sharded", keep_last=1)
+    times: dict[str, list[float]] = {}
+
+    def record(name: str, action: Callable[[], object]) -> None:
+        os.sync()
+        times.setdefault(name, []).append(timed(action))
+
+    def tensors() -> dict[str, object]:
+        state = trainer.state_dict()
+        return {"model": state["model"], "optimizer": state["optimizer"]}
+
+    def load() -> None:
+        loaded = manager.load_latest_checkpoint()
+        assert loaded is not None
+        trainer.load_state_dict(loaded.state)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's "assuming a single process"
+        for rep in range(repeats + 1):  # the first round warms up and is dropped
+            raw = directory / f"raw_{rep}.dcp"
+            cases: list[tuple[str, Callable[[], object]]] = [
+                ("save", partial(lambda step: manager.save(step, trainer.state_dict()), rep + 1)),
+                ("raw", partial(lambda path: dcp.save(tensors(), checkpoint_id=path), raw)),
+                ("load", load),
+                ("load_raw", partial(lambda path: dcp.load(tensors(), checkpoint_id=path), raw)),
+            ]
+            if rep % 2:
+                cases = [cases[1], cases[0], cases[3], cases[2]]
+            for name, action in cases:
+                record(name, action)
+            shutil.rmtree(raw)
+    med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    return [
+        (
+            "sharded save vs dcp.save",
+            med["save"],
+            med["raw"] / med["save"],
+            f"raw {med['raw']:.3f} s (fsynced; no manifest checksums)",
+        ),
+        (
+            "sharded load vs dcp.load",
+            med["load"],
+            med["load_raw"] / med["load"],
+            f"raw {med['load_raw']:.3f} s (no verification)",
         ),
     ]
 
@@ -263,12 +338,17 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: tmp)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="where the model trains (cpu, cuda)")
+    parser.add_argument("--sharded", action="store_true", help="add the sharded (DCP) rows")
+    parser.add_argument("--no-async", action="store_true", help="leave out the async rows")
     args = parser.parse_args()
     torch.set_num_threads(1)
     base = Path(tempfile.mkdtemp(prefix="speedtronic-ckpt-bench-", dir=args.dir))
     try:
         rows = run(base, args.repeats, args.device)
-        rows += stall(base, rounds=args.repeats, device=args.device)
+        if not args.no_async:
+            rows += stall(base, rounds=args.repeats, device=args.device)
+        if args.sharded:
+            rows += sharded(base, args.repeats)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print()

@@ -104,6 +104,7 @@ SLOW_FIRST = (
     "tests/test_run_lock.py::test_two_runs_started_together_on_one_checkpoint_directory",
     "tests/test_export.py",  # the first test of each imports transformers' models (~8 s)
     "tests/test_hf_models.py",
+    "tests/test_checkpoint_signals.py::test_a_second_sigint_during_a_save_never_breaks_it",
 )
 
 

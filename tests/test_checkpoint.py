@@ -169,6 +169,27 @@ def test_prune_removes_temp_files_of_dead_processes_only(tmp_path: Path) -> None
     assert mine.exists()
 
 
+def test_stale_temp_files_with_a_random_suffix_and_absurd_pids_are_cleaned(
+    tmp_path: Path,
+) -> None:
+    # A temp name taken (by a leftover or a planted file) makes a save use
+    # ".tmp-<pid>-<random>": its PID still says whose it is. A planted name whose "PID" is
+    # beyond any process once made every save fail with an OverflowError from os.kill.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".step_000000000002.pt.tmp-{dead.pid}-0123456789abcdef"
+    mine = tmp_path / f".latest.json.tmp-{os.getpid()}-0123456789abcdef"
+    absurd = tmp_path / ".step_000000000001.pt.tmp-99999999999999999999"
+    huge = tmp_path / ".step_000000000001.pt.tmp-9999999999"
+    for path in (stale, mine, absurd, huge):
+        path.write_bytes(b"x")
+    manager = CheckpointManager(tmp_path)
+    manager.save(3, sample_state(3.0))
+    assert not stale.exists() and not huge.exists() and mine.exists()
+    assert absurd.exists()  # more digits than a PID has: not a name this module writes
+    assert manager.latest_path() == manager.path_for(3)
+
+
 def test_temp_files_and_look_alikes_are_never_checkpoints(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path)
     manager.save(2, sample_state(2.0))

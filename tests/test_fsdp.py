@@ -11,6 +11,7 @@ no ``import torch`` each. Everything else runs in this process.
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -24,6 +25,7 @@ import pytest
 import torch
 import yaml
 from cli_runner import run_cli as speedtronic
+from planted_payloads import payload, plant_in_record
 from torch import nn
 
 from speedtronic.config import ConfigError, load_config
@@ -273,6 +275,21 @@ def rank_main(rank: int, port: int, out: str) -> None:
         fallback = make_trainer("fsdp", rank=rank, distributed=context, directory=part)
         report["fallback_from"] = str(resume(fallback))
         report["fallback_step"] = fallback.step
+        # 6. A pickle planted in a bytes record (refused by every rank's verification) or in
+        #    a tensor record that only one rank reads (refused inside DCP's collective load),
+        #    hashes rewritten: both ranks refuse the resume, the payload runs on neither.
+        for record in ("optimizer.param_groups.0.lr", "model.head.weight"):
+            planted = root / f"planted-{record}"
+            if rank == 0:
+                shutil.copytree(part, planted)  # its step 10 lost a shard: step 5 is next
+                plant_in_record(planted / "step_000000000005.dcp", record, payload(root / "pwned"))
+            context.barrier()
+            trainer = make_trainer("fsdp", rank=rank, distributed=context, directory=planted)
+            try:
+                resume(trainer)
+            except UnsafeCheckpointError as exc:
+                report[f"refused/{record}"] = str(exc)
+            report[f"ran/{record}"] = (root / "pwned").exists()
     finally:
         teardown_distributed(context)
     torch.save(tensors, root / f"rank{rank}.pt")
@@ -302,6 +319,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
             "torch._dynamo",
             "torch.distributed.fsdp",
             "speedtronic.engine.trainer",
+            "speedtronic.state.dcp_io",
             "test_fsdp",
         ]
     )
@@ -407,6 +425,17 @@ def test_two_ranks_fall_back_together_past_a_missing_shard(two_ranks: Path) -> N
         assert report["fallback_step"] == 5
 
 
+def test_two_ranks_refuse_a_pickle_planted_in_a_shard_and_run_nothing(two_ranks: Path) -> None:
+    for report in reports(two_ranks):
+        for record in ("optimizer.param_groups.0.lr", "model.head.weight"):
+            refused = str(report.get(f"refused/{record}"))
+            assert f"(record '{record}'): it contains a pickled Python object (posix.system)" in (
+                refused
+            )
+            assert f"planted-{record}/step_000000000005.dcp/__" in refused
+            assert report[f"ran/{record}"] is False
+
+
 def test_two_ranks_refuse_fsdp_inside_replicas(two_ranks: Path) -> None:
     for report in reports(two_ranks):
         assert "ranks_per_replica=1 of 2) is not supported" in str(report["replicas_refused"])
@@ -461,13 +490,27 @@ def test_sharded_checkpoints_follow_keep_last_and_fall_back_past_damage(tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_failed_sharded_save_is_a_checkpoint_error(tmp_path: Path) -> None:
-    tmp_path.joinpath(f".step_000000000005.dcp.tmp-{os.getpid()}").write_text("in the way")
+def test_a_failed_sharded_save_is_a_checkpoint_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Something at the temp directory's name no longer fails a save (it takes another
+    # name: test_checkpoint_security.py); a failing write does.
+    in_the_way = tmp_path / f".step_000000000005.dcp.tmp-{os.getpid()}"
+    in_the_way.write_text("in the way")
+    trainer = make_trainer("fsdp", directory=tmp_path)
+
+    def failing_save(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EIO, "the disk failed")
+
+    monkeypatch.setattr(torch, "save", failing_save)
     with pytest.raises(
-        CheckpointError, match=r"could not write sharded checkpoint .*step_0+5\.dcp"
+        CheckpointError,
+        match=r"could not write sharded checkpoint .*step_0+5\.dcp: .*the disk failed",
     ):
-        make_trainer("fsdp", directory=tmp_path).fit(5)
+        trainer.fit(5)
     assert not (tmp_path / POINTER_NAME).exists()
+    assert sorted(tmp_path.iterdir()) == [in_the_way]  # no temp directory left either
+    assert in_the_way.read_text() == "in the way"
 
 
 def test_a_sharded_checkpoint_holds_no_pickled_objects(tmp_path: Path) -> None:

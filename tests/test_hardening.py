@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 from cli_runner import run_cli as speedtronic_cli
+from planted_payloads import RunsCode
 
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import OptimizerStepContext
@@ -157,16 +158,6 @@ def test_saves_store_crc32s_even_when_torch_is_told_not_to(tmp_path: Path) -> No
 # -- 7. pickled objects of any protocol are unsafe, never "unreadable" ---------------------------
 
 
-class RunsCode:
-    """Pickles as a call to ``os.system``: unpickling it would run a command."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[object, tuple[str]]:
-        return (os.system, (f"touch {self.marker}",))
-
-
 def planted_payloads(marker: Path) -> dict[str, object]:
     return {
         "flat": {"model": {}, "payload": RunsCode(marker)},
@@ -235,6 +226,56 @@ def test_retention_keeps_the_newest_checkpoint_with_a_finite_loss(tmp_path: Path
         "step_000000000008.pt",
         "step_000000000010.pt",
     ]
+
+
+def recorded_and_present(manager: CheckpointManager) -> tuple[list[str], list[str]]:
+    """The file names ``latest.json`` records, and those of the checkpoints on disk."""
+    records = json.loads(manager.pointer_path.read_text())["checkpoints"]
+    return sorted(records), [p.name for p in manager.checkpoint_paths()]
+
+
+def test_the_pointer_never_records_a_checkpoint_retention_deleted(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=2)
+    manager.note_best(1, "eval/loss", "min", 0.5)  # kept while it is the best
+    for step in range(1, 6):
+        if step == 4:
+            manager.note_best(4, "eval/loss", "min", 0.4)  # step 1 is no longer kept
+        manager.save(step, sizable_state(float(step)))
+        recorded, present = recorded_and_present(manager)
+        assert recorded == present, step
+    assert [checkpoint_step(name) for name in present] == [4, 5]
+    # prune() on its own (a smaller keep_last) rewrites the pointer before deleting.
+    assert CheckpointManager(tmp_path, keep_last=1).prune() == []  # step 4 is the best
+    shrunk = CheckpointManager(tmp_path, keep_last=1)
+    shrunk.best_pointer_path.unlink()
+    assert shrunk.prune() == [shrunk.path_for(4)]
+    assert recorded_and_present(shrunk) == (["step_000000000005.pt"], ["step_000000000005.pt"])
+
+
+def test_a_crash_between_pointer_and_deletion_loses_no_finite_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    manager.save(2, sizable_state(2.0), loss=1.5)
+    manager.save(4, sizable_state(4.0), loss=float("nan"))
+
+    def crash(path: Path) -> None:
+        raise KeyboardInterrupt  # the process dies between the pointer and the deletion
+
+    monkeypatch.setattr("speedtronic.state.checkpoint._remove", crash)
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(6, sizable_state(6.0), loss=float("nan"))
+    monkeypatch.undo()
+    recorded, present = recorded_and_present(manager)
+    assert set(recorded) <= set(present)  # the pointer records no missing file
+    assert present == ["step_000000000002.pt", "step_000000000004.pt", "step_000000000006.pt"]
+    # The leftover (step 4, its record already dropped) is not taken for a finite one:
+    # the next prune deletes it and keeps step 2, the last finite checkpoint.
+    assert CheckpointManager(tmp_path, keep_last=1).prune() == [manager.path_for(4)]
+    assert recorded_and_present(manager) == (
+        ["step_000000000002.pt", "step_000000000006.pt"],
+        ["step_000000000002.pt", "step_000000000006.pt"],
+    )
 
 
 class PoisonWeights(Callback):
@@ -398,14 +439,20 @@ CLI_CONFIG = {
 }
 
 
+def fit_cli_config(tmp_path: Path, config: dict[str, object] = CLI_CONFIG) -> tuple[Path, Path]:
+    """``speedtronic fit`` of ``config`` into ``tmp_path/out``: the config file and ``out``."""
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "out"
+    first = speedtronic_cli("fit", "--config", str(path), "--output-dir", str(out), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    return path, out
+
+
 def test_cli_resumes_past_a_truncated_newest_checkpoint_and_refuses_a_planted_pickle(
     tmp_path: Path,
 ) -> None:
-    config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump(CLI_CONFIG))
-    out = tmp_path / "out"
-    first = speedtronic_cli("fit", "--config", str(config), "--output-dir", str(out), cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
+    config, out = fit_cli_config(tmp_path)
     newest = out / "checkpoints" / "step_000000000040.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
     resumed = speedtronic_cli("fit", "--config", str(config), "--output-dir", str(out),
@@ -421,3 +468,11 @@ def test_cli_resumes_past_a_truncated_newest_checkpoint_and_refuses_a_planted_pi
     assert refused.returncode == 2, refused.stderr
     assert "refusing to load" in refused.stderr and str(planted) in refused.stderr
     assert not (tmp_path / "pwned").exists()
+
+
+def test_cli_retention_leaves_no_record_of_a_deleted_checkpoint_in_the_pointer(
+    tmp_path: Path,
+) -> None:
+    _, out = fit_cli_config(tmp_path)
+    recorded, present = recorded_and_present(CheckpointManager(out / "checkpoints"))
+    assert recorded == present == ["step_000000000035.pt", "step_000000000040.pt"]

@@ -32,7 +32,12 @@ the current step (``trainer.request_stop("signal SIGTERM")``); the fit then ends
 the final checkpoint is written, and ``TrainResult.stop_reason`` says which signal it was
 (``speedtronic.state.checkpoint.requeue_exit_code`` maps it to the exit status 128 + signal
 number). A second signal is handled the way it was before the fit (Ctrl-C twice interrupts
-at once). The previous handlers are restored at ``teardown``.
+at once) -- except while a checkpoint is being written (or waited for): cut short there,
+torch's archive writer turned the interrupt into a "could not write" error. Then the save
+goes on, and the signal is handed over as soon as the checkpoint is on disk (it is the
+resume point); a third signal abandons the save at once (its temp file removed, the
+previous checkpoint stays the resume point), and the run ends as interrupted either way,
+never with a checkpoint error. The previous handlers are restored at ``teardown``.
 
 Async save (``async_save``): the state is snapshotted into reused CPU buffers and written by
 one background thread while training goes on. Buffers, RNG, counters and callback state are
@@ -55,12 +60,13 @@ without the barrier (the other ranks may be gone).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import signal
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, ClassVar, Literal, cast
@@ -310,6 +316,9 @@ class CheckpointCallback(Callback):
         self.signal_received: signal.Signals | None = None
         self._writer: AsyncCheckpointWriter | None = None
         self._previous_handlers: dict[signal.Signals, SignalHandler] = {}
+        self._writing = False  # the main thread writes (or waits for) a checkpoint
+        self._deferred: signal.Signals | None = None  # a second signal, held until written
+        self._abandoned = False  # a third signal cut the write short
         # (counters, RNG, data position) at the end of the last step, for save_on_exception.
         self._step_end_state: tuple[dict[str, int], dict[str, object], Mapping[str, int]] | None = (
             None
@@ -428,6 +437,7 @@ class CheckpointCallback(Callback):
             check_monitor("checkpoint", self.monitor, trainer)
         self._best_pending = None
         self.signal_received = None
+        self._deferred, self._abandoned = None, False
         self._step_end_state = None
         self.last_saved_step = (
             ctx.start_step if self.manager.has_checkpoint(ctx.start_step) else None
@@ -471,7 +481,8 @@ class CheckpointCallback(Callback):
         if self.manager.enabled and wanted and step > 0 and step != self.last_saved_step:
             self._save(trainer, step, trainer.state_dict())
         if self._writer is not None:
-            self._writer.wait()  # the run is only over when its checkpoint is on disk
+            with self._writing_checkpoint():
+                self._writer.wait()  # the run is only over when its checkpoint is on disk
             _barrier(trainer)
         if self.signal_received is not None:
             logger.warning(
@@ -482,8 +493,8 @@ class CheckpointCallback(Callback):
             )
 
     def on_exception(self, trainer: TrainerView, ctx: ExceptionContext) -> None:
-        if not (self.manager.enabled and self.save_on_exception):
-            return
+        if not (self.manager.enabled and self.save_on_exception) or self._abandoned:
+            return  # (a save abandoned by a signal is not retried)
         if trainer.sharded_state:
             warnings.warn(
                 f"save_on_exception: no checkpoint after the failure at step {ctx.step}: a "
@@ -539,10 +550,11 @@ class CheckpointCallback(Callback):
             self.manager.note_loss(step, _last_loss(trainer, step))
             if best and self.monitor is not None and self.best_value is not None:
                 self.manager.note_best(step, self.monitor, self.mode, self.best_value)
-        if self._writer is not None and main:
-            self._writer.submit(step, state, defer=_changed_only_by_optimizer_step(trainer))
-        elif main or trainer.sharded_state:  # sharded: every rank writes its shard
-            path = self.manager.save(step, state)
+        with self._writing_checkpoint():
+            if self._writer is not None and main:
+                self._writer.submit(step, state, defer=_changed_only_by_optimizer_step(trainer))
+            elif main or trainer.sharded_state:  # sharded: every rank writes its shard
+                path = self.manager.save(step, state)
         self.last_saved_step = step
         self.last_path = path
         if meet_peers and self._writer is None:
@@ -594,6 +606,35 @@ class CheckpointCallback(Callback):
 
     # -- signals ------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _writing_checkpoint(self) -> Iterator[None]:
+        """Around a checkpoint write (or a wait for one) on the main thread: a second signal
+        meanwhile is held until the write is done, then handed over; a third abandons it,
+        and the error torch makes of the interrupt is the interrupt again."""
+        self._writing = True
+        try:
+            yield
+        except CheckpointError:
+            if self._abandoned:
+                raise KeyboardInterrupt from None  # what the abandoned save was cut by
+            raise
+        finally:
+            self._writing = False
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            self._hand_over(deferred, None)
+
+    def _hand_over(self, received: signal.Signals, frame: FrameType | None) -> None:
+        """Give ``received`` to whoever handled it before the fit (restoring them all)."""
+        previous = self._previous_handlers.get(received)
+        self._restore_signal_handlers()
+        if callable(previous):
+            # Call it here, in this frame: re-raising the signal from inside a handler
+            # leaves *when* the old handler runs to the interpreter.
+            previous(int(received), frame)
+        elif previous != signal.SIG_IGN:
+            signal.raise_signal(received)  # the default action (terminate)
+
     def _install_signal_handlers(self, trainer: TrainerView) -> None:
         if threading.current_thread() is not threading.main_thread():
             logger.info("not in the main thread: SIGTERM/SIGINT handling left to the caller")
@@ -602,15 +643,17 @@ class CheckpointCallback(Callback):
         def handle(signum: int, frame: FrameType | None) -> None:
             received = signal.Signals(signum)
             if self.signal_received is not None:
-                # Second signal: hand it to whoever handled it before us (Ctrl-C twice).
-                previous = self._previous_handlers.get(received)
-                self._restore_signal_handlers()
-                if callable(previous):
-                    # Call it here, in this frame: re-raising the signal from inside a
-                    # handler leaves *when* the old handler runs to the interpreter.
-                    previous(signum, frame)
-                elif previous != signal.SIG_IGN:
-                    signal.raise_signal(signum)  # the default action (terminate)
+                if self._writing and self._deferred is None:
+                    self._deferred = received
+                    logger.warning(
+                        "received %s again while a checkpoint is being written: stopping as "
+                        "soon as it is on disk (send it once more to abandon the save)",
+                        received.name,
+                    )
+                    return
+                # Ctrl-C twice (or three times during a save): hand it over at once.
+                self._abandoned = self._writing
+                self._hand_over(received, frame)
                 return
             self.signal_received = received
             trainer.request_stop(signal_stop_reason(received))

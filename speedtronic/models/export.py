@@ -46,7 +46,7 @@ from speedtronic.models.transformer import (
     SwiGLU,
     TransformerBlock,
 )
-from speedtronic.state.atomic_io import fsync_directory, temporary_sibling
+from speedtronic.state.atomic_io import create_temporary_directory, fsync_directory
 
 __all__ = [
     "ExportError",
@@ -93,7 +93,7 @@ def _install(temp: Path, output: Path) -> None:
     """Rename the finished ``temp`` onto ``output``; an existing ``output`` is moved aside
     first and removed after, so a reader sees the old directory or the new one."""
     if output.exists():
-        aside = temporary_sibling(output)
+        aside = create_temporary_directory(output, "old")  # empty: the rename may replace it
         os.replace(output, aside)
         os.replace(temp, output)
         shutil.rmtree(aside, ignore_errors=True)
@@ -274,8 +274,7 @@ def export_model(
     if tokenizer is not None and not tokenizer.is_file():
         raise ExportError(f"the run's tokenizer {tokenizer} is not a file")
     output.parent.mkdir(parents=True, exist_ok=True)
-    temp = temporary_sibling(output)
-    temp.mkdir()
+    temp = create_temporary_directory(output)
     try:
         architecture = _write_model(model, temp)
         if tokenizer is not None:

@@ -6,6 +6,12 @@ flushed and fsynced, renamed over the target with ``os.replace`` (atomic on POSI
 Windows), and the directory is fsynced so the rename itself survives a power cut. A failure
 removes the temporary file and re-raises the original ``OSError``.
 
+The temporary file is created exclusively and without following links (``O_CREAT|O_EXCL|
+O_NOFOLLOW``): someone who can write the directory and plants a symlink (or any file) at a
+temp name cannot make a save write through it to a file elsewhere, nor truncate what is
+there -- the save takes another name. The rename replaces the directory *entry*, so a
+symlink planted at the target's own name is replaced, not followed.
+
 The temporary file is created with mode ``0o666`` filtered by the process umask, like a
 plain ``open(path, "w")``, so files shared with other machines stay readable.
 """
@@ -13,13 +19,21 @@ plain ``open(path, "w")``, so files shared with other machines stay readable.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
-import uuid
+import secrets
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
-__all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_text", "fsync_directory"]
+__all__ = [
+    "atomic_write",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "create_temporary",
+    "create_temporary_directory",
+    "fsync_directory",
+]
 
 
 def fsync_directory(directory: str | os.PathLike[str]) -> None:
@@ -36,36 +50,81 @@ def fsync_directory(directory: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def temporary_sibling(path: Path) -> Path:
-    """A fresh hidden name next to ``path`` for a write in progress."""
-    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)  # POSIX; Windows has no symlinks to follow here
+_NAME_ATTEMPTS = 100
+_Created = TypeVar("_Created")
+
+
+def _open_exclusive(path: str, flags: int) -> int:
+    """``open``'s opener: create ``path`` (``"x"`` mode: ``O_CREAT|O_EXCL``) and never
+    through a symlink, not even a dangling one."""
+    return os.open(path, flags | _NO_FOLLOW, 0o666)
+
+
+def create_temporary(target: Path, tag: str | None = None) -> tuple[Path, BinaryIO]:
+    """A new hidden file next to ``target`` for a write in progress, opened for reading and
+    writing: ``.<name>.tmp-<tag>`` when that name is free, else (or without a ``tag``) one
+    with a random suffix. Whatever already sits at a name -- a leftover, or a symlink planted
+    to redirect the write elsewhere -- is never opened, truncated or followed."""
+
+    def create(temporary: Path) -> tuple[Path, BinaryIO]:
+        return temporary, open(temporary, "x+b", opener=_open_exclusive)  # noqa: SIM115
+
+    return _claim(target, tag, create)
+
+
+def create_temporary_directory(target: Path, tag: str | None = None) -> Path:
+    """``create_temporary`` for a directory (``os.mkdir``, which never follows a link)."""
+
+    def create(temporary: Path) -> Path:
+        os.mkdir(temporary)
+        return temporary
+
+    return _claim(target, tag, create)
+
+
+def _claim(target: Path, tag: str | None, create: Callable[[Path], _Created]) -> _Created:
+    """``create`` at the first free temp name next to ``target``."""
+    for attempt in range(_NAME_ATTEMPTS):
+        suffix = tag if tag is not None and attempt == 0 else None
+        if suffix is None:
+            suffix = secrets.token_hex(8) if tag is None else f"{tag}-{secrets.token_hex(8)}"
+        try:
+            return create(target.with_name(f".{target.name}.tmp-{suffix}"))
+        except FileExistsError:
+            continue
+    raise FileExistsError(
+        errno.EEXIST, f"no free temporary name next to {target} after {_NAME_ATTEMPTS} tries"
+    )
 
 
 def atomic_write(
     path: str | os.PathLike[str],
     write_contents: Callable[[BinaryIO], None],
     *,
-    temporary: Path | None = None,
+    tag: str | None = None,
 ) -> None:
-    """Replace ``path`` with what ``write_contents`` writes into the binary handle it gets.
+    """Replace ``path`` with what ``write_contents`` writes into the binary handle it gets
+    (open for reading too, at the start of an empty file; its ``name`` is the temporary
+    file's path).
 
-    Missing parent directories are created (and their own entries fsynced). ``temporary``
-    names the write-in-progress file when the caller recognises its own leftovers by name
-    (checkpoints put the writer's PID there); it is truncated if it exists.
+    Missing parent directories are created (and their own entries fsynced). The temporary
+    file is created exclusively, never through a link (``create_temporary``); ``tag`` goes
+    into its name when the caller recognises its own leftovers by name (checkpoints put
+    the writer's PID there).
     """
     target = Path(path)
     if not target.parent.is_dir():
         target.parent.mkdir(parents=True, exist_ok=True)
         fsync_directory(target.parent.parent)
-    # Opened by name (not from a descriptor) so writers that look at ``handle.name``, such
-    # as torch.save, see a path; a name we chose ourselves must not exist yet.
-    exclusive = temporary is None
-    temporary = temporary_sibling(target) if temporary is None else temporary
+    temporary, handle = create_temporary(target, tag)
     try:
-        with open(temporary, "xb") if exclusive else open(temporary, "wb") as handle:
+        with handle:
             write_contents(handle)
             handle.flush()
             os.fsync(handle.fileno())
+        # os.replace renames the entry itself: a symlink planted at ``path`` is replaced,
+        # never written through.
         os.replace(temporary, target)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -13,11 +13,13 @@ Layout of a checkpoint directory::
     best.json                   latest.json's format for the best checkpoint by a monitored
                                 metric, plus "monitor", "mode" and "value" (when asked for)
 
-A checkpoint is written to a hidden temp file in the same directory, flushed and fsynced,
-renamed onto its final name, and the directory is fsynced; only then is ``latest.json``
-rewritten the same way, and only then are old checkpoints pruned. A process killed at any
-moment therefore leaves the previous checkpoint and pointer intact. ``latest.json`` is the
-commit record: it names the newest *complete* checkpoint and nothing outside the directory.
+A checkpoint is written to a hidden temp file in the same directory (created exclusively,
+never through a symlink), flushed and fsynced, renamed onto its final name, and the directory
+is fsynced; only then is ``latest.json`` rewritten the same way -- without the records of the
+checkpoints retention is about to delete -- and only then are those deleted. A process killed
+at any moment therefore leaves the previous checkpoint and pointer intact, and the pointer
+never records a file that is gone. ``latest.json`` is the commit record: it names the newest
+*complete* checkpoint and nothing outside the directory.
 
 Integrity: ``torch.save`` writes a zip archive that stores a CRC-32 of every record; a save
 records the SHA-256 of that record index (names, offsets, sizes, CRC-32s) in the pointer, and
@@ -25,8 +27,9 @@ a load checks the index against it and every record's bytes against their CRC-32
 ``torch.load``. A mismatch is damage (``CorruptCheckpointError``, fall back to an older
 checkpoint). This costs no second pass over the data at save time.
 
-Loads use ``torch.load(..., weights_only=True)``: a file that holds pickled Python objects is
-refused (``UnsafeCheckpointError``) instead of executing them. Saves check the same rule
+Loads go through ``speedtronic.state.safe_load.restricted_load`` (``torch.load(...,
+weights_only=True)``, the one unpickling path of this layer): a file that holds pickled Python
+objects is refused (``UnsafeCheckpointError``) instead of executing them. Saves check the same rule
 up front (``plain_state``), so a callback that puts an arbitrary object in its state fails at
 save time with the key that is wrong, not at resume time.
 
@@ -50,8 +53,6 @@ import json
 import math
 import mmap
 import os
-import pickle
-import pickletools
 import re
 import reprlib
 import shutil
@@ -69,10 +70,18 @@ from typing import BinaryIO
 import torch
 
 from speedtronic.state.atomic_io import atomic_write
+from speedtronic.state.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    first_line,
+)
 from speedtronic.state.rng import capture_rng_state, restore_rng_state
+from speedtronic.state.safe_load import restricted_load
 from speedtronic.state.sharded_checkpoint import (
     SHARDED_SUFFIX,
     agree_corrupt,
+    copy_sharded,
     is_sharded_state,
     read_sharded_state,
     verify_sharded,
@@ -113,22 +122,14 @@ STEP_DIGITS = 12
 MAX_STEP = 10**STEP_DIGITS - 1
 """The highest step a checkpoint file name can carry (12 digits: 31 years at 1 step/ms)."""
 _CHECKPOINT_NAME = re.compile(rf"step_(\d{{{STEP_DIGITS}}})\.(?:pt|dcp)")
-_TEMP_NAME = re.compile(r"\.(?:step_\d+\.(?:pt|dcp)|latest\.json|best\.json)\.(?:tmp|old)-(\d+)")
-_FORBIDDEN_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+_TEMP_NAME = re.compile(
+    r"\.(?:step_\d+\.(?:pt|dcp)|latest\.json|best\.json)\.(?:tmp|old)-(\d{1,10})(?:-[0-9a-f]{16})?"
+)
+"""A temp name this module writes: the writer's PID, then a random part when the plain name
+was taken (``speedtronic.state.atomic_io.create_temporary``)."""
+_MAX_PID = 2**31 - 1
 
 PathLike = str | os.PathLike[str]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written, found or read."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A checkpoint file is truncated or damaged (``load_latest`` falls back past it)."""
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint holds pickled Python objects; it is refused rather than executed."""
 
 
 def checkpoint_step(name: str) -> int | None:
@@ -146,15 +147,13 @@ def checkpoint_step(name: str) -> int | None:
 # -- atomic writes ---------------------------------------------------------------------------
 
 
-def _temp_path_for(path: Path) -> Path:
-    # Hidden, PID-suffixed, and never ending in ".pt": it can never match a checkpoint name.
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
 def _atomic_write(path: Path, write_contents: Callable[[BinaryIO], None]) -> None:
-    """``speedtronic.state.atomic_io.atomic_write`` with this module's temp names and errors."""
+    """``speedtronic.state.atomic_io.atomic_write`` with this module's temp names and errors.
+    Temp names are hidden, carry the writer's PID (``.step_...pt.tmp-4242``, or
+    ``.tmp-4242-<random>`` when that name is taken) and never end in ".pt": they can never
+    match a checkpoint name, and stale ones are recognised by their dead writer."""
     try:
-        atomic_write(path, write_contents, temporary=_temp_path_for(path))
+        atomic_write(path, write_contents, tag=str(os.getpid()))
     except Exception as exc:
         if isinstance(exc, CheckpointError):
             raise
@@ -198,7 +197,7 @@ def atomic_torch_save(state: object, path: PathLike) -> str:
         with _crc32_records():
             torch.save(state, handle)
         handle.flush()
-        checksum = archive_checksum(Path(handle.name))
+        checksum = archive_checksum(handle)  # the bytes just written, not a name's
 
     _atomic_write(Path(path), write)
     return checksum
@@ -216,11 +215,12 @@ def _crc32_records() -> Iterator[None]:
         torch.serialization.set_crc32_options(previous)
 
 
-def archive_checksum(path: PathLike) -> str:
+def archive_checksum(path: PathLike | BinaryIO) -> str:
     """SHA-256 (hex) of a checkpoint archive's record index: each record's name, offset,
     sizes and CRC-32. Reads only the zip's central directory, not the data; together with
-    the per-record CRC-32s it detects any change to the stored data. ``zipfile.BadZipFile``
-    when ``path`` is not a zip archive."""
+    the per-record CRC-32s it detects any change to the stored data. ``path`` may be an
+    open binary file (readable and seekable). ``zipfile.BadZipFile`` when it is not a zip
+    archive."""
     with zipfile.ZipFile(path) as archive:
         return _index_checksum(archive)
 
@@ -338,12 +338,6 @@ class _PlainWalk:
 # -- loading -------------------------------------------------------------------------------
 
 
-def _first_line(exc: BaseException, limit: int = 200) -> str:
-    text = str(exc).strip().splitlines()
-    line = text[0] if text else type(exc).__name__
-    return line if len(line) <= limit else line[:limit] + "..."
-
-
 def load_checkpoint_file(path: PathLike, *, checksum: str | None = None) -> dict[str, object]:
     """Load one checkpoint with ``weights_only=True`` onto the CPU, after checking its
     integrity: every record against its CRC-32 and, when given, the record index against
@@ -358,17 +352,7 @@ def load_checkpoint_file(path: PathLike, *, checksum: str | None = None) -> dict
         raise CheckpointError(f"checkpoint {path} does not exist or is not a file")
     _check_readable(path)
     _verify_archive(path, checksum)
-    try:
-        # The file opened and read: from here on an OSError is damage, not access. torch
-        # raises it (e.g. "[Errno 22] Invalid argument") for a zip cut short.
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise _refusal(path, exc) from exc
-    except Exception as exc:  # torch: OSError/RuntimeError/EOFError/KeyError/... for damage
-        raise CorruptCheckpointError(
-            f"checkpoint {path} is unreadable (truncated or corrupt): "
-            f"{type(exc).__name__}: {_first_line(exc)}"
-        ) from exc
+    state = restricted_load(path, name=str(path))
     if not isinstance(state, dict):
         raise CheckpointError(
             f"{path} is not a speedtronic checkpoint: it holds a {type(state).__name__}, "
@@ -387,78 +371,6 @@ def _check_readable(path: Path) -> None:
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
 
 
-def _refusal(path: Path, exc: pickle.UnpicklingError) -> CheckpointError:
-    """What a weights-only refusal means: a well-formed pickle stream that the safe
-    unpickler would not run is *unsafe* (any protocol, however deep the object sits); only
-    a stream that is not a pickle at all is damage."""
-    names = _pickled_globals(_pickle_stream(path))
-    if names is None:
-        return CorruptCheckpointError(
-            f"checkpoint {path} is unreadable (corrupt pickle data): {_first_line(exc)}"
-        )
-    named = _FORBIDDEN_GLOBAL.search(str(exc))
-    suspects = [name for name in names if name.split(".")[0] not in _ROUTINE_MODULES]
-    culprit = named.group(1) if named else (suspects or names or ["pickle opcodes"])[0]
-    return UnsafeCheckpointError(
-        f"refusing to load {path}: it contains a pickled Python object ({culprit}), and "
-        "loading it could run arbitrary code. speedtronic checkpoints hold only tensors and "
-        "plain data (torch.load weights_only=True). If you wrote this file yourself and "
-        "trust it, convert it with torch.load(weights_only=False) in a separate script."
-    )
-
-
-_ROUTINE_MODULES = frozenset({"torch", "collections", "builtins", "_codecs", "numpy"})
-"""Modules of the globals every checkpoint references (tensor rebuilds, OrderedDict): the
-error names another one when there is one."""
-_PICKLE_SCAN_LIMIT = 64 * 1024 * 1024
-
-
-def _pickle_stream(path: Path) -> bytes:
-    """The object pickle of a checkpoint: ``data.pkl`` of a zip archive (already verified
-    against its CRC-32), else the start of the file (a plain or legacy-format pickle)."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            pickles = [n for n in archive.namelist() if n.rsplit("/", 1)[-1] == "data.pkl"]
-            if pickles:
-                with archive.open(min(pickles, key=len)) as record:
-                    return record.read(_PICKLE_SCAN_LIMIT)
-    except Exception:  # not a zip archive: the file itself is the pickle
-        pass
-    with open(path, "rb") as handle:
-        return handle.read(_PICKLE_SCAN_LIMIT)
-
-
-_STRING_ARGS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"})
-_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
-_MEMO_GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
-
-
-def _pickled_globals(stream: bytes) -> list[str] | None:
-    """The ``module.name`` globals a pickle stream references, in order; ``None`` when the
-    bytes are not one well-formed pickle (bounded: a single linear pass, no objects built)."""
-    names: list[str] = []
-    memo: dict[object, object] = {}
-    recent: list[object] = []  # the arguments of the last pushes (for STACK_GLOBAL)
-    try:
-        for opcode, arg, _ in pickletools.genops(stream):
-            if opcode.name in ("GLOBAL", "INST"):
-                names.append(str(arg).replace(" ", "."))
-            elif opcode.name == "STACK_GLOBAL":
-                module, name = ([None, None, *recent])[-2:]
-                names.append(f"{module}.{name}")
-            elif opcode.name in _MEMO_PUTS or opcode.name == "MEMOIZE":
-                key = len(memo) if opcode.name == "MEMOIZE" else arg
-                memo[key] = recent[-1] if recent else None
-                continue
-            elif opcode.name in _MEMO_GETS:
-                recent = [*recent[-1:], memo.get(arg)]
-                continue
-            recent = [*recent[-1:], arg if opcode.name in _STRING_ARGS else None]
-    except Exception:  # ValueError for unknown opcodes, truncation, bad arguments
-        return None
-    return names
-
-
 _VERIFY_CHUNK = 16 * 1024 * 1024
 
 
@@ -473,12 +385,12 @@ def _verify_archive(path: Path, checksum: str | None) -> None:
             return
         raise CorruptCheckpointError(
             f"checkpoint {path} is unreadable (not an intact zip archive although a checksum "
-            f"was recorded for it: {_first_line(exc)})"
+            f"was recorded for it: {first_line(exc)})"
         ) from exc
     except Exception as exc:  # OSError/ValueError/... from a damaged directory record
         raise CorruptCheckpointError(
             f"checkpoint {path} is unreadable (damaged zip directory): "
-            f"{type(exc).__name__}: {_first_line(exc)}"
+            f"{type(exc).__name__}: {first_line(exc)}"
         ) from exc
     with archive:
         actual = _index_checksum(archive)
@@ -521,7 +433,7 @@ def _record_problem(
                 while record.read(_VERIFY_CHUNK):
                     pass
         except Exception as exc:  # BadZipFile "Bad CRC-32", EOFError, zlib.error, ...
-            return f"{type(exc).__name__}: {_first_line(exc)}"
+            return f"{type(exc).__name__}: {first_line(exc)}"
         return None
     header_end = info.header_offset + _LOCAL_HEADER.size
     if header_end > len(view):
@@ -589,7 +501,7 @@ def parse_pointer(
     try:
         content = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return empty, f"it is not readable JSON ({_first_line(exc)})"
+        return empty, f"it is not readable JSON ({first_line(exc)})"
     except RecursionError:
         return empty, "it is not readable JSON (nested too deeply)"
     return validate(content)
@@ -625,9 +537,13 @@ def _loss_record(loss: float | None) -> dict[str, object]:
 def _newest_with_finite_loss(
     paths: list[Path], records: Mapping[str, Mapping[str, object]]
 ) -> Path | None:
-    """The newest checkpoint not recorded with a non-finite loss (unknown counts as finite)."""
+    """The newest checkpoint the pointer records, and not with a non-finite loss (a record
+    without a loss counts as finite). A file the pointer has no record of does not count:
+    it may be one whose record retention dropped just before deleting it (a crash in
+    between leaves it), and nothing says its loss was finite."""
     for path in reversed(paths):
-        if records.get(path.name, {}).get("finite_loss") is not False:
+        record = records.get(path.name)
+        if record is not None and record.get("finite_loss") is not False:
             return path
     return None
 
@@ -655,6 +571,8 @@ class BestCheckpoint:
 def _pid_alive(pid: int) -> bool:
     if os.name != "posix":
         return True  # os.kill(pid, 0) would terminate the process on Windows: keep the file
+    if not 0 < pid <= _MAX_PID:
+        return False  # no process has it (a planted name; os.kill would overflow)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -745,10 +663,13 @@ class CheckpointManager:
             checksum = atomic_torch_save(plain_state(state), path)
         records = self._surviving_records(exclude=path.name)
         records[path.name] = {"sha256": checksum, **_loss_record(noted if loss is None else loss)}
-        atomic_json_dump(
-            {"step": step, "file": path.name, "checkpoints": records}, self.pointer_path
-        )
         best = self._noted_best.pop(step, None)
+        best_path = path if best is not None else self.best_path(warn=False)
+        # The records of what retention is about to delete are left out: the pointer never
+        # records a file that is gone (it is written first, then the files are deleted).
+        for retired in self._retired(path, records, best_path):
+            records.pop(retired.name, None)
+        self._write_pointer(path, records)
         if best is not None:
             monitor, mode, value = best
             content: dict[str, object] = {
@@ -790,29 +711,51 @@ class CheckpointManager:
 
     def prune(self) -> list[Path]:
         """Delete all but the newest ``keep_last`` checkpoints (never the one ``latest.json``
-        names) and temp files left by processes that no longer run. Returns what was deleted."""
+        names) and temp files left by processes that no longer run. Returns what was deleted.
+
+        Crash-safe order: when ``latest.json`` records a checkpoint about to be deleted, it
+        is rewritten without that record first, and only then is the file deleted. A crash
+        in between leaves a file the pointer no longer records (the next prune deletes it),
+        never a record of a file that is gone."""
         removed = self._remove_stale_temp_files()
         if self.keep_last is None:
             return removed
         pointer = self._read_pointer(warn=False)
-        paths = self.checkpoint_paths()
-        if pointer.target in paths:
-            # Files newer than the commit record were never committed (a killed save, or
-            # another run's): they neither take a keep_last slot nor get deleted here.
-            paths = paths[: paths.index(pointer.target) + 1]
-        best = self.read_best(warn=False)
-        protected = {
-            pointer.target,
-            _newest_with_finite_loss(paths, pointer.records),
-            best.path if best is not None else None,
-        }
-        for path in paths[: -self.keep_last]:
-            if path in protected:
-                continue
+        retired = self._retired(pointer.target, pointer.records, self.best_path(warn=False))
+        names = {path.name for path in retired}
+        if pointer.target is not None and names & set(pointer.records):
+            kept = {n: r for n, r in pointer.records.items() if n not in names}
+            self._write_pointer(pointer.target, kept)
+        for path in retired:
             with contextlib.suppress(FileNotFoundError):
                 _remove(path)
                 removed.append(path)
         return removed
+
+    def _retired(
+        self,
+        target: Path | None,
+        records: Mapping[str, Mapping[str, object]],
+        best: Path | None,
+    ) -> list[Path]:
+        """The checkpoints retention deletes when ``target`` is the committed one (with
+        ``records``) and ``best`` the best: all but the newest ``keep_last`` up to
+        ``target``, except ``target``, ``best`` and the newest with a finite loss."""
+        if self.keep_last is None:
+            return []
+        paths = self.checkpoint_paths()
+        if target in paths:
+            # Files newer than the commit record were never committed (a killed save, or
+            # another run's): they neither take a keep_last slot nor get deleted here.
+            paths = paths[: paths.index(target) + 1]
+        protected = {target, _newest_with_finite_loss(paths, records), best}
+        return [path for path in paths[: -self.keep_last] if path not in protected]
+
+    def _write_pointer(self, target: Path, records: Mapping[str, Mapping[str, object]]) -> None:
+        """Make ``latest.json`` name ``target`` with ``records`` (atomically, durably)."""
+        step = checkpoint_step(target.name)
+        content = {"step": step, "file": target.name, "checkpoints": dict(records)}
+        atomic_json_dump(content, self.pointer_path)
 
     def _remove_stale_temp_files(self) -> list[Path]:
         removed: list[Path] = []
@@ -840,9 +783,10 @@ class CheckpointManager:
         if target.is_dir():
             target = target / source.name
         if source.is_dir():  # a sharded checkpoint: copied whole, then renamed into place
-            temp = _temp_path_for(target)
-            shutil.copytree(source, temp)
-            os.replace(temp, target)
+            try:
+                copy_sharded(source, target)
+            except OSError as exc:
+                raise _write_error(target, exc) from exc
             return target
 
         def copy(handle: BinaryIO) -> None:
@@ -898,7 +842,7 @@ class CheckpointManager:
         try:
             parsed, problem = parse_pointer(pointer.read_bytes(), self._validate_pointer)
         except OSError as exc:
-            parsed, problem = Pointer(None, {}), f"it cannot be read ({_first_line(exc)})"
+            parsed, problem = Pointer(None, {}), f"it cannot be read ({first_line(exc)})"
         if problem is not None and warn:
             warnings.warn(
                 f"ignoring checkpoint pointer {pointer}: {problem}; "
@@ -941,7 +885,7 @@ class CheckpointManager:
         try:
             _, problem = parse_pointer(pointer.read_bytes(), validate)
         except OSError as exc:
-            problem = f"it cannot be read ({_first_line(exc)})"
+            problem = f"it cannot be read ({first_line(exc)})"
         if problem is not None:
             if warn:
                 warnings.warn(
@@ -952,9 +896,9 @@ class CheckpointManager:
             return None
         return best[0] if best else None
 
-    def best_path(self) -> Path | None:
+    def best_path(self, *, warn: bool = True) -> Path | None:
         """The checkpoint ``best.json`` names (validated), or ``None``."""
-        best = self.read_best()
+        best = self.read_best(warn=warn)
         return best.path if best is not None else None
 
     def _validate_pointer(self, content: object) -> tuple[Pointer, str | None]:

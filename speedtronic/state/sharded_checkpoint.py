@@ -11,27 +11,33 @@ under the same ``latest.json`` rules as) single-file checkpoints::
                                      and scheduler state, config (rank 0, weights-only)
         manifest.json                size and SHA-256 of every file above (rank 0, last)
 
-Writing (``write_sharded``, called on every rank): the ranks agree on a hidden temp
-directory (``.step_000000000008.dcp.tmp-<pid of rank 0>``), each writes and fsyncs its own
-shard (``dcp.save``, a collective), then rank 0 writes ``state.pt`` and the manifest,
-fsyncs, renames the directory onto its final name and fsyncs the parent. Only then does the
-caller (``CheckpointManager.save``) point ``latest.json`` at it, recording the manifest's
+Writing (``write_sharded``, called on every rank): rank 0 creates a hidden temp directory
+exclusively (``.step_000000000008.dcp.tmp-<pid of rank 0>``, or with a random suffix when
+something -- a leftover, a planted symlink -- is at that name) and tells the other ranks its
+name and identity; each writes and fsyncs its own shard (``dcp.save``, a collective) into
+that directory held by descriptor, then rank 0 writes ``state.pt`` and the manifest,
+fsyncs, renames the directory onto its final name and fsyncs the parent. Every file is
+created exclusively, without following links (``speedtronic.state.dcp_io``). Only then does
+the caller (``CheckpointManager.save``) point ``latest.json`` at it, recording the manifest's
 SHA-256. A process killed at any moment leaves a temp directory (never a checkpoint) and the
 previous pointer.
 
 Reading: ``verify_sharded`` checks the manifest against the pointer and every file against
-the manifest -- a missing rank's shard, a truncated or changed file is a
-``CorruptCheckpointError``, so the caller falls back to an older checkpoint; in a
+the manifest (regular files only: a symlink is not followed), and ``.metadata`` against the
+manifest (every record in a listed shard, within its size) -- a missing rank's shard, a
+truncated or changed file is a ``CorruptCheckpointError``, so the caller falls back to an
+older checkpoint; in a
 multi-rank job the ranks agree on the verdict before any of them loads (``agree_corrupt``),
 so a damaged checkpoint never leaves one rank waiting in a collective the others skipped.
 ``load_sharded_tensors`` then loads the tensors into the trainer's own (possibly
 differently sharded) model and optimizer: DCP reshards, so a checkpoint written by N ranks
 resumes on M.
 
-No pickled objects: the shards' non-tensor items are ``torch.save`` records DCP loads with
-``weights_only=True``; ``state.pt`` is loaded the same way; and ``.metadata``, which DCP
-itself would pickle, is written with ``torch.save`` and read with ``weights_only=True``,
-allowing only DCP's own metadata dataclasses (``METADATA_CLASSES``).
+Nothing loaded runs code: ``state.pt``, ``.metadata`` and every record of every shard --
+tensors and the non-tensor records DCP's default planner would unpickle with
+``weights_only=False`` -- go through the one restricted loader
+(``speedtronic.state.safe_load.restricted_load``; DCP reads through ``dcp_io``'s reader and
+planner). A pickled object anywhere is an ``UnsafeCheckpointError`` naming the file.
 """
 
 from __future__ import annotations
@@ -40,18 +46,26 @@ import contextlib
 import hashlib
 import json
 import os
-import pickle
+import re
+import secrets
 import shutil
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+import stat
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from speedtronic.state.atomic_io import create_temporary_directory
+from speedtronic.state.errors import CheckpointError, CorruptCheckpointError, first_line
 from speedtronic.state.model_fit import Shape, model_mismatch, tensor_shapes
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from speedtronic.state import dcp_io
 
 __all__ = [
     "CALLBACK_SHARDS",
@@ -60,6 +74,7 @@ __all__ = [
     "STATE_NAME",
     "TENSOR_KEYS",
     "agree_corrupt",
+    "copy_sharded",
     "is_sharded_state",
     "load_sharded_tensors",
     "load_sharded_weights",
@@ -87,12 +102,6 @@ SHARDED_DIRECTORY = "sharded_directory"
 _HASH_CHUNK = 16 * 1024 * 1024
 
 
-def _errors() -> tuple[type[Exception], type[Exception]]:
-    from speedtronic.state.checkpoint import CheckpointError, CorruptCheckpointError
-
-    return CheckpointError, CorruptCheckpointError
-
-
 def is_sharded_state(state: Mapping[str, object]) -> bool:
     """Whether a training state is to be written (or was read) as a sharded checkpoint."""
     return state.get(SHARDED_MARKER) is True
@@ -104,98 +113,6 @@ def _is_main() -> bool:
 
 def _multi_process() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _metadata_classes() -> list[Callable[..., Any] | tuple[Callable[..., Any], str]]:
-    from torch.distributed.checkpoint import filesystem, metadata
-
-    return [
-        metadata.Metadata,
-        metadata.MetadataIndex,
-        metadata.StorageMeta,
-        metadata.TensorStorageMetadata,
-        metadata.BytesStorageMetadata,
-        metadata.ChunkStorageMetadata,
-        metadata.TensorProperties,
-        metadata._MEM_FORMAT_ENCODING,
-        filesystem._StorageInfo,
-    ]
-
-
-def _writer(path: Path) -> Any:
-    """A DCP ``FileSystemWriter`` that writes ``.metadata`` with ``torch.save``."""
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    class Writer(FileSystemWriter):
-        def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
-            from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-
-            metadata.version = CURRENT_DCP_VERSION
-            metadata.storage_data = {
-                result.index: result.storage_data for batch in results for result in batch
-            }
-            meta = self.storage_meta()
-            if meta is not None:
-                meta.checkpoint_id = None  # a path object; where it lives is not content
-            metadata.storage_meta = meta
-            _save_synced(metadata, path / ".metadata")
-
-    return Writer(path, sync_files=True)
-
-
-def _reader(path: Path) -> Any:
-    """A DCP ``FileSystemReader`` that reads ``.metadata`` with ``weights_only=True``."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
-    class Reader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-            return cast(Metadata, _read_metadata(path, self.load_id, StorageMeta))
-
-    return Reader(path)
-
-
-def _read_metadata(path: Path, load_id: object, storage_meta: type) -> Any:
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    from speedtronic.state.checkpoint import UnsafeCheckpointError
-
-    try:
-        with torch.serialization.safe_globals(_metadata_classes()):
-            metadata = torch.load(path / ".metadata", map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(
-            f"refusing to load {path / '.metadata'}: it holds a pickled object other than "
-            "DCP's own metadata, and loading it could run arbitrary code"
-        ) from exc
-    except Exception as exc:  # torch: RuntimeError/EOFError/... for a damaged archive
-        raise _errors()[1](
-            f"sharded checkpoint {path} is unreadable: its .metadata is damaged "
-            f"({type(exc).__name__})"
-        ) from exc
-    if not isinstance(metadata, Metadata):
-        raise _errors()[1](f"{path / '.metadata'} is not DCP metadata")
-    if metadata.storage_meta is None:
-        metadata.storage_meta = storage_meta()
-    metadata.storage_meta.load_id = load_id
-    return metadata
-
-
-@contextlib.contextmanager
-def _single_process_quietly() -> Iterator[None]:
-    """DCP warns that it "assumes" a single process whenever there is no process group;
-    here that is the intent (one process is one shard), so the warning says nothing."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable")
-        yield
-
-
-def _save_synced(value: object, path: Path) -> None:
-    with open(path, "wb") as handle:
-        torch.save(value, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 def _fsync_directory(path: Path) -> None:
@@ -218,12 +135,28 @@ def _sha256(path: Path) -> str:
 # -- writing -------------------------------------------------------------------------------
 
 
-def _temp_directory(path: Path) -> Path:
-    """The temp directory of this save, the same on every rank (rank 0's pid in its name)."""
-    pid = [os.getpid()]
+def _temp_directory(path: Path) -> tuple[Path, tuple[int, int]]:
+    """This save's temp directory and its (device, inode), the same on every rank: rank 0
+    creates it exclusively and broadcasts it -- or its failure, so that no rank waits in a
+    collective the others skipped."""
+    message: list[object] = [None]
+    if _is_main():
+        try:
+            if not path.parent.is_dir():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _fsync_directory(path.parent.parent)
+            temp = create_temporary_directory(path, tag=str(os.getpid()))
+            found = os.lstat(temp)
+            message = [(str(temp), found.st_dev, found.st_ino)]
+        except OSError as exc:
+            message = [f"{type(exc).__name__}: {exc}"]
     if _multi_process():
-        dist.broadcast_object_list(pid, src=0)
-    return path.with_name(f".{path.name}.tmp-{pid[0]}")
+        dist.broadcast_object_list(message, src=0)
+    created = message[0]
+    if not isinstance(created, tuple):
+        raise CheckpointError(f"could not write sharded checkpoint {path}: {created}")
+    name, device, inode = created
+    return Path(name), (device, inode)
 
 
 def write_sharded(path: Path, state: Mapping[str, object]) -> str:
@@ -231,67 +164,97 @@ def write_sharded(path: Path, state: Mapping[str, object]) -> str:
     Returns the manifest's SHA-256 on rank 0 (what the pointer records), ``""`` elsewhere.
     ``CheckpointError`` (nothing visible is written) when the non-tensor part would not
     load with ``weights_only=True``."""
-    from torch.distributed.checkpoint.state_dict_saver import save
+    from torch.distributed.checkpoint.api import CheckpointException
 
+    from speedtronic.state import dcp_io
     from speedtronic.state.checkpoint import plain_state
 
-    checkpoint_error = _errors()[0]
     rest = plain_state(
         {key: value for key, value in state.items() if key not in (*TENSOR_KEYS, SHARDED_MARKER)}
     )
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    temp = _temp_directory(path)
+    temp, identity = _temp_directory(path)
+    writer = dcp_io.BoundWriter(temp, identity)
     try:
-        with _single_process_quietly():
-            save(
-                {key: state[key] for key in TENSOR_KEYS if key in state},
-                storage_writer=_writer(temp),
-                no_dist=not _multi_process(),
-            )
+        dcp_io.save(
+            {key: state[key] for key in TENSOR_KEYS if key in state},
+            writer,
+            no_dist=not _multi_process(),
+        )
         if not _is_main():
             return ""
-        _save_synced(rest, temp / STATE_NAME)
-        manifest = _manifest(temp)
-        data = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
-        with open(temp / MANIFEST_NAME, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        _fsync_directory(temp)
+        directory = writer.directory
+        directory.write_synced(STATE_NAME, lambda handle: torch.save(rest, handle))
+        data = (json.dumps(_manifest(directory), indent=2, sort_keys=True) + "\n").encode()
+        directory.write_synced(MANIFEST_NAME, lambda handle: handle.write(data))
+        directory.fsync()
         _replace_directory(temp, path)
         _fsync_directory(path.parent)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-        if _is_main() and temp.is_dir():
-            shutil.rmtree(temp, ignore_errors=True)
-        if isinstance(exc, checkpoint_error):
+        if _is_main():
+            shutil.rmtree(temp, ignore_errors=True)  # never through a link (rmtree refuses)
+        if isinstance(exc, CheckpointError):
             raise
-        raise checkpoint_error(
-            f"could not write sharded checkpoint {path}: {type(exc).__name__}: {exc}"
-        ) from exc
+        problem = (
+            dcp_io.describe_failures(exc)
+            if isinstance(exc, CheckpointException)
+            else f"{type(exc).__name__}: {exc}"
+        )
+        raise CheckpointError(f"could not write sharded checkpoint {path}: {problem}") from exc
+    finally:
+        writer.close()
     return hashlib.sha256(data).hexdigest()
 
 
-def _manifest(directory: Path) -> dict[str, object]:
-    files = {
-        entry.name: {"size": entry.stat().st_size, "sha256": _sha256(entry)}
-        for entry in sorted(directory.iterdir())
-        if entry.is_file() and entry.name != MANIFEST_NAME
-    }
+def _manifest(directory: dcp_io.BoundDirectory) -> dict[str, object]:
+    files = {}
+    for name in directory.regular_files():
+        if name != MANIFEST_NAME:
+            size, digest = directory.size_and_sha256(name)
+            files[name] = {"size": size, "sha256": digest}
     world = dist.get_world_size() if _multi_process() else 1
     return {"format": MANIFEST_FORMAT, "world_size": world, "files": files}
 
 
 def _replace_directory(temp: Path, path: Path) -> None:
-    """Rename ``temp`` onto ``path``; an existing ``path`` (a leftover of a killed run at
-    the same step) is moved aside first and removed after."""
-    if path.exists():
-        aside = path.with_name(f".{path.name}.old-{os.getpid()}")
+    """Rename ``temp`` onto ``path``; whatever is at ``path`` (a leftover of a killed run at
+    the same step, or something planted there, a symlink included: the entry is moved, not
+    followed) is moved aside first and removed after."""
+    if os.path.lexists(path):
+        aside = path.with_name(f".{path.name}.old-{os.getpid()}-{secrets.token_hex(8)}")
         os.replace(path, aside)
         os.replace(temp, path)
-        shutil.rmtree(aside, ignore_errors=True)
+        if aside.is_symlink():
+            aside.unlink()
+        else:
+            shutil.rmtree(aside, ignore_errors=True)
     else:
         os.replace(temp, path)
+
+
+def copy_sharded(source: Path, target: Path) -> None:
+    """Copy the sharded checkpoint ``source`` to ``target`` (replacing what is there) the
+    way it is written: into a temp directory created exclusively, its regular files only
+    (links are neither followed nor copied), renamed into place."""
+    from speedtronic.state import dcp_io
+
+    temp = create_temporary_directory(target, tag=str(os.getpid()))
+    try:
+        with contextlib.closing(dcp_io.BoundDirectory(temp)) as directory:
+            for entry in sorted(source.iterdir()):
+                if entry.is_symlink() or not entry.is_file():
+                    continue
+                with dcp_io.open_no_follow(entry) as original:
+
+                    def copy(handle: BinaryIO, source: BinaryIO = original) -> None:
+                        shutil.copyfileobj(source, handle, _HASH_CHUNK)
+
+                    directory.write_synced(entry.name, copy)
+            directory.fsync()
+        _replace_directory(temp, target)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    _fsync_directory(target.parent)
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -299,65 +262,112 @@ def _replace_directory(temp: Path, path: Path) -> None:
 
 def verify_sharded(path: Path, checksum: str | None) -> None:
     """``CorruptCheckpointError`` unless ``path`` is a complete sharded checkpoint: its
-    manifest matches ``checksum`` (the pointer's record, when there is one) and every file
-    it lists is present with its size and SHA-256 (a missing rank's shard is damage)."""
-    corrupt = _errors()[1]
-    manifest_path = path / MANIFEST_NAME
-    try:
-        data = manifest_path.read_bytes()
-    except OSError as exc:
-        raise corrupt(
-            f"sharded checkpoint {path} is incomplete: no readable {MANIFEST_NAME} ({exc})"
-        ) from exc
+    manifest matches ``checksum`` (the pointer's record, when there is one), every file it
+    lists is present -- a regular file, not a link -- with its size and SHA-256 (a missing
+    rank's shard is damage), ``.metadata`` is DCP's with every record inside a listed
+    shard, and every non-tensor record unpickles through the restricted loader
+    (``UnsafeCheckpointError`` for a pickled object in either)."""
+    from speedtronic.state import dcp_io
+
+    data = _read_manifest(path)
     actual = hashlib.sha256(data).hexdigest()
     if checksum is not None and actual != checksum:
-        raise corrupt(
+        raise CorruptCheckpointError(
             f"sharded checkpoint {path} is unreadable (checksum mismatch: the pointer recorded "
             f"{checksum[:16]}..., its {MANIFEST_NAME} has {actual[:16]}...)"
         )
     files = _manifest_files(path, data)
-    for name in (STATE_NAME, ".metadata"):
+    for name in (STATE_NAME, dcp_io.METADATA_NAME):
         if name not in files:
-            raise corrupt(f"sharded checkpoint {path}: its {MANIFEST_NAME} lists no {name}")
+            raise CorruptCheckpointError(
+                f"sharded checkpoint {path}: its {MANIFEST_NAME} lists no {name}"
+            )
     for name, (size, digest) in files.items():
         entry = path / name
-        if not entry.is_file():
-            raise corrupt(
+        if not _is_regular_file(entry):
+            raise CorruptCheckpointError(
                 f"sharded checkpoint {path} is incomplete: {name} is missing (a rank's shard "
-                "was lost or never written)"
+                "was lost or never written) or is not a regular file"
             )
         if entry.stat().st_size != size or _sha256(entry) != digest:
-            raise corrupt(
+            raise CorruptCheckpointError(
                 f"sharded checkpoint {path} is unreadable: {name} was truncated or changed "
                 "after it was saved (size or SHA-256 differs from the manifest)"
             )
-    from torch.distributed.checkpoint.metadata import StorageMeta
+    metadata = dcp_io.read_metadata(path)
+    _check_storage(path, metadata, files)
+    dcp_io.check_bytes_records(path, metadata)  # an unsafe one is refused before any load
 
-    _read_metadata(path, None, StorageMeta)  # weights-only: an unsafe one is refused here
+
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+"""A larger ``manifest.json`` is not one this module wrote (a file's entry is ~100 bytes)."""
+_MANIFEST_ENTRY = re.compile(r"state\.pt|\.metadata|__\d{1,9}_\d{1,9}\.distcp")
+"""The files a sharded checkpoint holds besides its manifest (no path can be named)."""
+
+
+def _read_manifest(path: Path) -> bytes:
+    from speedtronic.state import dcp_io
+
+    try:
+        with dcp_io.open_no_follow(path / MANIFEST_NAME) as handle:
+            data = handle.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
+        raise CorruptCheckpointError(
+            f"sharded checkpoint {path} is incomplete: no readable {MANIFEST_NAME} "
+            f"({first_line(exc)})"
+        ) from exc
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(
+            f"sharded checkpoint {path}: its {MANIFEST_NAME} is larger than a manifest can be"
+        )
+    return data
+
+
+def _is_regular_file(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
 
 
 def _manifest_files(path: Path, data: bytes) -> dict[str, tuple[int, str]]:
-    corrupt = _errors()[1]
     try:
         content = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise corrupt(f"sharded checkpoint {path}: {MANIFEST_NAME} is not JSON ({exc})") from exc
+        raise CorruptCheckpointError(
+            f"sharded checkpoint {path}: {MANIFEST_NAME} is not JSON ({first_line(exc)})"
+        ) from exc
     files = content.get("files") if isinstance(content, dict) else None
     if not isinstance(files, dict):
-        raise corrupt(f"sharded checkpoint {path}: {MANIFEST_NAME} has no file table")
+        raise CorruptCheckpointError(
+            f"sharded checkpoint {path}: {MANIFEST_NAME} has no file table"
+        )
     checked: dict[str, tuple[int, str]] = {}
     for name, record in files.items():
         size = record.get("size") if isinstance(record, dict) else None
         digest = record.get("sha256") if isinstance(record, dict) else None
         if (
-            os.sep in name
-            or name.startswith("..")
+            _MANIFEST_ENTRY.fullmatch(name) is None
             or not isinstance(size, int)
             or not isinstance(digest, str)
         ):
-            raise corrupt(f"sharded checkpoint {path}: {MANIFEST_NAME} entry {name!r} is invalid")
+            raise CorruptCheckpointError(
+                f"sharded checkpoint {path}: {MANIFEST_NAME} entry {name[:80]!r} is invalid"
+            )
         checked[name] = (size, digest)
     return checked
+
+
+def _check_storage(path: Path, metadata: Metadata, files: Mapping[str, tuple[int, str]]) -> None:
+    """``CorruptCheckpointError`` unless every record ``.metadata`` places lies within a
+    shard the manifest lists (and so was verified above): nothing else is ever read."""
+    for index, info in metadata.storage_data.items():
+        listed = files.get(info.relative_path)
+        if listed is None or info.offset + info.length > listed[0]:
+            raise CorruptCheckpointError(
+                f"sharded checkpoint {path}: its .metadata places {index.fqn!r} outside the "
+                "shards its manifest lists"
+            )
 
 
 def agree_corrupt(verdict: int) -> int:
@@ -397,9 +407,11 @@ def capture_sharded_tensors(
 
 def _check_against(path: Path, model_state: Mapping[str, object]) -> None:
     """``ValueError`` naming the model keys and shapes of ``path`` that do not fit."""
-    from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    saved = _read_metadata(path, None, StorageMeta).state_dict_metadata
+    from speedtronic.state import dcp_io
+
+    saved = dcp_io.read_metadata(path).state_dict_metadata
     saved_model: dict[str, Shape] = {
         key[6:]: tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
         for key, entry in saved.items()
@@ -411,14 +423,9 @@ def _check_against(path: Path, model_state: Mapping[str, object]) -> None:
 
 
 def _load(state: dict[str, object], path: Path) -> None:
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict_loader import load
+    from speedtronic.state import dcp_io
 
-    try:
-        with _single_process_quietly():
-            load(state, storage_reader=_reader(path), no_dist=not _multi_process())
-    except CheckpointException as exc:  # a BaseException: make it the error it is
-        raise _errors()[0](f"could not load sharded checkpoint {path}: {exc}") from exc
+    dcp_io.load(state, path, no_dist=not _multi_process())
 
 
 def load_sharded_tensors(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -431,20 +438,27 @@ def load_sharded_tensors(path: Path, model: nn.Module, optimizer: torch.optim.Op
     _check_against(path, model_state)
     state: dict[str, object] = {"model": model_state, "optimizer": optimizer_state}
     _load(state, path)
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=cast(dict[str, Any], state["model"]),
-        optim_state_dict=cast(dict[str, Any], state["optimizer"]),
-    )
+    try:
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=cast(dict[str, Any], state["model"]),
+            optim_state_dict=cast(dict[str, Any], state["optimizer"]),
+        )
+    except Exception as exc:  # torch's errors for values of the wrong kind or shape
+        raise ValueError(
+            f"the checkpoint's state does not fit: {type(exc).__name__}: {first_line(exc)}"
+        ) from exc
 
 
 def saved_tensor_entries(path: Path, entry: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """The tensors the sharded checkpoint ``path`` holds under the top-level ``entry``, by
     key: their whole (unsharded) size and dtype, from its metadata."""
-    from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    saved = _read_metadata(path, None, StorageMeta).state_dict_metadata
+    from speedtronic.state import dcp_io
+
+    saved = dcp_io.read_metadata(path).state_dict_metadata
     prefix = f"{entry}."
     return {
         key[len(prefix) :]: (tuple(value.size), value.properties.dtype)

@@ -34,6 +34,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from speedtronic.state.atomic_io import atomic_write_bytes
 from speedtronic_callbacks.diloco.callback import default_node_id, make_node, make_transport
 from speedtronic_callbacks.diloco.hub_transport import HubApi
 from speedtronic_callbacks.diloco.hub_transport import HubTransport as _HubStore
@@ -153,8 +154,9 @@ def save_safetensors(
 ) -> Path:
     """Write ``state`` (CPU clones) with string ``metadata`` in its header."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    safetensors.torch.save_file(_cpu_clones(state), str(target), metadata=dict(metadata or {}))
+    # Through the shared atomic writer: a reader never sees half a file, and a symlink
+    # planted at the name (or its temp name) is replaced, never written through.
+    atomic_write_bytes(target, safetensors.torch.save(_cpu_clones(state), dict(metadata or {})))
     return target
 
 
@@ -265,8 +267,7 @@ class HubClient:
         if data is None:
             raise HubError(f"{remote} does not exist in {self.transport.location}")
         target = Path(local) if local is not None else self.cache_dir / "downloads" / remote
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
+        atomic_write_bytes(target, data)  # never through a link planted at the name
         return target
 
     def read_json(self, remote: str, default: object = None) -> object:
