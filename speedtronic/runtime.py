@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import Dataset
 
 from speedtronic.compat.metric_logger import MetricLogger
+from speedtronic.compat.trainer import Trainer
 from speedtronic.config import CallbackSpec, ConfigError, JSONValue, SpeedtronicConfig
 from speedtronic.config.preflight import Preflight, check
 from speedtronic.config.sections import OptimizerConfig
@@ -40,7 +41,7 @@ from speedtronic.data.loader import training_dataset
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.evaluation import EvalOutcome, evaluate_model
 from speedtronic.engine.result import TrainResult
-from speedtronic.engine.trainer import Trainer, TrainingStateError
+from speedtronic.engine.trainer import TrainingStateError
 from speedtronic.models.export import (
     ExportResult,
     check_export_target,
@@ -344,8 +345,10 @@ def build_runtime(
         eval_data=eval_data,
         eval_every=cfg.eval.every_steps,
         eval_max_batches=cfg.eval.max_batches,
-        logger=build_logger(cfg, outputs=False),
     )
+    # 2.0 code appends hooks to ``trainer.logger``; built at its first read, so a run that
+    # never reads it has no logger callback to run every step.
+    trainer.provide_logger(lambda: build_logger(cfg, outputs=False))
     if cfg.run.stop_grace_s is not None:  # else the Trainer's (class) default
         trainer.stop_grace_s = cfg.run.stop_grace_s
     resuming = resume or resume_other_run or (source is not None and source.resume_requested)

@@ -414,7 +414,7 @@ class MetricLoggerCallback(Callback):
 
 def _shape_report_of(trainer: TrainerView) -> object:
     """The startup shape report the runtime gave the trainer (``None`` without one)."""
-    from speedtronic.engine.trainer import Trainer
+    from speedtronic.compat.trainer import Trainer
 
     return trainer.shape_report if isinstance(trainer, Trainer) else None
 
