@@ -575,7 +575,8 @@ def build_logger(config: ConfigSource, *, outputs: bool = True) -> MetricLogger:
     ``logging.json_file`` and ``logging.every_steps`` (paths relative to the working
     directory, as in 2.0), and no hooks.
 
-    ``build_runtime`` attaches one as ``trainer.logger`` so that 2.0 code can append hooks
+    ``build_runtime`` gives its trainer one as ``trainer.logger`` (built at the first read,
+    ``Trainer.provide_logger``) so that 2.0 code can append hooks
     (``trainer.logger.hooks.append(hook)``). That one is built with ``outputs=False``: the
     console and ``jsonl`` sinks already print the metrics and write ``logging.file`` and
     ``logging.json_file``, so it only feeds its hooks.

@@ -349,3 +349,55 @@ def test_scaler_overflow_step_is_not_counted_and_is_retried() -> None:
     assert seen.skipped == [(1, True), (1, False), (2, False)]
     assert result.steps == 2 and trainer.skipped_steps == 1
     assert torch.isfinite(model.v).all()
+
+
+# -- issue 24 item 4: the Trainer is a training state plus its parts ----------------------------
+
+
+def test_the_loop_checkpoints_and_the_view_share_one_training_state() -> None:
+    model = MeanModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [{"labels": torch.tensor([1.0, 3.0])}]
+    trainer = Trainer(model, opt, data, max_steps=3)
+    state = trainer.state
+    trainer.fit()
+    assert (state.step, state.samples, state.tokens) == (3, 6, 6)
+    assert (trainer.step, trainer.samples, trainer.tokens) == (3, 6, 6)
+    assert trainer.model is state.model and trainer.stream is state.stream
+    trainer.step = 1  # written to the state the loop and the checkpoints read
+    assert state.step == 1 and trainer.state_dict()["counters"] == {
+        "step": 1,
+        "samples": 6,
+        "tokens": 6,
+        "world_size": 1,
+    }
+    trainer.fit(max_steps=2)  # continues from the state's step 1
+    assert state.step == 2 and state.samples == 8
+
+
+def test_the_engine_trainer_trains_from_resolved_settings_alone() -> None:
+    import inspect
+
+    from speedtronic.engine.evaluation import Evaluation
+    from speedtronic.engine.settings import TrainerSettings
+    from speedtronic.engine.trainer import Trainer as EngineTrainer
+
+    parameters = set(inspect.signature(EngineTrainer.__init__).parameters) - {"self"}
+    assert len(parameters) <= 11
+    assert not parameters & {"config", "logger", "coordinator", "checkpoint_manager"}
+    model = MeanModel()
+    data = [{"labels": torch.tensor([0.0])}, {"labels": torch.tensor([2.0])}]
+    trainer = EngineTrainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        data,
+        max_steps=1,
+        settings=TrainerSettings(accumulation_steps=2),
+        evaluation=Evaluation(data, every=1),
+    )
+    result = trainer.fit()
+    # The accumulation example above, and the held-out loss of the updated v = 0.2.
+    assert model.v.item() == pytest.approx(0.2) and result.final_loss == pytest.approx(2.0)
+    assert result.metrics[0]["eval/loss"] == pytest.approx((0.2**2 + 1.8**2) / 2)
+    with pytest.raises(ValueError, match="accumulation_steps must be >= 1, got 0"):
+        TrainerSettings(accumulation_steps=0)
