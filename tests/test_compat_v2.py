@@ -176,9 +176,26 @@ def test_a_run_that_never_reads_trainer_logger_runs_no_2_0_callback(tmp_path: Pa
     def adapters(trainer: Trainer) -> list[MetricLoggerCallback]:
         return [cb for cb in trainer.callbacks if isinstance(cb, MetricLoggerCallback)]
 
+    def from_2_0_layer(trainer: Trainer) -> list[str]:
+        """The trainer's callbacks whose code is the 2.0 layer's (``speedtronic.compat``)."""
+        return [
+            type(cb).__qualname__
+            for cb in trainer.callbacks
+            if type(cb).__module__.startswith("speedtronic.compat")
+        ]
+
     trainer, _ = build_runtime(tiny(tmp_path))
     trainer.fit()
-    assert adapters(trainer) == []
+    assert adapters(trainer) == [] and from_2_0_layer(trainer) == []
+    # config= (2.0) is resolved into settings when the trainer is built: nothing per step.
+    model = nn.Linear(2, 1)
+    configured = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        [(torch.ones(1, 2),)],
+        config=SpeedtronicConfig.from_dict(tiny(tmp_path, logging={"every_steps": 3})),
+    )
+    assert configured.metrics_every == 3 and from_2_0_layer(configured) == []
     assert "metric_logger" not in dict(trainer.plan.describe())[Event.STEP_END]
     logger = trainer.logger  # the first read builds it and attaches its callback
     assert logger is not None and trainer.logger is logger

@@ -40,6 +40,7 @@ from speedtronic.systems.sharding import global_grad_norm
 
 if TYPE_CHECKING:
     from speedtronic.engine.dispatch import EventHooks, HookTable
+    from speedtronic.engine.forward_path import ForwardPath
     from speedtronic.engine.state import TrainingState
     from speedtronic.engine.trainer import Trainer
 
@@ -148,7 +149,7 @@ def _accumulate_microbatches(
     step costs no extra tensor op: a ``detach`` is ~3,900 instructions, ``loop_pieces.py``)."""
     mb_start, mb_end = due[On.MICROBATCH_START], due[On.MICROBATCH_END]
     before_bw, after_bw = due[On.BEFORE_BACKWARD], due[On.AFTER_BACKWARD]
-    stream, device, path = s.stream, s.device, t.forward_path
+    stream, device, path, scaler = s.stream, s.device, t.forward_path, s.scaler
     # On the CPU there is nowhere to move a batch to: skip walking it tensor by tensor.
     moves = device.type != "cpu"
     loss_sum: torch.Tensor | None = None
@@ -165,10 +166,14 @@ def _accumulate_microbatches(
             for hook in mb_start:
                 hook(t, mb_ctx)
         if path.plain:  # no DDP, no autocast: no context managers to enter
-            loss = _forward_backward(t, s, batch, step, index, k, before_bw, after_bw, False)
+            loss = _forward_backward(
+                t, path, scaler, batch, step, index, k, before_bw, after_bw, False
+            )
         else:
             with path.grad_sync_context(index == k - 1):
-                loss = _forward_backward(t, s, batch, step, index, k, before_bw, after_bw, True)
+                loss = _forward_backward(
+                    t, path, scaler, batch, step, index, k, before_bw, after_bw, True
+                )
         if k == 1:
             loss_sum = loss
         else:
@@ -183,7 +188,8 @@ def _accumulate_microbatches(
 
 def _forward_backward(
     t: Trainer,
-    s: TrainingState,
+    path: ForwardPath,
+    scaler: torch.amp.GradScaler | None,
     batch: object,
     step: int,
     index: int,
@@ -192,8 +198,8 @@ def _forward_backward(
     after_bw: EventHooks[BackwardContext],
     autocast: bool,
 ) -> torch.Tensor:
-    """One microbatch's forward and backward; returns its unscaled loss."""
-    path = t.forward_path
+    """One microbatch's forward and backward; returns its unscaled loss (``path`` and
+    ``scaler`` come from the caller's locals: read once per step, not per microbatch)."""
     if autocast:
         with path.autocast():
             output = path.forward(batch)
@@ -201,8 +207,8 @@ def _forward_backward(
         output = path.forward(batch)
     loss = resolve_loss(output, batch)
     scaled = loss if k == 1 else loss / k  # x / 1 is x: skip the op (bitwise the same grads)
-    if s.scaler is not None:
-        scaled = s.scaler.scale(scaled)
+    if scaler is not None:
+        scaled = scaler.scale(scaled)
     if not (before_bw or after_bw):
         scaled.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return loss
