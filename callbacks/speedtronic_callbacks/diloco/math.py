@@ -85,12 +85,6 @@ def pseudo_gradient(
     }
 
 
-def add_deltas(first: StateDict, second: StateDict) -> dict[str, torch.Tensor]:
-    """Element-wise sum of two deltas with the same layout (a cumulative delta)."""
-    check_same_layout(first, second, what="delta")
-    return {key: first[key].to(torch.float32) + second[key].to(torch.float32) for key in first}
-
-
 def staleness_weight(staleness: int, power: float) -> float:
     """How much a delta based on a global ``staleness`` outer steps old counts.
 
