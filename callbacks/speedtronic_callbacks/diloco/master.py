@@ -45,18 +45,19 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from speedtronic_callbacks.diloco.aggregation import (
-    MIN_REFERENCE,
     NormHistory,
     RobustSettings,
     Screening,
-    screen,
+    Screens,
     state_norm,
     work_cap,
+    work_shares,
     work_unit,
 )
 from speedtronic_callbacks.diloco.fields import MAX_STEP, NODE_ID_PATTERN
@@ -307,9 +308,9 @@ class MasterLoop:
         self._expected_pointer: tuple[int, str] | None = None
         self._known_applied: dict[str, str] = {}
         self._paused: str | None = None
-        self._norms: dict[str, NormHistory] = {}
+        self._norms = Screens(settings.robust)
         """Outlier history per streaming fragment (``""``: whole-model deltas)."""
-        self._works: dict[str, NormHistory] = {}
+        self._works = Screens(settings.robust)
         """Recent applied work figures per unit (``tokens``, ``samples``)."""
         self._step_work = (0, 0)
         """The most tokens and samples one step of this master's own training took (0:
@@ -375,14 +376,14 @@ class MasterLoop:
             "progress": progress_to_json(snapshot.ledger.progress),
             "covered": covered_to_json(snapshot.ledger.covered),
             "rejected": rejected,
-            "norm_history": self._history("").to_list(),
+            "norm_history": self._norms.history("").to_list(),
             "fragment_norm_history": {
                 fragment: history.to_list()
-                for fragment, history in sorted(self._norms.items())
+                for fragment, history in sorted(self._norms.histories.items())
                 if fragment
             },
             "work_history": {
-                unit: history.to_list() for unit, history in sorted(self._works.items())
+                unit: history.to_list() for unit, history in sorted(self._works.histories.items())
             },
             "step_work": list(self._step_work),
         }
@@ -424,11 +425,11 @@ class MasterLoop:
         ):
             raise ValueError("diloco master state: 'step_work' must be [tokens, samples]")
         with self._lock:
-            self._works = {
+            self._works.histories = {
                 str(unit): NormHistory.from_state(window, value) for unit, value in works.items()
             }
             self._step_work = (int(step_work[0]), int(step_work[1]))
-            self._norms = norms
+            self._norms.histories = norms
             self._state = OuterState(global_state, momentum, outer_step, ledger)
             self._reconciled = False
             if isinstance(rejected, Mapping):
@@ -657,13 +658,16 @@ class MasterLoop:
             with self._lock:
                 self._state = new_state
                 for fragment in set(report.norm_fragments):
-                    self._history(fragment).record(
-                        norm
-                        for norm, where in zip(report.norms, report.norm_fragments, strict=True)
-                        if where == fragment
+                    self._norms.record(
+                        fragment,
+                        (
+                            norm
+                            for norm, where in zip(report.norms, report.norm_fragments, strict=True)
+                            if where == fragment
+                        ),
                     )
                 if report.work_unit:
-                    self._work_history(report.work_unit).record(report.works)
+                    self._works.record(report.work_unit, report.works)
             report = dataclasses.replace(report, published=True, latency_s=self._clock() - started)
             self._audit(report)
             return report
@@ -824,20 +828,6 @@ class MasterLoop:
             f"{info.node_id!r}, whose steps up to {through} were applied already",
         )
 
-    def _history(self, fragment: str) -> NormHistory:
-        """The outlier history of ``fragment``'s deltas (created empty)."""
-        history = self._norms.get(fragment)
-        if history is None:
-            history = self._norms[fragment] = NormHistory(self.settings.robust.window)
-        return history
-
-    def _work_history(self, unit: str) -> NormHistory:
-        """The recent applied work figures in ``unit`` (created empty)."""
-        history = self._works.get(unit)
-        if history is None:
-            history = self._works[unit] = NormHistory(self.settings.robust.window)
-        return history
-
     def _screen(
         self, state: OuterState, accepted: list[_Accepted], rejected: list[DeltaRejection]
     ) -> list[_Accepted]:
@@ -853,12 +843,9 @@ class MasterLoop:
             groups.setdefault(item.decoded.info.fragment, []).append(item)
         bounds: dict[int, float | None] = {}
         for fragment, members in groups.items():
-            history = self._history(fragment)
-            model_norm = None
-            if len(history.norms) + len(members) < MIN_REFERENCE:
-                keys = list(members[0].decoded.tensors) if fragment else None
-                model_norm = state_norm(state.global_state, keys or self.layout.sync_keys)
-            screening = screen([m.norm for m in members], history, self.settings.robust, model_norm)
+            keys = (list(members[0].decoded.tensors) if fragment else None) or self.layout.sync_keys
+            model_norm = partial(state_norm, state.global_state, keys)
+            screening = self._norms.judge(fragment, [m.norm for m in members], model_norm)
             for member, factor in zip(members, screening.factors, strict=True):
                 member.clip, bounds[id(member)] = factor, screening.bound
         kept: list[_Accepted] = []
@@ -925,12 +912,11 @@ class MasterLoop:
                     self._log_cap(item.entry.path, info, claim, cap, unit)
                 claim = cap
             figures.append(float(claim))
-        screening = screen(figures, self._work_history(unit), self.settings.robust)
+        screening = self._works.judge(unit, figures)
         kept = self._apply_work_screening(accepted, figures, screening, unit, rejected)
         if kept:
-            mean = sum(item.work for item in kept) / len(kept)
-            for item in kept:
-                item.share = item.work / mean
+            for item, share in zip(kept, work_shares([item.work for item in kept]), strict=True):
+                item.share = share
         return kept, unit
 
     def _apply_work_screening(
