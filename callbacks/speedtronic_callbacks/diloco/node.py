@@ -58,14 +58,9 @@ from torch import nn
 
 from speedtronic_callbacks.diloco.encoding import Encoding
 from speedtronic_callbacks.diloco.fragments import layout_plan
+from speedtronic_callbacks.diloco.hub_files import delta_path, parse_delta_path
 from speedtronic_callbacks.diloco.lanes import ErrorReporter, Inbox, Lane
-from speedtronic_callbacks.diloco.master import (
-    MasterConflictError,
-    MasterLoop,
-    RoundReport,
-    delta_path,
-    parse_delta_path,
-)
+from speedtronic_callbacks.diloco.master import MasterConflictError, MasterLoop, RoundReport
 from speedtronic_callbacks.diloco.math import carry, pseudo_gradient
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
 from speedtronic_callbacks.diloco.pointer import POINTER_PATH, Pointer, decode_pointer
