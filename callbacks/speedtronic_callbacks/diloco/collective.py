@@ -433,15 +433,15 @@ class CollectiveDiLoCo(Callback):
     ) -> None:
         """One outer step of ``keys`` with the mean pseudo-gradient ``averaged`` (none when
         screening left every replica out: ``_kept``); the model gets the new global
-        (``exchange`` given: plus the local progress since it started:
-        ``global + (current - snapshot)``)."""
+        (``exchange`` given: plus the local progress since it started, the delta-carry rule
+        ``math.carry``: ``global - (snapshot - current)``)."""
         assert self.layout is not None
         self.last_pseudo_grad_norm = float(averaged.norm())
         if self._kept:
             shapes = {key: self.layout.wire_shapes[key] for key in keys}
             self.outer.step(self.baseline, unflatten(averaged, shapes))
         weights: Mapping[str, torch.Tensor] = self.baseline
-        if exchange is not None:  # the delta-carry rule: plus the progress since the start
+        if exchange is not None:
             current = {key: _baseline_copy(state[key]) for key in keys}
             weights = carry(self.baseline, pseudo_gradient(exchange.snapshot, current, keys))
         with torch.no_grad():
