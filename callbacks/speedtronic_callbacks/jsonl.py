@@ -54,17 +54,6 @@ def encode_record(record: Record) -> str:
         return _STRICT_ENCODER.encode(clean)
 
 
-def read_records(path: Path) -> list[dict[str, object]]:
-    """Every well-formed record of a metrics JSONL file, in file order (bad lines skipped)."""
-    records: list[dict[str, object]] = []
-    with path.open(encoding="utf-8") as handle:
-        for line in handle:
-            parsed = _parse_line(line)
-            if parsed is not None:
-                records.append(parsed)
-    return records
-
-
 def _parse_line(line: str) -> dict[str, object] | None:
     try:
         parsed = json.loads(line)

@@ -56,7 +56,6 @@ __all__ = [
     "claim_run_directory",
     "earlier_run_files",
     "launched_as_main_process",
-    "locked_run_directory",
     "resolve_run_path",
 ]
 
@@ -289,16 +288,6 @@ def check_earlier_run(files: Sequence[Path], *, resume: bool, overwrite: bool) -
     warnings.warn(
         f"--overwrite: deleted the earlier run's files ({found})", UserWarning, stacklevel=2
     )
-
-
-@contextlib.contextmanager
-def locked_run_directory(directory: Path, *, enabled: bool = True) -> Iterator[None]:
-    """Hold ``RunDirectoryLock(directory)`` for the block (nothing when not ``enabled``)."""
-    if not enabled:
-        yield
-        return
-    with RunDirectoryLock(directory):
-        yield
 
 
 # -- the other paths a run writes -----------------------------------------------------------
