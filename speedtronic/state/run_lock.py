@@ -76,9 +76,13 @@ def launched_as_main_process() -> bool:
     return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
+_MAX_PID = 2**31 - 1
+"""No process has a PID above this (``pid_t`` is 32 bits); ``os.kill`` overflows beyond it."""
+
+
 def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
+    if not 0 < pid <= _MAX_PID:
+        return False  # no process has it (the lock file is anyone's to write)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -162,7 +166,7 @@ class RunDirectoryLock:
         """The file names a holder although nobody holds the ``flock`` (or there is none)."""
         pid = holder.get("pid")
         same_host = holder.get("host") == socket.gethostname()
-        if not same_host or not isinstance(pid, int):
+        if not same_host or not isinstance(pid, int) or isinstance(pid, bool):
             raise self._in_use(holder, hint="if that run is gone, delete the lock file")
         alive = _pid_alive(pid)
         if fcntl is None and alive and pid != os.getpid():
