@@ -38,6 +38,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Protocol, runtime_checkable
 
+from speedtronic.state.append_io import PlantedLinkError, open_to_append, system_path
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows: the PID in the file is all we have
@@ -136,7 +138,12 @@ class RunDirectoryLock:
         if self._handle is not None:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        handle = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115  # held until release
+        try:  # held until release; never through a link planted at the lock's name
+            handle = open_to_append(self.path, read=True)
+        except PlantedLinkError as exc:
+            raise RunDirectoryError(
+                f"cannot lock {self.what}: lock file {exc.filename}: {exc.strerror}"
+            ) from None
         try:
             self._lock_or_refuse(handle)
         except BaseException:
@@ -388,7 +395,13 @@ class RunClaim:
             for directory in declared.directories:
                 self._cover(self._absolute(directory), writer, is_directory=True)
             for file in declared.files:
-                self._cover(self._absolute(file), writer, is_directory=False)
+                absolute = resolve_run_path(file, self.directory)
+                if system_path(absolute):  # /dev/stdout, /dev/null: nothing to keep apart
+                    continue
+                # The file's own name is kept: a link planted there is its writer's to
+                # refuse, never a reason to put a lock file beside whatever it leads to.
+                named = absolute.parent.resolve() / absolute.name
+                self._cover(named, writer, is_directory=False)
 
     def _absolute(self, path: Path) -> Path:
         return resolve_run_path(path, self.directory).resolve()
