@@ -55,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+from speedtronic.state.append_io import open_to_append
 from speedtronic_callbacks.diloco.aggregation import (
     NormHistory,
     RobustSettings,
@@ -1148,7 +1149,7 @@ class MasterLoop:
         }
         try:
             self.audit_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.audit_path, "a", encoding="utf-8") as handle:
+            with open_to_append(self.audit_path) as handle:  # never through a planted link
                 handle.write(json.dumps(record, sort_keys=True) + "\n")
         except OSError as exc:
             logger.warning("diloco master could not write its audit log: %s", exc)
