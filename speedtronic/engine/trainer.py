@@ -31,8 +31,8 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from operator import attrgetter
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Generic, TypeVar, overload
 
