@@ -3,9 +3,9 @@
 ``build_runtime`` follows the original construction order (seed, device, model, precision
 and shape checks, data, optimizer, scheduler, callbacks, trainer, resume) and returns
 ``(trainer, checkpoint_manager)``; ``train_from_config`` also fits. The runtime names no
-plugin: which callbacks a config turns on, and with which options, each plugin declares
-(``Callback.enabled_by_default``, ``legacy_sections``, ``options_from_legacy``); the
-checkpoint manager comes from the callback that is a ``ResumeSource``.
+plugin: which callbacks a config turns on, and with which options, each plugin declares in
+its ``PluginSpec`` (``enabled_by_default``, ``sections``, ``implied_order``); the checkpoint
+manager comes from the callback that is a ``ResumeSource``.
 
 Under ``torchrun`` the device step also joins the process group (``setup_distributed``):
 the device becomes the local rank's, the data loader shards by rank, and the trainer gets
@@ -55,10 +55,10 @@ from speedtronic.optimizers import build_scheduler as build_scheduler
 from speedtronic.plugins import (
     PluginContext,
     build_callback,
-    callback_registry,
-    configurable_plugins,
+    configurable_specs,
     import_modules,
-    legacy_sections_of,
+    plugin_spec,
+    sections_of,
 )
 from speedtronic.state.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
 from speedtronic.state.model_fit import model_mismatch, tensor_shapes
@@ -104,33 +104,33 @@ def as_config(config: ConfigSource) -> SpeedtronicConfig:
 
 def callback_specs(config: SpeedtronicConfig) -> list[CallbackSpec]:
     """The callbacks a run uses, in order: the plugins the config turns on without naming
-    them (on by default, or through a 2.0 section) with a negative ``implied_order``, the
-    configured list, then the other implied plugins. Each plugin rewrites its own 2.0
-    sections into its options (``Callback.options_from_legacy``); the runtime knows no
-    plugin by name."""
+    them (on by default, or through a section they read) with a negative ``implied_order``,
+    the configured list, then the other implied plugins. Each plugin rewrites its own
+    sections into its options (``Sections.to_options``); the runtime knows no plugin by
+    name."""
     data = config.to_dict()
-    configured = [_with_legacy_sections(spec, data) for spec in config.callbacks]
-    named = {spec.name for spec in config.callbacks}
+    configured = [_with_sections(entry, data) for entry in config.callbacks]
+    named = {entry.name for entry in config.callbacks}
     implied: list[tuple[int, str, CallbackSpec]] = []
-    for name, plugin in configurable_plugins():
-        if name in named or named.intersection(plugin.default_replaced_by):
+    for plugin in configurable_specs():
+        if plugin.name in named or named.intersection(plugin.default_replaced_by):
             continue
-        options = plugin.options_from_legacy(legacy_sections_of(plugin, data), None)
+        options = plugin.options_for(sections_of(plugin, data), None)
         if options is not None:
-            implied.append((plugin.implied_order, name, _spec(name, options)))
+            implied.append((plugin.implied_order, plugin.name, _spec(plugin.name, options)))
     implied.sort(key=lambda item: (item[0], item[1]))
-    before = [spec for order, _, spec in implied if order < 0]
-    after = [spec for order, _, spec in implied if order >= 0]
+    before = [entry for order, _, entry in implied if order < 0]
+    after = [entry for order, _, entry in implied if order >= 0]
     return before + configured + after
 
 
-def _with_legacy_sections(spec: CallbackSpec, data: Mapping[str, object]) -> CallbackSpec:
-    """A configured entry with what its plugin takes from the 2.0 sections."""
-    plugin = callback_registry.get(spec.name)
-    if not plugin.legacy_sections:
-        return spec
-    options = plugin.options_from_legacy(legacy_sections_of(plugin, data), spec.options)
-    return spec if options is None else _spec(spec.name, options)
+def _with_sections(entry: CallbackSpec, data: Mapping[str, object]) -> CallbackSpec:
+    """A configured entry with what its plugin takes from the sections it reads."""
+    plugin = plugin_spec(entry.name)
+    if not plugin.sections.keys:
+        return entry
+    options = plugin.options_for(sections_of(plugin, data), entry.options)
+    return entry if options is None else _spec(entry.name, options)
 
 
 def _spec(name: str, options: Mapping[str, object]) -> CallbackSpec:
@@ -144,7 +144,7 @@ def build_callbacks(config: SpeedtronicConfig, context: PluginContext) -> list[C
 
 def callback_classes(config: SpeedtronicConfig) -> list[tuple[str, type[Callback]]]:
     """The callback classes of a run, without building them (for ``validate``)."""
-    return [(spec.name, callback_registry.get(spec.name)) for spec in callback_specs(config)]
+    return [(entry.name, plugin_spec(entry.name).callback) for entry in callback_specs(config)]
 
 
 @runtime_checkable
