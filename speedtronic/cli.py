@@ -91,6 +91,16 @@ def _parser() -> argparse.ArgumentParser:
     schema = sub.add_parser("schema", help="print the composed JSON Schema of run.yaml")
     schema.add_argument("--write", metavar="DIR", help="write the published schema files to DIR")
     schema.add_argument(
+        "--docs",
+        metavar="DIR",
+        help="regenerate the option tables of the pages in DIR from the declarations",
+    )
+    schema.add_argument(
+        "--package",
+        action="store_true",
+        help="also rewrite the packaged core schema (speedtronic/schemas/run.schema.json)",
+    )
+    schema.add_argument(
         "--config", help="also import the config's imports: and include their plugins"
     )
 
@@ -489,6 +499,8 @@ def _import_config_modules(args: argparse.Namespace) -> None:
 
 def _schema(args: argparse.Namespace) -> int:
     from speedtronic.config import composed_schema, write_schemas
+    from speedtronic.config.docs_tables import write_docs
+    from speedtronic.config.schema import write_packaged_core_schema
 
     _import_config_modules(args)
     if args.write:

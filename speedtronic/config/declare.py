@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import re
 import types
@@ -401,11 +402,7 @@ def markdown_table(
     """The docs table of ``cls``'s options (one row each)."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in doc_rows(cls, exclude=exclude):
-        lines.append(
-            "| "
-            + " | ".join(cell.replace("|", "\\|") if i < 3 else cell for i, cell in enumerate(row))
-            + " |"
-        )
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
     return "\n".join(lines)
 
 
@@ -485,24 +482,24 @@ def signature_mismatches(
 ) -> list[str]:
     """How ``function``'s keyword parameters differ from the options of ``cls``: an option
     without a parameter of its name, or with another default (options in ``skip`` are
-    mapped by the plugin's builder and only need the parameter). The check that a
-    constructor taking each option as a keyword repeats nothing wrongly."""
-    import inspect
-
+    mapped by the plugin's builder and not compared). The check for a constructor that
+    takes each option as a keyword and so repeats its name."""
     parameters = inspect.signature(function).parameters
     problems = []
     skipped = set(skip)
     for item in documented(cls):
+        if item.name in skipped:
+            continue
         parameter = parameters.get(item.name)
         if parameter is None:
             problems.append(f"{item.name}: no parameter")
-        elif item.name not in skipped and item.has_default:
-            expected = item.default()
-            actual = parameter.default
-            if isinstance(actual, tuple) and isinstance(expected, list):
-                actual = list(actual)
+        elif item.has_default:
+            expected = to_json(item.default())
+            actual = to_json(parameter.default)
             if actual != expected:
-                problems.append(f"{item.name}: default {actual!r}, declared {expected!r}")
+                problems.append(
+                    f"{item.name}: default {parameter.default!r}, declared {item.default()!r}"
+                )
     return problems
 
 
@@ -555,27 +552,43 @@ def plugin(
             implied_order=implied_order,
             **rules,
         )
-        cls.__plugin_spec__ = spec  # type: ignore[attr-defined]  # read back by spec_of_class
-        _attach_class_api(cls, spec, builder)
+        attach(cls, spec, builder)
         return cls
 
     return decorate
 
 
+def attach(
+    cls: type[CallbackT],
+    spec: plugins.PluginSpec,
+    builder: Callable[[type[CallbackT], Options, plugins.PluginContext], CallbackT] | None = None,
+) -> None:
+    """Make ``spec`` the declared spec of ``cls`` (what ``plugins.spec_of_class`` returns), and
+    give the class the class-attribute API read from it (``_attach_class_api``). ``plugin``
+    does this; a plugin whose options are not one dataclass builds its spec itself."""
+    cls.__plugin_spec__ = spec  # type: ignore[attr-defined]  # read back by spec_of_class
+    _attach_class_api(cls, spec, builder)
+
+
 def _keyword_builder(
     cls: type[CallbackT], options: object, context: plugins.PluginContext
 ) -> CallbackT:
-    """The default builder: every option as a keyword argument of the class."""
+    """The default builder of ``plugin``: ``keyword_build``."""
     del context
+    return keyword_build(cls, options)
+
+
+def keyword_build(factory: Callable[..., T], options: object) -> T:
+    """``factory(**options)``: each option of a declared options object as the keyword
+    argument of its name (for a constructor that takes the options as keywords)."""
     values = {item.name: getattr(options, item.name) for item in documented(type(options))}
-    factory = cast("Callable[..., CallbackT]", cls)
     return factory(**values)
 
 
 def _attach_class_api(
     cls: type[CallbackT],
     spec: plugins.PluginSpec,
-    builder: Callable[[type[CallbackT], Options, plugins.PluginContext], CallbackT],
+    builder: Callable[[type[CallbackT], Options, plugins.PluginContext], CallbackT] | None,
 ) -> None:
     """The class-attribute API of a plugin, read from ``spec`` (what ``spec_of_class``
     adapts back): for code that calls ``CheckpointCallback.from_options(...)`` or reads
@@ -584,7 +597,9 @@ def _attach_class_api(
 
     def from_options(
         klass: type[CallbackT], options: Mapping[str, object], context: plugins.PluginContext
-    ) -> CallbackT:
+    ) -> Callback:
+        if builder is None:
+            return spec.create(options, context)
         return builder(klass, cast(Options, spec.parse(options)), context)
 
     attributes: dict[str, object] = {

@@ -419,6 +419,14 @@ def rendered_schemas(plugin_names: Iterable[str] | None = None) -> dict[str, str
     return files
 
 
+def write_packaged_core_schema() -> Path:
+    """Rewrite the package's copy of the core schema (``speedtronic/schemas/run.schema.json``,
+    for tools that read a file) from the declarations; returns its path."""
+    path = Path(__file__).resolve().parent.parent / "schemas" / CORE_SCHEMA_FILE
+    path.write_text(_dump(_core()), encoding="utf-8")
+    return path
+
+
 def write_schemas(directory: Path, plugin_names: Iterable[str] | None = None) -> list[Path]:
     """Write ``run.schema.json`` (core + plugin schemas) and ``callbacks/<name>.schema.json``
     per plugin into ``directory``; stale ``callbacks/*.schema.json`` files are removed so the
