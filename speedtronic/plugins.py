@@ -383,6 +383,18 @@ def register_callback(name: str) -> Callable[[CallbackClass], CallbackClass]:
     return decorate
 
 
+def register_plugin(spec: PluginSpec) -> PluginSpec:
+    """Make a callback plugin usable as ``{name: <spec.name>}`` in config from its spec (a
+    plugin built without ``declare.plugin``); ``spec.callback`` is what the registry holds
+    and ``plugin_spec(spec.name)`` then answers ``spec``. Returns the spec."""
+    if not _is_callback_class(spec.callback):
+        raise TypeError(f"register_plugin({spec.name!r}) needs a Callback subclass")
+    # The registry holds classes (as entry points name them); the spec travels on its class.
+    spec.callback.__plugin_spec__ = spec  # type: ignore[attr-defined]  # read by spec_of_class
+    callback_registry.register(spec.name, spec.callback)
+    return spec
+
+
 def import_modules(modules: Iterable[str]) -> None:
     """Import user modules (the config's ``imports:``) so their registrations run; the CLI
     also looks for them in the working and config directories (``speedtronic.user_imports``)."""

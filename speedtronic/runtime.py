@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol, cast, runtime_checkable
 
@@ -56,7 +57,6 @@ from speedtronic.plugins import (
     PluginContext,
     build_callback,
     configurable_specs,
-    import_modules,
     plugin_spec,
     sections_of,
 )
@@ -96,9 +96,12 @@ DEFAULT_CHECKPOINT_DIRECTORY = "checkpoints"
 
 
 def as_config(config: ConfigSource) -> SpeedtronicConfig:
-    """A validated ``SpeedtronicConfig`` from any supported source."""
+    """A validated ``SpeedtronicConfig`` from any supported source. A config object is
+    checked again only when it changed since it was validated
+    (``SpeedtronicConfig.ensure_valid``): it passes through several builders of a run. Its
+    ``imports:`` were imported by that validation."""
     if isinstance(config, SpeedtronicConfig):
-        return config.validate()
+        return config.ensure_valid()
     return SpeedtronicConfig.load(config)
 
 
@@ -265,7 +268,6 @@ def build_runtime(
     one on a fresh start; resuming another run's checkpoint is refused unless
     ``resume_other_run`` (which also resumes)."""
     cfg = as_config(config)
-    import_modules(cfg.imports)
     logging.getLogger("speedtronic").setLevel(cfg.logging.level)
     seed_everything(cfg.run.seed)
     requested_device = device if device is not None else cfg.run.device
@@ -442,7 +444,6 @@ def evaluate_checkpoint(
     ``CheckpointError`` when there is none or it cannot be read, ``TrainingStateError`` when
     it does not fit the config's model. One process (no torch.distributed)."""
     cfg = as_config(config)
-    import_modules(cfg.imports)
     seed_everything(cfg.run.seed)
     resolved_device = resolve_device(device if device is not None else cfg.run.device)
     output_dir = Path(cfg.run.output_dir).expanduser().resolve()
@@ -501,7 +502,6 @@ def export_checkpoint(
     ``ExportError`` for an output in the way or a model with no Hugging Face form, before
     anything is read; one process, on the CPU."""
     cfg = as_config(config)
-    import_modules(cfg.imports)
     target = Path(output).expanduser()
     check_export_target(target, overwrite=overwrite)
     tokenizer = tokenizer_file(cfg.data.to_dict())
@@ -594,7 +594,8 @@ def save_run_config(config: SpeedtronicConfig, output_dir: Path) -> Path:
     return config.save(output_dir / "config.yaml")
 
 
-def train_from_config(
+@contextmanager
+def prepared_fit(
     config: ConfigSource,
     *,
     resume: bool = False,
@@ -602,12 +603,11 @@ def train_from_config(
     max_steps: int | None = None,
     overwrite: bool = False,
     resume_other_run: bool = False,
-) -> TrainResult:
-    """Build the runtime, write the resolved config to the run directory, and fit. The run
-    directory and every path the plugins write are locked meanwhile; an earlier run's files
-    there need ``resume`` (continue) or ``overwrite`` (replace), see
-    ``speedtronic.state.run_lock``; another run's checkpoints need ``resume_other_run``
-    (``speedtronic.state.run_identity``)."""
+) -> Iterator[Trainer]:
+    """The one way a fit is composed -- ``train_from_config`` and ``speedtronic fit`` both
+    use it: the run directory and every path the plugins write locked, the runtime built
+    (``build_runtime``), the resolved config written (by rank 0); the trainer is yielded
+    to fit, and the process group torn down after."""
     cfg = as_config(config)
     with claim_run_directory(cfg.run.output_dir) as claim:
         trainer, _ = build_runtime(
@@ -620,12 +620,36 @@ def train_from_config(
             resume_other_run=resume_other_run,
         )
         try:
-            assert trainer.config is not None
             if _writes_run_files(trainer.distributed):
-                save_run_config(trainer.config, trainer.output_dir)
-            return trainer.fit()
+                save_run_config(cfg, trainer.output_dir)
+            yield trainer
         finally:
             teardown_distributed(trainer.distributed)
+
+
+def train_from_config(
+    config: ConfigSource,
+    *,
+    resume: bool = False,
+    device: str | torch.device | None = None,
+    max_steps: int | None = None,
+    overwrite: bool = False,
+    resume_other_run: bool = False,
+) -> TrainResult:
+    """Build the runtime, write the resolved config to the run directory, and fit
+    (``prepared_fit``). The run directory and every path the plugins write are locked
+    meanwhile; an earlier run's files there need ``resume`` (continue) or ``overwrite``
+    (replace), see ``speedtronic.state.run_lock``; another run's checkpoints need
+    ``resume_other_run`` (``speedtronic.state.run_identity``)."""
+    with prepared_fit(
+        config,
+        resume=resume,
+        device=device,
+        max_steps=max_steps,
+        overwrite=overwrite,
+        resume_other_run=resume_other_run,
+    ) as trainer:
+        return trainer.fit()
 
 
 def _writes_run_files(distributed: DistributedContext | None) -> bool:

@@ -1286,6 +1286,13 @@ class SpeedtronicConfig:
 
     __hash__ = None  # type: ignore[assignment]  # mutable
 
+    def __getstate__(self) -> dict[str, object]:
+        """A copy (or another process) validates again: ``ensure_valid`` trusts only what
+        was validated here, where the config's ``imports:`` were imported."""
+        state = dict(self.__dict__)
+        state.pop("_validated", None)
+        return state
+
     def _derive_defaults(self) -> None:
         """The defaults that follow other sections (after validation: the values they
         follow have the same bounds)."""
