@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import cast
 
 from speedtronic.config import declare
+from speedtronic.state.atomic_io import atomic_write_text
 
 _BLOCK = re.compile(
     r"(?P<open><!-- options: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(?P<close><!-- end options -->)",
@@ -162,6 +163,6 @@ def write_docs(directory: Path) -> list[Path]:
         text = page.read_text(encoding="utf-8")
         rendered = render(text)
         if rendered != text:
-            page.write_text(rendered, encoding="utf-8")
+            atomic_write_text(page, rendered)  # an editor reading it never sees half a page
             changed.append(page)
     return changed

@@ -34,6 +34,7 @@ from jsonschema import Draft202012Validator, ValidationError, validators
 from jsonschema.exceptions import SchemaError
 
 from speedtronic import plugins
+from speedtronic.state.atomic_io import atomic_write_text
 
 SchemaDict = dict[str, object]
 """A JSON Schema document as a plain (JSON-compatible) dict."""
@@ -423,7 +424,7 @@ def write_packaged_core_schema() -> Path:
     """Rewrite the package's copy of the core schema (``speedtronic/schemas/run.schema.json``,
     for tools that read a file) from the declarations; returns its path."""
     path = Path(__file__).resolve().parent.parent / "schemas" / CORE_SCHEMA_FILE
-    path.write_text(_dump(_core()), encoding="utf-8")
+    atomic_write_text(path, _dump(_core()))
     return path
 
 
@@ -437,8 +438,7 @@ def write_schemas(directory: Path, plugin_names: Iterable[str] | None = None) ->
     written: list[Path] = []
     for relative, text in files.items():
         path = directory / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+        atomic_write_text(path, text)  # an editor reading it never sees half a schema
         written.append(path)
     callback_dir = directory / CALLBACK_SCHEMA_DIR
     if callback_dir.is_dir():
