@@ -343,3 +343,45 @@ def test_a_cli_fit_normalises_validates_and_imports_once(
     assert len(calls["folds"]) == 1
     assert calls["imports"] == [["fit_probe"]]
     assert sorted(_SectionProbe.runs) == ["errors", "normalise", "to_options"]
+
+
+FOLDING_PLUGIN = '''
+from speedtronic import Callback, register_callback
+
+
+@register_callback("test-folding-probe")
+class FoldingProbe(Callback):
+    """Reads a section of its own whose one key is case-insensitive (2.0-style API)."""
+
+    legacy_sections = ("fold_probe",)
+    legacy_schema = {
+        "fold_probe": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"mode": {"enum": ["fast", "slow"]}},
+        }
+    }
+
+    @classmethod
+    def normalise_legacy(cls, data):
+        section = data.get("fold_probe")
+        if isinstance(section, dict) and isinstance(section.get("mode"), str):
+            section["mode"] = section["mode"].lower()
+'''
+
+
+def test_a_plugin_from_imports_rewrites_its_own_keys_in_the_one_pass(tmp_path: Path) -> None:
+    """The config's ``imports:`` are imported before it is normalised: a plugin they
+    register folds its own section's keys before the one validation (``FAST`` -> ``fast``),
+    and a value it cannot fold is still reported with its path."""
+    (tmp_path / "folding_plugin.py").write_text(FOLDING_PLUGIN)
+    path = tmp_path / "run.yaml"
+    config = {**TINY, "imports": ["folding_plugin"], "fold_probe": {"mode": "FAST"}}
+    path.write_text(yaml.safe_dump(config))
+    done = speedtronic("validate", "--config", str(path), "--format", "json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.split("\n# callbacks")[0])["fold_probe"] == {"mode": "fast"}
+    path.write_text(yaml.safe_dump({**config, "fold_probe": {"mode": "Quick"}}))
+    bad = speedtronic("validate", "--config", str(path), cwd=tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "fold_probe.mode: 'quick' is not one of ['fast', 'slow']" in bad.stderr

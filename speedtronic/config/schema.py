@@ -451,16 +451,17 @@ def write_schemas(directory: Path, plugin_names: Iterable[str] | None = None) ->
 # -- validation -------------------------------------------------------------------------
 
 
-def config_errors(data: Mapping[str, object]) -> list[str]:
+def config_errors(data: Mapping[str, object], *, imported: bool = False) -> list[str]:
     """Every problem of a normalised configuration mapping (see ``loading.normalise``).
 
-    Order: ``imports`` first (they may register the plugins that follow), then plugin
-    names (callbacks, the model, datasets, the collate function: an unknown one with the
-    closest known name), then the composed-schema pass, non-finite or non-JSON values, and
-    the cross-field rules. Nothing is imported except the listed ``imports``.
+    Order: ``imports`` first (they may register the plugins that follow; ``imported``: the
+    caller has imported them already, with ``import_errors``), then plugin names
+    (callbacks, the model, datasets, the collate function: an unknown one with the closest
+    known name), then the composed-schema pass, non-finite or non-JSON values, and the
+    cross-field rules. Nothing is imported except the listed ``imports``.
     """
     data, oversized = _without_oversized_numbers(data)
-    errors = _import_errors(data.get("imports"))
+    errors = [] if imported else import_errors(data.get("imports"))
     plugin_schemas, plugin_errors = _referenced_plugin_schemas(data.get("callbacks"))
     errors.extend(plugin_errors)
     errors.extend(_plugin_name_errors(_Values(data)))
@@ -508,7 +509,9 @@ def _without_oversized_numbers(
     return cast(Mapping[str, object], cleaned), found
 
 
-def _import_errors(imports: object) -> list[str]:
+def import_errors(imports: object) -> list[str]:
+    """Import the modules of an ``imports:`` list; one message per module that fails
+    (``imports[i]: cannot import ...``). A value that is no list is left to the schema."""
     if not isinstance(imports, list):
         return []  # a wrong type is reported by the schema
     errors: list[str] = []

@@ -49,6 +49,7 @@ from speedtronic.config.loading import (
 from speedtronic.config.schema import (
     ConfigError,
     config_errors,
+    import_errors,
     plugin_root_keys,
     plugin_section_keys,
     root_default,
@@ -1386,9 +1387,12 @@ class SpeedtronicConfig:
 
     @classmethod
     def _resolve(cls, raw: object) -> SpeedtronicConfig:
-        """The one pass: normalise (``loading.normalise``), validate once, build."""
-        data, errors = normalise(raw)
-        errors.extend(config_errors(data))
+        """The one pass: import the ``imports:`` (a plugin they register rewrites its own
+        keys too), normalise (``loading.normalise``), validate once, build."""
+        errors = import_errors(raw.get("imports") if isinstance(raw, Mapping) else None)
+        data, conflicts = normalise(raw)
+        errors.extend(conflicts)
+        errors.extend(config_errors(data, imported=True))
         if errors:
             raise ConfigError(errors)
         return cls._build(data)
