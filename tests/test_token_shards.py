@@ -496,6 +496,48 @@ def test_mixture_ranks_are_disjoint_and_resume_at_the_exact_draw() -> None:
     assert len(seen) == 40
 
 
+def test_a_mixture_of_chunked_sources_keeps_its_quotas_and_reads_each_source_locally() -> None:
+    sources = [Windows(0, 30_000), Windows(1, 9_000), Windows(2, 777)]
+    for source in sources:  # chunks of 64 windows, working sets of 4 chunks (256 windows)
+        source.chunk_windows, source.group_chunks = 64, 4
+    mixture = MixtureDataset(sources, [0.6, 0.3, 0.1], seed=4)
+    quotas = mixture.quotas.tolist()
+    sampler = mixture.make_sampler(shuffle=True, seed=4)
+    assert sampler.rounds >= 2 * quotas[0] // 256  # a round: at most half a working set each
+    for epoch in (0, 1, 2):
+        sampler.set_epoch(epoch)
+        keys = np.array(list(sampler))
+        assert np.unique(keys).size == keys.size == len(mixture)
+        tags, windows = (np.array(column) for column in zip(*draws(mixture, sampler), strict=True))
+        assert np.bincount(tags).tolist() == quotas  # exact per epoch
+        # and exact at every round's end: floor(g N_s / K) draws of each source before round g
+        for round_ in range(1, sampler.rounds, 17):
+            before = [quota * round_ // sampler.rounds for quota in quotas]
+            assert np.bincount(tags[: sum(before)], minlength=3).tolist() == before
+        for tag in range(len(sources)):
+            mine = windows[tags == tag]  # this source's windows, in the order it reads them
+            for start in range(0, mine.size - 256, 256):  # 256 draws: 1-2 working sets' chunks
+                assert len(set((mine[start : start + 256] // 64).tolist())) <= 12
+    # web's first 30,000 draws (epoch 0 and the start of epoch 1) are one pass: each window once
+    pass_ = []
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        keys = np.array(list(sampler))
+        web = keys[(keys % 3 == 0) & (keys // 3 < 30_000)]
+        pass_ += mixture.decode(web)[1].tolist()
+    assert sorted(pass_) == list(range(30_000))
+    # two ranks stride one order, and a rank resumes at any position of it
+    ranks = [mixture.make_sampler(shuffle=True, seed=4, rank=r, world_size=2) for r in (0, 1)]
+    sampler.set_epoch(2)
+    whole = list(sampler)
+    for rank, ranked in enumerate(ranks):
+        ranked.set_epoch(2)
+        order = list(ranked)
+        assert order == (whole + whole[:1])[rank::2]
+        ranked.set_start(12_345)
+        assert list(ranked) == order[12_345:]
+
+
 def test_a_mixture_from_config_trains_and_resumes_bitwise(tmp_path: Path) -> None:
     web = make_shards(tmp_path / "web", 80, seed=1)
     code = make_shards(tmp_path / "code", 30, seed=2)
