@@ -263,6 +263,42 @@ def test_a_shuffled_epoch_maps_each_block_about_once_per_working_set(
     assert global_mapped > 50 * mapped  # the order of old: a block mapped per window or so
 
 
+def test_a_chunked_order_resumes_at_the_exact_window_on_each_rank(tmp_path: Path) -> None:
+    """A corpus of several working sets (4 MiB, budget 2 MiB: 2 sets of 4096 windows): a
+    ``BatchStream`` restored from its state continues with the very next batch, mid-set, at
+    the set boundary and in the next epoch, on one rank and on each of two."""
+    shard = tmp_path / "train-00000.bin"
+    tokens = np.random.default_rng(1).integers(0, 300, (2 << 20) + 1, dtype=np.uint16)
+    tokens.tofile(shard)
+    entry = ShardEntry(shard.name, "train", tokens.size, "0" * 64)
+    manifest = read_manifest(make_shards(tmp_path / "small", 5))
+    manifest = dataclasses.replace(manifest, shards=(entry,))
+
+    def stream(rank: int, world: int) -> BatchStream[dict[str, torch.Tensor]]:
+        dataset = TokenWindowDataset(tmp_path, manifest, (entry,), 256, resident_bytes=FAULT_BYTES)
+        assert (dataset.chunk_windows, dataset.group_chunks, len(dataset)) == (4096, 1, 8192)
+        sampler = dataset.make_sampler(shuffle=True, seed=7, rank=rank, world_size=world)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=64, sampler=sampler, collate_fn=dataset.collate_fn
+        )
+        return BatchStream(loader)
+
+    for world in (1, 2):
+        per_epoch = 8192 // world // 64
+        for rank in range(world):
+            whole = stream(rank, world)
+            batches = [next(whole)["input_ids"] for _ in range(per_epoch + 10)]
+            assert len({int(batch[0, 0]) for batch in batches[:per_epoch]}) > 1
+            for at in (5, per_epoch // 2, per_epoch // 2 + 1, per_epoch + 3):
+                replay = stream(rank, world)
+                for _ in range(at):
+                    next(replay)
+                resumed = stream(rank, world)
+                resumed.load_state_dict(replay.state_dict())
+                for expected in batches[at : at + 2]:
+                    assert torch.equal(next(resumed)["input_ids"], expected), (world, rank, at)
+
+
 # -- the windows ---------------------------------------------------------------------------------
 
 
