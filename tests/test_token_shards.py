@@ -298,6 +298,13 @@ def test_a_chunked_order_resumes_at_the_exact_window_on_each_rank(tmp_path: Path
                 for expected in batches[at : at + 2]:
                     assert torch.equal(next(resumed)["input_ids"], expected), (world, rank, at)
 
+            # the position records its order; one saved before the order became
+            # locality-aware (no "order") is restored loudly, not silently in the new order
+            saved = whole.state_dict()
+            assert saved["order"] == 2
+            del saved["order"]
+            with pytest.warns(UserWarning, match="data order version 1 .* reads version 2"):
+                stream(rank, world).load_state_dict(saved)
 
 # -- the windows ---------------------------------------------------------------------------------
 

@@ -179,6 +179,11 @@ class MixtureSampler(WindowSampler):
         self._whole, self._rest = whole.astype(np.int64), rest.astype(np.int64)
         self._deals: dict[tuple[int, int], Permutation] = {}
 
+    @property
+    def order_version(self) -> int:
+        """2: the mixture is dealt in rounds over locality-aware sources."""
+        return 2
+
     def _before(self, rounds: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """``[len(rounds), S]``: each source's draws of the epoch before each round."""
         column = rounds[:, None]

@@ -289,6 +289,12 @@ class WindowSampler(ResumableSampler):
         self.chunk = chunk
         self.group = group
 
+    @property
+    def order_version(self) -> int:
+        """2 for the chunked (locality-aware) order; a plain keyed permutation is the order
+        of version 1."""
+        return 2 if self.shuffle and (self.chunk, self.group) != (1, 1) else 1
+
     def _order_positions(self, stop: int | None = None) -> npt.NDArray[np.int64]:
         """This rank's global positions ``0 .. stop`` of the (padded) epoch order."""
         count = self.num_samples if stop is None else stop
