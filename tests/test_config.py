@@ -29,7 +29,7 @@ from speedtronic.config import (
 from speedtronic.config.sections import JSONValue
 from speedtronic.data import dataset_registry
 from speedtronic.engine.callback import Callback, JSONSchema
-from speedtronic.plugins import register_callback
+from speedtronic.plugins import closest_name, register_callback
 
 PROBE = "test-config-probe"
 
@@ -769,3 +769,41 @@ def test_data_vocab_larger_than_model_vocab_is_an_error() -> None:
 
     with pytest.raises(ConfigError, match=r"data.vocab_size: 300 is larger than model.vocab_size"):
         SpeedtronicConfig.from_dict({"model": {"vocab_size": 256}, "data": {"vocab_size": 300}})
+
+
+def test_a_config_is_validated_once_and_again_only_when_it_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import speedtronic.config.schema as schema
+    from speedtronic.runtime import as_config
+
+    passes: list[object] = []
+    check = schema._schema_errors
+
+    def counted(validator: object, data: object) -> list[tuple[str, str]]:
+        passes.append(data)
+        return check(validator, data)  # type: ignore[arg-type]  # the validator passed through
+
+    monkeypatch.setattr(schema, "_schema_errors", counted)
+    built = SpeedtronicConfig(run=RunConfig.from_dict({"max_steps": 5}))  # the section's pass
+    assert len(passes) == 2  # ... and the whole config's, once
+    loaded = load_config({"run": {"max_steps": 5}, "log_every": 2})
+    assert len(passes) == 3 and loaded.logging.every_steps == 2
+    assert as_config(loaded) is loaded and as_config(built) is built
+    assert load_config(loaded) is loaded
+    assert len(passes) == 3  # unchanged since validated: not checked again
+    loaded.run.max_steps = 0
+    with pytest.raises(ConfigError, match="run.max_steps: 0 is less than the minimum of 1"):
+        as_config(loaded)
+    assert len(passes) == 4
+
+
+def test_a_mistyped_plugin_name_is_hinted_by_its_family_when_difflib_finds_none() -> None:
+    # ``hf_lama`` is too far from ``hf_causal_lm`` for difflib (ratio 0.6), but it is the
+    # only ``hf_`` model: the hint names it. A family of several gets no guess.
+    hint = r"unknown model 'hf_lama' \(did you mean 'hf_causal_lm'\?"
+    with pytest.raises(ConfigError, match=hint):
+        load_config({"model": {"name": "hf_lama"}})
+    assert closest_name("hf_lama", ["hf_causal_lm", "reference_transformer"]) == "hf_causal_lm"
+    assert closest_name("hf_lama", ["hf_causal_lm", "hf_seq2seq"]) is None
+    assert closest_name("zzz", ["hf_causal_lm"]) is None

@@ -150,12 +150,13 @@ def lint_imports(root: Path) -> tuple[int, str]:
 def test_the_import_contracts_hold() -> None:
     code, report = lint_imports(ROOT)
     assert code == 0, report
-    assert "Contracts: 4 kept, 0 broken." in report
+    assert "Contracts: 5 kept, 0 broken." in report
 
 
 def copy_with_imports(tmp_path: Path, imports: Mapping[str, str]) -> Path:
     """A copy of the packages and ``pyproject.toml`` where each module of ``imports``
-    (a path under ``speedtronic/``) ends with the import statement given for it."""
+    (a path under ``speedtronic/``) ends with the import statement given for it: a place to
+    plant a forbidden import."""
     copy = tmp_path / "repo"
     copy.mkdir()
     shutil.copy(ROOT / "pyproject.toml", copy)
@@ -191,3 +192,11 @@ def test_import_linter_catches_the_engine_importing_the_config_or_the_2_0_layer(
     assert "speedtronic.engine is not allowed to import speedtronic.compat:" in report
     assert "speedtronic.engine.notes -> speedtronic.config.sections" in report
     assert "speedtronic.engine.metrics -> speedtronic.compat.hooks" in report
+
+
+def test_import_linter_catches_the_config_layer_importing_the_engine(tmp_path: Path) -> None:
+    copy = copy_with_imports(tmp_path, {"config/schema.py": "import speedtronic.engine.callback"})
+    code, report = lint_imports(copy)
+    assert code == 1
+    assert "configuration never imports the engine BROKEN" in report
+    assert "speedtronic.config.schema -> speedtronic.engine.callback" in report
