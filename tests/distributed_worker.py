@@ -264,8 +264,43 @@ def failure(out: Path, rank: int, params: Mapping[str, object]) -> dict[str, obj
     return {"error": None, "seconds": time.monotonic() - started}
 
 
+class _SlowSteps(Callback):
+    """Makes every step take at least 20 ms (a wall-clock run that does a few dozen)."""
+
+    def on_step_start(self, trainer: Trainer, ctx: StepContext) -> None:
+        time.sleep(0.02)
+
+
+def wall_clock(out: Path, rank: int, params: Mapping[str, object]) -> dict[str, object]:
+    """A 3 s time budget and saves every second (tests/test_time_budget.py)."""
+    from speedtronic.state.checkpoint import checkpoint_step
+    from speedtronic_callbacks.checkpoint import CheckpointCallback
+    from speedtronic_callbacks.time_budget import TimeBudget
+
+    config = base_config(
+        out / "run",
+        run={"max_steps": 10**6, "max_time": "3s"},
+        logging={"every_steps": 5},
+        checkpoint={"every_steps": 10**6, "every_minutes": 1 / 60},
+    )
+    config["callbacks"] = [{"name": "checkpoint", "save_final": False}]
+    trainer, _ = build_runtime(config, extra_callbacks=[_SlowSteps()])  # type: ignore[arg-type]
+    result = trainer.fit()
+    budget = next(c for c in trainer.callbacks if isinstance(c, TimeBudget))
+    checkpoint = next(c for c in trainer.callbacks if isinstance(c, CheckpointCallback))
+    assert checkpoint.wall_clock is not None
+    return {
+        "steps": result.steps,
+        "stop_reason": result.stop_reason,
+        "saved": [checkpoint_step(p.name) for p in checkpoint.manager.checkpoint_paths()],
+        "budget_decisions": budget.clock.decisions,
+        "save_decisions": checkpoint.wall_clock.decisions,
+    }
+
+
 SCENARIOS: dict[str, Callable[[Path, int, Mapping[str, object]], dict[str, object]]] = {
     "ddp": ddp,
+    "wall_clock": wall_clock,
     "diloco_equivalence": diloco_equivalence,
     "diloco_resume": diloco_resume,
     "failure": failure,

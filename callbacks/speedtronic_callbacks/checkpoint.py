@@ -20,6 +20,9 @@ When a save happens:
 * at ``fit_end`` when the last completed step was not just saved (``save_final``), and
   always after a SIGTERM/SIGINT stop (``save_on_signal``);
 * at ``exception`` (``save_on_exception``, off by default), best effort;
+* with ``every_minutes``, also when that many minutes passed since the last save of the fit
+  (or its start), by wall clock; every rank decides alike (``wall_clock.Deadline``);
+* after a stop by the time budget (``run.max_time``, the ``time_budget`` plugin), always;
 * with ``monitor`` (a metric key such as ``eval/loss``) and ``mode`` (``min``/``max``): at
   every step where the monitored value improves on the best so far, and ``best.json`` in the
   directory then names that checkpoint (``CheckpointManager.note_best``); ``keep_last``
@@ -56,6 +59,13 @@ there, and ``save_on_exception`` does not save: both would need every rank). The
 ranks then meet at a barrier, so none runs ahead of (or exits before) a checkpoint that is
 not written yet; every rank loads the same file on resume. After a failure rank 0 saves
 without the barrier (the other ranks may be gone).
+
+Object storage (``remote: s3://bucket/run1``, any fsspec URL; ``remote_options``: fsspec's
+storage options, credentials from the environment): rank 0 hands every committed checkpoint
+to a ``speedtronic.state.remote.RemoteMirror``, which uploads and verifies it in the
+background and commits the remote pointer last; ``fit_end`` waits for the uploads. On
+resume (``fetch_checkpoints``, before the load) a newer remote checkpoint than the local
+directory holds is downloaded first -- a fresh machine resumes from the store.
 """
 
 from __future__ import annotations
@@ -65,6 +75,7 @@ import logging
 import math
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -98,9 +109,18 @@ from speedtronic.state.checkpoint import (
     signal_stop_reason,
 )
 from speedtronic.state.checkpoint_async import AsyncCheckpointWriter
+from speedtronic.state.remote import (
+    RemoteMirror,
+    RemoteStore,
+    RetryPolicy,
+    fetch_newer,
+    open_store,
+)
 from speedtronic.state.rng import capture_rng_state
 from speedtronic.state.run_lock import RunPaths, resolve_run_path
+from speedtronic.state.time_budget import is_time_budget_stop
 from speedtronic_callbacks.monitor import Mode, check_monitor, improves, read_monitored
+from speedtronic_callbacks.wall_clock import Deadline
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
@@ -177,6 +197,37 @@ CHECKPOINT_SECTION_SCHEMA: JSONSchema = {
             "enum": ["min", "max"],
             "default": "min",
             "description": "Whether a lower (min) or higher (max) monitored value is better.",
+        },
+        "every_minutes": {
+            "type": ["number", "null"],
+            "default": None,
+            "exclusiveMinimum": 0,
+            "maximum": 527040,
+            "description": "Also save when this many minutes passed since the last save "
+            "(wall clock). Null: by steps only.",
+        },
+        "remote": {
+            "type": ["string", "null"],
+            "default": None,
+            "minLength": 1,
+            "description": "fsspec URL (s3://bucket/run1, gs://..., file://...) every "
+            "committed checkpoint is uploaded to in the background; --resume downloads a "
+            "newer one from it. Needs the remote extra. Null: local only.",
+        },
+        "remote_options": {
+            "type": "object",
+            "default": {},
+            "description": "fsspec storage options for remote (s3fs: endpoint_url, "
+            "client_kwargs, config_kwargs, ...). Credentials come from the environment, "
+            "never from here.",
+        },
+        "remote_attempts": {
+            "type": "integer",
+            "default": 5,
+            "minimum": 1,
+            "maximum": 100,
+            "description": "Tries per store operation (exponential backoff with jitter: up "
+            "to 1 s, 2 s, 4 s, ... at most 30 s apart) before an upload counts as failed.",
         },
     },
 }
@@ -262,6 +313,30 @@ class CheckpointCallback(Callback):
                 "description": "min or max: which monitored value is best "
                 "(default: checkpoint.mode).",
             },
+            "every_minutes": {
+                "type": ["number", "null"],
+                "exclusiveMinimum": 0,
+                "maximum": 527040,
+                "description": "Also save every N minutes of wall clock "
+                "(default: checkpoint.every_minutes).",
+            },
+            "remote": {
+                "type": ["string", "null"],
+                "minLength": 1,
+                "description": "fsspec URL to mirror checkpoints to (default: "
+                "checkpoint.remote).",
+            },
+            "remote_options": {
+                "type": "object",
+                "description": "fsspec storage options for remote (default: "
+                "checkpoint.remote_options).",
+            },
+            "remote_attempts": {
+                "type": "integer",
+                "minimum": 1,
+                "maximum": 100,
+                "description": "Tries per store operation (default: checkpoint.remote_attempts).",
+            },
         },
     }
 
@@ -290,7 +365,13 @@ class CheckpointCallback(Callback):
         load_callback_state: bool = True,
         monitor: str | None = None,
         mode: Mode = "min",
+        every_minutes: float | None = None,
+        remote: str | None = None,
+        remote_options: Mapping[str, object] | None = None,
+        remote_retry: RetryPolicy | None = None,
     ) -> None:
+        if every_minutes is not None and not every_minutes > 0:
+            raise ValueError(f"every_minutes must be positive or None, got {every_minutes!r}")
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
         if monitor is not None and not monitor:
@@ -332,6 +413,17 @@ class CheckpointCallback(Callback):
             self.state_key = "checkpoint"  # the best value survives resume
         else:  # nothing to watch: no metrics hook, so no rank builds a record for it
             self.due_when = {Event.METRICS: never()}
+        self.every_minutes = every_minutes
+        self.wall_clock: Deadline | None = None
+        """With ``every_minutes``, during a fit: the next save by time (``Deadline``)."""
+        self.remote = remote
+        self.remote_retry = remote_retry or RetryPolicy()
+        # Opened here (no connection yet): a missing extra or an unknown URL fails the build.
+        self._store: RemoteStore | None = (
+            open_store(remote, remote_options) if remote is not None else None
+        )
+        self.mirror: RemoteMirror | None = None
+        """Rank 0's uploader during a fit with ``remote`` (``None`` otherwise)."""
 
     @classmethod
     def options_from_legacy(
@@ -366,7 +458,23 @@ class CheckpointCallback(Callback):
             load_callback_state=bool(merged["load_callback_state"]),
             monitor=None if merged["monitor"] is None else str(merged["monitor"]),
             mode="max" if merged["mode"] == "max" else "min",
+            every_minutes=_as_minutes(merged["every_minutes"]),
+            remote=None if merged["remote"] is None else str(merged["remote"]),
+            remote_options=cast(Mapping[str, object], merged["remote_options"]),
+            remote_retry=RetryPolicy(attempts=_as_int(merged["remote_attempts"])),
         )
+
+    @classmethod
+    def legacy_errors(cls, sections: LegacySections) -> Iterator[str]:
+        options = legacy_section(sections, "checkpoint").get("remote_options")
+        yield from _credential_errors("checkpoint.remote_options", options)
+
+    @classmethod
+    def options_errors(
+        cls, entry: str, options: Mapping[str, object], sections: LegacySections
+    ) -> Iterator[str]:
+        del sections
+        yield from _credential_errors(f"{entry}.remote_options", options.get("remote_options"))
 
     # -- ResumeSource ---------------------------------------------------------------------
 
@@ -439,6 +547,7 @@ class CheckpointCallback(Callback):
         self.signal_received = None
         self._deferred, self._abandoned = None, False
         self._step_end_state = None
+        self.wall_clock = None
         self.last_saved_step = (
             ctx.start_step if self.manager.has_checkpoint(ctx.start_step) else None
         )
@@ -451,8 +560,15 @@ class CheckpointCallback(Callback):
                 "async_save: false"
             )
         self._warn_about_foreign_checkpoints(ctx.start_step, trainer)
+        main = trainer.distributed is None or trainer.distributed.is_main
+        if self._store is not None and main:
+            self.mirror = RemoteMirror(self._store, self.manager, retry=self.remote_retry)
+        if self.every_minutes is not None:
+            self.wall_clock = Deadline(trainer.distributed)
+            self._restart_clock(ctx.start_step)
         if self.async_save:
-            self._writer = AsyncCheckpointWriter(self.manager)
+            on_commit = self.mirror.submit if self.mirror is not None else None
+            self._writer = AsyncCheckpointWriter(self.manager, on_commit=on_commit)
         if self.save_on_signal:
             self._install_signal_handlers(trainer)
 
@@ -466,7 +582,9 @@ class CheckpointCallback(Callback):
             self._step_end_state = (counters, capture_rng_state(), trainer.data_position())
         best = self._best_pending == ctx.step and self.manager.enabled
         self._best_pending = None
-        if best or self.manager.should_save(ctx.step):
+        # Asked every step on every rank (a collective at its decision steps).
+        timed = self.wall_clock is not None and self.wall_clock.passed(ctx.step)
+        if best or self.manager.should_save(ctx.step) or timed:
             self._save(trainer, ctx.step, trainer.state_dict(), best=best)
 
     def on_before_optimizer_step(self, trainer: TrainerView, ctx: OptimizerStepContext) -> None:
@@ -477,13 +595,18 @@ class CheckpointCallback(Callback):
 
     def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
         step = trainer.step
-        wanted = self.save_final or self.signal_received is not None
+        stopped_for_requeue = self.signal_received is not None or is_time_budget_stop(
+            ctx.stop_reason
+        )
+        wanted = self.save_final or stopped_for_requeue
         if self.manager.enabled and wanted and step > 0 and step != self.last_saved_step:
             self._save(trainer, step, trainer.state_dict())
         if self._writer is not None:
             with self._writing_checkpoint():
                 self._writer.wait()  # the run is only over when its checkpoint is on disk
             _barrier(trainer)
+        if self.mirror is not None:
+            self._flush_remote()
         if self.signal_received is not None:
             logger.warning(
                 "stopped by %s at step %d; checkpoint %s written (resume with --resume)",
@@ -522,14 +645,17 @@ class CheckpointCallback(Callback):
     def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         self._restore_signal_handlers()
         writer, self._writer = self._writer, None
-        if writer is None:
-            return
         try:
-            writer.close()
+            if writer is not None:
+                writer.close()
         except CheckpointError as exc:
             if ctx.error is None:
                 raise
             warnings.warn(str(exc), RuntimeWarning, stacklevel=2)
+        finally:
+            mirror, self.mirror = self.mirror, None
+            if mirror is not None:
+                mirror.close()  # what a failed fit committed is uploaded too
 
     # -- saving -------------------------------------------------------------------------
 
@@ -555,10 +681,56 @@ class CheckpointCallback(Callback):
                 self._writer.submit(step, state, defer=_changed_only_by_optimizer_step(trainer))
             elif main or trainer.sharded_state:  # sharded: every rank writes its shard
                 path = self.manager.save(step, state)
+                if self.mirror is not None:  # rank 0; an async write hands it over itself
+                    self.mirror.submit(path)
         self.last_saved_step = step
         self.last_path = path
+        if self.wall_clock is not None:
+            self._restart_clock(step)
         if meet_peers and self._writer is None:
             _barrier(trainer)
+
+    def _restart_clock(self, step: int) -> None:
+        """The next save by time: ``every_minutes`` after now (the fit's start, a save)."""
+        assert self.wall_clock is not None and self.every_minutes is not None
+        self.wall_clock.start_at(time.monotonic() + 60.0 * self.every_minutes, step=step)
+
+    def _flush_remote(self) -> None:
+        """Wait until the uploads are done (each store operation bounded by its retries),
+        so that a job ending here has its last checkpoint in the store."""
+        assert self.mirror is not None
+        if self.mirror.busy:
+            logger.info("checkpoint.remote: waiting for the upload to %s", self.mirror.store.url)
+        self.mirror.flush()
+        newest = None if self.last_path is None else self.last_path.name
+        if newest is not None and self.mirror.verified != newest:
+            logger.warning(
+                "checkpoint.remote: the newest checkpoint %s is not in %s (%s); it is in %s",
+                newest,
+                self.mirror.store.url,
+                f"the newest there is {self.mirror.verified}"
+                if self.mirror.verified
+                else "no upload of this fit succeeded",
+                self.manager.directory,
+            )
+
+    def fetch_checkpoints(self, trainer: TrainerView) -> Path | None:
+        """Before a resume loads (``speedtronic.state.resume.FetchesCheckpoints``): download
+        the newest intact remote checkpoint when it is newer than the local directory's
+        (one process per node downloads; every rank gets its path)."""
+        if self._store is None or not self.manager.enabled:
+            return None
+        distributed = trainer.distributed
+        fetched: Path | None = None
+        if distributed is None or distributed.is_local_main:
+            fetched = fetch_newer(self._store, self.manager, retry=self.remote_retry)
+        if distributed is not None and distributed.world_size > 1:
+            import torch.distributed as dist
+
+            names: list[object] = [None if fetched is None else fetched.name]
+            dist.broadcast_object_list(names, src=0)  # rank 0's verdict, for every rank
+            fetched = None if names[0] is None else self.manager.directory / str(names[0])
+        return fetched
 
     def _state_at_last_step_end(self, trainer: TrainerView) -> dict[str, object]:
         """The trainer's state, with the counters, RNG and data position of the end of the
@@ -725,6 +897,10 @@ _OPTION_DEFAULTS: dict[str, object] = {
     "load_callback_state": True,
     "monitor": None,
     "mode": "min",
+    "every_minutes": None,
+    "remote": None,
+    "remote_options": {},
+    "remote_attempts": 5,
 }
 """Option values when neither ``callbacks:`` nor the 2.0 section gives one."""
 
@@ -736,3 +912,34 @@ def _as_int(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"expected an integer, got {value!r}")
     return value
+
+
+def _as_minutes(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"expected a number of minutes, got {value!r}")
+    return float(value)
+
+
+CREDENTIAL_KEYS = frozenset(
+    {"key", "secret", "token", "password", "session_token", "access_key", "secret_key"}
+    | {"aws_access_key_id", "aws_secret_access_key", "aws_session_token", "account_key"}
+    | {"sas_token", "client_secret", "api_key", "hmac_key"}
+)
+"""Storage-option keys that hold credentials: refused in ``remote_options`` (the config is
+saved with the run and inside every checkpoint); they come from the environment."""
+
+
+def _credential_errors(path: str, options: object, depth: int = 0) -> Iterator[str]:
+    if not isinstance(options, Mapping) or depth > 8:
+        return
+    for key, value in options.items():
+        if isinstance(key, str) and key.lower() in CREDENTIAL_KEYS:
+            yield (
+                f"{path}.{key}: credentials do not belong in the config (it is saved with the "
+                "run and in every checkpoint); set them in the environment instead "
+                "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE)"
+            )
+        else:
+            yield from _credential_errors(f"{path}.{key}", value, depth + 1)
