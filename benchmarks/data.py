@@ -7,10 +7,19 @@ WINDOWS windows of the loader's shuffled order) into ``int64`` ``input_ids``/``l
   bare, nanoGPT   nanoGPT's ``get_batch``: ``np.memmap`` re-created every batch (what keeps
                   its memory flat), ``torch.stack`` of ``from_numpy(slice.astype(int64))``
   bare, one map   the same slicing with one ``np.memmap`` per shard kept open for the run
-                  (fastest; the mapped pages of every window read stay in the RSS)
-  speedtronic     ``build_dataloader`` of ``data.tokens`` (``DataLoader``, no workers):
-                  ``WindowSampler`` order, one gather per batch, maps dropped after 32 MiB
+                  (the mapped pages of every window read stay in the RSS)
+  bare, one map, released every 32 MiB   the same, unmapping its pages as the loader does
+                  (``madvise(MADV_DONTNEED)`` once 2 MiB per window add up to 32 MiB): the
+                  bare loop with the loader's flat memory
+  speedtronic     ``build_dataloader`` of ``data.tokens`` (``DataLoader``, no workers),
+                  built before the clock starts: ``WindowSampler`` order, one gather per
+                  batch, what was mapped released before it passes 32 MiB
   speedtronic, maps kept   the same dataset with ``resident_bytes`` unbounded
+  os.preadv       not a memmap, for reference: each window read from the file into the
+                  batch (nothing is mapped, so nothing faults and the RSS stays flat)
+
+Rounds run the cases in ABBA order; besides best and median tokens/s, the ratios are paired
+round by round (the load of a shared machine moves between rounds more than within one).
 
 Then one whole epoch (all ~524k windows, 1 GB) through the default loader and through the
 one-map loop, sampling the process RSS (psutil) every 256 batches: the growth is what stays
@@ -38,6 +47,7 @@ import argparse
 import gc
 import hashlib
 import json
+import mmap
 import os
 import random
 import resource
@@ -68,7 +78,11 @@ from speedtronic.data.shards import (  # noqa: E402
     verify_shards,
 )
 from speedtronic.data.tokenizer import BYTE_TOKENIZER_SHA256  # noqa: E402
-from speedtronic.data.windows import TokenWindowDataset  # noqa: E402
+from speedtronic.data.windows import (  # noqa: E402
+    DEFAULT_RESIDENT_BYTES,
+    FAULT_BYTES,
+    TokenWindowDataset,
+)
 from speedtronic.runtime import build_runtime  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,12 +155,20 @@ def shard_paths(directory: Path) -> list[Path]:
     return [directory / shard.file for shard in read_manifest(directory).shards]
 
 
-def bare_loop(directory: Path, plan: list[tuple[int, int]], *, remap_every_batch: bool) -> int:
+def bare_loop(
+    directory: Path,
+    plan: list[tuple[int, int]],
+    *,
+    remap_every_batch: bool,
+    release_bytes: int | None = None,
+) -> int:
     """nanoGPT's ``get_batch`` over ``plan``; with ``remap_every_batch`` its memmaps are made
-    anew for every batch (as nanoGPT does), else kept open for the whole loop."""
+    anew for every batch (as nanoGPT does), else kept open for the whole loop; with
+    ``release_bytes``, the kept maps are unmapped (``madvise(MADV_DONTNEED)``) whenever the
+    windows read could have mapped that much (2 MiB each), as the loader does."""
     paths = shard_paths(directory)
     kept: dict[int, np.memmap] = {}
-    tokens = 0
+    tokens = charged = 0
     for begin in range(0, len(plan), BATCH):
         maps: dict[int, np.memmap] = {} if remap_every_batch else kept
         xs, ys = [], []
@@ -156,24 +178,60 @@ def bare_loop(directory: Path, plan: list[tuple[int, int]], *, remap_every_batch
                 data = maps[shard] = np.memmap(paths[shard], dtype=np.uint16, mode="r")
             xs.append(torch.from_numpy(data[offset : offset + BLOCK].astype(np.int64)))
             ys.append(torch.from_numpy(data[offset + 1 : offset + 1 + BLOCK].astype(np.int64)))
+            if release_bytes is not None:
+                charged += FAULT_BYTES
+                if charged >= release_bytes:
+                    charged = 0
+                    for mapped in maps.values():
+                        mapped._mmap.madvise(mmap.MADV_DONTNEED)  # type: ignore[attr-defined]
         x, y = torch.stack(xs), torch.stack(ys)
         tokens += x.numel()
         del y
     return tokens
 
 
-def speedtronic_loader(directory: Path, count: int, resident: int | None = None) -> int:
+def pread_loop(directory: Path, plan: list[tuple[int, int]]) -> int:
+    """Not ``np.memmap`` (for reference): each window read from the file with
+    ``os.preadv`` into the batch, which maps nothing (the RSS stays flat without faults)."""
+    files = [os.open(path, os.O_RDONLY) for path in shard_paths(directory)]
+    tokens = 0
+    try:
+        for begin in range(0, len(plan), BATCH):
+            rows = plan[begin : begin + BATCH]
+            windows = np.empty((len(rows), BLOCK + 1), dtype=np.uint16)
+            for row, (shard, offset) in enumerate(rows):
+                os.preadv(files[shard], [memoryview(windows[row]).cast("B")], offset * 2)
+            x = torch.from_numpy(windows[:, :-1].astype(np.int64))
+            y = torch.from_numpy(windows[:, 1:].astype(np.int64))
+            tokens += x.numel()
+            del y
+    finally:
+        for handle in files:
+            os.close(handle)
+    return tokens
+
+
+def speedtronic_loader(
+    directory: Path, count: int, resident: int | None = None
+) -> Callable[[], int]:
+    """A fresh ``data.tokens`` loader (new maps, like the bare loops' new memmaps), built
+    now; the returned function reads its first ``count`` windows (what is timed: building
+    validates a config and reads the manifest, a once-per-run cost)."""
     loader = build_dataloader(data_config(directory))  # type: ignore[arg-type]
     dataset = loader.dataset
     assert isinstance(dataset, TokenWindowDataset)
     if resident is not None:
         dataset._maps.resident_bytes = resident
-    tokens = 0
-    for index, batch in enumerate(loader):
-        tokens += batch["input_ids"].numel()
-        if (index + 1) * BATCH >= count:
-            break
-    return tokens
+
+    def run() -> int:
+        tokens = 0
+        for index, batch in enumerate(loader):
+            tokens += batch["input_ids"].numel()
+            if (index + 1) * BATCH >= count:
+                break
+        return tokens
+
+    return run
 
 
 def timed(run: Callable[[], int], cpu: dict[str, list[float]] | None = None) -> float:
@@ -191,21 +249,34 @@ def timed(run: Callable[[], int], cpu: dict[str, list[float]] | None = None) -> 
     return tokens / elapsed
 
 
-def loader_rounds(directory: Path) -> dict[str, list[float]]:
+def loader_rounds(directory: Path, rounds: int) -> dict[str, list[float]]:
     plan = window_plan(directory, WINDOWS)
-    cases: dict[str, Callable[[], int]] = {
-        "bare, nanoGPT (re-map every batch)": lambda: bare_loop(
-            directory, plan, remap_every_batch=True
+    cases: dict[str, Callable[[], Callable[[], int]]] = {
+        "bare, nanoGPT (re-map every batch)": lambda: (
+            lambda: bare_loop(directory, plan, remap_every_batch=True)
         ),
-        "bare, one map kept": lambda: bare_loop(directory, plan, remap_every_batch=False),
+        "bare, one map kept": lambda: lambda: bare_loop(directory, plan, remap_every_batch=False),
+        "bare, one map, released every 32 MiB": lambda: (
+            lambda: bare_loop(
+                directory, plan, remap_every_batch=False, release_bytes=DEFAULT_RESIDENT_BYTES
+            )
+        ),
         "speedtronic (default)": lambda: speedtronic_loader(directory, WINDOWS),
         "speedtronic, maps kept": lambda: speedtronic_loader(directory, WINDOWS, 1 << 62),
+        "os.preadv into the batch (not a memmap)": lambda: lambda: pread_loop(directory, plan),
     }
     results: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(ROUNDS):
-        for name, run in cases.items():
-            results[name].append(timed(run))
+    for round_ in range(rounds):
+        names = list(cases) if round_ % 2 == 0 else list(reversed(cases))  # ABBA
+        for name in names:
+            results[name].append(timed(cases[name]()))
     return results
+
+
+def paired(results: dict[str, list[float]], case: str, baseline: str) -> list[float]:
+    """``case``'s tokens/s over ``baseline``'s, round by round (the load moves between
+    rounds more than within one)."""
+    return [a / b for a, b in zip(results[case], results[baseline], strict=True)]
 
 
 def epoch_rss(directory: Path) -> dict[str, tuple[float, float]]:
@@ -393,6 +464,7 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--skip-prepare", action="store_true")
     parser.add_argument("--skip-loader", action="store_true")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="loader rounds (ABBA order)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="speedtronic-data-bench-") as folder:
@@ -400,17 +472,26 @@ def main() -> None:
         lines: list[str] = [f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()}"]
         if not args.skip_loader:
             shards = make_token_set(work / "shards")
-            results = loader_rounds(shards)
+            results = loader_rounds(shards, args.rounds)
             lines += table(
                 f"loader: {WINDOWS} windows of {BLOCK + 1} tokens, batches of {BATCH}, "
-                f"{ROUNDS} rounds",
+                f"{args.rounds} rounds",
                 results,
                 "bare, nanoGPT (re-map every batch)",
                 args.markdown,
             )
-            one_map = statistics.median(results["bare, one map kept"])
-            ours = statistics.median(results["speedtronic (default)"])
-            lines.append(f"  speedtronic (default) / bare one map: {ours / one_map:.2f}x")
+            pairs = (
+                ("speedtronic (default)", "bare, one map kept"),
+                ("speedtronic (default)", "bare, one map, released every 32 MiB"),
+                ("speedtronic, maps kept", "bare, one map kept"),
+            )
+            for case, baseline in pairs:
+                ratios = paired(results, case, baseline)
+                lines.append(
+                    f"  {case} / {baseline}, paired by round: median "
+                    f"{statistics.median(ratios):.2f}x, best {max(ratios):.2f}x, worst "
+                    f"{min(ratios):.2f}x"
+                )
             for name, (growth, rate) in epoch_rss(shards).items():
                 lines.append(f"  {name}: RSS growth {growth:.1f} MB, {rate / 1e6:.1f} M tokens/s")
             smoke = smoke_tokens_per_second(work / "smoke")

@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    parser.add_argument("--case", action="append", help="run only these cases (repeatable)")
     args = parser.parse_args()
     overhead.clock = CLOCKS[args.clock]  # both sides read the one clock
     torch.set_num_threads(1)
@@ -111,6 +112,8 @@ def main() -> None:
     }
     rows = []
     for name, (hand, ours) in cases.items():
+        if args.case and name not in args.case:
+            continue
         hand_rates: list[float] = []
         our_rates: list[float] = []
         hand(Path(tempfile.mkdtemp()))  # warm-up both paths once

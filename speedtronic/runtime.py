@@ -45,7 +45,7 @@ from speedtronic.models.export import (
     ExportResult,
     check_export_target,
     export_model,
-    tokenizer_file,
+    export_tokens,
 )
 from speedtronic.models.hf import adapt_model
 from speedtronic.models.registry import build_model
@@ -496,19 +496,20 @@ def export_checkpoint(
     weights: str = MODEL_WEIGHTS,
 ) -> tuple[LoadedCheckpoint, ExportResult]:
     """Write a run's checkpoint (the named one, else the newest) as a Hugging Face
-    directory ``output`` (``speedtronic.models.export``), with the run's tokenizer file;
-    ``weights`` names which weights (``model_with_weights``).
-    ``ExportError`` for an output in the way or a model with no Hugging Face form, before
-    anything is read; one process, on the CPU."""
+    directory ``output`` (``speedtronic.models.export``), with the run's tokenizer and its
+    token ids (``speedtronic.models.export_tokens``); ``weights`` names which weights
+    (``model_with_weights``). ``ExportError`` for an output in the way, a model with no
+    Hugging Face form or a tokenizer that does not fit, before anything is read; one
+    process, on the CPU."""
     cfg = as_config(config)
     import_modules(cfg.imports)
     target = Path(output).expanduser()
     check_export_target(target, overwrite=overwrite)
-    tokenizer = tokenizer_file(cfg.data.to_dict())
+    tokens = export_tokens(cfg.data.to_dict())
     output_dir = Path(cfg.run.output_dir).expanduser().resolve()
     loaded = _checkpoint_to_evaluate(cfg, output_dir, torch.device("cpu"), checkpoint)
     net = model_with_weights(cfg, loaded, weights, doing="export")
-    return loaded, export_model(net, target, overwrite=overwrite, tokenizer=tokenizer)
+    return loaded, export_model(net, target, overwrite=overwrite, tokenizer=tokens)
 
 
 def _load_weights(net: torch.nn.Module, loaded: LoadedCheckpoint, *, doing: str) -> None:

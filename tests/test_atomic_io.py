@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 
+from speedtronic.state.append_io import (
+    PlantedLinkError,
+    open_to_append,
+    refuse_planted_link,
+    system_path,
+)
 from speedtronic.state.atomic_io import atomic_write, atomic_write_bytes, atomic_write_text
 
 
@@ -40,3 +47,37 @@ def test_new_files_follow_the_umask_like_open(tmp_path: Path) -> None:
     finally:
         os.umask(previous)
     assert (tmp_path / "shared.bin").stat().st_mode & 0o777 == 0o644
+
+
+# -- speedtronic.state.append_io: appends never go through a planted link --------------------
+
+
+def test_open_to_append_appends_to_regular_files_and_refuses_links(tmp_path: Path) -> None:
+    target = tmp_path / "log.txt"
+    for line in ("one\n", "two\n"):
+        with open_to_append(target) as handle:
+            handle.write(line)
+    assert target.read_text() == "one\ntwo\n"
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious\n")
+    for name, leads_to in (("to-a-file", outside), ("dangling", tmp_path / "created?")):
+        link = tmp_path / name
+        link.symlink_to(leads_to)
+        with pytest.raises(
+            PlantedLinkError, match=re.escape(f"it is a symbolic link (to {leads_to})")
+        ):
+            open_to_append(link, read=True)
+        with pytest.raises(PlantedLinkError):
+            refuse_planted_link(link)
+    assert outside.read_text() == "precious\n" and not (tmp_path / "created?").exists()
+
+
+@pytest.mark.skipif(not Path("/dev/fd").is_dir(), reason="needs /dev and /proc (Linux)")
+def test_the_systems_own_links_are_followed_and_world_writable_folders_are_not_trusted() -> None:
+    assert system_path(Path("/dev/null")) and system_path(Path("/dev/stdout"))
+    assert system_path(Path("/dev/fd/1")) and system_path(Path("/proc/self/fd/1"))
+    with open_to_append(Path("/dev/null")) as handle:
+        handle.write("gone\n")
+    assert not system_path(Path("/tmp/metrics.jsonl"))  # anyone may write /tmp
+    if Path("/dev/shm").is_dir():  # sticky and world-writable: a link there is anyone's
+        assert not system_path(Path("/dev/shm/metrics.jsonl"))

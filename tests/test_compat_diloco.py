@@ -4,6 +4,7 @@ refused at validation, never ignored), and a master continuing a hub written by 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -241,6 +242,43 @@ def test_hub_client_keeps_the_2_0_signature_methods_and_layout(tmp_path: Path) -
     with pytest.raises(HubError, match="organization"):
         hub.add_collaborator("alice")
     assert GlobalMetadata.from_dict({"step": "5"}) == GlobalMetadata(5, "")
+
+
+@pytest.mark.parametrize("remote", ["../../escaped.bin", "nodes/../../../escaped.bin", "/abs.bin"])
+def test_hub_client_download_refuses_a_name_that_leads_out_of_the_cache(
+    tmp_path: Path, remote: str
+) -> None:
+    # <cache_dir>/downloads/<remote> was built from any name: with a transport that serves
+    # it (one of the user's own, which checks nothing), "../.." wrote outside the cache.
+    from speedtronic.distributed import HubClient, HubError
+    from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
+
+    class Lenient(DirectoryTransport):
+        def get(self, path: str) -> bytes | None:
+            return b"whatever the hub serves"
+
+    cache = tmp_path / "a" / "b" / "cache"
+    hub = HubClient("team/run", transport=Lenient(tmp_path / "hub"), cache_dir=cache)
+    with pytest.raises(HubError, match=f"cannot download {re.escape(repr(remote))}: invalid"):
+        hub.download(remote)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == []
+    assert hub.download("nodes/n1/delta_5.safetensors").is_relative_to(cache / "downloads")
+
+
+@pytest.mark.parametrize(
+    "pointer", [b"junk", b'{"outer_step": "' + b"9" * 5000 + b'"}', b'{"step": "five"}']
+)
+def test_an_unusable_2_0_pointer_is_a_hub_error(tmp_path: Path, pointer: bytes) -> None:
+    # A raw ValueError (json's, or int()'s digit limit) came out of global_metadata().
+    from speedtronic.distributed import HubClient, HubError
+    from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
+
+    hub = HubClient("team/run", transport=DirectoryTransport(tmp_path / "hub"), cache_dir=tmp_path)
+    hub.create_repo()
+    (tmp_path / "hub" / "global").mkdir()
+    (tmp_path / "hub" / "global" / "step_count.json").write_bytes(pointer)
+    with pytest.raises(HubError, match="global/step_count.json in .* is unusable"):
+        hub.global_metadata()
 
 
 def test_nesterov_outer_optimizer_keeps_the_2_0_constructor() -> None:

@@ -21,6 +21,7 @@ from speedtronic_callbacks.diloco import DiLoCoCallback
 from speedtronic_callbacks.diloco.aggregation import (
     NormHistory,
     RobustSettings,
+    Screens,
     replica_coefficients,
     screen,
     work_weights,
@@ -70,6 +71,34 @@ def test_before_the_median_is_known_the_model_norm_bounds_a_delta() -> None:
     )
     assert screen([1e6], empty, RobustSettings(), model_norm=None).factors == (1.0,)
     assert screen([1e6], empty, RobustSettings(), model_norm=0.0).factors == (1.0,)
+
+
+def test_screens_keep_a_history_per_group_and_measure_the_model_only_while_it_is_short() -> None:
+    """The master and the collective exchange judge rounds through one ``Screens``: each
+    group (a fragment, a work unit) is judged against its own history only, and the model
+    norm -- a pass over the global's entries -- is computed only while that history is too
+    short to trust its median."""
+    screens = Screens(RobustSettings("clip", factor=10.0))
+    measured: list[str] = []
+
+    def model_norm(group: str) -> float:
+        measured.append(group)
+        return 3.0
+
+    first = screens.judge("0/2", [1e6], lambda: model_norm("0/2"))
+    assert first.bound == pytest.approx(30.0) and measured == ["0/2"]
+    screens.record("0/2", first.applied_norms([1e6]))  # applied at the bound, 30
+    screens.record("0/2", [20.0, 40.0])
+    # Three norms known for 0/2: the median bounds it, the model is not measured again.
+    second = screens.judge("0/2", [1e3], lambda: model_norm("0/2"))
+    assert second.bound == pytest.approx(10.0 * statistics.median([30.0, 20.0, 40.0, 1e3]))
+    assert measured == ["0/2"]
+    # Fragment 1/2 is judged on its own: its history is empty, so the model sets its bound.
+    other = screens.judge("1/2", [1e6], lambda: model_norm("1/2"))
+    assert other.bound == pytest.approx(30.0) and measured == ["0/2", "1/2"]
+    assert screens.history("1/2").to_list() == []  # judging does not record
+    # A group judged without a reference (work claims) has no bound until three are known.
+    assert screens.judge("tokens", [1e9]).bound is None
 
 
 def test_the_history_keeps_the_last_window_of_finite_norms() -> None:

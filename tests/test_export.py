@@ -11,13 +11,19 @@ import sys
 from pathlib import Path
 
 import pytest
+import tokenizers
 import torch
 import transformers
 from cli_runner import run_cli
 from hf_helpers import BLOCK, LLAMA, VOCAB, logits, run_config
+from token_data import BPE_VOCAB, bpe_tokenizer, documents, write_config, write_jsonl
+from token_data import run_config as run_token_config
 from torch import nn
 
-from speedtronic.models.export import ExportError, export_model, tokenizer_file
+from speedtronic.data import read_manifest
+from speedtronic.data.tokenizer import FileTokenizer
+from speedtronic.models.export import ExportError, export_model, export_tokens, tokenizer_file
+from speedtronic.models.export_tokens import RunTokens
 from speedtronic.models.hf import HFCausalLM, HFModelError
 from speedtronic.models.transformer import ReferenceTransformer
 from speedtronic.runtime import build_runtime
@@ -166,25 +172,150 @@ def test_export_without_the_hf_extra_names_the_install_line(
     assert list(tmp_path.iterdir()) == []  # nothing written, no temp directory left
 
 
-def test_the_runs_tokenizer_is_found_and_copied(tmp_path: Path) -> None:
-    tokenizer = tmp_path / "bpe.json"
-    tokenizer.write_text('{"model": "bpe"}')
-    shards = tmp_path / "shards"
-    shards.mkdir()
-    (shards / "tokenizer.json").write_text('{"model": "shards"}')
-    other = tmp_path / "other"
+# -- the run's tokenizer and token ids ---------------------------------------------------------
+
+SAMPLE = "the cat sat on a mat while seven dogs ran past naïve cafés and 日本 tea"
+
+
+def token_workspace(tmp_path: Path) -> Path:
+    """The test BPE (``<|endoftext|>`` is id 0) and a corpus of JSONL documents."""
+    bpe_tokenizer(tmp_path)
+    write_jsonl(tmp_path / "corpus" / "a.jsonl", documents(80, seed=3))
+    return tmp_path
+
+
+def prepare_shards(workspace: Path, output: str, *extra: str) -> Path:
+    done = run_cli(
+        "prepare", "--input", "corpus/*.jsonl", "--tokenizer", "tokenizer.json",
+        "--output", output, "--shard-tokens", "400", *extra, cwd=workspace,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return workspace / output
+
+
+def token_run(
+    workspace: Path, data: dict[str, object], model: dict[str, object] | None = None
+) -> Path:
+    """A few steps of the tiny reference transformer of ``token_data.run_config`` on
+    ``data`` (or of ``model``, replacing its model section)."""
+    config = run_token_config(workspace / "run", data)
+    if model is not None:
+        config["model"] = {"vocab_size": BPE_VOCAB, "max_seq_len": 16, **model}
+    return write_config(workspace / "run.yaml", config)
+
+
+def assert_loads_as_the_tokenizer(output: Path, original: Path) -> None:
+    """``AutoTokenizer`` loads the export and encodes as the ``tokenizers`` object does."""
+    assert (output / "tokenizer.json").read_bytes() == original.read_bytes()
+    auto = transformers.AutoTokenizer.from_pretrained(str(output))
+    expected = tokenizers.Tokenizer.from_file(str(original)).encode(SAMPLE).ids
+    assert auto(SAMPLE)["input_ids"] == expected == FileTokenizer(original).encode(SAMPLE)
+    assert (auto.eos_token, auto.eos_token_id) == ("<|endoftext|>", 0)
+
+
+def test_prepare_fit_export_carries_the_tokenizer_and_its_ids(tmp_path: Path) -> None:
+    workspace = token_workspace(tmp_path)
+    shards = prepare_shards(workspace, "shards", "--eval-fraction", "0.1")
+    manifest = read_manifest(shards)
+    config = token_run(workspace, {"tokens": str(shards)})  # the shards' own tokenizer copy
+    ours = trained(config)
+    code, out, err = export(workspace, config, "--output", "hf")
+    assert code == 0, err
+    output = workspace / "hf"
+    assert "config.json, model.safetensors, tokenizer.json, tokenizer_config.json)" in out
+    fields = json.loads((output / "config.json").read_text())
+    assert fields["eos_token_id"] == manifest.eos_id == 0
+    assert fields.get("bos_token_id") is None  # the BPE has no beginning-of-text token
+    assert fields["vocab_size"] == BPE_VOCAB >= manifest.vocab_size
+    theirs = loaded(output)
+    ids = torch.randint(0, BPE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(logits(ours, ids), logits(theirs, ids), atol=1e-5, rtol=0)
+    assert_loads_as_the_tokenizer(output, workspace / "tokenizer.json")
+
+
+def test_a_text_run_with_a_tokenizer_exports_it(tmp_path: Path) -> None:
+    workspace = token_workspace(tmp_path)
+    (workspace / "corpus.txt").write_text(" ".join(documents(60, seed=4)), encoding="utf-8")
+    text = {
+        "text_path": str(workspace / "corpus.txt"),
+        "tokenizer": str(workspace / "tokenizer.json"),
+    }
+    config = token_run(workspace, text)
+    ours = trained(config)
+    code, _, err = export(workspace, config, "--output", "hf")
+    assert code == 0, err
+    fields = json.loads((workspace / "hf" / "config.json").read_text())
+    assert fields["eos_token_id"] == 0  # the tokenizer's own <|endoftext|>
+    ids = torch.randint(0, BPE_VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    assert_close = torch.testing.assert_close
+    assert_close(logits(ours, ids), logits(loaded(workspace / "hf"), ids), atol=1e-5, rtol=0)
+    assert_loads_as_the_tokenizer(workspace / "hf", workspace / "tokenizer.json")
+
+
+def test_an_hf_model_on_a_mixture_gets_the_datas_ids(tmp_path: Path) -> None:
+    workspace = token_workspace(tmp_path)
+    prepare_shards(workspace, "web", "--eval-fraction", "0")
+    prepare_shards(workspace, "code", "--eval-fraction", "0")
+    mixture = [{"tokens": "web", "weight": 0.7}, {"tokens": "code", "weight": 0.3}]
+    llama = {**LLAMA, "vocab_size": BPE_VOCAB}  # LlamaConfig's own ids: bos 1, eos 2
+    model = {"name": "hf_causal_lm", "options": {"config": llama}}
+    config = token_run(workspace, {"mixture": mixture}, model)
+    assert run_cli("fit", "--config", str(config), cwd=workspace).returncode == 0
+    done = run_cli("export", "--config", str(config), "--output", "hf", cwd=workspace)
+    assert done.returncode == 0, done.stderr
+    assert (
+        "speedtronic: warning: config.json: eos_token_id 2 of the model's config replaced by 0, "
+        "the id the run's data uses (data.mixture)" in done.stderr
+    )
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((workspace / "hf" / name).read_text())["eos_token_id"] == 0, name
+    assert_loads_as_the_tokenizer(workspace / "hf", workspace / "tokenizer.json")
+    assert loaded(workspace / "hf").config.eos_token_id == 0
+
+
+def test_a_tokenizer_that_does_not_belong_to_the_shards_is_refused(tmp_path: Path) -> None:
+    workspace = token_workspace(tmp_path)
+    shards = prepare_shards(workspace, "shards")
+    other = workspace / "other"
     other.mkdir()
-    (other / "tokenizer.json").write_text('{"model": "other"}')
-    assert tokenizer_file({"tokenizer": str(tokenizer)}) == tokenizer
-    assert tokenizer_file({"tokenizer": "bytes"}) is None  # the byte tokenizer has no file
-    assert tokenizer_file({"tokens": str(shards)}) == shards / "tokenizer.json"
-    assert tokenizer_file({"text_path": "x.txt"}) is None
-    same = [{"tokens": str(shards), "weight": 0.5}, {"tokens": str(shards), "weight": 0.5}]
-    assert tokenizer_file({"mixture": same}) == shards / "tokenizer.json"
-    with pytest.raises(ExportError, match="different tokenizer.json files"):
-        tokenizer_file({"mixture": [{"tokens": str(shards)}, {"tokens": str(other)}]})
+    (other / "tokenizer.json").write_text(  # the same tokenizer, other bytes: another sha256
+        json.dumps(json.loads((workspace / "tokenizer.json").read_text()), indent=1)
+    )
+    prepare_other = run_cli(
+        "prepare", "--input", "corpus/*.jsonl", "--tokenizer", "other/tokenizer.json",
+        "--output", "other-shards", cwd=workspace,
+    )  # fmt: skip
+    assert prepare_other.returncode == 0, prepare_other.stderr
+    assert export_tokens({"tokens": str(shards)}).file == shards / "tokenizer.json"
+    assert tokenizer_file({"tokenizer": "bytes", "text_path": "x.txt"}) is None
+    assert export_tokens({"text_path": "x.txt"}) == RunTokens()  # the byte tokenizer: none
+    mixed = [{"tokens": str(shards)}, {"tokens": str(workspace / "other-shards")}]
+    with pytest.raises(ExportError, match="prepared with different tokenizers"):
+        export_tokens({"mixture": mixed})
+    (shards / "tokenizer.json").write_bytes((other / "tokenizer.json").read_bytes())
+    config = token_run(workspace, {"tokens": str(shards)})
+    code, _, err = export(workspace, config, "--output", "hf")  # no checkpoint is read first
+    assert code == 2
+    assert (
+        f"data.tokens: {shards / 'tokenizer.json'} is not the tokenizer the shards were "
+        "made with (its sha256 differs from index.json's)" in only_error(err)
+    )
+    assert not (workspace / "hf").exists()
+
+
+def test_a_tokenizer_file_given_alone_is_copied_with_its_config(tmp_path: Path) -> None:
+    tokenizer = bpe_tokenizer(tmp_path / "bpe")
     model = ReferenceTransformer(vocab_size=VOCAB, n_layer=1, n_head=2, d_model=16, dropout=0.1)
     with pytest.warns(UserWarning, match="Llama has attention_dropout only"):
         result = export_model(model, tmp_path / "hf", tokenizer=tokenizer)
-    assert result.files == ("config.json", "model.safetensors", "tokenizer.json")
+    assert result.files == (
+        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"
+    )  # fmt: skip
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == tokenizer.read_bytes()
+    fields = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert fields.get("eos_token_id") is None  # nothing known about the ids: none claimed
+    too_large = RunTokens(file=tokenizer, eos_ids=(0,), vocab_size=BPE_VOCAB, source="data.tokens")
+    small = ReferenceTransformer(vocab_size=VOCAB, n_layer=1, n_head=2, d_model=16)
+    with pytest.raises(ExportError, match=f"up to id {BPE_VOCAB - 1}, beyond the exported model's"):
+        export_model(small, tmp_path / "small", tokenizer=too_large)
+    assert not (tmp_path / "small").exists()

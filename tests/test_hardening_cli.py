@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import errno
 import json
+import os
 import re
 from pathlib import Path
 from typing import cast
@@ -303,6 +304,91 @@ def test_logging_file_on_a_full_disk_is_one_warning_naming_the_path(
     assert len(warnings) == 1, err
     assert f"the console sink cannot write {tmp_path / 'log-dir'}: Is a directory" in warnings[0]
     assert "fit end:" not in out
+
+
+def made_directories(tmp_path: Path, *names: str) -> list[Path]:
+    made = [tmp_path / name for name in names]
+    for directory in made:
+        directory.mkdir()
+    return made
+
+
+def test_sinks_refuse_a_symlink_planted_at_their_file_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Someone who can write the run directory plants links at the sinks' file names: the
+    # appends followed them, into (or creating) files outside the run. Each sink now
+    # refuses its link once, naming it, and training goes on (a sink is an observer).
+    elsewhere, out = made_directories(tmp_path, "elsewhere", "out")
+    precious = elsewhere / "precious.txt"
+    precious.write_text("precious data\n")
+    targets = {"metrics.jsonl": precious, "metrics.csv": elsewhere / "new.csv",
+               "train.log": elsewhere / "new.log"}  # fmt: skip
+    for name, target in targets.items():
+        (out / name).symlink_to(target)
+    path = write_config(
+        tmp_path, logging={"file": "train.log", "console": True}, callbacks=["csv", "jsonl"]
+    )
+    code, out_text, err = run_cli("fit", "--config", str(path), "--resume", capsys=capsys)
+    assert code == EXIT_FAILED, err
+    assert "completed steps=4 " in out_text
+    warnings = [line for line in err.splitlines() if "warning: callback" in line]
+    assert len(warnings) == 3, err
+    for sink, name in (
+        ("console", "train.log"),
+        ("csv", "metrics.csv"),
+        ("jsonl", "metrics.jsonl"),
+    ):
+        assert any(
+            f"the {sink} sink cannot write {out / name}: it is a symbolic link "
+            f"(to {targets[name]})" in line
+            for line in warnings
+        ), err
+    assert precious.read_text() == "precious data\n"
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["precious.txt"]
+    assert all((out / name).is_symlink() for name in targets)
+
+
+def test_a_symlink_planted_at_a_lock_files_name_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The lock file was opened "a+" through a link: a dangling one created its target
+    # outside the run (and release truncated it).
+    elsewhere, shared, out = made_directories(tmp_path, "elsewhere", "shared", "out")
+    (out / ".speedtronic-run.lock").symlink_to(elsewhere / "run-lock")
+    path = write_config(tmp_path)
+    code, _, err = run_cli("fit", "--config", str(path), capsys=capsys)
+    assert code == EXIT_USAGE, err
+    assert (
+        f"speedtronic: error: cannot lock run directory {out}: lock file "
+        f"{out / '.speedtronic-run.lock'}: it is a symbolic link (to {elsewhere / 'run-lock'})"
+    ) in err
+    (out / ".speedtronic-run.lock").unlink()
+    # The lock beside a metrics file outside the run directory, likewise.
+    (shared / ".m.jsonl.speedtronic-run.lock").symlink_to(elsewhere / "file-lock")
+    path = write_config(tmp_path, logging={"json_file": str(shared / "m.jsonl"), "jsonl": True})
+    code, _, err = run_cli("fit", "--config", str(path), capsys=capsys)
+    assert code == EXIT_USAGE, err
+    assert f"lock file {shared / '.m.jsonl.speedtronic-run.lock'}: it is a symbolic link" in err
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_sinks_still_write_the_system_files_users_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # /dev/fd/N is a link (to /proc/self/fd/N, and on to a pipe here): the links the system
+    # keeps under /dev and /proc are followed, as configured (/dev/stdout is one of them).
+    read_end, write_end = os.pipe()
+    with os.fdopen(read_end, encoding="utf-8") as lines, os.fdopen(write_end, "w") as writer:
+        path = write_config(tmp_path, logging={"json_file": f"/dev/fd/{writer.fileno()}",
+                                               "jsonl": True, "file": "/dev/null",
+                                               "console": True})  # fmt: skip
+        code, out, err = run_cli("fit", "--config", str(path), capsys=capsys)
+        writer.close()  # the sink closed its own descriptor: the pipe ends here
+        steps = [json.loads(line)["step"] for line in lines]
+    assert code == EXIT_OK, err
+    assert steps == [2, 4]
+    assert "fit start:" not in out  # the console's lines went to /dev/null
 
 
 def test_a_csv_sink_that_fails_mid_run_is_reported_once(

@@ -120,6 +120,10 @@ def test_prepare_fit_and_resume_on_token_shards_is_bitwise(tmp_path: Path, kind:
     resumed = eval_losses(tmp_path / "part" / "metrics.jsonl")
     assert sorted(resumed) == [3, 5, 6, 8]  # the stopped run also evaluated its last step
     assert {step: resumed[step] for step in held_out} == held_out
+    # speedtronic evaluate: the last checkpoint on the held-out shards, as the fit scored it
+    evaluated = run_cli("evaluate", "--config", "full.yaml", cwd=tmp_path)
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert evaluated.stdout.startswith(f"eval/loss={held_out[8]!r} ")
 
 
 def test_prepare_output_is_byte_identical_for_one_and_two_workers(
@@ -187,6 +191,20 @@ def test_prepare_reads_parquet_and_the_byte_tokenizer_is_built_in(workspace: Pat
     tokens = [int.from_bytes(raw[i : i + 2], "little") for i in range(0, len(raw), 2)]
     expected = [t for text in texts for t in [*text.encode("utf-8"), 256]]
     assert tokens == expected
+    # A dictionary-encoded column (pandas' category dtype) and a large_string one read alike.
+    column = pa.array(texts + texts[:3]).dictionary_encode()
+    large = pa.array(texts[3:], type=pa.large_string())
+    pq.write_table(pa.table({"body": column}), workspace / "category.parquet")
+    pq.write_table(pa.table({"body": large}), workspace / "large.parquet")
+    done = prepare_cli(
+        workspace,
+        "--input", "category.parquet", "--input", "large.parquet", "--text-key", "body",
+        "--tokenizer", "bytes", "--output", "category-shards", "--eval-fraction", "0",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    raw = (workspace / "category-shards" / "train-00000.bin").read_bytes()
+    again = [t for text in texts + texts[:3] + texts[3:] for t in [*text.encode("utf-8"), 256]]
+    assert [int.from_bytes(raw[i : i + 2], "little") for i in range(0, len(raw), 2)] == again
 
 
 def test_a_vocabulary_with_ids_beyond_65535_gets_uint32_shards(tmp_path: Path) -> None:
@@ -501,6 +519,7 @@ def test_fit_refuses_shards_that_do_not_match_their_manifest(workspace: Path) ->
     original = first.read_bytes()
     first.write_bytes(original[:-2])
     message = one_error(_fit(workspace, {"tokens": "shards"}))
+    assert message.startswith("speedtronic: error: data.tokens: shards/train-00000.bin: ")
     assert message.endswith(
         f"shards/train-00000.bin: {len(original) - 2:,} bytes, but index.json records "
         f"{len(original) // 2} uint16 tokens ({len(original):,} bytes): the shard is truncated "
@@ -551,7 +570,18 @@ def test_fit_refuses_another_tokenizer_a_small_model_and_a_bad_manifest(workspac
     assert "shards/index.json: not JSON (" in one_error(_fit(workspace, {"tokens": "shards"}))
     (shards / MANIFEST_NAME).unlink()
     message = one_error(_fit(workspace, {"tokens": "shards"}))
-    assert "shards has no index.json: not a directory written by speedtronic prepare" in message
+    assert message.startswith(
+        "speedtronic: error: data.tokens: shards has no index.json: not a directory written by "
+        "speedtronic prepare"
+    )
+    # Each source of a mixture is named by its key, in validate as in fit.
+    mixture = {"mixture": [{"tokens": "other"}, {"tokens": "nowhere"}]}
+    prepared(workspace, "other")
+    write_config(workspace / "run.yaml", run_config(workspace / "run", mixture))
+    assert one_error(run_cli("validate", "--config", "run.yaml", cwd=workspace)) == (
+        "speedtronic: error: data.mixture[1].tokens: nowhere is not a directory of token "
+        "shards (make one with speedtronic prepare)"
+    )
 
 
 def test_evaluation_needs_held_out_shards(workspace: Path) -> None:

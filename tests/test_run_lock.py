@@ -170,6 +170,36 @@ def test_a_stale_lock_naming_a_live_pid_is_described_as_such(
     assert "no longer runs" not in warning[0]
 
 
+@pytest.mark.parametrize("pid", [10**30, -(2**63), 2**31])
+def test_a_lock_naming_an_impossible_pid_is_stale_not_a_raw_error(
+    config_file: Path, tmp_path: Path, pid: int
+) -> None:
+    # The lock file is anyone's to write: a PID no process can have was handed to os.kill,
+    # and "fit" exited 1 with a raw OverflowError. No process runs under it: a stale lock.
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": pid}))
+    result = speedtronic("fit", "--config", str(config_file), "--output-dir", str(out),
+                         "--max-steps", "1", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"stale lock {out / LOCK_NAME} of PID {pid} on this host: it no longer runs" in (
+        result.stderr
+    )
+
+
+def test_a_lock_naming_a_boolean_pid_is_refused(config_file: Path, tmp_path: Path) -> None:
+    # json's true is an int to isinstance: it was taken for PID 1 (alive, always).
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": True}))
+    result = speedtronic("fit", "--config", str(config_file), "--output-dir", str(out),
+                         "--max-steps", "1", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert f"lock file {out / LOCK_NAME}: if that run is gone, delete the lock file" in (
+        result.stderr
+    )
+
+
 # -- issue 22, item 3: every path a run writes is locked, checkpoints name their run ------------
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from cli_runner import run_cli
 from jsonschema import Draft202012Validator
 
 from speedtronic.config import (
@@ -151,6 +152,27 @@ def test_write_schemas_writes_plugin_documents_and_removes_stale_ones(tmp_path: 
     assert document["properties"] == {"ratio": {"type": "number", "minimum": 0, "maximum": 1}}
     run_schema = json.loads((tmp_path / "run.schema.json").read_text(encoding="utf-8"))
     assert run_schema == composed_schema([SCHEMA_PROBE])
+
+
+def test_schema_write_replaces_files_atomically_never_writing_through_a_link(
+    tmp_path: Path,
+) -> None:
+    # write_text truncated and rewrote each file in place: through a link at its name (into
+    # the file it leads to) and, cut short, leaving half a schema for editors to read.
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text("precious\n")
+    out = tmp_path / "schemas"
+    out.mkdir()
+    (out / "run.schema.json").symlink_to(elsewhere)
+    result = run_cli("schema", "--write", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {out / 'run.schema.json'}" in result.stdout
+    assert elsewhere.read_text() == "precious\n"
+    assert not (out / "run.schema.json").is_symlink()
+    assert json.loads((out / "run.schema.json").read_text()) == composed_schema(
+        builtin_callback_names()
+    )
+    assert not [p.name for p in out.rglob(".*")]  # no temporary file left behind
 
 
 def test_broken_plugin_schema_is_reported_not_crashed_on() -> None:

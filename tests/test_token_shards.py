@@ -197,6 +197,49 @@ def test_the_dataset_keeps_its_rss_flat_and_few_shards_open(
     assert growth < 16 << 20, f"RSS grew by {growth / 2**20:.1f} MiB over a 64 MiB epoch"
 
 
+def test_what_is_mapped_is_counted_by_block_so_a_small_split_is_never_unmapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from speedtronic.data import windows
+
+    releases: list[int] = []
+    original = windows._Maps.release
+
+    def counted(maps: windows._Maps) -> None:
+        releases.append(len(maps._blocks))
+        original(maps)
+
+    monkeypatch.setattr(windows._Maps, "release", counted)
+    # Shards far smaller than the budget: read over and over, they stay mapped (each shard is
+    # one block, counted once), instead of being unmapped and faulted in again every few reads.
+    shards = make_shards(tmp_path, 60, shard_tokens=100)
+    dataset = open_token_dataset(shards, block_size=8)
+    budget = len(dataset.shards) * FAULT_BYTES
+    small = TokenWindowDataset(shards, dataset.manifest, dataset.shards, 8, resident_bytes=budget)
+    for _ in range(3):
+        for start in range(0, len(small), 4):
+            small.gather(list(range(start, min(start + 4, len(small)))))
+    assert releases == []
+    # A larger shard, a budget of two blocks: a window across a block boundary counts both,
+    # a block read again counts nothing, and a third block first unmaps the two.
+    big = tmp_path / "big"
+    big.mkdir()
+    tokens = np.arange(8 << 20, dtype=np.uint32).astype(np.uint16)  # 16 MiB, 8 blocks
+    tokens.tofile(big / "train-00000.bin")
+    entry = ShardEntry("train-00000.bin", "train", tokens.size, "0" * 64)
+    manifest = dataclasses.replace(dataset.manifest, shards=(entry,))
+    epoch = TokenWindowDataset(big, manifest, (entry,), 1024, resident_bytes=2 * FAULT_BYTES)
+    per_block = FAULT_BYTES // 2 // 1024  # windows starting in one block (uint16, 1024 apart)
+    inputs, labels = epoch.gather([per_block - 1])  # its last token is in the next block
+    expected = tokens.astype(np.int64)
+    assert torch.equal(labels[0], torch.from_numpy(expected[per_block * 1024 - 1023 :][:1024]))
+    epoch.gather([per_block, per_block + 5, 3])
+    assert releases == []
+    epoch.gather([3 * per_block])
+    assert releases == [2]
+    assert torch.equal(inputs[0], torch.from_numpy(expected[(per_block - 1) * 1024 :][:1024]))
+
+
 def test_training_never_reads_held_out_shards_and_eval_reads_them_by_default(
     tmp_path: Path,
 ) -> None:
@@ -330,6 +373,11 @@ def test_a_mixture_from_config_trains_and_resumes_bitwise(tmp_path: Path) -> Non
         load_config(tmp_path / "full.yaml").data, load_config(tmp_path / "full.yaml").eval
     )
     assert isinstance(held, ConcatDataset) and len(held.datasets) == 2
+    # speedtronic evaluate scores the last checkpoint on it, as the fit's last evaluation did
+    evaluated = run_cli("evaluate", "--config", "full.yaml", cwd=tmp_path)
+    assert evaluated.returncode == 0, evaluated.stderr
+    last = losses(tmp_path / "full" / "metrics.jsonl", "eval/loss")[8]
+    assert evaluated.stdout.startswith(f"eval/loss={last!r} ")
 
 
 def test_mixture_sources_must_share_a_tokenizer(tmp_path: Path) -> None:

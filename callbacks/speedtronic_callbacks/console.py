@@ -30,6 +30,7 @@ from typing_extensions import Self
 from speedtronic.engine.callback import JSONSchema, LegacySections, PluginOptions, legacy_section
 from speedtronic.engine.contexts import ExceptionContext, FitContext, FitEndContext, TeardownContext
 from speedtronic.models.summary import format_model_summary, summarize_model
+from speedtronic.state.append_io import open_to_append
 from speedtronic.state.run_lock import RunPaths
 from speedtronic_callbacks.sink import (
     MetricSink,
@@ -283,7 +284,7 @@ class ConsoleCallback(MetricSink):
         if self.file is not None and self._handle is None:
             try:
                 self.file.parent.mkdir(parents=True, exist_ok=True)
-                self._handle = self.file.open("a", encoding="utf-8", buffering=1)
+                self._handle = open_to_append(self.file, buffering=1)
             except OSError as exc:
                 raise self.write_failed(self.file, exc) from exc
         self._stream = sys.stderr if self.stream_name == "stderr" else sys.stdout

@@ -19,6 +19,7 @@ from typing_extensions import Self
 
 from speedtronic.engine.callback import JSONSchema
 from speedtronic.engine.contexts import FitContext, TeardownContext
+from speedtronic.state.append_io import open_to_append, refuse_planted_link
 from speedtronic.state.atomic_io import atomic_write_text
 from speedtronic.state.run_lock import RunPaths
 from speedtronic_callbacks.sink import MetricSink, Record, keep_earlier_run, resolve_path
@@ -97,6 +98,7 @@ class CsvCallback(MetricSink):
         self._columns = []
         self.write_failure = None
         try:
+            refuse_planted_link(path)  # never read, renamed or appended through
             path.parent.mkdir(parents=True, exist_ok=True)
             keep_earlier_run(path, ctx.start_step)
             if path.is_file() and path.stat().st_size > 0:
@@ -115,7 +117,7 @@ class CsvCallback(MetricSink):
         self._known = set(self._columns)
         if self._handle is not None:
             self._handle.close()
-        self._handle = self._file.open("a", encoding="utf-8", newline="")
+        self._handle = open_to_append(self._file, newline="")
         self._writer = (
             csv.DictWriter(self._handle, fieldnames=self._columns, lineterminator="\n")
             if self._columns

@@ -26,6 +26,7 @@ from typing_extensions import Self
 
 from speedtronic.engine.callback import JSONSchema, LegacySections, PluginOptions, legacy_section
 from speedtronic.engine.contexts import FitContext, TeardownContext
+from speedtronic.state.append_io import open_to_append, refuse_planted_link
 from speedtronic.state.atomic_io import atomic_write_text
 from speedtronic.state.run_lock import RunPaths
 from speedtronic.user_warnings import warn
@@ -52,17 +53,6 @@ def encode_record(record: Record) -> str:
             for key, value in record.items()
         }
         return _STRICT_ENCODER.encode(clean)
-
-
-def read_records(path: Path) -> list[dict[str, object]]:
-    """Every well-formed record of a metrics JSONL file, in file order (bad lines skipped)."""
-    records: list[dict[str, object]] = []
-    with path.open(encoding="utf-8") as handle:
-        for line in handle:
-            parsed = _parse_line(line)
-            if parsed is not None:
-                records.append(parsed)
-    return records
 
 
 def _parse_line(line: str) -> dict[str, object] | None:
@@ -199,11 +189,12 @@ class JsonlCallback(MetricSink):
         self.write_failure = None
         self.dropped_on_resume = 0
         try:
+            refuse_planted_link(path)  # never read, renamed or appended through
             path.parent.mkdir(parents=True, exist_ok=True)
             keep_earlier_run(path, ctx.start_step)
             if path.is_file():
                 self.dropped_on_resume = truncate_after(path, ctx.start_step)
-            self._handle = path.open("a", encoding="utf-8")
+            self._handle = open_to_append(path)
         except OSError as exc:
             raise self.write_failed(path, exc) from exc
         if self.dropped_on_resume and ctx.start_step > 0:

@@ -36,6 +36,7 @@ from speedtronic.engine.contexts import (
     TeardownContext,
 )
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
+from speedtronic.state.append_io import open_to_append
 
 if TYPE_CHECKING:
     from speedtronic.engine.notes import Notes
@@ -242,7 +243,7 @@ class MetricLogger:
         if self._json_handle is None:
             path = Path(self.json_file)
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._json_handle = path.open("a", encoding="utf-8")
+            self._json_handle = open_to_append(path)  # never through a planted link
         self._json_handle.write(json.dumps({"event": event, **data}, default=str) + "\n")
         self._json_handle.flush()
 

@@ -34,6 +34,7 @@ from jsonschema.exceptions import SchemaError
 
 from speedtronic import plugins
 from speedtronic.engine.callback import Callback
+from speedtronic.state.atomic_io import atomic_write_text
 
 SchemaDict = dict[str, object]
 """A JSON Schema document as a plain (JSON-compatible) dict."""
@@ -446,8 +447,7 @@ def write_schemas(directory: Path, plugin_names: Iterable[str] | None = None) ->
     written: list[Path] = []
     for relative, text in files.items():
         path = directory / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+        atomic_write_text(path, text)  # an editor reading it never sees half a schema
         written.append(path)
     callback_dir = directory / CALLBACK_SCHEMA_DIR
     if callback_dir.is_dir():

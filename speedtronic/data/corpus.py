@@ -10,7 +10,8 @@ Documents, by suffix (``read_segments``):
 * ``.txt``: the whole file is one document, read in chunks of about ``TEXT_CHUNK_BYTES``
   cut at whitespace (a chunk boundary never splits a word), so a file of any size streams;
 * ``.jsonl``: one document per line, the string under ``text_key`` (blank lines skipped);
-* ``.parquet`` (needs ``pyarrow``): one document per row of the string column ``text_key``.
+* ``.parquet`` (needs ``pyarrow``): one document per row of the string column ``text_key``
+  (``string``, ``large_string``, ``string_view``, or dictionary-encoded strings).
 
 Empty documents are skipped. A leading UTF-8 byte-order mark is not text and is dropped.
 
@@ -216,8 +217,10 @@ def _parquet_file(path: Path, text_key: str) -> Iterator[Segment]:
             f"{path}: no column {text_key!r} (columns: {names}); name the text column with "
             "--text-key"
         )
-    kind = str(schema.field(text_key).type)
-    if kind not in ("string", "large_string", "string_view"):
+    kind = schema.field(text_key).type
+    # A dictionary-encoded column (pandas' category dtype, repeated texts) reads as strings.
+    values = kind.value_type if str(kind).startswith("dictionary<") else kind
+    if str(values) not in ("string", "large_string", "string_view"):
         raise CorpusError(f"{path}: column {text_key!r} is {kind}, not a string column")
     rows = max(1, int(reader.metadata.num_rows))
     size = path.stat().st_size

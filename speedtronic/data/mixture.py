@@ -32,7 +32,6 @@ import numpy.typing as npt
 import torch
 from torch.utils.data import ConcatDataset, Dataset
 
-from speedtronic.data.shards import read_manifest
 from speedtronic.data.stream import _epoch_seed
 from speedtronic.data.text import DataSourceError, TextPart
 from speedtronic.data.windows import (
@@ -41,6 +40,7 @@ from speedtronic.data.windows import (
     WindowSampler,
     WindowSource,
     open_token_dataset,
+    source_manifest,
 )
 
 __all__ = ["MixtureDataset", "MixtureSampler", "apportion", "open_mixture"]
@@ -183,7 +183,8 @@ def open_mixture(
     held_out = part == "held_out"
     sources: list[tuple[int, TokenWindowDataset]] = []
     for index, (directory, _) in enumerate(entries):
-        if held_out and not read_manifest(directory).split("eval"):
+        key = f"data.mixture[{index}].tokens"
+        if held_out and not source_manifest(directory, key).split("eval"):
             continue  # this source has no held-out shards; the others may
         dataset = open_token_dataset(
             directory,
@@ -192,7 +193,7 @@ def open_mixture(
             vocab_size=vocab_size,
             tokenizer=tokenizer,
             verify=verify,
-            key=f"data.mixture[{index}].tokens",
+            key=key,
         )
         sources.append((index, dataset))
     _same_tokenizer(sources)

@@ -138,13 +138,8 @@ class ByteCorpusTokenizer:
     def encode_documents(
         self, texts: Sequence[str], ends: Sequence[bool], eos_id: int, dtype: npt.DTypeLike
     ) -> npt.NDArray[np.unsignedinteger]:
-        parts: list[npt.NDArray[np.unsignedinteger]] = []
-        eos = np.array([eos_id], dtype=dtype)
-        for text, end in zip(texts, ends, strict=True):
-            parts.append(np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(dtype))
-            if end:
-                parts.append(eos)
-        return _joined(parts, dtype)
+        ids = [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
+        return _joined(ids, ends, eos_id, dtype)
 
     def eos_id(self, token: str | None) -> int:
         if token is not None:
@@ -187,13 +182,7 @@ class FileTokenizer:
         # encode_batch_fast (tokenizers >= 0.20) skips the character offsets nobody reads.
         encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
         encodings = encode(list(texts), add_special_tokens=False)
-        parts: list[npt.NDArray[np.unsignedinteger]] = []
-        eos = np.array([eos_id], dtype=dtype)
-        for encoding, end in zip(encodings, ends, strict=True):
-            parts.append(np.asarray(encoding.ids, dtype=dtype))
-            if end:
-                parts.append(eos)
-        return _joined(parts, dtype)
+        return _joined([encoding.ids for encoding in encodings], ends, eos_id, dtype)
 
     def eos_id(self, token: str | None) -> int:
         if token is not None:
@@ -201,19 +190,31 @@ class FileTokenizer:
             if found is None:
                 raise DataSourceError(f"--eos-token {token!r} is not a token of {self.path}")
             return int(found)
-        special = {
-            added.content: index
-            for index, added in self._tokenizer.get_added_tokens_decoder().items()
-            if added.special
-        }
+        special = self._special()
         for candidate in EOS_CANDIDATES:
             if candidate in special:
-                return int(special[candidate])
+                return special[candidate]
         listed = ", ".join(repr(name) for name in sorted(special)) or "none"
         raise DataSourceError(
             f"{self.path} names no end-of-document token (special tokens: {listed}); "
             "pass --eos-token with the token that ends a document"
         )
+
+    def _special(self) -> dict[str, int]:
+        return {
+            added.content: int(index)
+            for index, added in self._tokenizer.get_added_tokens_decoder().items()
+            if added.special
+        }
+
+    def special_id(self, token: str) -> int | None:
+        """The id of the special token ``token``, None when the tokenizer has no such one."""
+        return self._special().get(token)
+
+    def token(self, token_id: int) -> str | None:
+        """The text of token ``token_id`` (None for an id the vocabulary skips)."""
+        found: str | None = self._tokenizer.id_to_token(token_id)
+        return found
 
 
 def tokenizer_from_bytes(data: bytes, where: str) -> HFTokenizerObject:
@@ -232,8 +233,19 @@ def tokenizer_from_bytes(data: bytes, where: str) -> HFTokenizerObject:
 
 
 def _joined(
-    parts: list[npt.NDArray[np.unsignedinteger]], dtype: npt.DTypeLike
+    ids: Sequence[Sequence[int] | npt.NDArray[np.unsignedinteger]],
+    ends: Sequence[bool],
+    eos_id: int,
+    dtype: npt.DTypeLike,
 ) -> npt.NDArray[np.unsignedinteger]:
+    """The ids of each text one after the other as one ``dtype`` array, ``eos_id`` after
+    each text whose ``ends`` flag is set."""
+    parts: list[npt.NDArray[np.unsignedinteger]] = []
+    eos = np.array([eos_id], dtype=dtype)
+    for text_ids, end in zip(ids, ends, strict=True):
+        parts.append(np.asarray(text_ids, dtype=dtype))
+        if end:
+            parts.append(eos)
     if not parts:
         return np.empty(0, dtype=dtype)
     return np.concatenate(parts)

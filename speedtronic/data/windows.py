@@ -16,17 +16,20 @@ Ranks take strided positions of the same order (as ``ResumableSampler`` does), s
 they read every window once per epoch, and a resumed run starts at the exact window.
 
 Reading. ``TokenWindowDataset.__getitems__`` returns a ``TokenWindows`` (a lazy sequence of
-records); its own collate (``collate_windows``, what ``data.collate: auto`` picks) copies the
-batch's windows out of the memmaps straight into two ``int64`` arrays, no per-item tensors.
+records); its own collate (``collate_windows``, what ``data.collate: auto`` picks) copies each
+of the batch's windows (``block_size + 1`` tokens) out of the memmaps into one array of the
+shard dtype and converts it to the two ``int64`` arrays in one step each, no per-item tensors.
 Another ``data.collate`` gets ordinary ``{input_ids, labels}`` records.
 
 Memory. Pages of a memory-mapped file count in the process's RSS once touched (and on
 kernels with large folios one touch maps up to 2 MiB), so reading a shuffled epoch would
-grow RSS towards the corpus size although nothing is copied. The dataset therefore unmaps
-what it touched (``madvise(MADV_DONTNEED)``) after ``resident_bytes`` of reads (charged at
-least ``FAULT_BYTES`` per window): RSS stays within about ``resident_bytes`` whatever the
-corpus size. The pages stay in the kernel's page cache; only this process's mapping of them
-goes. At most ``MAX_OPEN_MAPS`` shards are mapped at a time.
+grow RSS towards the corpus size although nothing is copied. The dataset therefore counts
+the ``FAULT_BYTES`` blocks of the files its reads touched (a page-cache folio never spans
+two of them) and, before the count would pass ``resident_bytes``, unmaps what it touched
+(``madvise(MADV_DONTNEED)``; the maps stay open): RSS stays within about ``resident_bytes``
+whatever the corpus size, and a split smaller than that (a held-out set) stays mapped
+and is never faulted in twice. The pages stay in the kernel's page cache; only this
+process's mapping of them goes. At most ``MAX_OPEN_MAPS`` shards are mapped at a time.
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ from torch.utils.data import Dataset
 
 from speedtronic.data.collate import collate_batch
 from speedtronic.data.shards import (
+    ManifestError,
     ShardEntry,
+    ShardError,
     Split,
     TokenManifest,
     check_tokenizer,
@@ -64,6 +69,7 @@ __all__ = [
     "WindowSource",
     "collate_windows",
     "open_token_dataset",
+    "source_manifest",
 ]
 
 FEISTEL_ROUNDS = 6
@@ -174,9 +180,11 @@ class _Maps:
     """Read-only memmaps of a set of shards (module docstring, "Memory"): opened lazily, at
     most ``MAX_OPEN_MAPS`` at a time (each holds a file descriptor; the earliest opened is
     closed), read through plain ``ndarray`` views (a slice of an ``np.memmap`` object
-    costs several times more), and after ``resident_bytes`` of reads unmapped from this
-    process's memory -- ``madvise(MADV_DONTNEED)`` on each map where the platform has it,
-    else the maps are closed and reopened on the next read."""
+    costs several times more). What the reads can have mapped is counted in ``FAULT_BYTES``
+    blocks of the files (each block once until the next release); when that reaches
+    ``resident_bytes`` the touched maps are unmapped from this process's memory --
+    ``madvise(MADV_DONTNEED)`` where the platform has it (the maps stay open), else the maps
+    are closed and reopened on the next read."""
 
     def __init__(
         self,
@@ -191,11 +199,10 @@ class _Maps:
         self.resident_bytes = resident_bytes
         self._maps: dict[int, _ShardMap] = {}  # in the order they were opened
         self._views: dict[int, npt.NDArray[np.unsignedinteger]] = {}
-        self._touched: set[int] = set()  # read since the last release
-        self._charged = 0
+        self._blocks: set[tuple[int, int]] = set()  # (shard, block) read since the release
+        self._touched: set[int] = set()  # shards read since the last release
 
     def get(self, shard: int) -> npt.NDArray[np.unsignedinteger]:
-        self._touched.add(shard)
         view = self._views.get(shard)
         if view is not None:
             return view
@@ -209,14 +216,41 @@ class _Maps:
         view = self._views[shard] = mapped.view(np.ndarray)
         return view
 
-    def charge(self, nbytes: int) -> None:
-        self._charged += nbytes
-        if self._charged >= self.resident_bytes:
-            self.release()
+    def read(
+        self,
+        shards: npt.NDArray[np.int64],
+        offsets: npt.NDArray[np.int64],
+        out: npt.NDArray[np.unsignedinteger],
+    ) -> None:
+        """Copy the ``out.shape[1]`` tokens at ``offsets[i]`` of shard ``shards[i]`` into
+        ``out[i]``, releasing what is mapped whenever the blocks read reach the budget."""
+        span = out.shape[1]
+        itemsize = self.dtype.itemsize
+        limit = max(1, self.resident_bytes // FAULT_BYTES)  # blocks mapped at most
+        blocks, touched, views = self._blocks, self._touched, self._views  # release clears them
+        for row, (shard, offset) in enumerate(zip(shards.tolist(), offsets.tolist(), strict=True)):
+            first = offset * itemsize // FAULT_BYTES
+            last = ((offset + span) * itemsize - 1) // FAULT_BYTES
+            if first == last:  # the usual case: a window within one block
+                key = (shard, first)
+                if key not in blocks:
+                    if len(blocks) >= limit:
+                        self.release()
+                    blocks.add(key)
+            else:
+                new = {(shard, block) for block in range(first, last + 1)} - blocks
+                if len(blocks) + len(new) > limit:
+                    self.release()
+                    new = {(shard, block) for block in range(first, last + 1)}
+                blocks |= new
+            touched.add(shard)
+            view = views.get(shard)
+            if view is None:
+                view = self.get(shard)
+            out[row] = view[offset : offset + span]
 
     def release(self) -> None:
         """Unmap what this process touched; the maps stay usable."""
-        self._charged = 0
         advice = getattr(mmap, "MADV_DONTNEED", None)
         for shard in self._touched & set(self._maps):
             raw = getattr(self._maps[shard], "_mmap", None)  # numpy's mmap.mmap behind it
@@ -225,6 +259,7 @@ class _Maps:
             else:
                 del self._maps[shard], self._views[shard]
         self._touched.clear()
+        self._blocks.clear()
 
     @property
     def open_maps(self) -> int:
@@ -321,21 +356,16 @@ class TokenWindowDataset(WindowSource):
         """``(input_ids, labels)`` of the windows ``indices``: two ``[len, block_size]``
         ``int64`` tensors, copied straight out of the memmaps."""
         wanted = np.asarray(indices, dtype=np.int64)
-        if wanted.size and (wanted.min() < 0 or wanted.max() >= len(self)):
+        if wanted.size and (wanted.view(np.uint64) >= len(self)).any():  # negatives wrap
             bad = int(wanted.min()) if wanted.min() < 0 else int(wanted.max())
             raise IndexError(f"window {bad} out of range for {len(self)} windows")
         shards = np.searchsorted(self._starts, wanted, side="right") - 1
         offsets = (wanted - self._starts[shards]) * self.block_size
-        size = self.block_size
-        inputs = np.empty((wanted.size, size), dtype=np.int64)
-        labels = np.empty((wanted.size, size), dtype=np.int64)
-        maps = self._maps
-        charge = max((size + 1) * maps.dtype.itemsize, FAULT_BYTES)
-        for row, (shard, offset) in enumerate(zip(shards.tolist(), offsets.tolist(), strict=True)):
-            tokens = maps.get(shard)
-            inputs[row] = tokens[offset : offset + size]
-            labels[row] = tokens[offset + 1 : offset + 1 + size]
-            maps.charge(charge)
+        # One copy of each window's block_size + 1 tokens, then one conversion per tensor.
+        windows = np.empty((wanted.size, self.block_size + 1), dtype=self.manifest.numpy_dtype)
+        self._maps.read(shards, offsets, windows)
+        inputs = windows[:, :-1].astype(np.int64, order="C")
+        labels = windows[:, 1:].astype(np.int64, order="C")
         return torch.from_numpy(inputs), torch.from_numpy(labels)
 
 
@@ -374,6 +404,15 @@ def collate_windows(batch: Sequence[object]) -> object:
     return collate_batch(batch)
 
 
+def source_manifest(directory: str | Path, key: str) -> TokenManifest:
+    """The manifest of the shard directory that config key ``key`` names (its errors
+    prefixed with the key)."""
+    try:
+        return read_manifest(directory)
+    except ManifestError as exc:
+        raise ManifestError(f"{key}: {exc}") from None
+
+
 def open_token_dataset(
     directory: str | Path,
     *,
@@ -389,7 +428,7 @@ def open_token_dataset(
     (``"held_out"``). Checks first, each a ``DataSourceError`` naming ``key``: the manifest,
     that its vocabulary fits ``vocab_size`` (the model's), that ``tokenizer`` (when given)
     made the shards, and the shards' sizes and, with ``verify``, sha256."""
-    manifest = read_manifest(directory)
+    manifest = source_manifest(directory, key)
     where = f"{key}: {directory}"
     if vocab_size is not None:
         check_vocab_fits(manifest.vocab_size, vocab_size, source=where)
@@ -404,7 +443,10 @@ def open_token_dataset(
             if split == "eval"
             else f"{where} has no training shards"
         )
-    verify_shards(directory, manifest, shards, checksums=verify)
+    try:
+        verify_shards(directory, manifest, shards, checksums=verify)
+    except ShardError as exc:
+        raise ShardError(f"{key}: {exc}") from None
     dataset = TokenWindowDataset(directory, manifest, shards, block_size)
     if len(dataset) == 0:
         what = "held-out" if split == "eval" else "training"

@@ -14,6 +14,11 @@
   setting: the attention-probability dropout becomes ``attention_dropout``; the residual
   and embedding dropout have no Llama field (a warning says so; inference is unaffected).
 
+With the run's tokens (``speedtronic.models.export_tokens``): its ``tokenizer.json`` and a
+``tokenizer_config.json`` (``AutoTokenizer.from_pretrained`` loads the directory), and its
+end-of-document id (beginning-of-text when known) in ``config.json`` and
+``generation_config.json``, checked against the model's ``vocab_size``.
+
 The directory is written atomically: everything goes into a hidden temporary sibling,
 which is fsynced and renamed onto ``output`` (an existing non-empty ``output`` only with
 ``overwrite``, moved aside first and removed after). ``transformers`` and ``safetensors``
@@ -22,6 +27,7 @@ are imported inside the functions (the ``hf`` extra).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import warnings
@@ -32,6 +38,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from speedtronic.data.text import DataSourceError
+from speedtronic.models.export_tokens import (
+    RunTokens,
+    TokenIdError,
+    run_tokens,
+    set_token_ids,
+    write_tokenizer,
+)
 from speedtronic.models.hf import (
     HFCausalLM,
     is_transformers_model,
@@ -53,12 +67,12 @@ __all__ = [
     "ExportResult",
     "check_export_target",
     "export_model",
+    "export_tokens",
     "llama_weights",
     "reference_llama_config",
     "tokenizer_file",
 ]
 
-TOKENIZER_NAME = "tokenizer.json"
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 
 
@@ -263,22 +277,29 @@ def _write_model(model: nn.Module, directory: Path) -> str:
 
 
 def export_model(
-    model: nn.Module, output: Path, *, overwrite: bool = False, tokenizer: Path | None = None
+    model: nn.Module,
+    output: Path,
+    *,
+    overwrite: bool = False,
+    tokenizer: Path | RunTokens | None = None,
 ) -> ExportResult:
-    """Write ``model`` into ``output`` as a Hugging Face directory (module docstring), with
-    a copy of ``tokenizer`` as ``tokenizer.json`` when given. ``ExportError`` (nothing
-    written) when ``output`` is a file or not empty without ``overwrite``, or when the
-    model has no Hugging Face form."""
+    """Write ``model`` into ``output`` as a Hugging Face directory (module docstring). With
+    the run's tokens (``export_tokens``; a plain path: a tokenizer file and nothing else
+    known), its ``tokenizer.json`` and ``tokenizer_config.json`` go beside the weights
+    and its end-of-document / beginning-of-text ids into ``config.json``. ``ExportError``
+    (nothing written) when ``output`` is a file or not empty without ``overwrite``, when
+    the model has no Hugging Face form, or when the run's tokens do not fit it."""
     output = Path(output).expanduser()
     check_export_target(output, overwrite=overwrite)
-    if tokenizer is not None and not tokenizer.is_file():
-        raise ExportError(f"the run's tokenizer {tokenizer} is not a file")
+    tokens = RunTokens(file=tokenizer) if isinstance(tokenizer, Path) else tokenizer
+    if tokens is not None and tokens.file is not None and not tokens.file.is_file():
+        raise ExportError(f"the run's tokenizer {tokens.file} is not a file")
     output.parent.mkdir(parents=True, exist_ok=True)
     temp = create_temporary_directory(output)
     try:
         architecture = _write_model(model, temp)
-        if tokenizer is not None:
-            shutil.copyfile(tokenizer, temp / TOKENIZER_NAME)
+        if tokens is not None:
+            _write_tokens(temp, tokens)
         _fsync_files(temp)
         files = tuple(sorted(path.name for path in temp.iterdir()))
         _install(temp, output)
@@ -288,38 +309,32 @@ def export_model(
     return ExportResult(output, files, architecture)
 
 
+def _write_tokens(directory: Path, tokens: RunTokens) -> None:
+    fields = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    vocab, length = fields.get("vocab_size"), fields.get("max_position_embeddings")
+    try:
+        if isinstance(vocab, int):
+            set_token_ids(directory, tokens, vocab)
+        write_tokenizer(directory, tokens, max_length=length if isinstance(length, int) else None)
+    except (TokenIdError, DataSourceError) as exc:
+        raise ExportError(str(exc)) from None
+
+
 # -- the run's tokenizer --------------------------------------------------------------------
 
 
-def _source_tokenizer(source: Mapping[str, object]) -> Path | None:
-    named = source.get("tokenizer")
-    if isinstance(named, str) and named and Path(named).expanduser().is_file():
-        return Path(named).expanduser()
-    tokens = source.get("tokens")
-    if isinstance(tokens, str) and tokens:
-        candidate = Path(tokens).expanduser() / TOKENIZER_NAME
-        return candidate if candidate.is_file() else None
-    return None
+def export_tokens(data: Mapping[str, object]) -> RunTokens:
+    """The run's tokens (``speedtronic.models.export_tokens.run_tokens``) from its resolved
+    ``data`` section; ``ExportError`` for a tokenizer that cannot be used."""
+    try:
+        return run_tokens(data)
+    except (TokenIdError, DataSourceError) as exc:
+        raise ExportError(str(exc)) from None
 
 
 def tokenizer_file(data: Mapping[str, object]) -> Path | None:
-    """The tokenizer file a run's ``data`` section used, to copy beside the weights:
-    ``data.tokenizer`` when it is a file (the byte tokenizer has none), else the
-    ``tokenizer.json`` inside a ``data.tokens`` shard directory, or of the sources of a
-    ``data.mixture`` (which must then agree). Keys are read by name from the resolved
-    section, so an absent key means no tokenizer."""
-    found = _source_tokenizer(data)
-    if found is not None:
-        return found
-    mixture = data.get("mixture")
-    sources = (
-        [item for item in mixture if isinstance(item, Mapping)] if isinstance(mixture, list) else []
-    )
-    files = [path for path in (_source_tokenizer(item) for item in sources) if path is not None]
-    contents = {path.read_bytes() for path in files}
-    if len(contents) > 1:
-        raise ExportError(
-            "data.mixture: the sources have different tokenizer.json files "
-            f"({', '.join(str(path) for path in files)}); there is no one tokenizer to export"
-        )
-    return files[0] if files else None
+    """The tokenizer file a run's ``data`` section used, to copy beside the weights
+    (``export_tokens``'s ``file``): ``data.tokenizer`` when it is a file (the byte
+    tokenizer has none), else the ``tokenizer.json`` of the ``data.tokens`` shard
+    directory or of the sources of a ``data.mixture``."""
+    return export_tokens(data).file

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from speedtronic.config import ConfigError
+from speedtronic.data.tokenizer import HF_EXTRA
 from speedtronic.engine.batch import loss_from_logits
 from speedtronic.optimizers.routing import ROLE_ATTRIBUTE
 
@@ -52,7 +53,8 @@ __all__ = [
     "require_module",
 ]
 
-HF_INSTALL_HINT = 'pip install "speedtronic[hf]"'
+HF_INSTALL_HINT = HF_EXTRA
+"""The install line of the ``hf`` extra (one declaration, in ``speedtronic.data.tokenizer``)."""
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"

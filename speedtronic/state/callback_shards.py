@@ -29,6 +29,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from speedtronic.state.errors import CheckpointError, CorruptCheckpointError
 from speedtronic.state.sharded_checkpoint import (
     CALLBACK_SHARDS,
     SHARDED_DIRECTORY,
@@ -62,8 +63,6 @@ def _take_shards(
 ) -> dict[object, object]:
     """``tree`` without its ``DTensor`` leaves, which are appended to ``found``.
     ``CheckpointError`` for a leaf in a list or below a key that is not a string."""
-    from speedtronic.state.checkpoint import CheckpointError
-
     kept: dict[object, object] = {}
     for key, value in tree.items():
         where = (*path, key)
@@ -110,8 +109,6 @@ def split_callback_shards(
 
 
 def _shard_paths(value: object) -> list[ShardPath]:
-    from speedtronic.state.checkpoint import CorruptCheckpointError
-
     if value is None:
         return []
     if not isinstance(value, list) or not all(
@@ -151,8 +148,6 @@ def _template(size: Sequence[int], dtype: torch.dtype, layout: object) -> torch.
 
 
 def _insert(states: CallbackStates, path: ShardPath, tensor: torch.Tensor) -> None:
-    from speedtronic.state.checkpoint import CorruptCheckpointError
-
     node = cast(dict[str, object], states)
     for key in path[:-1]:
         child = node.get(key, {})
@@ -192,8 +187,6 @@ def with_callback_shards(
     for index, path in enumerate(paths):
         entry = saved.get(str(index))
         if entry is None:
-            from speedtronic.state.checkpoint import CorruptCheckpointError
-
             raise CorruptCheckpointError(
                 f"sharded checkpoint {directory} lists callback tensor {_describe(path)} "
                 f"({CALLBACK_SHARDS}.{index}), which its shards do not hold"

@@ -24,13 +24,10 @@ from pathlib import Path
 
 import torch
 
-# _TENSOR_TYPES: the snapshot copies byte-wise exactly the tensor types plain_state admits.
-from speedtronic.state.checkpoint import (
-    _TENSOR_TYPES,
-    CheckpointError,
-    CheckpointManager,
-    plain_state,
-)
+from speedtronic.state.checkpoint import CheckpointError, CheckpointManager
+
+# TENSOR_TYPES: the snapshot copies byte-wise exactly the tensor types plain_state admits.
+from speedtronic.state.safe_load import TENSOR_TYPES, plain_state
 
 __all__ = ["AsyncCheckpointWriter", "LatestJobWorker", "Snapshot", "StateSnapshot"]
 
@@ -132,7 +129,7 @@ class _SnapshotWalk:
         return value  # numbers, strings, None, dtypes: immutable
 
     def copy_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.layout != torch.strided or type(tensor) not in _TENSOR_TYPES:
+        if tensor.layout != torch.strided or type(tensor) not in TENSOR_TYPES:
             return tensor.detach().to("cpu", copy=True)  # rare layouts: a plain blocking copy
         source = tensor.untyped_storage()
         key = (source.data_ptr(), str(tensor.device))

@@ -67,17 +67,12 @@ from speedtronic.state.atomic_io import (
     create_temporary_directory,
     fsync_directory,
 )
-from speedtronic.state.checkpoint import (
-    MAX_POINTER_BYTES,
-    POINTER_NAME,
-    CheckpointError,
-    CheckpointManager,
-    archive_checksum,
-    atomic_json_dump,
-    checkpoint_step,
-)
+from speedtronic.state.archive import archive_checksum
+from speedtronic.state.checkpoint import CheckpointError, CheckpointManager
 from speedtronic.state.checkpoint_async import LatestJobWorker
 from speedtronic.state.errors import first_line
+from speedtronic.state.layout import POINTER_NAME, checkpoint_step
+from speedtronic.state.pointer import MAX_POINTER_BYTES, atomic_json_dump
 from speedtronic.state.sharded_checkpoint import MANIFEST_NAME, SHARDED_SUFFIX
 
 if TYPE_CHECKING:

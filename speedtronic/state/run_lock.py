@@ -38,6 +38,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Protocol, runtime_checkable
 
+from speedtronic.state.append_io import PlantedLinkError, open_to_append, system_path
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows: the PID in the file is all we have
@@ -56,7 +58,6 @@ __all__ = [
     "claim_run_directory",
     "earlier_run_files",
     "launched_as_main_process",
-    "locked_run_directory",
     "resolve_run_path",
 ]
 
@@ -76,9 +77,13 @@ def launched_as_main_process() -> bool:
     return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
+_MAX_PID = 2**31 - 1
+"""No process has a PID above this (``pid_t`` is 32 bits); ``os.kill`` overflows beyond it."""
+
+
 def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
+    if not 0 < pid <= _MAX_PID:
+        return False  # no process has it (the lock file is anyone's to write)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -132,7 +137,12 @@ class RunDirectoryLock:
         if self._handle is not None:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        handle = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115  # held until release
+        try:  # held until release; never through a link planted at the lock's name
+            handle = open_to_append(self.path, read=True)
+        except PlantedLinkError as exc:
+            raise RunDirectoryError(
+                f"cannot lock {self.what}: lock file {exc.filename}: {exc.strerror}"
+            ) from None
         try:
             self._lock_or_refuse(handle)
         except BaseException:
@@ -162,7 +172,7 @@ class RunDirectoryLock:
         """The file names a holder although nobody holds the ``flock`` (or there is none)."""
         pid = holder.get("pid")
         same_host = holder.get("host") == socket.gethostname()
-        if not same_host or not isinstance(pid, int):
+        if not same_host or not isinstance(pid, int) or isinstance(pid, bool):
             raise self._in_use(holder, hint="if that run is gone, delete the lock file")
         alive = _pid_alive(pid)
         if fcntl is None and alive and pid != os.getpid():
@@ -291,16 +301,6 @@ def check_earlier_run(files: Sequence[Path], *, resume: bool, overwrite: bool) -
     )
 
 
-@contextlib.contextmanager
-def locked_run_directory(directory: Path, *, enabled: bool = True) -> Iterator[None]:
-    """Hold ``RunDirectoryLock(directory)`` for the block (nothing when not ``enabled``)."""
-    if not enabled:
-        yield
-        return
-    with RunDirectoryLock(directory):
-        yield
-
-
 # -- the other paths a run writes -----------------------------------------------------------
 
 
@@ -384,7 +384,13 @@ class RunClaim:
             for directory in declared.directories:
                 self._cover(self._absolute(directory), writer, is_directory=True)
             for file in declared.files:
-                self._cover(self._absolute(file), writer, is_directory=False)
+                absolute = resolve_run_path(file, self.directory)
+                if system_path(absolute):  # /dev/stdout, /dev/null: nothing to keep apart
+                    continue
+                # The file's own name is kept: a link planted there is its writer's to
+                # refuse, never a reason to put a lock file beside whatever it leads to.
+                named = absolute.parent.resolve() / absolute.name
+                self._cover(named, writer, is_directory=False)
 
     def _absolute(self, path: Path) -> Path:
         return resolve_run_path(path, self.directory).resolve()

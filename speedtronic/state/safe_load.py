@@ -1,6 +1,7 @@
-"""The one place where checkpoint bytes become Python objects: a weights-only unpickle.
+"""What may go into a checkpoint and what may come out of one: the weights-only rule.
 
-Every unpickling path of the storage layer goes through ``restricted_load``: a plain
+The one place where checkpoint bytes become Python objects is ``restricted_load``, a
+weights-only unpickle. Every unpickling path of the storage layer goes through it: a plain
 checkpoint file, a sharded checkpoint's ``state.pt`` and ``.metadata``, and every record of
 its ``.distcp`` shards -- tensors and the non-tensor "bytes" records (optimizer settings and
 the like) that ``torch.distributed.checkpoint``'s default planner would unpickle with
@@ -8,35 +9,38 @@ the like) that ``torch.distributed.checkpoint``'s default planner would unpickle
 for that reason). ``speedtronic evaluate --checkpoint`` and resume load through the same
 functions. So a single function decides what may come back: tensors, plain data, and the
 classes a caller names for one load (DCP's metadata dataclasses), nothing that runs code.
+Why a refusal happened -- tampering or damage -- is ``speedtronic.state.pickle_scan``'s
+verdict. Hub files (DiLoCo deltas) are safetensors, which hold no pickle at all.
 
-A refusal is classified here too: bytes that are a well-formed pickle referencing anything
-else are *unsafe* (``UnsafeCheckpointError``: tampering, never stepped over silently); bytes
-that do not unpickle at all are *damage* (``CorruptCheckpointError``: an older checkpoint may
-be used instead). Hub files (DiLoCo deltas) are safetensors, which hold no pickle at all.
+Saves check the same rule up front (``plain_state``), so a callback that puts an arbitrary
+object in its state fails at save time with the key that is wrong, not at resume time.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import pickle
-import pickletools
-import re
-import zipfile
-from collections.abc import Callable, Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
-from speedtronic.state.errors import CorruptCheckpointError, UnsafeCheckpointError, first_line
+from speedtronic.state.errors import CheckpointError, CorruptCheckpointError, first_line
+from speedtronic.state.pickle_scan import classify_refusal, pickled_globals
 
-__all__ = ["SafeGlobal", "pickled_globals", "restricted_load"]
+__all__ = [
+    "MAX_STATE_DEPTH",
+    "TENSOR_TYPES",
+    "SafeGlobal",
+    "pickled_globals",
+    "plain_state",
+    "restricted_load",
+]
 
 SafeGlobal = Callable[..., object] | tuple[Callable[..., object], str]
 """A class (or ``(class, "module.Name")``) a weights-only load may build, as torch takes them."""
-
-_FORBIDDEN_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
 
 
 def restricted_load(
@@ -54,7 +58,7 @@ def restricted_load(
         with _allowing(allowed):
             return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        raise _refusal(name, source, exc) from exc
+        raise classify_refusal(name, source, exc) from exc
     except Exception as exc:  # torch: OSError/RuntimeError/EOFError/KeyError/... for damage
         # A zip cut short is an OSError from torch ("[Errno 22] Invalid argument"): callers
         # check that a file can be read at all before, so here it is damage, not access.
@@ -73,82 +77,94 @@ def _allowing(allowed: Sequence[SafeGlobal]) -> Iterator[None]:
         yield
 
 
-def _refusal(
-    name: str, source: Path | BinaryIO, exc: pickle.UnpicklingError
-) -> CorruptCheckpointError | UnsafeCheckpointError:
-    """What a weights-only refusal means: a well-formed pickle stream that the safe
-    unpickler would not run is *unsafe* (any protocol, however deep the object sits); only
-    a stream that is not a pickle at all is damage."""
-    names = pickled_globals(_pickle_stream(source))
-    if names is None:
-        return CorruptCheckpointError(
-            f"checkpoint {name} is unreadable (corrupt pickle data): {first_line(exc)}"
-        )
-    named = _FORBIDDEN_GLOBAL.search(str(exc))
-    suspects = [global_ for global_ in names if global_.split(".")[0] not in _ROUTINE_MODULES]
-    culprit = named.group(1) if named else (suspects or names or ["pickle opcodes"])[0]
-    return UnsafeCheckpointError(
-        f"refusing to load {name}: it contains a pickled Python object ({culprit}), and "
-        "loading it could run arbitrary code. speedtronic checkpoints hold only tensors and "
-        "plain data (torch.load weights_only=True). If you wrote this file yourself and "
-        "trust it, convert it with torch.load(weights_only=False) in a separate script."
-    )
+# -- what may go into a checkpoint ----------------------------------------------------------
+
+_PLAIN_LEAVES = (bool, int, float, complex, str, bytes, bytearray, type(None))
+_TORCH_LEAVES = (torch.Size, torch.dtype, torch.device)
+TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+"""The tensor types a checkpoint holds as they are (``checkpoint_async`` copies exactly these)."""
 
 
-_ROUTINE_MODULES = frozenset({"torch", "collections", "builtins", "_codecs", "numpy"})
-"""Modules of the globals every checkpoint references (tensor rebuilds, OrderedDict): the
-error names another one when there is one."""
-_PICKLE_SCAN_LIMIT = 64 * 1024 * 1024
+class _NotPlain(Exception):
+    """Internal: where a state holds something a weights-only load refuses."""
 
 
-def _pickle_stream(source: Path | BinaryIO) -> bytes:
-    """The object pickle of a checkpoint: ``data.pkl`` of a zip archive, else the start of
-    the bytes (a plain or legacy-format pickle). Read only to explain a refusal; a stream
-    (a record of a shard, whose view seeks only forward from its end) is read into memory
-    first, bounded."""
-    if not isinstance(source, Path):
-        source.seek(0)
-        source = io.BytesIO(source.read(_PICKLE_SCAN_LIMIT))
+def plain_state(state: Mapping[str, object]) -> dict[str, object]:
+    """``state`` in the form ``torch.load(weights_only=True)`` accepts, or ``CheckpointError``.
+
+    Allowed: tensors, numbers, strings, bytes, ``None``, torch sizes/dtypes/devices, and
+    dicts/lists/tuples/sets of those. Containers are rebuilt (tensors are not copied) and
+    subclasses of the plain types become the plain type -- a ``str`` subclass such as
+    ``torch.__version__``, an ``IntEnum``, a ``defaultdict``, a named tuple -- because a
+    subclass would be pickled by class name and refused on load. Anything else is an error
+    naming where it sits, e.g. ``state['callbacks']['ema']['fn'] is a builtins.function``.
+    """
     try:
-        with zipfile.ZipFile(source) as archive:
-            pickles = [n for n in archive.namelist() if n.rsplit("/", 1)[-1] == "data.pkl"]
-            if pickles:
-                with archive.open(min(pickles, key=len)) as record:
-                    return record.read(_PICKLE_SCAN_LIMIT)
-    except Exception:  # not a zip archive: the bytes themselves are the pickle
-        pass
-    if isinstance(source, Path):
-        with open(source, "rb") as handle:
-            return handle.read(_PICKLE_SCAN_LIMIT)
-    return source.getvalue()
+        plain = _PlainWalk().plain(dict(state), "state")
+    except _NotPlain as exc:
+        raise CheckpointError(
+            f"cannot checkpoint this state: {exc}; checkpoints may hold only tensors, numbers, "
+            "strings, None and dicts/lists/tuples of those (they are loaded with "
+            "torch.load(weights_only=True), which refuses pickled objects)"
+        ) from None
+    assert isinstance(plain, dict)
+    return plain
 
 
-_STRING_ARGS = frozenset({"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"})
-_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
-_MEMO_GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
+MAX_STATE_DEPTH = 100
+"""Deepest nesting of containers a checkpointed state may have (a model's state is ~5)."""
 
 
-def pickled_globals(stream: bytes) -> list[str] | None:
-    """The ``module.name`` globals a pickle stream references, in order; ``None`` when the
-    bytes are not one well-formed pickle (bounded: a single linear pass, no objects built)."""
-    names: list[str] = []
-    memo: dict[object, object] = {}
-    recent: list[object] = []  # the arguments of the last pushes (for STACK_GLOBAL)
-    try:
-        for opcode, arg, _ in pickletools.genops(stream):
-            if opcode.name in ("GLOBAL", "INST"):
-                names.append(str(arg).replace(" ", "."))
-            elif opcode.name == "STACK_GLOBAL":
-                module, global_name = ([None, None, *recent])[-2:]
-                names.append(f"{module}.{global_name}")
-            elif opcode.name in _MEMO_PUTS or opcode.name == "MEMOIZE":
-                key = len(memo) if opcode.name == "MEMOIZE" else arg
-                memo[key] = recent[-1] if recent else None
-                continue
-            elif opcode.name in _MEMO_GETS:
-                recent = [*recent[-1:], memo.get(arg)]
-                continue
-            recent = [*recent[-1:], arg if opcode.name in _STRING_ARGS else None]
-    except Exception:  # ValueError for unknown opcodes, truncation, bad arguments
-        return None
-    return names
+class _PlainWalk:
+    """One ``plain_state`` pass: the containers on the path from the root (for cycles)."""
+
+    def __init__(self) -> None:
+        self.ancestors: dict[int, str] = {}
+
+    def plain(self, value: object, where: str) -> object:
+        kind = type(value)
+        if kind in TENSOR_TYPES or kind in _PLAIN_LEAVES or isinstance(value, _TORCH_LEAVES):
+            return value
+        if isinstance(value, torch.Tensor):
+            raise _NotPlain(f"{where} is a tensor subclass {kind.__module__}.{kind.__qualname__}")
+        if isinstance(value, str):
+            return str(value)
+        if isinstance(value, int):
+            return int(value)
+        if isinstance(value, float):
+            return float(value)
+        if isinstance(value, dict | list | tuple | set):
+            return self.container(value, where)
+        raise _NotPlain(f"{where} is a {kind.__module__}.{kind.__qualname__}")
+
+    def container(
+        self,
+        value: dict[object, object] | list[object] | tuple[object, ...] | set[object],
+        where: str,
+    ) -> object:
+        key = id(value)
+        if key in self.ancestors:
+            raise _NotPlain(f"{where} refers back to {self.ancestors[key]} (a cycle)")
+        if len(self.ancestors) >= MAX_STATE_DEPTH:
+            raise _NotPlain(f"{where} is nested more than {MAX_STATE_DEPTH} containers deep")
+        self.ancestors[key] = where
+        try:
+            return self.rebuild(value, where)
+        finally:
+            del self.ancestors[key]
+
+    def rebuild(
+        self,
+        value: dict[object, object] | list[object] | tuple[object, ...] | set[object],
+        where: str,
+    ) -> object:
+        if isinstance(value, dict):
+            items = [
+                (self.plain(k, f"{where} key {k!r}"), self.plain(v, f"{where}[{k!r}]"))
+                for k, v in value.items()
+            ]
+            return OrderedDict(items) if isinstance(value, OrderedDict) else dict(items)
+        parts = [self.plain(item, f"{where}[{index}]") for index, item in enumerate(value)]
+        if isinstance(value, list):
+            return parts
+        return tuple(parts) if isinstance(value, tuple) else set(parts)

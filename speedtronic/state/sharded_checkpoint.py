@@ -58,9 +58,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from speedtronic.state.archive import load_checkpoint_file
 from speedtronic.state.atomic_io import create_temporary_directory
 from speedtronic.state.errors import CheckpointError, CorruptCheckpointError, first_line
+from speedtronic.state.layout import SHARDED_SUFFIX
 from speedtronic.state.model_fit import Shape, model_mismatch, tensor_shapes
+from speedtronic.state.safe_load import plain_state
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -85,8 +88,6 @@ __all__ = [
     "write_sharded",
 ]
 
-SHARDED_SUFFIX = ".dcp"
-"""The suffix of a sharded checkpoint directory (``step_<12 digits>.dcp``)."""
 STATE_NAME = "state.pt"
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -167,7 +168,6 @@ def write_sharded(path: Path, state: Mapping[str, object]) -> str:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from speedtronic.state import dcp_io
-    from speedtronic.state.checkpoint import plain_state
 
     rest = plain_state(
         {key: value for key, value in state.items() if key not in (*TENSOR_KEYS, SHARDED_MARKER)}
@@ -386,8 +386,6 @@ def agree_corrupt(verdict: int) -> int:
 def read_sharded_state(path: Path) -> dict[str, object]:
     """The non-tensor part of a verified sharded checkpoint (weights-only), marked with the
     directory the tensors are to be loaded from (``load_sharded_tensors``)."""
-    from speedtronic.state.checkpoint import load_checkpoint_file
-
     state = load_checkpoint_file(path / STATE_NAME)
     state[SHARDED_MARKER] = True
     state[SHARDED_DIRECTORY] = str(path)

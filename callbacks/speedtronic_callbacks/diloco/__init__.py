@@ -3,22 +3,26 @@
 Registered as the ``diloco`` callback plugin (entry point
 ``diloco = "speedtronic_callbacks.diloco:DiLoCoCallback"``). See ``docs/distributed.md``.
 
-Modules, one concept each:
+Modules, one concept each (docs/distributed.md, "Where the code is"):
 
-* ``math`` -- pseudo-gradients, aggregation, the outer Nesterov optimizer;
+* the algorithm, shared by every mode: ``math`` -- pseudo-gradients, the delta-carry
+  rule, the outer Nesterov optimizer; ``aggregation`` -- outlier screening and work
+  weighting; ``fragments`` -- streaming fragments; ``encoding`` -- the ``delta_dtype``
+  codecs;
 * ``model_layout`` -- what a model's files must contain (exchanged keys, shapes, tied
   weights) and its fingerprint;
-* ``wire`` -- the exchanged tensor files (safetensors + signed metadata) and their
-  validation; ``pointer`` -- the hub pointer naming the current global files;
+* ``wire`` and ``fields`` -- the exchanged tensor files (safetensors + signed metadata) and
+  their validation; ``pointer`` -- the hub pointer naming the current global files;
+  ``hub_files`` -- the hub's file names and the master state a version holds;
 * ``transport_base`` -- the ``Transport`` interface, its errors, retries and timeouts;
   ``directory_transport`` and ``hub_transport`` -- one store per kind;
 * ``lanes`` -- bounded background I/O;
-* ``master`` -- the outer loop; ``node`` -- the per-step state machine;
+* ``master`` -- the outer loop, with ``recovery`` (start-up from the hub) and ``hub_gc``
+  (deleting applied deltas and old versions); ``node`` -- the per-step state machine;
 * ``options`` -- the plugin's options and its 2.0 ``distributed:`` section;
 * ``callback`` -- the ``Callback`` itself and the plugin's builder; ``collective`` -- the
   torch.distributed mode.
 
-``tensors`` and ``transport`` are the former module names, kept as re-exports;
 ``original_api`` holds 2.0's Python API (``HubClient``, ``DumbDiLoCoCoordinator``, ...) and
 ``legacy_hub`` reads a hub written by 2.0.
 """

@@ -1,7 +1,8 @@
 """Robust aggregation and work weighting of pseudo-gradients (hub master and collective).
 
 Two rules, both pure arithmetic on norms and counts so the hub master and every rank of a
-collective run compute the same answer from the same numbers:
+collective run compute the same answer from the same numbers (and both keep their memory of
+recent rounds in ``Screens``):
 
 **Outlier screening** (``outlier_policy``, ``outlier_factor``, ``outlier_window``). The
 reference is the median of the recent norms (``NormHistory``: the last ``window`` norms
@@ -29,7 +30,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,10 +43,13 @@ __all__ = [
     "NormHistory",
     "RobustSettings",
     "Screening",
+    "Screens",
     "replica_coefficients",
+    "replica_weights",
     "screen",
     "state_norm",
     "work_cap",
+    "work_shares",
     "work_unit",
     "work_weights",
 ]
@@ -150,6 +154,45 @@ def screen(
     return Screening(tuple(factors), bound)
 
 
+class Screens:
+    """The outlier rule's memory across rounds: one ``NormHistory`` per group of figures
+    that are comparable -- the pseudo-gradient norms of one streaming fragment (``"p/P"``;
+    ``""``: the whole model), or the work claims in one unit -- and which reference a round
+    is judged by. The hub master keeps one for norms and one for work; a collective run one
+    for norms, on every rank alike."""
+
+    def __init__(self, settings: RobustSettings) -> None:
+        self.settings = settings
+        self.histories: dict[str, NormHistory] = {}
+
+    def history(self, group: str) -> NormHistory:
+        """The recent applied figures of ``group`` (created empty)."""
+        history = self.histories.get(group)
+        if history is None:
+            history = self.histories[group] = NormHistory(self.settings.window)
+        return history
+
+    def judge(
+        self,
+        group: str,
+        values: Sequence[float],
+        model_norm: Callable[[], float] | None = None,
+    ) -> Screening:
+        """``screen`` one round's ``values`` of ``group`` against its history (unchanged:
+        ``record`` what was applied once the round is committed). While the history and the
+        round hold fewer than ``MIN_REFERENCE`` figures, ``model_norm()`` -- the norm of the
+        global entries the pseudo-gradients move, computed only then -- sets the bound."""
+        history = self.history(group)
+        reference = None
+        if model_norm is not None and len(history.norms) + len(values) < MIN_REFERENCE:
+            reference = model_norm()
+        return screen(values, history, self.settings, reference)
+
+    def record(self, group: str, applied: Iterable[float]) -> None:
+        """Remember ``group``'s figures as applied (``Screening.applied_norms``)."""
+        self.history(group).record(applied)
+
+
 def work_unit(tokens: Sequence[int], samples: Sequence[int]) -> str | None:
     """What weights a round: ``"tokens"`` when every delta reports tokens, else
     ``"samples"`` when every one reports samples, else ``None`` (equal weights)."""
@@ -174,9 +217,15 @@ def work_weights(tokens: Sequence[int], samples: Sequence[int]) -> list[float]:
     """``work_i / mean(work)`` by tokens, else samples, else 1 (see the module docstring)."""
     for counts in (tokens, samples):
         if counts and all(count > 0 for count in counts):
-            mean = sum(counts) / len(counts)
-            return [count / mean for count in counts]
+            return work_shares(counts)
     return [1.0] * max(len(tokens), len(samples))
+
+
+def work_shares(figures: Sequence[float]) -> list[float]:
+    """Each figure's share of a round's work, ``figure / mean(figures)`` (exactly 1 when
+    they are equal, so a round of equal work averages plainly)."""
+    mean = sum(figures) / len(figures)
+    return [figure / mean for figure in figures]
 
 
 def state_norm(state: StateDict, keys: Iterable[str] | None = None) -> float:
@@ -200,19 +249,28 @@ def replica_coefficients(
     model_norm: float | None = None,
 ) -> tuple[list[float], Screening]:
     """Collective mode: what each replica's pseudo-gradient is multiplied by before the
-    replicas' sum is divided by their count. Screening factors times work weights (over
-    the replicas kept), rescaled by ``count / kept`` so that leaving one out averages the
-    others; all zeros when none is kept. ``history`` is not changed."""
+    replicas' sum is divided by their count (``replica_weights`` of this round's
+    ``screen``). ``history`` is not changed."""
     screening = screen(norms, history, settings, model_norm)
+    return replica_weights(screening, tokens, samples, weight_by_work=weight_by_work), screening
+
+
+def replica_weights(
+    screening: Screening, tokens: Sequence[int], samples: Sequence[int], *, weight_by_work: bool
+) -> list[float]:
+    """Screening factors times work weights (over the replicas kept), rescaled by
+    ``count / kept`` so that leaving one out averages the others; all zeros when none is
+    kept."""
+    count = len(screening.factors)
     kept = [i for i, factor in enumerate(screening.factors) if factor > 0]
-    coefficients = [0.0] * len(norms)
+    coefficients = [0.0] * count
     if not kept:
-        return coefficients, screening
+        return coefficients
     work = [1.0] * len(kept)
     if weight_by_work:
         work = work_weights([tokens[i] for i in kept], [samples[i] for i in kept])
-    rescale = len(norms) / len(kept)
+    rescale = count / len(kept)
     for index, share in zip(kept, work, strict=True):
         coefficient = share * screening.factors[index]
         coefficients[index] = coefficient * rescale if rescale != 1.0 else coefficient
-    return coefficients, screening
+    return coefficients

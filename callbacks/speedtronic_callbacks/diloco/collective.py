@@ -64,6 +64,7 @@ import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
@@ -83,19 +84,21 @@ from speedtronic.engine.evaluation import EVAL_LOSS
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.systems.distributed import DistributedContext, ReplicaGroups, replica_groups
 from speedtronic_callbacks.diloco.aggregation import (
-    MIN_REFERENCE,
     NormHistory,
-    replica_coefficients,
+    Screens,
+    replica_weights,
     state_norm,
 )
 from speedtronic_callbacks.diloco.encoding import BLOCK_SIZE, Encoding, Packed, pack, unpack
 from speedtronic_callbacks.diloco.eval_keys import global_eval_metrics
-from speedtronic_callbacks.diloco.fragments import FragmentPlan, layout_plan
+from speedtronic_callbacks.diloco.fragments import FragmentPlan, fragment_name, layout_plan
 from speedtronic_callbacks.diloco.math import (
     NesterovOuterOptimizer,
+    carry,
     check_same_layout,
+    flatten,
     pseudo_gradient,
-    wire_shape,
+    unflatten,
 )
 from speedtronic_callbacks.diloco.model_layout import ModelLayout, build_layout
 from speedtronic_callbacks.diloco.options import (
@@ -204,10 +207,8 @@ class CollectiveDiLoCo(Callback):
         self.encoding = delta_encoding(self.options)
         self.wire_dtype = torch.float32 if self.encoding.packed else self.encoding.float_dtype
         self.robust = robust_settings(self.options)
-        self.norm_histories = [
-            NormHistory(self.robust.window) for _ in range(self.options.fragments)
-        ]
-        """Per fragment (one without fragments): the recent pseudo-gradient norms."""
+        self.screens = Screens(self.robust)
+        """The recent pseudo-gradient norms, per fragment (``norm_histories``)."""
         self.residuals: list[torch.Tensor | None] = [None] * self.options.fragments
         """Per fragment: what int8/fp4 dropped from this replica's last pseudo-gradient of
         it (error feedback)."""
@@ -351,8 +352,7 @@ class CollectiveDiLoCo(Callback):
         """A blocking exchange of ``keys`` (the whole model, or fragment ``fragment``):
         average the replicas' pseudo-gradients, step their global, load it into the model."""
         state = trainer.model.state_dict()
-        delta = pseudo_gradient(self.baseline, state, keys)
-        flat = torch.cat([delta[key].reshape(-1) for key in keys])
+        flat = flatten(pseudo_gradient(self.baseline, state, keys), keys)
         before = self.bytes_reduced
         averaged = self._exchange(flat, trainer, fragment)
         self.peak_sync_bytes = max(self.peak_sync_bytes, self.bytes_reduced - before)
@@ -366,8 +366,7 @@ class CollectiveDiLoCo(Callback):
         keys = self.plan.fragments[fragment]
         state = trainer.model.state_dict()
         snapshot = {key: _baseline_copy(state[key]) for key in keys}
-        delta = pseudo_gradient(self.baseline, snapshot, keys)
-        flat = torch.cat([delta[key].reshape(-1) for key in keys])
+        flat = flatten(pseudo_gradient(self.baseline, snapshot, keys), keys)
         flat, coefficients = self._screen(flat, trainer, fragment)
         exchange = _Exchange(
             fragment=fragment,
@@ -434,25 +433,21 @@ class CollectiveDiLoCo(Callback):
     ) -> None:
         """One outer step of ``keys`` with the mean pseudo-gradient ``averaged`` (none when
         screening left every replica out: ``_kept``); the model gets the new global
-        (``exchange`` given: plus the local progress since it started:
-        ``global + (current - snapshot)``)."""
+        (``exchange`` given: plus the local progress since it started, the delta-carry rule
+        ``math.carry``: ``global - (snapshot - current)``)."""
+        assert self.layout is not None
         self.last_pseudo_grad_norm = float(averaged.norm())
-        mean_delta: dict[str, torch.Tensor] = {}
-        offset = 0
-        for key in keys:
-            shape = wire_shape(self.baseline[key])
-            count = math.prod(shape)
-            mean_delta[key] = averaged[offset : offset + count].view(shape)
-            offset += count
         if self._kept:
-            self.outer.step(self.baseline, mean_delta)
+            shapes = {key: self.layout.wire_shapes[key] for key in keys}
+            self.outer.step(self.baseline, unflatten(averaged, shapes))
+        weights: Mapping[str, torch.Tensor] = self.baseline
+        if exchange is not None:
+            current = {key: _baseline_copy(state[key]) for key in keys}
+            weights = carry(self.baseline, pseudo_gradient(exchange.snapshot, current, keys))
         with torch.no_grad():
             for key in keys:
                 target = state[key]
-                source = self.baseline[key]
-                if exchange is not None:
-                    source = source + (_baseline_copy(target) - exchange.snapshot[key])
-                target.copy_(source.to(target.device, target.dtype))
+                target.copy_(weights[key].to(target.device, target.dtype))
         self.outer_steps += 1
 
     # -- encoding, screening and weighting (docs/distributed.md) ------------------------
@@ -488,23 +483,18 @@ class CollectiveDiLoCo(Callback):
         if self.encoding.packed and self.options.error_feedback and residual is not None:
             if residual.numel() == flat.numel():
                 flat = flat + residual
-        history = self.norm_histories[fragment]
+        name = fragment_name(fragment, self.options.fragments)
         stats = self._gather_stats(flat, trainer)
         norms = [row[0] for row in stats]
-        model_norm = None
-        if len(history.norms) + len(norms) < MIN_REFERENCE:
-            keys = None if self.plan is None else self.plan.fragments[fragment]
-            model_norm = state_norm(self.baseline, keys)
-        coefficients, screening = replica_coefficients(
-            norms,
+        keys = None if self.plan is None else self.plan.fragments[fragment]
+        screening = self.screens.judge(name, norms, partial(state_norm, self.baseline, keys))
+        coefficients = replica_weights(
+            screening,
             [int(row[1]) for row in stats],
             [int(row[2]) for row in stats],
-            history,
-            self.robust,
             weight_by_work=self.options.weight_by_work,
-            model_norm=model_norm,
         )
-        history.record(screening.applied_norms(norms))
+        self.screens.record(name, screening.applied_norms(norms))
         self._kept = screening.kept > 0
         self.outliers += len(screening.outliers)
         if screening.outliers:
@@ -527,6 +517,12 @@ class CollectiveDiLoCo(Callback):
     def norm_history(self) -> NormHistory:
         """The norm history of fragment 0 (the whole model without fragments)."""
         return self.norm_histories[0]
+
+    @property
+    def norm_histories(self) -> list[NormHistory]:
+        """Per fragment (one without fragments): the recent pseudo-gradient norms."""
+        count = self.options.fragments
+        return [self.screens.history(fragment_name(p, count)) for p in range(count)]
 
     def _replica_index(self) -> int:
         return 0 if self._groups is None else self._groups.replica_index
@@ -643,9 +639,10 @@ class CollectiveDiLoCo(Callback):
             else None
             for item in residuals
         ]
-        self.norm_histories = [
-            NormHistory.from_state(self.robust.window, item) for item in histories
-        ]
+        self.screens.histories = {
+            fragment_name(p, count): NormHistory.from_state(self.robust.window, item)
+            for p, item in enumerate(histories)
+        }
         mark = state.get("work_mark")
         if isinstance(mark, list) and len(mark) == 2:
             self._work_mark = (int(mark[0]), int(mark[1]))

@@ -35,6 +35,7 @@ __all__ = [
     "FragmentPlan",
     "aggregate_by_key",
     "find_blocks",
+    "fragment_name",
     "layout_plan",
     "plan_fragments",
     "sync_offset",
@@ -86,10 +87,20 @@ class FragmentPlan:
     def count(self) -> int:
         return len(self.fragments)
 
+    def name(self, fragment: int) -> str:
+        """Fragment ``fragment``'s name in files, histories and ledgers (``fragment_name``)."""
+        return fragment_name(fragment, self.count)
+
     def due(self, step: int) -> list[int]:
         """The fragments that synchronise at ``step`` (ascending)."""
         phase = step % self.inner_steps
         return [p for p, offset in enumerate(self.offsets) if offset == phase]
+
+
+def fragment_name(fragment: int, fragments: int) -> str:
+    """``"p/P"``: how a delta file, a norm history and the ledger name fragment ``p`` of
+    ``P``; ``""`` (the whole model) when there is one fragment."""
+    return "" if fragments == 1 else f"{fragment}/{fragments}"
 
 
 def sync_offset(fragment: int, fragments: int, inner_steps: int) -> int:

@@ -32,6 +32,12 @@ Restart: ``reconcile`` treats the published pointer as the source of truth unles
 master's checkpoint is ahead of it. A master resumed from an older checkpoint adopts the
 newer published global, momentum and ledger instead of rolling the hub back, so nothing is
 applied twice.
+
+Apart from this module: the algorithm of a round -- screening (``aggregation.Screens``),
+work shares, the weighted mean (``fragments.aggregate_by_key``) and the outer Nesterov step
+(``math``) -- which the collective exchange shares; reading the versions a hub offers at
+start-up (``recovery``); deleting applied deltas and old versions (``hub_gc``); the hub's
+file names and ``OuterState`` (``hub_files``); and the files' codecs (``wire``, ``pointer``).
 """
 
 from __future__ import annotations
@@ -39,34 +45,39 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import torch
 
+from speedtronic.state.append_io import open_to_append
 from speedtronic_callbacks.diloco.aggregation import (
-    MIN_REFERENCE,
     NormHistory,
     RobustSettings,
     Screening,
-    screen,
+    Screens,
     state_norm,
     work_cap,
+    work_shares,
     work_unit,
 )
-from speedtronic_callbacks.diloco.fields import MAX_STEP, NODE_ID_PATTERN
+from speedtronic_callbacks.diloco.fields import NODE_ID_PATTERN
 from speedtronic_callbacks.diloco.fragments import aggregate_by_key
-from speedtronic_callbacks.diloco.legacy_hub import (
-    V2Pointer,
-    decode_v2_global,
-    is_v2_delta,
-    read_v2_pointer,
+from speedtronic_callbacks.diloco.hub_files import (
+    DELTA_PATH_PATTERN,
+    DeltaName,
+    OuterState,
+    clone_state,
+    delta_path,
+    parse_delta_path,
 )
+from speedtronic_callbacks.diloco.hub_gc import delete_applied, stale_globals
+from speedtronic_callbacks.diloco.legacy_hub import V2Pointer, read_v2_pointer
 from speedtronic_callbacks.diloco.math import (
     NesterovOuterOptimizer,
     StateDict,
@@ -81,6 +92,7 @@ from speedtronic_callbacks.diloco.pointer import (
     model_file_name,
     outer_file_name,
 )
+from speedtronic_callbacks.diloco.recovery import HubVersions
 from speedtronic_callbacks.diloco.transport_base import (
     RemoteFile,
     Replaced,
@@ -97,8 +109,6 @@ from speedtronic_callbacks.diloco.wire import (
     covered_from_json,
     covered_to_json,
     decode_delta,
-    decode_global,
-    decode_outer,
     encode_global,
     encode_outer,
     largest_file_bytes,
@@ -124,52 +134,6 @@ __all__ = [
     "delta_path",
     "parse_delta_path",
 ]
-
-DELTA_PATH_PATTERN = re.compile(
-    r"^nodes/(?P<node>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})/"
-    r"delta_(?P<step>\d+)_(?P<hash>[0-9a-f]{16})\.safetensors$"
-)
-
-
-@dataclass(frozen=True)
-class DeltaName:
-    """What a delta's path claims (checked against its signed header once downloaded)."""
-
-    node_id: str
-    local_step: int
-    hash_prefix: str
-
-
-def delta_path(node_id: str, local_step: int, sha256: str) -> str:
-    """``nodes/<node>/delta_<step>_<hash16>.safetensors``: the content hash in the name
-    makes a re-upload of the same delta land on the same path (idempotent), and a
-    different delta for the same step land next to it instead of overwriting it."""
-    if not NODE_ID_PATTERN.match(node_id):
-        raise ValueError(f"invalid node id {node_id!r}")
-    return f"nodes/{node_id}/delta_{local_step}_{sha256[:16]}.safetensors"
-
-
-def parse_delta_path(path: str) -> DeltaName | None:
-    """The parts of a well-formed delta path, or ``None`` for anything else."""
-    match = DELTA_PATH_PATTERN.match(path)
-    if match is None:
-        return None
-    return DeltaName(match["node"], int(match["step"]), match["hash"])
-
-
-def clone_state(state: StateDict) -> dict[str, torch.Tensor]:
-    return {key: value.detach().to("cpu").clone() for key, value in state.items()}
-
-
-@dataclass
-class OuterState:
-    """The master's state. Tensors are never modified in place once committed (a round
-    builds new ones), so a snapshot can share them safely."""
-
-    global_state: dict[str, torch.Tensor]
-    momentum: dict[str, torch.Tensor]
-    outer_step: int
-    ledger: Ledger = field(default_factory=Ledger)
 
 
 @dataclass(frozen=True)
@@ -307,15 +271,16 @@ class MasterLoop:
         self._expected_pointer: tuple[int, str] | None = None
         self._known_applied: dict[str, str] = {}
         self._paused: str | None = None
-        self._norms: dict[str, NormHistory] = {}
+        self._norms = Screens(settings.robust)
         """Outlier history per streaming fragment (``""``: whole-model deltas)."""
-        self._works: dict[str, NormHistory] = {}
+        self._works = Screens(settings.robust)
         """Recent applied work figures per unit (``tokens``, ``samples``)."""
         self._step_work = (0, 0)
         """The most tokens and samples one step of this master's own training took (0:
         not measured yet), the default per-step work cap."""
         self._capped: set[str] = set()
         """Nodes whose claimed work was capped (logged once per node)."""
+        self._versions = HubVersions(transport, layout, settings.node_id, settings.secret)
         transport.limit_file_size(settings.max_file_bytes or largest_file_bytes(layout))
 
     # -- single master per hub (per process) -------------------------------------------
@@ -375,14 +340,14 @@ class MasterLoop:
             "progress": progress_to_json(snapshot.ledger.progress),
             "covered": covered_to_json(snapshot.ledger.covered),
             "rejected": rejected,
-            "norm_history": self._history("").to_list(),
+            "norm_history": self._norms.history("").to_list(),
             "fragment_norm_history": {
                 fragment: history.to_list()
-                for fragment, history in sorted(self._norms.items())
+                for fragment, history in sorted(self._norms.histories.items())
                 if fragment
             },
             "work_history": {
-                unit: history.to_list() for unit, history in sorted(self._works.items())
+                unit: history.to_list() for unit, history in sorted(self._works.histories.items())
             },
             "step_work": list(self._step_work),
         }
@@ -424,11 +389,11 @@ class MasterLoop:
         ):
             raise ValueError("diloco master state: 'step_work' must be [tokens, samples]")
         with self._lock:
-            self._works = {
+            self._works.histories = {
                 str(unit): NormHistory.from_state(window, value) for unit, value in works.items()
             }
             self._step_work = (int(step_work[0]), int(step_work[1]))
-            self._norms = norms
+            self._norms.histories = norms
             self._state = OuterState(global_state, momentum, outer_step, ledger)
             self._reconciled = False
             if isinstance(rejected, Mapping):
@@ -500,12 +465,8 @@ class MasterLoop:
         if local is not None and local.outer_step > legacy.outer_step:
             state = local
         else:
-            data = self.transport.get(legacy.model_file)
-            if data is None:
-                raise Rejected(RejectionReason.CORRUPT, f"2.0 hub: {legacy.model_file} is missing")
-            global_state = decode_v2_global(data, self.layout)
-            state = OuterState(global_state, {}, legacy.outer_step, Ledger())
-        leftover = sum(1 for entry in self.transport.list_files("nodes") if is_v2_delta(entry.path))
+            state = self._versions.read_v2(legacy)
+        leftover = self._versions.v2_deltas()
         self._publish(state, applied=(), judge=False)
         logger.warning(
             "diloco master %s continued a speedtronic 2.0 hub at %s from outer step %d "
@@ -522,10 +483,10 @@ class MasterLoop:
         """Adopt ``pointer``'s version, unless the hub holds a newer complete version that
         validates: then the pointer is an old one put back, and the newer version is
         adopted and republished (versions only move forward)."""
-        newest = self._newest_published_step()
+        newest = self._versions.newest_complete_step()
         if newest > pointer.outer_step:
             try:
-                state = self._adopt_files(newest, None, None)
+                state = self._versions.read(newest)
             except (Rejected, UnreadableFileError) as exc:
                 logger.warning(
                     "diloco master: files of outer step %d are on the hub but unusable (%s)",
@@ -547,70 +508,9 @@ class MasterLoop:
         self._expected_pointer = (pointer.outer_step, pointer.master)
         return state
 
-    def _newest_published_step(self) -> int:
-        """The highest outer step with both a model and an outer file on the hub, or -1."""
-        models: set[int] = set()
-        outers: set[int] = set()
-        for entry in self.transport.list_files("global"):
-            step = _global_file_step(entry.path)
-            if step is not None:
-                (models if "/model_" in entry.path else outers).add(step)
-        return max(models & outers, default=-1)
-
     def _adopt(self, pointer: Pointer) -> OuterState:
         """Load the published global and outer state of ``pointer``."""
-        return self._adopt_files(pointer.outer_step, pointer.model_sha256, pointer.outer_sha256)
-
-    def _adopt_files(
-        self, outer_step: int, model_sha256: str | None, outer_sha256: str | None
-    ) -> OuterState:
-        """Load the global and outer state files of ``outer_step`` (with the content
-        hashes a pointer names, when adopting a pointer)."""
-        secret = self.settings.secret
-        model_file, outer_file = model_file_name(outer_step), outer_file_name(outer_step)
-        model_bytes = self.transport.get(model_file)
-        if model_bytes is None:
-            raise Rejected(RejectionReason.CORRUPT, f"{model_file} is missing")
-        global_state = decode_global(
-            model_bytes,
-            self.layout,
-            secret=secret,
-            outer_step=outer_step,
-            expected_sha256=model_sha256,
-        )
-        try:
-            outer_bytes = self.transport.get(outer_file)
-            if outer_bytes is None:
-                raise Rejected(RejectionReason.CORRUPT, f"{outer_file} is missing")
-            momentum, ledger = decode_outer(
-                outer_bytes,
-                self.layout,
-                secret=secret,
-                outer_step=outer_step,
-                expected_sha256=outer_sha256,
-            )
-        except (Rejected, UnreadableFileError) as exc:
-            # Without the ledger we cannot tell which waiting deltas were applied; treat
-            # them all as applied so that nothing is applied twice (some work may be lost).
-            logger.warning(
-                "diloco outer state for step %d unreadable (%s); momentum restarts at zero "
-                "and deltas already on the hub are skipped",
-                outer_step,
-                exc,
-            )
-            momentum = {}
-            ledger = Ledger()
-            for entry in self.transport.list_files("nodes"):
-                name = parse_delta_path(entry.path)
-                if name is not None:
-                    ledger.applied.add(name.hash_prefix)
-        logger.info(
-            "diloco master %s adopted published outer step %d from %s",
-            self.settings.node_id,
-            outer_step,
-            self.transport.location,
-        )
-        return OuterState(global_state, momentum, outer_step, ledger)
+        return self._versions.read(pointer.outer_step, pointer.model_sha256, pointer.outer_sha256)
 
     # -- one round ---------------------------------------------------------------------
 
@@ -657,13 +557,16 @@ class MasterLoop:
             with self._lock:
                 self._state = new_state
                 for fragment in set(report.norm_fragments):
-                    self._history(fragment).record(
-                        norm
-                        for norm, where in zip(report.norms, report.norm_fragments, strict=True)
-                        if where == fragment
+                    self._norms.record(
+                        fragment,
+                        (
+                            norm
+                            for norm, where in zip(report.norms, report.norm_fragments, strict=True)
+                            if where == fragment
+                        ),
                     )
                 if report.work_unit:
-                    self._work_history(report.work_unit).record(report.works)
+                    self._works.record(report.work_unit, report.works)
             report = dataclasses.replace(report, published=True, latency_s=self._clock() - started)
             self._audit(report)
             return report
@@ -824,20 +727,6 @@ class MasterLoop:
             f"{info.node_id!r}, whose steps up to {through} were applied already",
         )
 
-    def _history(self, fragment: str) -> NormHistory:
-        """The outlier history of ``fragment``'s deltas (created empty)."""
-        history = self._norms.get(fragment)
-        if history is None:
-            history = self._norms[fragment] = NormHistory(self.settings.robust.window)
-        return history
-
-    def _work_history(self, unit: str) -> NormHistory:
-        """The recent applied work figures in ``unit`` (created empty)."""
-        history = self._works.get(unit)
-        if history is None:
-            history = self._works[unit] = NormHistory(self.settings.robust.window)
-        return history
-
     def _screen(
         self, state: OuterState, accepted: list[_Accepted], rejected: list[DeltaRejection]
     ) -> list[_Accepted]:
@@ -853,12 +742,9 @@ class MasterLoop:
             groups.setdefault(item.decoded.info.fragment, []).append(item)
         bounds: dict[int, float | None] = {}
         for fragment, members in groups.items():
-            history = self._history(fragment)
-            model_norm = None
-            if len(history.norms) + len(members) < MIN_REFERENCE:
-                keys = list(members[0].decoded.tensors) if fragment else None
-                model_norm = state_norm(state.global_state, keys or self.layout.sync_keys)
-            screening = screen([m.norm for m in members], history, self.settings.robust, model_norm)
+            keys = (list(members[0].decoded.tensors) if fragment else None) or self.layout.sync_keys
+            model_norm = partial(state_norm, state.global_state, keys)
+            screening = self._norms.judge(fragment, [m.norm for m in members], model_norm)
             for member, factor in zip(members, screening.factors, strict=True):
                 member.clip, bounds[id(member)] = factor, screening.bound
         kept: list[_Accepted] = []
@@ -925,12 +811,11 @@ class MasterLoop:
                     self._log_cap(item.entry.path, info, claim, cap, unit)
                 claim = cap
             figures.append(float(claim))
-        screening = screen(figures, self._work_history(unit), self.settings.robust)
+        screening = self._works.judge(unit, figures)
         kept = self._apply_work_screening(accepted, figures, screening, unit, rejected)
         if kept:
-            mean = sum(item.work for item in kept) / len(kept)
-            for item in kept:
-                item.share = item.work / mean
+            for item, share in zip(kept, work_shares([item.work for item in kept]), strict=True):
+                item.share = share
         return kept, unit
 
     def _apply_work_screening(
@@ -1222,28 +1107,12 @@ class MasterLoop:
         logger.error("diloco master stops aggregating: %s", self.halted)
 
     def _delete(self, paths: list[str]) -> None:
-        if not paths or not self.settings.delete_applied:
-            return
-        try:
-            self.transport.delete(sorted(set(paths)))
-        except Exception as exc:  # the ledger already prevents re-application
-            logger.warning(
-                "diloco master could not delete %d applied delta(s): %s", len(paths), exc
-            )
+        if self.settings.delete_applied:
+            delete_applied(self.transport, paths)
 
     def _stale_globals(self, outer_step: int) -> list[str]:
-        """Global files older than the last ``keep_global_versions`` steps (a worker that
-        read the previous pointer can still download its files)."""
-        oldest_kept = outer_step - self.settings.keep_global_versions + 1
-        try:
-            return [
-                entry.path
-                for entry in self.transport.list_files("global")
-                if (step := _global_file_step(entry.path)) is not None and step < oldest_kept
-            ]
-        except Exception as exc:  # pruning is housekeeping: never fail a round for it
-            logger.warning("diloco master could not list old global files: %s", exc)
-            return []
+        """Global files this master no longer keeps (``hub_gc.stale_globals``)."""
+        return stale_globals(self.transport, outer_step, self.settings.keep_global_versions)
 
     def _audit(self, report: RoundReport) -> None:
         """Append the round to a local JSON-lines log (who was applied, with what weight)."""
@@ -1280,7 +1149,7 @@ class MasterLoop:
         }
         try:
             self.audit_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.audit_path, "a", encoding="utf-8") as handle:
+            with open_to_append(self.audit_path) as handle:  # never through a planted link
                 handle.write(json.dumps(record, sort_keys=True) + "\n")
         except OSError as exc:
             logger.warning("diloco master could not write its audit log: %s", exc)
@@ -1290,14 +1159,6 @@ def _is_applied(sha256: str, applied: set[str]) -> bool:
     """Whether a delta's content hash is in a ledger (which may hold bare 16-character
     prefixes when it was rebuilt from file names after the outer state was lost)."""
     return sha256 in applied or sha256[:16] in applied
-
-
-def _global_file_step(path: str) -> int | None:
-    """The outer step of a global file's name (``None``: not one, or beyond ``MAX_STEP``,
-    which no valid pointer or file header can name)."""
-    match = re.match(r"^global/(?:model|outer)_(\d{8,13})\.safetensors$", path, re.ASCII)
-    step = int(match.group(1)) if match else None
-    return step if step is not None and step <= MAX_STEP else None
 
 
 def _plain(value: object) -> object:

@@ -7,6 +7,11 @@ Sign convention: a node trains from ``baseline`` to ``current``; the pseudo-grad
 ``baseline - current`` (it points the way a gradient would), and the outer optimizer
 *subtracts* ``lr * nesterov(delta)`` from the global weights. With ``lr = 1``, no momentum
 and one fresh delta, the new global is exactly that node's ``current``.
+
+The delta-carry rule (``carry``): a participant that takes a new global model while it has
+progress the global does not hold yet -- a hub node's unsent delta, a streaming replica's
+steps since its exchange started -- takes ``global - progress`` (the global plus that
+progress), so its own work stays in its weights.
 """
 
 from __future__ import annotations
@@ -41,6 +46,27 @@ def wire_shape(tensor: torch.Tensor) -> tuple[int, ...]:
     """The shape an entry has in a delta file (complex entries gain a trailing 2)."""
     shape = tuple(tensor.shape)
     return (*shape, 2) if tensor.is_complex() else shape
+
+
+def flatten(state: StateDict, keys: Sequence[str]) -> torch.Tensor:
+    """One float32 CPU vector: ``state``'s entries of ``keys`` in that order -- the form in
+    which a pseudo-gradient is packed, reduced and measured."""
+    parts = [state[key].detach().reshape(-1).to("cpu", torch.float32) for key in keys]
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def unflatten(flat: torch.Tensor, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """``flatten``'s inverse: per key of ``shapes`` (in its order), a view of ``flat`` in
+    that shape."""
+    result: dict[str, torch.Tensor] = {}
+    offset = 0
+    for key, shape in shapes.items():
+        count = 1
+        for dim in shape:
+            count *= dim
+        result[key] = flat[offset : offset + count].reshape(shape)
+        offset += count
+    return result
 
 
 def check_same_layout(expected: StateDict, actual: StateDict, *, what: str = "state") -> None:
@@ -85,10 +111,20 @@ def pseudo_gradient(
     }
 
 
-def add_deltas(first: StateDict, second: StateDict) -> dict[str, torch.Tensor]:
-    """Element-wise sum of two deltas with the same layout (a cumulative delta)."""
-    check_same_layout(first, second, what="delta")
-    return {key: first[key].to(torch.float32) + second[key].to(torch.float32) for key in first}
+def carry(global_state: StateDict, progress: StateDict) -> dict[str, torch.Tensor]:
+    """``global - progress`` for every key of ``progress`` (a pseudo-gradient: ``baseline -
+    weights``), in the global's dtypes; complex entries from their wire form. The
+    delta-carry rule (see the module docstring)."""
+    result: dict[str, torch.Tensor] = {}
+    for key, delta in progress.items():
+        target = global_state[key]
+        if target.is_complex():
+            real = torch.view_as_real(target.to(torch.complex64)) - delta
+            result[key] = torch.view_as_complex(real.contiguous()).to(target.dtype)
+        else:
+            wide = torch.promote_types(target.dtype, torch.float32)
+            result[key] = (target.to(wide) - delta.to(wide)).to(target.dtype)
+    return result
 
 
 def staleness_weight(staleness: int, power: float) -> float:

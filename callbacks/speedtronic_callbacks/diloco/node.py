@@ -58,15 +58,10 @@ from torch import nn
 
 from speedtronic_callbacks.diloco.encoding import Encoding
 from speedtronic_callbacks.diloco.fragments import layout_plan
+from speedtronic_callbacks.diloco.hub_files import delta_path, parse_delta_path
 from speedtronic_callbacks.diloco.lanes import ErrorReporter, Inbox, Lane
-from speedtronic_callbacks.diloco.master import (
-    MasterConflictError,
-    MasterLoop,
-    RoundReport,
-    delta_path,
-    parse_delta_path,
-)
-from speedtronic_callbacks.diloco.math import pseudo_gradient
+from speedtronic_callbacks.diloco.master import MasterConflictError, MasterLoop, RoundReport
+from speedtronic_callbacks.diloco.math import carry, pseudo_gradient
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
 from speedtronic_callbacks.diloco.pointer import POINTER_PATH, Pointer, decode_pointer
 from speedtronic_callbacks.diloco.transport_base import (
@@ -121,7 +116,7 @@ class NodeSettings:
 
     @property
     def encoding(self) -> Encoding:
-        return self.delta_dtype or Encoding.parse(self.compression.value)
+        return self.delta_dtype or self.compression.encoding
 
 
 @dataclass(frozen=True)
@@ -462,10 +457,6 @@ class DiLoCoNode:
         self.pending_work = (0, 0)
         self._range_starts = [step] * self.plan.count
 
-    def _fragment_name(self, fragment: int) -> str:
-        """The ``fragment`` field of fragment ``fragment``'s deltas (``""``: P = 1)."""
-        return "" if self.plan.count == 1 else f"{fragment}/{self.plan.count}"
-
     def _zeros(self, key: str) -> torch.Tensor:
         return torch.zeros(self.layout.wire_shapes[key], dtype=torch.float32)
 
@@ -486,7 +477,7 @@ class DiLoCoNode:
         self.pending = {
             key: self._zeros(key) if key in part else value for key, value in pending.items()
         }
-        return part, f"{fragment}/{self.plan.count}"
+        return part, self.plan.name(fragment)
 
     def _dispatch(self, step: int, fragment: int = 0) -> bool:
         """Hand the unconfirmed job (a resend, whatever its fragment) or ``fragment``'s
@@ -897,7 +888,7 @@ class DiLoCoNode:
         """Per fragment of this node's plan, the local step through which its progress
         was sent (``sent`` after ``_sent_after``); a field that is not one of this plan's
         (``"*"``, or a fragment count this node no longer uses) counts for every fragment."""
-        names = [self._fragment_name(p) for p in range(self.plan.count)]
+        names = [self.plan.name(p) for p in range(self.plan.count)]
         fallback = max((step for name, step in sent.items() if name not in names), default=-1)
         plan = {p: max(sent.get(name, -1), fallback) for p, name in enumerate(names)}
         return {p: step for p, step in plan.items() if step >= 0}
@@ -1087,23 +1078,6 @@ class DiLoCoNode:
                 )
                 values["diloco/staleness_max"] = max(staleness, default=0)
         return values
-
-
-def carry(
-    global_state: Mapping[str, torch.Tensor], pending: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """``global - pending`` for every key of ``pending`` (a pseudo-gradient: ``baseline -
-    weights``), in the global's dtypes; complex entries from their wire form."""
-    result: dict[str, torch.Tensor] = {}
-    for key, delta in pending.items():
-        target = global_state[key]
-        if target.is_complex():
-            real = torch.view_as_real(target.to(torch.complex64)) - delta
-            result[key] = torch.view_as_complex(real.contiguous()).to(target.dtype)
-        else:
-            wide = torch.promote_types(target.dtype, torch.float32)
-            result[key] = (target.to(wide) - delta.to(wide)).to(target.dtype)
-    return result
 
 
 def _text(state: Mapping[str, object], key: str) -> str:

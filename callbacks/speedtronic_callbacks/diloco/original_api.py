@@ -50,6 +50,7 @@ from speedtronic_callbacks.diloco.transport_base import (
     RetryPolicy,
     Transport,
     TransportError,
+    check_remote_path,
 )
 
 __all__ = [
@@ -262,7 +263,14 @@ class HubClient:
         self._call(lambda: self.transport.put(remote, data))
 
     def download(self, remote: str, local: str | os.PathLike[str] | None = None) -> Path:
-        """Fetch ``remote`` to ``local`` (default ``<cache_dir>/downloads/<remote>``)."""
+        """Fetch ``remote`` to ``local`` (default ``<cache_dir>/downloads/<remote>``).
+        ``remote`` is a relative hub path (no ``..``, no leading ``/``, no odd characters):
+        anything else is a ``HubError`` before any request, so no name (one read from a hub
+        file, say) leads out of the cache, whatever the transport checks itself."""
+        try:
+            check_remote_path(remote)
+        except ValueError as exc:
+            raise HubError(f"cannot download {remote!r}: {exc}") from None
         data = self._call(lambda: self.transport.get(remote))
         if data is None:
             raise HubError(f"{remote} does not exist in {self.transport.location}")
@@ -281,8 +289,15 @@ class HubClient:
     # -- the 2.0 layout -----------------------------------------------------------------
 
     def global_metadata(self) -> GlobalMetadata | None:
-        value = self.read_json(POINTER_FILE)
-        return GlobalMetadata.from_dict(value) if isinstance(value, Mapping) else None
+        """The hub's pointer (``None`` when there is none); ``HubError`` when it is not a
+        pointer at all (not JSON, a step that is no integer)."""
+        try:
+            value = self.read_json(POINTER_FILE)
+            return GlobalMetadata.from_dict(value) if isinstance(value, Mapping) else None
+        except ValueError as exc:  # json's errors, int()'s (its digit limit too)
+            raise HubError(
+                f"{POINTER_FILE} in {self.transport.location} is unusable: {exc}"
+            ) from None
 
     def download_global(
         self, local: str | os.PathLike[str], metadata: GlobalMetadata | None = None

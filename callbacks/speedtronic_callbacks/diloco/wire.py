@@ -53,7 +53,7 @@ from speedtronic_callbacks.diloco.fields import (
     parse_fields,
 )
 from speedtronic_callbacks.diloco.fragments import layout_plan
-from speedtronic_callbacks.diloco.math import StateDict, is_synchronised
+from speedtronic_callbacks.diloco.math import StateDict, flatten, is_synchronised, unflatten
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
 
 FORMAT = "speedtronic-diloco/1"
@@ -75,12 +75,13 @@ class Compression(str, enum.Enum):
     FP16 = "fp16"
 
     @property
+    def encoding(self) -> Encoding:
+        """The ``delta_dtype`` this names (``none`` is ``fp32``)."""
+        return Encoding.parse(self.value)
+
+    @property
     def dtype(self) -> torch.dtype:
-        return {
-            Compression.NONE: torch.float32,
-            Compression.BF16: torch.bfloat16,
-            Compression.FP16: torch.float16,
-        }[self]
+        return self.encoding.float_dtype
 
 
 _WIRE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -438,26 +439,16 @@ _PACKED_DTYPES = {"U8": torch.uint8, "F32": torch.float32}
 
 def flatten_delta(delta: StateDict, layout: ModelLayout) -> torch.Tensor:
     """One float32 vector: the delta's entries in the layout's key order."""
-    parts = [delta[key].detach().reshape(-1).to("cpu", torch.float32) for key in layout.sync_keys]
-    return torch.cat(parts) if parts else torch.zeros(0)
+    return flatten(delta, layout.sync_keys)
 
 
 def unflatten_delta(flat: torch.Tensor, layout: ModelLayout) -> dict[str, torch.Tensor]:
     """``flatten_delta``'s inverse: per-key float32 tensors in their wire shapes."""
-    result: dict[str, torch.Tensor] = {}
-    offset = 0
-    for key in layout.sync_keys:
-        shape = layout.wire_shapes[key]
-        count = 1
-        for dim in shape:
-            count *= dim
-        result[key] = flat[offset : offset + count].reshape(shape)
-        offset += count
-    return result
+    return unflatten(flat, {key: layout.wire_shapes[key] for key in layout.sync_keys})
 
 
 def _as_encoding(value: Compression | Encoding) -> Encoding:
-    return value if isinstance(value, Encoding) else Encoding.parse(value.value)
+    return value if isinstance(value, Encoding) else value.encoding
 
 
 def to_wire(
