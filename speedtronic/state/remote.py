@@ -61,13 +61,13 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, TypeVar
 
+from speedtronic.state.archive import archive_checksum
 from speedtronic.state.atomic_io import (
     atomic_write,
     atomic_write_bytes,
     create_temporary_directory,
     fsync_directory,
 )
-from speedtronic.state.archive import archive_checksum
 from speedtronic.state.checkpoint import CheckpointError, CheckpointManager
 from speedtronic.state.checkpoint_async import LatestJobWorker
 from speedtronic.state.errors import first_line
