@@ -190,8 +190,7 @@ def main() -> None:
     print("| Trainer | instructions/step | extra over the hand loop | extra |")
     print("|---|---:|---:|---:|")
     rows = [
-        ("time budget set" if case == "budget" else f"{case} callbacks", case)
-        for case in cases[1:]
+        ("time budget set" if case == "budget" else f"{case} callbacks", case) for case in cases[1:]
     ]
     if args.baseline:
         rows.append((f"{args.baseline}, no callbacks", "baseline"))

@@ -323,8 +323,7 @@ class CheckpointCallback(Callback):
             "remote": {
                 "type": ["string", "null"],
                 "minLength": 1,
-                "description": "fsspec URL to mirror checkpoints to (default: "
-                "checkpoint.remote).",
+                "description": "fsspec URL to mirror checkpoints to (default: checkpoint.remote).",
             },
             "remote_options": {
                 "type": "object",
