@@ -298,8 +298,26 @@ def wall_clock(out: Path, rank: int, params: Mapping[str, object]) -> dict[str, 
     }
 
 
+def remote_resume(out: Path, rank: int, params: Mapping[str, object]) -> dict[str, object]:
+    """8 steps in one go; 4 steps mirrored to a ``file://`` store, then a resume to 8 in an
+    empty directory that only the store can fill (tests/test_remote_checkpoint.py)."""
+    store = {"remote": (out / "store").as_uri()}
+    full_trainer, full = fit(base_config(out / "full"))
+    fit(base_config(out / "a", run={"max_steps": 4}, checkpoint=store))
+    resumed_trainer, resumed = fit(base_config(out / "b", checkpoint=store), resume=True)
+    point = resumed_trainer.resumed_from
+    full_weights, resumed_weights = weights(full_trainer), weights(resumed_trainer)
+    return {
+        "full": losses(full),
+        "resumed": losses(resumed),
+        "resumed_from": None if point is None else point.path.name,
+        "same_weights": all(torch.equal(full_weights[k], resumed_weights[k]) for k in full_weights),
+    }
+
+
 SCENARIOS: dict[str, Callable[[Path, int, Mapping[str, object]], dict[str, object]]] = {
     "ddp": ddp,
+    "remote_resume": remote_resume,
     "wall_clock": wall_clock,
     "diloco_equivalence": diloco_equivalence,
     "diloco_resume": diloco_resume,

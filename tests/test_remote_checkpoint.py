@@ -35,6 +35,7 @@ from forked import Forked, cli_main
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_checkpoint import saved_steps, tiny_trainer
+from test_distributed import curve, launch, succeeded
 from test_hardening import CLI_CONFIG
 
 from speedtronic.config import ConfigError, SpeedtronicConfig
@@ -703,3 +704,15 @@ def test_sigkill_during_uploads_then_resume_elsewhere_continues_bit_for_bit(
     assert full.returncode == 0, full.stderr
     expected = losses(tmp_path / "ref" / "full")
     assert {step: expected[step] for step in seen} == seen
+
+
+def test_two_ranks_resume_from_the_store_in_an_empty_directory(
+    tmp_path: Path, forked: Forked
+) -> None:
+    """Two gloo ranks: rank 0 uploads; on resume the node's local main downloads while the
+    other rank waits for it, and both continue bit for bit from the store's step 4."""
+    for report in succeeded(launch(forked, "remote_resume", tmp_path, timeout=120)):
+        assert report["resumed_from"] == "step_000000000004.pt"
+        resumed = curve(report, "resumed")
+        assert resumed and resumed == {s: v for s, v in curve(report, "full").items() if s > 4}
+        assert report["same_weights"] is True

@@ -726,6 +726,9 @@ class CheckpointCallback(Callback):
         if distributed is not None and distributed.world_size > 1:
             import torch.distributed as dist
 
+            # Every node's download is done before any rank loads (a broadcast alone would
+            # release another node's ranks while their local main still downloads).
+            _barrier(trainer)
             names: list[object] = [None if fetched is None else fetched.name]
             dist.broadcast_object_list(names, src=0)  # rank 0's verdict, for every rank
             fetched = None if names[0] is None else self.manager.directory / str(names[0])
