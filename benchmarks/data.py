@@ -1,16 +1,17 @@
 """Real-data throughput (issue 23): the token-shard loader and ``speedtronic prepare``.
 
 Loader. A 1 GB shard set of random ``uint16`` tokens (4 shards) in a temporary directory;
-every case reads the same windows (``block_size + 1 = 1025`` tokens, batches of 8, the first
-WINDOWS windows of the loader's shuffled order) into ``int64`` ``input_ids``/``labels``:
+every case reads the same windows in the same order (``block_size + 1 = 1025`` tokens,
+batches of 8, the first WINDOWS windows of the loader's shuffled order) into ``int64``
+``input_ids``/``labels``:
 
   bare, nanoGPT   nanoGPT's ``get_batch``: ``np.memmap`` re-created every batch (what keeps
                   its memory flat), ``torch.stack`` of ``from_numpy(slice.astype(int64))``
   bare, one map   the same slicing with one ``np.memmap`` per shard kept open for the run
                   (the mapped pages of every window read stay in the RSS)
-  bare, one map, released every 32 MiB   the same, unmapping its pages as the loader does
-                  (``madvise(MADV_DONTNEED)`` once 2 MiB per window add up to 32 MiB): the
-                  bare loop with the loader's flat memory
+  bare, one map, released at 32 MiB   the same, unmapping what it mapped as the loader
+                  does (``madvise(MADV_DONTNEED)`` of the 2 MiB blocks it read, once they
+                  add up to 32 MiB): the bare loop with the loader's flat memory
   speedtronic     ``build_dataloader`` of ``data.tokens`` (``DataLoader``, no workers),
                   built before the clock starts: ``WindowSampler`` order, one gather per
                   batch, what was mapped released before it passes 32 MiB
@@ -18,13 +19,26 @@ WINDOWS windows of the loader's shuffled order) into ``int64`` ``input_ids``/``l
   os.preadv       not a memmap, for reference: each window read from the file into the
                   batch (nothing is mapped, so nothing faults and the RSS stays flat)
 
-Rounds run the cases in ABBA order; besides best and median tokens/s, the ratios are paired
-round by round (the load of a shared machine moves between rounds more than within one).
+The windows are read in two orders, every case in both:
 
-Then one whole epoch (all ~524k windows, 1 GB) through the default loader and through the
-one-map loop, sampling the process RSS (psutil) every 256 batches: the growth is what stays
-mapped. On kernels with large folios (Linux 6.x), one touched window maps a 2 MiB folio, so
-the one-map loop's RSS grows to the size of the shard set although nothing is copied.
+  local           the loader's order: 2 MiB chunks of windows in a seeded order, the
+                  windows of every 8 consecutive chunks (a working set) dealt in a seeded
+                  order of their own (``speedtronic.data.windows.ChunkedPermutation``)
+  global          for reference, the order the loader had before: one seeded permutation
+                  of all windows (nearly every window lands on a 2 MiB block not read for
+                  long, so a loop with flat memory maps nearly every window anew)
+
+The "released" loop counted 2 MiB per window before; it now counts the distinct blocks read,
+as the loader does (the same thing in the global order, where nearly every window is a new
+block). Rounds run the cases in ABBA order; besides best and median tokens/s, the ratios are
+paired round by round (the load of a shared machine moves between rounds more than within
+one).
+
+Then one whole epoch (all ~524k windows, 1 GB) in the loader's order through the default
+loader and through the one-map loop, sampling the process RSS (psutil) every 256 batches:
+the growth is what stays mapped. On kernels with large folios (Linux 6.x), one touched window
+maps a 2 MiB folio, so the one-map loop's RSS grows to the size of the shard set although
+nothing is copied.
 
 Smoke model: ``configs/smoke.yaml`` trained for a few dozen steps on this CPU, its
 tokens/s against the loader's at the same batch shape (block 32, micro-batch 8).
@@ -62,11 +76,13 @@ import numpy as np
 import psutil
 import torch
 import yaml
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from speedtronic.config import load_config  # noqa: E402
 from speedtronic.data import build_dataloader  # noqa: E402
+from speedtronic.data.loader import DEFAULT_DATA_SEED  # noqa: E402
 from speedtronic.data.prepare import PrepareOptions, prepare  # noqa: E402
 from speedtronic.data.shards import (  # noqa: E402
     _VERIFIED,
@@ -82,6 +98,7 @@ from speedtronic.data.windows import (  # noqa: E402
     DEFAULT_RESIDENT_BYTES,
     FAULT_BYTES,
     TokenWindowDataset,
+    WindowSampler,
 )
 from speedtronic.runtime import build_runtime  # noqa: E402
 
@@ -140,15 +157,28 @@ def rss() -> int:
 # -- loader cases -----------------------------------------------------------------------------
 
 
-def window_plan(directory: Path, count: int) -> list[tuple[int, int]]:
-    """``(shard, token offset)`` of the first ``count`` windows of the loader's order."""
+Plan = list[tuple[int, int]]
+"""``(shard, token offset)`` of each window read, in order."""
+
+
+def window_plan(directory: Path, count: int, *, local: bool = True) -> Plan:
+    """The first ``count`` windows of the loader's order (``local``), or of one seeded
+    permutation of all windows (the loader's order before chunks: ``WindowSampler`` with
+    ``chunk=1``), as ``(shard, token offset)``."""
     loader = build_dataloader(data_config(directory))  # type: ignore[arg-type]
     dataset = loader.dataset
     assert isinstance(dataset, TokenWindowDataset)
-    order = list(loader.sampler)[:count]  # type: ignore[arg-type]  # a WindowSampler
+    sampler = loader.sampler if local else global_sampler(dataset)
+    assert isinstance(sampler, WindowSampler)
+    order = list(sampler)[:count]
     starts = dataset._starts
     shards = np.searchsorted(starts, order, side="right") - 1
     return [(int(s), int((w - starts[s]) * BLOCK)) for s, w in zip(shards, order, strict=True)]
+
+
+def global_sampler(dataset: TokenWindowDataset) -> WindowSampler:
+    """The order the loader had before chunks: one keyed permutation of every window."""
+    return WindowSampler(len(dataset), shuffle=True, seed=DEFAULT_DATA_SEED)
 
 
 def shard_paths(directory: Path) -> list[Path]:
@@ -157,18 +187,21 @@ def shard_paths(directory: Path) -> list[Path]:
 
 def bare_loop(
     directory: Path,
-    plan: list[tuple[int, int]],
+    plan: Plan,
     *,
     remap_every_batch: bool,
     release_bytes: int | None = None,
 ) -> int:
     """nanoGPT's ``get_batch`` over ``plan``; with ``remap_every_batch`` its memmaps are made
     anew for every batch (as nanoGPT does), else kept open for the whole loop; with
-    ``release_bytes``, the kept maps are unmapped (``madvise(MADV_DONTNEED)``) whenever the
-    windows read could have mapped that much (2 MiB each), as the loader does."""
+    ``release_bytes``, the 2 MiB blocks the windows read are unmapped
+    (``madvise(MADV_DONTNEED)`` of each) once there are that many bytes of them, as the
+    loader does."""
     paths = shard_paths(directory)
     kept: dict[int, np.memmap] = {}
-    tokens = charged = 0
+    blocks: set[tuple[int, int]] = set()
+    limit = (release_bytes or 0) // FAULT_BYTES
+    tokens = 0
     for begin in range(0, len(plan), BATCH):
         maps: dict[int, np.memmap] = {} if remap_every_batch else kept
         xs, ys = [], []
@@ -179,18 +212,23 @@ def bare_loop(
             xs.append(torch.from_numpy(data[offset : offset + BLOCK].astype(np.int64)))
             ys.append(torch.from_numpy(data[offset + 1 : offset + 1 + BLOCK].astype(np.int64)))
             if release_bytes is not None:
-                charged += FAULT_BYTES
-                if charged >= release_bytes:
-                    charged = 0
-                    for mapped in maps.values():
-                        mapped._mmap.madvise(mmap.MADV_DONTNEED)  # type: ignore[attr-defined]
+                first = offset * 2 // FAULT_BYTES
+                last = ((offset + BLOCK + 1) * 2 - 1) // FAULT_BYTES
+                new = {(shard, block) for block in range(first, last + 1)} - blocks
+                if new and len(blocks) + len(new) > limit:
+                    for mapped_shard, block in blocks:
+                        raw = maps[mapped_shard]._mmap  # type: ignore[attr-defined]
+                        start = block * FAULT_BYTES
+                        raw.madvise(mmap.MADV_DONTNEED, start, min(FAULT_BYTES, len(raw) - start))
+                    blocks.clear()
+                blocks |= new
         x, y = torch.stack(xs), torch.stack(ys)
         tokens += x.numel()
         del y
     return tokens
 
 
-def pread_loop(directory: Path, plan: list[tuple[int, int]]) -> int:
+def pread_loop(directory: Path, plan: Plan) -> int:
     """Not ``np.memmap`` (for reference): each window read from the file with
     ``os.preadv`` into the batch, which maps nothing (the RSS stays flat without faults)."""
     files = [os.open(path, os.O_RDONLY) for path in shard_paths(directory)]
@@ -212,16 +250,24 @@ def pread_loop(directory: Path, plan: list[tuple[int, int]]) -> int:
 
 
 def speedtronic_loader(
-    directory: Path, count: int, resident: int | None = None
+    directory: Path, count: int, resident: int | None = None, *, local: bool = True
 ) -> Callable[[], int]:
     """A fresh ``data.tokens`` loader (new maps, like the bare loops' new memmaps), built
     now; the returned function reads its first ``count`` windows (what is timed: building
-    validates a config and reads the manifest, a once-per-run cost)."""
+    validates a config and reads the manifest, a once-per-run cost). Without ``local``, the
+    same dataset in the global order (``global_sampler``)."""
     loader = build_dataloader(data_config(directory))  # type: ignore[arg-type]
     dataset = loader.dataset
     assert isinstance(dataset, TokenWindowDataset)
     if resident is not None:
         dataset._maps.resident_bytes = resident
+    if not local:
+        loader = DataLoader(
+            dataset,
+            batch_size=BATCH,
+            sampler=global_sampler(dataset),
+            collate_fn=dataset.collate_fn,
+        )
 
     def run() -> int:
         tokens = 0
@@ -249,34 +295,52 @@ def timed(run: Callable[[], int], cpu: dict[str, list[float]] | None = None) -> 
     return tokens / elapsed
 
 
-def loader_rounds(directory: Path, rounds: int) -> dict[str, list[float]]:
-    plan = window_plan(directory, WINDOWS)
-    cases: dict[str, Callable[[], Callable[[], int]]] = {
-        "bare, nanoGPT (re-map every batch)": lambda: (
-            lambda: bare_loop(directory, plan, remap_every_batch=True)
-        ),
-        "bare, one map kept": lambda: lambda: bare_loop(directory, plan, remap_every_batch=False),
-        "bare, one map, released every 32 MiB": lambda: (
+LOCAL, GLOBAL = "local order", "global order"
+BARE_KEPT = "bare, one map kept"
+BARE_RELEASED = "bare, one map, released at 32 MiB"
+BARE_NANOGPT = "bare, nanoGPT (re-map every batch)"
+LOADER = "speedtronic (default)"
+LOADER_KEPT = "speedtronic, maps kept"
+
+
+def loader_cases(directory: Path, local: bool) -> dict[str, Callable[[], Callable[[], int]]]:
+    """The six cases over the first WINDOWS windows of one order (module docstring)."""
+    plan = window_plan(directory, WINDOWS, local=local)
+    return {
+        BARE_NANOGPT: lambda: lambda: bare_loop(directory, plan, remap_every_batch=True),
+        BARE_KEPT: lambda: lambda: bare_loop(directory, plan, remap_every_batch=False),
+        BARE_RELEASED: lambda: (
             lambda: bare_loop(
                 directory, plan, remap_every_batch=False, release_bytes=DEFAULT_RESIDENT_BYTES
             )
         ),
-        "speedtronic (default)": lambda: speedtronic_loader(directory, WINDOWS),
-        "speedtronic, maps kept": lambda: speedtronic_loader(directory, WINDOWS, 1 << 62),
+        LOADER: lambda: speedtronic_loader(directory, WINDOWS, local=local),
+        LOADER_KEPT: lambda: speedtronic_loader(directory, WINDOWS, 1 << 62, local=local),
         "os.preadv into the batch (not a memmap)": lambda: lambda: pread_loop(directory, plan),
     }
-    results: dict[str, list[float]] = {name: [] for name in cases}
+
+
+def loader_rounds(directory: Path, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """``order -> case -> tokens/s`` of each round, both orders' cases interleaved."""
+    cases = {
+        (order, name): case
+        for order, local in ((LOCAL, True), (GLOBAL, False))
+        for name, case in loader_cases(directory, local).items()
+    }
+    results: dict[str, dict[str, list[float]]] = {LOCAL: {}, GLOBAL: {}}
+    for order, name in cases:
+        results[order][name] = []
     for round_ in range(rounds):
-        names = list(cases) if round_ % 2 == 0 else list(reversed(cases))  # ABBA
-        for name in names:
-            results[name].append(timed(cases[name]()))
+        keys = list(cases) if round_ % 2 == 0 else list(reversed(cases))  # ABBA
+        for order, name in keys:
+            results[order][name].append(timed(cases[(order, name)]()))
     return results
 
 
-def paired(results: dict[str, list[float]], case: str, baseline: str) -> list[float]:
+def paired(case: list[float], baseline: list[float]) -> list[float]:
     """``case``'s tokens/s over ``baseline``'s, round by round (the load moves between
     rounds more than within one)."""
-    return [a / b for a, b in zip(results[case], results[baseline], strict=True)]
+    return [a / b for a, b in zip(case, baseline, strict=True)]
 
 
 def epoch_rss(directory: Path) -> dict[str, tuple[float, float]]:
@@ -296,7 +360,7 @@ def epoch_rss(directory: Path) -> dict[str, tuple[float, float]]:
     )
     del loader
     gc.collect()
-    plan = window_plan(directory, 1 << 62)
+    plan = window_plan(directory, 1 << 62)  # the loader's order
     maps = [np.memmap(path, dtype=np.uint16, mode="r") for path in shard_paths(directory)]
     before, peak, tokens = rss(), 0, 0
     start = time.perf_counter()
@@ -472,23 +536,29 @@ def main() -> None:
         lines: list[str] = [f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()}"]
         if not args.skip_loader:
             shards = make_token_set(work / "shards")
-            results = loader_rounds(shards, args.rounds)
-            lines += table(
-                f"loader: {WINDOWS} windows of {BLOCK + 1} tokens, batches of {BATCH}, "
-                f"{args.rounds} rounds",
-                results,
-                "bare, nanoGPT (re-map every batch)",
-                args.markdown,
-            )
+            orders = loader_rounds(shards, args.rounds)
+            for order in (LOCAL, GLOBAL):
+                lines += table(
+                    f"loader, {order}: {WINDOWS} windows of {BLOCK + 1} tokens, batches of "
+                    f"{BATCH}, {args.rounds} rounds",
+                    orders[order],
+                    BARE_KEPT,
+                    args.markdown,
+                )
             pairs = (
-                ("speedtronic (default)", "bare, one map kept"),
-                ("speedtronic (default)", "bare, one map, released every 32 MiB"),
-                ("speedtronic, maps kept", "bare, one map kept"),
+                ((LOCAL, LOADER), (LOCAL, BARE_KEPT)),
+                ((LOCAL, LOADER), (LOCAL, BARE_RELEASED)),
+                ((LOCAL, LOADER), (LOCAL, BARE_NANOGPT)),
+                ((LOCAL, LOADER_KEPT), (LOCAL, BARE_KEPT)),
+                ((LOCAL, LOADER), (GLOBAL, BARE_KEPT)),
+                ((LOCAL, LOADER), (GLOBAL, LOADER)),
+                ((GLOBAL, LOADER), (GLOBAL, BARE_KEPT)),
             )
-            for case, baseline in pairs:
-                ratios = paired(results, case, baseline)
+            lines.append("\npaired by round:")
+            for (order, case), (base_order, baseline) in pairs:
+                ratios = paired(orders[order][case], orders[base_order][baseline])
                 lines.append(
-                    f"  {case} / {baseline}, paired by round: median "
+                    f"  {case} ({order}) / {baseline} ({base_order}): median "
                     f"{statistics.median(ratios):.2f}x, best {max(ratios):.2f}x, worst "
                     f"{min(ratios):.2f}x"
                 )

@@ -93,6 +93,16 @@ def _parser() -> argparse.ArgumentParser:
     schema = sub.add_parser("schema", help="print the composed JSON Schema of run.yaml")
     schema.add_argument("--write", metavar="DIR", help="write the published schema files to DIR")
     schema.add_argument(
+        "--docs",
+        metavar="DIR",
+        help="regenerate the option tables of the pages in DIR from the declarations",
+    )
+    schema.add_argument(
+        "--package",
+        action="store_true",
+        help="also rewrite the packaged core schema (speedtronic/schemas/run.schema.json)",
+    )
+    schema.add_argument(
         "--config", help="also import the config's imports: and include their plugins"
     )
 
@@ -296,34 +306,25 @@ def _show_warning(
 
 def _fit(args: argparse.Namespace) -> int:
     from speedtronic.config import SpeedtronicConfig
-    from speedtronic.runtime import build_runtime, save_run_config
-    from speedtronic.state.run_lock import claim_run_directory
-    from speedtronic.systems.distributed import teardown_distributed
+    from speedtronic.runtime import prepared_fit
 
     config = _load(args)
     assert isinstance(config, SpeedtronicConfig)
     _preflight(config, device=args.device, max_steps=_checked_max_steps(args))
-    with claim_run_directory(config.run.output_dir) as claim:
-        trainer, _ = build_runtime(
-            config,
-            resume=args.resume,
-            device=args.device,
-            max_steps=args.max_steps,
-            overwrite=args.overwrite,
-            claim=claim,
-            resume_other_run=args.resume_from_other_run,
-        )
-        try:
-            main_rank = trainer.distributed is None or trainer.distributed.is_main
-            if main_rank:
-                save_run_config(config, trainer.output_dir)
-                if trainer.resumed_from is not None:
-                    print(trainer.resumed_from.describe(Path.cwd()), flush=True)
-            start_step = trainer.step
-            with _callback_failures() as failed:
-                result = trainer.fit()
-        finally:
-            teardown_distributed(trainer.distributed)
+    with prepared_fit(
+        config,
+        resume=args.resume,
+        device=args.device,
+        max_steps=args.max_steps,
+        overwrite=args.overwrite,
+        resume_other_run=args.resume_from_other_run,
+    ) as trainer:
+        main_rank = trainer.distributed is None or trainer.distributed.is_main
+        if main_rank and trainer.resumed_from is not None:
+            print(trainer.resumed_from.describe(Path.cwd()), flush=True)
+        start_step = trainer.step
+        with _callback_failures() as failed:
+            result = trainer.fit()
     if main_rank:
         loss = "None" if result.final_loss is None else f"{result.final_loss!r}"
         this_run = f" (this run: {result.steps - start_step} steps)" if start_step else ""
@@ -479,10 +480,8 @@ def _meta_model(config: object) -> torch.nn.Module:
 
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.models.registry import build_model
-    from speedtronic.plugins import import_modules
 
-    assert isinstance(config, SpeedtronicConfig)
-    import_modules(config.imports)
+    assert isinstance(config, SpeedtronicConfig)  # validated: its imports: are imported
     with torch.device("meta"):
         return build_model(config.model)
 
@@ -521,6 +520,8 @@ def _import_config_modules(args: argparse.Namespace) -> None:
 
 def _schema(args: argparse.Namespace) -> int:
     from speedtronic.config import composed_schema, write_schemas
+    from speedtronic.config.docs_tables import write_docs
+    from speedtronic.config.schema import write_packaged_core_schema
 
     _import_config_modules(args)
     if args.write:
@@ -531,7 +532,12 @@ def _schema(args: argparse.Namespace) -> int:
             names = callback_registry.names()
         for path in write_schemas(Path(args.write), names):
             print(f"wrote {path}")
-    else:
+    if args.package:
+        print(f"wrote {write_packaged_core_schema()}")
+    if args.docs:
+        for page in write_docs(Path(args.docs)):
+            print(f"wrote {page}")
+    if not (args.write or args.package or args.docs):
         print(json.dumps(composed_schema(model_options=True), indent=2))
     return EXIT_OK
 

@@ -3,9 +3,9 @@
 ``build_runtime`` follows the original construction order (seed, device, model, precision
 and shape checks, data, optimizer, scheduler, callbacks, trainer, resume) and returns
 ``(trainer, checkpoint_manager)``; ``train_from_config`` also fits. The runtime names no
-plugin: which callbacks a config turns on, and with which options, each plugin declares
-(``Callback.enabled_by_default``, ``legacy_sections``, ``options_from_legacy``); the
-checkpoint manager comes from the callback that is a ``ResumeSource``.
+plugin: which callbacks a config turns on, and with which options, each plugin declares in
+its ``PluginSpec`` (``enabled_by_default``, ``sections``, ``implied_order``); the checkpoint
+manager comes from the callback that is a ``ResumeSource``.
 
 Under ``torchrun`` the device step also joins the process group (``setup_distributed``):
 the device becomes the local rank's, the data loader shards by rank, and the trainer gets
@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol, cast, runtime_checkable
 
@@ -55,10 +56,9 @@ from speedtronic.optimizers import build_scheduler as build_scheduler
 from speedtronic.plugins import (
     PluginContext,
     build_callback,
-    callback_registry,
-    configurable_plugins,
-    import_modules,
-    legacy_sections_of,
+    configurable_specs,
+    plugin_spec,
+    sections_of,
 )
 from speedtronic.state.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
 from speedtronic.state.model_fit import model_mismatch, tensor_shapes
@@ -96,41 +96,44 @@ DEFAULT_CHECKPOINT_DIRECTORY = "checkpoints"
 
 
 def as_config(config: ConfigSource) -> SpeedtronicConfig:
-    """A validated ``SpeedtronicConfig`` from any supported source."""
+    """A validated ``SpeedtronicConfig`` from any supported source. A config object is
+    checked again only when it changed since it was validated
+    (``SpeedtronicConfig.ensure_valid``): it passes through several builders of a run. Its
+    ``imports:`` were imported by that validation."""
     if isinstance(config, SpeedtronicConfig):
-        return config.validate()
+        return config.ensure_valid()
     return SpeedtronicConfig.load(config)
 
 
 def callback_specs(config: SpeedtronicConfig) -> list[CallbackSpec]:
     """The callbacks a run uses, in order: the plugins the config turns on without naming
-    them (on by default, or through a 2.0 section) with a negative ``implied_order``, the
-    configured list, then the other implied plugins. Each plugin rewrites its own 2.0
-    sections into its options (``Callback.options_from_legacy``); the runtime knows no
-    plugin by name."""
+    them (on by default, or through a section they read) with a negative ``implied_order``,
+    the configured list, then the other implied plugins. Each plugin rewrites its own
+    sections into its options (``Sections.to_options``); the runtime knows no plugin by
+    name."""
     data = config.to_dict()
-    configured = [_with_legacy_sections(spec, data) for spec in config.callbacks]
-    named = {spec.name for spec in config.callbacks}
+    configured = [_with_sections(entry, data) for entry in config.callbacks]
+    named = {entry.name for entry in config.callbacks}
     implied: list[tuple[int, str, CallbackSpec]] = []
-    for name, plugin in configurable_plugins():
-        if name in named or named.intersection(plugin.default_replaced_by):
+    for plugin in configurable_specs():
+        if plugin.name in named or named.intersection(plugin.default_replaced_by):
             continue
-        options = plugin.options_from_legacy(legacy_sections_of(plugin, data), None)
+        options = plugin.options_for(sections_of(plugin, data), None)
         if options is not None:
-            implied.append((plugin.implied_order, name, _spec(name, options)))
+            implied.append((plugin.implied_order, plugin.name, _spec(plugin.name, options)))
     implied.sort(key=lambda item: (item[0], item[1]))
-    before = [spec for order, _, spec in implied if order < 0]
-    after = [spec for order, _, spec in implied if order >= 0]
+    before = [entry for order, _, entry in implied if order < 0]
+    after = [entry for order, _, entry in implied if order >= 0]
     return before + configured + after
 
 
-def _with_legacy_sections(spec: CallbackSpec, data: Mapping[str, object]) -> CallbackSpec:
-    """A configured entry with what its plugin takes from the 2.0 sections."""
-    plugin = callback_registry.get(spec.name)
-    if not plugin.legacy_sections:
-        return spec
-    options = plugin.options_from_legacy(legacy_sections_of(plugin, data), spec.options)
-    return spec if options is None else _spec(spec.name, options)
+def _with_sections(entry: CallbackSpec, data: Mapping[str, object]) -> CallbackSpec:
+    """A configured entry with what its plugin takes from the sections it reads."""
+    plugin = plugin_spec(entry.name)
+    if not plugin.sections.keys:
+        return entry
+    options = plugin.options_for(sections_of(plugin, data), entry.options)
+    return entry if options is None else _spec(entry.name, options)
 
 
 def _spec(name: str, options: Mapping[str, object]) -> CallbackSpec:
@@ -144,7 +147,7 @@ def build_callbacks(config: SpeedtronicConfig, context: PluginContext) -> list[C
 
 def callback_classes(config: SpeedtronicConfig) -> list[tuple[str, type[Callback]]]:
     """The callback classes of a run, without building them (for ``validate``)."""
-    return [(spec.name, callback_registry.get(spec.name)) for spec in callback_specs(config)]
+    return [(entry.name, plugin_spec(entry.name).callback) for entry in callback_specs(config)]
 
 
 @runtime_checkable
@@ -265,7 +268,6 @@ def build_runtime(
     one on a fresh start; resuming another run's checkpoint is refused unless
     ``resume_other_run`` (which also resumes)."""
     cfg = as_config(config)
-    import_modules(cfg.imports)
     logging.getLogger("speedtronic").setLevel(cfg.logging.level)
     seed_everything(cfg.run.seed)
     requested_device = device if device is not None else cfg.run.device
@@ -442,7 +444,6 @@ def evaluate_checkpoint(
     ``CheckpointError`` when there is none or it cannot be read, ``TrainingStateError`` when
     it does not fit the config's model. One process (no torch.distributed)."""
     cfg = as_config(config)
-    import_modules(cfg.imports)
     seed_everything(cfg.run.seed)
     resolved_device = resolve_device(device if device is not None else cfg.run.device)
     output_dir = Path(cfg.run.output_dir).expanduser().resolve()
@@ -502,7 +503,6 @@ def export_checkpoint(
     Hugging Face form or a tokenizer that does not fit, before anything is read; one
     process, on the CPU."""
     cfg = as_config(config)
-    import_modules(cfg.imports)
     target = Path(output).expanduser()
     check_export_target(target, overwrite=overwrite)
     tokens = export_tokens(cfg.data.to_dict())
@@ -595,7 +595,8 @@ def save_run_config(config: SpeedtronicConfig, output_dir: Path) -> Path:
     return config.save(output_dir / "config.yaml")
 
 
-def train_from_config(
+@contextmanager
+def prepared_fit(
     config: ConfigSource,
     *,
     resume: bool = False,
@@ -603,12 +604,11 @@ def train_from_config(
     max_steps: int | None = None,
     overwrite: bool = False,
     resume_other_run: bool = False,
-) -> TrainResult:
-    """Build the runtime, write the resolved config to the run directory, and fit. The run
-    directory and every path the plugins write are locked meanwhile; an earlier run's files
-    there need ``resume`` (continue) or ``overwrite`` (replace), see
-    ``speedtronic.state.run_lock``; another run's checkpoints need ``resume_other_run``
-    (``speedtronic.state.run_identity``)."""
+) -> Iterator[Trainer]:
+    """The one way a fit is composed -- ``train_from_config`` and ``speedtronic fit`` both
+    use it: the run directory and every path the plugins write locked, the runtime built
+    (``build_runtime``), the resolved config written (by rank 0); the trainer is yielded
+    to fit, and the process group torn down after."""
     cfg = as_config(config)
     with claim_run_directory(cfg.run.output_dir) as claim:
         trainer, _ = build_runtime(
@@ -621,12 +621,36 @@ def train_from_config(
             resume_other_run=resume_other_run,
         )
         try:
-            assert trainer.config is not None
             if _writes_run_files(trainer.distributed):
-                save_run_config(trainer.config, trainer.output_dir)
-            return trainer.fit()
+                save_run_config(cfg, trainer.output_dir)
+            yield trainer
         finally:
             teardown_distributed(trainer.distributed)
+
+
+def train_from_config(
+    config: ConfigSource,
+    *,
+    resume: bool = False,
+    device: str | torch.device | None = None,
+    max_steps: int | None = None,
+    overwrite: bool = False,
+    resume_other_run: bool = False,
+) -> TrainResult:
+    """Build the runtime, write the resolved config to the run directory, and fit
+    (``prepared_fit``). The run directory and every path the plugins write are locked
+    meanwhile; an earlier run's files there need ``resume`` (continue) or ``overwrite``
+    (replace), see ``speedtronic.state.run_lock``; another run's checkpoints need
+    ``resume_other_run`` (``speedtronic.state.run_identity``)."""
+    with prepared_fit(
+        config,
+        resume=resume,
+        device=device,
+        max_steps=max_steps,
+        overwrite=overwrite,
+        resume_other_run=resume_other_run,
+    ) as trainer:
+        return trainer.fit()
 
 
 def _writes_run_files(distributed: DistributedContext | None) -> bool:

@@ -5,11 +5,25 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import ClassVar, TypeVar
 
 import pytest
 import yaml
 from cli_runner import run_cli as speedtronic
+
+from speedtronic import Callback
+from speedtronic.plugins import (
+    PluginOptions,
+    PluginSpec,
+    SectionData,
+    Sections,
+    callback_registry,
+    register_plugin,
+)
+
+T = TypeVar("T")
 
 TINY = {
     "run": {"name": "cli", "device": "cpu", "max_steps": 4, "seed": 3},
@@ -251,3 +265,123 @@ def test_stop_and_resume_from_the_cli_is_bitwise_identical(tmp_path: Path) -> No
     assert second.returncode == 0, second.stderr
     assert len(losses(tmp_path / "a")) == 12
     assert losses(tmp_path / "b") == losses(tmp_path / "a")
+
+
+class _SectionProbe(Callback):
+    """A plugin that reads a section of its own: its 2.0-section adapter (normalise, the
+    section rules, the section -> options step) counts its runs."""
+
+    runs: ClassVar[list[str]] = []
+
+
+def _section_probe_spec() -> PluginSpec:
+    def normalise(data: dict[str, object]) -> None:
+        _SectionProbe.runs.append("normalise")
+
+    def errors(sections: SectionData) -> Iterator[str]:
+        _SectionProbe.runs.append("errors")
+        return iter(())
+
+    def to_options(
+        sections: SectionData, options: Mapping[str, object] | None
+    ) -> PluginOptions | None:
+        _SectionProbe.runs.append("to_options")
+        return None  # never built: only the passes are counted
+
+    section = {"type": "object", "additionalProperties": False, "properties": {}}
+    return PluginSpec(
+        name="test-section-probe",
+        callback=_SectionProbe,
+        sections=Sections(
+            keys=("probe_section",),
+            schema={"probe_section": section},
+            to_options=to_options,
+            normalise=normalise,
+            errors=errors,
+        ),
+    )
+
+
+def test_a_cli_fit_normalises_validates_and_imports_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One pass each (issue 24; before it, 5 whole-config validations, 11 of single
+    sections, 6 imports and 2 plugin rewrites of a fit): reading the config, preflight,
+    building the runtime, the callbacks, the logger and the trainer check nothing again.
+    Counted: the composed-schema pass, the normalisation (with its case folds), every
+    plugin's section adapter, and the import of ``imports:``."""
+    import speedtronic.config.loading as loading
+    import speedtronic.config.schema as schema
+    import speedtronic.config.sections as sections
+    import speedtronic.plugins as plugins
+
+    calls: dict[str, list[object]] = {"schema": [], "normalise": [], "folds": [], "imports": []}
+
+    def counted(name: str, function: Callable[..., T]) -> Callable[..., T]:
+        def wrapper(*args: object) -> T:
+            calls[name].append(args[-1])
+            return function(*args)
+
+        return wrapper
+
+    monkeypatch.setattr(schema, "_schema_errors", counted("schema", schema._schema_errors))
+    monkeypatch.setattr(sections, "normalise", counted("normalise", sections.normalise))
+    monkeypatch.setattr(loading, "_fold_values", counted("folds", loading._fold_values))
+    monkeypatch.setattr(plugins, "import_modules", counted("imports", plugins.import_modules))
+    (tmp_path / "fit_probe.py").write_text("PROBE = 1\n")
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**TINY, "imports": ["fit_probe"], "probe_section": {}}))
+    _SectionProbe.runs.clear()
+    register_plugin(_section_probe_spec())
+    try:
+        done = speedtronic("fit", "--config", str(path), "--output-dir", "out", cwd=tmp_path)
+    finally:
+        callback_registry.unregister("test-section-probe")
+    assert done.returncode == 0, done.stderr
+    assert len(calls["schema"]) == 1
+    assert len(calls["normalise"]) == 1
+    assert len(calls["folds"]) == 1
+    assert calls["imports"] == [["fit_probe"]]
+    assert sorted(_SectionProbe.runs) == ["errors", "normalise", "to_options"]
+
+
+FOLDING_PLUGIN = '''
+from speedtronic import Callback, register_callback
+
+
+@register_callback("test-folding-probe")
+class FoldingProbe(Callback):
+    """Reads a section of its own whose one key is case-insensitive (2.0-style API)."""
+
+    legacy_sections = ("fold_probe",)
+    legacy_schema = {
+        "fold_probe": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"mode": {"enum": ["fast", "slow"]}},
+        }
+    }
+
+    @classmethod
+    def normalise_legacy(cls, data):
+        section = data.get("fold_probe")
+        if isinstance(section, dict) and isinstance(section.get("mode"), str):
+            section["mode"] = section["mode"].lower()
+'''
+
+
+def test_a_plugin_from_imports_rewrites_its_own_keys_in_the_one_pass(tmp_path: Path) -> None:
+    """The config's ``imports:`` are imported before it is normalised: a plugin they
+    register folds its own section's keys before the one validation (``FAST`` -> ``fast``),
+    and a value it cannot fold is still reported with its path."""
+    (tmp_path / "folding_plugin.py").write_text(FOLDING_PLUGIN)
+    path = tmp_path / "run.yaml"
+    config = {**TINY, "imports": ["folding_plugin"], "fold_probe": {"mode": "FAST"}}
+    path.write_text(yaml.safe_dump(config))
+    done = speedtronic("validate", "--config", str(path), "--format", "json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.split("\n# callbacks")[0])["fold_probe"] == {"mode": "fast"}
+    path.write_text(yaml.safe_dump({**config, "fold_probe": {"mode": "Quick"}}))
+    bad = speedtronic("validate", "--config", str(path), cwd=tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "fold_probe.mode: 'quick' is not one of ['fast', 'slow']" in bad.stderr

@@ -769,3 +769,30 @@ def test_data_vocab_larger_than_model_vocab_is_an_error() -> None:
 
     with pytest.raises(ConfigError, match=r"data.vocab_size: 300 is larger than model.vocab_size"):
         SpeedtronicConfig.from_dict({"model": {"vocab_size": 256}, "data": {"vocab_size": 300}})
+
+
+def test_a_config_is_validated_once_and_again_only_when_it_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import speedtronic.config.schema as schema
+    from speedtronic.runtime import as_config
+
+    passes: list[object] = []
+    check = schema._schema_errors
+
+    def counted(validator: object, data: object) -> list[tuple[str, str]]:
+        passes.append(data)
+        return check(validator, data)  # type: ignore[arg-type]  # the validator passed through
+
+    monkeypatch.setattr(schema, "_schema_errors", counted)
+    built = SpeedtronicConfig(run=RunConfig.from_dict({"max_steps": 5}))  # the section's pass
+    assert len(passes) == 2  # ... and the whole config's, once
+    loaded = load_config({"run": {"max_steps": 5}, "log_every": 2})
+    assert len(passes) == 3 and loaded.logging.every_steps == 2
+    assert as_config(loaded) is loaded and as_config(built) is built
+    assert load_config(loaded) is loaded
+    assert len(passes) == 3  # unchanged since validated: not checked again
+    loaded.run.max_steps = 0
+    with pytest.raises(ConfigError, match="run.max_steps: 0 is less than the minimum of 1"):
+        as_config(loaded)
+    assert len(passes) == 4

@@ -149,10 +149,11 @@ def lint_imports(root: Path) -> tuple[int, str]:
 def test_the_import_contracts_hold() -> None:
     code, report = lint_imports(ROOT)
     assert code == 0, report
-    assert "Contracts: 3 kept, 0 broken." in report
+    assert "Contracts: 4 kept, 0 broken." in report
 
 
-def test_import_linter_catches_an_engine_module_importing_the_cli(tmp_path: Path) -> None:
+def _repository_copy(tmp_path: Path) -> Path:
+    """The packages and pyproject.toml, copied: a place to plant a forbidden import."""
     copy = tmp_path / "repo"
     copy.mkdir()
     shutil.copy(ROOT / "pyproject.toml", copy)
@@ -160,8 +161,25 @@ def test_import_linter_catches_an_engine_module_importing_the_cli(tmp_path: Path
     shutil.copytree(
         ROOT / "callbacks" / "speedtronic_callbacks", copy / "callbacks" / "speedtronic_callbacks"
     )
+    return copy
+
+
+def test_import_linter_catches_an_engine_module_importing_the_cli(tmp_path: Path) -> None:
+    copy = _repository_copy(tmp_path)
     notes = copy / "speedtronic" / "engine" / "notes.py"
     notes.write_text(notes.read_text(encoding="utf-8") + "\nimport speedtronic.cli\n")
     code, report = lint_imports(copy)
     assert code == 1
     assert "speedtronic.engine.notes -> speedtronic.cli" in report
+
+
+def test_import_linter_catches_the_config_layer_importing_the_engine(tmp_path: Path) -> None:
+    copy = _repository_copy(tmp_path)
+    schema = copy / "speedtronic" / "config" / "schema.py"
+    schema.write_text(
+        schema.read_text(encoding="utf-8") + "\nimport speedtronic.engine.callback\n"
+    )
+    code, report = lint_imports(copy)
+    assert code == 1
+    assert "configuration never imports the engine BROKEN" in report
+    assert "speedtronic.config.schema -> speedtronic.engine.callback" in report

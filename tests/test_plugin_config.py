@@ -375,3 +375,44 @@ def test_2_0_keys_stay_readable_and_count_for_equality() -> None:
     config.checkpoint.every_steps = 0
     with pytest.raises(ConfigError, match="checkpoint.every_steps: 0 is less than the minimum"):
         config.validate()
+
+
+# -- one declaration per option ---------------------------------------------------------------
+
+MAPPED_BY_THE_BUILDER = {
+    "checkpoint": ("directory",),  # resolved under the output directory; None = checkpoints
+    "jsonl": ("event_key",),  # null: decided from the 2.0 logging.json_file
+    "wandb": ("dir", "id"),  # the constructor's directory and run_id
+}
+"""Options a plugin's builder maps onto its constructor rather than passing them as they are."""
+
+
+@pytest.mark.parametrize("name", sorted(builtin_plugin_names() - {"diloco"}))
+def test_each_builtin_declares_its_options_once_and_takes_them_as_keywords(name: str) -> None:
+    from speedtronic.config import declare
+    from speedtronic.plugins import plugin_spec
+
+    spec = plugin_spec(name)
+    assert spec.options_type is not None, f"{name} declares no options dataclass"
+    assert spec.options_schema == declare.object_schema(spec.options_type)
+    skip = MAPPED_BY_THE_BUILDER.get(name, ())
+    assert declare.signature_mismatches(spec.callback, spec.options_type, skip=skip) == []
+
+
+def test_diloco_declares_both_modes_and_checks_built_options_once() -> None:
+    from speedtronic.config import declare
+    from speedtronic.plugins import plugin_spec
+    from speedtronic_callbacks.diloco import options
+
+    spec = plugin_spec("diloco")
+    assert spec.options_type is options.DiLoCoOptions
+    assert options.HUB_OPTIONS_SCHEMA["properties"] == (
+        declare.object_schema(options.DiLoCoOptions)["properties"]
+    )
+    shared = {item.name for item in declare.documented(options.OuterLoopOptions)}
+    for declaration in (options.CollectiveDiLoCoOptions, options.DistributedSectionKeys):
+        assert shared <= {item.name for item in declare.documented(declaration)}
+    built = spec.parse({"hub_dir": "/h", "inner_steps": 7})  # validated data: not checked again
+    assert isinstance(built, options.DiLoCoOptions) and built.inner_steps == 7
+    collective = spec.parse({"mode": "collective", "fragments": 2})
+    assert isinstance(collective, options.CollectiveDiLoCoOptions) and collective.fragments == 2

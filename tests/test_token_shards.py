@@ -39,9 +39,11 @@ from speedtronic.data.shards import MANIFEST_NAME, ManifestError, ShardEntry, pa
 from speedtronic.data.tokenizer import FileTokenizer
 from speedtronic.data.windows import (
     FAULT_BYTES,
+    ChunkedPermutation,
     Permutation,
     TokenWindowDataset,
     WindowSampler,
+    locality,
     open_token_dataset,
 )
 from speedtronic.runtime import build_runtime
@@ -119,6 +121,190 @@ def test_window_sampler_takes_o1_memory_for_a_huge_corpus() -> None:
     window = next(iter(sampler))
     assert 0 <= window < 10**12
 
+
+def test_the_chunked_permutation_is_a_bijection_for_any_chunk_group_and_tail() -> None:
+    for n in (1, 2, 5, 64, 100, 1023, 4097):
+        for chunk, group in ((2, 1), (3, 2), (16, 4), (64, 8), (5000, 2)):
+            order = ChunkedPermutation(n, 11, chunk=chunk, group=group)
+            values = order(np.arange(n, dtype=np.int64))
+            assert sorted(values.tolist()) == list(range(n)), (n, chunk, group)
+            tail = order(np.arange(n // 3, n, dtype=np.int64))  # any position, any block
+            assert tail.tolist() == values[n // 3 :].tolist()
+    assert ChunkedPermutation(1000, 4).key == 4  # chunk 1: the plain keyed permutation
+    plain = Permutation(1000, 4)(np.arange(1000, dtype=np.int64))
+    assert ChunkedPermutation(1000, 4)(np.arange(1000, dtype=np.int64)).tolist() == plain.tolist()
+    with pytest.raises(ValueError, match="chunk must be a positive integer"):
+        WindowSampler(10, shuffle=True, seed=0, chunk=0)
+
+
+@pytest.mark.parametrize(
+    ("n", "world", "chunk", "group"),
+    [(1000, 1, 16, 4), (1003, 3, 16, 4), (7, 2, 4, 2), (5, 3, 8, 2), (20_000, 4, 1024, 8)],
+)
+def test_a_chunked_window_sampler_keeps_the_contract(
+    n: int, world: int, chunk: int, group: int
+) -> None:
+    def samplers(seed: int) -> list[WindowSampler]:
+        return [
+            WindowSampler(n, shuffle=True, seed=seed, rank=rank, world_size=world, chunk=chunk,
+                          group=group)
+            for rank in range(world)
+        ]  # fmt: skip
+
+    ranks = samplers(5)
+    epochs = []
+    for epoch in (0, 1):
+        for sampler in ranks:
+            sampler.set_epoch(epoch)
+        orders = [list(sampler) for sampler in ranks]
+        epochs.append(orders)
+        assert all(len(order) == -(-n // world) for order in orders)
+        every = Counter(index for order in orders for index in order)
+        assert set(every) == set(range(n)) and sum(every.values()) - n == -n % world
+        whole = ranks[0].global_order()
+        padded = (whole * world)[: len(orders[0]) * world]
+        assert orders == [padded[rank::world] for rank in range(world)]  # strided, as before
+        for sampler, order in zip(ranks, orders, strict=True):
+            for start in (1, len(order) // 2, len(order) - 1):
+                sampler.set_start(start)
+                assert list(sampler) == order[start:]
+    if n > 10:
+        assert epochs[0] != epochs[1]  # a new order each epoch
+        assert [list(sampler) for sampler in samplers(6)] != epochs[0]  # and each seed
+
+
+def test_the_chunked_order_reads_locally_and_is_still_well_mixed() -> None:
+    """At the scale of a 1 GB uint16 corpus (block 1024: 512 chunks of 1024 windows, working
+    sets of 8 chunks): a working set's reads come from its 8 chunks, and yet the epoch is
+    spread over the whole corpus from its start, and epochs and seeds give other orders."""
+    chunk, group, chunks = 1024, 8, 512
+    n = chunk * chunks
+    sampler = WindowSampler(n, shuffle=True, seed=1, chunk=chunk, group=group)
+    order = np.array(sampler.global_order())
+    assert np.array_equal(np.sort(order), np.arange(n))
+    of_chunk = order // chunk
+    span = chunk * group
+    for start in range(0, n, span):  # each working set: windows of 8 chunks, all of them
+        sets = Counter(of_chunk[start : start + span].tolist())
+        assert len(sets) == group and set(sets.values()) == {chunk}
+    # within a working set the windows are dealt at random: consecutive samples come from
+    # any of its chunks, hardly ever the next window
+    same_chunk = (of_chunk[1:] == of_chunk[:-1]).mean()
+    assert 0.08 < same_chunk < 0.2, same_chunk
+    assert (np.abs(np.diff(order)) == 1).mean() < 0.01
+    # the first eighth of the epoch (64 chunks) draws on every part of the corpus
+    first = of_chunk[: n // 8] * 8 // chunks  # the eighth of the corpus each window is in
+    shares = np.bincount(first, minlength=8) / first.size
+    assert shares.min() > 0.03 and shares.max() < 0.25, shares
+    assert abs(order[: n // 8].mean() / n - 0.5) < 0.1
+    # another epoch, another seed: other working sets, other orders
+    sampler.set_epoch(1)
+    other_epoch = np.array(sampler.global_order())
+    other_seed = np.array(
+        WindowSampler(n, shuffle=True, seed=2, chunk=chunk, group=group).global_order()
+    )
+    for other in (other_epoch, other_seed):
+        assert (other == order).mean() < 0.01
+        assert len(set(of_chunk[:span].tolist()) & set((other[:span] // chunk).tolist())) <= 2
+
+
+def test_a_shuffled_epoch_maps_each_block_about_once_per_working_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import psutil
+
+    from speedtronic.data import windows
+
+    releases: list[set[tuple[int, int]]] = []
+    original = windows._Maps.release
+
+    def recorded(maps: windows._Maps) -> None:
+        releases.append(set(maps._blocks))
+        original(maps)
+
+    monkeypatch.setattr(windows._Maps, "release", recorded)
+    shard = tmp_path / "train-00000.bin"
+    tokens = np.random.default_rng(0).integers(0, 300, (16 << 20) + 1, dtype=np.uint16)
+    tokens.tofile(shard)  # 32 MiB: 16 blocks, 16384 windows of block 1024
+    entry = ShardEntry(shard.name, "train", tokens.size, "0" * 64)
+    manifest = read_manifest(make_shards(tmp_path / "small", 5))
+    manifest = dataclasses.replace(manifest, shards=(entry,))
+    budget = 4 * FAULT_BYTES
+    dataset = TokenWindowDataset(tmp_path, manifest, (entry,), 1024, resident_bytes=budget)
+    # a chunk is a block of windows; each can touch its block and the next: 2 chunks a set
+    assert (dataset.chunk_windows, dataset.group_chunks) == locality(1024, 2, budget) == (1024, 2)
+    span = dataset.chunk_windows * dataset.group_chunks
+
+    def epoch(sampler: WindowSampler) -> tuple[int, list[set[tuple[int, int]]]]:
+        releases.clear()
+        fresh = TokenWindowDataset(tmp_path, manifest, (entry,), 1024, resident_bytes=budget)
+        order = np.array(list(sampler))
+        before, growth = psutil.Process().memory_info().rss, 0
+        for start in range(0, order.size, 64):
+            inputs, _ = fresh.gather(order[start : start + 64])
+            expected = tokens[order[start] * 1024 :][:1024].astype(np.int64)
+            assert torch.equal(inputs[0], torch.from_numpy(expected))
+            growth = max(growth, psutil.Process().memory_info().rss - before)
+        assert growth < 2 * budget, f"RSS grew by {growth / 2**20:.1f} MiB"
+        first_bytes = [order[start : start + span] * 2048 for start in range(0, order.size, span)]
+        sets = [  # the blocks each working set reads: its windows' first and last bytes'
+            {(0, int(block)) for block in np.concatenate([at, at + 2049]) // FAULT_BYTES}
+            for at in first_bytes
+        ]
+        return sum(map(len, releases)) + len(fresh._maps._blocks), sets
+
+    mapped, sets = epoch(dataset.make_sampler(shuffle=True, seed=3))
+    assert len(sets) == 8 and len(releases) <= len(sets) - 1
+    assert mapped <= len(sets) * 4  # each working set maps at most its budget of blocks
+    # a release drops what the finished working set read (and at most the next one's first)
+    for number, released in enumerate(releases):
+        assert released <= sets[number] | sets[number + 1]
+    global_mapped, _ = epoch(WindowSampler(len(dataset), shuffle=True, seed=3))
+    assert global_mapped > 50 * mapped  # the order of old: a block mapped per window or so
+
+
+def test_a_chunked_order_resumes_at_the_exact_window_on_each_rank(tmp_path: Path) -> None:
+    """A corpus of several working sets (4 MiB, budget 2 MiB: 2 sets of 4096 windows): a
+    ``BatchStream`` restored from its state continues with the very next batch, mid-set, at
+    the set boundary and in the next epoch, on one rank and on each of two."""
+    shard = tmp_path / "train-00000.bin"
+    tokens = np.random.default_rng(1).integers(0, 300, (2 << 20) + 1, dtype=np.uint16)
+    tokens.tofile(shard)
+    entry = ShardEntry(shard.name, "train", tokens.size, "0" * 64)
+    manifest = read_manifest(make_shards(tmp_path / "small", 5))
+    manifest = dataclasses.replace(manifest, shards=(entry,))
+
+    def stream(rank: int, world: int) -> BatchStream[dict[str, torch.Tensor]]:
+        dataset = TokenWindowDataset(tmp_path, manifest, (entry,), 256, resident_bytes=FAULT_BYTES)
+        assert (dataset.chunk_windows, dataset.group_chunks, len(dataset)) == (4096, 1, 8192)
+        sampler = dataset.make_sampler(shuffle=True, seed=7, rank=rank, world_size=world)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=64, sampler=sampler, collate_fn=dataset.collate_fn
+        )
+        return BatchStream(loader)
+
+    for world in (1, 2):
+        per_epoch = 8192 // world // 64
+        for rank in range(world):
+            whole = stream(rank, world)
+            batches = [next(whole)["input_ids"] for _ in range(per_epoch + 10)]
+            assert len({int(batch[0, 0]) for batch in batches[:per_epoch]}) > 1
+            for at in (5, per_epoch // 2, per_epoch // 2 + 1, per_epoch + 3):
+                replay = stream(rank, world)
+                for _ in range(at):
+                    next(replay)
+                resumed = stream(rank, world)
+                resumed.load_state_dict(replay.state_dict())
+                for expected in batches[at : at + 2]:
+                    assert torch.equal(next(resumed)["input_ids"], expected), (world, rank, at)
+
+            # the position records its order; one saved before the order became
+            # locality-aware (no "order") is restored loudly, not silently in the new order
+            saved = whole.state_dict()
+            assert saved["order"] == 2
+            del saved["order"]
+            with pytest.warns(UserWarning, match="data order version 1 .* reads version 2"):
+                stream(rank, world).load_state_dict(saved)
 
 # -- the windows ---------------------------------------------------------------------------------
 
@@ -351,6 +537,48 @@ def test_mixture_ranks_are_disjoint_and_resume_at_the_exact_draw() -> None:
         for a, b in zip(after, [next(again)["input_ids"] for _ in range(5)], strict=True)
     )
     assert len(seen) == 40
+
+
+def test_a_mixture_of_chunked_sources_keeps_its_quotas_and_reads_each_source_locally() -> None:
+    sources = [Windows(0, 30_000), Windows(1, 9_000), Windows(2, 777)]
+    for source in sources:  # chunks of 64 windows, working sets of 4 chunks (256 windows)
+        source.chunk_windows, source.group_chunks = 64, 4
+    mixture = MixtureDataset(sources, [0.6, 0.3, 0.1], seed=4)
+    quotas = mixture.quotas.tolist()
+    sampler = mixture.make_sampler(shuffle=True, seed=4)
+    assert sampler.rounds >= 2 * quotas[0] // 256  # a round: at most half a working set each
+    for epoch in (0, 1, 2):
+        sampler.set_epoch(epoch)
+        keys = np.array(list(sampler))
+        assert np.unique(keys).size == keys.size == len(mixture)
+        tags, windows = (np.array(column) for column in zip(*draws(mixture, sampler), strict=True))
+        assert np.bincount(tags).tolist() == quotas  # exact per epoch
+        # and exact at every round's end: floor(g N_s / K) draws of each source before round g
+        for round_ in range(1, sampler.rounds, 17):
+            before = [quota * round_ // sampler.rounds for quota in quotas]
+            assert np.bincount(tags[: sum(before)], minlength=3).tolist() == before
+        for tag in range(len(sources)):
+            mine = windows[tags == tag]  # this source's windows, in the order it reads them
+            for start in range(0, mine.size - 256, 256):  # 256 draws: 1-2 working sets' chunks
+                assert len(set((mine[start : start + 256] // 64).tolist())) <= 12
+    # web's first 30,000 draws (epoch 0 and the start of epoch 1) are one pass: each window once
+    pass_ = []
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        keys = np.array(list(sampler))
+        web = keys[(keys % 3 == 0) & (keys // 3 < 30_000)]
+        pass_ += mixture.decode(web)[1].tolist()
+    assert sorted(pass_) == list(range(30_000))
+    # two ranks stride one order, and a rank resumes at any position of it
+    ranks = [mixture.make_sampler(shuffle=True, seed=4, rank=r, world_size=2) for r in (0, 1)]
+    sampler.set_epoch(2)
+    whole = list(sampler)
+    for rank, ranked in enumerate(ranks):
+        ranked.set_epoch(2)
+        order = list(ranked)
+        assert order == (whole + whole[:1])[rank::2]
+        ranked.set_start(12_345)
+        assert list(ranked) == order[12_345:]
 
 
 def test_a_mixture_from_config_trains_and_resumes_bitwise(tmp_path: Path) -> None:

@@ -3,11 +3,12 @@
     callbacks:
       - {name: checkpoint, every_steps: 200, keep_last: 3}
 
-The plugin is on by default (after the configured callbacks) and reads the 2.0
-``checkpoint:`` section: its keys are the defaults of this plugin's options
-(``options_from_legacy``), and ``checkpoint: {enabled: false}`` leaves the plugin out unless
-``callbacks:`` names it. A relative ``directory`` is under the run's output directory. The
-callback is the run's ``ResumeSource``: ``resume: true`` resumes before the fit.
+The plugin is on by default (after the configured callbacks) and reads the ``checkpoint:``
+section: its keys are the defaults of this plugin's options (``CheckpointOptions``, each
+option declared once: the section has every option but ``save_final``), and
+``checkpoint: {enabled: false}`` leaves the plugin out unless ``callbacks:`` names it. A
+relative ``directory`` is under the run's output directory. The callback is the run's
+``ResumeSource``: ``resume: true`` resumes before the fit.
 
 What is saved is ``trainer.state_dict()`` -- model, optimizer, scheduler, grad scaler,
 counters, RNG, data position and every callback's state -- so a resumed run continues bit
@@ -71,6 +72,7 @@ directory holds is downloaded first -- a fresh machine resumes from the store.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import math
 import signal
@@ -78,19 +80,13 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import FrameType
-from typing import TYPE_CHECKING, ClassVar, Literal, cast
+from types import FrameType, MappingProxyType
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, cast
 
-from typing_extensions import Self
-
-from speedtronic.engine.callback import (
-    Callback,
-    JSONSchema,
-    LegacySections,
-    PluginOptions,
-    legacy_section,
-)
+from speedtronic.config.declare import Opt, keyword_build, object_schema, plugin
+from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import (
     CheckpointContext,
     ExceptionContext,
@@ -102,6 +98,14 @@ from speedtronic.engine.contexts import (
 )
 from speedtronic.engine.events import Event
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS, never
+from speedtronic.plugins import (
+    JSONSchema,
+    PluginContext,
+    PluginOptions,
+    SectionData,
+    Sections,
+    section_of,
+)
 from speedtronic.state.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -124,9 +128,8 @@ from speedtronic_callbacks.wall_clock import Deadline
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
-    from speedtronic.plugins import PluginContext
 
-__all__ = ["CheckpointCallback"]
+__all__ = ["CheckpointCallback", "CheckpointOptions"]
 
 logger = logging.getLogger("speedtronic.checkpoint")
 
@@ -135,105 +138,188 @@ SignalHandler = Callable[[int, FrameType | None], object] | int | signal.Handler
 """What ``signal.signal`` returns: the handler that was installed before."""
 
 
+DEFAULT_DIRECTORY = "checkpoints"
+"""The checkpoint directory, under the run's output directory, when none is given."""
+
+_MANAGER = inspect.signature(CheckpointManager).parameters
+"""``CheckpointManager``'s own defaults (its 2.0 signature, ``every_steps=500,
+keep_last=3``): the options of the same names take them, so each value is written once."""
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """The ``checkpoint`` plugin's options, one field each. The ``checkpoint:`` section holds
+    the same keys (all but ``save_final``); its values are the defaults of a ``callbacks:``
+    entry's options."""
+
+    directory: Annotated[
+        str,
+        Opt("where checkpoints go; a relative path is under `run.output_dir`", min_length=1),
+    ] = DEFAULT_DIRECTORY
+    every_steps: Annotated[
+        int,
+        Opt(
+            "save after every step that is a multiple of this (and at the end of a successful fit)",
+            minimum=1,
+        ),
+    ] = _MANAGER["every_steps"].default
+    keep_last: Annotated[
+        int | None, Opt("keep the newest N checkpoints; `null` keeps all", minimum=1)
+    ] = _MANAGER["keep_last"].default
+    enabled: Annotated[
+        bool,
+        Opt(
+            "`false` saves nothing (the callback stays inert); in the `checkpoint:` section "
+            "it also leaves the plugin out unless `callbacks:` names it"
+        ),
+    ] = _MANAGER["enabled"].default
+    save_final: Annotated[
+        bool,
+        Opt(
+            "save at the end of a successful fit unless the last step was just saved "
+            "(an option only, not a key of the `checkpoint:` section)"
+        ),
+    ] = True
+    save_on_exception: Annotated[bool, Opt("best-effort save when the fit fails (see below)")] = (
+        False
+    )
+    save_on_signal: Annotated[
+        bool,
+        Opt("SIGTERM/SIGINT: stop after the current step, save, exit for requeue"),
+    ] = True
+    async_save: Annotated[
+        bool,
+        Opt("snapshot to CPU memory, write on a background thread (see below)"),
+    ] = False
+    resume: Annotated[
+        bool,
+        Opt(
+            "resume from the newest checkpoint before the fit, like `--resume`; warns and "
+            "starts fresh when there is none"
+        ),
+    ] = False
+    load_callback_state: Annotated[bool, Opt("on resume, restore every callback's saved state")] = (
+        True
+    )
+    monitor: Annotated[
+        str | None,
+        Opt(
+            "a metric key (`eval/loss`, `loss`, ...): save a checkpoint whenever it improves "
+            "and name the best in `best.json` (see "
+            "[evaluation](evaluation.md#the-best-checkpoint)); an `eval/*` key needs "
+            "`eval.every_steps`",
+            min_length=1,
+        ),
+    ] = None
+    mode: Annotated[
+        Mode, Opt("whether lower (`min`) or higher (`max`) monitored values are better")
+    ] = "min"
+    every_minutes: Annotated[
+        float | None,
+        Opt(
+            "also save when this many minutes passed since the last save (wall clock; see "
+            "[cluster runs](cluster-runs.md)); `null`: by steps only",
+            exclusive_minimum=0,
+            maximum=527040,
+        ),
+    ] = None
+    remote: Annotated[
+        str | None,
+        Opt(
+            "fsspec URL (`s3://bucket/run1`, `gs://...`, `file://...`) every committed "
+            "checkpoint is uploaded to in the background; `--resume` downloads a newer one "
+            "from it; needs the `remote` extra; `null`: local only",
+            min_length=1,
+        ),
+    ] = None
+    remote_options: Annotated[
+        dict[str, object],
+        Opt(
+            "fsspec storage options for `remote` (s3fs: `endpoint_url`, `client_kwargs`, "
+            "`config_kwargs`, ...); credentials come from the environment, never from here",
+            schema={"type": "object"},
+        ),
+    ] = field(default_factory=dict)
+    remote_attempts: Annotated[
+        int,
+        Opt(
+            "tries per store operation (exponential backoff with jitter: up to 1 s, 2 s, "
+            "4 s, ... at most 30 s apart) before an upload counts as failed",
+            minimum=1,
+            maximum=100,
+        ),
+    ] = 5
+
+
+OPTIONS_ONLY = ("save_final",)
+"""Options that are not keys of the ``checkpoint:`` section."""
+
 CHECKPOINT_SECTION_SCHEMA: JSONSchema = {
     "title": "checkpoint",
-    "description": "Checkpointing (2.0 section, read by the checkpoint plugin: the defaults "
-    "of its options).",
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {
-        "enabled": {"type": "boolean", "default": True, "description": "Save checkpoints."},
-        "directory": {
-            "type": "string",
-            "default": "checkpoints",
-            "description": "Checkpoint directory; relative paths are under run.output_dir.",
-            "minLength": 1,
-        },
-        "every_steps": {
-            "type": "integer",
-            "default": 500,
-            "description": "Save every N global steps (and at the end of a successful fit).",
-            "minimum": 1,
-        },
-        "keep_last": {
-            "type": ["integer", "null"],
-            "default": 3,
-            "description": "Keep the newest N checkpoints. Null keeps all.",
-            "minimum": 1,
-        },
-        "resume": {
-            "type": "boolean",
-            "default": False,
-            "description": "Resume from the latest checkpoint when one exists.",
-        },
-        "async_save": {
-            "type": "boolean",
-            "default": False,
-            "description": "Write checkpoints on a background thread after a snapshot.",
-        },
-        "save_on_exception": {
-            "type": "boolean",
-            "default": False,
-            "description": "Save a checkpoint when the fit fails with an exception.",
-        },
-        "save_on_signal": {
-            "type": "boolean",
-            "default": True,
-            "description": "Save a checkpoint and stop cleanly on SIGTERM/SIGINT.",
-        },
-        "load_callback_state": {
-            "type": "boolean",
-            "default": True,
-            "description": "Restore callback state on resume.",
-        },
-        "monitor": {
-            "type": ["string", "null"],
-            "default": None,
-            "minLength": 1,
-            "description": "Metric key (e.g. eval/loss) by which best.json names the best "
-            "checkpoint; a checkpoint is saved whenever it improves. Null: no best checkpoint.",
-        },
-        "mode": {
-            "enum": ["min", "max"],
-            "default": "min",
-            "description": "Whether a lower (min) or higher (max) monitored value is better.",
-        },
-        "every_minutes": {
-            "type": ["number", "null"],
-            "default": None,
-            "exclusiveMinimum": 0,
-            "maximum": 527040,
-            "description": "Also save when this many minutes passed since the last save "
-            "(wall clock). Null: by steps only.",
-        },
-        "remote": {
-            "type": ["string", "null"],
-            "default": None,
-            "minLength": 1,
-            "description": "fsspec URL (s3://bucket/run1, gs://..., file://...) every "
-            "committed checkpoint is uploaded to in the background; --resume downloads a "
-            "newer one from it. Needs the remote extra. Null: local only.",
-        },
-        "remote_options": {
-            "type": "object",
-            "default": {},
-            "description": "fsspec storage options for remote (s3fs: endpoint_url, "
-            "client_kwargs, config_kwargs, ...). Credentials come from the environment, "
-            "never from here.",
-        },
-        "remote_attempts": {
-            "type": "integer",
-            "default": 5,
-            "minimum": 1,
-            "maximum": 100,
-            "description": "Tries per store operation (exponential backoff with jitter: up "
-            "to 1 s, 2 s, 4 s, ... at most 30 s apart) before an upload counts as failed.",
-        },
-    },
+    "description": "Checkpointing (read by the checkpoint plugin: the defaults of its options).",
+    **object_schema(CheckpointOptions, exclude=OPTIONS_ONLY),
 }
-"""The 2.0 ``checkpoint:`` section, which this plugin reads (``options_from_legacy``)."""
+"""The ``checkpoint:`` section, which this plugin reads (``options_from_section``)."""
+
+SECTION_KEYS = tuple(
+    key for key in CheckpointOptions.__dataclass_fields__ if key not in OPTIONS_ONLY
+)
+"""Keys of the ``checkpoint:`` section (each an option of this plugin too)."""
 
 
+def options_from_section(
+    sections: SectionData, options: Mapping[str, object] | None
+) -> PluginOptions | None:
+    """The ``checkpoint:`` section's keys are the defaults of the options; a disabled
+    section leaves the plugin out unless ``callbacks:`` names it."""
+    values = section_of(sections, "checkpoint")
+    if options is None and values.get("enabled", True) is False:
+        return None
+    merged: PluginOptions = {key: values[key] for key in SECTION_KEYS if key in values}
+    merged.update(options or {})
+    return merged
+
+
+def section_errors(sections: SectionData) -> Iterator[str]:
+    """No credentials in ``checkpoint.remote_options`` (``_credential_errors``)."""
+    options = section_of(sections, "checkpoint").get("remote_options")
+    yield from _credential_errors("checkpoint.remote_options", options)
+
+
+def options_errors(
+    entry: str, options: Mapping[str, object], sections: SectionData
+) -> Iterator[str]:
+    """No credentials in a ``callbacks:`` entry's ``remote_options``."""
+    del sections
+    yield from _credential_errors(f"{entry}.remote_options", options.get("remote_options"))
+
+
+_NO_REMOTE_OPTIONS: Mapping[str, object] = MappingProxyType({})
+"""The constructor's default ``remote_options`` (read-only: a default is shared)."""
+
+
+def _build(
+    cls: type[CheckpointCallback], options: CheckpointOptions, context: PluginContext
+) -> CheckpointCallback:
+    """A relative ``directory`` is under the run's output directory."""
+    directory = resolve_run_path(options.directory, context.output_dir)
+    return keyword_build(cls, replace(options, directory=str(directory)))
+
+
+@plugin(
+    "checkpoint",
+    options=CheckpointOptions,
+    build=_build,
+    sections=Sections(
+        keys=("checkpoint",),
+        schema={"checkpoint": CHECKPOINT_SECTION_SCHEMA},
+        to_options=options_from_section,
+        errors=section_errors,
+    ),
+    options_errors=options_errors,
+    enabled_by_default=True,
+    implied_order=90,  # last: it saves what the others did in the step
+)
 class CheckpointCallback(Callback):
     """Saves ``trainer.state_dict()`` through a ``CheckpointManager``.
 
@@ -245,128 +331,30 @@ class CheckpointCallback(Callback):
     directory is used as it is.
     """
 
-    plugin_name: ClassVar[str | None] = "checkpoint"
-    options_schema: ClassVar[JSONSchema] = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "directory": {
-                "type": "string",
-                "minLength": 1,
-                "description": "Checkpoint directory; relative paths are under run.output_dir "
-                "(default: checkpoint.directory).",
-            },
-            "every_steps": {
-                "type": "integer",
-                "minimum": 1,
-                "description": "Save every N global steps (default: checkpoint.every_steps).",
-            },
-            "keep_last": {
-                "type": ["integer", "null"],
-                "minimum": 1,
-                "description": "Keep the newest N checkpoints; null keeps all "
-                "(default: checkpoint.keep_last).",
-            },
-            "enabled": {
-                "type": "boolean",
-                "description": "Save at all (default: checkpoint.enabled).",
-            },
-            "save_final": {
-                "type": "boolean",
-                "default": True,
-                "description": "Save at the end of a successful fit when the last step was "
-                "not just saved.",
-            },
-            "save_on_exception": {
-                "type": "boolean",
-                "description": "Best-effort save when the fit fails "
-                "(default: checkpoint.save_on_exception).",
-            },
-            "save_on_signal": {
-                "type": "boolean",
-                "description": "On SIGTERM/SIGINT stop after the current step and save "
-                "(default: checkpoint.save_on_signal).",
-            },
-            "async_save": {
-                "type": "boolean",
-                "description": "Write on a background thread after a CPU snapshot "
-                "(default: checkpoint.async_save).",
-            },
-            "resume": {
-                "type": "boolean",
-                "description": "Resume from the newest checkpoint before the fit, as "
-                "--resume does (default: checkpoint.resume).",
-            },
-            "load_callback_state": {
-                "type": "boolean",
-                "description": "On resume, restore every callback's saved state "
-                "(default: checkpoint.load_callback_state).",
-            },
-            "monitor": {
-                "type": ["string", "null"],
-                "minLength": 1,
-                "description": "Metric key (e.g. eval/loss) that names the best checkpoint in "
-                "best.json (default: checkpoint.monitor).",
-            },
-            "mode": {
-                "enum": ["min", "max"],
-                "description": "min or max: which monitored value is best "
-                "(default: checkpoint.mode).",
-            },
-            "every_minutes": {
-                "type": ["number", "null"],
-                "exclusiveMinimum": 0,
-                "maximum": 527040,
-                "description": "Also save every N minutes of wall clock "
-                "(default: checkpoint.every_minutes).",
-            },
-            "remote": {
-                "type": ["string", "null"],
-                "minLength": 1,
-                "description": "fsspec URL to mirror checkpoints to (default: checkpoint.remote).",
-            },
-            "remote_options": {
-                "type": "object",
-                "description": "fsspec storage options for remote (default: "
-                "checkpoint.remote_options).",
-            },
-            "remote_attempts": {
-                "type": "integer",
-                "minimum": 1,
-                "maximum": 100,
-                "description": "Tries per store operation (default: checkpoint.remote_attempts).",
-            },
-        },
-    }
-
-    # -- plugin configuration -------------------------------------------------------------
-    enabled_by_default: ClassVar[bool] = True
-    implied_order: ClassVar[int] = 90  # last: it saves what the others did in the step
     # With a monitor it reads the finished record (after every contributor), like a sink.
     metrics_phase: ClassVar[Literal["contribute", "consume"]] = "consume"
     due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging (and evaluation) steps
-    legacy_sections: ClassVar[tuple[str, ...]] = ("checkpoint",)
-    legacy_schema: ClassVar[Mapping[str, JSONSchema]] = {"checkpoint": CHECKPOINT_SECTION_SCHEMA}
 
     def __init__(
         self,
         directory: str | Path | None = None,
         *,
-        every_steps: int = 500,
-        keep_last: int | None = 3,
-        enabled: bool = True,
-        save_final: bool = True,
-        save_on_exception: bool = False,
-        save_on_signal: bool = True,
-        async_save: bool = False,
+        every_steps: int = CheckpointOptions.every_steps,
+        keep_last: int | None = CheckpointOptions.keep_last,
+        enabled: bool = CheckpointOptions.enabled,
+        save_final: bool = CheckpointOptions.save_final,
+        save_on_exception: bool = CheckpointOptions.save_on_exception,
+        save_on_signal: bool = CheckpointOptions.save_on_signal,
+        async_save: bool = CheckpointOptions.async_save,
         manager: CheckpointManager | None = None,
-        resume: bool = False,
-        load_callback_state: bool = True,
-        monitor: str | None = None,
-        mode: Mode = "min",
-        every_minutes: float | None = None,
-        remote: str | None = None,
-        remote_options: Mapping[str, object] | None = None,
+        resume: bool = CheckpointOptions.resume,
+        load_callback_state: bool = CheckpointOptions.load_callback_state,
+        monitor: str | None = CheckpointOptions.monitor,
+        mode: Mode = CheckpointOptions.mode,
+        every_minutes: float | None = CheckpointOptions.every_minutes,
+        remote: str | None = CheckpointOptions.remote,
+        remote_options: Mapping[str, object] = _NO_REMOTE_OPTIONS,
+        remote_attempts: int = CheckpointOptions.remote_attempts,
         remote_retry: RetryPolicy | None = None,
     ) -> None:
         if every_minutes is not None and not every_minutes > 0:
@@ -416,64 +404,14 @@ class CheckpointCallback(Callback):
         self.wall_clock: Deadline | None = None
         """With ``every_minutes``, during a fit: the next save by time (``Deadline``)."""
         self.remote = remote
-        self.remote_retry = remote_retry or RetryPolicy()
+        # ``remote_retry`` (Python only) sets the backoff too; ``remote_attempts`` the tries.
+        self.remote_retry = remote_retry or RetryPolicy(attempts=remote_attempts)
         # Opened here (no connection yet): a missing extra or an unknown URL fails the build.
         self._store: RemoteStore | None = (
             open_store(remote, remote_options) if remote is not None else None
         )
         self.mirror: RemoteMirror | None = None
         """Rank 0's uploader during a fit with ``remote`` (``None`` otherwise)."""
-
-    @classmethod
-    def options_from_legacy(
-        cls, sections: LegacySections, options: Mapping[str, object] | None
-    ) -> PluginOptions | None:
-        """The ``checkpoint:`` section's keys are the defaults of the options; a disabled
-        section leaves the plugin out unless ``callbacks:`` names it."""
-        values = legacy_section(sections, "checkpoint")
-        if options is None and values.get("enabled", True) is False:
-            return None
-        merged: PluginOptions = {key: values[key] for key in _LEGACY_KEYS if key in values}
-        merged.update(options or {})
-        return merged
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
-        """Options left out take the defaults of ``CheckpointCallback``'s constructor and
-        ``checkpoints`` as the directory (under the run's output directory)."""
-        merged = {**_OPTION_DEFAULTS, **options}
-        directory = resolve_run_path(str(merged.pop("directory")), context.output_dir)
-        keep_last = merged["keep_last"]
-        return cls(
-            directory,
-            every_steps=_as_int(merged["every_steps"]),
-            keep_last=None if keep_last is None else _as_int(keep_last),
-            enabled=bool(merged["enabled"]),
-            save_final=bool(merged["save_final"]),
-            save_on_exception=bool(merged["save_on_exception"]),
-            save_on_signal=bool(merged["save_on_signal"]),
-            async_save=bool(merged["async_save"]),
-            resume=bool(merged["resume"]),
-            load_callback_state=bool(merged["load_callback_state"]),
-            monitor=None if merged["monitor"] is None else str(merged["monitor"]),
-            mode="max" if merged["mode"] == "max" else "min",
-            every_minutes=_as_minutes(merged["every_minutes"]),
-            remote=None if merged["remote"] is None else str(merged["remote"]),
-            remote_options=cast(Mapping[str, object], merged["remote_options"]),
-            remote_retry=RetryPolicy(attempts=_as_int(merged["remote_attempts"])),
-        )
-
-    @classmethod
-    def legacy_errors(cls, sections: LegacySections) -> Iterator[str]:
-        options = legacy_section(sections, "checkpoint").get("remote_options")
-        yield from _credential_errors("checkpoint.remote_options", options)
-
-    @classmethod
-    def options_errors(
-        cls, entry: str, options: Mapping[str, object], sections: LegacySections
-    ) -> Iterator[str]:
-        del sections
-        yield from _credential_errors(f"{entry}.remote_options", options.get("remote_options"))
 
     # -- ResumeSource ---------------------------------------------------------------------
 
@@ -881,47 +819,6 @@ def _barrier(trainer: TrainerView) -> None:
     """Wait for every rank of a distributed run (nothing to wait for in one process)."""
     if trainer.distributed is not None and trainer.distributed.world_size > 1:
         trainer.distributed.barrier()
-
-
-DEFAULT_DIRECTORY = "checkpoints"
-"""The checkpoint directory, under the run's output directory, when none is given."""
-
-_OPTION_DEFAULTS: dict[str, object] = {
-    "directory": DEFAULT_DIRECTORY,
-    "every_steps": 500,
-    "keep_last": 3,
-    "enabled": True,
-    "save_final": True,
-    "save_on_exception": False,
-    "save_on_signal": True,
-    "async_save": False,
-    "resume": False,
-    "load_callback_state": True,
-    "monitor": None,
-    "mode": "min",
-    "every_minutes": None,
-    "remote": None,
-    "remote_options": {},
-    "remote_attempts": 5,
-}
-"""Option values when neither ``callbacks:`` nor the 2.0 section gives one."""
-
-_LEGACY_KEYS = tuple(key for key in _OPTION_DEFAULTS if key != "save_final")
-"""Keys of the 2.0 ``checkpoint:`` section that are also options of this plugin."""
-
-
-def _as_int(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"expected an integer, got {value!r}")
-    return value
-
-
-def _as_minutes(value: object) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"expected a number of minutes, got {value!r}")
-    return float(value)
 
 
 CREDENTIAL_KEYS = frozenset(

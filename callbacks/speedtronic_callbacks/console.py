@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, ClassVar, Literal
+from typing import IO, TYPE_CHECKING, Annotated, Literal
 
 import torch
 from tqdm import tqdm
-from typing_extensions import Self
 
-from speedtronic.engine.callback import JSONSchema, LegacySections, PluginOptions, legacy_section
+from speedtronic.config.declare import Opt, object_schema, plugin
 from speedtronic.engine.contexts import ExceptionContext, FitContext, FitEndContext, TeardownContext
 from speedtronic.models.summary import format_model_summary, summarize_model
+from speedtronic.plugins import PluginOptions, SectionData, Sections, section_of
 from speedtronic.state.append_io import open_to_append
 from speedtronic.state.run_lock import RunPaths
 from speedtronic_callbacks.sink import (
@@ -44,11 +45,11 @@ from speedtronic_callbacks.sink import (
     formatted_numbers,
     other_keys,
     resolve_path,
+    under_output_dir,
 )
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
-    from speedtronic.plugins import PluginContext
 
 StreamName = Literal["stdout", "stderr"]
 
@@ -160,85 +161,84 @@ def describe_fit_end(ctx: FitEndContext) -> str:
     return " | ".join(parts)
 
 
+@dataclass(frozen=True)
+class ConsoleOptions:
+    """The ``console`` sink's options."""
+
+    file: Annotated[
+        str | None,
+        Opt(
+            "write to this text file (appended, line-buffered; relative to the output "
+            "directory) instead of the terminal",
+            default_text="`logging.file`",
+        ),
+    ] = None
+    stream: Annotated[StreamName, Opt("the terminal stream used when no file is set")] = "stdout"
+    keys: Annotated[
+        list[str],
+        Opt("record keys to show right after the standard fields, in this order"),
+    ] = field(default_factory=list)
+    other_keys: Annotated[
+        bool,
+        Opt(
+            "also show every other key a callback logs; `false`: only the standard fields "
+            "and `keys`"
+        ),
+    ] = True
+    summary: Annotated[
+        bool,
+        Opt(
+            "print the model summary (parameters, trainable, dtype per top-level module) "
+            "under the start line"
+        ),
+    ] = True
+
+
+@dataclass(frozen=True)
+class ConsoleLoggingKeys:
+    """The key this plugin adds to the ``logging:`` section (2.0's sink switch)."""
+
+    console: Annotated[bool, Opt("add the default `console` sink")] = True
+
+
+def options_from_logging(
+    sections: SectionData, options: Mapping[str, object] | None
+) -> PluginOptions | None:
+    """2.0 ``logging.console: false`` leaves the default sink out; ``logging.file`` is the
+    default of ``file``."""
+    logging = section_of(sections, "logging")
+    if options is None and logging.get("console", True) is False:
+        return None
+    merged: PluginOptions = dict(options or {})
+    if "file" not in merged and logging.get("file") is not None:
+        merged["file"] = logging["file"]
+    return merged
+
+
+@plugin(
+    "console",
+    options=ConsoleOptions,
+    build=under_output_dir("file"),
+    sections=Sections(
+        keys=("logging",),
+        schema={"logging": {"properties": object_schema(ConsoleLoggingKeys)["properties"]}},
+        to_options=options_from_logging,
+    ),
+    enabled_by_default=True,
+    default_replaced_by=("progress",),
+    implied_order=-20,  # the first sink, before the configured callbacks
+)
 class ConsoleCallback(MetricSink):
     """Plain text lines: a start line, one line per due record, a summary at the end."""
-
-    plugin_name: ClassVar[str | None] = "console"
-    options_schema: ClassVar[JSONSchema] = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "file": {
-                "type": ["string", "null"],
-                "description": "Write lines to this text file (relative to the output "
-                "directory) instead of the terminal. Defaults to the 2.0 logging.file.",
-            },
-            "stream": {
-                "enum": ["stdout", "stderr"],
-                "default": "stdout",
-                "description": "The terminal stream used when no file is set.",
-            },
-            "keys": {
-                "type": "array",
-                "items": {"type": "string"},
-                "default": [],
-                "description": "Record keys to show on each line right after the standard "
-                "fields, in this order.",
-            },
-            "other_keys": {
-                "type": "boolean",
-                "default": True,
-                "description": "Also show every other key a callback logs (after keys); "
-                "false: only the standard fields and keys.",
-            },
-            "summary": {
-                "type": "boolean",
-                "default": True,
-                "description": "Print the model summary (parameters, trainable, dtype per "
-                "top-level module) under the start line.",
-            },
-        },
-    }
-
-    # -- plugin configuration -------------------------------------------------------------
-    enabled_by_default: ClassVar[bool] = True
-    default_replaced_by: ClassVar[tuple[str, ...]] = ("progress",)
-    implied_order: ClassVar[int] = -20  # the first sink, before the configured callbacks
-    legacy_sections: ClassVar[tuple[str, ...]] = ("logging",)
-    legacy_schema: ClassVar[Mapping[str, JSONSchema]] = {
-        "logging": {
-            "properties": {
-                "console": {
-                    "type": "boolean",
-                    "default": True,
-                    "description": "Add the default console metric sink.",
-                },
-            },
-        },
-    }
-
-    @classmethod
-    def options_from_legacy(
-        cls, sections: LegacySections, options: Mapping[str, object] | None
-    ) -> PluginOptions | None:
-        """2.0 ``logging.console: false`` leaves the default sink out; ``logging.file`` is
-        the default of ``file``."""
-        logging = legacy_section(sections, "logging")
-        if options is None and logging.get("console", True) is False:
-            return None
-        merged: PluginOptions = dict(options or {})
-        if "file" not in merged and logging.get("file") is not None:
-            merged["file"] = logging["file"]
-        return merged
 
     def __init__(
         self,
         *,
-        file: str | Path | None = None,
-        stream: StreamName = "stdout",
+        file: str | Path | None = ConsoleOptions.file,
+        stream: StreamName = ConsoleOptions.stream,
         keys: Sequence[str] = (),
-        summary: bool = True,
-        other_keys: bool = True,
+        summary: bool = ConsoleOptions.summary,
+        other_keys: bool = ConsoleOptions.other_keys,
     ) -> None:
         self.file = Path(file) if file is not None else None
         self.summary = summary
@@ -247,19 +247,6 @@ class ConsoleCallback(MetricSink):
         self.other_keys = other_keys
         self._handle: IO[str] | None = None
         self._stream: IO[str] | None = None
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
-        file = options.get("file")
-        stream = options.get("stream", "stdout")
-        keys = options.get("keys", [])
-        return cls(
-            file=resolve_path(str(file), context.output_dir) if file is not None else None,
-            stream="stderr" if stream == "stderr" else "stdout",
-            keys=[str(key) for key in keys] if isinstance(keys, list) else (),
-            summary=options.get("summary", True) is not False,
-            other_keys=options.get("other_keys", True) is not False,
-        )
 
     def run_paths(self, output_dir: Path) -> RunPaths:
         """The text file, when lines go to one, locked for the run."""

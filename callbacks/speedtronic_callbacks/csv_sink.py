@@ -12,21 +12,25 @@ from __future__ import annotations
 import csv
 import io
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, ClassVar
+from typing import IO, TYPE_CHECKING, Annotated
 
-from typing_extensions import Self
-
-from speedtronic.engine.callback import JSONSchema
+from speedtronic.config.declare import Opt, plugin
 from speedtronic.engine.contexts import FitContext, TeardownContext
 from speedtronic.state.append_io import open_to_append, refuse_planted_link
 from speedtronic.state.atomic_io import atomic_write_text
 from speedtronic.state.run_lock import RunPaths
-from speedtronic_callbacks.sink import MetricSink, Record, keep_earlier_run, resolve_path
+from speedtronic_callbacks.sink import (
+    MetricSink,
+    Record,
+    keep_earlier_run,
+    resolve_path,
+    under_output_dir,
+)
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
-    from speedtronic.plugins import PluginContext
 
 DEFAULT_FILENAME = "metrics.csv"
 
@@ -54,35 +58,26 @@ def load_rows(path: Path) -> tuple[list[str], list[dict[str, str]]]:
         return list(reader.fieldnames or []), rows
 
 
+@dataclass(frozen=True)
+class CsvOptions:
+    """The ``csv`` sink's options."""
+
+    path: Annotated[str, Opt("the CSV file, relative to the output directory", min_length=1)] = (
+        DEFAULT_FILENAME
+    )
+
+
+@plugin("csv", options=CsvOptions, build=under_output_dir("path"))
 class CsvCallback(MetricSink):
     """Appends each due record as a row of ``metrics.csv`` in the output directory."""
 
-    plugin_name: ClassVar[str | None] = "csv"
-    options_schema: ClassVar[JSONSchema] = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "path": {
-                "type": "string",
-                "minLength": 1,
-                "default": DEFAULT_FILENAME,
-                "description": "The CSV file, relative to the output directory.",
-            },
-        },
-    }
-
-    def __init__(self, path: str | Path = DEFAULT_FILENAME) -> None:
+    def __init__(self, path: str | Path = CsvOptions.path) -> None:
         self.path = Path(path)
         self._file: Path | None = None
         self._handle: IO[str] | None = None
         self._writer: csv.DictWriter[str] | None = None
         self._columns: list[str] = []
         self._known: set[str] = set()
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
-        path = options.get("path", DEFAULT_FILENAME)
-        return cls(resolve_path(str(path), context.output_dir))
 
     def run_paths(self, output_dir: Path) -> RunPaths:
         """The CSV file, locked for the run (``speedtronic.state.run_lock``)."""

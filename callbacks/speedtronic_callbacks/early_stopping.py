@@ -23,65 +23,51 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
-from typing_extensions import Self
-
-from speedtronic.engine.callback import Callback, JSONSchema
+from speedtronic.config.declare import Opt, plugin
+from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import FitContext, MetricsContext
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic_callbacks.monitor import Mode, MonitorError, check_monitor, read_monitored
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
-    from speedtronic.plugins import PluginContext
 
 __all__ = ["EarlyStopping", "Mode", "MonitorError"]
 
 
+@dataclass(frozen=True)
+class EarlyStoppingOptions:
+    """The ``early_stopping`` plugin's options."""
+
+    monitor: Annotated[str, Opt("the metric record key to watch", min_length=1)] = "loss"
+    mode: Annotated[Mode, Opt("whether lower (`min`) or higher (`max`) is better")] = "min"
+    patience: Annotated[int, Opt("due records without improvement before stopping", minimum=1)] = 3
+    min_delta: Annotated[
+        float, Opt("an improvement must beat the best by more than this", minimum=0)
+    ] = 0.0
+    stop_on_non_finite: Annotated[bool, Opt("stop at once when the value is NaN/Inf")] = True
+
+
+@plugin("early_stopping", options=EarlyStoppingOptions)
 class EarlyStopping(Callback):
     """Requests a clean stop after ``patience`` due records without improvement."""
 
-    plugin_name: ClassVar[str | None] = "early_stopping"
     state_key: str | None = "early_stopping"
     # Reads the finished record, like a sink; but a missing key is a real error.
     metrics_phase: ClassVar[Literal["contribute", "consume"]] = "consume"
     due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
-    options_schema: ClassVar[JSONSchema] = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "monitor": {
-                "type": "string",
-                "minLength": 1,
-                "default": "loss",
-                "description": "Metric record key to watch.",
-            },
-            "mode": {"enum": ["min", "max"], "default": "min"},
-            "patience": {
-                "type": "integer",
-                "minimum": 1,
-                "default": 3,
-                "description": "Due records without improvement before stopping.",
-            },
-            "min_delta": {
-                "type": "number",
-                "minimum": 0,
-                "default": 0.0,
-                "description": "How much better than the best a value must be to count.",
-            },
-            "stop_on_non_finite": {"type": "boolean", "default": True},
-        },
-    }
 
     def __init__(
         self,
-        monitor: str = "loss",
+        monitor: str = EarlyStoppingOptions.monitor,
         *,
-        mode: Mode = "min",
-        patience: int = 3,
-        min_delta: float = 0.0,
-        stop_on_non_finite: bool = True,
+        mode: Mode = EarlyStoppingOptions.mode,
+        patience: int = EarlyStoppingOptions.patience,
+        min_delta: float = EarlyStoppingOptions.min_delta,
+        stop_on_non_finite: bool = EarlyStoppingOptions.stop_on_non_finite,
     ) -> None:
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
@@ -98,19 +84,6 @@ class EarlyStopping(Callback):
         self.best_step: int | None = None
         self.wait = 0
         self.stopped_step: int | None = None
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
-        del context
-        patience = options.get("patience", 3)
-        min_delta = options.get("min_delta", 0.0)
-        return cls(
-            str(options.get("monitor", "loss")),
-            mode="max" if options.get("mode") == "max" else "min",
-            patience=patience if isinstance(patience, int) else 3,
-            min_delta=float(min_delta) if isinstance(min_delta, (int, float)) else 0.0,
-            stop_on_non_finite=bool(options.get("stop_on_non_finite", True)),
-        )
 
     # -- state --------------------------------------------------------------------------
 

@@ -38,12 +38,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated
 
 import torch
-from typing_extensions import Self
 
-from speedtronic.engine.callback import Callback, JSONSchema
+from speedtronic.config.declare import Opt, plugin
+from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import (
     EvalEndContext,
     FitContext,
@@ -59,7 +60,6 @@ from speedtronic.state.training_state import TrainingStateError
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
-    from speedtronic.plugins import PluginContext
 
 __all__ = ["EMA", "EMA_EVAL_LOSS", "EMA_EVAL_PPL", "ema_key"]
 
@@ -98,51 +98,49 @@ def _like(saved: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
     return saved.detach().to(device=parameter.device, dtype=parameter.dtype, copy=True)
 
 
+@dataclass(frozen=True)
+class EMAOptions:
+    """The ``ema`` plugin's options."""
+
+    decay: Annotated[
+        float,
+        Opt(
+            "weight of the old average in each update; in (0, 1), both ends excluded",
+            exclusive_minimum=0,
+            exclusive_maximum=1,
+        ),
+    ] = 0.999
+    every_steps: Annotated[
+        int, Opt("update the average every N steps", minimum=1, maximum=1_000_000_000)
+    ] = 1
+    start_step: Annotated[
+        int,
+        Opt(
+            "until this step the average *is* the weights: the shadow takes them at step "
+            "`start_step` (at setup when 0) and averages from there",
+            minimum=0,
+            maximum=1_000_000_000,
+        ),
+    ] = 0
+    evaluate: Annotated[
+        bool,
+        Opt("evaluate the average too (`eval/ema/loss`, `eval/ema/ppl`) when the run evaluates"),
+    ] = True
+
+
+@plugin("ema", options=EMAOptions)
 class EMA(Callback):
     """Keeps, checkpoints and evaluates an exponential moving average of the weights."""
 
-    plugin_name: ClassVar[str | None] = "ema"
     state_key: str | None = "ema"
-    options_schema: ClassVar[JSONSchema] = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "decay": {
-                "type": "number",
-                "exclusiveMinimum": 0,
-                "exclusiveMaximum": 1,
-                "default": 0.999,
-                "description": "Weight of the old average in each update, in (0, 1).",
-            },
-            "every_steps": {
-                "type": "integer",
-                "minimum": 1,
-                "maximum": 1_000_000_000,
-                "default": 1,
-                "description": "Update the average every N steps.",
-            },
-            "start_step": {
-                "type": "integer",
-                "minimum": 0,
-                "maximum": 1_000_000_000,
-                "default": 0,
-                "description": "Until this step the average is the weights themselves.",
-            },
-            "evaluate": {
-                "type": "boolean",
-                "default": True,
-                "description": "Evaluate the average too: eval/ema/loss, eval/ema/ppl.",
-            },
-        },
-    }
 
     def __init__(
         self,
-        decay: float = 0.999,
+        decay: float = EMAOptions.decay,
         *,
-        every_steps: int = 1,
-        start_step: int = 0,
-        evaluate: bool = True,
+        every_steps: int = EMAOptions.every_steps,
+        start_step: int = EMAOptions.start_step,
+        evaluate: bool = EMAOptions.evaluate,
     ) -> None:
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
             raise ValueError(f"ema: decay must be in (0, 1) (exclusive), got {decay!r}")
@@ -173,19 +171,6 @@ class EMA(Callback):
             updates = every(every_steps)
             due[Event.AFTER_OPTIMIZER_STEP] = updates | once(start_step) if start_step else updates
         self.due_when = due
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
-        del context
-        decay = options.get("decay", 0.999)
-        every_steps = options.get("every_steps", 1)
-        start_step = options.get("start_step", 0)
-        return cls(
-            float(decay) if isinstance(decay, (int, float)) else 0.999,
-            every_steps=every_steps if isinstance(every_steps, int) else 1,
-            start_step=start_step if isinstance(start_step, int) else 0,
-            evaluate=bool(options.get("evaluate", True)),
-        )
 
     # -- state --------------------------------------------------------------------------
 

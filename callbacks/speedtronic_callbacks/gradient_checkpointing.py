@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from speedtronic.engine.callback import Callback, JSONSchema, LegacySections, PluginOptions
+from speedtronic.config.declare import Opt, plugin
+from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import FitContext, TeardownContext
+from speedtronic.plugins import PluginOptions, SectionData, Sections
 from speedtronic.user_warnings import warn
 
 if TYPE_CHECKING:
@@ -48,73 +51,83 @@ class CheckpointedForward:
         return checkpoint(function, *args, use_reentrant=False)
 
 
+@dataclass(frozen=True)
+class GradientCheckpointingOptions:
+    """The ``gradient_checkpointing`` plugin's options."""
+
+    modules: Annotated[
+        list[str],
+        Opt(
+            "class names of submodules to checkpoint when the model has no "
+            "`set_gradient_checkpointing` hook",
+            items={"minLength": 1},
+            extra={"uniqueItems": True},
+        ),
+    ] = field(default_factory=list)
+    enabled: Annotated[bool, Opt("turn checkpointing on (`false`: the callback does nothing)")] = (
+        True
+    )
+
+
+def normalise_flags(data: dict[str, object]) -> None:
+    """The root flag and ``model.gradient_checkpointing`` are one setting (2.0): when either
+    is true both become true."""
+    model = data.get("model")
+    root = data.get("gradient_checkpointing")
+    in_model = model.get("gradient_checkpointing") if isinstance(model, dict) else None
+    if root is True or in_model is True:
+        data["gradient_checkpointing"] = True
+        if isinstance(model, dict):
+            model["gradient_checkpointing"] = True
+        elif model is None:
+            data["model"] = {"gradient_checkpointing": True}
+
+
+def options_from_flag(
+    sections: SectionData, options: Mapping[str, object] | None
+) -> PluginOptions | None:
+    """The 2.0 root flag ``gradient_checkpointing: true`` (or ``model.gradient_checkpointing``,
+    which the config keeps in step with it) adds the plugin with no options."""
+    if options is not None:
+        return dict(options)
+    return {} if sections.get("gradient_checkpointing") is True else None
+
+
+@plugin(
+    "gradient_checkpointing",
+    options=GradientCheckpointingOptions,
+    sections=Sections(
+        keys=("gradient_checkpointing", "model"),
+        schema={
+            "gradient_checkpointing": {
+                "type": "boolean",
+                "default": False,
+                "description": "Enable gradient checkpointing (same as "
+                "model.gradient_checkpointing).",
+            },
+            "model": {
+                "properties": {
+                    "gradient_checkpointing": {
+                        "type": "boolean",
+                        "default": False,
+                        "description": "Recompute activations in backward; kept in sync with "
+                        "the root gradient_checkpointing flag.",
+                    },
+                },
+            },
+        },
+        to_options=options_from_flag,
+        normalise=normalise_flags,
+    ),
+    implied_order=10,
+)
 class GradientCheckpointing(Callback):
     """Activation checkpointing through the model's hook, or by wrapping named module
     classes (``modules``); see the module docstring."""
 
-    plugin_name: ClassVar[str | None] = "gradient_checkpointing"
-    options_schema: ClassVar[JSONSchema] = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "modules": {
-                "type": "array",
-                "items": {"type": "string", "minLength": 1},
-                "uniqueItems": True,
-                "description": "class names of submodules to checkpoint when the model has "
-                "no set_gradient_checkpointing hook",
-            },
-            "enabled": {"type": "boolean", "default": True},
-        },
-    }
-
-    # -- plugin configuration -------------------------------------------------------------
-    implied_order: ClassVar[int] = 10
-    legacy_sections: ClassVar[tuple[str, ...]] = ("gradient_checkpointing", "model")
-    legacy_schema: ClassVar[Mapping[str, JSONSchema]] = {
-        "gradient_checkpointing": {
-            "type": "boolean",
-            "default": False,
-            "description": "Enable gradient checkpointing (same as model.gradient_checkpointing).",
-        },
-        "model": {
-            "properties": {
-                "gradient_checkpointing": {
-                    "type": "boolean",
-                    "default": False,
-                    "description": "Recompute activations in backward; kept in sync with "
-                    "the root gradient_checkpointing flag.",
-                },
-            },
-        },
-    }
-
-    @classmethod
-    def normalise_legacy(cls, data: dict[str, object]) -> None:
-        """The root flag and ``model.gradient_checkpointing`` are one setting (2.0): when
-        either is true both become true."""
-        model = data.get("model")
-        root = data.get("gradient_checkpointing")
-        in_model = model.get("gradient_checkpointing") if isinstance(model, dict) else None
-        if root is True or in_model is True:
-            data["gradient_checkpointing"] = True
-            if isinstance(model, dict):
-                model["gradient_checkpointing"] = True
-            elif model is None:
-                data["model"] = {"gradient_checkpointing": True}
-
-    @classmethod
-    def options_from_legacy(
-        cls, sections: LegacySections, options: Mapping[str, object] | None
-    ) -> PluginOptions | None:
-        """The 2.0 root flag ``gradient_checkpointing: true`` (or
-        ``model.gradient_checkpointing``, which the config keeps in step with it) adds the
-        plugin with no options."""
-        if options is not None:
-            return dict(options)
-        return {} if sections.get("gradient_checkpointing") is True else None
-
-    def __init__(self, modules: Sequence[str] = (), enabled: bool = True) -> None:
+    def __init__(
+        self, modules: Sequence[str] = (), enabled: bool = GradientCheckpointingOptions.enabled
+    ) -> None:
         self.modules = tuple(modules)
         self.enabled = enabled
         self._hooked_model: nn.Module | None = None

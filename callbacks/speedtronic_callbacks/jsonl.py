@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, ClassVar
+from typing import IO, TYPE_CHECKING, Annotated
 
-from typing_extensions import Self
-
-from speedtronic.engine.callback import JSONSchema, LegacySections, PluginOptions, legacy_section
+from speedtronic.config.declare import Opt, object_schema, plugin
 from speedtronic.engine.contexts import FitContext, TeardownContext
+from speedtronic.plugins import PluginContext, PluginOptions, SectionData, Sections, section_of
 from speedtronic.state.append_io import open_to_append, refuse_planted_link
 from speedtronic.state.atomic_io import atomic_write_text
 from speedtronic.state.run_lock import RunPaths
@@ -34,7 +34,6 @@ from speedtronic_callbacks.sink import MetricSink, Record, keep_earlier_run, res
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
-    from speedtronic.plugins import PluginContext
 
 DEFAULT_FILENAME = "metrics.jsonl"
 
@@ -88,82 +87,83 @@ def truncate_after(path: Path, last_step: int) -> int:
     return dropped
 
 
+@dataclass(frozen=True)
+class JsonlOptions:
+    """The ``jsonl`` sink's options."""
+
+    path: Annotated[str, Opt("the JSONL file, relative to the output directory", min_length=1)] = (
+        DEFAULT_FILENAME
+    )
+    event_key: Annotated[
+        bool | None,
+        Opt(
+            'start each line with 2.0\'s `"event": "train_step"`; `null`: only when the file '
+            "is the 2.0 `logging.json_file`"
+        ),
+    ] = None
+
+
+@dataclass(frozen=True)
+class JsonlLoggingKeys:
+    """The keys this plugin adds to the ``logging:`` section (2.0's sink switch and file)."""
+
+    json_file: Annotated[
+        str | None,
+        Opt(
+            "the path of the default `jsonl` sink's file (relative to the run directory); "
+            "`null` means `metrics.jsonl`",
+            min_length=1,
+        ),
+    ] = None
+    jsonl: Annotated[bool, Opt("add the default `jsonl` sink")] = True
+
+
+def options_from_logging(
+    sections: SectionData, options: Mapping[str, object] | None
+) -> PluginOptions | None:
+    """2.0 ``logging.jsonl: false`` leaves the default sink out; ``logging.json_file`` is the
+    path of the default sink (a configured entry keeps its own ``path``)."""
+    if options is not None:
+        return dict(options)
+    logging = section_of(sections, "logging")
+    if logging.get("jsonl", True) is False:
+        return None
+    json_file = logging.get("json_file")
+    return {} if json_file is None else {"path": json_file}
+
+
+def _build(
+    cls: type[JsonlCallback], options: JsonlOptions, context: PluginContext
+) -> JsonlCallback:
+    event_key = options.event_key
+    if event_key is None:  # the 2.0 logging.json_file: lines as 2.0 wrote them
+        json_file = context.config.logging.extensions.get("json_file")
+        event_key = json_file is not None and json_file == options.path
+    return cls(resolve_path(options.path, context.output_dir), event_key=event_key)
+
+
+@plugin(
+    "jsonl",
+    options=JsonlOptions,
+    build=_build,
+    sections=Sections(
+        keys=("logging",),
+        schema={"logging": {"properties": object_schema(JsonlLoggingKeys)["properties"]}},
+        to_options=options_from_logging,
+    ),
+    enabled_by_default=True,
+    implied_order=-10,  # after the default console sink
+)
 class JsonlCallback(MetricSink):
     """Appends each due record to ``metrics.jsonl`` in the output directory."""
 
-    plugin_name: ClassVar[str | None] = "jsonl"
-    options_schema: ClassVar[JSONSchema] = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "path": {
-                "type": "string",
-                "minLength": 1,
-                "default": DEFAULT_FILENAME,
-                "description": "The JSONL file, relative to the output directory.",
-            },
-            "event_key": {
-                "type": ["boolean", "null"],
-                "default": None,
-                "description": 'Start each line with 2.0\'s "event": "train_step". Null: '
-                "only when the file is the 2.0 logging.json_file.",
-            },
-        },
-    }
-
-    # -- plugin configuration -------------------------------------------------------------
-    enabled_by_default: ClassVar[bool] = True
-    implied_order: ClassVar[int] = -10  # after the default console sink
-    legacy_sections: ClassVar[tuple[str, ...]] = ("logging",)
-    legacy_schema: ClassVar[Mapping[str, JSONSchema]] = {
-        "logging": {
-            "properties": {
-                "json_file": {
-                    "type": ["string", "null"],
-                    "default": None,
-                    "description": "Path of the metrics JSONL file written by the default "
-                    "jsonl sink (relative to run.output_dir). Null means metrics.jsonl.",
-                    "minLength": 1,
-                },
-                "jsonl": {
-                    "type": "boolean",
-                    "default": True,
-                    "description": "Add the default JSON-lines metric sink.",
-                },
-            },
-        },
-    }
-
-    @classmethod
-    def options_from_legacy(
-        cls, sections: LegacySections, options: Mapping[str, object] | None
-    ) -> PluginOptions | None:
-        """2.0 ``logging.jsonl: false`` leaves the default sink out; ``logging.json_file``
-        is the path of the default sink (a configured entry keeps its own ``path``)."""
-        if options is not None:
-            return dict(options)
-        logging = legacy_section(sections, "logging")
-        if logging.get("jsonl", True) is False:
-            return None
-        json_file = logging.get("json_file")
-        return {} if json_file is None else {"path": json_file}
-
-    def __init__(self, path: str | Path = DEFAULT_FILENAME, *, event_key: bool = False) -> None:
+    def __init__(self, path: str | Path = JsonlOptions.path, *, event_key: bool = False) -> None:
         self.path = Path(path)
         self._file = self.path  # the resolved path, once set up
         self.event_key = event_key
         """Lines carry 2.0's ``"event": "train_step"`` first (the 2.0 ``logging.json_file``)."""
         self._handle: IO[str] | None = None
         self.dropped_on_resume = 0
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
-        path = options.get("path", DEFAULT_FILENAME)
-        event_key = options.get("event_key")
-        if event_key is None:  # the 2.0 logging.json_file: lines as 2.0 wrote them
-            json_file = context.config.logging.extensions.get("json_file")
-            event_key = json_file is not None and json_file == path
-        return cls(resolve_path(str(path), context.output_dir), event_key=event_key is True)
 
     def earlier_run_files(self) -> list[Path]:
         """A non-empty metrics file where this run will write (``LeavesRunFiles``); a path

@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, ClassVar, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import torch
-from typing_extensions import Self
 
-from speedtronic.engine.callback import Callback, JSONSchema
+from speedtronic.config.declare import Opt, plugin
+from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import (
     BackwardContext,
     FitContext,
@@ -51,7 +52,6 @@ from speedtronic.user_warnings import warn
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
-    from speedtronic.plugins import PluginContext
 
 Action = Literal["stop", "raise", "skip"]
 SKIPPED_KEY = "nan_guard/skipped_steps"
@@ -85,48 +85,45 @@ def describe_problem(loss: float, grad_norm: float | None) -> str:
     return " and ".join(problems)
 
 
+@dataclass(frozen=True)
+class NanGuardOptions:
+    """The ``nan_guard`` plugin's options."""
+
+    action: Annotated[
+        Action,
+        Opt(
+            "`stop`: clean stop without applying the bad update; `raise`: fail with "
+            "`NonFiniteLossError`; `skip`: drop the update and go on"
+        ),
+    ] = "stop"
+    check_every: Annotated[
+        int, Opt("check every N-th step (each check is one device sync)", minimum=1)
+    ] = 1
+    check_grads: Annotated[
+        bool,
+        Opt(
+            "also check the gradient norm (the clipping norm when there is one, else one "
+            "fused norm)"
+        ),
+    ] = True
+    max_consecutive_skips: Annotated[
+        int, Opt("`skip`: stop after this many bad steps in a row", minimum=1)
+    ] = 10
+
+
+@plugin("nan_guard", options=NanGuardOptions)
 class NanGuard(Callback):
     """Stops, raises, or skips the update when a step's loss or gradients are not finite."""
 
-    plugin_name: ClassVar[str | None] = "nan_guard"
     state_key: str | None = "nan_guard"
-    options_schema: ClassVar[JSONSchema] = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "action": {
-                "enum": ["stop", "raise", "skip"],
-                "default": "stop",
-                "description": "stop: clean stop without applying the bad update; raise: "
-                "fail with NonFiniteLossError; skip: drop the update and go on.",
-            },
-            "check_every": {
-                "type": "integer",
-                "minimum": 1,
-                "default": 1,
-                "description": "Check every N-th step (each check is one device sync).",
-            },
-            "check_grads": {
-                "type": "boolean",
-                "default": True,
-                "description": "Also check the total gradient norm.",
-            },
-            "max_consecutive_skips": {
-                "type": "integer",
-                "minimum": 1,
-                "default": 10,
-                "description": "skip: stop after this many non-finite steps in a row.",
-            },
-        },
-    }
 
     def __init__(
         self,
-        action: Action = "stop",
+        action: Action = NanGuardOptions.action,
         *,
-        check_every: int = 1,
-        check_grads: bool = True,
-        max_consecutive_skips: int = 10,
+        check_every: int = NanGuardOptions.check_every,
+        check_grads: bool = NanGuardOptions.check_grads,
+        max_consecutive_skips: int = NanGuardOptions.max_consecutive_skips,
     ) -> None:
         if action not in ("stop", "raise", "skip"):
             raise ValueError(f"action must be 'stop', 'raise' or 'skip', got {action!r}")
@@ -148,19 +145,6 @@ class NanGuard(Callback):
             Event.BEFORE_OPTIMIZER_STEP: checked,
             Event.METRICS: logging_steps(),
         }
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
-        del context
-        action = options.get("action", "stop")
-        check_every = options.get("check_every", 1)
-        max_skips = options.get("max_consecutive_skips", 10)
-        return cls(
-            "raise" if action == "raise" else "skip" if action == "skip" else "stop",
-            check_every=check_every if isinstance(check_every, int) else 1,
-            check_grads=bool(options.get("check_grads", True)),
-            max_consecutive_skips=max_skips if isinstance(max_skips, int) else 10,
-        )
 
     def state_dict(self) -> dict[str, object]:
         return {"skipped_steps": self.skipped_steps}

@@ -33,27 +33,26 @@ import logging
 import sys
 import time
 import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 from tqdm import tqdm
-from typing_extensions import Self
 
-from speedtronic.engine.callback import Callback, JSONSchema
+from speedtronic.config.declare import Opt, plugin
+from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import FitContext, StepContext, TeardownContext
 from speedtronic.engine.events import Event
 from speedtronic.engine.filters import StepFilter, once
 from speedtronic.state.run_lock import RunPaths
-from speedtronic_callbacks.sink import resolve_path
+from speedtronic_callbacks.sink import resolve_path, under_output_dir
 
 if TYPE_CHECKING:
     from torch.profiler import profile
 
     from speedtronic.engine.notes import Notes
     from speedtronic.engine.view import TrainerView
-    from speedtronic.plugins import PluginContext
 
 __all__ = ["OperatorTime", "Profiler", "top_operators"]
 
@@ -91,106 +90,78 @@ def _milliseconds(us: float) -> str:
     return f"{us / 1e3:.3g} ms"
 
 
-class Profiler(Callback):
-    """Records a ``torch.profiler`` trace of a window of steps (module docstring)."""
+@dataclass(frozen=True)
+class ProfilerOptions:
+    """The ``profiler`` plugin's options."""
 
-    plugin_name: ClassVar[str | None] = "profiler"
-    is_observer: ClassVar[bool] = True
-    options_schema: ClassVar[JSONSchema] = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "start_step": {
-                "type": "integer",
-                "minimum": 1,
-                "maximum": 1_000_000_000,
-                "default": 1,
-                "description": "The global step the profiler starts at (its wait begins).",
-            },
-            "wait": {
-                "type": "integer",
-                "minimum": 0,
-                "maximum": 1000,
-                "default": 1,
-                "description": "Steps of each cycle the profiler idles through first.",
-            },
-            "warmup": {
-                "type": "integer",
-                "minimum": 0,
-                "maximum": 100,
-                "default": 1,
-                "description": "Steps traced and discarded before the recorded ones.",
-            },
-            "active": {
-                "type": "integer",
-                "minimum": 1,
-                "maximum": 100,
-                "default": 3,
-                "description": "Steps recorded into the trace, per cycle.",
-            },
-            "repeat": {
-                "type": "integer",
-                "minimum": 1,
-                "maximum": 10,
-                "default": 1,
-                "description": "Cycles (wait, warmup, active); one trace file each.",
-            },
-            "ranks": {
-                # One schema for both forms (not anyOf), so a mistake is named precisely:
-                # a string must be "all", a list holds distinct ranks >= 0.
+    start_step: Annotated[
+        int,
+        Opt(
+            "the global step the window starts at (its `wait` begins)",
+            minimum=1,
+            maximum=1_000_000_000,
+        ),
+    ] = 1
+    wait: Annotated[
+        int, Opt("steps of each cycle the profiler idles through first", minimum=0, maximum=1000)
+    ] = 1
+    warmup: Annotated[
+        int, Opt("steps traced and discarded before the recorded ones", minimum=0, maximum=100)
+    ] = 1
+    active: Annotated[
+        int, Opt("steps recorded into the trace, per cycle", minimum=1, maximum=100)
+    ] = 3
+    repeat: Annotated[
+        int,
+        Opt("cycles (`wait`, `warmup`, `active`), one trace file each", minimum=1, maximum=10),
+    ] = 1
+    ranks: Annotated[
+        list[int] | Literal["all"],
+        Opt(
+            "the ranks that profile: a list of ranks, or `all`",
+            # One schema for both forms (not anyOf), so a mistake is named precisely: a
+            # string must be "all", a list holds distinct ranks >= 0.
+            schema={
                 "type": ["array", "string"],
                 "pattern": "^all$",
                 "items": {"type": "integer", "minimum": 0},
                 "minItems": 1,
                 "uniqueItems": True,
-                "default": [0],
-                "description": "The ranks that profile: a list of ranks, or all.",
             },
-            "dir": {
-                "type": "string",
-                "minLength": 1,
-                "default": DEFAULT_DIR,
-                "description": "Trace directory, relative to the output directory.",
-            },
-            "record_shapes": {
-                "type": "boolean",
-                "default": False,
-                "description": "Record operator input shapes.",
-            },
-            "profile_memory": {
-                "type": "boolean",
-                "default": False,
-                "description": "Record tensor memory allocations.",
-            },
-            "with_stack": {
-                "type": "boolean",
-                "default": False,
-                "description": "Record the Python stack of each operator (costly).",
-            },
-            "top": {
-                "type": "integer",
-                "minimum": 1,
-                "maximum": 50,
-                "default": 5,
-                "description": "Operators named in the summary line.",
-            },
-        },
-    }
+            type_text="list of ints or `all`",
+        ),
+    ] = field(default_factory=lambda: [0])
+    dir: Annotated[str, Opt("trace directory, relative to the output directory", min_length=1)] = (
+        DEFAULT_DIR
+    )
+    record_shapes: Annotated[
+        bool, Opt("record operator input shapes (`torch.profiler.profile`)")
+    ] = False
+    profile_memory: Annotated[bool, Opt("record tensor memory allocations")] = False
+    with_stack: Annotated[bool, Opt("record the Python stack of each operator (costly)")] = False
+    top: Annotated[int, Opt("operators named in the summary line", minimum=1, maximum=50)] = 5
+
+
+@plugin("profiler", options=ProfilerOptions, build=under_output_dir("dir"))
+class Profiler(Callback):
+    """Records a ``torch.profiler`` trace of a window of steps (module docstring)."""
+
+    is_observer: ClassVar[bool] = True
 
     def __init__(
         self,
         *,
-        start_step: int = 1,
-        wait: int = 1,
-        warmup: int = 1,
-        active: int = 3,
-        repeat: int = 1,
+        start_step: int = ProfilerOptions.start_step,
+        wait: int = ProfilerOptions.wait,
+        warmup: int = ProfilerOptions.warmup,
+        active: int = ProfilerOptions.active,
+        repeat: int = ProfilerOptions.repeat,
         ranks: Ranks = (0,),
-        dir: str | Path = DEFAULT_DIR,
-        record_shapes: bool = False,
-        profile_memory: bool = False,
-        with_stack: bool = False,
-        top: int = 5,
+        dir: str | Path = ProfilerOptions.dir,
+        record_shapes: bool = ProfilerOptions.record_shapes,
+        profile_memory: bool = ProfilerOptions.profile_memory,
+        with_stack: bool = ProfilerOptions.with_stack,
+        top: int = ProfilerOptions.top,
     ) -> None:
         for name, value, least in (
             ("start_step", start_step, 1),
@@ -245,27 +216,6 @@ class Profiler(Callback):
         """The first and last global step recorded by cycle number ``cycle`` (0-based)."""
         first = self.start_step + cycle * self.cycle + self.wait + self.warmup
         return first, first + self.active - 1
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
-        def number(key: str, default: int) -> int:
-            value = options.get(key, default)
-            return value if isinstance(value, int) else default
-
-        ranks = options.get("ranks", [0])
-        return cls(
-            start_step=number("start_step", 1),
-            wait=number("wait", 1),
-            warmup=number("warmup", 1),
-            active=number("active", 3),
-            repeat=number("repeat", 1),
-            ranks="all" if ranks == "all" else [r for r in _as_list(ranks) if isinstance(r, int)],
-            dir=resolve_path(str(options.get("dir", DEFAULT_DIR)), context.output_dir),
-            record_shapes=bool(options.get("record_shapes", False)),
-            profile_memory=bool(options.get("profile_memory", False)),
-            with_stack=bool(options.get("with_stack", False)),
-            top=number("top", 5),
-        )
 
     def run_paths(self, output_dir: Path) -> RunPaths:
         """The trace directory, locked for the run (another run's traces would mix in)."""
@@ -379,7 +329,3 @@ class Profiler(Callback):
                     "top": [[op.name, op.self_us] for op in operators],
                 },
             )
-
-
-def _as_list(value: object) -> list[object]:
-    return list(value) if isinstance(value, (list, tuple)) else []

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Mapping
-from typing import IO, TYPE_CHECKING, ClassVar, Literal
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Annotated, ClassVar, Literal
 
 from tqdm import tqdm
-from typing_extensions import Never, Self
+from typing_extensions import Never
 
-from speedtronic.engine.callback import Callback, JSONSchema, RankPolicy
+from speedtronic.config.declare import Opt, plugin
+from speedtronic.engine.callback import Callback, RankPolicy
 from speedtronic.engine.contexts import (
     FitContext,
     FitEndContext,
@@ -43,18 +44,9 @@ from speedtronic_callbacks.sink import (
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
-    from speedtronic.plugins import PluginContext
 
 Mode = Literal["auto", "bar", "lines"]
 StreamName = Literal["stdout", "stderr"]
-
-
-def _parse_mode(value: object) -> Mode:
-    if value == "bar":
-        return "bar"
-    if value == "lines":
-        return "lines"
-    return "auto"
 
 
 POSTFIX_KEYS = frozenset({"loss", "eval/loss", "lr", "tokens_per_sec"})
@@ -115,53 +107,48 @@ def progress_line(record: Record, start_step: int, target_step: int, other: bool
     return " | ".join(parts)
 
 
+@dataclass(frozen=True)
+class ProgressOptions:
+    """The ``progress`` sink's options."""
+
+    mode: Annotated[Mode, Opt("`auto`: a bar when the stream is a terminal, lines otherwise")] = (
+        "auto"
+    )
+    stream: Annotated[StreamName, Opt("the stream written to")] = "stdout"
+    min_interval_s: Annotated[
+        float,
+        Opt(
+            "lines mode: at most one line per this many seconds (the final step always prints)",
+            minimum=0,
+        ),
+    ] = 0.0
+    leave: Annotated[bool, Opt("keep the finished bar on screen")] = True
+    other_keys: Annotated[
+        bool,
+        Opt(
+            "also show every key a callback logs (in the bar's postfix or the line); `false`: "
+            "only loss, eval/loss, lr and tokens/s"
+        ),
+    ] = True
+
+
+@plugin("progress", options=ProgressOptions)
 class ProgressBarCallback(Callback):
     """A progress bar (tqdm) when the stream is a terminal; plain lines otherwise."""
 
-    plugin_name: ClassVar[str | None] = "progress"
     is_observer: ClassVar[bool] = True
     metrics_phase: ClassVar[Literal["contribute", "consume"]] = "consume"
     rank_policy: ClassVar[RankPolicy] = "main"  # one bar per run, drawn by rank 0
     due_when = METRICS_ON_LOGGING_STEPS  # the bar advances at step_end, records on logging steps
-    options_schema: ClassVar[JSONSchema] = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "mode": {
-                "enum": ["auto", "bar", "lines"],
-                "default": "auto",
-                "description": "auto: a bar when the stream is a terminal, lines otherwise.",
-            },
-            "stream": {"enum": ["stdout", "stderr"], "default": "stdout"},
-            "min_interval_s": {
-                "type": "number",
-                "minimum": 0,
-                "default": 0,
-                "description": "Lines mode: at most one line per this many seconds "
-                "(the final step is always printed).",
-            },
-            "leave": {
-                "type": "boolean",
-                "default": True,
-                "description": "Keep the finished bar on screen.",
-            },
-            "other_keys": {
-                "type": "boolean",
-                "default": True,
-                "description": "Also show every key a callback logs (in the bar's postfix "
-                "or the line); false: only loss, eval/loss, lr and tokens/s.",
-            },
-        },
-    }
 
     def __init__(
         self,
         *,
-        mode: Mode = "auto",
-        stream: StreamName | IO[str] = "stdout",
-        min_interval_s: float = 0.0,
-        leave: bool = True,
-        other_keys: bool = True,
+        mode: Mode = ProgressOptions.mode,
+        stream: StreamName | IO[str] = ProgressOptions.stream,
+        min_interval_s: float = ProgressOptions.min_interval_s,
+        leave: bool = ProgressOptions.leave,
+        other_keys: bool = ProgressOptions.other_keys,
     ) -> None:
         if min_interval_s < 0:
             raise ValueError(f"min_interval_s must be >= 0, got {min_interval_s}")
@@ -174,19 +161,6 @@ class ProgressBarCallback(Callback):
         self._lines_stream: IO[str] | None = None
         self._start_step = 0
         self._last_line_time = float("-inf")
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
-        del context
-        mode = options.get("mode", "auto")
-        interval = options.get("min_interval_s", 0.0)
-        return cls(
-            mode=_parse_mode(mode),
-            stream="stderr" if options.get("stream") == "stderr" else "stdout",
-            min_interval_s=float(interval) if isinstance(interval, (int, float)) else 0.0,
-            leave=bool(options.get("leave", True)),
-            other_keys=options.get("other_keys", True) is not False,
-        )
 
     def _resolve_stream(self) -> IO[str]:
         if self.stream == "stdout":

@@ -16,12 +16,14 @@ report it again. The observer guard turns that one error into one ``CallbackWarn
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 import os
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
+from speedtronic.config.declare import keyword_build
 from speedtronic.engine.callback import Callback, RankPolicy
 from speedtronic.engine.contexts import MetricsContext
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
@@ -30,7 +32,13 @@ from speedtronic.state.run_lock import resolve_run_path
 from speedtronic.user_warnings import warn
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
     from speedtronic.engine.view import TrainerView
+    from speedtronic.plugins import PluginContext
+
+Built = TypeVar("Built", bound=Callback)
+Options = TypeVar("Options", bound="DataclassInstance")
 
 Record = Mapping[str, MetricValue]
 """A finished metric record as plain Python values (``MetricRecord.values()``)."""
@@ -86,6 +94,24 @@ def resolve_path(path: str | os.PathLike[str], output_dir: Path) -> Path:
     """``path`` itself when absolute, else ``output_dir / path`` (``~`` is expanded): the
     one rule of ``speedtronic.state.run_lock.resolve_run_path``."""
     return resolve_run_path(path, output_dir)
+
+
+def under_output_dir(
+    *paths: str,
+) -> Callable[[type[Built], Options, PluginContext], Built]:
+    """The builder of a plugin whose options ``paths`` name files or directories: each one
+    (when set) resolved under the run's output directory (``resolve_path``), then every
+    option passed as the keyword of its name (``keyword_build``)."""
+
+    def build(cls: type[Built], options: Options, context: PluginContext) -> Built:
+        resolved = {
+            name: str(resolve_path(value, context.output_dir))
+            for name in paths
+            if isinstance(value := getattr(options, name), str)
+        }
+        return keyword_build(cls, dataclasses.replace(options, **resolved))
+
+    return build
 
 
 def keep_earlier_run(path: Path, start_step: int) -> Path | None:

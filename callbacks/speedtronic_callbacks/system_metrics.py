@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, ClassVar, Protocol, runtime_checkable
 
 import torch
-from typing_extensions import Self
 
-from speedtronic.engine.callback import Callback, JSONSchema, RankPolicy
+from speedtronic.config.declare import Opt, plugin
+from speedtronic.engine.callback import Callback, RankPolicy
 from speedtronic.engine.contexts import FitContext, MetricsContext
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.profiling import memory_usage_bytes
@@ -43,7 +44,6 @@ from speedtronic.user_warnings import warn
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
-    from speedtronic.plugins import PluginContext
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks from the vendors' data sheets, FLOP/s.
 # Matched against torch.cuda.get_device_name() in order, first hit wins.
@@ -102,50 +102,43 @@ def resident_memory_probe() -> Callable[[], int | None] | None:
     return rss
 
 
+@dataclass(frozen=True)
+class SystemMetricsOptions:
+    """The ``system_metrics`` contributor's options."""
+
+    memory: Annotated[
+        bool, Opt("add the device memory keys (`memory_bytes`, `memory_peak_bytes` on CUDA)")
+    ] = True
+    host: Annotated[bool, Opt("add `host/rss_bytes` and `host/cpu_percent` (this process)")] = True
+    mfu: Annotated[bool, Opt("add `flops_per_sec` and `mfu` when the model counts its FLOPs")] = (
+        True
+    )
+    peak_flops: Annotated[
+        float | None,
+        Opt(
+            "the device's peak FLOP/s for MFU; `null`: a built-in table of CUDA GPUs "
+            "(16-bit precision only)",
+            exclusive_minimum=0,
+        ),
+    ] = None
+
+
+@plugin("system_metrics", options=SystemMetricsOptions)
 class SystemMetricsCallback(Callback):
     """Adds device memory, this process's host memory and CPU use and (when computable)
     ``flops_per_sec``/``mfu`` to due records."""
 
-    plugin_name: ClassVar[str | None] = "system_metrics"
     is_observer: ClassVar[bool] = True  # a failing probe must not stop training
     rank_policy: ClassVar[RankPolicy] = "main"  # feeds the sinks, which run on rank 0
     due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
-    options_schema: ClassVar[JSONSchema] = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "memory": {
-                "type": "boolean",
-                "default": True,
-                "description": "Add memory_bytes (and memory_peak_bytes on CUDA).",
-            },
-            "host": {
-                "type": "boolean",
-                "default": True,
-                "description": "Add host/rss_bytes and host/cpu_percent (this process).",
-            },
-            "mfu": {
-                "type": "boolean",
-                "default": True,
-                "description": "Add flops_per_sec and mfu when the model counts its FLOPs.",
-            },
-            "peak_flops": {
-                "type": ["number", "null"],
-                "exclusiveMinimum": 0,
-                "default": None,
-                "description": "The device's peak FLOP/s for MFU; unset: a built-in table "
-                "of CUDA GPUs (16-bit precision only).",
-            },
-        },
-    }
 
     def __init__(
         self,
         *,
-        memory: bool = True,
-        mfu: bool = True,
-        peak_flops: float | None = None,
-        host: bool = True,
+        memory: bool = SystemMetricsOptions.memory,
+        mfu: bool = SystemMetricsOptions.mfu,
+        peak_flops: float | None = SystemMetricsOptions.peak_flops,
+        host: bool = SystemMetricsOptions.host,
     ) -> None:
         if peak_flops is not None and peak_flops <= 0:
             raise ValueError(f"peak_flops must be positive, got {peak_flops}")
@@ -158,17 +151,6 @@ class SystemMetricsCallback(Callback):
         self._resolved_peak: float | None = None
         self._flops_cache: dict[int, int] = {}
         self._window: tuple[float, int, int] = (0.0, 0, 0)  # (time, samples, tokens)
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
-        del context
-        peak = options.get("peak_flops")
-        return cls(
-            memory=bool(options.get("memory", True)),
-            mfu=bool(options.get("mfu", True)),
-            peak_flops=float(peak) if isinstance(peak, (int, float)) else None,
-            host=bool(options.get("host", True)),
-        )
 
     def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         self._window = (time.perf_counter(), trainer.samples, trainer.tokens)

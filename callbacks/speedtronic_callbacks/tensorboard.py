@@ -23,23 +23,27 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Annotated
 
-from typing_extensions import Self
-
-from speedtronic.engine.callback import JSONSchema
+from speedtronic.config.declare import Opt, plugin
 from speedtronic.engine.contexts import FitContext, FitEndContext, TeardownContext
 from speedtronic.state.run_lock import RunPaths
 from speedtronic_callbacks.background import BackgroundWorker
-from speedtronic_callbacks.sink import MetricSink, Record, numeric_items, resolve_path
+from speedtronic_callbacks.sink import (
+    MetricSink,
+    Record,
+    numeric_items,
+    resolve_path,
+    under_output_dir,
+)
 
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
     from speedtronic.engine.view import TrainerView
-    from speedtronic.plugins import PluginContext
 
 DEFAULT_LOG_DIR = "tensorboard"
 _INSTALL_HINT = "the tensorboard sink needs tensorboard: pip install 'speedtronic[logging]'"
@@ -68,47 +72,34 @@ def require_tensorboard() -> None:
         raise ImportError(_INSTALL_HINT)
 
 
+@dataclass(frozen=True)
+class TensorBoardOptions:
+    """The ``tensorboard`` sink's options."""
+
+    log_dir: Annotated[
+        str, Opt("event file directory, relative to the output directory", min_length=1)
+    ] = DEFAULT_LOG_DIR
+    prefix: Annotated[str, Opt("prepended to every tag, e.g. `train/`")] = ""
+    flush_secs: Annotated[
+        int,
+        Opt("how often the writer thread flushes to disk, in seconds", minimum=1, maximum=86400),
+    ] = 10
+    log_config: Annotated[
+        bool, Opt("store the run's config (secrets redacted) as a text summary")
+    ] = True
+
+
+@plugin("tensorboard", options=TensorBoardOptions, build=under_output_dir("log_dir"))
 class TensorBoardCallback(MetricSink):
     """Scalars for every numeric record key, written with a real ``SummaryWriter``."""
 
-    plugin_name: ClassVar[str | None] = "tensorboard"
-    options_schema: ClassVar[JSONSchema] = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "log_dir": {
-                "type": "string",
-                "minLength": 1,
-                "default": DEFAULT_LOG_DIR,
-                "description": "Event file directory, relative to the output directory.",
-            },
-            "prefix": {
-                "type": "string",
-                "default": "",
-                "description": "Prepended to every tag, e.g. 'train/'.",
-            },
-            "flush_secs": {
-                "type": "integer",
-                "minimum": 1,
-                "maximum": 86400,
-                "default": 10,
-                "description": "How often the writer thread flushes to disk.",
-            },
-            "log_config": {
-                "type": "boolean",
-                "default": True,
-                "description": "Store the run's (redacted) config as a text summary.",
-            },
-        },
-    }
-
     def __init__(
         self,
-        log_dir: str | Path = DEFAULT_LOG_DIR,
+        log_dir: str | Path = TensorBoardOptions.log_dir,
         *,
-        prefix: str = "",
-        flush_secs: int = 10,
-        log_config: bool = True,
+        prefix: str = TensorBoardOptions.prefix,
+        flush_secs: int = TensorBoardOptions.flush_secs,
+        log_config: bool = TensorBoardOptions.log_config,
     ) -> None:
         require_tensorboard()
         self.log_dir = Path(log_dir)
@@ -119,17 +110,6 @@ class TensorBoardCallback(MetricSink):
         self._resolved = self.log_dir  # the resolved log_dir, once set up
         self._build_summary: SummaryBuilder | None = None
         self._worker: BackgroundWorker[Scalars] | None = None
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
-        log_dir = options.get("log_dir", DEFAULT_LOG_DIR)
-        flush_secs = options.get("flush_secs", 10)
-        return cls(
-            resolve_path(str(log_dir), context.output_dir),
-            prefix=str(options.get("prefix", "")),
-            flush_secs=flush_secs if isinstance(flush_secs, int) else 10,
-            log_config=bool(options.get("log_config", True)),
-        )
 
     def run_paths(self, output_dir: Path) -> RunPaths:
         """The log directory, locked for the run: another run's event files there would

@@ -35,18 +35,13 @@ import logging
 import time
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated
 
-from typing_extensions import Self
-
-from speedtronic.engine.callback import (
-    Callback,
-    JSONSchema,
-    LegacySections,
-    PluginOptions,
-    legacy_section,
-)
+from speedtronic.config.declare import Opt, plugin
+from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import FitContext, StepContext
+from speedtronic.plugins import JSONSchema, PluginOptions, SectionData, Sections, section_of
 from speedtronic.state.time_budget import (
     MIN_TIME_BUDGET_S,
     DurationError,
@@ -58,9 +53,8 @@ from speedtronic_callbacks.wall_clock import Deadline
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
-    from speedtronic.plugins import PluginContext
 
-__all__ = ["TimeBudget", "check_max_time"]
+__all__ = ["TimeBudget", "TimeBudgetOptions", "check_max_time"]
 
 logger = logging.getLogger("speedtronic.time_budget")
 
@@ -89,56 +83,62 @@ def check_max_time(value: object) -> float:
     return seconds
 
 
+@dataclass(frozen=True)
+class TimeBudgetOptions:
+    """The ``time_budget`` plugin's option (its default: ``run.max_time``)."""
+
+    max_time: Annotated[
+        str | float,
+        Opt(
+            "wall-clock budget: `90s`, `45m`, `3h50m`, `1d2h`, `03:50:00` or seconds, at "
+            "least 1 s (default: `run.max_time`)",
+            schema=_DURATION,
+            type_text="duration",
+        ),
+    ]
+
+
+def options_from_section(
+    sections: SectionData, options: Mapping[str, object] | None
+) -> PluginOptions | None:
+    """``run.max_time`` adds the plugin (and is the default of a named entry's
+    ``max_time``); without it the plugin is left out."""
+    max_time = section_of(sections, "run").get("max_time")
+    merged: PluginOptions = {} if max_time is None else {"max_time": max_time}
+    if options is None:
+        return merged or None
+    merged.update(options)
+    return merged
+
+
+def section_errors(sections: SectionData) -> Iterator[str]:
+    max_time = section_of(sections, "run").get("max_time")
+    if max_time is not None:
+        yield from _duration_errors("run.max_time", max_time)
+
+
+def options_errors(
+    entry: str, options: Mapping[str, object], sections: SectionData
+) -> Iterator[str]:
+    del sections
+    if "max_time" in options:
+        yield from _duration_errors(f"{entry}.max_time", options["max_time"])
+
+
+@plugin(
+    "time_budget",
+    options=TimeBudgetOptions,
+    sections=Sections(
+        keys=("run",),
+        schema={"run": {"properties": {"max_time": MAX_TIME_SCHEMA}}},
+        to_options=options_from_section,
+        errors=section_errors,
+    ),
+    options_errors=options_errors,
+    implied_order=95,  # after the checkpoint plugin: the stop is after the step
+)
 class TimeBudget(Callback):
     """Stops the fit after the step during which ``max_time`` (a duration) is spent."""
-
-    plugin_name: ClassVar[str | None] = "time_budget"
-    options_schema: ClassVar[JSONSchema] = {
-        "type": "object",
-        "additionalProperties": False,
-        "required": ["max_time"],
-        "properties": {
-            "max_time": {
-                **_DURATION,
-                "description": "Wall-clock budget (90s, 45m, 3h50m, 1d2h, 03:50:00 or "
-                "seconds; default: run.max_time).",
-            },
-        },
-    }
-
-    # -- plugin configuration -------------------------------------------------------------
-    implied_order: ClassVar[int] = 95  # after the checkpoint plugin: the stop is after the step
-    legacy_sections: ClassVar[tuple[str, ...]] = ("run",)
-    legacy_schema: ClassVar[Mapping[str, JSONSchema]] = {
-        "run": {"properties": {"max_time": MAX_TIME_SCHEMA}},
-    }
-
-    @classmethod
-    def options_from_legacy(
-        cls, sections: LegacySections, options: Mapping[str, object] | None
-    ) -> PluginOptions | None:
-        """``run.max_time`` adds the plugin (and is the default of a named entry's
-        ``max_time``); without it the plugin is left out."""
-        max_time = legacy_section(sections, "run").get("max_time")
-        merged: PluginOptions = {} if max_time is None else {"max_time": max_time}
-        if options is None:
-            return merged or None
-        merged.update(options)
-        return merged
-
-    @classmethod
-    def legacy_errors(cls, sections: LegacySections) -> Iterator[str]:
-        max_time = legacy_section(sections, "run").get("max_time")
-        if max_time is not None:
-            yield from _duration_errors("run.max_time", max_time)
-
-    @classmethod
-    def options_errors(
-        cls, entry: str, options: Mapping[str, object], sections: LegacySections
-    ) -> Iterator[str]:
-        del sections
-        if "max_time" in options:
-            yield from _duration_errors(f"{entry}.max_time", options["max_time"])
 
     def __init__(self, max_time: str | float, *, started_at: float | None = None) -> None:
         self.budget_s = check_max_time(max_time)
@@ -148,13 +148,6 @@ class TimeBudget(Callback):
         self.clock = Deadline()
         """The deadline asked every step (its ``decisions``: broadcasts in a multi-rank run)."""
         self._first_step = 1
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
-        del context
-        max_time = options["max_time"]
-        assert isinstance(max_time, (str, int, float))
-        return cls(max_time)
 
     @property
     def deadline(self) -> float:

@@ -18,13 +18,13 @@ Needs the ``logging`` extra (``pip install 'speedtronic[logging]'``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-from typing_extensions import Self
-
-from speedtronic.engine.callback import JSONSchema
+from speedtronic.config.declare import Opt, plugin
 from speedtronic.engine.contexts import FitContext, FitEndContext, TeardownContext
+from speedtronic.plugins import PluginContext
 from speedtronic_callbacks.background import BackgroundWorker
 from speedtronic_callbacks.sink import MetricSink, Record, resolve_path
 
@@ -62,78 +62,75 @@ def _is_login_error(error: BaseException) -> bool:
     return any(hint in text for hint in ("api_key", "api key", "wandb login", "not logged in"))
 
 
-def _optional_str(value: object) -> str | None:
-    return None if value is None else str(value)
+@dataclass(frozen=True)
+class WandbOptions:
+    """The ``wandb`` sink's options (``dir`` and ``id`` are the constructor's ``directory``
+    and ``run_id``)."""
+
+    project: Annotated[str | None, Opt("the W&B project (passed to `wandb.init`)")] = None
+    entity: Annotated[str | None, Opt("the W&B team or user")] = None
+    name: Annotated[str | None, Opt("display name of the run")] = None
+    group: Annotated[str | None, Opt("the W&B run group")] = None
+    tags: Annotated[list[str], Opt("run tags")] = field(default_factory=list)
+    notes: Annotated[str | None, Opt("notes of the run")] = None
+    mode: Annotated[
+        WandbMode | None,
+        Opt(
+            "`online`, `offline` or `disabled`; `null` leaves it to W&B (`WANDB_MODE` is respected)"
+        ),
+    ] = None
+    dir: Annotated[
+        str,
+        Opt("parent of W&B's `wandb/` folder, relative to the output directory", min_length=1),
+    ] = "."
+    id: Annotated[
+        str | None,
+        Opt("run id of a new run; a resumed fit uses the id stored in its checkpoint instead"),
+    ] = None
+    log_config: Annotated[
+        bool, Opt("the run's config (secrets redacted) becomes the W&B run config")
+    ] = True
+    background: Annotated[bool, Opt("call `wandb.log` on a background thread")] = True
 
 
-def _parse_mode(value: object) -> WandbMode | None:
-    if value == "online":
-        return "online"
-    if value == "offline":
-        return "offline"
-    if value == "disabled":
-        return "disabled"
-    return None
+def _build(
+    cls: type[WandbCallback], options: WandbOptions, context: PluginContext
+) -> WandbCallback:
+    return cls(
+        project=options.project,
+        entity=options.entity,
+        name=options.name,
+        group=options.group,
+        tags=options.tags,
+        notes=options.notes,
+        mode=options.mode,
+        directory=resolve_path(options.dir, context.output_dir),
+        run_id=options.id,
+        log_config=options.log_config,
+        background=options.background,
+    )
 
 
+@plugin("wandb", options=WandbOptions, build=_build)
 class WandbCallback(MetricSink):
     """Logs due records to a W&B run; the run id survives checkpoints and resumes."""
 
-    plugin_name: ClassVar[str | None] = "wandb"
     state_key: str | None = "wandb"
-    options_schema: ClassVar[JSONSchema] = {
-        "type": "object",
-        "additionalProperties": False,
-        "properties": {
-            "project": {"type": ["string", "null"], "description": "W&B project."},
-            "entity": {"type": ["string", "null"], "description": "W&B team or user."},
-            "name": {"type": ["string", "null"], "description": "Display name of the run."},
-            "group": {"type": ["string", "null"]},
-            "tags": {"type": "array", "items": {"type": "string"}, "default": []},
-            "notes": {"type": ["string", "null"]},
-            "mode": {
-                "enum": ["online", "offline", "disabled", None],
-                "default": None,
-                "description": "Unset: W&B decides (WANDB_MODE is respected).",
-            },
-            "dir": {
-                "type": "string",
-                "minLength": 1,
-                "default": ".",
-                "description": "Parent of W&B's 'wandb/' folder, relative to the output directory.",
-            },
-            "id": {
-                "type": ["string", "null"],
-                "description": "Run id for a new run; a resumed fit uses the id stored in "
-                "its checkpoint instead.",
-            },
-            "log_config": {
-                "type": "boolean",
-                "default": True,
-                "description": "Store the run's (redacted) config as the W&B run config.",
-            },
-            "background": {
-                "type": "boolean",
-                "default": True,
-                "description": "Call wandb.log on a background thread.",
-            },
-        },
-    }
 
     def __init__(
         self,
         *,
-        project: str | None = None,
-        entity: str | None = None,
-        name: str | None = None,
-        group: str | None = None,
+        project: str | None = WandbOptions.project,
+        entity: str | None = WandbOptions.entity,
+        name: str | None = WandbOptions.name,
+        group: str | None = WandbOptions.group,
         tags: Sequence[str] = (),
-        notes: str | None = None,
-        mode: WandbMode | None = None,
-        directory: str | Path = ".",
-        run_id: str | None = None,
-        log_config: bool = True,
-        background: bool = True,
+        notes: str | None = WandbOptions.notes,
+        mode: WandbMode | None = WandbOptions.mode,
+        directory: str | Path = WandbOptions.dir,
+        run_id: str | None = WandbOptions.id,
+        log_config: bool = WandbOptions.log_config,
+        background: bool = WandbOptions.background,
     ) -> None:
         import_wandb()  # fail at construction, with the install hint, not mid-setup
         self.project = project
@@ -151,23 +148,6 @@ class WandbCallback(MetricSink):
         self.finished = False
         self._worker: BackgroundWorker[Record] | None = None
         self._setup_failed = False
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
-        tags = options.get("tags", [])
-        return cls(
-            project=_optional_str(options.get("project")),
-            entity=_optional_str(options.get("entity")),
-            name=_optional_str(options.get("name")),
-            group=_optional_str(options.get("group")),
-            tags=[str(tag) for tag in tags] if isinstance(tags, list) else (),
-            notes=_optional_str(options.get("notes")),
-            mode=_parse_mode(options.get("mode")),
-            directory=resolve_path(str(options.get("dir", ".")), context.output_dir),
-            run_id=_optional_str(options.get("id")),
-            log_config=bool(options.get("log_config", True)),
-            background=bool(options.get("background", True)),
-        )
 
     @property
     def closed(self) -> bool:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from speedtronic import plugins
+from speedtronic.config.declare import Fold
 from speedtronic.config.schema import (
     MAX_NUMBER_CHARS,
     ConfigError,
@@ -26,38 +28,41 @@ from speedtronic.config.schema import (
     section_names,
 )
 
+if TYPE_CHECKING:
+    from speedtronic.config.sections import CoreKeys
+
 RawConfig = dict[str, object]
 """A configuration as plain data, before validation."""
 
-RUN_ALIASES = ("name", "seed", "device", "output_dir", "max_steps", "log_every")
-"""Root keys that are shorthands for ``run.<key>``."""
-OPTIMIZER_ALIASES = ("muon_plus", "cautious")
-"""Root keys that are shorthands for ``optimizer.<key>``."""
 REDACTED = "<redacted>"
 
-
-def _lower(value: str) -> str:
-    return value.strip().lower()
-
-
-def _upper(value: str) -> str:
-    return value.strip().upper()
+if TYPE_CHECKING:
+    RUN_ALIASES: tuple[str, ...]
+    """Root keys that are shorthands for ``run.<key>`` (declared ``Opt(shorthand=True)``)."""
+    OPTIMIZER_ALIASES: tuple[str, ...]
+    """Root keys that are shorthands for ``optimizer.<key>``."""
 
 
-CASE_FOLDS: dict[tuple[str, str], Callable[[str], str]] = {
-    ("optimizer", "name"): _lower,
-    ("optimizer", "muon_plus_mode"): _lower,
-    ("optimizer", "muon_lr_scale"): _lower,
-    ("scheduler", "name"): _lower,
-    ("precision", "mode"): _lower,
-    ("precision", "dtype"): _lower,
-    ("data", "synthetic_kind"): _lower,
-    ("shape_validation", "alignment"): _lower,
-    ("parallel", "strategy"): _lower,
-    ("logging", "level"): _upper,
-}
-"""Enumerated string settings of the core are case- and whitespace-insensitive, as in the
-original (plugins fold their own keys in ``Callback.normalise_legacy``)."""
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``RUN_ALIASES`` and ``OPTIMIZER_ALIASES``, read from the declarations."""
+    section = {"RUN_ALIASES": "run", "OPTIMIZER_ALIASES": "optimizer"}.get(name)
+    if section is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return tuple(key for key, home in _core().shorthands.items() if home == section)
+
+
+def _core() -> CoreKeys:
+    """What the core's declarations tell the loader (shorthands, case folds, keys that fill
+    others). The declarations (``speedtronic.config.sections``) build on this module, so
+    they are read when first needed."""
+    from speedtronic.config.sections import core_keys
+
+    return core_keys()
+
+
+def fold_value(fold: Fold, value: str) -> str:
+    """An enumerated string as the config means it: stripped, then lower- or upper-cased."""
+    return value.strip().lower() if fold == "lower" else value.strip().upper()
 
 
 # -- YAML -------------------------------------------------------------------------------
@@ -390,36 +395,42 @@ def _plain(value: object) -> object:
 def normalise(raw: object) -> tuple[RawConfig, list[str]]:
     """Rewrite shorthands into the canonical layout; returns the copy and conflict errors.
 
-    * root ``name``/``seed``/``device``/``output_dir``/``max_steps``/``log_every`` ->
-      ``run.*``; root ``muon_plus``/``cautious`` -> ``optimizer.*``;
-    * a section alias that a plugin declares (``Callback.legacy_aliases``) -> its section
-      (when that is absent);
-    * ``optimizer: muon`` -> ``{name: muon}``; ``precision: bf16`` -> ``{mode: bf16}``;
-      a ``callbacks`` entry ``"name"`` -> ``{name: name}``; empty sections -> ``{}``;
-    * ``run.log_every`` fills ``logging.every_steps`` when that is absent;
-    * enumerated strings are case-folded; ``shape_validation.alignment: null`` -> ``auto``;
-    * then every installed plugin rewrites its own 2.0 keys (``Callback.normalise_legacy``).
+    The one place a configuration is normalised, before its one validation pass:
+
+    * a section alias that a plugin declares (``PluginSpec.sections.aliases``) -> its section
+      (when that is absent); a section written as a bare value -> its declared key
+      (``optimizer: muon`` -> ``{name: muon}``, ``precision: bf16`` -> ``{mode: bf16}``);
+      empty sections -> ``{}``;
+    * root shorthands of section keys (declared ``Opt(shorthand=True)``: ``max_steps`` ->
+      ``run.max_steps``, ``muon_plus`` -> ``optimizer.muon_plus``, ...);
+    * a ``callbacks`` entry ``"name"`` -> ``{name: name}``;
+    * a key that fills another (``Opt(fills=...)``: ``run.log_every`` fills
+      ``logging.every_steps``) when that one is absent;
+    * enumerated strings are case-folded (``Opt(fold=...)``); ``shape_validation.alignment:
+      null`` -> ``auto``;
+    * then every installed plugin rewrites its own 2.0 keys (``Sections.normalise``).
 
     The same setting given twice with different values is a conflict error. Idempotent.
     """
     data = _root_mapping(raw, "<mapping>")
     data.pop("$schema", None)
     errors: list[str] = []
+    core = _core()
     for section in (*section_names(), "callbacks", "imports"):
         if section in data and data[section] is None:
             data[section] = [] if section in ("callbacks", "imports") else {}
-    _move_run_aliases(data, errors)
     _move_section_aliases(data, errors)
-    _expand_optimizer(data, errors)
-    if isinstance(data.get("precision"), str):
-        data["precision"] = {"mode": data["precision"]}
+    for section, key in core.bare_values.items():
+        if isinstance(data.get(section), str):
+            data[section] = {key: data[section]}
+    _move_shorthands(data, core.shorthands, errors)
     callbacks = data.get("callbacks")
     if isinstance(callbacks, list):
         data["callbacks"] = [{"name": e} if isinstance(e, str) else e for e in callbacks]
-    _link_log_every(data, errors)
-    _fold_values(data)
-    for _, plugin in plugins.configurable_plugins():
-        plugin.normalise_legacy(data)
+    _fill_linked(data, core, errors)
+    _fold_values(data, core)
+    for spec in plugins.configurable_specs():
+        spec.sections.normalise(data)
     return data, errors
 
 
@@ -430,19 +441,20 @@ def _section(data: RawConfig, name: str) -> dict[str, object] | None:
     return section if isinstance(section, dict) else None
 
 
-def _move_run_aliases(data: RawConfig, errors: list[str]) -> None:
-    present = [alias for alias in RUN_ALIASES if alias in data]
-    if not present:
-        return
-    run = _section(data, "run")
-    for alias in present:
-        value = data.pop(alias)
-        if run is None:
+def _move_shorthands(data: RawConfig, shorthands: Mapping[str, str], errors: list[str]) -> None:
+    for alias, home in shorthands.items():
+        if alias not in data:
             continue
-        if alias in run and run[alias] != value:
-            errors.append(f"{alias}: conflicts with run.{alias} ({value!r} vs {run[alias]!r})")
+        value = data.pop(alias)
+        section = _section(data, home)
+        if section is None:
+            continue
+        if alias in section and section[alias] != value:
+            errors.append(
+                f"{alias}: conflicts with {home}.{alias} ({value!r} vs {section[alias]!r})"
+            )
         else:
-            run[alias] = value
+            section[alias] = value
 
 
 def _move_section_aliases(data: RawConfig, errors: list[str]) -> None:
@@ -457,45 +469,29 @@ def _move_section_aliases(data: RawConfig, errors: list[str]) -> None:
             data[section] = {} if value is None else value
 
 
-def _expand_optimizer(data: RawConfig, errors: list[str]) -> None:
-    if isinstance(data.get("optimizer"), str):
-        data["optimizer"] = {"name": data["optimizer"]}
-    present = [alias for alias in OPTIMIZER_ALIASES if alias in data]
-    if not present:
-        return
-    optimizer = _section(data, "optimizer")
-    for alias in present:
-        value = data.pop(alias)
-        if optimizer is None:
+def _fill_linked(data: RawConfig, core: CoreKeys, errors: list[str]) -> None:
+    """A key that fills another (``run.log_every`` -> ``logging.every_steps``) copies its
+    value there when that is absent; a different value there is a conflict."""
+    for (source, key), (target, target_key) in core.fills.items():
+        values = data.get(source)
+        value = values.get(key) if isinstance(values, dict) else None
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue  # unset, or a wrong type the schema reports at its own path
+        section = _section(data, target)
+        if section is None:
             continue
-        if alias in optimizer and optimizer[alias] != value:
+        given = section.setdefault(target_key, value)
+        if given != value:
             errors.append(
-                f"{alias}: conflicts with optimizer.{alias} ({value!r} vs {optimizer[alias]!r})"
+                f"{source}.{key}: conflicts with {target}.{target_key} ({value} vs {given!r})"
             )
-        else:
-            optimizer[alias] = value
 
 
-def _link_log_every(data: RawConfig, errors: list[str]) -> None:
-    run = data.get("run")
-    log_every = run.get("log_every") if isinstance(run, dict) else None
-    if not isinstance(log_every, int) or isinstance(log_every, bool):
-        return
-    logging = _section(data, "logging")
-    if logging is None:
-        return
-    every_steps = logging.setdefault("every_steps", log_every)
-    if every_steps != log_every:
-        errors.append(
-            f"run.log_every: conflicts with logging.every_steps ({log_every} vs {every_steps!r})"
-        )
-
-
-def _fold_values(data: RawConfig) -> None:
-    for (section_name, key), fold in CASE_FOLDS.items():
+def _fold_values(data: RawConfig, core: CoreKeys) -> None:
+    for (section_name, key), fold in core.folds.items():
         section = data.get(section_name)
         if isinstance(section, dict) and isinstance(section.get(key), str):
-            section[key] = fold(section[key])
+            section[key] = fold_value(fold, section[key])
     shapes = data.get("shape_validation")
     if isinstance(shapes, dict) and "alignment" in shapes and shapes["alignment"] is None:
         shapes["alignment"] = "auto"
@@ -558,17 +554,14 @@ def apply_overrides(raw: Mapping[str, object] | None, overrides: Iterable[str] =
         path = _canonical(parts)
         _drop_shadowed_aliases(data, path)
         _assign(data, path, value, text)
-        if path == ["run", "log_every"] and isinstance(value, int):
-            _assign(data, ["logging", "every_steps"], value, text)
     return data
 
 
 def _canonical(parts: list[str | int]) -> list[str | int]:
     head, rest = parts[0], parts[1:]
-    if head in RUN_ALIASES:
-        return ["run", head, *rest]
-    if head in OPTIMIZER_ALIASES:
-        return ["optimizer", head, *rest]
+    shorthands = _core().shorthands
+    if isinstance(head, str) and head in shorthands:
+        return [shorthands[head], head, *rest]
     aliases = section_aliases()
     if isinstance(head, str) and head in aliases:
         return [aliases[head], *rest]
@@ -576,37 +569,42 @@ def _canonical(parts: list[str | int]) -> list[str | int]:
 
 
 def _drop_shadowed_aliases(data: RawConfig, path: list[str | int]) -> None:
-    """Remove other spellings of the setting at ``path`` (or below it)."""
+    """Remove other spellings of the setting at ``path`` (or below it): its root shorthand,
+    a plugin's alias of its section, and -- for a key another one fills -- that key, or for
+    the key that fills, what it fills (so the override's value is what both end up with)."""
     head = path[0]
     key = path[1] if len(path) > 1 else None
-    if head == "run":
-        for alias in RUN_ALIASES if key is None else (key,):
-            if isinstance(alias, str) and alias in RUN_ALIASES:
-                data.pop(alias, None)
-    elif head == "optimizer":
-        for alias in OPTIMIZER_ALIASES if key is None else (key,):
-            if isinstance(alias, str) and alias in OPTIMIZER_ALIASES:
-                data.pop(alias, None)
-    elif isinstance(head, str) and head not in data:
+    core = _core()
+    for alias, home in core.shorthands.items():
+        if home == head and key in (None, alias):
+            data.pop(alias, None)
+    if isinstance(head, str) and head not in data:
         for alias, section in section_aliases().items():
             if section == head and alias in data:
                 data[head] = data.pop(alias)
                 break
-    if head == "logging" and key in (None, "every_steps"):
-        data.pop("log_every", None)
-        run = data.get("run")
-        if isinstance(run, dict):
-            run.pop("log_every", None)
+    for (source, source_key), (target, target_key) in core.fills.items():
+        if head == target and key in (None, target_key):
+            if core.shorthands.get(source_key) == source:
+                data.pop(source_key, None)
+            _pop_key(data, source, source_key)
+        elif path == [source, source_key]:
+            _pop_key(data, target, target_key)
+
+
+def _pop_key(data: RawConfig, section: str, key: str) -> None:
+    values = data.get(section)
+    if isinstance(values, dict):
+        values.pop(key, None)
 
 
 def _expand_shorthand(path: list[str | int], value: object, next_part: str | int) -> object:
     """The container form of a shorthand (or missing) value about to be descended into."""
     if value is None:
         return [] if isinstance(next_part, int) else {}
-    if path == ["optimizer"] and isinstance(value, str):
-        return {"name": value}
-    if path == ["precision"] and isinstance(value, str):
-        return {"mode": value}
+    bare = _core().bare_values
+    if len(path) == 1 and isinstance(value, str) and path[0] in bare:
+        return {bare[str(path[0])]: value}
     if path == ["compile"] and isinstance(value, bool):
         return {"enabled": value}
     if len(path) == 2 and path[0] == "callbacks" and isinstance(value, str):

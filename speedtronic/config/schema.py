@@ -1,16 +1,17 @@
 """The run.yaml JSON Schema: loading, composition with plugin schemas, validation, publishing.
 
-The core schema is a JSON document shipped inside the package
-(``speedtronic/schemas/run.schema.json``) and read through ``importlib.resources``, so an
-installed wheel validates without the repository checkout. Each ``callbacks:`` entry is
-checked by its plugin's own options schema, composed into the core schema as
-``if name == X then <X's schema>`` so that one ``jsonschema`` pass reports every error.
+The core schema is derived from the declarations of the core's keys
+(``speedtronic.config.sections``: one typed field per key), so it is part of the code an
+installed wheel runs; ``speedtronic/schemas/run.schema.json`` is a generated copy of it for
+other tools, kept current by a test. Each ``callbacks:`` entry is checked by its plugin's own
+options schema, composed into the core schema as ``if name == X then <X's schema>`` so that
+one ``jsonschema`` pass reports every error.
 
-Plugins own their configuration: the 2.0 top-level keys a plugin reads (``checkpoint:``,
-the sink switches of ``logging:``, ...) are declared by the plugin (``Callback.legacy_schema``)
-and composed into the run schema here, generically, for every installed plugin; the plugin's
-own cross-field rules (``Callback.legacy_errors``/``options_errors``) run with the core's.
-Nothing in this module knows a plugin by name.
+Plugins own their configuration: the top-level keys a plugin reads (``checkpoint:``, the sink
+switches of ``logging:``, ...) are declared by the plugin (``PluginSpec.sections``) and
+composed into the run schema here, generically, for every installed plugin; the plugin's own
+cross-field rules (``Sections.errors``, ``PluginSpec.options_errors``) run with the core's.
+Nothing in this module knows a plugin by name, and nothing here imports the engine.
 
 ``config_errors`` is the single validation entry point: imports, plugin lookup, schema and
 cross-field rules, every problem as one ``"<path>: <message>"`` string.
@@ -24,7 +25,7 @@ import functools
 import json
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from importlib import metadata, resources
+from importlib import metadata
 from pathlib import Path
 from typing import Protocol, TypeGuard, cast
 from urllib.parse import quote
@@ -33,7 +34,6 @@ from jsonschema import Draft202012Validator, ValidationError, validators
 from jsonschema.exceptions import SchemaError
 
 from speedtronic import plugins
-from speedtronic.engine.callback import Callback
 from speedtronic.state.atomic_io import atomic_write_text
 
 SchemaDict = dict[str, object]
@@ -43,21 +43,6 @@ CORE_SCHEMA_FILE = "run.schema.json"
 CALLBACK_SCHEMA_DIR = "callbacks"
 CORE_SCHEMA_ID = "urn:speedtronic:schemas:run"
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
-
-SECTIONS = (
-    "run",
-    "model",
-    "data",
-    "eval",
-    "optimizer",
-    "scheduler",
-    "precision",
-    "logging",
-    "distributed",
-    "parallel",
-    "shape_validation",
-)
-"""The core's sections (plugins may add keys to them, and sections of their own)."""
 
 _PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle")
 
@@ -155,20 +140,18 @@ def format_path(parts: Iterable[str | int]) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _core_text() -> str:
-    resource = resources.files("speedtronic").joinpath("schemas", CORE_SCHEMA_FILE)
-    return resource.read_text(encoding="utf-8")
-
-
-@functools.lru_cache(maxsize=1)
 def _core() -> SchemaDict:
-    """The parsed core schema, shared: never mutate it (``core_schema`` returns a copy)."""
-    loaded: SchemaDict = json.loads(_core_text())
-    return loaded
+    """The core schema, derived once from the declarations; shared: never mutate it
+    (``core_schema`` returns a copy). The declarations build on this module (they are
+    validated with it), so they are read when first needed."""
+    from speedtronic.config.sections import core_schema_document
+
+    return core_schema_document(dialect=DIALECT, schema_id=CORE_SCHEMA_ID)
 
 
 def packaged_core_schema() -> SchemaDict:
-    """A fresh copy of the packaged core schema: the core's keys only."""
+    """A fresh copy of the core schema: the core's keys only (what
+    ``speedtronic/schemas/run.schema.json`` holds)."""
     return copy.deepcopy(_core())
 
 
@@ -193,8 +176,8 @@ def _base(version: int) -> SchemaDict:
     """The core schema plus every installed plugin's 2.0 keys (shared: never mutate)."""
     del version  # the cache key: registering a plugin may declare more keys
     schema = copy.deepcopy(_core())
-    for _, plugin in plugins.configurable_plugins():
-        for key, declared in plugin.legacy_schema.items():
+    for spec in plugins.configurable_specs():
+        for key, declared in spec.sections.schema.items():
             _merge_plugin_keys(schema, key, declared)
     return schema
 
@@ -205,8 +188,8 @@ def base() -> SchemaDict:
 
 
 def core_schema() -> SchemaDict:
-    """A fresh copy of the run schema without the per-callback options: the packaged core
-    plus the 2.0 keys that installed plugins declare (``Callback.legacy_schema``)."""
+    """A fresh copy of the run schema without the per-callback options: the core plus the
+    top-level keys that installed plugins declare (``Sections.schema``)."""
     return copy.deepcopy(base())
 
 
@@ -262,8 +245,8 @@ def section_names() -> tuple[str, ...]:
 def section_aliases() -> dict[str, str]:
     """Other top-level spellings of sections, as plugins declare them (alias -> key)."""
     aliases: dict[str, str] = {}
-    for _, plugin in plugins.configurable_plugins():
-        for alias, key in plugin.legacy_aliases.items():
+    for spec in plugins.configurable_specs():
+        for alias, key in spec.sections.aliases.items():
             aliases.setdefault(alias, key)
     return aliases
 
@@ -437,6 +420,14 @@ def rendered_schemas(plugin_names: Iterable[str] | None = None) -> dict[str, str
     return files
 
 
+def write_packaged_core_schema() -> Path:
+    """Rewrite the package's copy of the core schema (``speedtronic/schemas/run.schema.json``,
+    for tools that read a file) from the declarations; returns its path."""
+    path = Path(__file__).resolve().parent.parent / "schemas" / CORE_SCHEMA_FILE
+    atomic_write_text(path, _dump(_core()))
+    return path
+
+
 def write_schemas(directory: Path, plugin_names: Iterable[str] | None = None) -> list[Path]:
     """Write ``run.schema.json`` (core + plugin schemas) and ``callbacks/<name>.schema.json``
     per plugin into ``directory``; stale ``callbacks/*.schema.json`` files are removed so the
@@ -460,16 +451,17 @@ def write_schemas(directory: Path, plugin_names: Iterable[str] | None = None) ->
 # -- validation -------------------------------------------------------------------------
 
 
-def config_errors(data: Mapping[str, object]) -> list[str]:
+def config_errors(data: Mapping[str, object], *, imported: bool = False) -> list[str]:
     """Every problem of a normalised configuration mapping (see ``loading.normalise``).
 
-    Order: ``imports`` first (they may register the plugins that follow), then plugin
-    names (callbacks, the model, datasets, the collate function: an unknown one with the
-    closest known name), then the composed-schema pass, non-finite or non-JSON values, and
-    the cross-field rules. Nothing is imported except the listed ``imports``.
+    Order: ``imports`` first (they may register the plugins that follow; ``imported``: the
+    caller has imported them already, with ``import_errors``), then plugin names
+    (callbacks, the model, datasets, the collate function: an unknown one with the closest
+    known name), then the composed-schema pass, non-finite or non-JSON values, and the
+    cross-field rules. Nothing is imported except the listed ``imports``.
     """
     data, oversized = _without_oversized_numbers(data)
-    errors = _import_errors(data.get("imports"))
+    errors = [] if imported else import_errors(data.get("imports"))
     plugin_schemas, plugin_errors = _referenced_plugin_schemas(data.get("callbacks"))
     errors.extend(plugin_errors)
     errors.extend(_plugin_name_errors(_Values(data)))
@@ -517,7 +509,9 @@ def _without_oversized_numbers(
     return cast(Mapping[str, object], cleaned), found
 
 
-def _import_errors(imports: object) -> list[str]:
+def import_errors(imports: object) -> list[str]:
+    """Import the modules of an ``imports:`` list; one message per module that fails
+    (``imports[i]: cannot import ...``). A value that is no list is left to the schema."""
     if not isinstance(imports, list):
         return []  # a wrong type is reported by the schema
     errors: list[str] = []
@@ -728,11 +722,11 @@ class _Values:
     def flag(self, section: str, key: str) -> bool:
         return self.get(section, key) is True
 
-    def plugin_sections(self, plugin: type[Callback]) -> dict[str, object]:
-        """The 2.0 keys ``plugin`` reads, schema defaults filled in."""
+    def plugin_sections(self, spec: plugins.PluginSpec) -> dict[str, object]:
+        """The top-level keys a plugin reads, schema defaults filled in."""
         root = _mapping(base().get("properties"))
         found: dict[str, object] = {}
-        for key in plugin.legacy_sections:
+        for key in spec.sections.keys:
             if "properties" in _mapping(root.get(key)):  # a section: defaults under values
                 defaults = _defaults(key, plugins.callback_registry.version)
                 found[key] = {**defaults, **_mapping(self._data.get(key))}
@@ -933,19 +927,17 @@ def _eval_monitor_rules(values: _Values) -> Iterator[str]:
 
 
 def _plugin_rules(values: _Values) -> Iterator[str]:
-    """Each installed plugin's rules for its 2.0 keys, then each ``callbacks:`` entry's
+    """Each installed plugin's rules for its sections, then each ``callbacks:`` entry's
     rules, from the plugin it names."""
-    for _, plugin in plugins.configurable_plugins():
-        yield from plugin.legacy_errors(values.plugin_sections(plugin))
+    for spec in plugins.configurable_specs():
+        yield from spec.sections.errors(values.plugin_sections(spec))
     for index, entry in values.callback_entries():
         name = entry.get("name")
         if not isinstance(name, str) or name not in plugins.callback_registry:
             continue
         try:
-            plugin = plugins.callback_registry.get(name)
+            spec = plugins.plugin_spec(name)
         except plugins.PluginError:
             continue  # reported with the plugin names
         options = {key: value for key, value in entry.items() if key != "name"}
-        yield from plugin.options_errors(
-            f"callbacks[{index}]", options, values.plugin_sections(plugin)
-        )
+        yield from spec.options_errors(f"callbacks[{index}]", options, values.plugin_sections(spec))

@@ -1,17 +1,24 @@
 """Typed configuration: one dataclass per core ``run.yaml`` section plus the ``SpeedtronicConfig``
-root.
+root -- and the declaration of every core key.
 
-Plugins own their 2.0 keys (``Callback.legacy_schema``): keys a plugin adds to a core section
-are kept beside the section's fields (``section.extensions``; ``logging`` and ``distributed``
-also read them as attributes, ``cfg.logging.console``), and top-level keys only plugins
-declare are kept on the root (``cfg.plugin_keys``; read as attributes too,
-``cfg.checkpoint.every_steps``, through ``SectionView``). These views are plain data: new code
-reads a plugin's options instead.
+Each field is the one declaration of its key (``speedtronic.config.declare``): its type,
+default, bounds and doc. The core part of the run schema (``core_schema_document``), the
+defaults, the case-insensitive keys and the root shorthands the loader rewrites, and the
+tables of ``docs/configuration.md`` are all derived from these fields.
 
-Every way in -- ``SpeedtronicConfig.load``/``from_dict``/``from_yaml``, direct construction,
-``validate()`` after mutation -- goes through the same JSON Schema and cross-field rules
-(``speedtronic.config.schema``), so a config object that exists is a valid one. Errors are
-collected and raised together as ``ConfigError``.
+Plugins own their 2.0 keys (``PluginSpec.sections``): keys a plugin adds to a core section are
+kept beside the section's fields (``section.extensions``; ``logging`` and ``distributed`` also
+read them as attributes, ``cfg.logging.console``), and top-level keys only plugins declare are
+kept on the root (``cfg.plugin_keys``; read as attributes too, ``cfg.checkpoint.every_steps``,
+through ``SectionView``). These views are plain data: new code reads a plugin's options
+instead.
+
+One pass each: a mapping, file or text is normalised once (``loading.normalise``), validated
+once against the composed schema and the cross-field rules (``schema.config_errors``), and
+then built into these objects without being checked again (``declare.build``). A section or
+root built directly from Python goes through the same pipeline, once, on construction; after
+mutating fields call ``validate()``. Errors are collected and raised together as
+``ConfigError``.
 """
 
 from __future__ import annotations
@@ -20,20 +27,20 @@ import copy
 import dataclasses
 import json
 import os
-import types
-import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal, TypeAlias, cast
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, TypeAlias, TypeVar, cast
 
 import yaml
 from typing_extensions import Self
 
+from speedtronic.config import declare
+from speedtronic.config.declare import Opt
 from speedtronic.config.loading import (
-    CASE_FOLDS,
     REDACTED,
     apply_overrides,
+    fold_value,
     looks_like_text,
     normalise,
     read_file,
@@ -42,12 +49,12 @@ from speedtronic.config.loading import (
 from speedtronic.config.schema import (
     ConfigError,
     config_errors,
+    import_errors,
     plugin_root_keys,
     plugin_section_keys,
     root_default,
     schema_defaults,
 )
-from speedtronic.plugins import configurable_plugins
 from speedtronic.state.atomic_io import atomic_write_text
 
 JSONValue: TypeAlias = None | bool | int | float | str | list["JSONValue"] | dict[str, "JSONValue"]
@@ -55,6 +62,11 @@ JSONValue: TypeAlias = None | bool | int | float | str | list["JSONValue"] | dic
 
 SECRET_KEYS = frozenset({"token", "secret", "password", "hmac_key", "api_key"})
 """Keys whose values are secrets wherever they appear (case-insensitive)."""
+
+STEPS_MAX = 10**12
+"""The bound of every step count (``run.max_steps``, ``eval.every_steps``, ...): 10^12 steps."""
+SEED_MAX = 2**32 - 1
+"""The bound of a seed: what NumPy accepts."""
 
 
 def redact_secrets(value: JSONValue) -> JSONValue:
@@ -88,62 +100,23 @@ def _jsonable(value: object) -> JSONValue:
     return cast(JSONValue, value)
 
 
-# -- coercion of directly constructed sections ---------------------------------------------
-
-
-_HINTS: dict[type, dict[str, object]] = {}
-
-
-def _field_hints(cls: type) -> dict[str, object]:
-    """Resolved field annotations of a section class (computed once per class)."""
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls)
-    return _HINTS[cls]
-
-
-def _coerce(hint: object, value: object) -> object:
-    """Lossless conversions a caller reasonably expects (``lr=1`` -> ``1.0``, a list of two
-    betas -> a tuple, a path -> a string, a rule mapping -> ``RoutingRule``). Anything else is
-    returned unchanged so that validation reports it."""
-    if value is None or isinstance(value, bool):
-        return value
-    origin = typing.get_origin(hint)
-    choices = typing.get_args(hint) if origin in (typing.Union, types.UnionType) else (hint,)
-    if float in choices and isinstance(value, int):
-        return float(value)
-    if int in choices and float not in choices and isinstance(value, float):
-        return int(value) if value.is_integer() else value
-    if str in choices and isinstance(value, os.PathLike):
-        return os.fspath(value)
-    for choice in choices:
-        choice_origin, args = typing.get_origin(choice), typing.get_args(choice)
-        if choice_origin is tuple and isinstance(value, (list, tuple)):
-            if len(args) == len(value):
-                return tuple(_coerce(arg, item) for arg, item in zip(args, value, strict=True))
-            return tuple(value)
-        if choice_origin is list and isinstance(value, (list, tuple)):
-            return [_coerce(args[0], item) for item in value]
-        if choice_origin is dict and isinstance(value, Mapping):
-            return dict(value)
-        if choice is RoutingRule and isinstance(value, Mapping):
-            return RoutingRule.from_mapping(value)
-        if choice is MixtureSource and isinstance(value, Mapping):
-            return MixtureSource.from_mapping(value)
-    return value
-
-
 # -- sections -----------------------------------------------------------------------------
 
 
 @dataclass
 class _Section:
-    """Shared behaviour of the section dataclasses: coercion, case folding, validation."""
+    """Shared behaviour of the section dataclasses: extensions, construction from Python."""
 
     section_name: ClassVar[str] = ""
+    section_doc: ClassVar[str] = ""
+    """The section's description in the run schema."""
+    bare_value: ClassVar[str | None] = None
+    """The key a section written as a bare value means (``optimizer: muon`` is
+    ``{name: muon}``)."""
 
     @property
     def extensions(self) -> dict[str, JSONValue]:
-        """Keys that installed plugins add to this section (``Callback.legacy_schema``)."""
+        """Keys that installed plugins add to this section (``PluginSpec.sections``)."""
         extensions = self.__dict__.get("_extensions")
         if extensions is None:
             extensions = {
@@ -154,20 +127,21 @@ class _Section:
         return cast("dict[str, JSONValue]", extensions)
 
     def __post_init__(self) -> None:
-        hints = _field_hints(type(self))
-        for item in dataclasses.fields(self):
-            value = _coerce(hints[item.name], getattr(self, item.name))
-            fold = CASE_FOLDS.get((self.section_name, item.name))
-            if fold is not None and isinstance(value, str):
-                value = fold(value)
-            setattr(self, item.name, value)
-        self._fill_defaults()
+        """Built from Python: lossless coercion (``lr=1`` -> ``1.0``), case folding, the
+        derived defaults, then this section's one validation pass."""
+        for item in declare.declared(type(self)):
+            value = declare.coerce(item.hint, getattr(self, item.name))
+            if item.opt.fold is not None and isinstance(value, str):
+                value = fold_value(item.opt.fold, value)
+            object.__setattr__(self, item.name, value)
+        self.__post_build__()
         errors = config_errors({self.section_name: self.to_dict()})
         if errors:
             raise ConfigError(errors)
 
-    def _fill_defaults(self) -> None:
-        """Derive defaults that depend on other keys of the section."""
+    def __post_build__(self) -> None:
+        """Derive defaults that depend on other keys of the section (also run by
+        ``declare.build``, which builds a section from validated data)."""
 
     def to_dict(self) -> dict[str, JSONValue]:
         """The section as JSON-compatible data, keys in declaration order (the fields, then
@@ -189,13 +163,22 @@ class _Section:
 
     @classmethod
     def _from_valid(cls, values: Mapping[str, object]) -> Self:
-        names = {item.name for item in dataclasses.fields(cls)}
-        factory = cast("Callable[..., Self]", cls)
-        section = factory(**{key: value for key, value in values.items() if key in names})
+        """The section from validated values (its fields, then the keys plugins add)."""
+        names = _field_names(cls)
+        section = declare.build(cls, {k: v for k, v in values.items() if k in names})
         section.extensions.update(
             (key, cast(JSONValue, value)) for key, value in values.items() if key not in names
         )
         return section
+
+    def _stated(self) -> dict[str, JSONValue]:
+        """What this section states: ``to_dict()`` without the fields that hold their
+        declared default (a dataclass cannot tell a default from one given explicitly)."""
+        values = self.to_dict()
+        for item in declare.declared(type(self)):
+            if item.has_default and values.get(item.name) == declare.to_json(item.default()):
+                del values[item.name]
+        return values
 
 
 class _PluginKeysAsAttributes:
@@ -240,21 +223,115 @@ def _as_mapping(value: object) -> Mapping[str, object]:
     return cast("Mapping[str, object]", value) if isinstance(value, Mapping) else {}
 
 
+def _redacted_repr(section: object) -> str:
+    """A section's repr with its free-form mappings redacted: ``dataset_options`` may hold
+    credentials, and are never printed."""
+    values = ", ".join(
+        f"{item.name}={_redacted(getattr(section, item.name))!r}"
+        for item in dataclasses.fields(cast("type", type(section)))
+    )
+    return f"{type(section).__name__}({values})"
+
+
+def _redacted(value: object) -> object:
+    return redact_secrets(cast(JSONValue, value)) if isinstance(value, dict) else value
+
+
 @dataclass
 class RunConfig(_Section):
     """``run:`` -- identity, seed, device and the training target."""
 
     section_name: ClassVar[str] = "run"
+    section_doc: ClassVar[str] = "Run identity, seed, device and training target."
 
-    name: str = "speedtronic-run"
-    seed: int = 1234
-    device: str = "auto"
-    max_steps: int = 1000
-    max_epochs: int | None = None
-    output_dir: str = "runs"
-    log_every: int | None = None
-    threads: int | Literal["auto"] = "auto"
-    stop_grace_s: float | None = None
+    name: Annotated[str, Opt("non-empty; a label, not a path", min_length=1, shorthand=True)] = (
+        "speedtronic-run"
+    )
+    seed: Annotated[
+        int,
+        Opt(
+            "seeds Python, NumPy and torch; the default of `data.seed`",
+            minimum=0,
+            maximum=SEED_MAX,
+            type_text="int 0 … 2³²−1",
+            shorthand=True,
+        ),
+    ] = 1234
+    device: Annotated[
+        str,
+        Opt(
+            "`auto` = CUDA, then MPS, then CPU; or a torch device (`cpu`, `cuda`, `cuda:1`, "
+            "`mps`); an explicit device that is not available is an error when the run is built",
+            min_length=1,
+            shorthand=True,
+        ),
+    ] = "auto"
+    max_steps: Annotated[
+        int,
+        Opt(
+            "absolute target of global optimizer steps (a resumed run continues up to it); "
+            "`data.max_steps` wins when set",
+            minimum=1,
+            maximum=STEPS_MAX,
+            shorthand=True,
+        ),
+    ] = 1000
+    max_epochs: Annotated[
+        int | None,
+        Opt(
+            "also stop after this many passes over the data, whichever of "
+            "`max_steps`/`max_epochs` comes first (see [training "
+            "target](#training-target---max-steps-and-the-lr-schedule))",
+            minimum=1,
+            maximum=STEPS_MAX,
+        ),
+    ] = None
+    output_dir: Annotated[
+        str,
+        Opt(
+            "the run directory: `config.yaml`, `metrics.jsonl`, `checkpoints/`; the base of "
+            "every relative path a plugin writes",
+            min_length=1,
+            shorthand=True,
+        ),
+    ] = "runs"
+    log_every: Annotated[
+        int | None,
+        Opt(
+            "legacy spelling of `logging.every_steps`, copied there; giving both with "
+            "different values is an error",
+            minimum=1,
+            maximum=STEPS_MAX,
+            shorthand=True,
+            fills="logging.every_steps",
+        ),
+    ] = None
+    threads: Annotated[
+        int | Literal["auto"],
+        Opt(
+            "CPU threads torch uses (`torch.set_num_threads`); `auto` is 1 for a model under "
+            "20M parameters trained on the CPU, torch's default otherwise, on CUDA/MPS, and "
+            "whenever `OMP_NUM_THREADS` is set (see "
+            "[performance](performance.md#cpu-threads--runthreads)); the start line says what "
+            "was chosen, e.g. `threads 1 (auto)`",
+            schema={
+                "anyOf": [{"const": "auto"}, {"type": "integer", "minimum": 1, "maximum": 4096}]
+            },
+            type_text="`auto` or int ≥ 1",
+        ),
+    ] = "auto"
+    stop_grace_s: Annotated[
+        float | None,
+        Opt(
+            "seconds: how long a requested stop (SIGTERM, Ctrl-C, a callback's `request_stop`) "
+            "waits for a batch the data loader does not deliver; then the fit gives up on it "
+            "and exits 1, keeping the last completed step's checkpoint (see "
+            "[checkpointing](checkpointing.md))",
+            exclusive_minimum=0,
+            maximum=86400,
+            default_text="`null` (10 s, `Trainer.stop_grace_s`)",
+        ),
+    ] = None
 
 
 @dataclass(eq=False)  # equality includes the plugin keys (the mixin's)
@@ -264,21 +341,66 @@ class ModelConfig(_PluginKeysAsAttributes, _Section):
     ``model.gradient_checkpointing``)."""
 
     section_name: ClassVar[str] = "model"
+    section_doc: ClassVar[str] = (
+        "Model selection, reference-transformer dimensions and free-form options for other models."
+    )
 
-    name: str = "reference_transformer"
-    vocab_size: int = 512
-    max_seq_len: int = 128
-    n_layer: int = 4
-    n_head: int = 8
-    n_kv_head: int | None = None
-    d_model: int = 256
-    d_ff: int | None = None
-    dropout: float = 0.0
-    tie_weights: bool = True
-    rope_base: float = 10000.0
-    options: dict[str, JSONValue] = field(default_factory=dict)
+    name: Annotated[
+        str,
+        Opt(
+            "a registered model (`register_model`, the `speedtronic.models` entry points, or "
+            "`imports:`); `gpt` is an alias of the reference transformer",
+            min_length=1,
+        ),
+    ] = "reference_transformer"
+    vocab_size: Annotated[
+        int, Opt("also the default of `data.vocab_size`", minimum=1, maximum=2**24)
+    ] = 512
+    max_seq_len: Annotated[
+        int,
+        Opt(
+            "context length; passed to factories as `block_size`; the default of `data.block_size`",
+            minimum=1,
+            maximum=2**24,
+        ),
+    ] = 128
+    n_layer: Annotated[int, Opt("transformer blocks", minimum=1, maximum=2**16)] = 4
+    n_head: Annotated[int, Opt("must divide `d_model`", minimum=1, maximum=2**16)] = 8
+    n_kv_head: Annotated[
+        int | None,
+        Opt(
+            "key/value heads (grouped-query attention); must divide `n_head`",
+            minimum=1,
+            maximum=2**16,
+            default_text="`null` → `n_head`",
+        ),
+    ] = None
+    d_model: Annotated[int, Opt("model width", minimum=1, maximum=2**20)] = 256
+    d_ff: Annotated[
+        int | None,
+        Opt(
+            "feed-forward width",
+            minimum=1,
+            maximum=2**22,
+            default_text="`null` → `4 * d_model`",
+        ),
+    ] = None
+    dropout: Annotated[float, Opt("dropout probability", minimum=0, exclusive_maximum=1)] = 0.0
+    tie_weights: Annotated[bool, Opt("share the token embedding and the output head")] = True
+    rope_base: Annotated[float, Opt("rotary embedding base", exclusive_minimum=0, maximum=1e12)] = (
+        10000.0
+    )
+    options: Annotated[
+        dict[str, JSONValue],
+        Opt(
+            "keyword arguments for the model factory beside the standard fields (they win "
+            "over a standard field of the same name); values must be JSON values; checked "
+            "against the factory's `options_schema` when it declares one. The reference "
+            "transformer takes none"
+        ),
+    ] = field(default_factory=dict)
 
-    def _fill_defaults(self) -> None:
+    def __post_build__(self) -> None:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.d_ff is None and _is_int(self.d_model):
@@ -291,10 +413,20 @@ def _is_int(value: object) -> bool:
 
 @dataclass(frozen=True)
 class MixtureSource:
-    """``data.mixture[i]`` -- a token-shard directory and its relative weight."""
+    """One source of the mixture."""
 
-    tokens: str
-    weight: float = 1.0
+    tokens: Annotated[
+        str,
+        Opt("Directory of token shards written by speedtronic prepare.", min_length=1),
+    ]
+    weight: Annotated[
+        float,
+        Opt(
+            "Relative share of the samples (weights are normalised).",
+            exclusive_minimum=0,
+            maximum=1_000_000,
+        ),
+    ] = 1.0
 
     def to_dict(self) -> dict[str, JSONValue]:
         return {"tokens": self.tokens, "weight": self.weight}
@@ -302,15 +434,7 @@ class MixtureSource:
     @classmethod
     def from_mapping(cls, values: Mapping[str, object]) -> MixtureSource | Mapping[str, object]:
         """The source, or ``values`` unchanged when they do not fit (validation reports it)."""
-        factory = cast("Callable[..., MixtureSource]", cls)
-        try:
-            source = factory(**values)
-        except TypeError:
-            return values
-        weight = source.weight
-        if isinstance(weight, int) and not isinstance(weight, bool):
-            return dataclasses.replace(source, weight=float(weight))
-        return source
+        return cast("MixtureSource | Mapping[str, object]", declare.coerce(cls, values))
 
 
 @dataclass(repr=False)
@@ -318,30 +442,175 @@ class DataConfig(_Section):
     """``data:`` -- the data source and batching (``target = K * micro``)."""
 
     section_name: ClassVar[str] = "data"
+    section_doc: ClassVar[str] = "Training data source and batching."
 
-    text_path: str | None = None
-    tokens: str | None = None
-    mixture: list[MixtureSource] = field(default_factory=list)
-    tokenizer: str | None = None
-    verify_shards: bool = True
-    dataset: str | None = None
-    dataset_options: dict[str, JSONValue] = field(default_factory=dict)
-    collate: str = "auto"
-    synthetic: bool = True
-    synthetic_kind: Literal["uniform", "learnable"] = "uniform"
-    num_tokens: int = 100000
-    vocab_size: int | None = None
-    block_size: int | None = None
-    micro_batch_size: int = 1
-    target_batch_size: int | None = None
-    num_workers: int = 0
-    prefetch_factor: int | None = None
-    pin_memory: bool | None = None
-    shuffle: bool | None = None
-    """``null``: on for ``tokens`` and ``mixture``, off for the other sources."""
-    drop_last: bool = True
-    seed: int | None = None
-    max_steps: int | None = None
+    text_path: Annotated[
+        str | None,
+        Opt(
+            "UTF-8 text file streamed through `tokenizer` (default: the byte tokenizer); "
+            "relative to the working directory",
+            min_length=1,
+        ),
+    ] = None
+    tokens: Annotated[
+        str | None,
+        Opt(
+            "a directory of token shards written by `speedtronic prepare` (`index.json`), read "
+            "through `np.memmap`; trains on its training shards, `eval:` reads its held-out "
+            "shards",
+            min_length=1,
+        ),
+    ] = None
+    mixture: Annotated[
+        list[MixtureSource],
+        Opt(
+            "token-shard directories mixed by `weight` (> 0, default 1, normalised): each "
+            "epoch draws from each source in proportion; always shuffled",
+            extra={"maxItems": 1024},
+            type_text="list of `{tokens, weight}`",
+        ),
+    ] = field(default_factory=list)
+    tokenizer: Annotated[
+        str | None,
+        Opt(
+            "a `tokenizer.json` (Hugging Face `tokenizers`, the `hf` extra) for `text_path` "
+            "and `eval.text_path`, or `bytes`; `null`: the byte tokenizer. With "
+            "`tokens`/`mixture` the shards must come from this tokenizer (sha256)",
+            min_length=1,
+        ),
+    ] = None
+    verify_shards: Annotated[
+        bool,
+        Opt(
+            "check every token shard's sha256 against `index.json` when the data is built "
+            "(about 1 s per GB); `false` checks sizes only"
+        ),
+    ] = True
+    dataset: Annotated[
+        str | None,
+        Opt(
+            "a registered dataset name (`register_dataset`, the `speedtronic.datasets` entry "
+            "points, or `imports:`); built in: `synthetic`, `learnable`, `text`. A name "
+            "ending in `.pt`, `.pth`, `.pkl` or `.pickle` is a config error, and any other "
+            "name that looks like a file is refused when the data is built: pickled dataset "
+            "files are never loaded",
+            min_length=1,
+        ),
+    ] = None
+    dataset_options: Annotated[
+        dict[str, JSONValue],
+        Opt(
+            "passed to the dataset factory as `DatasetRequest.options`; values must be JSON "
+            "values; secret-named keys are redacted (see [secrets](#secrets))"
+        ),
+    ] = field(default_factory=dict)
+    collate: Annotated[
+        str,
+        Opt(
+            "how items become a batch: `auto` (the dataset's own collate when it declares "
+            "one, else `collate_batch`: causal LM records padded, other mappings and tuples "
+            "stacked field by field), `causal`, `default` (torch's `default_collate`), or a "
+            "name registered with `register_collate` (see "
+            "[collators](models-and-data.md#collators))",
+            min_length=1,
+        ),
+    ] = "auto"
+    synthetic: Annotated[
+        bool,
+        Opt("fall back to synthetic tokens when neither `text_path` nor `dataset` is set"),
+    ] = True
+    synthetic_kind: Annotated[
+        Literal["uniform", "learnable"],
+        Opt(
+            "random tokens (floor `ln(vocab)`), or a Markov language with a known entropy floor",
+            fold="lower",
+        ),
+    ] = "uniform"
+    num_tokens: Annotated[
+        int,
+        Opt(
+            "despite the name, the number of **samples** (each `block_size` tokens) of the "
+            "synthetic data, and `DatasetRequest.num_samples` for registered datasets",
+            minimum=1,
+            maximum=STEPS_MAX,
+        ),
+    ] = 100000
+    vocab_size: Annotated[
+        int | None,
+        Opt(
+            "token ids the data source draws from; at most `model.vocab_size` (a larger value "
+            "is an error)",
+            minimum=1,
+            maximum=2**24,
+            default_text="`null` → `model.vocab_size`",
+        ),
+    ] = None
+    block_size: Annotated[
+        int | None,
+        Opt(
+            "tokens per sample",
+            minimum=1,
+            maximum=2**24,
+            default_text="`null` → `model.max_seq_len`",
+        ),
+    ] = None
+    micro_batch_size: Annotated[
+        int, Opt("samples per forward/backward", minimum=1, maximum=2**20)
+    ] = 1
+    target_batch_size: Annotated[
+        int | None,
+        Opt(
+            "samples per optimizer step; a multiple of (and ≥) `micro_batch_size`; `K = target "
+            "/ micro` microbatches are accumulated (null: no accumulation)",
+            minimum=1,
+            maximum=2**30,
+            default_text="`null` → `micro_batch_size`",
+        ),
+    ] = None
+    num_workers: Annotated[
+        int,
+        Opt("DataLoader worker processes (kept alive between epochs)", minimum=0, maximum=1024),
+    ] = 0
+    prefetch_factor: Annotated[
+        int | None,
+        Opt(
+            "batches prefetched per worker; ignored without workers",
+            minimum=1,
+            maximum=1024,
+            default_text="`null` → `2`",
+        ),
+    ] = None
+    pin_memory: Annotated[
+        bool | None, Opt("pin host memory", default_text="`null` → on for CUDA")
+    ] = None
+    shuffle: Annotated[
+        bool | None,
+        Opt(
+            "per-epoch permutation seeded by `(data.seed, epoch)`; map-style data only "
+            "(ignored with a warning for a streaming source); `false` is an error with "
+            "`mixture`",
+            default_text="`null` → on for `tokens` and `mixture`, off otherwise",
+        ),
+    ] = None
+    drop_last: Annotated[bool, Opt("drop an epoch's last incomplete batch")] = True
+    seed: Annotated[
+        int | None,
+        Opt(
+            "seeds the data order and the synthetic data",
+            minimum=0,
+            maximum=SEED_MAX,
+            type_text="int 0 … 2³²−1 or null",
+            default_text="`null` → `run.seed`",
+        ),
+    ] = None
+    max_steps: Annotated[
+        int | None,
+        Opt(
+            "training target that overrides `run.max_steps` when set",
+            minimum=1,
+            maximum=STEPS_MAX,
+        ),
+    ] = None
 
     @property
     def accumulation_steps(self) -> int:
@@ -351,12 +620,7 @@ class DataConfig(_Section):
         return self.target_batch_size // self.micro_batch_size
 
     def __repr__(self) -> str:
-        # dataset_options is free-form and may hold credentials: never print them.
-        values = ", ".join(
-            f"{item.name}={_redacted(getattr(self, item.name))!r}"
-            for item in dataclasses.fields(self)
-        )
-        return f"DataConfig({values})"
+        return _redacted_repr(self)
 
 
 @dataclass(repr=False)
@@ -365,39 +629,90 @@ class EvalConfig(_Section):
     data option: the training source's held-out split, see ``docs/evaluation.md``)."""
 
     section_name: ClassVar[str] = "eval"
+    section_doc: ClassVar[str] = (
+        "Evaluation on a held-out set during training (and for `speedtronic evaluate`)."
+    )
 
-    every_steps: int | None = None
-    max_batches: int | None = None
-    fraction: float = 0.05
-    text_path: str | None = None
-    dataset: str | None = None
-    dataset_options: dict[str, JSONValue] = field(default_factory=dict)
+    every_steps: Annotated[
+        int | None,
+        Opt(
+            "evaluate every N global steps and on the final step; `null`: no evaluation "
+            "during training. A `monitor: eval/...` (checkpoint, early stopping) needs it",
+            minimum=1,
+            maximum=STEPS_MAX,
+        ),
+    ] = None
+    max_batches: Annotated[
+        int | None,
+        Opt(
+            "batches per evaluation (`data.micro_batch_size` samples each); `null`: the whole "
+            "held-out set",
+            minimum=1,
+            maximum=STEPS_MAX,
+        ),
+    ] = None
+    fraction: Annotated[
+        float,
+        Opt(
+            "the tail of a training text file kept out of training as the held-out set (only "
+            "while `every_steps` is set and no other held-out source is named); token shards "
+            "fix their split at `speedtronic prepare --eval-fraction` instead",
+            exclusive_minimum=0,
+            maximum=0.5,
+        ),
+    ] = 0.05
+    text_path: Annotated[
+        str | None,
+        Opt("a UTF-8 file to evaluate on instead (through `data.tokenizer`)", min_length=1),
+    ] = None
+    dataset: Annotated[
+        str | None,
+        Opt("a registered dataset to evaluate on instead (not with `text_path`)", min_length=1),
+    ] = None
+    dataset_options: Annotated[
+        dict[str, JSONValue],
+        Opt("options of the `eval.dataset` factory (`DatasetRequest.options`)"),
+    ] = field(default_factory=dict)
 
     def __repr__(self) -> str:
-        # dataset_options is free-form and may hold credentials: never print them.
-        values = ", ".join(
-            f"{item.name}={_redacted(getattr(self, item.name))!r}"
-            for item in dataclasses.fields(self)
-        )
-        return f"EvalConfig({values})"
-
-
-def _redacted(value: object) -> object:
-    return redact_secrets(cast(JSONValue, value)) if isinstance(value, dict) else value
+        return _redacted_repr(self)
 
 
 @dataclass(frozen=True)
 class RoutingRule:
-    """``optimizer.routing[i]`` -- send matching parameters to Muon or AdamW.
+    """Send matching parameters to one optimizer. Rules are tried in order; the first match
+    wins; unmatched parameters follow the built-in heuristic.
 
     Every given criterion must match; a rule with none matches everything. This is the
     config record only: ``speedtronic.optimizers.RoutingRule`` does the matching.
     """
 
-    to: Literal["muon", "adamw"]
-    name: str | None = None
-    module: str | None = None
-    ndim: int | None = None
+    to: Annotated[Literal["muon", "adamw"], Opt("Target optimizer.")]
+    name: Annotated[
+        str | None,
+        Opt(
+            "Glob matched against the full parameter name (e.g. 'blocks.*.attn.*').",
+            schema={"type": "string"},
+            min_length=1,
+        ),
+    ] = None
+    module: Annotated[
+        str | None,
+        Opt(
+            "Class name of the module that owns the parameter (e.g. 'Linear').",
+            schema={"type": "string"},
+            min_length=1,
+        ),
+    ] = None
+    ndim: Annotated[
+        int | None,
+        Opt(
+            "Number of dimensions of the parameter.",
+            schema={"type": "integer"},
+            minimum=0,
+            maximum=64,
+        ),
+    ] = None
 
     def to_dict(self) -> dict[str, JSONValue]:
         """The rule as config data (unset criteria omitted)."""
@@ -411,11 +726,7 @@ class RoutingRule:
     @classmethod
     def from_mapping(cls, values: Mapping[str, object]) -> RoutingRule | Mapping[str, object]:
         """The rule, or ``values`` unchanged when they do not fit (validation reports it)."""
-        factory = cast("Callable[..., RoutingRule]", cls)
-        try:
-            return factory(**values)
-        except TypeError:
-            return values
+        return cast("RoutingRule | Mapping[str, object]", declare.coerce(cls, values))
 
 
 @dataclass
@@ -424,30 +735,139 @@ class OptimizerConfig(_Section):
     cautious. ``muon_lr``/``muon_weight_decay`` default to ``lr``/``weight_decay``."""
 
     section_name: ClassVar[str] = "optimizer"
+    bare_value: ClassVar[str | None] = "name"
+    section_doc: ClassVar[str] = (
+        "Optimizer: AdamW or hybrid Muon/AdamW, optionally cautious. A bare string "
+        "(optimizer: muon) is a shorthand for {name: muon}."
+    )
 
-    name: Literal["adamw", "muon"] = "adamw"
-    lr: float = 3e-4
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    fused: bool | None = None
-    grad_clip: float | None = None
-    muon_plus: bool = False
-    muon_plus_mode: Literal["row_col", "col_row"] = "row_col"
-    cautious: bool = False
-    cautious_rescale: bool = False
-    muon_momentum: float = 0.95
-    muon_nesterov: bool = True
-    muon_ns_steps: int = 5
-    muon_ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
-    muon_norm_eps: float = 1e-8
-    muon_lr: float | None = None
-    muon_lr_scale: Literal["original", "rms"] = "rms"
-    muon_weight_decay: float | None = None
-    decay_norms_and_biases: bool | None = None
+    name: Annotated[
+        Literal["adamw", "muon"],
+        Opt("`muon`: hidden matrices with Muon, everything else with AdamW", fold="lower"),
+    ] = "adamw"
+    lr: Annotated[
+        float,
+        Opt(
+            "AdamW learning rate; also Muon's unless `muon_lr` is set",
+            exclusive_minimum=0,
+            maximum=1000,
+            default_text="`3e-4`",
+        ),
+    ] = 3e-4
+    betas: Annotated[
+        tuple[float, float],
+        Opt(
+            "AdamW betas",
+            items={"minimum": 0, "exclusiveMaximum": 1},
+            type_text="two numbers in [0, 1)",
+        ),
+    ] = (0.9, 0.95)
+    eps: Annotated[
+        float,
+        Opt(
+            "AdamW epsilon",
+            exclusive_minimum=0,
+            maximum=1,
+            type_text="number > 0",
+            default_text="`1e-8`",
+        ),
+    ] = 1e-8
+    weight_decay: Annotated[
+        float,
+        Opt(
+            "decoupled weight decay; also Muon's unless `muon_weight_decay` is set",
+            minimum=0,
+            maximum=1000,
+        ),
+    ] = 0.1
+    fused: Annotated[bool | None, Opt("fused AdamW; `null` probes support on CUDA")] = None
+    grad_clip: Annotated[
+        float | None,
+        Opt("clip the global gradient norm (after unscaling)", exclusive_minimum=0, maximum=1e9),
+    ] = None
+    muon_plus: Annotated[
+        bool,
+        Opt(
+            "normalise Muon updates after orthogonalisation (Muon+); requires `name: muon`",
+            shorthand=True,
+        ),
+    ] = False
+    muon_plus_mode: Annotated[
+        Literal["row_col", "col_row"], Opt("order of the Muon+ normalisation", fold="lower")
+    ] = "row_col"
+    cautious: Annotated[
+        bool,
+        Opt("mask update entries whose sign disagrees with the gradient", shorthand=True),
+    ] = False
+    cautious_rescale: Annotated[
+        bool, Opt("rescale cautious updates by the fraction of entries kept")
+    ] = False
+    muon_momentum: Annotated[float, Opt("Muon momentum", minimum=0, exclusive_maximum=1)] = 0.95
+    muon_nesterov: Annotated[bool, Opt("Nesterov momentum for Muon")] = True
+    muon_ns_steps: Annotated[int, Opt("Newton–Schulz iterations", minimum=1, maximum=100)] = 5
+    muon_ns_coefficients: Annotated[
+        tuple[float, float, float],
+        Opt(
+            "quintic Newton–Schulz coefficients (a, b, c)",
+            items={"minimum": -1000, "maximum": 1000},
+        ),
+    ] = (3.4445, -4.775, 2.0315)
+    muon_norm_eps: Annotated[
+        float,
+        Opt(
+            "epsilon of the Muon+ normalisation",
+            exclusive_minimum=0,
+            maximum=1,
+            type_text="number > 0",
+            default_text="`1e-8`",
+        ),
+    ] = 1e-8
+    muon_lr: Annotated[
+        float | None,
+        Opt(
+            "learning rate of the Muon group",
+            exclusive_minimum=0,
+            maximum=1000,
+            default_text="`null` → `lr`",
+        ),
+    ] = None
+    muon_lr_scale: Annotated[
+        Literal["original", "rms"],
+        Opt(
+            "`rms` scales Muon updates to AdamW's update RMS (so `lr` means the same for both "
+            "branches); `original` is √max(1, rows/cols) (set `muon_lr` explicitly, e.g. 0.02)",
+            fold="lower",
+        ),
+    ] = "rms"
+    muon_weight_decay: Annotated[
+        float | None,
+        Opt(
+            "weight decay of the Muon group",
+            minimum=0,
+            maximum=1000,
+            default_text="`null` → `weight_decay`",
+        ),
+    ] = None
+    decay_norms_and_biases: Annotated[
+        bool | None,
+        Opt(
+            "`false`: 1-D and scalar parameters (biases, norm gains) get weight decay 0 in "
+            "AdamW; see [optimizers](optimizers.md#weight-decay-on-norms-and-biases)",
+            default_text="`null` → `true`, or a callback's proposal",
+        ),
+    ] = None
     """``null``: ``true`` unless a callback of the run proposes otherwise
     (``Callback.optimizer_decay_norms_and_biases``)."""
-    routing: list[RoutingRule] = field(default_factory=list)
+    routing: Annotated[
+        list[RoutingRule],
+        Opt(
+            "with `name: muon` only: `{to: muon|adamw, name: <glob>, module: <class name>, "
+            "ndim: <int>}`; every criterion given must match, the first matching rule wins, "
+            "unmatched parameters follow the heuristic; a rule sending `ndim` ≠ 2 to `muon` "
+            "is an error",
+            type_text="list of rules",
+        ),
+    ] = field(default_factory=list)
 
     @property
     def resolved_muon_lr(self) -> float:
@@ -466,11 +886,39 @@ class SchedulerConfig(_Section):
     training target; read the resolved horizon from ``SpeedtronicConfig.scheduler_steps``."""
 
     section_name: ClassVar[str] = "scheduler"
+    section_doc: ClassVar[str] = "Learning-rate schedule, advanced once per optimizer step."
 
-    name: Literal["cosine", "constant"] = "cosine"
-    warmup_steps: int = 100
-    max_steps: int | None = None
-    min_lr_ratio: float = 0.1
+    name: Annotated[
+        Literal["cosine", "constant"],
+        Opt(
+            "`cosine` decays from 1 to `min_lr_ratio` at the horizon and holds there; "
+            "`constant` stays at 1",
+            fold="lower",
+        ),
+    ] = "cosine"
+    warmup_steps: Annotated[
+        int,
+        Opt(
+            "linear warmup steps (the 2.0 default); `validate` and `fit` warn when it covers "
+            "more than half of the schedule's horizon (below; `--max-steps` does not change "
+            "it) — scale it with the schedule (about 10% of its steps)",
+            minimum=0,
+            maximum=STEPS_MAX,
+        ),
+    ] = 100
+    max_steps: Annotated[
+        int | None,
+        Opt(
+            "the horizon. Absent or `null`: the training target (`data.max_steps`, else "
+            "`run.max_steps`). A value you give is used as given, never overwritten — "
+            "including `1000`",
+            minimum=1,
+            maximum=STEPS_MAX,
+        ),
+    ] = None
+    min_lr_ratio: Annotated[
+        float, Opt("cosine floor as a fraction of `lr`", minimum=0, maximum=1)
+    ] = 0.1
 
 
 @dataclass
@@ -478,9 +926,27 @@ class PrecisionConfig(_Section):
     """``precision:`` -- ``auto`` or a forced bf16/fp16/fp32 mode."""
 
     section_name: ClassVar[str] = "precision"
+    bare_value: ClassVar[str | None] = "mode"
+    section_doc: ClassVar[str] = (
+        "Numeric precision. A bare string (precision: bf16) is a shorthand for {mode: bf16}."
+    )
 
-    mode: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    dtype: Literal["bf16", "fp16", "fp32"] | None = None
+    mode: Annotated[
+        Literal["auto", "bf16", "fp16", "fp32"],
+        Opt(
+            "`auto`: bf16 on CUDA that supports it, else fp16 (with a grad scaler); fp32 on "
+            "CPU and MPS. Forced `bf16` falls back to fp32 on CUDA without bf16 and on MPS; "
+            "forced `fp16` is fp32 off CUDA",
+            fold="lower",
+        ),
+    ] = "auto"
+    dtype: Annotated[
+        Literal["bf16", "fp16", "fp32"] | None,
+        Opt(
+            "with `mode: auto`, the mode to request instead (the same fallbacks apply)",
+            fold="lower",
+        ),
+    ] = None
 
 
 @dataclass(eq=False)  # equality includes the plugin keys (the mixin's)
@@ -489,10 +955,37 @@ class LoggingConfig(_PluginKeysAsAttributes, _Section):
     2.0 switches (``console``, ``jsonl``, ``json_file``), readable as attributes."""
 
     section_name: ClassVar[str] = "logging"
+    section_doc: ClassVar[str] = (
+        "Logging and metric cadence. Plugins add their own keys (the 2.0 default-sink "
+        "switches come from the sink plugins)."
+    )
 
-    level: str = "INFO"
-    file: str | None = None
-    every_steps: int = 1
+    level: Annotated[
+        str,
+        Opt(
+            "any case; the level of the `speedtronic` Python loggers (checkpoint, resume, "
+            "shape and plugin messages)",
+            extra={"enum": ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]},
+            fold="upper",
+            type_text="`DEBUG` | `INFO` | `WARNING` | `ERROR` | `CRITICAL`",
+        ),
+    ] = "INFO"
+    file: Annotated[
+        str | None,
+        Opt(
+            "the text log file of the default console sink: its lines go there (relative to "
+            "`run.output_dir`) instead of the terminal",
+            min_length=1,
+        ),
+    ] = None
+    every_steps: Annotated[
+        int,
+        Opt(
+            "metric cadence: a record is due every N global steps (and at the last step)",
+            minimum=1,
+            maximum=STEPS_MAX,
+        ),
+    ] = 1
 
 
 @dataclass(eq=False)  # equality includes the plugin keys (the mixin's)
@@ -501,8 +994,18 @@ class DistributedConfig(_PluginKeysAsAttributes, _Section):
     collective timeout). Plugins add their 2.0 keys, readable as attributes."""
 
     section_name: ClassVar[str] = "distributed"
+    section_doc: ClassVar[str] = (
+        "Settings of torch.distributed runs (torchrun). Plugins add their own keys to this section."
+    )
 
-    timeout_s: float = 1800.0
+    timeout_s: Annotated[
+        float,
+        Opt(
+            "`torch.distributed` collective timeout, seconds",
+            exclusive_minimum=0,
+            maximum=30 * 86400,
+        ),
+    ] = 1800.0
 
 
 @dataclass
@@ -512,9 +1015,28 @@ class ParallelConfig(_Section):
     optimizer state sharded across the ranks; see docs/scale-out.md)."""
 
     section_name: ClassVar[str] = "parallel"
+    section_doc: ClassVar[str] = (
+        "How a multi-rank (torchrun) run splits the model across ranks: ddp replicates it, "
+        "fsdp shards parameters, gradients and optimizer state (FSDP2)."
+    )
 
-    strategy: Literal["ddp", "fsdp"] = "ddp"
-    reshard_after_forward: bool = True
+    strategy: Annotated[
+        Literal["ddp", "fsdp"],
+        Opt(
+            "any case. `ddp`: every rank holds the whole model and optimizer state "
+            "(`DistributedDataParallel`). `fsdp`: FSDP2 (`fully_shard`) shards parameters, "
+            "gradients and optimizer state across the ranks, and checkpoints are sharded (DCP) "
+            "directories that resume on another number of ranks",
+            fold="lower",
+        ),
+    ] = "ddp"
+    reshard_after_forward: Annotated[
+        bool,
+        Opt(
+            "`fsdp`: free each block's gathered parameters after its forward pass (less "
+            "memory; backward gathers them again)"
+        ),
+    ] = True
 
 
 @dataclass
@@ -522,16 +1044,38 @@ class ShapeValidationConfig(_Section):
     """``shape_validation:`` -- startup warnings about unaligned shapes (never errors)."""
 
     section_name: ClassVar[str] = "shape_validation"
+    section_doc: ClassVar[str] = (
+        "Startup warnings about tensor-core-unfriendly shapes (never errors)."
+    )
 
-    enabled: bool = True
-    alignment: int | Literal["auto", "none"] = "auto"
-    check_batch: bool = True
-    check_sequence: bool = True
-    check_model: bool = True
-    check_vocab: bool = False
-    warn_on_cpu: bool = False
+    enabled: Annotated[bool, Opt("check shapes at startup")] = True
+    alignment: Annotated[
+        int | Literal["auto", "none"],
+        Opt(
+            "`auto`: 8 on CUDA with bf16/fp16, no checks elsewhere; `none`: no checks; `null` "
+            "means `auto`",
+            schema={
+                "type": ["integer", "string"],
+                "minimum": 1,
+                "maximum": 4096,
+                "if": {"type": "string"},
+                "then": {"enum": ["auto", "none"]},
+            },
+            fold="lower",
+            type_text="int ≥ 1, `auto` or `none`",
+        ),
+    ] = "auto"
+    check_batch: Annotated[bool, Opt("`data.micro_batch_size`")] = True
+    check_sequence: Annotated[
+        bool, Opt("`data.block_size` and `micro_batch_size * block_size`")
+    ] = True
+    check_model: Annotated[bool, Opt("model GEMM dimensions")] = True
+    check_vocab: Annotated[bool, Opt("`model.vocab_size`")] = False
+    warn_on_cpu: Annotated[bool, Opt("also warn on CPU/MPS when an explicit alignment is set")] = (
+        False
+    )
 
-    def _fill_defaults(self) -> None:
+    def __post_build__(self) -> None:
         if self.alignment is None:  # the original treated null as auto
             self.alignment = "auto"
 
@@ -578,6 +1122,35 @@ _SECTION_TYPES: dict[str, type[_Section]] = {
 }
 
 
+SectionType = TypeVar("SectionType", bound=_Section)
+
+
+def _defaults_of(section_type: type[SectionType]) -> Callable[[], SectionType]:
+    """A default factory building the section's defaults as validated data (the declared
+    defaults are valid: nothing to check)."""
+    return lambda: section_type._from_valid({})
+
+
+_CALLBACKS_SCHEMA: Mapping[str, object] = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["name"],
+        "description": "A callback plugin: its registered name plus its options. A bare "
+        "string is a shorthand for {name: <string>}.",
+        "properties": {
+            "name": {
+                "type": "string",
+                "minLength": 1,
+                "description": "Registered callback plugin name.",
+            }
+        },
+    },
+}
+"""Each entry is checked by its plugin's own options schema, composed in by
+``schema.composed_schema``."""
+
+
 # -- the root -----------------------------------------------------------------------------
 
 
@@ -587,41 +1160,94 @@ class SpeedtronicConfig:
 
     Build it with ``SpeedtronicConfig.load(source, overrides)`` (mapping, YAML/JSON file or
     text, or another config), ``from_dict``/``from_yaml``, or directly. Construction fills
-    derived defaults (``data.block_size``/``vocab_size``/``seed``, ``logging.every_steps`` from
-    ``run.log_every``, and what plugins derive from their 2.0 keys) and then
-    validates everything; after mutating fields call ``validate()`` again.
+    derived defaults (``data.block_size``/``vocab_size``/``seed``/``target_batch_size``,
+    ``logging.every_steps`` from ``run.log_every``, and what plugins derive from their 2.0
+    keys) and validates everything once; after mutating fields call ``validate()`` again.
     """
 
-    run: RunConfig = field(default_factory=RunConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    shape_validation: ShapeValidationConfig = field(default_factory=ShapeValidationConfig)
-    compile: bool = False
-    ooo_backprop: bool = False
-    ooo_streams: int = 4
-    callbacks: list[CallbackSpec] = field(default_factory=list)
-    imports: list[str] = field(default_factory=list)
+    run: RunConfig = field(default_factory=_defaults_of(RunConfig))
+    model: ModelConfig = field(default_factory=_defaults_of(ModelConfig))
+    data: DataConfig = field(default_factory=_defaults_of(DataConfig))
+    eval: EvalConfig = field(default_factory=_defaults_of(EvalConfig))
+    optimizer: OptimizerConfig = field(default_factory=_defaults_of(OptimizerConfig))
+    scheduler: SchedulerConfig = field(default_factory=_defaults_of(SchedulerConfig))
+    precision: PrecisionConfig = field(default_factory=_defaults_of(PrecisionConfig))
+    logging: LoggingConfig = field(default_factory=_defaults_of(LoggingConfig))
+    distributed: DistributedConfig = field(default_factory=_defaults_of(DistributedConfig))
+    parallel: ParallelConfig = field(default_factory=_defaults_of(ParallelConfig))
+    shape_validation: ShapeValidationConfig = field(
+        default_factory=_defaults_of(ShapeValidationConfig)
+    )
+    compile: Annotated[
+        bool,
+        Opt(
+            "`torch.compile` the model; a compiler failure warns and the run continues eagerly",
+            schema={
+                "type": ["boolean", "object"],
+                "properties": {"enabled": {"type": "boolean", "default": False}},
+                "additionalProperties": False,
+            },
+            type_text="bool or `{enabled: bool}`",
+        ),
+    ] = False
+    ooo_backprop: Annotated[
+        bool,
+        Opt(
+            "out-of-order backprop on CUDA stage streams (a no-op on CPU/MPS); see "
+            "[systems](systems.md)"
+        ),
+    ] = False
+    ooo_streams: Annotated[
+        int, Opt("streams for `ooo_backprop`", minimum=1, maximum=8, type_text="int 1 … 8")
+    ] = 4
+    callbacks: Annotated[
+        list[CallbackSpec],
+        Opt("Callback plugins, run in this order.", schema=_CALLBACKS_SCHEMA),
+    ] = field(default_factory=list)
+    imports: Annotated[
+        list[str],
+        Opt(
+            "Python modules imported before plugins are looked up (they may register models, "
+            "datasets, callbacks).",
+            items={"minLength": 1},
+        ),
+    ] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        """Built from Python: what the objects state goes through the loader's one pass
+        (normalised, validated, built) and the result is taken back into them."""
+        stated: dict[str, object] = {}
         for name, section_type in _SECTION_TYPES.items():
             value = getattr(self, name)
             if isinstance(value, Mapping):  # a plain mapping is accepted for a section
-                setattr(self, name, section_type.from_dict(value))
-            elif not isinstance(value, section_type):
+                stated[name] = value
+            elif isinstance(value, section_type):
+                stated[name] = value._stated()
+            else:
                 raise ConfigError(
                     f"{name}: expected a {section_type.__name__} or a mapping, "
                     f"got {type(value).__name__}"
                 )
-        self._derive_defaults()
-        self._normalise_plugin_keys()
-        self.validate()
+        stated.update(self.plugin_keys)
+        for item in declare.declared(type(self)):
+            if item.name not in _SECTION_TYPES:
+                stated[item.name] = _jsonable(getattr(self, item.name))
+        self._adopt(type(self)._resolve(stated))
+
+    def _adopt(self, resolved: SpeedtronicConfig) -> None:
+        """Take the values of ``resolved`` (built from what this config states); sections
+        given as objects stay those objects."""
+        for name in _SECTION_TYPES:
+            section, built = getattr(self, name), getattr(resolved, name)
+            if isinstance(section, _Section):
+                section.__dict__.update(built.__dict__)
+            else:
+                object.__setattr__(self, name, built)
+        for item in declare.declared(type(self)):
+            if item.name not in _SECTION_TYPES:
+                object.__setattr__(self, item.name, getattr(resolved, item.name))
+        self.__dict__["_plugin_keys"] = resolved.plugin_keys
+        self.__dict__["_validated"] = resolved.__dict__.get("_validated")
 
     # -- keys plugins declare ---------------------------------------------------------
 
@@ -661,27 +1287,16 @@ class SpeedtronicConfig:
 
     __hash__ = None  # type: ignore[assignment]  # mutable
 
-    def _normalise_plugin_keys(self) -> None:
-        """Let every installed plugin rewrite its 2.0 keys (``Callback.normalise_legacy``)
-        and take back what changed, core sections included."""
-        data: dict[str, object] = dict(self.to_dict())
-        for _, plugin in configurable_plugins():
-            plugin.normalise_legacy(data)
-        for key in self.plugin_keys:
-            if key in data:
-                self.plugin_keys[key] = _jsonable(data[key])
-        for name in _SECTION_TYPES:
-            section = getattr(self, name)
-            values = data.get(name)
-            if not isinstance(values, dict):
-                continue
-            for key, value in values.items():
-                if key in section.extensions:
-                    section.extensions[key] = _jsonable(value)
-                elif value != _jsonable(getattr(section, key)):
-                    object.__setattr__(section, key, value)
+    def __getstate__(self) -> dict[str, object]:
+        """A copy (or another process) validates again: ``ensure_valid`` trusts only what
+        was validated here, where the config's ``imports:`` were imported."""
+        state = dict(self.__dict__)
+        state.pop("_validated", None)
+        return state
 
     def _derive_defaults(self) -> None:
+        """The defaults that follow other sections (after validation: the values they
+        follow have the same bounds)."""
         if self.data.block_size is None:
             self.data.block_size = self.model.max_seq_len
         if self.data.target_batch_size is None:
@@ -690,8 +1305,6 @@ class SpeedtronicConfig:
             self.data.vocab_size = self.model.vocab_size
         if self.data.seed is None:
             self.data.seed = self.run.seed
-        if self.run.log_every is not None and self.logging.every_steps == 1:
-            self.logging.every_steps = self.run.log_every
 
     # -- derived values ---------------------------------------------------------------
 
@@ -716,9 +1329,19 @@ class SpeedtronicConfig:
     def validate(self) -> SpeedtronicConfig:
         """Check the whole configuration (imports, plugins, schema, cross-field rules);
         raise ``ConfigError`` with every problem. Returns ``self``."""
-        errors = config_errors(self.to_dict())
+        data = self.to_dict()
+        errors = config_errors(data)
         if errors:
             raise ConfigError(errors)
+        self.__dict__["_validated"] = data
+        return self
+
+    def ensure_valid(self) -> SpeedtronicConfig:
+        """``validate()``, unless nothing changed since this config was last validated
+        (built, loaded or ``validate()``d): what the composition root calls, so a config is
+        checked once however many builders it passes through. Returns ``self``."""
+        if self.__dict__.get("_validated") != self.to_dict():
+            self.validate()
         return self
 
     def to_dict(self, *, redact_secrets: bool = False) -> dict[str, JSONValue]:
@@ -760,36 +1383,44 @@ class SpeedtronicConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, object] | None = None) -> SpeedtronicConfig:
         """Validate a mapping (shorthands allowed) and build the typed configuration."""
-        data, errors = normalise(values)
-        errors.extend(config_errors(data))
-        if errors:
-            raise ConfigError(errors)
-        return cls._from_valid(data)
+        return cls._resolve(values)
 
     @classmethod
-    def _from_valid(cls, data: Mapping[str, object]) -> SpeedtronicConfig:
-        sections = {
-            name: section_type._from_valid(_as_mapping(data.get(name)))
-            for name, section_type in _SECTION_TYPES.items()
-        }
+    def _resolve(cls, raw: object) -> SpeedtronicConfig:
+        """The one pass: import the ``imports:`` (a plugin they register rewrites its own
+        keys too), normalise (``loading.normalise``), validate once, build."""
+        errors = import_errors(raw.get("imports") if isinstance(raw, Mapping) else None)
+        data, conflicts = normalise(raw)
+        errors.extend(conflicts)
+        errors.extend(config_errors(data, imported=True))
+        if errors:
+            raise ConfigError(errors)
+        return cls._build(data)
+
+    @classmethod
+    def _build(cls, data: Mapping[str, object]) -> SpeedtronicConfig:
+        """The typed configuration of validated, normalised data (nothing is checked)."""
+        config = cls.__new__(cls)
+        for name, section_type in _SECTION_TYPES.items():
+            object.__setattr__(config, name, section_type._from_valid(_as_mapping(data.get(name))))
         compile_value = data.get("compile", False)
         if isinstance(compile_value, Mapping):
             compile_value = compile_value.get("enabled", False)
-        callbacks = data.get("callbacks", [])
-        imports = data.get("imports", [])
-        factory = cast("Callable[..., SpeedtronicConfig]", cls)
-        config = factory(
-            **sections,
-            compile=compile_value is True,
-            ooo_backprop=data.get("ooo_backprop", False) is True,
-            ooo_streams=data.get("ooo_streams", 4),
-            callbacks=[CallbackSpec.from_dict(_as_mapping(entry)) for entry in _as_list(callbacks)],
-            imports=[str(module) for module in _as_list(imports)],
+        object.__setattr__(config, "compile", compile_value is True)
+        object.__setattr__(config, "ooo_backprop", data.get("ooo_backprop", False) is True)
+        object.__setattr__(config, "ooo_streams", data.get("ooo_streams", 4))
+        callbacks = [
+            CallbackSpec.from_dict(_as_mapping(entry)) for entry in _as_list(data.get("callbacks"))
+        ]
+        object.__setattr__(config, "callbacks", callbacks)
+        object.__setattr__(
+            config, "imports", [str(module) for module in _as_list(data.get("imports"))]
         )
-        given = {key: data[key] for key in config.plugin_keys if key in data}
-        if given:
-            config.plugin_keys.update((key, _jsonable(value)) for key, value in given.items())
-            config.validate()
+        config.plugin_keys.update(
+            (key, _jsonable(data[key])) for key in list(config.plugin_keys) if key in data
+        )
+        config._derive_defaults()
+        config.__dict__["_validated"] = config.to_dict()
         return config
 
     @classmethod
@@ -806,7 +1437,7 @@ class SpeedtronicConfig:
             overrides = [overrides]
         if isinstance(source, SpeedtronicConfig):
             if not overrides:
-                return source.validate()
+                return source.ensure_valid()
             data = apply_overrides(source.to_dict(), overrides)
             return cls.from_dict(data)
         origin: str | None = None
@@ -889,3 +1520,80 @@ def load_config(source: ConfigSource = None, overrides: Sequence[str] = ()) -> S
 def load_yaml_config(path: str | os.PathLike[str]) -> SpeedtronicConfig:
     """``SpeedtronicConfig.from_yaml``."""
     return SpeedtronicConfig.from_yaml(path)
+
+
+# -- what the declarations give the loader and the schema ---------------------------------
+
+
+@dataclass(frozen=True)
+class CoreKeys:
+    """What the loader reads from the core's declarations (``Opt.shorthand``, ``Opt.fold``,
+    ``Opt.fills``)."""
+
+    shorthands: Mapping[str, str]
+    """Root key -> the section it is a shorthand of (``max_steps`` -> ``run``)."""
+    folds: Mapping[tuple[str, str], declare.Fold]
+    """``(section, key)`` of the case-insensitive enumerated strings, and how they fold."""
+    fills: Mapping[tuple[str, str], tuple[str, str]]
+    """``(section, key)`` -> the key it fills when that is not given (``run.log_every`` ->
+    ``logging.every_steps``)."""
+    bare_values: Mapping[str, str]
+    """Section -> the key a bare value means (``_Section.bare_value``)."""
+
+
+def core_keys() -> CoreKeys:
+    """The loader's tables, from the section declarations."""
+    return _CORE_KEYS
+
+
+def _core_keys() -> CoreKeys:
+    shorthands: dict[str, str] = {}
+    folds: dict[tuple[str, str], declare.Fold] = {}
+    fills: dict[tuple[str, str], tuple[str, str]] = {}
+    for name, section_type in _SECTION_TYPES.items():
+        for item in declare.documented(section_type):
+            if item.opt.shorthand:
+                shorthands[item.name] = name
+            if item.opt.fold is not None:
+                folds[(name, item.name)] = item.opt.fold
+            if item.opt.fills is not None:
+                section, _, key = item.opt.fills.partition(".")
+                fills[(name, item.name)] = (section, key)
+    bare_values = {
+        name: section_type.bare_value
+        for name, section_type in _SECTION_TYPES.items()
+        if section_type.bare_value is not None
+    }
+    return CoreKeys(shorthands, folds, fills, bare_values)
+
+
+_CORE_KEYS = _core_keys()
+
+
+def core_schema_document(*, dialect: str, schema_id: str) -> dict[str, object]:
+    """The core's part of the run schema, from the declarations: each section a closed
+    object of its declared keys, then the root flags, ``callbacks`` and ``imports``."""
+    properties: dict[str, object] = {
+        "$schema": {"type": "string", "description": "Schema reference for editors; ignored."}
+    }
+    for name, section_type in _SECTION_TYPES.items():
+        properties[name] = {
+            "title": name,
+            "description": section_type.section_doc,
+            **declare.object_schema(section_type),
+        }
+    for item in declare.declared(SpeedtronicConfig):
+        if item.name not in _SECTION_TYPES:
+            properties[item.name] = declare.property_schema(item)
+    shorthands = ", ".join(_CORE_KEYS.shorthands)
+    return {
+        "$schema": dialect,
+        "$id": schema_id,
+        "title": "speedtronic run configuration",
+        "description": f"A speedtronic run.yaml. Root shorthands ({shorthands}, and section "
+        "aliases that plugins declare) are accepted by the loader and rewritten before "
+        "validation.",
+        "type": "object",
+        "additionalProperties": False,
+        "properties": properties,
+    }

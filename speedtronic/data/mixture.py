@@ -3,18 +3,23 @@
 An epoch of the mixture has as many samples as all its sources have windows together
 (``N = n_1 + ... + n_S``), and source ``s`` contributes exactly ``N_s`` of them: ``N * w_s``
 for the normalised weight ``w_s``, rounded by largest remainder so the quotas sum to ``N``.
-The proportions therefore hold exactly per epoch, and closely within any stretch of it: the
-``N`` positions of epoch ``e`` are dealt to the sources by a seeded permutation of the quota
-slots (``Permutation``, keyed by ``(data.seed, e)``), so a batch is a random draw from them.
+The proportions hold exactly per epoch, and within one sample per source in every round of
+it: the ``N`` positions of epoch ``e`` are cut into ``K`` rounds of about ``MIX_ROUND``
+positions (more rounds where a source's share of one would pass half its working set), round
+``g`` holds source ``s``'s draws ``floor(g N_s / K) .. floor((g + 1) N_s / K) - 1`` of the
+epoch, and its positions are dealt to them by a seeded permutation of the round
+(``Permutation``, keyed by ``(data.seed, e, g)``), so a batch is a random draw from the sources.
 
-Each source is read as an endless sequence of passes, each a fresh permutation of its
-windows (keyed by the source's position in the list and the pass number): draw ``k`` of
-source ``s`` is window ``perm_{s, k // n_s}(k % n_s)``, and epoch ``e`` of the mixture takes
-draws ``e * N_s .. (e + 1) * N_s - 1`` (in a random order within the epoch). So a source that
-runs out -- a quota larger than its windows: a small source with a large weight -- starts
-its next pass, in a new order, within the same mixture epoch; a source with a smaller quota
-than windows continues in the next mixture epoch where it stopped. Either way the ``p``-th
-``n_s`` draws of a source are one whole pass over it: every window once.
+Each source is read as an endless sequence of passes, each a fresh order of its windows (the
+source's own ``ChunkedPermutation``, keyed by the source's position in the list and the pass
+number): draw ``k`` of source ``s`` is window ``perm_{s, k // n_s}(k % n_s)``, and epoch ``e``
+of the mixture takes draws ``e * N_s .. (e + 1) * N_s - 1``, in that order round by round. So
+a source that runs out -- a quota larger than its windows: a small source with a large
+weight -- starts its next pass, in a new order, within the same mixture epoch; a source with
+a smaller quota than windows continues in the next mixture epoch where it stopped. Either way
+the ``p``-th ``n_s`` draws of a source are one whole pass over it: every window once. And since
+a round takes consecutive draws of each source, each source's reads stay as local as its own
+order makes them (module ``windows``, "Order").
 
 Everything is a pure function of ``(seed, epoch, position)``: the sampler (a
 ``WindowSampler``) yields draw keys, ranks take strided positions, and a resumed run continues
@@ -35,15 +40,20 @@ from torch.utils.data import ConcatDataset, Dataset
 from speedtronic.data.stream import _epoch_seed
 from speedtronic.data.text import DataSourceError, TextPart
 from speedtronic.data.windows import (
+    ChunkedPermutation,
     Permutation,
     TokenWindowDataset,
     WindowSampler,
     WindowSource,
+    _distinct,
     open_token_dataset,
     source_manifest,
 )
 
-__all__ = ["MixtureDataset", "MixtureSampler", "apportion", "open_mixture"]
+__all__ = ["MIX_ROUND", "MixtureDataset", "MixtureSampler", "apportion", "open_mixture"]
+
+MIX_ROUND = 4096
+"""Positions of a round of the mixture's deal (about; each round holds every source's share)."""
 
 _MIX_STREAM = 0x6D1C_7E00
 _SOURCE_STREAM = 0x5A0C_E500
@@ -84,7 +94,7 @@ class MixtureDataset(WindowSource):
         self.length = int(self.sizes.sum())
         self.quotas = np.array(apportion(self.length, self.weights), dtype=np.int64)
         self.quota_starts = np.concatenate([[0], np.cumsum(self.quotas)]).astype(np.int64)
-        self._orders: dict[tuple[int, int], Permutation] = {}
+        self._orders: dict[tuple[int, int], ChunkedPermutation] = {}
 
     def __len__(self) -> int:
         return self.length
@@ -100,14 +110,14 @@ class MixtureDataset(WindowSource):
         passes = draws // sizes
         within = draws % sizes
         windows = np.empty_like(within)
-        for source in np.unique(sources).tolist():
+        for source in _distinct(sources):
             of_source = sources == source
-            for pass_ in np.unique(passes[of_source]).tolist():
+            for pass_ in _distinct(passes[of_source]):
                 chosen = of_source & (passes == pass_)
                 windows[chosen] = self._pass_order(source, pass_)(within[chosen])
         return sources, windows
 
-    def _pass_order(self, source: int, pass_: int) -> Permutation:
+    def _pass_order(self, source: int, pass_: int) -> ChunkedPermutation:
         """The order of pass ``pass_`` over source ``source`` (a few kept: consecutive
         batches ask for the same ones)."""
         found = self._orders.get((source, pass_))
@@ -115,7 +125,10 @@ class MixtureDataset(WindowSource):
             if len(self._orders) >= 4 * len(self.sources):
                 self._orders.clear()
             key = _epoch_seed(_epoch_seed(self.seed, source) ^ _SOURCE_STREAM, pass_)
-            found = Permutation(int(self.sizes[source]), key)
+            of = self.sources[source]
+            found = ChunkedPermutation(
+                int(self.sizes[source]), key, chunk=of.chunk_windows, group=of.group_chunks
+            )
             self._orders[(source, pass_)] = found
         return found
 
@@ -129,7 +142,7 @@ class MixtureDataset(WindowSource):
         size = self.sources[0].block_size
         inputs = torch.empty((wanted.size, size), dtype=torch.int64)
         labels = torch.empty((wanted.size, size), dtype=torch.int64)
-        for source in np.unique(sources).tolist():
+        for source in _distinct(sources):
             rows = np.flatnonzero(sources == source)
             part_inputs, part_labels = self.sources[source].gather(windows[rows])
             index = torch.from_numpy(rows)
@@ -145,23 +158,77 @@ class MixtureDataset(WindowSource):
 
 
 class MixtureSampler(WindowSampler):
-    """The mixture's order: positions of epoch ``e`` -> quota slots (a permutation keyed by
-    ``(seed, e)``) -> draw keys ``(e * N_s + j) * S + s`` (module docstring)."""
+    """The mixture's order: position ``p`` of epoch ``e`` -> its round ``g`` and slot in it (a
+    permutation of the round keyed by ``(seed, e, g)``) -> a source's draw ``j`` of the epoch
+    -> draw key ``(e * N_s + j) * S + s`` (module docstring)."""
 
     def __init__(self, mixture: MixtureDataset, *, seed: int, rank: int, world_size: int) -> None:
         super().__init__(len(mixture), shuffle=True, seed=seed, rank=rank, world_size=world_size)
         self.mixture = mixture
+        # K rounds: about MIX_ROUND positions, fewer where a source's share of a round would
+        # exceed half its working set (its reads would then spread over several). Quota N_s =
+        # whole_s * K + rest_s, so floor(g N_s / K) needs no product beyond rest_s * g < K * K
+        # (int64 for any K below 2^31).
+        rounds = len(mixture) // MIX_ROUND
+        for source, quota in zip(mixture.sources, mixture.quotas.tolist(), strict=True):
+            if source.chunk_windows > 1:
+                working_set = source.chunk_windows * source.group_chunks
+                rounds = max(rounds, -(-2 * quota // working_set))
+        self.rounds = max(1, min(rounds, 1 << 31))
+        whole, rest = np.divmod(mixture.quotas, self.rounds)
+        self._whole, self._rest = whole.astype(np.int64), rest.astype(np.int64)
+        self._deals: dict[tuple[int, int], Permutation] = {}
+
+    @property
+    def order_version(self) -> int:
+        """2: the mixture is dealt in rounds over locality-aware sources."""
+        return 2
+
+    def _before(self, rounds: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """``[len(rounds), S]``: each source's draws of the epoch before each round."""
+        column = rounds[:, None]
+        shares: npt.NDArray[np.int64] = column * self._whole + column * self._rest // self.rounds
+        return shares
+
+    def _round_of(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """The round of each position: the ``g`` with ``start(g) <= p < start(g + 1)``, where
+        ``start(g)`` (the draws of all sources before round ``g``) is within ``S`` of
+        ``g N / K``; found from that estimate."""
+        estimate = positions.astype(np.float64) * (self.rounds / max(1, self.dataset_len))
+        rounds = np.clip(estimate.astype(np.int64), 0, self.rounds - 1)
+        while True:
+            early = self._before(rounds).sum(axis=1) > positions
+            late = self._before(rounds + 1).sum(axis=1) <= positions
+            if not (early.any() or late.any()):
+                return rounds
+            rounds = rounds - early + late
+
+    def _deal(self, round_: int, size: int) -> Permutation:
+        """The permutation of round ``round_`` of this epoch (a few kept)."""
+        found = self._deals.get((self.epoch, round_))
+        if found is None:
+            if len(self._deals) >= 4:
+                del self._deals[next(iter(self._deals))]  # the earliest made
+            key = _epoch_seed(_epoch_seed(self.seed ^ _MIX_STREAM, self.epoch), round_)
+            found = Permutation(size, key)
+            self._deals[(self.epoch, round_)] = found
+        return found
 
     def _indices(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         mixture = self.mixture
         count = len(mixture.sources)
         if (self.epoch + 1) * int(mixture.quotas.max()) * count >= _KEY_LIMIT:
             raise ValueError(f"epoch {self.epoch} is past what the mixture's keys can address")
-        key = _epoch_seed(self.seed ^ _MIX_STREAM, self.epoch)
-        slots = self._permutation(self.dataset_len, key)(positions)
-        sources = np.searchsorted(mixture.quota_starts, slots, side="right") - 1
-        draws = self.epoch * mixture.quotas[sources] + (slots - mixture.quota_starts[sources])
-        keys: npt.NDArray[np.int64] = draws * count + sources
+        rounds = self._round_of(positions)
+        keys = np.empty_like(positions)
+        for round_ in _distinct(rounds):
+            chosen = rounds == round_
+            low, high = self._before(np.array([round_, round_ + 1], dtype=np.int64))
+            starts = np.concatenate([[0], np.cumsum(high - low)]).astype(np.int64)
+            slots = self._deal(round_, int(starts[-1]))(positions[chosen] - int(low.sum()))
+            sources = np.searchsorted(starts, slots, side="right") - 1
+            draws = self.epoch * mixture.quotas[sources] + low[sources] + slots - starts[sources]
+            keys[chosen] = draws * count + sources
         return keys
 
 

@@ -113,6 +113,12 @@ class ResumableSampler(Sampler[int]):
         self.epoch = 0
         self.start = 0
 
+    @property
+    def order_version(self) -> int:
+        """Which rule maps ``(seed, epoch)`` to this sampler's order: a checkpoint records
+        it, so a position saved under another rule is not silently read in the new one."""
+        return 1
+
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s order from its first index."""
         self.epoch = _non_negative("epoch", epoch)
@@ -220,6 +226,12 @@ def data_shards(source: object) -> int:
         return dataset.world_size
     position = _resumable_sampler(source)
     return position.sampler.world_size if position is not None else 1
+
+
+def data_order_version(source: object) -> int:
+    """The ``order_version`` of ``source``'s ``ResumableSampler`` (1 without one)."""
+    position = _resumable_sampler(source)
+    return position.sampler.order_version if position is not None else 1
 
 
 @contextmanager
@@ -395,6 +407,9 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
         shards = data_shards(self.source)
         if shards > 1:
             state["shards"] = shards
+        order = data_order_version(self.source)
+        if order != 1:
+            state["order"] = order
         return state
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
@@ -414,6 +429,15 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
                 f"shard(s) and is now restored with {shards}: the run continues at batch "
                 f"{batches} of epoch {epoch} of the new split, so this epoch may repeat or "
                 "skip samples (the world size changed)",
+                UserWarning,
+            )
+        saved_order, order = int(state.get("order", 1)), data_order_version(self.source)
+        if saved_order != order:
+            warn(
+                f"the data position was saved in data order version {saved_order} and this "
+                f"version of speedtronic reads version {order} (the token-shard order became "
+                f"locality-aware): the run continues at batch {batches} of epoch {epoch} in "
+                "the new order, so this epoch may repeat or skip samples",
                 UserWarning,
             )
         self.epoch = epoch

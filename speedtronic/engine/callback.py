@@ -8,11 +8,9 @@ these signatures.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, ClassVar, Literal, cast
-
-from typing_extensions import Self
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from speedtronic.engine.contexts import (
     BackwardContext,
@@ -34,33 +32,23 @@ from speedtronic.engine.contexts import (
 from speedtronic.engine.events import Event
 from speedtronic.engine.filters import StepFilter
 
+# What a plugin declares is its ``PluginSpec`` (speedtronic.plugins); these names stay here
+# for code that imports them from the hook API.
+from speedtronic.plugins import EMPTY_OPTIONS_SCHEMA as EMPTY_OPTIONS_SCHEMA
+from speedtronic.plugins import JSONSchema as JSONSchema
+from speedtronic.plugins import PluginOptions as PluginOptions
+from speedtronic.plugins import RankPolicy as RankPolicy
+from speedtronic.plugins import SectionData as SectionData
+from speedtronic.plugins import section_of as section_of
+
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
-    from speedtronic.plugins import PluginContext
 
-JSONSchema = Mapping[str, object]
-"""A JSON Schema document (draft 2020-12) as a mapping."""
+LegacySections = SectionData
+"""Former name of ``speedtronic.plugins.SectionData``."""
 
-EMPTY_OPTIONS_SCHEMA: JSONSchema = {"type": "object", "additionalProperties": False}
-
-RankPolicy = Literal["all", "main", "local_main"]
-"""Which ranks of a distributed run call a callback's hooks (``Callback.rank_policy``)."""
-
-# == plugin configuration (types) =====================================================
-
-LegacySections = Mapping[str, object]
-"""The 2.0 top-level keys a plugin declared in ``legacy_sections``, as validated plain data
-(``{"checkpoint": {"every_steps": 500, ...}}``); a key the config leaves out holds its
-schema defaults."""
-
-PluginOptions = dict[str, object]
-"""Options of one ``callbacks:`` entry (``name`` excluded), as ``from_options`` gets them."""
-
-
-def legacy_section(sections: LegacySections, key: str) -> Mapping[str, object]:
-    """The mapping under ``key`` of ``sections`` (``{}`` when absent or not a mapping)."""
-    value = sections.get(key)
-    return cast("Mapping[str, object]", value) if isinstance(value, Mapping) else {}
+legacy_section = section_of
+"""Former name of ``speedtronic.plugins.section_of``."""
 
 
 class Callback:
@@ -75,8 +63,10 @@ class Callback:
       Any other callback's exception stops the run.
     * ``metrics_phase`` -- at the ``metrics`` event all ``"contribute"`` callbacks run
       (in order) before all ``"consume"`` callbacks (sinks), so a sink sees every key.
-    * ``plugin_name`` / ``options_schema`` -- the name used in ``callbacks:`` in config and
-      the JSON Schema of its options (the ``name`` key excluded).
+    * ``plugin_name`` -- the name the callback goes by in plans, warnings and errors (a
+      plugin's ``callbacks:`` name; what the plugin declares beyond that -- options, the
+      sections it reads, its place in a run -- is its ``PluginSpec``, see
+      ``speedtronic.plugins``).
     * ``due_when`` -- per event, the steps on which the hook is due (``speedtronic.engine.filters``:
       ``every(n)``, ``once(step)``, ``final_step()``, ``logging_steps()``); the trainer does
       not call the hook on other steps. Set it on the class or, for a cadence that comes from
@@ -85,6 +75,10 @@ class Callback:
       default; anything that takes part in collectives or changes training), rank 0 only
       (``"main"``: sinks and loggers) or once per node (``"local_main"``, local rank 0).
       A single-process run is rank 0 and runs every callback.
+    * ``optimizer_decay_norms_and_biases`` -- what the callback proposes for
+      ``optimizer.decay_norms_and_biases`` when the config leaves it ``null`` (the first
+      callback of a run with a proposal decides; ``None``: no proposal; an explicit config
+      value always wins; see docs/optimizers.md).
     """
 
     if TYPE_CHECKING:
@@ -105,100 +99,9 @@ class Callback:
     is_observer: ClassVar[bool] = False
     metrics_phase: ClassVar[Literal["contribute", "consume"]] = "contribute"
     plugin_name: ClassVar[str | None] = None
-    options_schema: ClassVar[JSONSchema] = EMPTY_OPTIONS_SCHEMA
     rank_policy: ClassVar[RankPolicy] = "all"
     due_when: Mapping[Event, StepFilter] = MappingProxyType({})
-
-    # == plugin configuration ===========================================================
-    # Read by the composition root (``speedtronic.runtime``) and by config validation,
-    # never by the training loop. See docs/callbacks.md, "Declaring configuration".
-
-    enabled_by_default: ClassVar[bool] = False
-    """Add this plugin to every run whose config does not name it (unless its 2.0 sections
-    turn it off, see ``options_from_legacy``)."""
-
-    default_replaced_by: ClassVar[tuple[str, ...]] = ()
-    """Plugins that, when named in ``callbacks:``, stand in for this default one (the
-    ``progress`` bar replaces the default ``console`` sink)."""
-
-    implied_order: ClassVar[int] = 0
-    """Where the plugin goes when the config turns it on without naming it: a negative
-    value before the ``callbacks:`` list, otherwise after it; ascending, ties by name."""
-
     optimizer_decay_norms_and_biases: ClassVar[bool | None] = None
-    """What the plugin proposes for ``optimizer.decay_norms_and_biases`` when the config
-    leaves it ``null``: the first callback of a run with a proposal decides (``None``: no
-    proposal). An explicit config value always wins. See docs/optimizers.md."""
-
-    legacy_sections: ClassVar[tuple[str, ...]] = ()
-    """The top-level keys of a 2.0 config this plugin reads (``("checkpoint",)``)."""
-
-    legacy_schema: ClassVar[Mapping[str, JSONSchema]] = {}
-    """JSON Schema of what the plugin adds to those keys, by key. An object schema whose
-    key the core also declares (``logging``) contributes its ``properties`` to it; any
-    other becomes the key's whole schema. Composed into the run schema generically."""
-
-    legacy_aliases: ClassVar[Mapping[str, str]] = {}
-    """Other top-level spellings of a legacy section (``{"hub": "distributed"}``), used
-    when the canonical key is absent."""
-
-    @classmethod
-    def options_from_legacy(
-        cls, sections: LegacySections, options: Mapping[str, object] | None
-    ) -> PluginOptions | None:
-        """The one place a plugin rewrites its 2.0 sections into its options.
-
-        ``options`` are those of the plugin's ``callbacks:`` entry, or ``None`` when the
-        config does not name it. Return the options to build the plugin with, or ``None``
-        to leave an unnamed plugin out. The default: a named plugin gets its own options,
-        an unnamed one is added (with no options) only when ``enabled_by_default``.
-        """
-        del sections
-        if options is not None:
-            return dict(options)
-        return {} if cls.enabled_by_default else None
-
-    @classmethod
-    def build(cls, options: Mapping[str, object], context: PluginContext) -> Callback:
-        """Build the callback of one ``callbacks:`` entry (what the runtime calls). The
-        default is ``from_options``; a plugin whose options choose among several callback
-        classes overrides this builder, so that ``from_options`` always returns ``cls``."""
-        return cls.from_options(options, context)
-
-    @classmethod
-    def normalise_legacy(cls, data: dict[str, object]) -> None:
-        """Rewrite the plugin's 2.0 keys in a raw config mapping, in place, before
-        validation (case folding, derived values). Must be idempotent, must leave values
-        of a wrong type alone (the schema reports them) and never raise. Default: nothing."""
-        del data
-
-    @classmethod
-    def legacy_errors(cls, sections: LegacySections) -> Iterator[str]:
-        """Cross-field rules of the plugin's 2.0 sections, run after the schema pass of
-        every config (installed plugins only). Yield messages starting with their path
-        (``distributed.hub_dir: ...``). Default: none."""
-        del sections
-        return iter(())
-
-    @classmethod
-    def options_errors(
-        cls, entry: str, options: Mapping[str, object], sections: LegacySections
-    ) -> Iterator[str]:
-        """Cross-field rules of one ``callbacks:`` entry naming this plugin, run after the
-        schema pass; ``entry`` is its path (``callbacks[2]``), to start each message with.
-        ``sections`` are the plugin's 2.0 sections. Default: none."""
-        del entry, options, sections
-        return iter(())
-
-    # -- construction from config -----------------------------------------------------
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
-        """Build from validated ``callbacks:`` options. The default passes them as keyword
-        arguments; override to use the run's context (output directory, config, device)."""
-        del context
-        factory = cast("type[object]", cls)
-        return cast(Self, factory(**options))
 
     # -- state --------------------------------------------------------------------------
 

@@ -26,11 +26,11 @@ global model) through ``trainer.evaluate()``, which leaves the RNG and the data 
 alone, and puts the result into the next metric record as ``diloco/eval_global/loss``,
 ``diloco/eval_global/ppl`` and ``diloco/eval_global/outer_step`` (the outer step evaluated).
 
-The original ``distributed:`` config section still works: the plugin declares it
-(``legacy_sections``) and, when it is enabled, ``options_from_legacy`` rewrites it into
-options (``options.options_from_distributed_section``); explicit options win. The plugin's
-builder (``build_diloco``) picks the callback class for the ``mode`` option, so
-``DiLoCoCallback.from_options`` only ever builds a ``DiLoCoCallback``.
+The original ``distributed:`` config section still works: the plugin's spec declares it
+(``Sections``) and, when it is enabled, ``options_from_section`` rewrites it into options
+(``options.options_from_distributed_section``); explicit options win. The plugin's builder
+picks the callback class for the ``mode`` option (``build_diloco`` from a mapping given in
+Python), so ``DiLoCoCallback.from_options`` only ever builds a ``DiLoCoCallback``.
 
 A worker node may be a multi-rank torchrun job (DDP inside the node): only rank 0 builds
 the ``DiLoCoNode`` and talks to the hub; after every optimizer step it broadcasts whether it
@@ -60,13 +60,8 @@ import torch.distributed as dist
 from torch import nn
 from typing_extensions import Self
 
-from speedtronic.engine.callback import (
-    Callback,
-    JSONSchema,
-    LegacySections,
-    PluginOptions,
-    legacy_section,
-)
+from speedtronic.config.declare import attach, build
+from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import (
     CoordinateContext,
     FitContext,
@@ -75,6 +70,14 @@ from speedtronic.engine.contexts import (
 )
 from speedtronic.engine.evaluation import EVAL_LOSS, EVAL_PPL
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
+from speedtronic.plugins import (
+    PluginContext,
+    PluginOptions,
+    PluginSpec,
+    SectionData,
+    Sections,
+    section_of,
+)
 from speedtronic.systems.distributed import DistributedContext, SameOnEveryRankError
 from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
 from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
@@ -108,7 +111,6 @@ from speedtronic_callbacks.diloco.wire import Compression
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
-    from speedtronic.plugins import PluginContext
 
 __all__ = [
     "GLOBAL_EVAL_LOSS",
@@ -134,11 +136,80 @@ def default_node_id() -> str:
 
 
 def build_diloco(options: Mapping[str, object]) -> DiLoCoCallback | CollectiveDiLoCo:
-    """The ``diloco`` plugin's callback for these options: ``CollectiveDiLoCo`` for
-    ``mode: collective``, else a hub-mode ``DiLoCoCallback``."""
+    """The ``diloco`` plugin's callback for options given from Python (checked here):
+    ``CollectiveDiLoCo`` for ``mode: collective``, else a hub-mode ``DiLoCoCallback``."""
     if options.get("mode") == "collective":
         return CollectiveDiLoCo(CollectiveDiLoCoOptions.from_mapping(options))
     return DiLoCoCallback(DiLoCoOptions.from_mapping(options))
+
+
+def parse_options(options: Mapping[str, object]) -> DiLoCoOptions | CollectiveDiLoCoOptions:
+    """The typed options of a validated ``callbacks:`` entry (not checked again): the
+    ``mode`` option picks the dataclass."""
+    if options.get("mode") == "collective":
+        return build(CollectiveDiLoCoOptions, options)
+    return build(DiLoCoOptions, {key: value for key, value in options.items() if key != "mode"})
+
+
+def _create(options: object, context: PluginContext) -> Callback:
+    """The plugin's builder: each mode is its own callback class."""
+    del context
+    if isinstance(options, CollectiveDiLoCoOptions):
+        return CollectiveDiLoCo(options)
+    assert isinstance(options, DiLoCoOptions)
+    return DiLoCoCallback(options)
+
+
+def options_from_section(
+    sections: SectionData, options: Mapping[str, object] | None
+) -> PluginOptions | None:
+    """An enabled 2.0 ``distributed:`` section adds the plugin in hub mode; under a
+    configured hub-mode entry its keys are defaults (explicit options win)."""
+    section = section_of(sections, "distributed")
+    enabled = section.get("enabled") is True
+    if options is None:
+        return options_from_distributed_section(section) if enabled else None
+    if not enabled or options.get("mode") == "collective":
+        return dict(options)
+    return {**options_from_distributed_section(section), **options}
+
+
+def _normalise_section(data: dict[str, object]) -> None:
+    section = data.get("distributed")
+    if isinstance(section, dict):
+        normalise_distributed_section(section)
+
+
+def _section_errors(sections: SectionData) -> Iterator[str]:
+    return distributed_section_problems(section_of(sections, "distributed"))
+
+
+def options_errors(
+    entry: str, options: Mapping[str, object], sections: SectionData
+) -> Iterator[str]:
+    """The cross-field rules of a ``callbacks:`` entry (after the schema pass, the one check
+    of its options): the collective timeout and encoding rules, or hub mode's rules on the
+    entry as it will be built, with the 2.0 section's keys beneath it."""
+    step_timeout = section_of(sections, "distributed").get("timeout_s")
+    if options.get("mode") == "collective":
+        yield from _collective_timeout_problems(entry, options, step_timeout)
+        yield from (f"{entry}.{problem}" for problem in encoding_problems(options))
+        for problem in streaming_problems(options):
+            yield f"{entry}.{problem}"
+        return
+    if "overlap_steps" in options:
+        yield (
+            f"{entry}.overlap_steps: is an option of mode: collective; hub mode never waits "
+            "for the hub (uploads and polls run on background lanes), so it has no overlap "
+            "to set"
+        )
+    try:
+        merged = options_from_section(sections, options) or dict(options)
+    except ValueError:
+        return  # a section that cannot be mapped fails when the plugin is built
+    values = {key: value for key, value in merged.items() if key != "mode"}
+    for problem in hub_option_problems(values, cross_field_only=True):
+        yield f"{entry}.{problem}"
 
 
 def _collective_timeout_problems(
@@ -252,8 +323,6 @@ class DiLoCoCallback(Callback):
     otherwise ``hub_dir`` or ``repo_id`` chooses one.
     """
 
-    plugin_name: ClassVar[str | None] = "diloco"
-    options_schema: ClassVar[JSONSchema] = OPTIONS_SCHEMA
     state_key = "diloco"
     optimizer_decay_norms_and_biases: ClassVar[bool | None] = False  # docs/distributed.md
     due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
@@ -279,66 +348,10 @@ class DiLoCoCallback(Callback):
         self._job: DistributedContext | None = None
         """The node's torchrun job when it has several ranks (rank 0 talks to the hub)."""
 
-    # -- plugin configuration -------------------------------------------------------------
-    implied_order: ClassVar[int] = 20
-    legacy_sections: ClassVar[tuple[str, ...]] = ("distributed",)
-    legacy_schema: ClassVar[Mapping[str, JSONSchema]] = {"distributed": DISTRIBUTED_SECTION_SCHEMA}
-    legacy_aliases: ClassVar[Mapping[str, str]] = {"hub": "distributed", "diloco": "distributed"}
-
-    @classmethod
-    def options_from_legacy(
-        cls, sections: LegacySections, options: Mapping[str, object] | None
-    ) -> PluginOptions | None:
-        """An enabled 2.0 ``distributed:`` section adds the plugin in hub mode; under a
-        configured hub-mode entry its keys are defaults (explicit options win)."""
-        section = legacy_section(sections, "distributed")
-        enabled = section.get("enabled") is True
-        if options is None:
-            return options_from_distributed_section(section) if enabled else None
-        if not enabled or options.get("mode") == "collective":
-            return dict(options)
-        return {**options_from_distributed_section(section), **options}
-
-    @classmethod
-    def normalise_legacy(cls, data: dict[str, object]) -> None:
-        section = data.get("distributed")
-        if isinstance(section, dict):
-            normalise_distributed_section(section)
-
-    @classmethod
-    def legacy_errors(cls, sections: LegacySections) -> Iterator[str]:
-        return distributed_section_problems(legacy_section(sections, "distributed"))
-
-    @classmethod
-    def options_errors(
-        cls, entry: str, options: Mapping[str, object], sections: LegacySections
-    ) -> Iterator[str]:
-        step_timeout = legacy_section(sections, "distributed").get("timeout_s")
-        if options.get("mode") == "collective":
-            yield from _collective_timeout_problems(entry, options, step_timeout)
-            yield from (f"{entry}.{problem}" for problem in encoding_problems(options))
-            for problem in streaming_problems(options):
-                yield f"{entry}.{problem}"
-            return
-        if "overlap_steps" in options:
-            yield (
-                f"{entry}.overlap_steps: is an option of mode: collective; hub mode never waits "
-                "for the hub (uploads and polls run on background lanes), so it has no overlap "
-                "to set"
-            )
-        try:  # the entry as it will be built: with the 2.0 section's keys beneath it
-            merged = cls.options_from_legacy(sections, options) or dict(options)
-        except ValueError:
-            return  # a section that cannot be mapped fails when the plugin is built
-        values = {key: value for key, value in merged.items() if key != "mode"}
-        for problem in hub_option_problems(values, cross_field_only=True):
-            yield f"{entry}.{problem}"
-
     @classmethod
     def build(cls, options: Mapping[str, object], context: PluginContext) -> Callback:
         """The plugin-level builder: the ``mode`` option picks the callback class."""
-        del context
-        return build_diloco(options)
+        return DILOCO.create(options, context)
 
     @classmethod
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
@@ -348,7 +361,9 @@ class DiLoCoCallback(Callback):
             raise ValueError(
                 "DiLoCoCallback is diloco's hub mode; build other modes with build_diloco"
             )
-        return cls(DiLoCoOptions.from_mapping(options))
+        parsed = parse_options(options)
+        assert isinstance(parsed, DiLoCoOptions)
+        return cls(parsed)
 
     # -- data seeding -------------------------------------------------------------------
 
@@ -559,3 +574,26 @@ def _global_eval_from_state(value: object) -> dict[str, int | float] | None:
             raise ValueError(f"diloco state: {_GLOBAL_EVAL_STATE}[{key!r}] is not a number")
         result[key] = number
     return result
+
+
+DILOCO = PluginSpec(
+    name="diloco",
+    callback=DiLoCoCallback,
+    options_schema=OPTIONS_SCHEMA,
+    options_type=DiLoCoOptions,
+    parse=parse_options,
+    build=_create,
+    sections=Sections(
+        keys=("distributed",),
+        schema={"distributed": DISTRIBUTED_SECTION_SCHEMA},
+        aliases={"hub": "distributed", "diloco": "distributed"},
+        to_options=options_from_section,
+        normalise=_normalise_section,
+        errors=_section_errors,
+    ),
+    options_errors=options_errors,
+    implied_order=20,
+)
+"""The ``diloco`` plugin: two modes, one name; its options schema covers both."""
+
+attach(DiLoCoCallback, DILOCO)

@@ -1,16 +1,20 @@
-"""The ``diloco`` plugin's options: declared once, validated once, by the schema.
+"""The ``diloco`` plugin's options: declared once, validated once.
 
 Both modes share one plugin name and one options schema (``OPTIONS_SCHEMA``): ``mode: hub``
 (the default; asynchronous, through a shared directory or the Hugging Face Hub, options
 ``DiLoCoOptions``) and ``mode: collective`` (synchronous over torch.distributed, options
-``CollectiveDiLoCoOptions``). Config validation checks a ``callbacks:`` entry against that
-schema plus ``hub_option_problems``' cross-field rules; building ``DiLoCoOptions`` directly
-in Python runs the same checks, so nothing is validated twice by different code.
+``CollectiveDiLoCoOptions``). Each option is one annotated field
+(``speedtronic.config.declare``); options both modes have are declared once in the groups
+they inherit (``OuterLoopOptions``, ``DeltaOptions``), and the schemas are derived from the
+dataclasses. Config validation checks a ``callbacks:`` entry against that schema plus the
+cross-field rules (``hub_option_problems``), once; the options object is then built from the
+validated data without another check. Options built in Python (``DiLoCoOptions(...)``,
+``from_mapping``) are checked by the same schema and rules, once.
 
 The 2.0 ``distributed:`` section (aliases ``hub:`` and ``diloco:``) belongs to this plugin
-as well: ``DISTRIBUTED_SECTION_SCHEMA`` declares its keys, ``distributed_section_problems``
-its cross-field rules, and ``options_from_distributed_section`` rewrites it into options --
-the one place that mapping lives.
+as well: ``DistributedSectionKeys`` declares its keys, ``distributed_section_problems`` its
+cross-field rules, and ``options_from_distributed_section`` rewrites it into options -- the
+one place that mapping lives.
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
-from typing import Literal, Protocol, cast
+from dataclasses import dataclass, field
+from typing import Annotated, Literal, Protocol, cast
 
 from jsonschema import Draft202012Validator
 
-from speedtronic.engine.callback import JSONSchema
+from speedtronic.config.declare import Opt, build, default_of, defaults_of, object_schema
+from speedtronic.plugins import JSONSchema
 from speedtronic_callbacks.diloco.aggregation import RobustSettings
 from speedtronic_callbacks.diloco.encoding import Encoding
 from speedtronic_callbacks.diloco.master import NODE_ID_PATTERN
@@ -34,6 +39,10 @@ __all__ = [
     "HUB_OPTIONS_SCHEMA",
     "OPTIONS_SCHEMA",
     "CollectiveDiLoCoOptions",
+    "DeltaOptions",
+    "DistributedSectionKeys",
+    "HubRequestOptions",
+    "OuterLoopOptions",
     "collective_option_problems",
     "delta_encoding",
     "encoding_problems",
@@ -51,283 +60,332 @@ logger = logging.getLogger("speedtronic.diloco")
 
 DeltaDtype = Literal["fp32", "bf16", "fp16", "int8", "fp4"]
 OutlierPolicy = Literal["clip", "reject", "off"]
-
-_positive = {"type": "number", "exclusiveMinimum": 0}
-# The outer Nesterov optimizer's options: the same in hub and collective mode.
-_OUTER_OPTIMIZER: dict[str, object] = {
-    "outer_lr": {**_positive, "default": 0.7, "description": "Outer Nesterov learning rate."},
-    "outer_momentum": {
-        "type": "number",
-        "minimum": 0,
-        "exclusiveMaximum": 1,
-        "default": 0.9,
-        "description": "Outer Nesterov momentum.",
-    },
-}
-
-# How pseudo-gradients travel and how they are combined: the same in both modes
-# (docs/distributed.md, "Delta encodings" and "Robust aggregation").
-_ENCODING_AND_AGGREGATION: dict[str, object] = {
-    "delta_dtype": {
-        "enum": ["fp32", "bf16", "fp16", "int8", "fp4", None],
-        "default": None,
-        "description": "Pseudo-gradient encoding on the wire and in hub files: fp32, "
-        "bf16/fp16 (1/2 the bytes), int8 (per-block scale, ~1/4), fp4 (e2m1 with a "
-        "per-block scale, ~1/7); null: what 'compression' says. The outer step is float32.",
-    },
-    "error_feedback": {
-        "type": "boolean",
-        "default": True,
-        "description": "Carry what a lossy delta_dtype dropped into the next round's "
-        "pseudo-gradient (kept in the checkpoint).",
-    },
-    "outlier_policy": {
-        "enum": ["clip", "reject", "off"],
-        "default": "clip",
-        "description": "A pseudo-gradient whose norm exceeds outlier_factor x the median of "
-        "recent norms is scaled down to that bound (clip) or left out (reject).",
-    },
-    "outlier_factor": {
-        "type": "number",
-        "exclusiveMinimum": 1,
-        "default": 10.0,
-        "description": "How many times the recent median norm a pseudo-gradient may reach.",
-    },
-    "outlier_window": {
-        "type": "integer",
-        "minimum": 1,
-        "default": 16,
-        "description": "How many recent pseudo-gradient norms the median is taken over.",
-    },
-    "weight_by_work": {
-        "type": "boolean",
-        "default": True,
-        "description": "Weight each pseudo-gradient by the tokens (else samples) trained "
-        "for it, relative to the round's mean (with the staleness weight in hub mode).",
-    },
-}
-
-# Streaming DiLoCo (docs/distributed.md, "Streaming"): fragments and overlap.
-_STREAMING: dict[str, object] = {
-    "fragments": {
-        "type": "integer",
-        "minimum": 1,
-        "default": 1,
-        "description": "P: the model's blocks are split into P strided fragments, each "
-        "synchronised every inner_steps steps at its own offset (1: the whole model at once, "
-        "plain DiLoCo). At most the number of blocks.",
-    },
-    "overlap_steps": {
-        "type": "integer",
-        "minimum": 0,
-        "default": 0,
-        "description": "tau: a fragment's exchange runs in the background and is applied this "
-        "many inner steps after it started, keeping the local progress made meanwhile (0: "
-        "blocking). Must be below inner_steps / fragments.",
-    },
-}
-
-HUB_OPTIONS_SCHEMA: JSONSchema = {
-    "type": "object",
-    "additionalProperties": False,
-    "not": {"required": ["hub_dir", "repo_id"]},
-    "properties": {
-        "role": {
-            "enum": ["master", "worker"],
-            "default": "worker",
-            "description": "master: trains and runs the outer loop (one per hub); worker: "
-            "trains and syncs.",
-        },
-        "node_id": {
-            "type": "string",
-            "pattern": NODE_ID_PATTERN.pattern,
-            "description": "Unique node name (letters, digits, '.', '_', '-'; default: "
-            "$SPEEDTRONIC_NODE_ID, else '<host>-<pid>').",
-        },
-        "inner_steps": {
-            "type": "integer",
-            "minimum": 1,
-            "default": 500,
-            "description": "Local optimizer steps between uploads (H).",
-        },
-        **_OUTER_OPTIMIZER,
-        "hub_dir": {
-            "type": "string",
-            "minLength": 1,
-            "description": "Shared directory used as the hub (local disk or network FS).",
-        },
-        "repo_id": {
-            "type": "string",
-            "pattern": "^[^/\\s]+/[^/\\s]+$",
-            "description": "Hugging Face Hub model repository used as the hub "
-            "(needs the 'hub' extra).",
-        },
-        "token_env": {
-            "type": "string",
-            "minLength": 1,
-            "default": "HF_TOKEN",
-            "description": "Environment variable holding the Hub token (never put tokens "
-            "in config files).",
-        },
-        "private_repo": {
-            "type": "boolean",
-            "default": True,
-            "description": "Create the Hub repository as private (master).",
-        },
-        "poll_interval": {
-            **_positive,
-            "default": 60.0,
-            "description": "Seconds between polls for a new global (workers) and between "
-            "outer rounds (master).",
-        },
-        "retry_attempts": {
-            "type": "integer",
-            "minimum": 1,
-            "default": 6,
-            "description": "Tries per hub request, the first included.",
-        },
-        "retry_initial": {**_positive, "default": 1.0, "description": "First backoff (s)."},
-        "retry_max": {**_positive, "default": 60.0, "description": "Longest backoff (s)."},
-        "request_timeout": {
-            **_positive,
-            "default": 600.0,
-            "description": "Give up waiting for one hub request after this many seconds "
-            "(longer than the slowest full-model transfer).",
-        },
-        "reset_optimizer": {
-            "type": "boolean",
-            "default": True,
-            "description": "Clear the inner optimizer state when a newer global is installed.",
-        },
-        "compression": {
-            "enum": ["none", "bf16", "fp16"],
-            "default": "none",
-            "description": "Delta precision on the wire (bf16/fp16 halve the bytes).",
-        },
-        **_ENCODING_AND_AGGREGATION,
-        "staleness_power": {
-            "type": "number",
-            "minimum": 0,
-            "default": 0.5,
-            "description": "A delta s outer steps stale counts (1 + s) ** -power (0: equal).",
-        },
-        "max_staleness": {
-            "type": ["integer", "null"],
-            "minimum": 0,
-            "default": None,
-            "description": "Reject deltas more than this many outer steps stale (null: never).",
-        },
-        "max_step_tokens": {
-            "type": ["integer", "null"],
-            "minimum": 1,
-            "default": None,
-            "description": "Master, weight_by_work: the most tokens one optimizer step of any "
-            "node trains; a delta's claimed tokens count at most inner_steps (and its own "
-            "steps) times this (null: the master's own tokens per step, measured).",
-        },
-        "max_step_samples": {
-            "type": ["integer", "null"],
-            "minimum": 1,
-            "default": None,
-            "description": "The same cap in samples, for deltas that report no tokens (null: "
-            "the master's own samples per step).",
-        },
-        "signing_secret_env": {
-            "type": ["string", "null"],
-            "minLength": 1,
-            "default": None,
-            "description": "Environment variable with a shared secret: files are signed "
-            "(HMAC-SHA256) and unsigned or wrongly signed files are rejected.",
-        },
-        "delete_applied_deltas": {
-            "type": "boolean",
-            "default": True,
-            "description": "Master removes deltas from the hub once applied.",
-        },
-        "keep_global_versions": {
-            "type": "integer",
-            "minimum": 1,
-            "default": 2,
-            "description": "Global model versions kept on the hub.",
-        },
-        "shutdown_timeout": {
-            **_positive,
-            "default": 5.0,
-            "description": "Seconds an upload in flight may take to finish at the end of a fit.",
-        },
-        "node_index": {
-            "type": ["integer", "null"],
-            "minimum": 0,
-            "default": None,
-            "description": "This node's index for data seeding/sharding.",
-        },
-        "num_nodes": {
-            "type": ["integer", "null"],
-            "minimum": 1,
-            "default": None,
-            "description": "Number of data shards (with node_index).",
-        },
-        "audit_log": {
-            "type": "boolean",
-            "default": True,
-            "description": "Master appends every round to <output_dir>/diloco/rounds.jsonl.",
-        },
-        "token": {
-            "type": ["string", "null"],
-            "minLength": 1,
-            "default": None,
-            "description": "Hub token (2.0's distributed.token; redacted in saved configs). "
-            "Prefer token_env: a token in a config file is easy to leak.",
-        },
-        "fragments": _STREAMING["fragments"],
-    },
-}
+Compression = Literal["none", "bf16", "fp16"]
 
 
-COLLECTIVE_OPTIONS_SCHEMA: JSONSchema = {
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {
-        "mode": {
-            "const": "collective",
-            "description": "Synchronous DiLoCo over torch.distributed collectives.",
-        },
-        "inner_steps": {
-            "type": "integer",
-            "minimum": 1,
-            "default": 500,
-            "description": "Inner optimizer steps between two outer rounds (H).",
-        },
-        **_OUTER_OPTIMIZER,
-        "compression": {
-            "enum": ["none", "bf16", "fp16"],
-            "default": "none",
-            "description": "Precision of the pseudo-gradient all-reduce (bf16/fp16 halve "
-            "the bytes; the outer step itself is float32).",
-        },
-        **_ENCODING_AND_AGGREGATION,
-        "reset_optimizer": {
-            "type": "boolean",
-            "default": True,
-            "description": "Clear the inner optimizer state after every outer round.",
-        },
-        "ranks_per_replica": {
-            "type": "integer",
-            "minimum": 1,
-            "default": 1,
-            "description": "Consecutive ranks forming one model replica (DDP inside it); "
-            "must divide the world size.",
-        },
-        "sync_timeout_s": {
-            "type": ["number", "null"],
-            "exclusiveMinimum": 0,
-            "default": None,
-            "description": "Timeout of the outer all-reduce (null: distributed.timeout_s). "
-            "Give slow links or large models more time than the per-step collectives.",
-        },
-        **_STREAMING,
-    },
-}
+# -- the options, each declared once -----------------------------------------------------
+# Groups of options that several declarations share are base dataclasses: the hub mode,
+# the collective mode and the 2.0 section each inherit the groups they have.
+
+
+@dataclass(frozen=True)
+class OuterLoopOptions:
+    """The outer loop: how often the nodes synchronise, and the outer Nesterov step (the
+    same in hub mode, collective mode and the 2.0 section)."""
+
+    inner_steps: Annotated[
+        int, Opt("H: local optimizer steps between two synchronisations", minimum=1)
+    ] = 500
+    outer_lr: Annotated[float, Opt("the outer Nesterov learning rate", exclusive_minimum=0)] = 0.7
+    outer_momentum: Annotated[
+        float, Opt("the outer Nesterov momentum", minimum=0, exclusive_maximum=1)
+    ] = 0.9
+
+
+@dataclass(frozen=True)
+class HubRequestOptions:
+    """How a node talks to its hub (hub mode and the 2.0 section)."""
+
+    poll_interval: Annotated[
+        float,
+        Opt(
+            "workers: seconds between polls for a new global (they also poll at every "
+            "upload); master: seconds between rounds",
+            exclusive_minimum=0,
+        ),
+    ] = 60.0
+    retry_attempts: Annotated[int, Opt("tries per hub request, the first included", minimum=1)] = 6
+    retry_initial: Annotated[
+        float, Opt("the first backoff, seconds (jittered, exponential)", exclusive_minimum=0)
+    ] = 1.0
+    retry_max: Annotated[
+        float, Opt("the longest backoff, seconds; at least `retry_initial`", exclusive_minimum=0)
+    ] = 60.0
+
+
+@dataclass(frozen=True)
+class DeltaOptions:
+    """How pseudo-gradients travel and are combined (both modes; see docs/distributed.md,
+    "Delta encodings", "Robust aggregation" and "Streaming")."""
+
+    reset_optimizer: Annotated[
+        bool, Opt("clear the inner optimizer state when a newer global model is installed")
+    ] = True
+    compression: Annotated[
+        Compression,
+        Opt("`delta_dtype`'s older name (`none` = `fp32`, `bf16`, `fp16`); set one of the two"),
+    ] = "none"
+    delta_dtype: Annotated[
+        DeltaDtype | None,
+        Opt(
+            "pseudo-gradient encoding on the wire and in hub files: `fp32`, `bf16`/`fp16` (1/2 "
+            "the bytes), `int8` (per-block scale, ~1/3.8), `fp4` (e2m1 with a per-block scale, "
+            "~1/7.1); `null`: what `compression` says. The outer step is float32 (see [delta "
+            "encodings](distributed.md#delta-encodings))"
+        ),
+    ] = None
+    error_feedback: Annotated[
+        bool,
+        Opt(
+            "carry what a lossy `delta_dtype` dropped into the next round's pseudo-gradient "
+            "(kept in the checkpoint), so nothing is lost over time"
+        ),
+    ] = True
+    outlier_policy: Annotated[
+        OutlierPolicy,
+        Opt(
+            "a pseudo-gradient whose norm -- or claimed work -- exceeds `outlier_factor` × the "
+            "median of the recent ones is scaled down to that bound (`clip`) or left out "
+            "(`reject`); `off` disables it (see [robust "
+            "aggregation](distributed.md#robust-aggregation-and-work-weighting))"
+        ),
+    ] = "clip"
+    outlier_factor: Annotated[
+        float,
+        Opt(
+            "how many times the recent median norm a pseudo-gradient may reach", exclusive_minimum=1
+        ),
+    ] = 10.0
+    outlier_window: Annotated[
+        int, Opt("how many recent pseudo-gradient norms the median is taken over", minimum=1)
+    ] = 16
+    weight_by_work: Annotated[
+        bool,
+        Opt(
+            "weight each pseudo-gradient by the tokens (else samples) trained for it, relative "
+            "to the round's mean (with the staleness weight in hub mode)"
+        ),
+    ] = True
+    fragments: Annotated[
+        int,
+        Opt(
+            "P: the model's blocks are split into P strided fragments, each synchronised every "
+            "`inner_steps` steps at its own offset (1: the whole model at once, plain "
+            "DiLoCo); at most the number of blocks (see "
+            "[streaming](distributed.md#streaming-fragments-and-overlapped-exchanges))",
+            minimum=1,
+        ),
+    ] = 1
+
+
+@dataclass(frozen=True)
+class DiLoCoOptions(DeltaOptions, HubRequestOptions, OuterLoopOptions):
+    """Options of the ``diloco`` callback in ``mode: hub``, each declared once (the schema
+    ``HUB_OPTIONS_SCHEMA`` is derived from them). ``None`` means "not set". Built from
+    Python, the values are checked against the schema and ``hub_option_problems``; a problem
+    is a ``ValueError``. Built from a validated config (``declare.build``) nothing is checked
+    again."""
+
+    role: Annotated[
+        Literal["master", "worker"],
+        Opt("`master`: trains and runs the outer loop (one per hub); `worker`: trains and syncs"),
+    ] = "worker"
+    node_id: Annotated[
+        str | None,
+        Opt(
+            "unique node name: letters, digits, `.`, `_`, `-` (64 max)",
+            schema={"type": "string"},
+            pattern=NODE_ID_PATTERN.pattern,
+            default_text="`$SPEEDTRONIC_NODE_ID`, else `<host>-<pid>`",
+        ),
+    ] = None
+    hub_dir: Annotated[
+        str | None,
+        Opt(
+            "a shared directory used as the hub (local disk or network file system); exactly "
+            "one of `hub_dir` and `repo_id`",
+            schema={"type": "string"},
+            min_length=1,
+        ),
+    ] = None
+    repo_id: Annotated[
+        str | None,
+        Opt(
+            "a Hugging Face Hub model repository `owner/name` used as the hub (needs the `hub` "
+            "extra)",
+            schema={"type": "string"},
+            pattern=r"^[^/\s]+/[^/\s]+$",
+        ),
+    ] = None
+    token_env: Annotated[
+        str,
+        Opt(
+            "the environment variable holding the Hub token (never put tokens in config files)",
+            min_length=1,
+        ),
+    ] = "HF_TOKEN"
+    private_repo: Annotated[bool, Opt("the master creates the Hub repository as private")] = True
+    request_timeout: Annotated[
+        float,
+        Opt(
+            "give up waiting for one hub request after this many seconds; keep it above the "
+            "slowest full-model transfer",
+            exclusive_minimum=0,
+        ),
+    ] = 600.0
+    staleness_power: Annotated[
+        float,
+        Opt(
+            "a delta `s` outer steps stale counts `(1 + s) ** -power`; 0 weighs all equally",
+            minimum=0,
+        ),
+    ] = 0.5
+    max_staleness: Annotated[
+        int | None,
+        Opt("reject deltas more than this many outer steps stale (`null`: never)", minimum=0),
+    ] = None
+    max_step_tokens: Annotated[
+        int | None,
+        Opt(
+            "master, `weight_by_work`: the most tokens one optimizer step of any node trains; "
+            "a delta's claimed tokens count at most `inner_steps` (and its own steps) times "
+            "this (`null`: the master's own tokens per step, measured)",
+            minimum=1,
+        ),
+    ] = None
+    max_step_samples: Annotated[
+        int | None,
+        Opt(
+            "the same cap in samples, for deltas that report no tokens (`null`: the master's "
+            "own samples per step)",
+            minimum=1,
+        ),
+    ] = None
+    signing_secret_env: Annotated[
+        str | None,
+        Opt(
+            "an environment variable with a shared secret: files are signed (HMAC-SHA256) and "
+            "unsigned or wrongly signed files are rejected (see "
+            "[security](distributed.md#security-model))",
+            min_length=1,
+        ),
+    ] = None
+    delete_applied_deltas: Annotated[
+        bool, Opt("the master removes deltas from the hub once applied")
+    ] = True
+    keep_global_versions: Annotated[
+        int, Opt("global model versions kept on the hub", minimum=1)
+    ] = 2
+    shutdown_timeout: Annotated[
+        float,
+        Opt(
+            "seconds an upload in flight may take to finish at the end of a fit",
+            exclusive_minimum=0,
+        ),
+    ] = 5.0
+    node_index: Annotated[
+        int | None,
+        Opt(
+            "this node's index, for data seeding and sharding (see "
+            "[data](distributed.md#each-node-its-own-data))",
+            minimum=0,
+        ),
+    ] = None
+    num_nodes: Annotated[
+        int | None, Opt("the number of data shards (with `node_index`)", minimum=1)
+    ] = None
+    audit_log: Annotated[
+        bool,
+        Opt("the master appends every round to `<output_dir>/diloco/rounds-<node>.jsonl`"),
+    ] = True
+    token: Annotated[
+        str | None,
+        Opt(
+            "the hub token (2.0's `distributed.token`; redacted in saved configs). Prefer "
+            "`token_env`: a token in a config file is easy to leak",
+            min_length=1,
+        ),
+    ] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        values = {
+            item.name: getattr(self, item.name)
+            for item in dataclasses.fields(self)
+            if getattr(self, item.name) is not None
+        }
+        problems = hub_option_problems(values)
+        if problems:
+            raise ValueError("diloco: " + "; ".join(problems))
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, object]) -> DiLoCoOptions:
+        """Build from a mapping of options given from Python (``mode: hub`` allowed); a
+        ``ValueError`` lists every problem, unknown keys included."""
+        values = {key: value for key, value in options.items() if key != "mode"}
+        names = {item.name for item in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"diloco: unknown option(s) {unknown}")
+        problems = hub_option_problems(values)
+        if problems:
+            raise ValueError("diloco: " + "; ".join(problems))
+        return build(cls, values)  # checked just now: not again by __post_init__
+
+
+HUB_OPTIONS_SCHEMA: JSONSchema = object_schema(
+    DiLoCoOptions, extra={"not": {"required": ["hub_dir", "repo_id"]}}
+)
+"""Hub mode's options (a shared directory or the Hugging Face Hub)."""
+
+
+@dataclass(frozen=True)
+class CollectiveDiLoCoOptions(DeltaOptions, OuterLoopOptions):
+    """Options of the ``diloco`` callback in ``mode: collective`` (synchronous DiLoCo), each
+    declared once (``COLLECTIVE_OPTIONS_SCHEMA`` is derived from them). Built from Python,
+    the values are checked against that schema; a problem is a ``ValueError``."""
+
+    mode: Annotated[
+        Literal["collective"],
+        Opt(
+            "synchronous DiLoCo over torch.distributed collectives", schema={"const": "collective"}
+        ),
+    ] = "collective"
+    ranks_per_replica: Annotated[
+        int,
+        Opt(
+            "consecutive ranks forming one model replica (DDP inside it); must divide the "
+            "world size",
+            minimum=1,
+        ),
+    ] = 1
+    sync_timeout_s: Annotated[
+        float | None,
+        Opt(
+            "the timeout of the outer all-reduce (`null`: `distributed.timeout_s`); give slow "
+            "links or large models more time than the per-step collectives",
+            exclusive_minimum=0,
+        ),
+    ] = None
+    overlap_steps: Annotated[
+        int,
+        Opt(
+            "tau: a fragment's exchange runs in the background and is applied this many inner "
+            "steps after it started, keeping the local progress made meanwhile (0: blocking); "
+            "below `inner_steps / fragments`",
+            minimum=0,
+        ),
+    ] = 0
+
+    def __post_init__(self) -> None:
+        problems = collective_option_problems(dataclasses.asdict(self))
+        if problems:
+            raise ValueError("diloco (collective): " + "; ".join(problems))
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, object]) -> CollectiveDiLoCoOptions:
+        """Build from a mapping of options given from Python; a ``ValueError`` lists every
+        problem, unknown keys included."""
+        unknown = sorted(set(options) - {item.name for item in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"diloco (collective): unknown option(s) {unknown}")
+        problems = collective_option_problems(options)
+        if problems:
+            raise ValueError("diloco (collective): " + "; ".join(problems))
+        return build(cls, options)  # checked just now: not again by __post_init__
+
+
+COLLECTIVE_OPTIONS_SCHEMA: JSONSchema = object_schema(CollectiveDiLoCoOptions)
+"""Collective mode's options (torch.distributed all-reduce)."""
 
 
 def _plugin_schema() -> JSONSchema:
@@ -360,221 +418,107 @@ def _plugin_schema() -> JSONSchema:
 OPTIONS_SCHEMA: JSONSchema = _plugin_schema()
 
 
+@dataclass(frozen=True)
+class DistributedSectionKeys(HubRequestOptions, OuterLoopOptions):
+    """The keys the plugin adds to the 2.0 ``distributed:`` section (aliases ``hub:`` and
+    ``diloco:``), each declared once (the core declares ``timeout_s``, the torch.distributed
+    collective timeout, which every distributed run uses)."""
+
+    enabled: Annotated[
+        bool,
+        Opt(
+            "take part in DiLoCo; needs exactly one of `repo_id` / `hub_dir`, and "
+            "`mode: dumb_diloco`"
+        ),
+    ] = False
+    mode: Annotated[Literal["dumb_diloco", "single"], Opt("the 2.0 coordination mode")] = (
+        "dumb_diloco"
+    )
+    role: Annotated[
+        Literal["single", "master", "worker"],
+        Opt(
+            "left `single` on an enabled node it becomes `master` (an enabled node always names "
+            "a hub), so workers must say `role: worker`"
+        ),
+    ] = "single"
+    node_id: Annotated[
+        str | None,
+        Opt(
+            "this node's id, stripped; not blank, not `.`/`..`, no `/` or `\\`; `null`: "
+            "`HF_USERNAME`, then `USER`, then `local`"
+        ),
+    ] = None
+    collaborators: Annotated[
+        list[str],
+        Opt(
+            "2.0: hub users the master granted write access. Not supported: a non-empty list on "
+            "an enabled section is a validation error (grant access on the Hub itself)",
+            items={"minLength": 1},
+        ),
+    ] = field(default_factory=list)
+    repo_id: Annotated[str | None, Opt("the Hugging Face repository of the hub", min_length=1)] = (
+        None
+    )
+    hub_dir: Annotated[
+        str | None, Opt("a shared directory used as the hub instead", min_length=1)
+    ] = None
+    token: Annotated[
+        str | None,
+        Opt(
+            "hub token, used instead of `$HF_TOKEN` -- a secret (redacted when saved); prefer "
+            "the environment variable"
+        ),
+    ] = None
+    cache_dir: Annotated[
+        str,
+        Opt(
+            "2.0's download cache; downloads now stay in memory, so another value on an "
+            "enabled section is a validation error",
+            min_length=1,
+        ),
+    ] = ".speedtronic/hub"
+    state_dir: Annotated[
+        str,
+        Opt(
+            "2.0's coordinator state directory; the state is now in the trainer checkpoint, so "
+            "another value on an enabled section is a validation error (set "
+            "`checkpoint.directory`)",
+            min_length=1,
+        ),
+    ] = ".speedtronic/diloco"
+    reset_inner_optimizer: Annotated[
+        bool, Opt("clear the inner optimizer state after adopting new global weights")
+    ] = DiLoCoOptions.reset_optimizer
+    async_delta_upload: Annotated[
+        bool,
+        Opt(
+            "upload deltas on a background lane (always; `false` on an enabled section is a "
+            "validation error -- synchronous DiLoCo is `mode: collective`)"
+        ),
+    ] = True
+    delta_upload_queue_size: Annotated[Literal[1], Opt("pending uploads (only 1 is supported)")] = 1
+    delta_upload_overflow: Annotated[
+        Literal["skip"], Opt("a delta produced while one is pending is skipped")
+    ] = "skip"
+    delta_upload_shutdown_timeout: Annotated[
+        float, Opt("seconds to wait for each background lane at stop", exclusive_minimum=0)
+    ] = DiLoCoOptions.shutdown_timeout
+    async_global_poll: Annotated[
+        bool,
+        Opt(
+            "poll for global weights on a background lane (always; `false` on an enabled "
+            "section is a validation error)"
+        ),
+    ] = True
+
+
 DISTRIBUTED_SECTION_SCHEMA: JSONSchema = {
     "title": "distributed",
     "description": "2.0 asynchronous DiLoCo through a shared hub (read by the diloco plugin; "
     "'hub' and 'diloco' are aliases of this section).",
-    "type": "object",
-    "additionalProperties": False,
-    "properties": {
-        "enabled": {
-            "type": "boolean",
-            "default": False,
-            "description": "Take part in DiLoCo synchronisation.",
-        },
-        "mode": {
-            "type": "string",
-            "default": "dumb_diloco",
-            "description": "Synchronisation mode; must be 'dumb_diloco' when enabled.",
-            "enum": ["dumb_diloco", "single"],
-        },
-        "role": {
-            "type": "string",
-            "default": "single",
-            "description": "'master', 'worker', or 'single' (inferred when enabled: master when "
-            "a hub is given).",
-            "enum": ["single", "master", "worker"],
-        },
-        "node_id": {
-            "type": ["string", "null"],
-            "default": None,
-            "description": "This node's id (no '/', '\\\\', '.' or '..'). Null: HF_USERNAME, "
-            "USER, then 'local'.",
-        },
-        "collaborators": {
-            "type": "array",
-            "default": [],
-            "description": "Hub user names the master grants write access.",
-            "items": {"type": "string", "minLength": 1},
-        },
-        "inner_steps": {
-            "type": "integer",
-            "default": 500,
-            "description": "Local optimizer steps between delta uploads.",
-            "minimum": 1,
-        },
-        "poll_interval": {
-            "type": "number",
-            "default": 60.0,
-            "description": "Seconds between hub polls (and between master rounds).",
-            "exclusiveMinimum": 0,
-        },
-        "outer_lr": {
-            "type": "number",
-            "default": 0.7,
-            "description": "Outer (Nesterov) learning rate.",
-            "exclusiveMinimum": 0,
-        },
-        "outer_momentum": {
-            "type": "number",
-            "default": 0.9,
-            "description": "Outer momentum in [0, 1).",
-            "minimum": 0,
-            "exclusiveMaximum": 1,
-        },
-        "repo_id": {
-            "type": ["string", "null"],
-            "default": None,
-            "description": "Hugging Face repository id of the hub.",
-            "minLength": 1,
-        },
-        "hub_dir": {
-            "type": ["string", "null"],
-            "default": None,
-            "description": "Shared directory used as the hub instead of a Hugging Face repository.",
-            "minLength": 1,
-        },
-        "token": {
-            "type": ["string", "null"],
-            "default": None,
-            "description": "Hub token. Prefer the HF_TOKEN environment variable; never written "
-            "to disk or logs.",
-        },
-        "cache_dir": {
-            "type": "string",
-            "default": ".speedtronic/hub",
-            "description": "Hub download cache (relative to the working directory).",
-            "minLength": 1,
-        },
-        "state_dir": {
-            "type": "string",
-            "default": ".speedtronic/diloco",
-            "description": "Coordinator state; relative paths are under run.output_dir/<node_id>.",
-            "minLength": 1,
-        },
-        "retry_initial": {
-            "type": "number",
-            "default": 1.0,
-            "description": "First retry delay in seconds.",
-            "exclusiveMinimum": 0,
-        },
-        "retry_max": {
-            "type": "number",
-            "default": 60.0,
-            "description": "Largest retry delay in seconds (>= retry_initial).",
-            "exclusiveMinimum": 0,
-        },
-        "retry_attempts": {
-            "type": "integer",
-            "default": 6,
-            "description": "Total attempts per hub operation.",
-            "minimum": 1,
-        },
-        "reset_inner_optimizer": {
-            "type": "boolean",
-            "default": True,
-            "description": "Clear the inner optimizer state after adopting new global weights.",
-        },
-        "async_delta_upload": {
-            "type": "boolean",
-            "default": True,
-            "description": "Upload deltas on a background lane.",
-        },
-        "delta_upload_queue_size": {
-            "type": "integer",
-            "default": 1,
-            "description": "Pending delta uploads (must be 1).",
-            "enum": [1],
-        },
-        "delta_upload_overflow": {
-            "type": "string",
-            "default": "skip",
-            "description": "What to do with a delta while one is pending (must be 'skip').",
-            "enum": ["skip"],
-        },
-        "delta_upload_shutdown_timeout": {
-            "type": "number",
-            "default": 5.0,
-            "description": "Seconds to wait for each background lane at stop.",
-            "exclusiveMinimum": 0,
-        },
-        "async_global_poll": {
-            "type": "boolean",
-            "default": True,
-            "description": "Poll for global weights on a background lane.",
-        },
-    },
+    **object_schema(DistributedSectionKeys),
 }
-"""The keys the plugin adds to the 2.0 ``distributed:`` section (the core declares
-``timeout_s``, the torch.distributed collective timeout, which every distributed run uses)."""
-
-
-@dataclass(frozen=True)
-class DiLoCoOptions:
-    """Options of the ``diloco`` callback in ``mode: hub`` (see ``HUB_OPTIONS_SCHEMA``, where
-    each is documented). ``None`` means "not set". Construction checks the values against
-    the schema and ``hub_option_problems``; a problem is a ``ValueError``."""
-
-    role: Literal["master", "worker"] = "worker"
-    node_id: str | None = None
-    inner_steps: int = 500
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    hub_dir: str | None = None
-    repo_id: str | None = None
-    token_env: str = "HF_TOKEN"
-    private_repo: bool = True
-    poll_interval: float = 60.0
-    retry_attempts: int = 6
-    retry_initial: float = 1.0
-    retry_max: float = 60.0
-    request_timeout: float = 600.0
-    reset_optimizer: bool = True
-    compression: Literal["none", "bf16", "fp16"] = "none"
-    delta_dtype: DeltaDtype | None = None
-    error_feedback: bool = True
-    outlier_policy: OutlierPolicy = "clip"
-    outlier_factor: float = 10.0
-    outlier_window: int = 16
-    weight_by_work: bool = True
-    staleness_power: float = 0.5
-    max_staleness: int | None = None
-    max_step_tokens: int | None = None
-    max_step_samples: int | None = None
-    signing_secret_env: str | None = None
-    delete_applied_deltas: bool = True
-    keep_global_versions: int = 2
-    shutdown_timeout: float = 5.0
-    node_index: int | None = None
-    num_nodes: int | None = None
-    audit_log: bool = True
-    token: str | None = dataclasses.field(default=None, repr=False)
-    fragments: int = 1
-
-    def __post_init__(self) -> None:
-        values = {
-            item.name: getattr(self, item.name)
-            for item in dataclasses.fields(self)
-            if getattr(self, item.name) is not None
-        }
-        problems = hub_option_problems(values)
-        if problems:
-            raise ValueError("diloco: " + "; ".join(problems))
-
-    @classmethod
-    def from_mapping(cls, options: Mapping[str, object]) -> DiLoCoOptions:
-        """Build from a mapping of options (``mode: hub`` allowed); a ``ValueError`` lists
-        every problem, unknown keys included."""
-        values = {key: value for key, value in options.items() if key != "mode"}
-        names = {item.name for item in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - names)
-        if unknown:
-            raise ValueError(f"diloco: unknown option(s) {unknown}")
-        problems = hub_option_problems(values)
-        if problems:
-            raise ValueError("diloco: " + "; ".join(problems))
-        # The schema has just checked every value's type.
-        return cls(**values)  # type: ignore[arg-type]  # checked by hub_option_problems
+"""The keys the plugin adds to the 2.0 ``distributed:`` section."""
 
 
 _HUB_VALIDATOR = Draft202012Validator(HUB_OPTIONS_SCHEMA)
@@ -638,47 +582,6 @@ def _is_number(value: object) -> bool:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class CollectiveDiLoCoOptions:
-    """Options of the ``diloco`` callback in ``mode: collective`` (synchronous DiLoCo; see
-    ``COLLECTIVE_OPTIONS_SCHEMA``, where each is documented). Construction checks the values
-    against that schema; a problem is a ``ValueError``."""
-
-    mode: Literal["collective"] = "collective"
-    inner_steps: int = 500
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    compression: Literal["none", "bf16", "fp16"] = "none"
-    delta_dtype: DeltaDtype | None = None
-    error_feedback: bool = True
-    outlier_policy: OutlierPolicy = "clip"
-    outlier_factor: float = 10.0
-    outlier_window: int = 16
-    weight_by_work: bool = True
-    reset_optimizer: bool = True
-    ranks_per_replica: int = 1
-    sync_timeout_s: float | None = None
-    fragments: int = 1
-    overlap_steps: int = 0
-
-    def __post_init__(self) -> None:
-        problems = collective_option_problems(dataclasses.asdict(self))
-        if problems:
-            raise ValueError("diloco (collective): " + "; ".join(problems))
-
-    @classmethod
-    def from_mapping(cls, options: Mapping[str, object]) -> CollectiveDiLoCoOptions:
-        """Build from a mapping of options; a ``ValueError`` lists every problem, unknown
-        keys included."""
-        unknown = sorted(set(options) - {item.name for item in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"diloco (collective): unknown option(s) {unknown}")
-        problems = collective_option_problems(options)
-        if problems:
-            raise ValueError("diloco (collective): " + "; ".join(problems))
-        return cls(**dict(options))  # type: ignore[arg-type]  # checked by the schema just now
 
 
 _COLLECTIVE_VALIDATOR = Draft202012Validator(COLLECTIVE_OPTIONS_SCHEMA)
@@ -778,26 +681,26 @@ _SYNC_INSTEAD = (
 )
 UNSUPPORTED_2_0_KEYS: dict[str, tuple[object, str]] = {
     "collaborators": (
-        [],
+        default_of(DistributedSectionKeys, "collaborators"),
         "the master does not grant access: add the nodes' accounts as members of the "
         "repository's organization (or give them a write token) on the Hub itself",
     ),
     "cache_dir": (
-        ".speedtronic/hub",
+        DistributedSectionKeys.cache_dir,
         "there is no download cache: global models and deltas are read into memory; remove the key",
     ),
     "state_dir": (
-        ".speedtronic/diloco",
+        DistributedSectionKeys.state_dir,
         "the node's state (baseline, unsent work, the master's outer state) is saved in the "
         "trainer checkpoint; set checkpoint.directory instead",
     ),
     "async_delta_upload": (
-        True,
+        DistributedSectionKeys.async_delta_upload,
         "uploads always run on a bounded background lane and never block training; remove "
         "the key (" + _SYNC_INSTEAD + ")",
     ),
     "async_global_poll": (
-        True,
+        DistributedSectionKeys.async_global_poll,
         "polls always run on a background lane; remove the key (" + _SYNC_INSTEAD + ")",
     ),
 }
@@ -813,10 +716,7 @@ def _unsupported_keys(section: Mapping[str, object]) -> Iterator[str]:
 
 
 def _section_defaults() -> dict[str, object]:
-    properties = cast(
-        "Mapping[str, Mapping[str, object]]", DISTRIBUTED_SECTION_SCHEMA["properties"]
-    )
-    return {key: spec.get("default") for key, spec in properties.items()}
+    return defaults_of(DistributedSectionKeys)
 
 
 def distributed_section_problems(section: Mapping[str, object]) -> Iterator[str]:
