@@ -23,7 +23,7 @@ import difflib
 import functools
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -47,6 +47,20 @@ DATASET_GROUP = "speedtronic.datasets"
 NAME_HINT_CUTOFF = 0.7
 """How close (``difflib`` ratio) a known name must be to a mistyped one to be suggested:
 ``jsonn`` -> ``jsonl`` is 0.8, ``consol`` -> ``console`` 0.92."""
+
+
+def closest_name(name: str, names: Sequence[str]) -> str | None:
+    """The known name to suggest for a mistyped ``name``: the closest by ``difflib``, else the
+    only known name in the same family (the same first ``_`` part: ``hf_lama`` ->
+    ``hf_causal_lm``, whose ratio is too low), else none."""
+    close = difflib.get_close_matches(name, names, n=1, cutoff=NAME_HINT_CUTOFF)
+    if close:
+        return close[0]
+    family, underscore, _ = name.partition("_")
+    if not underscore:
+        return None
+    kin = [known for known in names if known.startswith(family + "_")]
+    return kin[0] if len(kin) == 1 else None
 
 
 class PluginError(KeyError):
@@ -151,8 +165,8 @@ class PluginRegistry(Generic[T]):
         (did you mean 'reference_model'? known: ...)`` -- the closest known name, when one is
         close, then every known name."""
         names = self.names()
-        close = difflib.get_close_matches(name, names, n=1, cutoff=NAME_HINT_CUTOFF)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        close = closest_name(name, names)
+        hint = f"did you mean {close!r}? " if close else ""
         return f"unknown {self.kind} {name!r} ({hint}known: {', '.join(names) or 'none'})"
 
     def origin(self, name: str) -> str:

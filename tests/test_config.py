@@ -29,7 +29,7 @@ from speedtronic.config import (
 from speedtronic.config.sections import JSONValue
 from speedtronic.data import dataset_registry
 from speedtronic.engine.callback import Callback, JSONSchema
-from speedtronic.plugins import register_callback
+from speedtronic.plugins import closest_name, register_callback
 
 PROBE = "test-config-probe"
 
@@ -796,3 +796,14 @@ def test_a_config_is_validated_once_and_again_only_when_it_changed(
     with pytest.raises(ConfigError, match="run.max_steps: 0 is less than the minimum of 1"):
         as_config(loaded)
     assert len(passes) == 4
+
+
+def test_a_mistyped_plugin_name_is_hinted_by_its_family_when_difflib_finds_none() -> None:
+    # ``hf_lama`` is too far from ``hf_causal_lm`` for difflib (ratio 0.6), but it is the
+    # only ``hf_`` model: the hint names it. A family of several gets no guess.
+    hint = r"unknown model 'hf_lama' \(did you mean 'hf_causal_lm'\?"
+    with pytest.raises(ConfigError, match=hint):
+        load_config({"model": {"name": "hf_lama"}})
+    assert closest_name("hf_lama", ["hf_causal_lm", "reference_transformer"]) == "hf_causal_lm"
+    assert closest_name("hf_lama", ["hf_causal_lm", "hf_seq2seq"]) is None
+    assert closest_name("zzz", ["hf_causal_lm"]) is None
