@@ -18,6 +18,8 @@ Rows (each "blocked" is the time the checkpoint callback holds the training thre
                     (the issue's bound: at most 5% of the synchronous local save)
   async + remote    ``async_save: true`` with ``remote``: the snapshot only, the write and
                     the upload both in the background
+  hand-over         the time ``RemoteMirror.submit`` takes on the training thread (with
+                    ``async_save`` the writer thread calls it: zero)
   wall-time rows    the extra wall time per save over segments without checkpoints: it also
                     counts the background threads (write, hashing, upload, read-back
                     verification) competing with training for cores
@@ -37,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import warnings
@@ -46,11 +49,38 @@ import torch
 from checkpoint import SegmentClock, TimedCheckpoint
 
 from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import FitContext
 from speedtronic.engine.trainer import Trainer
 from speedtronic.models.transformer import ReferenceTransformer
 from speedtronic.state.remote import open_store, parse_remote_pointer
 
 MODES = ("none", "sync local", "sync + remote", "async + remote")
+
+
+class HandOffTimed(TimedCheckpoint):
+    """``TimedCheckpoint`` that also times the hand-over to the upload thread on the
+    training thread (``RemoteMirror.submit``; with ``async_save`` the writer thread calls it,
+    so it costs the training thread nothing)."""
+
+    handoff = 0.0
+
+    def on_setup(self, trainer: Trainer, ctx: FitContext) -> None:
+        super().on_setup(trainer, ctx)
+        mirror = self.mirror
+        if mirror is None:
+            return
+        submit = mirror.submit
+        main = threading.main_thread()
+
+        def timed_submit(path: Path) -> None:
+            start = time.perf_counter()
+            submit(path)
+            if threading.current_thread() is main:
+                self.handoff += time.perf_counter() - start
+
+        mirror.submit = timed_submit  # type: ignore[method-assign]  # observe the hand-over
+        if self._writer is not None:
+            self._writer.on_commit = timed_submit
 
 
 def free_port() -> int:
@@ -99,13 +129,13 @@ def run(
     options = {"endpoint_url": endpoint}
     open_store("s3://bench", options).fs.mkdir("bench")
     clocks: dict[str, SegmentClock] = {}
-    checkpoints: dict[str, TimedCheckpoint] = {}
+    checkpoints: dict[str, HandOffTimed] = {}
     trainers: dict[str, Trainer] = {}
     for index, mode in enumerate(MODES):
         clocks[mode] = SegmentClock()
         callbacks: list[Callback] = [clocks[mode]]
         if mode != "none":
-            checkpoints[mode] = TimedCheckpoint(
+            checkpoints[mode] = HandOffTimed(
                 directory / f"mode{index}",
                 every_steps=every,
                 keep_last=1,
@@ -125,6 +155,7 @@ def run(
     )
     seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
     blocked: dict[str, list[float]] = {mode: [] for mode in checkpoints}
+    handoff: dict[str, list[float]] = {mode: [] for mode in checkpoints}
     saves = segment // every
     for rnd in range(rounds + 1):
         order = list(MODES) if rnd % 2 == 0 else list(MODES)[::-1]
@@ -132,11 +163,12 @@ def run(
             os.sync()
             callback = checkpoints.get(mode)
             if callback is not None:
-                callback.blocked = 0.0
+                callback.blocked = callback.handoff = 0.0
             trainers[mode].fit(trainers[mode].step + segment)
             seconds[mode].append(clocks[mode].seconds)
             if callback is not None:
                 blocked[mode].append(callback.blocked / saves)
+                handoff[mode].append(callback.handoff / saves)
                 if callback.remote is not None:
                     check_uploaded(callback, options)
     med = {mode: statistics.median(values[1:]) for mode, values in seconds.items()}
@@ -170,6 +202,16 @@ def run(
             f"best {best['async + remote']:.4f} s (bound: 5% of sync local)",
         )
     )
+    for mode in ("sync + remote", "async + remote"):
+        moved = statistics.median(handoff[mode][1:])
+        rows.append(
+            (
+                f"{mode}: hand-over to the upload thread",
+                moved,
+                moved / reference,
+                f"on the training thread, per save; max {max(handoff[mode][1:]) * 1e6:.0f} us",
+            )
+        )
     for mode in checkpoints:
         rows.append(
             (
@@ -182,7 +224,7 @@ def run(
     return rows
 
 
-def check_uploaded(callback: TimedCheckpoint, options: dict[str, object]) -> None:
+def check_uploaded(callback: HandOffTimed, options: dict[str, object]) -> None:
     """The segment's last save is what the remote pointer names (every upload verified)."""
     assert callback.remote is not None and callback.last_path is not None
     data = open_store(callback.remote, options).read_pointer()
@@ -229,10 +271,10 @@ def main() -> None:
         server.wait(30)
         shutil.rmtree(base, ignore_errors=True)
     print()
-    print("| case | median (s) | ratio to sync local save | note |")
+    print("| case | median (s) | ratio to the sync local save | note |")
     print("|---|---:|---:|---|")
     for name, value, ratio, note in rows:
-        print(f"| {name} | {value:.4f} | {ratio:.3f} | {note} |")
+        print(f"| {name} | {value:.6f} | {ratio:.5f} | {note} |")
 
 
 if __name__ == "__main__":
