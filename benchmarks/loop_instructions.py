@@ -14,6 +14,11 @@ garbage collection of it cannot land in one marker and not the other.
 
     python benchmarks/loop_instructions.py          # hand loop, 0 and 20 no-op callbacks
     python benchmarks/loop_instructions.py --baseline ec44da5   # and an earlier Trainer
+    python benchmarks/loop_instructions.py --cases hand 0 budget   # with a time budget set
+
+``budget`` is the Trainer with the ``time_budget`` callback (``run.max_time`` set, a budget
+that does not run out): what a budget costs per step when there is one. Without one the
+callback does not exist, so the ``0`` case is the loop of a run without ``max_time``.
 
 ``--baseline`` counts the Trainer of an earlier commit too (unpacked with ``git archive``;
 the benchmark's own scripts stay today's), so a timing taken on another machine at that
@@ -39,6 +44,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CASES = ("hand", "0", "20")
+EXTRA_CASES = ("budget",)
 MARKERS = ("functools_reduce", "builtin_sorted")
 
 
@@ -50,7 +56,10 @@ def child(case: str) -> None:
     from loop_cost import hand_loop, trainer_loop
 
     torch.set_num_threads(1)
-    run = hand_loop if case == "hand" else trainer_loop(int(case))
+    if case == "budget":
+        run = budget_loop
+    else:
+        run = hand_loop if case == "hand" else trainer_loop(int(case))
     run(20)
     # Without this, whether a full (generation 2) collection of torch's ~10^5 objects falls
     # into one marker or the other moved the count by up to ±30,000 instructions per step.
@@ -59,6 +68,29 @@ def child(case: str) -> None:
     gc.freeze()
     functools.reduce(lambda _a, _b: run(100), [0, 0])
     sorted([0, 1], key=lambda a: (run(300) or 0) if a else 0)  # keys must compare
+
+
+def budget_loop(steps: int) -> None:
+    """The ``0`` case's Trainer with a time budget that does not run out."""
+    import tempfile
+
+    from overhead import SCALAR_CASE, scalar_batches
+
+    from speedtronic import Trainer
+    from speedtronic_callbacks.time_budget import TimeBudget
+
+    model = SCALAR_CASE.make_model()
+    with tempfile.TemporaryDirectory() as out:
+        Trainer(
+            model,
+            SCALAR_CASE.make_optimizer(model),
+            scalar_batches(),
+            device="cpu",
+            callbacks=[TimeBudget("1d")],
+            max_steps=steps,
+            metrics_every=100,
+            output_dir=Path(out),
+        ).fit()
 
 
 def inclusive_counts(out_file: Path, markers: Sequence[str] = MARKERS) -> dict[str, int]:
@@ -128,12 +160,20 @@ def main() -> None:
         help="also count the Trainer of git revision REV (no callbacks), e.g. the commit an "
         "earlier timing was taken at",
     )
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        choices=CASES + EXTRA_CASES,
+        default=list(CASES),
+        help="which cases to count (hand is always counted: the reference)",
+    )
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         sys.exit("needs valgrind (apt install valgrind)")
+    cases = ["hand", *(case for case in args.cases if case != "hand")]
     with tempfile.TemporaryDirectory() as tmp:
-        outs = {case: Path(tmp) / f"callgrind.{case}" for case in CASES}
-        running = [callgrind(case, outs[case], HERE.parent) for case in CASES]
+        outs = {case: Path(tmp) / f"callgrind.{case}" for case in cases}
+        running = [callgrind(case, outs[case], HERE.parent) for case in cases]
         if args.baseline:
             outs["baseline"] = Path(tmp) / "callgrind.baseline"
             source = export_revision(args.baseline, Path(tmp))
@@ -149,7 +189,9 @@ def main() -> None:
     print(f"hand-written loop: {hand:,.0f} instructions per step")
     print("| Trainer | instructions/step | extra over the hand loop | extra |")
     print("|---|---:|---:|---:|")
-    rows = [(f"{case} callbacks", case) for case in CASES[1:]]
+    rows = [
+        ("time budget set" if case == "budget" else f"{case} callbacks", case) for case in cases[1:]
+    ]
     if args.baseline:
         rows.append((f"{args.baseline}, no callbacks", "baseline"))
     for label, case in rows:

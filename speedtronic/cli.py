@@ -45,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
         fit = sub.add_parser(name, help=help_text)
         _add_config_args(fit)
         _add_max_steps(fit)
+        _add_max_time(fit)
         fit.add_argument(
             "--resume", action="store_true", help="continue from the latest checkpoint"
         )
@@ -86,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="check a config; print it and the callback plan")
     _add_config_args(validate)
     _add_max_steps(validate)
+    _add_max_time(validate)
     validate.add_argument("--format", choices=("yaml", "json"), default="yaml")
 
     schema = sub.add_parser("schema", help="print the composed JSON Schema of run.yaml")
@@ -196,6 +198,15 @@ def _add_max_steps(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, help="absolute step to stop at")
 
 
+def _add_max_time(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-time",
+        metavar="DURATION",
+        help="wall-clock budget (overrides run.max_time): stop after the step during which "
+        "it runs out, save, exit 75 for requeue; e.g. 3h50m, 45m, 90s, 1d2h, 03:50:00",
+    )
+
+
 def _add_weights_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weights",
@@ -224,7 +235,27 @@ def _load(args: argparse.Namespace) -> object:
     if not path.is_file():
         raise UserError(f"config file not found: {path}")
     extra = [f"run.output_dir={json.dumps(args.output_dir)}"] if args.output_dir else []
+    extra += _max_time_override(args)
     return load_config(path, overrides=[*args.overrides, *extra])
+
+
+def _max_time_override(args: argparse.Namespace) -> list[str]:
+    """``--max-time`` as the ``run.max_time`` override; exit 2 when it is not a duration."""
+    value = getattr(args, "max_time", None)
+    if value is None:
+        return []
+    from speedtronic.state.time_budget import MIN_TIME_BUDGET_S, DurationError, parse_duration
+
+    try:
+        seconds = parse_duration(value)
+    except DurationError as exc:
+        raise UserError(f"--max-time {exc}") from None
+    if seconds < MIN_TIME_BUDGET_S:
+        raise UserError(
+            f"--max-time {value!r} is shorter than one second: a time budget must leave room "
+            "for at least one step"
+        )
+    return [f"run.max_time={json.dumps(value)}"]
 
 
 def _preflight(config: object, *, device: str | None = None, max_steps: int | None = None) -> None:
@@ -305,7 +336,8 @@ def _fit(args: argparse.Namespace) -> int:
             print(f"stopped early: {result.stop_reason}")
     from speedtronic.state.checkpoint import requeue_exit_code
 
-    # A signal stop (after the final checkpoint) exits 128+signal so a scheduler requeues it.
+    # A signal stop (after the final checkpoint) exits 128+signal so a scheduler requeues it;
+    # a spent time budget exits 75 (EX_TEMPFAIL), for the same purpose.
     requeue = requeue_exit_code(result.stop_reason)
     if requeue is None and failed:
         # Observers never stop training, but what they failed to write is lost: say so.

@@ -89,6 +89,7 @@ SLOW_FIRST = (
     "tests/test_fsdp.py",
     "tests/test_ema_fsdp.py",
     "tests/test_crash_safety.py",
+    "tests/test_remote_checkpoint.py::test_sigkill_during_uploads_then_resume_elsewhere_continues_bit_for_bit",
     "tests/test_diloco_streaming.py",
     "tests/test_distributed.py::test_two_rank_ddp_matches_one_process_and_resumes_exactly",
     "tests/test_diloco_nodes.py",

@@ -264,8 +264,61 @@ def failure(out: Path, rank: int, params: Mapping[str, object]) -> dict[str, obj
     return {"error": None, "seconds": time.monotonic() - started}
 
 
+class _SlowSteps(Callback):
+    """Makes every step take at least 20 ms (a wall-clock run that does a few dozen)."""
+
+    def on_step_start(self, trainer: Trainer, ctx: StepContext) -> None:
+        time.sleep(0.02)
+
+
+def wall_clock(out: Path, rank: int, params: Mapping[str, object]) -> dict[str, object]:
+    """A 3 s time budget and saves every second (tests/test_time_budget.py)."""
+    from speedtronic.state.checkpoint import checkpoint_step
+    from speedtronic_callbacks.checkpoint import CheckpointCallback
+    from speedtronic_callbacks.time_budget import TimeBudget
+
+    config = base_config(
+        out / "run",
+        run={"max_steps": 10**6, "max_time": "3s"},
+        logging={"every_steps": 5},
+        checkpoint={"every_steps": 10**6, "every_minutes": 1 / 60},
+    )
+    config["callbacks"] = [{"name": "checkpoint", "save_final": False}]
+    trainer, _ = build_runtime(config, extra_callbacks=[_SlowSteps()])  # type: ignore[arg-type]
+    result = trainer.fit()
+    budget = next(c for c in trainer.callbacks if isinstance(c, TimeBudget))
+    checkpoint = next(c for c in trainer.callbacks if isinstance(c, CheckpointCallback))
+    assert checkpoint.wall_clock is not None
+    return {
+        "steps": result.steps,
+        "stop_reason": result.stop_reason,
+        "saved": [checkpoint_step(p.name) for p in checkpoint.manager.checkpoint_paths()],
+        "budget_decisions": budget.clock.decisions,
+        "save_decisions": checkpoint.wall_clock.decisions,
+    }
+
+
+def remote_resume(out: Path, rank: int, params: Mapping[str, object]) -> dict[str, object]:
+    """8 steps in one go; 4 steps mirrored to a ``file://`` store, then a resume to 8 in an
+    empty directory that only the store can fill (tests/test_remote_checkpoint.py)."""
+    store = {"remote": (out / "store").as_uri()}
+    full_trainer, full = fit(base_config(out / "full"))
+    fit(base_config(out / "a", run={"max_steps": 4}, checkpoint=store))
+    resumed_trainer, resumed = fit(base_config(out / "b", checkpoint=store), resume=True)
+    point = resumed_trainer.resumed_from
+    full_weights, resumed_weights = weights(full_trainer), weights(resumed_trainer)
+    return {
+        "full": losses(full),
+        "resumed": losses(resumed),
+        "resumed_from": None if point is None else point.path.name,
+        "same_weights": all(torch.equal(full_weights[k], resumed_weights[k]) for k in full_weights),
+    }
+
+
 SCENARIOS: dict[str, Callable[[Path, int, Mapping[str, object]], dict[str, object]]] = {
     "ddp": ddp,
+    "remote_resume": remote_resume,
+    "wall_clock": wall_clock,
     "diloco_equivalence": diloco_equivalence,
     "diloco_resume": diloco_resume,
     "failure": failure,

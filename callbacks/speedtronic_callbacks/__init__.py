@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "ProgressBarCallback": "speedtronic_callbacks.progress",
     "SystemMetricsCallback": "speedtronic_callbacks.system_metrics",
     "TensorBoardCallback": "speedtronic_callbacks.tensorboard",
+    "TimeBudget": "speedtronic_callbacks.time_budget",
     "WandbCallback": "speedtronic_callbacks.wandb",
 }
 
@@ -70,4 +71,5 @@ if TYPE_CHECKING:
         SystemMetricsCallback as SystemMetricsCallback,
     )
     from speedtronic_callbacks.tensorboard import TensorBoardCallback as TensorBoardCallback
+    from speedtronic_callbacks.time_budget import TimeBudget as TimeBudget
     from speedtronic_callbacks.wandb import WandbCallback as WandbCallback

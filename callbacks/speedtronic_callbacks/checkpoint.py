@@ -21,6 +21,9 @@ When a save happens:
 * at ``fit_end`` when the last completed step was not just saved (``save_final``), and
   always after a SIGTERM/SIGINT stop (``save_on_signal``);
 * at ``exception`` (``save_on_exception``, off by default), best effort;
+* with ``every_minutes``, also when that many minutes passed since the last save of the fit
+  (or its start), by wall clock; every rank decides alike (``wall_clock.Deadline``);
+* after a stop by the time budget (``run.max_time``, the ``time_budget`` plugin), always;
 * with ``monitor`` (a metric key such as ``eval/loss``) and ``mode`` (``min``/``max``): at
   every step where the monitored value improves on the best so far, and ``best.json`` in the
   directory then names that checkpoint (``CheckpointManager.note_best``); ``keep_last``
@@ -57,6 +60,13 @@ there, and ``save_on_exception`` does not save: both would need every rank). The
 ranks then meet at a barrier, so none runs ahead of (or exits before) a checkpoint that is
 not written yet; every rank loads the same file on resume. After a failure rank 0 saves
 without the barrier (the other ranks may be gone).
+
+Object storage (``remote: s3://bucket/run1``, any fsspec URL; ``remote_options``: fsspec's
+storage options, credentials from the environment): rank 0 hands every committed checkpoint
+to a ``speedtronic.state.remote.RemoteMirror``, which uploads and verifies it in the
+background and commits the remote pointer last; ``fit_end`` waits for the uploads. On
+resume (``fetch_checkpoints``, before the load) a newer remote checkpoint than the local
+directory holds is downloaded first -- a fresh machine resumes from the store.
 """
 
 from __future__ import annotations
@@ -67,11 +77,12 @@ import logging
 import math
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import FrameType
+from types import FrameType, MappingProxyType
 from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, cast
 
 from speedtronic.config.declare import Opt, keyword_build, object_schema, plugin
@@ -102,9 +113,18 @@ from speedtronic.state.checkpoint import (
     signal_stop_reason,
 )
 from speedtronic.state.checkpoint_async import AsyncCheckpointWriter
+from speedtronic.state.remote import (
+    RemoteMirror,
+    RemoteStore,
+    RetryPolicy,
+    fetch_newer,
+    open_store,
+)
 from speedtronic.state.rng import capture_rng_state
 from speedtronic.state.run_lock import RunPaths, resolve_run_path
+from speedtronic.state.time_budget import is_time_budget_stop
 from speedtronic_callbacks.monitor import Mode, check_monitor, improves, read_monitored
+from speedtronic_callbacks.wall_clock import Deadline
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
@@ -194,6 +214,41 @@ class CheckpointOptions:
     mode: Annotated[
         Mode, Opt("whether lower (`min`) or higher (`max`) monitored values are better")
     ] = "min"
+    every_minutes: Annotated[
+        float | None,
+        Opt(
+            "also save when this many minutes passed since the last save (wall clock; see "
+            "[cluster runs](cluster-runs.md)); `null`: by steps only",
+            exclusive_minimum=0,
+            maximum=527040,
+        ),
+    ] = None
+    remote: Annotated[
+        str | None,
+        Opt(
+            "fsspec URL (`s3://bucket/run1`, `gs://...`, `file://...`) every committed "
+            "checkpoint is uploaded to in the background; `--resume` downloads a newer one "
+            "from it; needs the `remote` extra; `null`: local only",
+            min_length=1,
+        ),
+    ] = None
+    remote_options: Annotated[
+        dict[str, object],
+        Opt(
+            "fsspec storage options for `remote` (s3fs: `endpoint_url`, `client_kwargs`, "
+            "`config_kwargs`, ...); credentials come from the environment, never from here",
+            schema={"type": "object"},
+        ),
+    ] = field(default_factory=dict)
+    remote_attempts: Annotated[
+        int,
+        Opt(
+            "tries per store operation (exponential backoff with jitter: up to 1 s, 2 s, "
+            "4 s, ... at most 30 s apart) before an upload counts as failed",
+            minimum=1,
+            maximum=100,
+        ),
+    ] = 5
 
 
 OPTIONS_ONLY = ("save_final",)
@@ -225,6 +280,24 @@ def options_from_section(
     return merged
 
 
+def section_errors(sections: SectionData) -> Iterator[str]:
+    """No credentials in ``checkpoint.remote_options`` (``_credential_errors``)."""
+    options = section_of(sections, "checkpoint").get("remote_options")
+    yield from _credential_errors("checkpoint.remote_options", options)
+
+
+def options_errors(
+    entry: str, options: Mapping[str, object], sections: SectionData
+) -> Iterator[str]:
+    """No credentials in a ``callbacks:`` entry's ``remote_options``."""
+    del sections
+    yield from _credential_errors(f"{entry}.remote_options", options.get("remote_options"))
+
+
+_NO_REMOTE_OPTIONS: Mapping[str, object] = MappingProxyType({})
+"""The constructor's default ``remote_options`` (read-only: a default is shared)."""
+
+
 def _build(
     cls: type[CheckpointCallback], options: CheckpointOptions, context: PluginContext
 ) -> CheckpointCallback:
@@ -241,7 +314,9 @@ def _build(
         keys=("checkpoint",),
         schema={"checkpoint": CHECKPOINT_SECTION_SCHEMA},
         to_options=options_from_section,
+        errors=section_errors,
     ),
+    options_errors=options_errors,
     enabled_by_default=True,
     implied_order=90,  # last: it saves what the others did in the step
 )
@@ -276,7 +351,14 @@ class CheckpointCallback(Callback):
         load_callback_state: bool = CheckpointOptions.load_callback_state,
         monitor: str | None = CheckpointOptions.monitor,
         mode: Mode = CheckpointOptions.mode,
+        every_minutes: float | None = CheckpointOptions.every_minutes,
+        remote: str | None = CheckpointOptions.remote,
+        remote_options: Mapping[str, object] = _NO_REMOTE_OPTIONS,
+        remote_attempts: int = CheckpointOptions.remote_attempts,
+        remote_retry: RetryPolicy | None = None,
     ) -> None:
+        if every_minutes is not None and not every_minutes > 0:
+            raise ValueError(f"every_minutes must be positive or None, got {every_minutes!r}")
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
         if monitor is not None and not monitor:
@@ -318,6 +400,18 @@ class CheckpointCallback(Callback):
             self.state_key = "checkpoint"  # the best value survives resume
         else:  # nothing to watch: no metrics hook, so no rank builds a record for it
             self.due_when = {Event.METRICS: never()}
+        self.every_minutes = every_minutes
+        self.wall_clock: Deadline | None = None
+        """With ``every_minutes``, during a fit: the next save by time (``Deadline``)."""
+        self.remote = remote
+        # ``remote_retry`` (Python only) sets the backoff too; ``remote_attempts`` the tries.
+        self.remote_retry = remote_retry or RetryPolicy(attempts=remote_attempts)
+        # Opened here (no connection yet): a missing extra or an unknown URL fails the build.
+        self._store: RemoteStore | None = (
+            open_store(remote, remote_options) if remote is not None else None
+        )
+        self.mirror: RemoteMirror | None = None
+        """Rank 0's uploader during a fit with ``remote`` (``None`` otherwise)."""
 
     # -- ResumeSource ---------------------------------------------------------------------
 
@@ -390,6 +484,7 @@ class CheckpointCallback(Callback):
         self.signal_received = None
         self._deferred, self._abandoned = None, False
         self._step_end_state = None
+        self.wall_clock = None
         self.last_saved_step = (
             ctx.start_step if self.manager.has_checkpoint(ctx.start_step) else None
         )
@@ -402,8 +497,15 @@ class CheckpointCallback(Callback):
                 "async_save: false"
             )
         self._warn_about_foreign_checkpoints(ctx.start_step, trainer)
+        main = trainer.distributed is None or trainer.distributed.is_main
+        if self._store is not None and main:
+            self.mirror = RemoteMirror(self._store, self.manager, retry=self.remote_retry)
+        if self.every_minutes is not None:
+            self.wall_clock = Deadline(trainer.distributed)
+            self._restart_clock(ctx.start_step)
         if self.async_save:
-            self._writer = AsyncCheckpointWriter(self.manager)
+            on_commit = self.mirror.submit if self.mirror is not None else None
+            self._writer = AsyncCheckpointWriter(self.manager, on_commit=on_commit)
         if self.save_on_signal:
             self._install_signal_handlers(trainer)
 
@@ -417,7 +519,9 @@ class CheckpointCallback(Callback):
             self._step_end_state = (counters, capture_rng_state(), trainer.data_position())
         best = self._best_pending == ctx.step and self.manager.enabled
         self._best_pending = None
-        if best or self.manager.should_save(ctx.step):
+        # Asked every step on every rank (a collective at its decision steps).
+        timed = self.wall_clock is not None and self.wall_clock.passed(ctx.step)
+        if best or self.manager.should_save(ctx.step) or timed:
             self._save(trainer, ctx.step, trainer.state_dict(), best=best)
 
     def on_before_optimizer_step(self, trainer: TrainerView, ctx: OptimizerStepContext) -> None:
@@ -428,13 +532,18 @@ class CheckpointCallback(Callback):
 
     def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
         step = trainer.step
-        wanted = self.save_final or self.signal_received is not None
+        stopped_for_requeue = self.signal_received is not None or is_time_budget_stop(
+            ctx.stop_reason
+        )
+        wanted = self.save_final or stopped_for_requeue
         if self.manager.enabled and wanted and step > 0 and step != self.last_saved_step:
             self._save(trainer, step, trainer.state_dict())
         if self._writer is not None:
             with self._writing_checkpoint():
                 self._writer.wait()  # the run is only over when its checkpoint is on disk
             _barrier(trainer)
+        if self.mirror is not None:
+            self._flush_remote()
         if self.signal_received is not None:
             logger.warning(
                 "stopped by %s at step %d; checkpoint %s written (resume with --resume)",
@@ -473,14 +582,17 @@ class CheckpointCallback(Callback):
     def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         self._restore_signal_handlers()
         writer, self._writer = self._writer, None
-        if writer is None:
-            return
         try:
-            writer.close()
+            if writer is not None:
+                writer.close()
         except CheckpointError as exc:
             if ctx.error is None:
                 raise
             warnings.warn(str(exc), RuntimeWarning, stacklevel=2)
+        finally:
+            mirror, self.mirror = self.mirror, None
+            if mirror is not None:
+                mirror.close()  # what a failed fit committed is uploaded too
 
     # -- saving -------------------------------------------------------------------------
 
@@ -506,10 +618,59 @@ class CheckpointCallback(Callback):
                 self._writer.submit(step, state, defer=_changed_only_by_optimizer_step(trainer))
             elif main or trainer.sharded_state:  # sharded: every rank writes its shard
                 path = self.manager.save(step, state)
+                if self.mirror is not None:  # rank 0; an async write hands it over itself
+                    self.mirror.submit(path)
         self.last_saved_step = step
         self.last_path = path
+        if self.wall_clock is not None:
+            self._restart_clock(step)
         if meet_peers and self._writer is None:
             _barrier(trainer)
+
+    def _restart_clock(self, step: int) -> None:
+        """The next save by time: ``every_minutes`` after now (the fit's start, a save)."""
+        assert self.wall_clock is not None and self.every_minutes is not None
+        self.wall_clock.start_at(time.monotonic() + 60.0 * self.every_minutes, step=step)
+
+    def _flush_remote(self) -> None:
+        """Wait until the uploads are done (each store operation bounded by its retries),
+        so that a job ending here has its last checkpoint in the store."""
+        assert self.mirror is not None
+        if self.mirror.busy:
+            logger.info("checkpoint.remote: waiting for the upload to %s", self.mirror.store.url)
+        self.mirror.flush()
+        newest = None if self.last_path is None else self.last_path.name
+        if newest is not None and self.mirror.verified != newest:
+            logger.warning(
+                "checkpoint.remote: the newest checkpoint %s is not in %s (%s); it is in %s",
+                newest,
+                self.mirror.store.url,
+                f"the newest there is {self.mirror.verified}"
+                if self.mirror.verified
+                else "no upload of this fit succeeded",
+                self.manager.directory,
+            )
+
+    def fetch_checkpoints(self, trainer: TrainerView) -> Path | None:
+        """Before a resume loads (``speedtronic.state.resume.FetchesCheckpoints``): download
+        the newest intact remote checkpoint when it is newer than the local directory's
+        (one process per node downloads; every rank gets its path)."""
+        if self._store is None or not self.manager.enabled:
+            return None
+        distributed = trainer.distributed
+        fetched: Path | None = None
+        if distributed is None or distributed.is_local_main:
+            fetched = fetch_newer(self._store, self.manager, retry=self.remote_retry)
+        if distributed is not None and distributed.world_size > 1:
+            import torch.distributed as dist
+
+            # Every node's download is done before any rank loads (a broadcast alone would
+            # release another node's ranks while their local main still downloads).
+            _barrier(trainer)
+            names: list[object] = [None if fetched is None else fetched.name]
+            dist.broadcast_object_list(names, src=0)  # rank 0's verdict, for every rank
+            fetched = None if names[0] is None else self.manager.directory / str(names[0])
+        return fetched
 
     def _state_at_last_step_end(self, trainer: TrainerView) -> dict[str, object]:
         """The trainer's state, with the counters, RNG and data position of the end of the
@@ -658,3 +819,26 @@ def _barrier(trainer: TrainerView) -> None:
     """Wait for every rank of a distributed run (nothing to wait for in one process)."""
     if trainer.distributed is not None and trainer.distributed.world_size > 1:
         trainer.distributed.barrier()
+
+
+CREDENTIAL_KEYS = frozenset(
+    {"key", "secret", "token", "password", "session_token", "access_key", "secret_key"}
+    | {"aws_access_key_id", "aws_secret_access_key", "aws_session_token", "account_key"}
+    | {"sas_token", "client_secret", "api_key", "hmac_key"}
+)
+"""Storage-option keys that hold credentials: refused in ``remote_options`` (the config is
+saved with the run and inside every checkpoint); they come from the environment."""
+
+
+def _credential_errors(path: str, options: object, depth: int = 0) -> Iterator[str]:
+    if not isinstance(options, Mapping) or depth > 8:
+        return
+    for key, value in options.items():
+        if isinstance(key, str) and key.lower() in CREDENTIAL_KEYS:
+            yield (
+                f"{path}.{key}: credentials do not belong in the config (it is saved with the "
+                "run and in every checkpoint); set them in the environment instead "
+                "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE)"
+            )
+        else:
+            yield from _credential_errors(f"{path}.{key}", value, depth + 1)

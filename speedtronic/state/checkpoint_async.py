@@ -3,7 +3,10 @@
 ``StateSnapshot.take`` copies a state tree into reused CPU buffers (pinned, non-blocking for
 device tensors; deferred for storages the caller promises not to touch until
 ``Snapshot.complete``). ``AsyncCheckpointWriter`` takes such a snapshot on the training thread
-and hands it to one writer thread, which saves it through a ``CheckpointManager``.
+and hands it to one writer thread, which saves it through a ``CheckpointManager`` (and tells
+``on_commit`` what it committed). ``LatestJobWorker`` is the same kind of one background
+thread for work that may lag behind training, where only the newest job matters: uploads of
+committed checkpoints to object storage (``speedtronic.state.remote``).
 
 The files themselves -- atomic writes, the pointer, retention, what a checkpoint may hold --
 are ``speedtronic.state.checkpoint``'s business; this module only decides how a state gets there
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +29,7 @@ from speedtronic.state.checkpoint import CheckpointError, CheckpointManager
 # TENSOR_TYPES: the snapshot copies byte-wise exactly the tensor types plain_state admits.
 from speedtronic.state.safe_load import TENSOR_TYPES, plain_state
 
-__all__ = ["AsyncCheckpointWriter", "Snapshot", "StateSnapshot"]
+__all__ = ["AsyncCheckpointWriter", "LatestJobWorker", "Snapshot", "StateSnapshot"]
 
 
 @dataclass
@@ -152,10 +155,15 @@ class AsyncCheckpointWriter:
     write first, and hands the snapshot to the writer thread, which completes the deferred
     copies (``snapshot_copied`` tells when), then writes through the manager. A failed
     write is raised as ``CheckpointError`` by the next ``submit``, ``poll`` or ``wait``.
+    ``on_commit`` is called on the writer thread with each checkpoint it committed (it must
+    not block: the checkpoint callback hands the path to its object-store mirror).
     """
 
-    def __init__(self, manager: CheckpointManager) -> None:
+    def __init__(
+        self, manager: CheckpointManager, on_commit: Callable[[Path], None] | None = None
+    ) -> None:
         self.manager = manager
+        self.on_commit = on_commit
         self._snapshot = StateSnapshot()
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future[Path] | None = None
@@ -189,7 +197,10 @@ class AsyncCheckpointWriter:
             snapshot.complete()
         finally:
             self._copied.set()  # also on failure: nobody may wait forever
-        return self.manager.save(step, snapshot.state)
+        path = self.manager.save(step, snapshot.state)
+        if self.on_commit is not None:
+            self.on_commit(path)
+        return path
 
     def wait_for_snapshot(self) -> None:
         """Block until the deferred copies of the write in flight are done (then the
@@ -225,3 +236,83 @@ class AsyncCheckpointWriter:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+
+
+class LatestJobWorker:
+    """One background thread for jobs where only the newest pending one matters.
+
+    ``submit`` never blocks: the job runs when the thread is free, and a job still waiting
+    when a newer one is submitted is dropped (the newer supersedes it; the one running is
+    never interrupted). A job reports its own failures -- an exception escaping it is kept
+    and raised by ``wait`` -- so that a slow or failing job never holds up the caller.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._condition = threading.Condition()
+        self._waiting: Callable[[], None] | None = None
+        self._running = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.dropped = 0
+        """Jobs superseded by a newer one before they started."""
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on the worker thread once it is free (replacing a job still waiting)."""
+        with self._condition:
+            if self._closed:
+                raise RuntimeError(f"{self._name}: submit after close")
+            if self._waiting is not None:
+                self.dropped += 1
+            self._waiting = job
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
+                self._thread.start()
+            self._condition.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a job is running or waiting."""
+        with self._condition:
+            return self._running or self._waiting is not None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until no job is running or waiting (``False`` when ``timeout`` seconds
+        passed first); raises what a job raised, once."""
+        with self._condition:
+            idle = self._condition.wait_for(
+                lambda: not self._running and self._waiting is None, timeout
+            )
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return idle
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish what is running and waiting, then stop the thread (``wait``'s result)."""
+        try:
+            return self.wait(timeout)
+        finally:
+            with self._condition:
+                self._closed = True
+                self._condition.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._condition:
+                self._condition.wait_for(lambda: self._waiting is not None or self._closed)
+                job, self._waiting = self._waiting, None
+                if job is None:
+                    self._thread = None
+                    return
+                self._running = True
+            try:
+                job()
+            except BaseException as exc:  # kept for wait(): the thread must go on
+                with self._condition:
+                    self._error = exc
+            finally:
+                with self._condition:
+                    self._running = False
+                    self._condition.notify_all()

@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from speedtronic.engine.trainer import TrainingStateError
 from speedtronic.state.checkpoint import CheckpointManager, SkippedCheckpoint
-from speedtronic.state.run_identity import check_same_run
+from speedtronic.state.run_identity import check_same_run, saved_run
 from speedtronic.state.run_lock import BindsOutputDir
 
 if TYPE_CHECKING:
     from speedtronic.engine.trainer import Trainer
+    from speedtronic.engine.view import TrainerView
 
-__all__ = ["ResumePoint", "ResumeSource", "resume_from"]
+__all__ = ["FetchesCheckpoints", "ResumePoint", "ResumeSource", "resume_from"]
 
 logger = logging.getLogger("speedtronic.checkpoint")
 
@@ -45,6 +46,17 @@ class ResumeSource(Protocol):
     @property
     def load_callback_state(self) -> bool:
         """Restore every callback's saved state on resume."""
+        ...
+
+
+@runtime_checkable
+class FetchesCheckpoints(Protocol):
+    """A plugin that keeps copies of the run's checkpoints elsewhere (the checkpoint
+    callback with ``checkpoint.remote``): before a resume loads, it brings a newer
+    checkpoint than the local directory holds into it (a fresh machine's empty directory)."""
+
+    def fetch_checkpoints(self, trainer: TrainerView) -> Path | None:
+        """Fetch what is newer; the local path of what was fetched, or ``None``."""
         ...
 
 
@@ -89,9 +101,12 @@ def resume_from(
 
     Returns the checkpoint's path, or ``None`` (with a warning; the trainer is untouched and
     starts fresh) when the directory holds no checkpoint. A truncated newest checkpoint is
-    skipped with a warning. ``CheckpointError`` for a checkpoint that cannot be used at all
-    (pickled objects, nothing readable); ``TrainingStateError`` naming the file when its
-    content does not fit this trainer (model keys or shapes, optimizer groups, format);
+    skipped with a warning. Callbacks that keep copies elsewhere (``FetchesCheckpoints``:
+    ``checkpoint.remote``) first bring a newer one into the directory; a trainer without a
+    run id (a new run directory) takes the id of a checkpoint fetched so.
+    ``CheckpointError`` for a checkpoint that cannot be used at all (pickled objects,
+    nothing readable); ``TrainingStateError`` naming the file when its content does not
+    fit this trainer (model keys or shapes, optimizer groups, format);
     ``OtherRunError`` when another run wrote it (``trainer.run_id`` set and different, see
     ``speedtronic.state.run_identity``) unless ``allow_other_run``. A trainer without a run id
     takes the checkpoint's. With ``load_callback_state`` (the default) every callback's
@@ -102,6 +117,12 @@ def resume_from(
     for callback in trainer.callbacks:  # where setup would point them: the run's directory
         if isinstance(callback, BindsOutputDir):
             callback.bind_output_dir(trainer.output_dir)
+    fetched = [
+        path
+        for callback in trainer.callbacks
+        if isinstance(callback, FetchesCheckpoints)
+        and (path := callback.fetch_checkpoints(trainer)) is not None
+    ]
     loaded = manager.load_latest_checkpoint()
     if loaded is None:
         warnings.warn(
@@ -110,6 +131,10 @@ def resume_from(
             stacklevel=2,
         )
         return None
+    if trainer.run_id is None and loaded.path in fetched:
+        # This run's own copy in its object store, on a machine where the run directory is
+        # new (its id file is elsewhere): the checkpoint's run is this run.
+        trainer.run_id = saved_run(loaded.state)[0]
     run_id = check_same_run(
         trainer.run_id,
         trainer.output_dir,

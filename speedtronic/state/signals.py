@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import signal
 
+from speedtronic.state.time_budget import TIME_BUDGET_EXIT_CODE, is_time_budget_stop
+
 __all__ = ["requeue_exit_code", "signal_stop_reason"]
 
 _SIGNAL_REASON_PREFIX = "signal "
@@ -27,8 +29,11 @@ def requeue_exit_code(stop_reason: str | None) -> int | None:
 
     The checkpoint callback stops the fit with such a reason after saving; a launcher that
     exits with this status tells a scheduler the job was interrupted, not finished (0) and
-    not failed (1), so it can be requeued and resumed with ``--resume``.
+    not failed (1), so it can be requeued and resumed with ``--resume``. A fit that spent
+    its time budget (``speedtronic.state.time_budget``) exits ``TIME_BUDGET_EXIT_CODE`` (75).
     """
+    if is_time_budget_stop(stop_reason):
+        return TIME_BUDGET_EXIT_CODE
     if not stop_reason or not stop_reason.startswith(_SIGNAL_REASON_PREFIX):
         return None
     name = stop_reason.removeprefix(_SIGNAL_REASON_PREFIX).strip()

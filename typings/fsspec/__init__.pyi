@@ -1,0 +1,3 @@
+from fsspec.spec import AbstractFileSystem as AbstractFileSystem
+
+__version__: str
