@@ -169,6 +169,11 @@ class DistributedContext:
         return self.rank == 0
 
     @property
+    def is_local_main(self) -> bool:
+        """Local rank 0: one process per node (the one that downloads a remote checkpoint)."""
+        return self.local_rank == 0
+
+    @property
     def collective_device(self) -> torch.device:
         """Where tensors handed to a collective must live (the GPU for NCCL)."""
         return self.device if self.backend == "nccl" else torch.device("cpu")
