@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from speedtronic import Trainer
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import (
     CheckpointContext,
@@ -55,7 +56,6 @@ from speedtronic.engine.contexts import (
     OptimizerStepContext,
     StepContext,
 )
-from speedtronic.engine.trainer import Trainer
 from speedtronic.models.transformer import ReferenceTransformer
 from speedtronic.state.checkpoint import CheckpointManager
 from speedtronic_callbacks.checkpoint import CheckpointCallback

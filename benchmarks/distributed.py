@@ -48,10 +48,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from speedtronic import Trainer  # noqa: E402
 from speedtronic.data import LearnableLanguageDataset, ResumableSampler, collate_batch  # noqa: E402
 from speedtronic.engine.callback import Callback  # noqa: E402
 from speedtronic.engine.contexts import FitContext  # noqa: E402
-from speedtronic.engine.trainer import Trainer  # noqa: E402
 from speedtronic.models.transformer import ReferenceTransformer  # noqa: E402
 from speedtronic.systems.distributed import setup_distributed, teardown_distributed  # noqa: E402
 from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo  # noqa: E402

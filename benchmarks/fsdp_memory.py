@@ -64,8 +64,8 @@ def rank_main(rank: int, world: int, port: int, strategy: str, out: str) -> None
     warnings.simplefilter("ignore")
     from torch.distributed.tensor import DTensor
 
+    from speedtronic import Trainer
     from speedtronic.config import ModelConfig
-    from speedtronic.engine.trainer import Trainer
     from speedtronic.models.registry import build_model
     from speedtronic.systems.distributed import setup_distributed, teardown_distributed
     from speedtronic.systems.sharding import find_shard_blocks

@@ -25,10 +25,10 @@ _EXPORTS: dict[str, str] = {
     "TrainResult": "speedtronic.engine.result",
     "SyncCoordinator": "speedtronic.compat.coordinator",
     # trainer and runtime
-    "Trainer": "speedtronic.engine.trainer",
+    "Trainer": "speedtronic.compat.trainer",
     "TrainerView": "speedtronic.engine.view",
-    "TrainingEngine": "speedtronic.engine.trainer",
-    "SpeedtronicTrainer": "speedtronic.engine.trainer",
+    "TrainingEngine": "speedtronic.compat.trainer",
+    "SpeedtronicTrainer": "speedtronic.compat.trainer",
     "TrainingStateError": "speedtronic.engine.trainer",
     "build_runtime": "speedtronic.runtime",
     "train_from_config": "speedtronic.runtime",
@@ -105,9 +105,9 @@ def __getattr__(name: str) -> object:
     if module is not None:
         value = getattr(importlib.import_module(module), name)
     elif name in _PLUGIN_EXPORTS:
-        from speedtronic.compat.plugin_exports import plugin_attribute
-
-        value = plugin_attribute(_PLUGIN_EXPORTS[name], name, "speedtronic")
+        # By name, like every export: the package root imports nothing until a name is used.
+        exports = importlib.import_module("speedtronic.compat.plugin_exports")
+        value = exports.plugin_attribute(_PLUGIN_EXPORTS[name], name, "speedtronic")
     else:
         raise AttributeError(f"module 'speedtronic' has no attribute {name!r}")
     globals()[name] = value
@@ -117,6 +117,9 @@ def __getattr__(name: str) -> object:
 if TYPE_CHECKING:
     from speedtronic.compat.checkpoint_config import CheckpointConfig as CheckpointConfig
     from speedtronic.compat.coordinator import SyncCoordinator as SyncCoordinator
+    from speedtronic.compat.trainer import SpeedtronicTrainer as SpeedtronicTrainer
+    from speedtronic.compat.trainer import Trainer as Trainer
+    from speedtronic.compat.trainer import TrainingEngine as TrainingEngine
     from speedtronic.config import Config as Config
     from speedtronic.config import ConfigError as ConfigError
     from speedtronic.config import DataConfig as DataConfig
@@ -140,9 +143,6 @@ if TYPE_CHECKING:
     from speedtronic.engine.events import Event as Event
     from speedtronic.engine.metrics import MetricRecord as MetricRecord
     from speedtronic.engine.result import TrainResult as TrainResult
-    from speedtronic.engine.trainer import SpeedtronicTrainer as SpeedtronicTrainer
-    from speedtronic.engine.trainer import Trainer as Trainer
-    from speedtronic.engine.trainer import TrainingEngine as TrainingEngine
     from speedtronic.engine.trainer import TrainingStateError as TrainingStateError
     from speedtronic.engine.view import TrainerView as TrainerView
     from speedtronic.integrations import TensorboardHook as TensorboardHook

@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import Dataset
 
 from speedtronic.compat.metric_logger import MetricLogger
+from speedtronic.compat.trainer import Trainer
 from speedtronic.config import CallbackSpec, ConfigError, JSONValue, SpeedtronicConfig
 from speedtronic.config.preflight import Preflight, check
 from speedtronic.config.sections import OptimizerConfig
@@ -41,7 +42,7 @@ from speedtronic.data.loader import training_dataset
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.evaluation import EvalOutcome, evaluate_model
 from speedtronic.engine.result import TrainResult
-from speedtronic.engine.trainer import Trainer, TrainingStateError
+from speedtronic.engine.trainer import TrainingStateError
 from speedtronic.models.export import (
     ExportResult,
     check_export_target,
@@ -346,8 +347,10 @@ def build_runtime(
         eval_data=eval_data,
         eval_every=cfg.eval.every_steps,
         eval_max_batches=cfg.eval.max_batches,
-        logger=build_logger(cfg, outputs=False),
     )
+    # 2.0 code appends hooks to ``trainer.logger``; built at its first read, so a run that
+    # never reads it has no logger callback to run every step.
+    trainer.provide_logger(lambda: build_logger(cfg, outputs=False))
     if cfg.run.stop_grace_s is not None:  # else the Trainer's (class) default
         trainer.stop_grace_s = cfg.run.stop_grace_s
     resuming = resume or resume_other_run or (source is not None and source.resume_requested)
@@ -573,7 +576,8 @@ def build_logger(config: ConfigSource, *, outputs: bool = True) -> MetricLogger:
     ``logging.json_file`` and ``logging.every_steps`` (paths relative to the working
     directory, as in 2.0), and no hooks.
 
-    ``build_runtime`` attaches one as ``trainer.logger`` so that 2.0 code can append hooks
+    ``build_runtime`` gives its trainer one as ``trainer.logger`` (built at the first read,
+    ``Trainer.provide_logger``) so that 2.0 code can append hooks
     (``trainer.logger.hooks.append(hook)``). That one is built with ``outputs=False``: the
     console and ``jsonl`` sinks already print the metrics and write ``logging.file`` and
     ``logging.json_file``, so it only feeds its hooks.

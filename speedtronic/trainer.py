@@ -1,11 +1,12 @@
-"""The 2.0 import path; the code lives in ``speedtronic.engine.trainer``."""
+"""The 2.0 import path; the code lives in ``speedtronic.compat.trainer`` (the public
+``Trainer``) and ``speedtronic.engine.trainer`` (the engine's Trainer it builds)."""
 
 from speedtronic.compat.coordinator import SyncCoordinator as SyncCoordinator
+from speedtronic.compat.trainer import LRScheduler as LRScheduler
+from speedtronic.compat.trainer import SpeedtronicTrainer as SpeedtronicTrainer
+from speedtronic.compat.trainer import Trainer as Trainer
+from speedtronic.compat.trainer import TrainingEngine as TrainingEngine
 from speedtronic.engine.result import TrainResult as TrainResult
-from speedtronic.engine.trainer import LRScheduler as LRScheduler
-from speedtronic.engine.trainer import SpeedtronicTrainer as SpeedtronicTrainer
-from speedtronic.engine.trainer import Trainer as Trainer
-from speedtronic.engine.trainer import TrainingEngine as TrainingEngine
 from speedtronic.state.training_state import TrainingStateError as TrainingStateError
 
 __all__ = [

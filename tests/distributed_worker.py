@@ -26,12 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from speedtronic import Trainer  # noqa: E402
 from speedtronic.config import SpeedtronicConfig  # noqa: E402
 from speedtronic.data import build_dataloader  # noqa: E402
 from speedtronic.engine.callback import Callback  # noqa: E402
 from speedtronic.engine.contexts import StepContext  # noqa: E402
 from speedtronic.engine.result import TrainResult  # noqa: E402
-from speedtronic.engine.trainer import Trainer  # noqa: E402
 from speedtronic.models.registry import build_model  # noqa: E402
 from speedtronic.runtime import build_runtime  # noqa: E402
 from speedtronic.state.rng import seed_everything  # noqa: E402

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from speedtronic import Trainer
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import StepContext
-from speedtronic.engine.trainer import Trainer
 from speedtronic.plugins import PluginContext
 
 Batch = tuple[torch.Tensor, torch.Tensor]

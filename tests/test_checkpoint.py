@@ -20,6 +20,7 @@ import torch
 from forked import Forked
 from torch import nn
 
+from speedtronic import Trainer
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import (
@@ -28,7 +29,6 @@ from speedtronic.engine.contexts import (
     StepContext,
     TeardownContext,
 )
-from speedtronic.engine.trainer import Trainer
 from speedtronic.plugins import PluginContext
 from speedtronic.state.checkpoint import (
     CheckpointError,

@@ -168,6 +168,70 @@ def test_runtime_built_trainer_exposes_a_logger_for_2_0_hooks(tmp_path: Path) ->
     assert trainer.logger.file is None and trainer.logger.json_file is None
 
 
+def test_a_run_that_never_reads_trainer_logger_runs_no_2_0_callback(tmp_path: Path) -> None:
+    from speedtronic import Trainer, build_runtime
+    from speedtronic.compat.metric_logger import MetricLoggerCallback
+    from speedtronic.engine.events import Event
+
+    def adapters(trainer: Trainer) -> list[MetricLoggerCallback]:
+        return [cb for cb in trainer.callbacks if isinstance(cb, MetricLoggerCallback)]
+
+    def from_2_0_layer(trainer: Trainer) -> list[str]:
+        """The trainer's callbacks whose code is the 2.0 layer's (``speedtronic.compat``)."""
+        return [
+            type(cb).__qualname__
+            for cb in trainer.callbacks
+            if type(cb).__module__.startswith("speedtronic.compat")
+        ]
+
+    trainer, _ = build_runtime(tiny(tmp_path))
+    trainer.fit()
+    assert adapters(trainer) == [] and from_2_0_layer(trainer) == []
+    # config= (2.0) is resolved into settings when the trainer is built: nothing per step.
+    model = nn.Linear(2, 1)
+    configured = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        [(torch.ones(1, 2),)],
+        config=SpeedtronicConfig.from_dict(tiny(tmp_path, logging={"every_steps": 3})),
+    )
+    assert configured.metrics_every == 3 and from_2_0_layer(configured) == []
+    assert "metric_logger" not in dict(trainer.plan.describe())[Event.STEP_END]
+    logger = trainer.logger  # the first read builds it and attaches its callback
+    assert logger is not None and trainer.logger is logger
+    assert [cb.logger for cb in adapters(trainer)] == [logger]
+    assert "metric_logger" in dict(trainer.plan.describe())[Event.STEP_END]
+    # A trainer built in Python without logger= has none, as before.
+    model = nn.Linear(2, 1)
+    plain = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), [(torch.ones(1, 2),)])
+    assert plain.logger is None and adapters(plain) == []
+
+
+def test_a_logger_first_read_during_a_fit_hears_the_rest_of_it(tmp_path: Path) -> None:
+    from speedtronic import Callback, build_runtime
+    from speedtronic.engine.contexts import StepContext
+    from speedtronic.engine.view import TrainerView
+
+    seen: list[tuple[str, object]] = []
+
+    class ReadsTheLogger(Callback):
+        def on_step_end(self, trainer: TrainerView, ctx: StepContext) -> None:
+            if ctx.step == 1:
+                logger = built.logger
+                assert logger is not None
+                logger.hooks.append(lambda event, data: seen.append((event, data.get("step"))))
+
+    config = tiny(tmp_path)
+    config["run"] = {**config["run"], "max_steps": 3}  # type: ignore[dict-item]
+    built, _ = build_runtime(config, extra_callbacks=[ReadsTheLogger()])
+    built.fit()
+    steps = [step for event, step in seen if event == "train_step"]
+    assert steps == [2, 3]
+    # the final checkpoint (saved at fit_end) is reported after train_end, as always
+    assert [event for event, _ in seen][-2:] == ["train_end", "checkpoint"]
+    assert seen[-1] == ("checkpoint", 3)
+
+
 # -- item 5: the 2.0 events reach MetricLogger hooks ----------------------------------------
 
 

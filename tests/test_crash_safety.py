@@ -23,9 +23,9 @@ import torch
 from forked import Forked
 from torch import nn
 
+from speedtronic import Trainer
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import StepContext
-from speedtronic.engine.trainer import Trainer
 from speedtronic.state.checkpoint import POINTER_NAME, CheckpointManager, checkpoint_step
 from speedtronic.state.resume import resume_from
 from speedtronic_callbacks.checkpoint import CheckpointCallback

@@ -21,8 +21,8 @@ import torch
 from forked import Forked
 from test_fsdp import BlockLM, batches, free_port
 
+from speedtronic import Trainer
 from speedtronic.engine.callback import Callback
-from speedtronic.engine.trainer import Trainer
 from speedtronic.state.callback_shards import CALLBACK_SHARD_PATHS
 from speedtronic.state.checkpoint import CheckpointManager
 from speedtronic.state.published_weights import published_weights

@@ -28,10 +28,11 @@ from cli_runner import run_cli as speedtronic
 from planted_payloads import payload, plant_in_record
 from torch import nn
 
+from speedtronic import Trainer
 from speedtronic.config import ConfigError, load_config
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import StepContext
-from speedtronic.engine.trainer import Trainer, TrainingStateError
+from speedtronic.engine.trainer import TrainingStateError
 from speedtronic.engine.view import TrainerView
 from speedtronic.state.checkpoint import (
     POINTER_NAME,

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
+from speedtronic import Trainer
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import FitContext, TeardownContext
-from speedtronic.engine.trainer import Trainer
 from speedtronic.models.transformer import ReferenceTransformer
 from speedtronic.module_utils import set_gradient_checkpointing
 from speedtronic_callbacks.gradient_checkpointing import CheckpointedForward, GradientCheckpointing

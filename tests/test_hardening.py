@@ -17,9 +17,9 @@ import yaml
 from cli_runner import run_cli as speedtronic_cli
 from planted_payloads import RunsCode
 
+from speedtronic import Trainer
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import OptimizerStepContext
-from speedtronic.engine.trainer import Trainer
 from speedtronic.state.checkpoint import (
     CheckpointError,
     CheckpointManager,

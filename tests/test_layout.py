@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,7 @@ is the registry instance now (``tests/test_static_types.py``); the DiLoCo names 
 ``speedtronic.distributed`` are checked in ``tests/test_compat_diloco.py``."""
 
 REEXPORTS = {
-    "trainer": "speedtronic.engine.trainer",
+    "trainer": "speedtronic.compat.trainer",
     "model": "speedtronic.models.transformer",
     "precision": "speedtronic.systems.precision",
     "checkpoint": "speedtronic.state.checkpoint",
@@ -149,11 +150,13 @@ def lint_imports(root: Path) -> tuple[int, str]:
 def test_the_import_contracts_hold() -> None:
     code, report = lint_imports(ROOT)
     assert code == 0, report
-    assert "Contracts: 4 kept, 0 broken." in report
+    assert "Contracts: 5 kept, 0 broken." in report
 
 
-def _repository_copy(tmp_path: Path) -> Path:
-    """The packages and pyproject.toml, copied: a place to plant a forbidden import."""
+def copy_with_imports(tmp_path: Path, imports: Mapping[str, str]) -> Path:
+    """A copy of the packages and ``pyproject.toml`` where each module of ``imports``
+    (a path under ``speedtronic/``) ends with the import statement given for it: a place to
+    plant a forbidden import."""
     copy = tmp_path / "repo"
     copy.mkdir()
     shutil.copy(ROOT / "pyproject.toml", copy)
@@ -161,24 +164,38 @@ def _repository_copy(tmp_path: Path) -> Path:
     shutil.copytree(
         ROOT / "callbacks" / "speedtronic_callbacks", copy / "callbacks" / "speedtronic_callbacks"
     )
+    for module, statement in imports.items():
+        path = copy / "speedtronic" / module
+        path.write_text(path.read_text(encoding="utf-8") + f"\n{statement}\n")
     return copy
 
 
 def test_import_linter_catches_an_engine_module_importing_the_cli(tmp_path: Path) -> None:
-    copy = _repository_copy(tmp_path)
-    notes = copy / "speedtronic" / "engine" / "notes.py"
-    notes.write_text(notes.read_text(encoding="utf-8") + "\nimport speedtronic.cli\n")
+    copy = copy_with_imports(tmp_path, {"engine/notes.py": "import speedtronic.cli"})
     code, report = lint_imports(copy)
     assert code == 1
     assert "speedtronic.engine.notes -> speedtronic.cli" in report
 
 
+def test_import_linter_catches_the_engine_importing_the_config_or_the_2_0_layer(
+    tmp_path: Path,
+) -> None:
+    """The engine is built from resolved values (issue 24): a module of it that imports
+    ``speedtronic.config`` or anything of ``speedtronic.compat`` breaks the contract."""
+    imports = {
+        "engine/notes.py": "import speedtronic.config.sections",
+        "engine/metrics.py": "from speedtronic.compat import hooks",
+    }
+    code, report = lint_imports(copy_with_imports(tmp_path, imports))
+    assert code == 1
+    assert "speedtronic.engine is not allowed to import speedtronic.config:" in report
+    assert "speedtronic.engine is not allowed to import speedtronic.compat:" in report
+    assert "speedtronic.engine.notes -> speedtronic.config.sections" in report
+    assert "speedtronic.engine.metrics -> speedtronic.compat.hooks" in report
+
+
 def test_import_linter_catches_the_config_layer_importing_the_engine(tmp_path: Path) -> None:
-    copy = _repository_copy(tmp_path)
-    schema = copy / "speedtronic" / "config" / "schema.py"
-    schema.write_text(
-        schema.read_text(encoding="utf-8") + "\nimport speedtronic.engine.callback\n"
-    )
+    copy = copy_with_imports(tmp_path, {"config/schema.py": "import speedtronic.engine.callback"})
     code, report = lint_imports(copy)
     assert code == 1
     assert "configuration never imports the engine BROKEN" in report

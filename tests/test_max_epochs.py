@@ -12,11 +12,11 @@ import pytest
 import torch
 from sink_helpers import TinyRegressor, make_batches, make_trainer
 
+from speedtronic import Trainer
 from speedtronic.config import ConfigError, load_config
 from speedtronic.data import BatchStream, EpochLimitReached
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import StepContext
-from speedtronic.engine.trainer import Trainer
 from speedtronic.runtime import build_runtime
 
 

@@ -41,7 +41,8 @@ CORE_FILES = (
             "engine/view",
             "engine/filters",
             "engine/forward_path",
-            "engine/step_state",
+            "engine/state",
+            "engine/settings",
             "state/training_state",
             "state/run_lock",
         )

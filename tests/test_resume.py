@@ -15,12 +15,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from speedtronic import Trainer
 from speedtronic.config.sections import DataConfig, EvalConfig
 from speedtronic.data import TextFileTokenDataset, build_dataloader
 from speedtronic.data.held_out import build_eval_loader
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import MetricsContext, StepContext
-from speedtronic.engine.trainer import Trainer, TrainingStateError
+from speedtronic.engine.trainer import TrainingStateError
 from speedtronic.models.transformer import ReferenceTransformer
 from speedtronic.state.checkpoint import CheckpointManager
 from speedtronic.state.resume import resume_from

@@ -25,12 +25,12 @@ from forked import Forked, cli_main
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from speedtronic import Trainer
 from speedtronic.config import load_config
 from speedtronic.data import build_dataloader
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import MicrobatchContext, StepContext
 from speedtronic.engine.stop_watch import StopTimeoutError
-from speedtronic.engine.trainer import Trainer
 from speedtronic.engine.view import TrainerView
 from speedtronic.state.checkpoint import CheckpointManager, checkpoint_step
 from speedtronic_callbacks.checkpoint import CheckpointCallback

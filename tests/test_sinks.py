@@ -22,11 +22,11 @@ from sink_helpers import (
     read_jsonl,
 )
 
+from speedtronic import Trainer
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import MetricsContext, StepContext
 from speedtronic.engine.dispatch import CallbackWarning
 from speedtronic.engine.metrics import MetricRecord
-from speedtronic.engine.trainer import Trainer
 from speedtronic.hooks import on_event
 from speedtronic.profiling import (
     CallbackList,

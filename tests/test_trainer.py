@@ -11,7 +11,7 @@ from torch import nn
 
 from speedtronic import Callback, Trainer
 from speedtronic.engine.batch import ModelOutputError, loss_from_logits, resolve_loss
-from speedtronic.engine.contexts import StepContext
+from speedtronic.engine.contexts import EvalEndContext, MetricsContext, StepContext
 from speedtronic.engine.view import TrainerView
 
 
@@ -349,3 +349,102 @@ def test_scaler_overflow_step_is_not_counted_and_is_retried() -> None:
     assert seen.skipped == [(1, True), (1, False), (2, False)]
     assert result.steps == 2 and trainer.skipped_steps == 1
     assert torch.isfinite(model.v).all()
+
+
+# -- issue 24 item 4: the Trainer is a training state plus its parts ----------------------------
+
+
+def test_the_loop_checkpoints_and_the_view_share_one_training_state() -> None:
+    model = MeanModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [{"labels": torch.tensor([1.0, 3.0])}]
+    trainer = Trainer(model, opt, data, max_steps=3)
+    state = trainer.state
+    trainer.fit()
+    assert (state.step, state.samples, state.tokens) == (3, 6, 6)
+    assert (trainer.step, trainer.samples, trainer.tokens) == (3, 6, 6)
+    assert trainer.model is state.model and trainer.stream is state.stream
+    trainer.step = 1  # written to the state the loop and the checkpoints read
+    assert state.step == 1 and trainer.state_dict()["counters"] == {
+        "step": 1,
+        "samples": 6,
+        "tokens": 6,
+        "world_size": 1,
+    }
+    trainer.fit(max_steps=2)  # continues from the state's step 1
+    assert state.step == 2 and state.samples == 8
+
+
+def test_the_engine_trainer_trains_from_resolved_settings_alone() -> None:
+    import inspect
+
+    from speedtronic.engine.evaluation import Evaluation
+    from speedtronic.engine.settings import TrainerSettings
+    from speedtronic.engine.trainer import Trainer as EngineTrainer
+
+    # Eleven, from the 26 of the Trainer that resolved its own config; no 2.0 argument.
+    parameters = [name for name in inspect.signature(EngineTrainer.__init__).parameters]
+    assert parameters[1:] == [
+        "model",
+        "optimizer",
+        "data",
+        "callbacks",
+        "max_steps",
+        "start_step",
+        "scheduler",
+        "settings",
+        "evaluation",
+        "distributed",
+        "run_config",
+    ]
+    model = MeanModel()
+    data = [{"labels": torch.tensor([0.0])}, {"labels": torch.tensor([2.0])}]
+    trainer = EngineTrainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        data,
+        max_steps=1,
+        settings=TrainerSettings(accumulation_steps=2),
+        evaluation=Evaluation(data, every=1),
+    )
+    result = trainer.fit()
+    # The accumulation example above, and the held-out loss of the updated v = 0.2.
+    assert model.v.item() == pytest.approx(0.2) and result.final_loss == pytest.approx(2.0)
+    assert result.metrics[0]["eval/loss"] == pytest.approx((0.2**2 + 1.8**2) / 2)
+    with pytest.raises(ValueError, match="accumulation_steps must be >= 1, got 0"):
+        TrainerSettings(accumulation_steps=0)
+
+
+def test_evaluation_and_restore_work_on_the_trainers_one_training_state() -> None:
+    seen: list[tuple[str, object, object]] = []
+
+    class Watch(Callback):
+        def on_eval_end(self, trainer: TrainerView, ctx: EvalEndContext) -> None:
+            # The pass's results wait in the state the metric record takes them from.
+            seen.append(("eval_end", built.state.pending_eval == ctx.metrics, built.state.step))
+
+        def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
+            seen.append(("metrics", built.state.pending_eval, "eval/loss" in ctx.record.values()))
+
+    model = MeanModel()
+    held_out = [{"labels": torch.tensor([2.0])}]
+    built = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        [{"labels": torch.tensor([1.0, 3.0])}],
+        callbacks=[Watch()],
+        max_steps=2,
+        metrics_every=2,
+        eval_data=held_out,
+        eval_every=2,
+    )
+    state = built.state
+    at_start = copy.deepcopy(built.state_dict())
+    built.fit()
+    assert seen == [("metrics", None, False), ("eval_end", True, 2), ("metrics", None, True)]
+    assert model.v.item() != 0.0
+    built.load_state_dict(at_start)  # restored into the same state, not a new one
+    assert built.state is state and (state.step, state.samples, state.tokens) == (0, 0, 0)
+    assert model.v.item() == 0.0 and built.step == 0
+    # Evaluation reads the state's (restored) model: (0 - 2)^2.
+    assert built.evaluate(held_out)["eval/loss"] == pytest.approx(4.0)

@@ -13,10 +13,10 @@ import pytest
 import wandb
 from sink_helpers import StateAtStep, make_trainer
 
+from speedtronic import Trainer
 from speedtronic.config import SpeedtronicConfig
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import StepContext
-from speedtronic.engine.trainer import Trainer
 from speedtronic.integrations import WandbHook
 from speedtronic_callbacks.early_stopping import EarlyStopping
 from speedtronic_callbacks.wandb import WandbCallback

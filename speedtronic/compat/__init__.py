@@ -5,8 +5,10 @@
 * ``hooks`` -- ``on_event``
 * ``integrations`` -- ``WandbHook`` and ``TensorboardHook`` for ``MetricLogger(hooks=[...])``
 * ``coordinator`` -- the ``SyncCoordinator`` protocol and its adapter (``Trainer(coordinator=...)``)
-* ``trainer_args`` -- the ``Trainer``'s legacy arguments: ``config=`` defaults,
-  ``logger=``, ``checkpoint_manager=``, ``coordinator=``
+* ``trainer`` -- ``speedtronic.Trainer``: the engine's Trainer behind the flat keywords and
+  2.0's arguments (``config=`` defaults, ``logger=``, ``checkpoint_manager=``,
+  ``coordinator=``), with 2.0's members (``logger``, ``config``, ``shape_report``, ``train``,
+  ``resume``)
 
 The 2.0 import paths (``speedtronic.profiling``, ``speedtronic.hooks``,
 ``speedtronic.integrations``, ``speedtronic.trainer``) and the package re-export these names,

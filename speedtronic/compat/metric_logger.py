@@ -308,7 +308,7 @@ class MetricLoggerCallback(Callback):
         self.logger = logger
         self.close_logger = close_logger
         self._reported_saves: set[tuple[int, str]] = set()
-        self._savers: tuple[ReportsCheckpoints, ...] = ()
+        self._savers: tuple[ReportsCheckpoints, ...] | None = None  # found at fit start
         self._subscribed: Notes | None = None
         self._shapes_reported = False
         if notes is not None:
@@ -327,11 +327,7 @@ class MetricLoggerCallback(Callback):
         return "metric_logger"
 
     def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
-        # Found once per fit: a per-step isinstance() against a Protocol is not free.
-        self._savers = tuple(
-            cb for cb in _callbacks_of(trainer) if isinstance(cb, ReportsCheckpoints)
-        )
-        self._reported_saves = self._saves()  # saves before this fit are not news
+        self._find_savers(trainer)
         self.logger.emit(
             "train_start",
             {
@@ -373,7 +369,7 @@ class MetricLoggerCallback(Callback):
         self.logger.emit("train_step", ctx.record.values())
 
     def on_step_end(self, trainer: TrainerView, ctx: StepContext) -> None:
-        self._emit_new_saves()
+        self._emit_new_saves(trainer)
 
     def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
         result = ctx.result
@@ -394,20 +390,31 @@ class MetricLoggerCallback(Callback):
 
     def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         try:
-            self._emit_new_saves()  # the final save happens at fit_end
+            self._emit_new_saves(trainer)  # the final save happens at fit_end
         finally:
             if self.close_logger:
                 self.logger.close()
 
+    def _find_savers(self, trainer: TrainerView) -> None:
+        """The callbacks that report their saves; the saves made so far are not news. Found
+        once per fit (a per-step isinstance() against a Protocol is not free), or when the
+        callback joins a fit already running (a runtime-built trainer's logger read then)."""
+        self._savers = tuple(
+            cb for cb in _callbacks_of(trainer) if isinstance(cb, ReportsCheckpoints)
+        )
+        self._reported_saves = self._saves()
+
     def _saves(self) -> set[tuple[int, str]]:
         saves = set()
-        for saver in self._savers:
+        for saver in self._savers or ():
             step, path = saver.last_saved_step, saver.last_path
             if step is not None and path is not None:
                 saves.add((step, str(path)))
         return saves
 
-    def _emit_new_saves(self) -> None:
+    def _emit_new_saves(self, trainer: TrainerView) -> None:
+        if self._savers is None:
+            self._find_savers(trainer)
         for step, path in sorted(self._saves() - self._reported_saves):
             self._reported_saves.add((step, path))
             self.logger.emit("checkpoint", {"step": step, "path": path})
@@ -415,7 +422,7 @@ class MetricLoggerCallback(Callback):
 
 def _shape_report_of(trainer: TrainerView) -> object:
     """The startup shape report the runtime gave the trainer (``None`` without one)."""
-    from speedtronic.engine.trainer import Trainer
+    from speedtronic.compat.trainer import Trainer
 
     return trainer.shape_report if isinstance(trainer, Trainer) else None
 

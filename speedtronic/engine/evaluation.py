@@ -13,9 +13,10 @@ device and are read back once per evaluation (no per-batch host sync); in a dist
 each rank evaluates its shard and the two sums are all-reduced before the division, so
 ``eval/loss`` is the token-weighted mean over the whole held-out set.
 
-``run_step_evaluation`` is what the per-step loop calls on evaluation steps: it emits
-``eval_start`` and ``eval_end`` around the pass and leaves the results on the trainer for
-the step's metric record.
+``Evaluation`` is what a Trainer evaluates during a fit (the held-out data, how often, how
+many batches). ``run_step_evaluation`` is what the per-step loop calls on evaluation steps:
+it emits ``eval_start`` and ``eval_end`` around the pass and leaves the results in the
+training state for the step's metric record.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from speedtronic.state.rng import capture_rng_state, restore_rng_state
 from speedtronic.systems.precision import PrecisionPlan, autocast_context
 
 if TYPE_CHECKING:
+    from speedtronic.engine.state import TrainingState
     from speedtronic.engine.trainer import Trainer
     from speedtronic.systems.distributed import DistributedContext
 
@@ -52,6 +54,7 @@ __all__ = [
     "EVAL_LOSS",
     "EVAL_PPL",
     "EvalOutcome",
+    "Evaluation",
     "EvaluationError",
     "add_eval_results",
     "check_eval_settings",
@@ -88,6 +91,24 @@ def check_eval_settings(every: int | None, max_batches: int | None) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise EvaluationError(f"{name} must be a positive integer or None, got {value!r}")
+
+
+@dataclass
+class Evaluation:
+    """What a Trainer evaluates during a fit: ``data`` (any iterable of held-out batches),
+    every ``every`` steps (0: evaluation is off) and at the fit's final step, up to
+    ``max_batches`` batches each time (``None``: all of them)."""
+
+    data: Iterable[object] | None = None
+    every: int = 0
+    max_batches: int | None = None
+
+    def __post_init__(self) -> None:
+        check_eval_settings(self.every or None, self.max_batches)
+        if self.every and self.data is None:
+            raise EvaluationError(
+                f"eval_every={self.every} needs eval_data, the held-out batches to evaluate"
+            )
 
 
 def is_eval_step(step: int, every: int, target_step: int) -> bool:
@@ -173,22 +194,23 @@ def _perplexity(loss: float) -> float:
 
 def run_step_evaluation(t: Trainer, step: int) -> None:
     """Evaluate at global step ``step`` of a fit: ``eval_start``, the pass, ``eval_end``;
-    the results wait on the trainer (``pending_eval``) for this step's metric record."""
+    the results wait in the training state (``pending_eval``) for this step's metric
+    record."""
     plan = t.plan
     due = plan.due_hooks
     if due[On.EVAL_START]:
-        plan.emit(t, On.EVAL_START, EvalStartContext(step, t.eval_max_batches))
+        plan.emit(t, On.EVAL_START, EvalStartContext(step, t.evaluation.max_batches))
     outcome = t.run_evaluation()
-    t.pending_eval = outcome.metrics
+    t.state.pending_eval = outcome.metrics
     if due[On.EVAL_END]:
         ctx = EvalEndContext(step, outcome.metrics, outcome.batches, outcome.weight)
         plan.emit(t, On.EVAL_END, ctx)
 
 
-def add_eval_results(t: Trainer, record: MetricRecord) -> bool:
+def add_eval_results(state: TrainingState, record: MetricRecord) -> bool:
     """Move this step's evaluation results (``pending_eval``) into its metric record;
     True when there were any."""
-    pending, t.pending_eval = t.pending_eval, None
+    pending, state.pending_eval = state.pending_eval, None
     if pending is None:
         return False
     for key, value in pending.items():

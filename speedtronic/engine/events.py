@@ -33,7 +33,30 @@ CtxT = TypeVar("CtxT")
 
 
 class Event(str, enum.Enum):
-    """A lifecycle event. The value is the event's name; the hook is ``on_<value>``."""
+    """A lifecycle event. The value is the event's name; the hook is ``on_<value>``.
+
+    Where each runs, as ``Trainer.fit`` and ``loop.run_global_step`` run them (K microbatches
+    per global step)::
+
+        setup, fit_start
+        while step < target_step and no stop was requested:
+            step_start
+            K times: microbatch_start, forward, before_backward, backward, after_backward,
+                     microbatch_end
+            before_optimizer_step     gradients complete and unscaled
+            optimizer.step()
+            after_optimizer_step      the fp16 scaler skipped the update: step_end, retry
+            scheduler.step()
+            after_scheduler_step
+            coordinate
+            optimizer_reset           only when asked for and allowed
+            eval_start, eval_end      only on evaluation steps
+            metrics
+            checkpoint
+            step_end
+        fit_end
+        teardown                      always; after exception when the fit failed
+    """
 
     SETUP = "setup"
     FIT_START = "fit_start"
@@ -160,11 +183,6 @@ STEP_TAIL_EVENTS: tuple[Event, ...] = (
     Event.CHECKPOINT,
     Event.STEP_END,
 )
-
-#: Events whose failures stop the run: everything except pure observation.
-#: Observer callbacks (``Callback.is_observer = True``) warn and continue instead.
-ALL_EVENTS: tuple[Event, ...] = tuple(Event)
-
 
 EVAL_EVENTS: tuple[Event, ...] = (Event.EVAL_START, Event.EVAL_END)
 """Events emitted only on evaluation steps, in order."""

@@ -4,6 +4,12 @@ This is the only place that runs forward/backward/optimizer work. Read it top to
 next to ``speedtronic/engine/events.py``: the order of ``emit`` calls here *is* the event contract.
 Nothing here reads a device value back to the host; the loss stays a device tensor until
 a metric is due.
+
+Every function takes the trainer ``t`` -- what hooks receive (``TrainerView``), with the
+callback plan, the forward path and the settings -- and its training state ``s``
+(``speedtronic.engine.state``), the model, optimizer, data and counters the step changes.
+Both come in as arguments and the members read every step are taken into locals once: an
+attribute is a lookup per read.
 """
 
 from __future__ import annotations
@@ -34,10 +40,12 @@ from speedtronic.systems.sharding import global_grad_norm
 
 if TYPE_CHECKING:
     from speedtronic.engine.dispatch import EventHooks, HookTable
+    from speedtronic.engine.forward_path import ForwardPath
+    from speedtronic.engine.state import TrainingState
     from speedtronic.engine.trainer import Trainer
 
 
-def run_global_step(t: Trainer, step: int) -> bool:
+def run_global_step(t: Trainer, s: TrainingState, step: int) -> bool:
     """Run global step number ``step``. Returns False when the grad scaler skipped the
     update (fp16 overflow): the step is not counted and will be retried.
 
@@ -45,31 +53,36 @@ def run_global_step(t: Trainer, step: int) -> bool:
     due to hear is not emitted and its context is not built; the others' hooks are called
     right here rather than through ``CallbackPlan.emit`` -- a call saved per event, typed
     the same way (``HookTable``). The loop's own cost stays a few µs per step."""
-    target_step, metrics_every, eval_every = t.target_step, t.metrics_every, t.eval_every
+    settings = t.settings
+    target_step, metrics_every, eval_every = (
+        s.target_step,
+        settings.metrics_every,
+        t.evaluation.every,
+    )
     due = t.plan.begin_step(step, target_step, metrics_every, eval_every)
-    k = t.accumulation_steps
+    k = settings.accumulation_steps
     step_ctx: StepContext | None = None  # shared by step_start and step_end (immutable)
     if start_hooks := due[On.STEP_START]:
         step_ctx = new_context(StepContext, (step, k))
         for start_hook in start_hooks:
             start_hook(t, step_ctx)
 
-    loss_sum = _accumulate_microbatches(t, due, step, k)
+    loss_sum = _accumulate_microbatches(t, s, due, step, k)
 
-    scaler = t.scaler
-    plain_update = scaler is None and t.grad_clip is None  # no unscale, no clipping
-    grad_norm = None if plain_update else _prepare_gradients(t)
+    scaler, grad_clip, optimizer = s.scaler, settings.grad_clip, s.optimizer
+    plain_update = scaler is None and grad_clip is None  # no unscale, no clipping
+    grad_norm = None if plain_update else _prepare_gradients(s, grad_clip)
     before_ctx: OptimizerStepContext | None = None
     if before_hooks := due[On.BEFORE_OPTIMIZER_STEP]:
         before_ctx = new_context(OptimizerStepContext, (step, False, grad_norm))
         for before_hook in before_hooks:
             before_hook(t, before_ctx)
     if scaler is None:
-        t.optimizer.step()
-        t.optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         skipped = False
     else:
-        skipped = _scaled_optimizer_step(t, scaler)
+        skipped = _scaled_optimizer_step(optimizer, scaler)
     if after_hooks := due[On.AFTER_OPTIMIZER_STEP]:
         # Unless the scaler skipped the update, "after" has the fields of "before": share it.
         if before_ctx is None or skipped:
@@ -86,12 +99,12 @@ def run_global_step(t: Trainer, step: int) -> bool:
                 end_hook(t, end_ctx)
         return False
 
-    t.step = step
-    t.step_loss = loss_sum if k == 1 else loss_sum / k
-    if t.scheduler is not None:
-        t.scheduler.step()
+    s.step = step
+    s.step_loss = loss_sum if k == 1 else loss_sum / k
+    if s.scheduler is not None:
+        s.scheduler.step()
     if scheduler_hooks := due[On.AFTER_SCHEDULER_STEP]:
-        groups = t.optimizer.param_groups
+        groups = optimizer.param_groups
         # One group is the common case: a list comprehension costs a function call.
         lrs = (
             (float(groups[0]["lr"]),)
@@ -106,7 +119,7 @@ def run_global_step(t: Trainer, step: int) -> bool:
         coordinate_ctx = new_context(CoordinateContext, (step,))
         for coordinate_hook in coordinate_hooks:
             coordinate_hook(t, coordinate_ctx)
-    if t.requests.resets:
+    if s.requests.resets:
         _maybe_reset_optimizer(t, step)
     evaluated = bool(eval_every) and is_eval_step(step, eval_every, target_step)
     if evaluated:
@@ -116,7 +129,7 @@ def run_global_step(t: Trainer, step: int) -> bool:
     # (``Trainer.is_metric_due``, spelled out: this runs every step; evaluation steps are
     # logging steps).
     if due[On.METRICS] or evaluated or step % metrics_every == 0 or step == target_step:
-        _emit_metrics(t, step, t.step_loss, grad_norm)
+        _emit_metrics(t, s, step, s.step_loss, grad_norm)
     if checkpoint_hooks := due[On.CHECKPOINT]:
         checkpoint_ctx = new_context(CheckpointContext, (step,))
         for checkpoint_hook in checkpoint_hooks:
@@ -128,13 +141,15 @@ def run_global_step(t: Trainer, step: int) -> bool:
     return True
 
 
-def _accumulate_microbatches(t: Trainer, due: HookTable, step: int, k: int) -> torch.Tensor:
+def _accumulate_microbatches(
+    t: Trainer, s: TrainingState, due: HookTable, step: int, k: int
+) -> torch.Tensor:
     """Forward/backward K microbatches; returns the sum of their unscaled losses (with K=1
     the one loss as the model returned it: ``Trainer.last_loss`` detaches it when read, so a
     step costs no extra tensor op: a ``detach`` is ~3,900 instructions, ``loop_pieces.py``)."""
     mb_start, mb_end = due[On.MICROBATCH_START], due[On.MICROBATCH_END]
     before_bw, after_bw = due[On.BEFORE_BACKWARD], due[On.AFTER_BACKWARD]
-    stream, device, path = t.stream, t.device, t.forward_path
+    stream, device, path, scaler = s.stream, s.device, t.forward_path, s.scaler
     # On the CPU there is nowhere to move a batch to: skip walking it tensor by tensor.
     moves = device.type != "cpu"
     loss_sum: torch.Tensor | None = None
@@ -143,18 +158,22 @@ def _accumulate_microbatches(t: Trainer, due: HookTable, step: int, k: int) -> t
         samples, tokens = batch_size_and_tokens(batch)  # before the move: no device sync
         if moves:
             batch = move_to_device(batch, device)
-        t.samples += samples
-        t.tokens += tokens
+        s.samples += samples
+        s.tokens += tokens
         mb_ctx: MicrobatchContext | None = None
         if mb_start or mb_end:
             mb_ctx = new_context(MicrobatchContext, (step, index, k, batch))
             for hook in mb_start:
                 hook(t, mb_ctx)
         if path.plain:  # no DDP, no autocast: no context managers to enter
-            loss = _forward_backward(t, batch, step, index, k, before_bw, after_bw, False)
+            loss = _forward_backward(
+                t, path, scaler, batch, step, index, k, before_bw, after_bw, False
+            )
         else:
             with path.grad_sync_context(index == k - 1):
-                loss = _forward_backward(t, batch, step, index, k, before_bw, after_bw, True)
+                loss = _forward_backward(
+                    t, path, scaler, batch, step, index, k, before_bw, after_bw, True
+                )
         if k == 1:
             loss_sum = loss
         else:
@@ -169,6 +188,8 @@ def _accumulate_microbatches(t: Trainer, due: HookTable, step: int, k: int) -> t
 
 def _forward_backward(
     t: Trainer,
+    path: ForwardPath,
+    scaler: torch.amp.GradScaler | None,
     batch: object,
     step: int,
     index: int,
@@ -177,8 +198,8 @@ def _forward_backward(
     after_bw: EventHooks[BackwardContext],
     autocast: bool,
 ) -> torch.Tensor:
-    """One microbatch's forward and backward; returns its unscaled loss."""
-    path = t.forward_path
+    """One microbatch's forward and backward; returns its unscaled loss (``path`` and
+    ``scaler`` come from the caller's locals: read once per step, not per microbatch)."""
     if autocast:
         with path.autocast():
             output = path.forward(batch)
@@ -186,8 +207,8 @@ def _forward_backward(
         output = path.forward(batch)
     loss = resolve_loss(output, batch)
     scaled = loss if k == 1 else loss / k  # x / 1 is x: skip the op (bitwise the same grads)
-    if t.scaler is not None:
-        scaled = t.scaler.scale(scaled)
+    if scaler is not None:
+        scaled = scaler.scale(scaled)
     if not (before_bw or after_bw):
         scaled.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return loss
@@ -200,57 +221,57 @@ def _forward_backward(
     return loss
 
 
-def _prepare_gradients(t: Trainer) -> torch.Tensor | None:
+def _prepare_gradients(s: TrainingState, grad_clip: float | None) -> torch.Tensor | None:
     """Unscale fp16 gradients, then clip; returns the total norm when clipping."""
-    if t.scaler is not None:
-        t.scaler.unscale_(t.optimizer)
-    if t.grad_clip is None:
+    if s.scaler is not None:
+        s.scaler.unscale_(s.optimizer)
+    if grad_clip is None:
         return None
-    norm = torch.nn.utils.clip_grad_norm_(t.trainable_parameters, t.grad_clip)
+    norm = torch.nn.utils.clip_grad_norm_(s.trainable_parameters, grad_clip)
     # Over FSDP-sharded gradients the norm is a DTensor whose value is the global norm.
-    return global_grad_norm(norm) if t.sharded_state else norm
+    return global_grad_norm(norm) if s.sharded else norm
 
 
-def _scaled_optimizer_step(t: Trainer, scaler: torch.amp.GradScaler) -> bool:
+def _scaled_optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> bool:
     """The fp16 step through the grad scaler; True when it skipped the step (overflow)."""
     scale_before = scaler.get_scale()  # one host read, fp16 on CUDA only
-    scaler.step(t.optimizer)
+    scaler.step(optimizer)
     scaler.update()
-    t.optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
     return scaler.get_scale() < scale_before
 
 
 def _maybe_reset_optimizer(t: Trainer, step: int) -> None:
     requested = t.take_reset_requests()
-    if not requested or not t.allow_optimizer_reset:
+    if not requested or not t.settings.allow_optimizer_reset:
         return
     t.plan.emit(t, On.OPTIMIZER_RESET, OptimizerResetContext(step, requested))
     t.reset_optimizer_state()
 
 
 def _emit_metrics(
-    t: Trainer, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None
+    t: Trainer, s: TrainingState, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None
 ) -> None:
+    clock = s.fit_clock
     record = MetricRecord(step)
-    elapsed = max(time.perf_counter() - t.fit_clock.start_time, 1e-9)
+    elapsed = max(time.perf_counter() - clock.start_time, 1e-9)
     record.set("loss", loss)
-    groups = t.optimizer.param_groups
+    groups = s.optimizer.param_groups
     record.set("lr", float(groups[0]["lr"]))
     for index, group in enumerate(groups[1:], start=1):
         if group["lr"] != groups[0]["lr"]:
             record.set(f"lr/group{index}", float(group["lr"]))
     if grad_norm is not None:
         record.set("grad_norm", grad_norm)
-    clock = t.fit_clock
     record.set("steps_per_sec", (step - clock.start_step) / elapsed)
-    record.set("samples_per_sec", (t.samples - clock.start_samples) / elapsed)
-    record.set("tokens_per_sec", (t.tokens - clock.start_tokens) / elapsed)
-    record.set("samples", t.samples)
-    record.set("tokens", t.tokens)
-    record.set("micro_batches", t.accumulation_steps)
+    record.set("samples_per_sec", (s.samples - clock.start_samples) / elapsed)
+    record.set("tokens_per_sec", (s.tokens - clock.start_tokens) / elapsed)
+    record.set("samples", s.samples)
+    record.set("tokens", s.tokens)
+    record.set("micro_batches", t.settings.accumulation_steps)
     record.set("elapsed_s", elapsed)
-    evaluated = t.pending_eval is not None and add_eval_results(t, record)
+    evaluated = s.pending_eval is not None and add_eval_results(s, record)
     due = t.is_metric_due(step)
     t.plan.emit(t, On.METRICS, MetricsContext(step, due, record, evaluated))
     if due:
-        t.due_records.append(record.values())
+        s.due_records.append(record.values())

@@ -4,7 +4,9 @@ Every hook receives ``trainer: TrainerView``. It is a ``typing.Protocol`` that t
 ``Trainer`` satisfies structurally, so there is no wrapper object and no per-call cost: at
 run time the hook gets the trainer itself, and mypy (plus the AST test
 ``tests/test_plugin_boundary.py`` over ``callbacks/``) makes sure a plugin uses nothing of
-it beyond the members below.
+it beyond the members below. The counters, the model and the other members of the training
+state are read from the one ``TrainingState`` the loop writes (``speedtronic.engine.state``;
+``trainer.step`` is ``trainer.state.step``).
 
 The members fall into two groups:
 

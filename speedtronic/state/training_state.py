@@ -1,16 +1,18 @@
-"""What a training state holds, and how the Trainer saves and restores it.
+"""What a checkpoint of a training state holds, and how it is captured and restored.
 
-``capture_training_state`` returns everything needed to continue a run exactly -- model,
+``capture_training_state`` returns everything needed to continue a run exactly from a
+``TrainingState`` (``speedtronic.engine.state``) -- model,
 optimizer, scheduler, grad scaler, counters, RNG, data position, every callback's state, the
 redacted config, and which run wrote it (``run``: its id and run directory) -- as tensors and
 plain data only (checkpoints load with
 ``weights_only=True``). ``restore_training_state`` checks the model first and loads the
-optimizer before touching the weights, so a state that does not fit leaves the trainer as it
-was and raises ``TrainingStateError`` naming what does not fit.
+optimizer before touching the weights, so a checkpoint that does not fit leaves the state as
+it was and raises ``TrainingStateError`` naming what does not fit.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,11 +38,15 @@ from speedtronic.state.sharded_checkpoint import (
 )
 
 if TYPE_CHECKING:
-    from speedtronic.engine.trainer import Trainer
+    from collections.abc import Sequence
+
+    from speedtronic.engine.callback import Callback
+    from speedtronic.engine.state import TrainingState
 
 __all__ = [
     "STATE_FORMAT_VERSION",
     "TrainingStateError",
+    "callback_states",
     "capture_training_state",
     "restore_training_state",
 ]
@@ -53,54 +59,60 @@ class TrainingStateError(ValueError):
     """A saved training state does not fit this trainer (format, model keys, shapes)."""
 
 
-def capture_training_state(self: Trainer) -> dict[str, object]:
+def callback_states(callbacks: Sequence[Callback]) -> dict[str, dict[str, object]]:
+    """Every stateful callback's ``state_dict()``, by ``state_key``."""
+    return {cb.state_key: cb.state_dict() for cb in callbacks if cb.state_key is not None}
+
+
+def capture_training_state(training: TrainingState) -> dict[str, object]:
     """Everything needed to continue this run exactly (loads with weights_only=True)."""
-    config = self.config.to_dict(redact_secrets=True) if self.config is not None else None
-    callbacks = self.callback_states()
+    run_config = training.run_config
+    config = copy.deepcopy(dict(run_config)) if run_config is not None else None
+    callbacks = callback_states(training.callbacks)
     sharded_leaves: dict[str, object] = {}
-    if self.sharded_state:  # this rank's shards, keyed by parameter name (they reshard)
-        model, optimizer = capture_sharded_tensors(self.model, self.optimizer)
+    if training.sharded:  # this rank's shards, keyed by parameter name (they reshard)
+        model, optimizer = capture_sharded_tensors(training.model, training.optimizer)
         callbacks, shards, paths = split_callback_shards(callbacks)
         if shards:  # a callback's own DTensor shards go through DCP as well
             sharded_leaves = {CALLBACK_SHARDS: shards, CALLBACK_SHARD_PATHS: paths}
     else:
-        model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
+        model, optimizer = training.model.state_dict(), training.optimizer.state_dict()
     state: dict[str, object] = {
         "format_version": STATE_FORMAT_VERSION,
         "versions": {"speedtronic": __version__, "torch": str(torch.__version__)},
         "model": model,
         "optimizer": optimizer,
-        "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-        "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        "scheduler": training.scheduler.state_dict() if training.scheduler is not None else None,
+        "scaler": training.scaler.state_dict() if training.scaler is not None else None,
         "counters": {
-            "step": self.step,
-            "samples": self.samples,
-            "tokens": self.tokens,
-            "world_size": _world(self)[1],  # the counters above are this rank's share
+            "step": training.step,
+            "samples": training.samples,
+            "tokens": training.tokens,
+            "world_size": _world(training)[1],  # the counters above are this rank's share
         },
         "rng": capture_rng_state(),
-        "data": self.stream.state_dict(),
+        "data": training.stream.state_dict(),
         "callbacks": callbacks,
         "config": config,
         "precision": {
-            "mode": self.precision.mode,
-            "autocast_enabled": self.precision.autocast_enabled,
-            "use_scaler": self.precision.use_scaler,
+            "mode": training.precision.mode,
+            "autocast_enabled": training.precision.autocast_enabled,
+            "use_scaler": training.precision.use_scaler,
         },
     }
-    if self.run_id is not None:  # which run wrote it (speedtronic.state.run_identity)
-        state[RUN_STATE_KEY] = {"id": self.run_id, "output_dir": str(self.output_dir)}
-    if self.sharded_state:
+    if training.run_id is not None:  # which run wrote it (speedtronic.state.run_identity)
+        state[RUN_STATE_KEY] = {"id": training.run_id, "output_dir": str(training.output_dir)}
+    if training.sharded:
         state[SHARDED_MARKER] = True  # written as a sharded (DCP) checkpoint
         state.update(sharded_leaves)
     return state
 
 
-def _load_optimizer(self: Trainer, saved: dict[str, object]) -> None:
+def _load_optimizer(training: TrainingState, saved: dict[str, object]) -> None:
     """Load the optimizer's state; a group layout that differs from this run's is a
     ``TrainingStateError`` that says which setting decides the layout."""
     groups = saved.get("param_groups")
-    ours = len(self.optimizer.param_groups)
+    ours = len(training.optimizer.param_groups)
     if isinstance(groups, list) and len(groups) != ours:
         raise TrainingStateError(
             f"the checkpoint's optimizer has {len(groups)} parameter group(s), this run's has "
@@ -108,11 +120,11 @@ def _load_optimizer(self: Trainer, saved: dict[str, object]) -> None:
             "optimizer.decay_norms_and_biases, whose default a callback may propose; set it "
             "as the run that wrote the checkpoint had it)"
         )
-    self.optimizer.load_state_dict(saved)
+    training.optimizer.load_state_dict(saved)
 
 
 def restore_training_state(
-    self: Trainer, state: Mapping[str, object], *, load_callbacks: bool = True
+    training: TrainingState, state: Mapping[str, object], *, load_callbacks: bool = True
 ) -> None:
     """Restore a ``state_dict``; raises ``TrainingStateError`` naming what does not fit."""
     version = state.get("format_version")
@@ -121,13 +133,14 @@ def restore_training_state(
             f"unknown training-state format version {version!r} "
             f"(this speedtronic reads version {STATE_FORMAT_VERSION})"
         )
-    callback_states = with_callback_shards(state, like=self.model) if load_callbacks else {}
+    saved_callbacks = with_callback_shards(state, like=training.model) if load_callbacks else {}
     if isinstance(state.get(SHARDED_DIRECTORY), str):
         # A sharded checkpoint: its tensors load (and reshard) from its directory, checked
         # against the model before anything changes (the callbacks' shards, above, load
         # into fresh tensors).
-        load_sharded_tensors(Path(str(state[SHARDED_DIRECTORY])), self.model, self.optimizer)
-    elif self.sharded_state:
+        directory = Path(str(state[SHARDED_DIRECTORY]))
+        load_sharded_tensors(directory, training.model, training.optimizer)
+    elif training.sharded:
         raise TrainingStateError(
             "this run shards its model (parallel.strategy fsdp) and resumes from sharded "
             "checkpoints (step_*.dcp directories) only; this one is a single file written by "
@@ -137,32 +150,32 @@ def restore_training_state(
         # Check the model first and load the optimizer (which validates its groups) before
         # touching the weights, so a mismatched checkpoint leaves the trainer as it was.
         weights = cast(Mapping[str, torch.Tensor], state["model"])
-        _check_model(self, weights)
-        _load_optimizer(self, cast(dict[str, object], state["optimizer"]))
-        self.model.load_state_dict(weights)
-    if self.scheduler is not None and state.get("scheduler") is not None:
-        self.scheduler.load_state_dict(cast(dict[str, object], state["scheduler"]))
-    if self.scaler is not None and state.get("scaler") is not None:
-        self.scaler.load_state_dict(cast(dict[str, object], state["scaler"]))
+        _check_model(training, weights)
+        _load_optimizer(training, cast(dict[str, object], state["optimizer"]))
+        training.model.load_state_dict(weights)
+    if training.scheduler is not None and state.get("scheduler") is not None:
+        training.scheduler.load_state_dict(cast(dict[str, object], state["scheduler"]))
+    if training.scaler is not None and state.get("scaler") is not None:
+        training.scaler.load_state_dict(cast(dict[str, object], state["scaler"]))
     counters = cast(Mapping[str, int], state["counters"])
-    self.step = int(counters["step"])
-    self.samples, self.tokens = _rank_share(self, counters)
+    training.step = int(counters["step"])
+    training.samples, training.tokens = _rank_share(training, counters)
     restore_rng_state(cast(Mapping[str, object] | None, state.get("rng")))
-    _adopt_saved_cuda_rng(self, state.get("rng"))
+    _adopt_saved_cuda_rng(training, state.get("rng"))
     data_state = state.get("data")
     if isinstance(data_state, Mapping):
-        self.stream.load_state_dict(cast(Mapping[str, int], data_state))
+        training.stream.load_state_dict(cast(Mapping[str, int], data_state))
     if load_callbacks:
-        _load_callback_states(self, callback_states)
+        _load_callback_states(training, saved_callbacks)
 
 
-def _world(self: Trainer) -> tuple[int, int]:
-    """This trainer's rank and world size (0 and 1 without a process group)."""
-    distributed = self.distributed
+def _world(training: TrainingState) -> tuple[int, int]:
+    """This process's rank and the world size (0 and 1 without a process group)."""
+    distributed = training.distributed
     return (distributed.rank, distributed.world_size) if distributed is not None else (0, 1)
 
 
-def _rank_share(self: Trainer, counters: Mapping[str, int]) -> tuple[int, int]:
+def _rank_share(training: TrainingState, counters: Mapping[str, int]) -> tuple[int, int]:
     """This rank's share of the saved sample and token counters.
 
     Each rank counts what it trained, and the run's totals are the sum over ranks; a
@@ -173,7 +186,7 @@ def _rank_share(self: Trainer, counters: Mapping[str, int]) -> tuple[int, int]:
     before ``world_size`` was recorded carry over as they are."""
     samples, tokens = int(counters["samples"]), int(counters["tokens"])
     saved_world = int(counters.get("world_size", 0))
-    rank, world = _world(self)
+    rank, world = _world(training)
     if saved_world in (0, world):
         return samples, tokens
 
@@ -184,24 +197,26 @@ def _rank_share(self: Trainer, counters: Mapping[str, int]) -> tuple[int, int]:
     return share(samples), share(tokens)
 
 
-def _adopt_saved_cuda_rng(self: Trainer, rng: object) -> None:
+def _adopt_saved_cuda_rng(training: TrainingState, rng: object) -> None:
     """Rank 0 saved the generator of *its* GPU (index 0 on its node); every rank ran the
     same random ops on its own GPU, so that state is the one this rank's GPU needs."""
-    if not self.multi_rank or self.device.type != "cuda" or not isinstance(rng, Mapping):
+    if not training.multi_rank or training.device.type != "cuda" or not isinstance(rng, Mapping):
         return
     saved = rng.get("cuda")
     if isinstance(saved, list) and saved and isinstance(saved[0], torch.Tensor):
-        torch.cuda.set_rng_state(saved[0], self.device)
+        torch.cuda.set_rng_state(saved[0], training.device)
 
 
-def _check_model(self: Trainer, weights: Mapping[str, torch.Tensor]) -> None:
-    problem = model_mismatch(tensor_shapes(self.model.state_dict()), tensor_shapes(weights))
+def _check_model(training: TrainingState, weights: Mapping[str, torch.Tensor]) -> None:
+    problem = model_mismatch(tensor_shapes(training.model.state_dict()), tensor_shapes(weights))
     if problem is not None:
         raise TrainingStateError(problem)
 
 
-def _load_callback_states(self: Trainer, states: Mapping[str, Mapping[str, object]]) -> None:
-    known = {cb.state_key: cb for cb in self.callbacks if cb.state_key is not None}
+def _load_callback_states(
+    training: TrainingState, states: Mapping[str, Mapping[str, object]]
+) -> None:
+    known = {cb.state_key: cb for cb in training.callbacks if cb.state_key is not None}
     for key, callback in known.items():
         if key in states:
             callback.load_state_dict(states[key])

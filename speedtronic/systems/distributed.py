@@ -170,7 +170,7 @@ class DistributedContext:
 
     @property
     def is_local_main(self) -> bool:
-        """Local rank 0: one process per node."""
+        """Local rank 0: one process per node (the one that downloads a remote checkpoint)."""
         return self.local_rank == 0
 
     @property

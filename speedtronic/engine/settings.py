@@ -1,0 +1,57 @@
+"""``TrainerSettings``: how a Trainer runs, every value resolved.
+
+The engine's ``Trainer`` takes one of these instead of a keyword per setting, and never a
+config: whatever fills the values in -- the flat keywords of ``speedtronic.Trainer`` and a
+2.0 ``config=``'s sections (``speedtronic.compat.trainer``), or the runtime -- resolves them
+first. The defaults are those of a ``Trainer`` built in Python with no settings at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from speedtronic.systems.precision import PrecisionPlan
+
+__all__ = ["ParallelStrategy", "TrainerSettings"]
+
+ParallelStrategy = Literal["ddp", "fsdp"]
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """Every value the engine's Trainer runs with (see the module docstring)."""
+
+    device: torch.device = torch.device("cpu")
+    precision: PrecisionPlan | None = None
+    """``None``: the device's ``auto`` plan (``resolve_precision``; fp32 on the CPU)."""
+    accumulation_steps: int = 1
+    """Microbatches per global step (K)."""
+    grad_clip: float | None = None
+    """Clip the gradients' total norm to this before each optimizer step."""
+    metrics_every: int = 1
+    """Logging steps: every this many steps (and the final step, and evaluation steps)."""
+    allow_optimizer_reset: bool = True
+    """Honour a callback's request to reset the optimizer state (``optimizer_reset``)."""
+    compile: bool = False
+    """``torch.compile`` the forward path (eager when the compiler fails)."""
+    max_epochs: int | None = None
+    """End the fit when the data stream would start this epoch (``None``: no limit)."""
+    parallel: ParallelStrategy = "ddp"
+    """``parallel.strategy``: data-parallel replicas, or FSDP2 shards."""
+    reshard_after_forward: bool = True
+    """FSDP: free the gathered parameters after each block's forward."""
+    output_dir: Path = Path("runs")
+    """The run's output directory (relative plugin paths live under it)."""
+
+    def __post_init__(self) -> None:
+        if self.accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
+        epochs = self.max_epochs
+        if epochs is not None and (
+            isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
+        ):
+            raise ValueError(f"max_epochs must be a positive integer, got {epochs!r}")
