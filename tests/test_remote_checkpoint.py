@@ -247,6 +247,18 @@ def test_credentials_in_remote_options_are_refused() -> None:
         )
 
 
+def test_a_password_in_the_remote_url_is_refused_like_one_in_the_options() -> None:
+    # ``user:password@`` reaches the store through fsspec and would be saved with the run
+    with pytest.raises(ConfigError, match=r"checkpoint.remote: the URL holds a password"):
+        SpeedtronicConfig.from_dict({"checkpoint": {"remote": "s3://AKIA:s3cr3t@bucket/run"}})
+    chained = "simplecache::s3://AKIA:s3cr3t@bucket/run"
+    with pytest.raises(ConfigError, match=r"callbacks\[0\].remote: the URL holds a password"):
+        SpeedtronicConfig.from_dict({"callbacks": [{"name": "checkpoint", "remote": chained}]})
+    # a user name alone, or none, is no secret
+    for url in ("s3://bucket/run", "sftp://me@host/run", "memory://run"):
+        SpeedtronicConfig.from_dict({"checkpoint": {"remote": url}})
+
+
 fuzz = settings(
     derandomize=True,
     database=None,

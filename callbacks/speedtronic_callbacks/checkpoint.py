@@ -78,6 +78,7 @@ import math
 import signal
 import threading
 import time
+import urllib.parse
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -281,16 +282,19 @@ def options_from_section(
 
 
 def section_errors(sections: SectionData) -> Iterator[str]:
-    """No credentials in ``checkpoint.remote_options`` (``_credential_errors``)."""
-    options = section_of(sections, "checkpoint").get("remote_options")
-    yield from _credential_errors("checkpoint.remote_options", options)
+    """No credentials in ``checkpoint.remote_options`` or ``checkpoint.remote``'s URL
+    (``_credential_errors``, ``_url_credential_errors``)."""
+    section = section_of(sections, "checkpoint")
+    yield from _url_credential_errors("checkpoint.remote", section.get("remote"))
+    yield from _credential_errors("checkpoint.remote_options", section.get("remote_options"))
 
 
 def options_errors(
     entry: str, options: Mapping[str, object], sections: SectionData
 ) -> Iterator[str]:
-    """No credentials in a ``callbacks:`` entry's ``remote_options``."""
+    """No credentials in a ``callbacks:`` entry's ``remote_options`` or ``remote`` URL."""
     del sections
+    yield from _url_credential_errors(f"{entry}.remote", options.get("remote"))
     yield from _credential_errors(f"{entry}.remote_options", options.get("remote_options"))
 
 
@@ -830,15 +834,33 @@ CREDENTIAL_KEYS = frozenset(
 saved with the run and inside every checkpoint); they come from the environment."""
 
 
+NO_CREDENTIALS = (
+    "credentials do not belong in the config (it is saved with the run and in every "
+    "checkpoint); set them in the environment instead (AWS_ACCESS_KEY_ID, "
+    "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE)"
+)
+
+
+def _url_credential_errors(path: str, url: object) -> Iterator[str]:
+    """A ``user:password@`` in the remote URL is a credential in the config too (fsspec
+    passes it on to the store, and the URL is saved with the run like the options)."""
+    if not isinstance(url, str):
+        return
+    for part in url.split("::"):  # fsspec chains: 'simplecache::s3://...'
+        try:
+            password = urllib.parse.urlsplit(part).password
+        except ValueError:  # a malformed URL is the store's to refuse, with its own words
+            continue
+        if password is not None:
+            yield f"{path}: the URL holds a password (user:password@host); {NO_CREDENTIALS}"
+            return
+
+
 def _credential_errors(path: str, options: object, depth: int = 0) -> Iterator[str]:
     if not isinstance(options, Mapping) or depth > 8:
         return
     for key, value in options.items():
         if isinstance(key, str) and key.lower() in CREDENTIAL_KEYS:
-            yield (
-                f"{path}.{key}: credentials do not belong in the config (it is saved with the "
-                "run and in every checkpoint); set them in the environment instead "
-                "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE)"
-            )
+            yield f"{path}.{key}: {NO_CREDENTIALS}"
         else:
             yield from _credential_errors(f"{path}.{key}", value, depth + 1)
