@@ -93,16 +93,24 @@ def parse_pointer(
     """Decode ``latest.json`` bytes and ``validate`` them: ``(pointer, None)``, or an empty
     ``Pointer`` and the problem. Never raises for any input (bounded: size-capped, and JSON
     nested too deeply is a problem, not a ``RecursionError``)."""
-    empty = Pointer(None, {})
-    if len(data) > MAX_POINTER_BYTES:
-        return empty, f"it is {len(data)} bytes, more than a pointer can be"
-    try:
-        content = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return empty, f"it is not readable JSON ({first_line(exc)})"
-    except RecursionError:
-        return empty, "it is not readable JSON (nested too deeply)"
+    content, problem = decode_pointer_bytes(data)
+    if problem is not None:
+        return Pointer(None, {}), problem
     return validate(content)
+
+
+def decode_pointer_bytes(data: bytes) -> tuple[object, str | None]:
+    """The JSON value of pointer bytes, ``(value, None)``, or ``(None, problem)``: size-capped,
+    and JSON nested too deeply is a problem, not a ``RecursionError`` (local and remote
+    pointers alike)."""
+    if len(data) > MAX_POINTER_BYTES:
+        return None, f"it is {len(data)} bytes, more than a pointer can be"
+    try:
+        return json.loads(data.decode("utf-8")), None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"it is not readable JSON ({first_line(exc)})"
+    except RecursionError:
+        return None, "it is not readable JSON (nested too deeply)"
 
 
 def validate_pointer(directory: Path, content: object) -> tuple[Pointer, str | None]:

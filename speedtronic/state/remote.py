@@ -72,7 +72,7 @@ from speedtronic.state.checkpoint import CheckpointError, CheckpointManager
 from speedtronic.state.checkpoint_async import LatestJobWorker
 from speedtronic.state.errors import first_line
 from speedtronic.state.layout import POINTER_NAME, checkpoint_step
-from speedtronic.state.pointer import MAX_POINTER_BYTES, atomic_json_dump
+from speedtronic.state.pointer import MAX_POINTER_BYTES, atomic_json_dump, decode_pointer_bytes
 from speedtronic.state.sharded_checkpoint import MANIFEST_NAME, SHARDED_SUFFIX
 
 if TYPE_CHECKING:
@@ -188,14 +188,9 @@ class RemotePointer:
 def parse_remote_pointer(data: bytes) -> tuple[RemotePointer | None, str | None]:
     """Decode and validate remote ``latest.json`` bytes: ``(pointer, None)``, or ``(None,
     problem)``. Never raises for any input (size-capped, bounded nesting)."""
-    if len(data) > MAX_POINTER_BYTES:
-        return None, f"it is {len(data)} bytes, more than a pointer can be"
-    try:
-        content = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return None, f"it is not readable JSON ({first_line(exc)})"
-    except RecursionError:
-        return None, "it is not readable JSON (nested too deeply)"
+    content, problem = decode_pointer_bytes(data)
+    if problem is not None:
+        return None, problem
     if not isinstance(content, dict) or not isinstance(content.get("file"), str):
         return None, 'it must be a JSON object with a string "file"'
     target = str(content["file"])
@@ -501,14 +496,22 @@ def _sha256_of(handle: BinaryIO) -> RemoteFile:
     return RemoteFile(size, digest.hexdigest())
 
 
+def _local_pointer(path: Path) -> dict[str, object]:
+    """The local ``latest.json`` as an object, ``{}`` when it is missing or unusable: what
+    the remote side reads of it (the step, records, losses) it reads leniently, since the
+    manager's own reading is what reports a damaged pointer."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_POINTER_BYTES + 1)
+    except OSError:
+        return {}
+    content, problem = decode_pointer_bytes(data)
+    return content if problem is None and isinstance(content, dict) else {}
+
+
 def _local_loss(directory: Path, name: str) -> dict[str, object]:
     """The loss entries the local pointer records for ``name`` (``{}``: none)."""
-    try:
-        with open(directory / POINTER_NAME, "rb") as handle:
-            content = json.loads(handle.read(MAX_POINTER_BYTES).decode("utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return {}
-    table = content.get("checkpoints") if isinstance(content, dict) else None
+    table = _local_pointer(directory / POINTER_NAME).get("checkpoints")
     record = table.get(name) if isinstance(table, dict) else None
     if not isinstance(record, dict):
         return {}
@@ -727,26 +730,16 @@ class RemoteMirror:
 
 def _local_step(manager: CheckpointManager) -> int | None:
     """The step of the local commit record (else of the newest local checkpoint)."""
-    try:
-        with open(manager.pointer_path, "rb") as handle:
-            content = json.loads(handle.read(MAX_POINTER_BYTES).decode("utf-8"))
-        step = content.get("step") if isinstance(content, dict) else None
-        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
-            return step
-    except (OSError, ValueError, RecursionError):
-        pass
+    step = _local_pointer(manager.pointer_path).get("step")
+    if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+        return step
     return manager.newest_step()
 
 
 def _local_records(manager: CheckpointManager) -> dict[str, object]:
     """The local pointer's records of checkpoints that still exist (kept when the pointer
     is pointed at a downloaded checkpoint)."""
-    try:
-        with open(manager.pointer_path, "rb") as handle:
-            content = json.loads(handle.read(MAX_POINTER_BYTES).decode("utf-8"))
-    except (OSError, ValueError, RecursionError):
-        return {}
-    table = content.get("checkpoints") if isinstance(content, dict) else None
+    table = _local_pointer(manager.pointer_path).get("checkpoints")
     if not isinstance(table, dict):
         return {}
     present = {path.name for path in manager.checkpoint_paths()}
