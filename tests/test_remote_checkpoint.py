@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cli_runner import run_cli
+from cli_runner import CliResult, run_cli
 from forked import Forked, cli_main
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -148,6 +148,14 @@ def cli_config(tmp_path: Path, **checkpoint: object) -> Path:
     }
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def fit_cli(
+    config: Path, out: str, max_steps: object, *, resume: bool = False, cwd: Path
+) -> CliResult:
+    """``speedtronic fit --config CONFIG --output-dir OUT --max-steps N [--resume]``."""
+    argv = ["fit", "--config", str(config), "--output-dir", out, "--max-steps", str(max_steps)]
+    return run_cli(*argv, *(["--resume"] if resume else []), cwd=cwd)
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -327,21 +335,10 @@ def test_a_damaged_field_of_a_remote_pointer_is_rejected(field: str, value: obje
 
 def test_a_fresh_directory_resumes_from_s3_bit_for_bit(s3: S3, tmp_path: Path) -> None:
     reference = cli_config(tmp_path / "ref")
-    full = run_cli(
-        "fit",
-        "--config",
-        str(reference),
-        "--output-dir",
-        "full",
-        "--max-steps",
-        "12",
-        cwd=tmp_path / "ref",
-    )
+    full = fit_cli(reference, "full", "12", cwd=tmp_path / "ref")
     assert full.returncode == 0, full.stderr
     config = cli_config(tmp_path, remote=s3.url, remote_options=s3.options)
-    first = run_cli(
-        "fit", "--config", str(config), "--output-dir", "a", "--max-steps", "6", cwd=tmp_path
-    )
+    first = fit_cli(config, "a", "6", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     store = s3.store()
     assert verified_intact(store) == "step_000000000006.pt"
@@ -350,17 +347,7 @@ def test_a_fresh_directory_resumes_from_s3_bit_for_bit(s3: S3, tmp_path: Path) -
     assert len(kept) == 2 and kept[-1] == "step_000000000006.pt"
     assert kept == sorted(remote_pointer(store)["checkpoints"])  # type: ignore[arg-type]
     # another machine: an empty directory, the same run from its remote copy
-    second = run_cli(
-        "fit",
-        "--config",
-        str(config),
-        "--output-dir",
-        "b",
-        "--max-steps",
-        "12",
-        "--resume",
-        cwd=tmp_path,
-    )
+    second = fit_cli(config, "b", "12", resume=True, cwd=tmp_path)
     assert second.returncode == 0, second.stderr
     assert "resumed from b/checkpoints/step_000000000006.pt (step 6)" in second.stdout
     assert "another run" not in second.stderr  # its own copy, although the directory is new
@@ -381,31 +368,17 @@ def test_sharded_checkpoints_upload_as_directories_and_resume_elsewhere(
     )
     text = yaml.safe_load(config.read_text())
     config.write_text(yaml.safe_dump({**text, "parallel": {"strategy": "fsdp"}}))
-    first = run_cli(
-        "fit", "--config", str(config), "--output-dir", "a", "--max-steps", "4", cwd=tmp_path
-    )
+    first = fit_cli(config, "a", "4", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     store = s3.store()
     assert verified_intact(store) == "step_000000000004.dcp"
     files = json.loads(store.read_pointer() or b"{}")["checkpoints"]["step_000000000004.dcp"]
     assert "step_000000000004.dcp/manifest.json" in files["files"]
     assert store.checkpoint_names() == ["step_000000000004.dcp"]  # step 2's deleted
-    second = run_cli(
-        "fit",
-        "--config",
-        str(config),
-        "--output-dir",
-        "b",
-        "--max-steps",
-        "6",
-        "--resume",
-        cwd=tmp_path,
-    )
+    second = fit_cli(config, "b", "6", resume=True, cwd=tmp_path)
     assert second.returncode == 0, second.stderr
     assert "resumed from b/checkpoints/step_000000000004.dcp (step 4)" in second.stdout
-    third = run_cli(
-        "fit", "--config", str(config), "--output-dir", "c", "--max-steps", "6", cwd=tmp_path
-    )
+    third = fit_cli(config, "c", "6", cwd=tmp_path)
     assert third.returncode == 0, third.stderr  # the same run without interruption
     assert losses(tmp_path / "b") == {s: v for s, v in losses(tmp_path / "c").items() if s > 4}
 
@@ -703,16 +676,7 @@ def test_sigkill_during_uploads_then_resume_elsewhere_continues_bit_for_bit(
         starts = [min(losses(config.parent / f"trial{t}")) - 1 for t in range(TRIALS // CHAINS)]
         assert starts == sorted(starts) and starts[-1] > starts[0], starts
     reference = cli_config(tmp_path / "ref", every_steps=10**6)
-    full = run_cli(
-        "fit",
-        "--config",
-        str(reference),
-        "--output-dir",
-        "full",
-        "--max-steps",
-        str(max(seen)),
-        cwd=tmp_path / "ref",
-    )
+    full = fit_cli(reference, "full", str(max(seen)), cwd=tmp_path / "ref")
     assert full.returncode == 0, full.stderr
     expected = losses(tmp_path / "ref" / "full")
     assert {step: expected[step] for step in seen} == seen
