@@ -20,7 +20,7 @@ from types import FrameType
 
 import torch
 
-from speedtronic import Trainer
+from speedtronic import Callback, Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from overhead import SCALAR_CASE, no_op_callbacks, scalar_batches  # noqa: E402
@@ -84,7 +84,12 @@ def hand_loop(steps: int) -> None:
             _ = f"{loss.item():.4f}"
 
 
-def trainer_loop(callbacks: int) -> Callable[[int], None]:
+def trainer_loop(
+    callbacks: int, extra: Callable[[], list[Callback]] = list
+) -> Callable[[int], None]:
+    """The Trainer over the hand loop's model and batches, with ``callbacks`` no-op
+    callbacks and those ``extra()`` makes (fresh ones for every fit)."""
+
     def run(steps: int) -> None:
         model = SCALAR_CASE.make_model()
         with tempfile.TemporaryDirectory() as out:
@@ -93,7 +98,7 @@ def trainer_loop(callbacks: int) -> Callable[[int], None]:
                 SCALAR_CASE.make_optimizer(model),
                 scalar_batches(),
                 device="cpu",
-                callbacks=no_op_callbacks(callbacks),
+                callbacks=[*no_op_callbacks(callbacks), *extra()],
                 max_steps=steps,
                 metrics_every=100,
                 output_dir=Path(out),

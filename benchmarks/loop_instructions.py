@@ -72,25 +72,11 @@ def child(case: str) -> None:
 
 def budget_loop(steps: int) -> None:
     """The ``0`` case's Trainer with a time budget that does not run out."""
-    import tempfile
+    from loop_cost import trainer_loop
 
-    from overhead import SCALAR_CASE, scalar_batches
-
-    from speedtronic import Trainer
     from speedtronic_callbacks.time_budget import TimeBudget
 
-    model = SCALAR_CASE.make_model()
-    with tempfile.TemporaryDirectory() as out:
-        Trainer(
-            model,
-            SCALAR_CASE.make_optimizer(model),
-            scalar_batches(),
-            device="cpu",
-            callbacks=[TimeBudget("1d")],
-            max_steps=steps,
-            metrics_every=100,
-            output_dir=Path(out),
-        ).fit()
+    trainer_loop(0, lambda: [TimeBudget("1d")])(steps)
 
 
 def inclusive_counts(out_file: Path, markers: Sequence[str] = MARKERS) -> dict[str, int]:

@@ -22,7 +22,9 @@ config is refused with a clear error instead of a traceback or a silent exit. On
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import sysconfig
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -64,14 +66,29 @@ def check_module_name(name: str) -> None:
         )
 
 
+def _installed_code_prefixes() -> tuple[str, ...]:
+    """Where installed libraries and the standard library live (``site-packages``, ...)."""
+    paths = sysconfig.get_paths()
+    return tuple(
+        os.path.join(os.path.realpath(paths[key]), "")
+        for key in ("purelib", "platlib", "stdlib", "platstdlib")
+        if key in paths
+    )
+
+
 def _where(error: BaseException) -> str:
-    """`` (at file:line)`` of the innermost frame of ``error`` outside importlib."""
+    """`` (at file:line)`` of the innermost frame of ``error`` outside importlib, and outside
+    installed libraries where the user's own code has a frame: a library that wraps
+    ``sys.exit`` (wandb, once imported, does) is not where the user's module exited."""
     frames = [
         frame
         for frame in traceback.extract_tb(error.__traceback__)
         if not frame.filename.startswith("<frozen importlib")
         and frame.filename != importlib.__file__
     ]
+    installed = _installed_code_prefixes()
+    own = [f for f in frames if not os.path.realpath(f.filename).startswith(installed)]
+    frames = own or frames
     return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 

@@ -12,6 +12,8 @@ import errno
 import json
 import os
 import re
+import sys
+import sysconfig
 from pathlib import Path
 from typing import cast
 
@@ -75,6 +77,25 @@ def test_an_import_that_fails_exits_2_naming_module_and_config(
     assert re.search(expected, err), err
     assert "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_sys_exit_wrapped_by_a_library_is_placed_in_the_users_module(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A library may replace sys.exit by a wrapper (wandb does once imported, so a test that
+    # ran after a wandb test saw "(at .../wandb/sdk/lib/exit_hooks.py:38)"): the place named
+    # is the user's line, not the library's.
+    library_file = os.path.join(sysconfig.get_paths()["purelib"], "exit_hooks_like.py")
+    namespace: dict[str, object] = {"real_exit": sys.exit}
+    source = "def wrapped_exit(code=None):\n    real_exit(code)\n"
+    exec(compile(source, library_file, "exec"), namespace)
+    monkeypatch.setattr(sys, "exit", namespace["wrapped_exit"])
+    (tmp_path / "raises_at_import.py").write_text("import sys\nsys.exit(7)\n")
+    path = write_config(tmp_path, imports=["raises_at_import"])
+    code, _, err = run_cli("validate", "--config", str(path), capsys=capsys)
+    assert code == EXIT_USAGE, err
+    assert re.search(r"sys\.exit\(7\) while being imported \(at .*raises_at_import\.py:2\)", err)
+    assert "exit_hooks_like" not in err
 
 
 @pytest.mark.parametrize(
