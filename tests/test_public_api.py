@@ -69,3 +69,20 @@ def test_engine_modules_never_import_callbacks() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_trainer_imports_no_config_machinery() -> None:
+    """``import speedtronic; speedtronic.Trainer`` (and the engine's Trainer) load neither
+    ``jsonschema``, YAML nor ``speedtronic.config``: those cost start-up time and belong to
+    reading a config (``benchmarks/import_cost.py`` measures the rest)."""
+    code = (
+        "import sys\n"
+        "import speedtronic\n"
+        "speedtronic.Trainer\n"
+        "from speedtronic.engine.trainer import Trainer\n"
+        "machinery = ('jsonschema', 'yaml', 'speedtronic.config')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(machinery)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -31,7 +31,6 @@ from torch import nn
 
 from speedtronic.compat.coordinator import CoordinatorCallback, SyncCoordinator
 from speedtronic.compat.metric_logger import MetricLogger, MetricLoggerCallback
-from speedtronic.config.sections import ParallelConfig
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.evaluation import Evaluation, check_eval_settings
 from speedtronic.engine.settings import ParallelStrategy, TrainerSettings
@@ -42,6 +41,7 @@ from speedtronic.systems.precision import PrecisionPlan, resolve_device, resolve
 
 if TYPE_CHECKING:
     from speedtronic.config import SpeedtronicConfig
+    from speedtronic.config.sections import ParallelConfig
     from speedtronic.engine.notes import Notes
     from speedtronic.state.checkpoint import CheckpointManager
     from speedtronic.systems.distributed import DistributedContext
@@ -208,6 +208,10 @@ def _parallel(
     section = config.parallel if given is None and config is not None else given
     if section is None:
         return "ddp", True
+    # Imported here: the config machinery (jsonschema) loads when a section is validated,
+    # never on ``import speedtronic; speedtronic.Trainer``.
+    from speedtronic.config.sections import ParallelConfig
+
     if not isinstance(section, ParallelConfig):
         section = ParallelConfig.from_dict(section)
     return section.strategy, section.reshard_after_forward
