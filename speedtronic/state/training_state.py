@@ -27,6 +27,7 @@ from speedtronic.state.callback_shards import (
     with_callback_shards,
 )
 from speedtronic.state.model_fit import model_mismatch, tensor_shapes
+from speedtronic.state.optimizer_load import load_optimizer_state
 from speedtronic.state.rng import capture_rng_state, restore_rng_state
 from speedtronic.state.run_identity import RUN_STATE_KEY
 from speedtronic.state.sharded_checkpoint import (
@@ -120,7 +121,7 @@ def _load_optimizer(training: TrainingState, saved: dict[str, object]) -> None:
             "optimizer.decay_norms_and_biases, whose default a callback may propose; set it "
             "as the run that wrote the checkpoint had it)"
         )
-    training.optimizer.load_state_dict(saved)
+    load_optimizer_state(training.optimizer, saved)
 
 
 def restore_training_state(
