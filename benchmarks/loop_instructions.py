@@ -19,6 +19,8 @@ garbage collection of it cannot land in one marker and not the other.
 ``budget`` is the Trainer with the ``time_budget`` callback (``run.max_time`` set, a budget
 that does not run out): what a budget costs per step when there is one. Without one the
 callback does not exist, so the ``0`` case is the loop of a run without ``max_time``.
+``spike_guard`` is the Trainer with the ``spike_guard`` callback on a loss that never spikes
+(past its warm-up in both markers): what the guard costs per step when nothing happens.
 
 ``--baseline`` counts the Trainer of an earlier commit too (unpacked with ``git archive``;
 the benchmark's own scripts stay today's), so a timing taken on another machine at that
@@ -39,12 +41,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CASES = ("hand", "0", "20")
-EXTRA_CASES = ("budget",)
+EXTRA_CASES = ("budget", "spike_guard")
+LABELS = {"budget": "time budget set", "spike_guard": "spike_guard on (nothing spikes)"}
 MARKERS = ("functools_reduce", "builtin_sorted")
 
 
@@ -56,8 +59,8 @@ def child(case: str) -> None:
     from loop_cost import hand_loop, trainer_loop
 
     torch.set_num_threads(1)
-    if case == "budget":
-        run = budget_loop
+    if case in EXTRA_CASES:
+        run = extra_loop(case)
     else:
         run = hand_loop if case == "hand" else trainer_loop(int(case))
     run(20)
@@ -70,13 +73,19 @@ def child(case: str) -> None:
     sorted([0, 1], key=lambda a: (run(300) or 0) if a else 0)  # keys must compare
 
 
-def budget_loop(steps: int) -> None:
-    """The ``0`` case's Trainer with a time budget that does not run out."""
+def extra_loop(case: str) -> Callable[[int], None]:
+    """The ``0`` case's Trainer with one built-in callback that has nothing to do: a time
+    budget that does not run out, or a spike guard on a loss that never spikes."""
     from loop_cost import trainer_loop
 
+    from speedtronic.engine.callback import Callback
+    from speedtronic_callbacks.spike_guard import SpikeGuard
     from speedtronic_callbacks.time_budget import TimeBudget
 
-    trainer_loop(0, lambda: [TimeBudget("1d")])(steps)
+    def callbacks() -> list[Callback]:
+        return [TimeBudget("1d")] if case == "budget" else [SpikeGuard()]
+
+    return trainer_loop(0, callbacks)
 
 
 def inclusive_counts(out_file: Path, markers: Sequence[str] = MARKERS) -> dict[str, int]:
@@ -175,9 +184,7 @@ def main() -> None:
     print(f"hand-written loop: {hand:,.0f} instructions per step")
     print("| Trainer | instructions/step | extra over the hand loop | extra |")
     print("|---|---:|---:|---:|")
-    rows = [
-        ("time budget set" if case == "budget" else f"{case} callbacks", case) for case in cases[1:]
-    ]
+    rows = [(LABELS.get(case, f"{case} callbacks"), case) for case in cases[1:]]
     if args.baseline:
         rows.append((f"{args.baseline}, no callbacks", "baseline"))
     for label, case in rows:

@@ -334,11 +334,12 @@ def _fit(args: argparse.Namespace) -> int:
         )
         if result.stop_reason:
             print(f"stopped early: {result.stop_reason}")
-    from speedtronic.state.checkpoint import requeue_exit_code
+    from speedtronic.state.signals import stop_exit_code
 
     # A signal stop (after the final checkpoint) exits 128+signal so a scheduler requeues it;
-    # a spent time budget exits 75 (EX_TEMPFAIL), for the same purpose.
-    requeue = requeue_exit_code(result.stop_reason)
+    # a spent time budget exits 75 (EX_TEMPFAIL), for the same purpose; a plugin's stop for
+    # bad input (after the final checkpoint too) exits 2, as any other user mistake.
+    requeue = stop_exit_code(result.stop_reason)
     if requeue is None and failed:
         # Observers never stop training, but what they failed to write is lost: say so.
         more = f" (and {len(failed) - 1} more callback failure(s) above)" if failed[1:] else ""

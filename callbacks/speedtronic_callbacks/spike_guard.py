@@ -1,0 +1,332 @@
+"""``spike_guard``: skip the optimizer step of a batch whose loss (or gradient norm) spikes.
+
+    callbacks:
+      - {name: spike_guard, threshold: 6.0, warmup_steps: 50, max_skips: 5}
+
+At ``before_optimizer_step`` -- gradients complete and unscaled, the update not yet applied --
+the guard compares the step's loss (the sum of its microbatch losses; ``watch: grad_norm``:
+the total gradient norm, the clipping norm when there is one; ``both``: either) with the mean
+and standard deviation of the last ``window`` accepted steps. A value more than ``threshold``
+standard deviations *above* the mean, or one that is not finite, is a spike -- once at least
+``warmup_steps`` accepted steps make up the history (before that the guard only learns).
+
+What a skipped step does, exactly:
+
+* the weights and the optimizer's state are left as they were, bit for bit: the gradients
+  are dropped (``trainer.skip_update``), so the optimizer step that follows is a no-op for
+  every parameter (no moment update, no step count, no weight decay);
+* the step still counts: the scheduler advances, the batch is consumed (the data position
+  moves on, as after any step), ``trainer.step`` grows, the checkpoint may be due;
+* the spiking value does not enter the history, so one spike does not widen the band;
+* a warning names the step, the value, the band and the batches (the data position after
+  the step's ``accumulation_steps`` microbatches); the last 100 skips are kept in the
+  callback's checkpointed state (``skipped``) and the count is added to due metric records
+  as ``spike_guard/skipped_steps``.
+
+More than ``max_skips`` skipped steps within the last ``skip_window`` steps stop the fit
+cleanly after the step (``fit_end`` runs; the checkpoint callback saves the last good
+weights) with a stop reason the CLI turns into exit status 2: data or a learning rate that
+keeps the loss spiking is the user's to fix, not something to train through.
+
+Cost: each step's check brings one or two numbers to the host -- one device sync per step
+(nothing on the CPU; on a GPU the overlap of one step). With several ranks the numbers are
+averaged over the world first (one all-reduce of two floats), so every rank skips alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Literal
+
+import torch
+import torch.distributed as dist
+
+from speedtronic.config.declare import Opt, plugin
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import (
+    BackwardContext,
+    FitContext,
+    MetricsContext,
+    OptimizerStepContext,
+)
+from speedtronic.engine.events import Event
+from speedtronic.engine.filters import logging_steps
+from speedtronic.state.signals import bad_input_stop_reason
+from speedtronic.user_warnings import warn
+from speedtronic_callbacks.nan_guard import total_grad_norm
+
+if TYPE_CHECKING:
+    from speedtronic.engine.view import TrainerView
+
+Watch = Literal["loss", "grad_norm", "both"]
+SKIPPED_KEY = "spike_guard/skipped_steps"
+KEPT_SKIPS = 100  # skipped steps remembered in the checkpointed state
+
+
+@dataclass(frozen=True)
+class SpikeGuardOptions:
+    """The ``spike_guard`` plugin's options."""
+
+    watch: Annotated[
+        Watch,
+        Opt(
+            "what spikes: the step's `loss`, the gradient norm (`grad_norm`, the clipping norm "
+            "when there is one), or `both` (either one spiking skips)"
+        ),
+    ] = "loss"
+    threshold: Annotated[
+        float,
+        Opt("a spike is more than this many standard deviations above the mean", minimum=0.5),
+    ] = 6.0
+    window: Annotated[
+        int, Opt("the mean and deviation are over the last N accepted steps", minimum=2)
+    ] = 200
+    warmup_steps: Annotated[
+        int, Opt("accepted steps of history before the guard may skip", minimum=2)
+    ] = 50
+    max_skips: Annotated[
+        int,
+        Opt("more skipped steps than this within `skip_window` stop the run (exit 2)", minimum=0),
+    ] = 5
+    skip_window: Annotated[
+        int, Opt("the span, in steps, that `max_skips` counts over", minimum=1)
+    ] = 100
+
+
+@dataclass(frozen=True)
+class SkippedStep:
+    """One skipped step: what spiked, and which batches (the data position after them)."""
+
+    step: int
+    watched: str
+    value: float
+    mean: float
+    std: float
+    data_position: Mapping[str, int]
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "step": self.step,
+            "watched": self.watched,
+            "value": self.value,
+            "mean": self.mean,
+            "std": self.std,
+            "data_position": dict(self.data_position),
+        }
+
+
+class RunningBand:
+    """Mean and standard deviation of the last ``window`` accepted values, in constant time
+    per value: running sums, recomputed exactly once per ``window`` values so that rounding
+    never accumulates."""
+
+    def __init__(self, window: int) -> None:
+        self.values: deque[float] = deque(maxlen=window)
+        self._sum = 0.0
+        self._squares = 0.0
+        self._since_exact = 0
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def append(self, value: float) -> None:
+        if len(self.values) == self.values.maxlen:
+            oldest = self.values[0]
+            self._sum -= oldest
+            self._squares -= oldest * oldest
+        self.values.append(value)
+        self._sum += value
+        self._squares += value * value
+        self._since_exact += 1
+        if self._since_exact >= len(self.values):
+            self.recompute()
+
+    def extend(self, values: Iterable[float]) -> None:
+        self.values.clear()
+        self.values.extend(values)
+        self.recompute()
+
+    def recompute(self) -> None:
+        self._sum = math.fsum(self.values)
+        self._squares = math.fsum(value * value for value in self.values)
+        self._since_exact = 0
+
+    def mean_std(self) -> tuple[float, float]:
+        count = len(self.values)
+        mean = self._sum / count
+        variance = max(self._squares - count * mean * mean, 0.0) / max(count - 1, 1)
+        return mean, math.sqrt(variance)
+
+    def spikes(self, value: float, threshold: float) -> tuple[bool, float, float]:
+        """Whether ``value`` lies more than ``threshold`` deviations above the mean (a
+        non-finite value always does), with the band's mean and deviation."""
+        mean, std = self.mean_std()
+        if not math.isfinite(value):
+            return True, mean, std
+        # A flat history (std 0) still tolerates relative noise of one part in a million.
+        scale = max(std, 1e-6 * max(abs(mean), 1e-12))
+        return (value - mean) / scale > threshold, mean, std
+
+
+@plugin("spike_guard", options=SpikeGuardOptions)
+class SpikeGuard(Callback):
+    """Skips the update of a step whose loss or gradient norm spikes; stops the run when
+    spikes keep coming."""
+
+    state_key: str | None = "spike_guard"
+
+    def __init__(
+        self,
+        watch: Watch = SpikeGuardOptions.watch,
+        *,
+        threshold: float = SpikeGuardOptions.threshold,
+        window: int = SpikeGuardOptions.window,
+        warmup_steps: int = SpikeGuardOptions.warmup_steps,
+        max_skips: int = SpikeGuardOptions.max_skips,
+        skip_window: int = SpikeGuardOptions.skip_window,
+    ) -> None:
+        if watch not in ("loss", "grad_norm", "both"):
+            raise ValueError(f"watch must be 'loss', 'grad_norm' or 'both', got {watch!r}")
+        if warmup_steps > window:
+            raise ValueError(
+                f"warmup_steps ({warmup_steps}) must not exceed window ({window}): the "
+                "history never holds more than `window` steps"
+            )
+        self.watch: Watch = watch
+        self.threshold = threshold
+        self.warmup_steps = warmup_steps
+        self.max_skips = max_skips
+        self.skip_window = skip_window
+        self.bands = {name: RunningBand(window) for name in self._watched_names()}
+        self.skipped: list[SkippedStep] = []
+        self.skipped_steps = 0
+        self._loss_sum: torch.Tensor | None = None
+        self.due_when = {Event.METRICS: logging_steps()}
+
+    def _watched_names(self) -> tuple[str, ...]:
+        return ("loss", "grad_norm") if self.watch == "both" else (self.watch,)
+
+    # -- state ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, object]:
+        return {
+            "history": {name: list(band.values) for name, band in self.bands.items()},
+            "skipped_steps": self.skipped_steps,
+            "skipped": [skip.as_dict() for skip in self.skipped],
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        history = state.get("history")
+        if isinstance(history, Mapping):
+            for name, band in self.bands.items():
+                values = history.get(name)
+                if isinstance(values, list):
+                    band.extend(float(value) for value in values)
+        count = state.get("skipped_steps")
+        if isinstance(count, int):
+            self.skipped_steps = count
+        skipped = state.get("skipped")
+        if isinstance(skipped, list):
+            self.skipped = [_skipped_from(entry) for entry in skipped if isinstance(entry, Mapping)]
+
+    # -- hooks ----------------------------------------------------------------------------
+
+    def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
+        self._loss_sum = None
+
+    def on_after_backward(self, trainer: TrainerView, ctx: BackwardContext) -> None:
+        if self.watch == "grad_norm":
+            return
+        loss = ctx.loss.detach()
+        self._loss_sum = loss if ctx.index == 0 or self._loss_sum is None else self._loss_sum + loss
+
+    def on_before_optimizer_step(self, trainer: TrainerView, ctx: OptimizerStepContext) -> None:
+        values = self._watched_values(trainer, ctx)
+        if values is None:
+            return
+        for name, value in values.items():
+            band = self.bands[name]
+            if len(band) < self.warmup_steps:
+                continue
+            spiked, mean, std = band.spikes(value, self.threshold)
+            if spiked:
+                self._skip(
+                    trainer,
+                    SkippedStep(ctx.step, name, value, mean, std, dict(trainer.data_position())),
+                )
+                return
+        for name, value in values.items():
+            self.bands[name].append(value)
+
+    def _watched_values(
+        self, trainer: TrainerView, ctx: OptimizerStepContext
+    ) -> dict[str, float] | None:
+        """This step's watched numbers on the host (one transfer; averaged over the ranks)."""
+        loss_sum, self._loss_sum = self._loss_sum, None
+        watched: list[torch.Tensor] = []
+        if self.watch != "grad_norm":
+            if loss_sum is None:
+                return None
+            watched.append(loss_sum.float().reshape(()))
+        if self.watch != "loss":
+            norm = ctx.grad_norm
+            if norm is None:
+                norm = total_grad_norm(trainer.trainable_parameters)
+            if norm is None:
+                return None
+            watched.append(norm.detach().float().reshape(()).to(trainer.device))
+        numbers = torch.stack([value.to(watched[0].device) for value in watched])
+        context = trainer.distributed
+        if context is not None and context.world_size > 1:
+            numbers = numbers.to(context.collective_device)
+            dist.all_reduce(numbers, op=dist.ReduceOp.SUM)
+            numbers /= context.world_size
+        host = numbers.cpu().tolist()  # the one host sync of a step
+        return dict(zip(self._watched_names(), (float(value) for value in host), strict=True))
+
+    def _skip(self, trainer: TrainerView, skip: SkippedStep) -> None:
+        trainer.skip_update()  # the optimizer step that follows changes nothing
+        self.skipped_steps += 1
+        self.skipped = [*self.skipped, skip][-KEPT_SKIPS:]
+        where = ", ".join(f"{key} {value}" for key, value in skip.data_position.items())
+        history = len(self.bands[skip.watched])
+        message = (
+            f"spike_guard: step {skip.step}: {skip.watched} {skip.value:.6g} is over "
+            f"{self.threshold:g} deviations above the mean of the last {history} "
+            f"steps ({skip.mean:.6g} ± {skip.std:.3g}); update skipped (batches up to data "
+            f"position {where or 'unknown'})"
+        )
+        recent = [s for s in self.skipped if s.step > skip.step - self.skip_window]
+        if len(recent) > self.max_skips:
+            reason = bad_input_stop_reason(
+                f"spike_guard: {len(recent)} steps skipped within the last {self.skip_window} "
+                f"(max_skips {self.max_skips}), the last at step {skip.step}: the data or the "
+                "learning rate keeps the "
+                f"{skip.watched} spiking; the weights are those before the spikes"
+            )
+            warn(message, RuntimeWarning)
+            trainer.request_stop(reason)
+            return
+        warn(message, RuntimeWarning)
+
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
+        ctx.record.set(SKIPPED_KEY, self.skipped_steps)
+
+
+def _skipped_from(entry: Mapping[str, object]) -> SkippedStep:
+    position = entry.get("data_position")
+    return SkippedStep(
+        step=int(str(entry.get("step", 0))),
+        watched=str(entry.get("watched", "")),
+        value=float(str(entry.get("value", "nan"))),
+        mean=float(str(entry.get("mean", "nan"))),
+        std=float(str(entry.get("std", "nan"))),
+        data_position={
+            str(key): int(value)
+            for key, value in (position.items() if isinstance(position, Mapping) else ())
+            if isinstance(value, int)
+        },
+    )
