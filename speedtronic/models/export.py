@@ -19,17 +19,25 @@ With the run's tokens (``speedtronic.models.export_tokens``): its ``tokenizer.js
 end-of-document id (beginning-of-text when known) in ``config.json`` and
 ``generation_config.json``, checked against the model's ``vocab_size``.
 
-The directory is written atomically: everything goes into a hidden temporary sibling,
-which is fsynced and renamed onto ``output`` (an existing non-empty ``output`` only with
-``overwrite``, moved aside first and removed after). ``transformers`` and ``safetensors``
-are imported inside the functions (the ``hf`` extra).
+Weights holding a NaN or an infinity are refused, naming the tensor (``check_finite``),
+unless ``allow_nonfinite``: a diverged run's export would load and generate garbage.
+
+The directory is written as a unit (``speedtronic.state.directory_swap``: a staging
+sibling, fsynced, renamed onto ``output``; the old directory restored if that fails), with
+a record of its files (``EXPORT_RECORD``). What it may replace (``check_export_target``):
+nothing a live run holds (``speedtronic.state.run_holder``: ``output`` or a directory above
+it locked by a run; the shared lock export holds keeps a run from starting there while it
+writes), never through a symbolic link, and an existing non-empty ``output`` only with
+``overwrite`` and only when it is provably an earlier export -- its record and the regular
+files it lists, nothing else; otherwise the error lists what it would have removed.
+``transformers`` and ``safetensors`` are imported inside the functions (the ``hf`` extra).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import stat
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -60,12 +68,19 @@ from speedtronic.models.transformer import (
     SwiGLU,
     TransformerBlock,
 )
-from speedtronic.state.atomic_io import create_temporary_directory, fsync_directory
+from speedtronic.state.directory_swap import (
+    DirectorySwapError,
+    check_directory_target,
+    replace_directory,
+)
+from speedtronic.state.run_holder import RunHeldError, runs_kept_out
 
 __all__ = [
+    "EXPORT_RECORD",
     "ExportError",
     "ExportResult",
     "check_export_target",
+    "check_finite",
     "export_model",
     "export_tokens",
     "llama_weights",
@@ -74,6 +89,9 @@ __all__ = [
 ]
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
+EXPORT_RECORD = ".speedtronic-export.json"
+"""The file naming what an export wrote: ``--overwrite`` replaces only such a directory."""
+_RECORD_LIMIT = 1 << 20
 
 
 class ExportError(ValueError):
@@ -92,36 +110,110 @@ class ExportResult:
 # -- the output directory -------------------------------------------------------------------
 
 
-def check_export_target(output: Path, *, overwrite: bool) -> None:
-    """``ExportError`` unless ``output`` can receive an export: absent, an empty
-    directory, or a non-empty one with ``overwrite``."""
-    if output.exists() and not output.is_dir():
-        raise ExportError(f"--output {output} exists and is not a directory")
-    if output.is_dir() and any(output.iterdir()) and not overwrite:
+def _read_record(directory: Path) -> frozenset[str] | None:
+    """The file names the export record of ``directory`` lists; ``None`` when it has none
+    (or one that is not a regular file holding such a list: it proves nothing)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(directory / EXPORT_RECORD, flags)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fields = json.loads(handle.read(_RECORD_LIMIT).decode("utf-8"))
+        except ValueError:
+            return None
+    files = fields.get("files") if isinstance(fields, dict) else None
+    if not isinstance(files, list) or not all(isinstance(name, str) for name in files):
+        return None
+    return frozenset(files)
+
+
+def _regular_file(path: Path) -> bool:
+    return stat.S_ISREG(path.lstat().st_mode)
+
+
+def _refuse_unless_export(directory: Path, shown: Path) -> None:
+    """``ExportError`` listing what ``--overwrite`` would remove, unless ``directory``
+    holds an export record and nothing but the regular files it lists."""
+    entries = sorted(os.listdir(directory))
+    listed = _read_record(directory)
+    if listed is None:
+        reason, extra = f"it holds no {EXPORT_RECORD}", entries
+    else:
+        reason = "it holds files the export did not write"
+        extra = [
+            name
+            for name in entries
+            if name != EXPORT_RECORD and (name not in listed or not _regular_file(directory / name))
+        ]
+    if extra:
+        named = ", ".join(extra[:6]) + (f" and {len(extra) - 6} more" if len(extra) > 6 else "")
         raise ExportError(
-            f"--output {output} is not empty; pass --overwrite to replace its contents"
+            f"--output {shown} is not a directory speedtronic export wrote ({reason}); "
+            f"--overwrite replaces only an earlier export, and would remove {named}: remove "
+            "them yourself or choose another --output"
         )
 
 
-def _install(temp: Path, output: Path) -> None:
-    """Rename the finished ``temp`` onto ``output``; an existing ``output`` is moved aside
-    first and removed after, so a reader sees the old directory or the new one."""
-    if output.exists():
-        aside = create_temporary_directory(output, "old")  # empty: the rename may replace it
-        os.replace(output, aside)
-        os.replace(temp, output)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.replace(temp, output)
-    fsync_directory(output.parent)
+def _check_contents(directory: Path, shown: Path, *, overwrite: bool) -> None:
+    if not any(directory.iterdir()):
+        return
+    if not overwrite:
+        raise ExportError(
+            f"--output {shown} is not empty; pass --overwrite to replace an earlier export"
+        )
+    _refuse_unless_export(directory, shown)
 
 
-def _fsync_files(directory: Path) -> None:
-    for path in directory.iterdir():
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-    fsync_directory(directory)
+def check_export_target(output: Path, *, overwrite: bool) -> Path:
+    """``output`` made absolute, or ``ExportError`` unless it can receive an export: not a
+    link, not under a file, not in a directory a live run holds, and absent, empty, or --
+    with ``overwrite`` -- an earlier export (its record and the files it lists, nothing
+    else)."""
+    shown = Path(output).expanduser()
+    try:
+        target = check_directory_target(shown, what="--output")
+        with runs_kept_out(target):
+            if target.is_dir():
+                _check_contents(target, shown, overwrite=overwrite)
+    except (DirectorySwapError, RunHeldError) as exc:
+        raise _as_export_error(exc, shown) from None
+    return target
+
+
+def _as_export_error(exc: Exception, shown: Path) -> ExportError:
+    if isinstance(exc, RunHeldError):
+        return ExportError(f"--output {shown}: {exc}; export never writes where a run writes")
+    return ExportError(str(exc))
+
+
+def _write_record(directory: Path, files: tuple[str, ...]) -> None:
+    """The record that lets a later ``--overwrite`` prove the directory is an export."""
+    text = json.dumps({"written_by": "speedtronic export", "files": list(files)}, indent=2)
+    (directory / EXPORT_RECORD).write_text(text + "\n", encoding="utf-8")
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor], *, allow_nonfinite: bool) -> None:
+    """``ExportError`` naming the first floating-point tensor that holds a NaN or an
+    infinity (and how many more do), unless ``allow_nonfinite``."""
+    if allow_nonfinite:
+        return
+    bad: list[tuple[str, int, int, int]] = []
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() or tensor.is_complex():
+            nans, infs = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+            if nans or infs:
+                bad.append((name, nans, infs, tensor.numel()))
+    if bad:
+        name, nans, infs, count = bad[0]
+        more = f" ({len(bad) - 1} more tensors too)" if len(bad) > 1 else ""
+        raise ExportError(
+            f"cannot export non-finite weights: tensor {name} holds {nans} NaN and {infs} "
+            f"infinite values of {count}{more}; pass --allow-nonfinite to write them anyway"
+        )
 
 
 # -- the reference transformer as Llama -------------------------------------------------------
@@ -230,8 +322,9 @@ def reference_llama_config(model: ReferenceTransformer) -> dict[str, object]:
     }
 
 
-def _write_llama(model: ReferenceTransformer, directory: Path) -> str:
+def _write_llama(model: ReferenceTransformer, directory: Path, *, allow_nonfinite: bool) -> str:
     weights = llama_weights(model)
+    check_finite(weights, allow_nonfinite=allow_nonfinite)
     fields = reference_llama_config(model)
     transformers = require_module("transformers", "speedtronic export")
     safetensors_torch = require_module("safetensors.torch", "speedtronic export")
@@ -245,8 +338,9 @@ def _write_llama(model: ReferenceTransformer, directory: Path) -> str:
 # -- transformers models ------------------------------------------------------------------------
 
 
-def _write_transformers(model: nn.Module, directory: Path) -> str:
+def _write_transformers(model: nn.Module, directory: Path, *, allow_nonfinite: bool) -> str:
     transformers = require_module("transformers", "speedtronic export")
+    check_finite(model.state_dict(), allow_nonfinite=allow_nonfinite)
     major = int(str(transformers.__version__).split(".")[0])
     # safetensors is the only format of transformers 5; 4.x is asked for it explicitly.
     options = {} if major >= 5 else {"safe_serialization": True}
@@ -263,13 +357,13 @@ def _write_transformers(model: nn.Module, directory: Path) -> str:
     return type(model).__name__
 
 
-def _write_model(model: nn.Module, directory: Path) -> str:
+def _write_model(model: nn.Module, directory: Path, *, allow_nonfinite: bool) -> str:
     if isinstance(model, HFCausalLM):
-        return _write_transformers(model.hf, directory)
+        return _write_transformers(model.hf, directory, allow_nonfinite=allow_nonfinite)
     if is_transformers_model(model):
-        return _write_transformers(model, directory)
+        return _write_transformers(model, directory, allow_nonfinite=allow_nonfinite)
     if isinstance(model, ReferenceTransformer):
-        return _write_llama(model, directory)
+        return _write_llama(model, directory, allow_nonfinite=allow_nonfinite)
     raise ExportError(
         f"cannot export a {type(model).__name__}: speedtronic export writes hf_causal_lm "
         "models and the reference transformer (as LlamaForCausalLM)"
@@ -282,31 +376,40 @@ def export_model(
     *,
     overwrite: bool = False,
     tokenizer: Path | RunTokens | None = None,
+    allow_nonfinite: bool = False,
 ) -> ExportResult:
     """Write ``model`` into ``output`` as a Hugging Face directory (module docstring). With
     the run's tokens (``export_tokens``; a plain path: a tokenizer file and nothing else
     known), its ``tokenizer.json`` and ``tokenizer_config.json`` go beside the weights
     and its end-of-document / beginning-of-text ids into ``config.json``. ``ExportError``
-    (nothing written) when ``output`` is a file or not empty without ``overwrite``, when
-    the model has no Hugging Face form, or when the run's tokens do not fit it."""
-    output = Path(output).expanduser()
-    check_export_target(output, overwrite=overwrite)
+    (nothing written, ``output`` untouched) when ``output`` cannot receive an export
+    (``check_export_target``), when the model has no Hugging Face form, holds NaN or
+    infinite weights (unless ``allow_nonfinite``), or when the run's tokens do not fit it."""
+    shown = Path(output).expanduser()
+    target = check_export_target(shown, overwrite=overwrite)
     tokens = RunTokens(file=tokenizer) if isinstance(tokenizer, Path) else tokenizer
     if tokens is not None and tokens.file is not None and not tokens.file.is_file():
         raise ExportError(f"the run's tokenizer {tokens.file} is not a file")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    temp = create_temporary_directory(output)
-    try:
-        architecture = _write_model(model, temp)
+
+    def fill(staging: Path) -> tuple[str, tuple[str, ...]]:
+        architecture = _write_model(model, staging, allow_nonfinite=allow_nonfinite)
         if tokens is not None:
-            _write_tokens(temp, tokens)
-        _fsync_files(temp)
-        files = tuple(sorted(path.name for path in temp.iterdir()))
-        _install(temp, output)
-    finally:
-        if temp.exists():
-            shutil.rmtree(temp, ignore_errors=True)
-    return ExportResult(output, files, architecture)
+            _write_tokens(staging, tokens)
+        files = tuple(sorted(path.name for path in staging.iterdir()))
+        _write_record(staging, files)
+        return architecture, files
+
+    def still_replaceable(existing: Path) -> None:
+        _check_contents(existing, shown, overwrite=overwrite)
+
+    try:
+        with runs_kept_out(target):  # no run starts in it while it is replaced
+            architecture, files = replace_directory(
+                target, fill, what="--output", still_replaceable=still_replaceable
+            )
+    except (DirectorySwapError, RunHeldError) as exc:
+        raise _as_export_error(exc, shown) from None
+    return ExportResult(shown, files, architecture)
 
 
 def _write_tokens(directory: Path, tokens: RunTokens) -> None:
