@@ -43,8 +43,10 @@ class Watched(Profiler):
         super().on_step_end(trainer, ctx)
 
 
-def fit(profiler: Profiler, tmp_path: Path, steps: int = 9) -> Trainer:
-    model = Scalar()
+def fit(
+    profiler: Profiler, tmp_path: Path, steps: int = 9, model: nn.Module | None = None
+) -> Trainer:
+    model = model if model is not None else Scalar()
     trainer = Trainer(
         model,
         torch.optim.SGD(model.parameters(), lr=0.01),
@@ -236,18 +238,9 @@ def test_with_stack_the_summary_survives_and_its_shares_add_up(tmp_path: Path) -
     # Issue 30: with with_stack, a UnicodeDecodeError at teardown lost the summary, and
     # shares over 100% were printed (Python frames' negative self times in the total).
     profiler = Profiler(start_step=2, wait=0, warmup=1, active=5, with_stack=True)
-    model = Churning()
-    trainer = Trainer(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.01),
-        [(torch.ones(4), torch.full((4,), float(i))) for i in range(3)],
-        callbacks=[profiler],
-        max_steps=4,  # ends inside the window: the trace is written at teardown
-        output_dir=tmp_path,
-    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit()
+        fit(profiler, tmp_path, steps=4, model=Churning())  # ends inside the window
     assert not [w for w in caught if issubclass(w.category, CallbackWarning)], [
         str(w.message) for w in caught
     ]
