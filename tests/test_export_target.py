@@ -6,9 +6,12 @@ and nothing left beside it. And NaN weights are refused unless ``--allow-nonfini
 
 from __future__ import annotations
 
+import errno
+import json
 import math
 import signal
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,8 +20,15 @@ import torch
 from cli_runner import run_cli
 from forked import Forked, cli_main
 from hf_helpers import VOCAB, run_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from speedtronic.models.export import EXPORT_RECORD, ExportError, export_model
+from speedtronic.models.export import (
+    EXPORT_RECORD,
+    ExportError,
+    check_export_target,
+    export_model,
+)
 from speedtronic.models.transformer import ReferenceTransformer
 from speedtronic.state.checkpoint import CheckpointManager
 from speedtronic.state.run_holder import RunHeldError, runs_kept_out
@@ -167,3 +177,52 @@ def test_an_export_that_fails_leaves_the_earlier_one_in_place(tmp_path: Path) ->
     assert snapshot(output) == before and leftovers(tmp_path) == []
     export_model(model, output, overwrite=True, allow_nonfinite=True)
     assert snapshot(output) != before
+
+
+NAMES = st.sampled_from(["config.json", "model.safetensors", "README.md", "sub", "x"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    record=st.one_of(
+        st.binary(max_size=64),
+        st.builds(
+            lambda files: json.dumps({"files": files}).encode(),
+            st.lists(st.one_of(NAMES, st.integers()), max_size=4),
+        ),
+    ),
+    present=st.lists(NAMES, unique=True, max_size=4),
+)
+def test_overwrite_accepts_only_what_its_record_proves(record: bytes, present: list[str]) -> None:
+    # Any record bytes, any directory contents: --overwrite either accepts a directory
+    # whose every entry is the record or a regular file it lists, or refuses (ExportError).
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = Path(scratch) / "hf"
+        directory.mkdir()
+        (directory / EXPORT_RECORD).write_bytes(record)
+        for name in present:
+            if name == "sub":
+                (directory / name).mkdir()
+            else:
+                (directory / name).write_text("x")
+        try:
+            check_export_target(directory, overwrite=True)
+        except ExportError as exc:
+            assert "--overwrite replaces only an earlier export" in str(exc)
+            return
+        listed = json.loads(record)["files"]
+        assert all(name in listed and name != "sub" for name in present)
+
+
+def test_a_directory_that_cannot_be_written_is_one_line_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = ReferenceTransformer(vocab_size=VOCAB, n_layer=1, n_head=2, d_model=16)
+
+    def full(tensors: object, filename: str, **_: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr("safetensors.torch.save_file", full)
+    with pytest.raises(ExportError, match="--output .*hf: cannot write it: No space left on"):
+        export_model(model, tmp_path / "hf")
+    assert list(tmp_path.iterdir()) == []

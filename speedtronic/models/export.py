@@ -409,6 +409,11 @@ def export_model(
             )
     except (DirectorySwapError, RunHeldError) as exc:
         raise _as_export_error(exc, shown) from None
+    except OSError as exc:  # permissions, a full disk: nothing was left behind
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise ExportError(
+            f"--output {shown}: cannot write it: {exc.strerror or exc}{where}"
+        ) from None
     return ExportResult(shown, files, architecture)
 
 
