@@ -22,22 +22,16 @@ end-of-document id (beginning-of-text when known) in ``config.json`` and
 Weights holding a NaN or an infinity are refused, naming the tensor (``check_finite``),
 unless ``allow_nonfinite``: a diverged run's export would load and generate garbage.
 
-The directory is written as a unit (``speedtronic.state.directory_swap``: a staging
-sibling, fsynced, renamed onto ``output``; the old directory restored if that fails), with
-a record of its files (``EXPORT_RECORD``). What it may replace (``check_export_target``):
-nothing a live run holds (``speedtronic.state.run_holder``: ``output`` or a directory above
-it locked by a run; the shared lock export holds keeps a run from starting there while it
-writes), never through a symbolic link, and an existing non-empty ``output`` only with
-``overwrite`` and only when it is provably an earlier export -- its record and the regular
-files it lists, nothing else; otherwise the error lists what it would have removed.
-``transformers`` and ``safetensors`` are imported inside the functions (the ``hf`` extra).
+The directory is written as a unit, with a record of its files, and only where
+``speedtronic.models.export_target`` allows: never where a live run writes, never through a
+link, and over an existing directory only with ``overwrite`` and only over an earlier
+export. ``transformers`` and ``safetensors`` are imported inside the functions (the ``hf``
+extra).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import stat
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -47,6 +41,12 @@ import torch
 from torch import nn
 
 from speedtronic.data.text import DataSourceError
+from speedtronic.models.export_target import (
+    EXPORT_RECORD,
+    ExportError,
+    check_export_target,
+    install_export,
+)
 from speedtronic.models.export_tokens import (
     RunTokens,
     TokenIdError,
@@ -68,12 +68,6 @@ from speedtronic.models.transformer import (
     SwiGLU,
     TransformerBlock,
 )
-from speedtronic.state.directory_swap import (
-    DirectorySwapError,
-    check_directory_target,
-    replace_directory,
-)
-from speedtronic.state.run_holder import RunHeldError, runs_kept_out
 
 __all__ = [
     "EXPORT_RECORD",
@@ -89,13 +83,6 @@ __all__ = [
 ]
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
-EXPORT_RECORD = ".speedtronic-export.json"
-"""The file naming what an export wrote: ``--overwrite`` replaces only such a directory."""
-_RECORD_LIMIT = 1 << 20
-
-
-class ExportError(ValueError):
-    """The model or the output directory cannot be exported as asked (a user mistake)."""
 
 
 @dataclass(frozen=True)
@@ -107,93 +94,7 @@ class ExportResult:
     architecture: str
 
 
-# -- the output directory -------------------------------------------------------------------
-
-
-def _read_record(directory: Path) -> frozenset[str] | None:
-    """The file names the export record of ``directory`` lists; ``None`` when it has none
-    (or one that is not a regular file holding such a list: it proves nothing)."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    try:
-        fd = os.open(directory / EXPORT_RECORD, flags)
-    except OSError:
-        return None
-    with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        try:
-            fields = json.loads(handle.read(_RECORD_LIMIT).decode("utf-8"))
-        except ValueError:
-            return None
-    files = fields.get("files") if isinstance(fields, dict) else None
-    if not isinstance(files, list) or not all(isinstance(name, str) for name in files):
-        return None
-    return frozenset(files)
-
-
-def _regular_file(path: Path) -> bool:
-    return stat.S_ISREG(path.lstat().st_mode)
-
-
-def _refuse_unless_export(directory: Path, shown: Path) -> None:
-    """``ExportError`` listing what ``--overwrite`` would remove, unless ``directory``
-    holds an export record and nothing but the regular files it lists."""
-    entries = sorted(os.listdir(directory))
-    listed = _read_record(directory)
-    if listed is None:
-        reason, extra = f"it holds no {EXPORT_RECORD}", entries
-    else:
-        reason = "it holds files the export did not write"
-        extra = [
-            name
-            for name in entries
-            if name != EXPORT_RECORD and (name not in listed or not _regular_file(directory / name))
-        ]
-    if extra:
-        named = ", ".join(extra[:6]) + (f" and {len(extra) - 6} more" if len(extra) > 6 else "")
-        raise ExportError(
-            f"--output {shown} is not a directory speedtronic export wrote ({reason}); "
-            f"--overwrite replaces only an earlier export, and would remove {named}: remove "
-            "them yourself or choose another --output"
-        )
-
-
-def _check_contents(directory: Path, shown: Path, *, overwrite: bool) -> None:
-    if not any(directory.iterdir()):
-        return
-    if not overwrite:
-        raise ExportError(
-            f"--output {shown} is not empty; pass --overwrite to replace an earlier export"
-        )
-    _refuse_unless_export(directory, shown)
-
-
-def check_export_target(output: Path, *, overwrite: bool) -> Path:
-    """``output`` made absolute, or ``ExportError`` unless it can receive an export: not a
-    link, not under a file, not in a directory a live run holds, and absent, empty, or --
-    with ``overwrite`` -- an earlier export (its record and the files it lists, nothing
-    else)."""
-    shown = Path(output).expanduser()
-    try:
-        target = check_directory_target(shown, what="--output")
-        with runs_kept_out(target):
-            if target.is_dir():
-                _check_contents(target, shown, overwrite=overwrite)
-    except (DirectorySwapError, RunHeldError) as exc:
-        raise _as_export_error(exc, shown) from None
-    return target
-
-
-def _as_export_error(exc: Exception, shown: Path) -> ExportError:
-    if isinstance(exc, RunHeldError):
-        return ExportError(f"--output {shown}: {exc}; export never writes where a run writes")
-    return ExportError(str(exc))
-
-
-def _write_record(directory: Path, files: tuple[str, ...]) -> None:
-    """The record that lets a later ``--overwrite`` prove the directory is an export."""
-    text = json.dumps({"written_by": "speedtronic export", "files": list(files)}, indent=2)
-    (directory / EXPORT_RECORD).write_text(text + "\n", encoding="utf-8")
+# -- the weights' values ------------------------------------------------------------------
 
 
 def check_finite(tensors: Mapping[str, torch.Tensor], *, allow_nonfinite: bool) -> None:
@@ -391,29 +292,13 @@ def export_model(
     if tokens is not None and tokens.file is not None and not tokens.file.is_file():
         raise ExportError(f"the run's tokenizer {tokens.file} is not a file")
 
-    def fill(staging: Path) -> tuple[str, tuple[str, ...]]:
+    def fill(staging: Path) -> str:
         architecture = _write_model(model, staging, allow_nonfinite=allow_nonfinite)
         if tokens is not None:
             _write_tokens(staging, tokens)
-        files = tuple(sorted(path.name for path in staging.iterdir()))
-        _write_record(staging, files)
-        return architecture, files
+        return architecture
 
-    def still_replaceable(existing: Path) -> None:
-        _check_contents(existing, shown, overwrite=overwrite)
-
-    try:
-        with runs_kept_out(target):  # no run starts in it while it is replaced
-            architecture, files = replace_directory(
-                target, fill, what="--output", still_replaceable=still_replaceable
-            )
-    except (DirectorySwapError, RunHeldError) as exc:
-        raise _as_export_error(exc, shown) from None
-    except OSError as exc:  # permissions, a full disk: nothing was left behind
-        where = f" ({exc.filename})" if exc.filename else ""
-        raise ExportError(
-            f"--output {shown}: cannot write it: {exc.strerror or exc}{where}"
-        ) from None
+    architecture, files = install_export(target, shown, fill, overwrite=overwrite)
     return ExportResult(shown, files, architecture)
 
 
