@@ -283,3 +283,16 @@ def test_operator_self_times_and_device_time_come_from_the_trace(tmp_path: Path)
     text = json.dumps({"traceEvents": events}).replace("inner", "in\\u00e9r")
     trace.write_bytes(text.encode().replace(b"\\u00e9", b"\xff"))  # a byte that is not UTF-8
     assert len(read_trace_events(trace)) == len(events)
+
+
+def test_a_cli_run_with_stack_prints_shares_that_add_up(tmp_path: Path) -> None:
+    # Issue 30: with with_stack, Python frames' self times entered the total and a tiny
+    # transformer's run printed `run_backward ... (106%)` and shares summing far past 100%.
+    entry = {"start_step": 2, "wait": 0, "warmup": 1, "active": 1, "with_stack": True}
+    result = run_cli("fit", "--config", str(run_yaml(tmp_path, entry)), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("profiler: ")]
+    found = shares(line)
+    assert len(found) == 5 and all(name.startswith("aten::") for name in re.findall(
+        r"(?:: |, )(\S+) [\d.]+ ms \(", line))  # fmt: skip
+    assert sum(found) <= 100 + len(found), line  # each share rounds by < 1%
