@@ -377,3 +377,15 @@ def test_an_unknown_model_type_is_named_with_near_matches(tmp_path: Path) -> Non
             in message
         )
         assert hint in message and len(message) < 300, message
+
+
+def test_a_fifo_named_as_the_config_is_refused_not_waited_on(tmp_path: Path) -> None:
+    # Issue 30.6 (every file a run opens by name): reading a FIFO blocks forever.
+    import os
+
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    config = run_config(tmp_path, {"name": "hf_causal_lm", "options": {"config": str(fifo)}})
+    result = run_cli("validate", "--config", str(config), cwd=tmp_path)
+    assert result.returncode == 2
+    assert f"model.options.config: {fifo} is not a regular file" in cli_error(result.stderr)

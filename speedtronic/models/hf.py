@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import stat
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -235,7 +236,10 @@ def adapt_model(model: nn.Module) -> nn.Module:
 
 def _read_json(path: Path, what: str) -> dict[str, object]:
     try:
-        size = path.stat().st_size
+        found = path.stat()
+        if not stat.S_ISREG(found.st_mode):  # a FIFO would block the read forever
+            raise HFModelError(f"{what}: {path} is not a regular file")
+        size = found.st_size
         if size > MAX_CONFIG_BYTES:
             raise HFModelError(f"{what}: {path} is {size} bytes, more than a config holds")
         value = json.loads(path.read_text(encoding="utf-8"))
