@@ -85,7 +85,10 @@ def check_directory_target(target: Path, *, what: str) -> Path:
 def _fsync_tree(directory: Path) -> None:
     for root, _, files in os.walk(directory):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            path = os.path.join(root, name)
+            if not stat.S_ISREG(os.lstat(path).st_mode):  # a link fill made: never followed
+                continue
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
             try:
                 os.fsync(fd)
             finally:
