@@ -80,7 +80,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--output", required=True, help="the directory to write")
     export.add_argument(
-        "--overwrite", action="store_true", help="replace a non-empty --output directory"
+        "--overwrite", action="store_true", help="replace an earlier export in --output"
+    )
+    export.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="write weights that hold NaN or infinite values (refused by default)",
     )
     _add_weights_arg(export)
 
@@ -419,6 +424,7 @@ def _export(args: argparse.Namespace) -> int:
             checkpoint=args.checkpoint,
             overwrite=args.overwrite,
             weights=args.weights,
+            allow_nonfinite=args.allow_nonfinite,
         )
     except ExportError as exc:
         raise UserError(str(exc)) from None

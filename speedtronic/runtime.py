@@ -498,13 +498,14 @@ def export_checkpoint(
     checkpoint: str | Path | None = None,
     overwrite: bool = False,
     weights: str = MODEL_WEIGHTS,
+    allow_nonfinite: bool = False,
 ) -> tuple[LoadedCheckpoint, ExportResult]:
     """Write a run's checkpoint (the named one, else the newest) as a Hugging Face
     directory ``output`` (``speedtronic.models.export``), with the run's tokenizer and its
     token ids (``speedtronic.models.export_tokens``); ``weights`` names which weights
     (``model_with_weights``). ``ExportError`` for an output in the way, a model with no
-    Hugging Face form or a tokenizer that does not fit, before anything is read; one
-    process, on the CPU."""
+    Hugging Face form or a tokenizer that does not fit, before anything is read, and for
+    NaN or infinite weights unless ``allow_nonfinite``; one process, on the CPU."""
     cfg = as_config(config)
     target = Path(output).expanduser()
     check_export_target(target, overwrite=overwrite)
@@ -512,7 +513,9 @@ def export_checkpoint(
     output_dir = Path(cfg.run.output_dir).expanduser().resolve()
     loaded = _checkpoint_to_evaluate(cfg, output_dir, torch.device("cpu"), checkpoint)
     net = model_with_weights(cfg, loaded, weights, doing="export")
-    return loaded, export_model(net, target, overwrite=overwrite, tokenizer=tokens)
+    return loaded, export_model(
+        net, target, overwrite=overwrite, tokenizer=tokens, allow_nonfinite=allow_nonfinite
+    )
 
 
 def _load_weights(net: torch.nn.Module, loaded: LoadedCheckpoint, *, doing: str) -> None:

@@ -22,7 +22,13 @@ from torch import nn
 
 from speedtronic.data import read_manifest
 from speedtronic.data.tokenizer import FileTokenizer
-from speedtronic.models.export import ExportError, export_model, export_tokens, tokenizer_file
+from speedtronic.models.export import (
+    EXPORT_RECORD,
+    ExportError,
+    export_model,
+    export_tokens,
+    tokenizer_file,
+)
 from speedtronic.models.export_tokens import RunTokens
 from speedtronic.models.hf import HFCausalLM, HFModelError
 from speedtronic.models.transformer import ReferenceTransformer
@@ -106,7 +112,7 @@ def test_a_sharded_checkpoint_exports_consolidated(tmp_path: Path) -> None:
     assert_same_logits(ours, loaded(tmp_path / "hf"))
 
 
-def test_a_non_empty_output_is_kept_unless_overwrite(tmp_path: Path) -> None:
+def test_overwrite_replaces_an_earlier_export_and_nothing_else(tmp_path: Path) -> None:
     config = run_config(tmp_path, {"name": "reference_transformer", **REFERENCE}, steps=2)
     trained(config)
     output = tmp_path / "hf"
@@ -115,10 +121,32 @@ def test_a_non_empty_output_is_kept_unless_overwrite(tmp_path: Path) -> None:
     code, _, err = export(tmp_path, config, "--output", str(output))
     assert code == 2
     assert f"--output {output} is not empty; pass --overwrite" in only_error(err)
-    assert [p.name for p in output.iterdir()] == ["notes.txt"]
+    # --overwrite used to delete whatever was there: it replaces an earlier export only.
     code, _, err = export(tmp_path, config, "--output", str(output), "--overwrite")
-    assert code == 0, err
-    assert sorted(p.name for p in output.iterdir()) == ["config.json", "model.safetensors"]
+    assert code == 2
+    assert (
+        f"--output {output} is not a directory speedtronic export wrote (it holds no "
+        ".speedtronic-export.json); --overwrite replaces only an earlier export, and would "
+        "remove notes.txt" in only_error(err)
+    )
+    assert [p.name for p in output.iterdir()] == ["notes.txt"]
+    assert (output / "notes.txt").read_text() == "mine"
+    (output / "notes.txt").unlink()
+    code, _, err = export(tmp_path, config, "--output", str(output))
+    assert code == 0, err  # an empty directory is no one's
+    written = ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in output.iterdir()) == [EXPORT_RECORD, *written]
+    assert json.loads((output / EXPORT_RECORD).read_text())["files"] == written
+    before = (output / "model.safetensors").stat().st_ino
+    code, _, err = export(tmp_path, config, "--output", str(output), "--overwrite")
+    assert code == 0, err  # an earlier export: replaced
+    assert (output / "model.safetensors").stat().st_ino != before
+    (output / "README.md").write_text("added by hand")
+    code, _, err = export(tmp_path, config, "--output", str(output), "--overwrite")
+    assert code == 2
+    assert "(it holds files the export did not write)" in only_error(err)
+    assert "would remove README.md: remove them" in only_error(err)
+    assert (output / "README.md").read_text() == "added by hand"
     code, _, err = export(tmp_path, config, "--output", str(output / "config.json"))
     assert code == 2 and "exists and is not a directory" in only_error(err)
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".hf")]  # no temp left

@@ -336,3 +336,56 @@ def test_a_vocabulary_that_does_not_fit_names_both_numbers(tmp_path: Path) -> No
     assert result.returncode == 2
     message = cli_error(result.stderr)
     assert f"model.vocab_size: {VOCAB} but model.options.config has vocab_size 100" in message
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_init_weights_from_refuses_a_non_float_tensor_for_a_float_parameter(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    # Issue 30: load_state_dict converted int64 / bool tensors into the float weights
+    # without a word.
+    import safetensors.torch
+
+    base = tmp_path / "base"
+    tiny_llama().save_pretrained(str(base))
+    weights = safetensors.torch.load_file(str(base / "model.safetensors"))
+    weights["model.norm.weight"] = torch.ones_like(weights["model.norm.weight"], dtype=dtype)
+    safetensors.torch.save_file(weights, str(base / "model.safetensors"))
+    config = run_config(
+        tmp_path, {"name": "hf_causal_lm", "options": {"init_weights_from": str(base)}}
+    )
+    result = run_cli("fit", "--config", str(config), cwd=tmp_path)
+    assert result.returncode == 2
+    have = str(dtype).removeprefix("torch.")
+    assert (
+        f"model.options.init_weights_from: tensor model.norm.weight in {base}/model.safetensors "
+        f"is {have}, not floating point, for the float32 parameter of that name"
+    ) in cli_error(result.stderr)
+    assert not list((tmp_path / "run").rglob("step_*"))  # it never trained
+
+
+def test_an_unknown_model_type_is_named_with_near_matches(tmp_path: Path) -> None:
+    # Issue 30: transformers' own message lists every model type it knows (12 KB, one line).
+    for model_type, hint in (("lama", "(near matches: llama"), ("zzzzqqq", "types, none close)")):
+        options = {"config": {**LLAMA, "model_type": model_type}}
+        config = run_config(tmp_path, {"name": "hf_causal_lm", "options": options})
+        result = run_cli("validate", "--config", str(config), cwd=tmp_path)
+        assert result.returncode == 2
+        message = cli_error(result.stderr)
+        assert (
+            f"model.options.config: model_type {model_type!r} is not a transformers model type "
+            in message
+        )
+        assert hint in message and len(message) < 300, message
+
+
+def test_a_fifo_named_as_the_config_is_refused_not_waited_on(tmp_path: Path) -> None:
+    # Issue 30.6 (every file a run opens by name): reading a FIFO blocks forever.
+    import os
+
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    config = run_config(tmp_path, {"name": "hf_causal_lm", "options": {"config": str(fifo)}})
+    result = run_cli("validate", "--config", str(config), cwd=tmp_path)
+    assert result.returncode == 2
+    assert f"model.options.config: {fifo} is not a regular file" in cli_error(result.stderr)

@@ -5,6 +5,8 @@ the rank filter, a fit ending inside the window, and bad options (exit 2)."""
 from __future__ import annotations
 
 import json
+import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -12,12 +14,14 @@ import torch
 import yaml
 from cli_runner import run_cli
 from scalar_model import Scalar
+from torch import nn
 
 from speedtronic import Trainer
 from speedtronic.engine.contexts import StepContext
 from speedtronic.engine.dispatch import CallbackWarning
 from speedtronic.engine.view import TrainerView
 from speedtronic_callbacks.profiler import Profiler
+from speedtronic_callbacks.profiler_summary import OperatorTime, read_trace_events, top_operators
 
 torch.set_num_threads(1)
 
@@ -39,8 +43,10 @@ class Watched(Profiler):
         super().on_step_end(trainer, ctx)
 
 
-def fit(profiler: Profiler, tmp_path: Path, steps: int = 9) -> Trainer:
-    model = Scalar()
+def fit(
+    profiler: Profiler, tmp_path: Path, steps: int = 9, model: nn.Module | None = None
+) -> Trainer:
+    model = model if model is not None else Scalar()
     trainer = Trainer(
         model,
         torch.optim.SGD(model.parameters(), lr=0.01),
@@ -197,3 +203,96 @@ def test_bad_options_exit_2_naming_the_key(
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines == [f"speedtronic: error: invalid configuration in {config}: {error}"]
     assert not (tmp_path / "run").exists()
+
+
+class Churning(nn.Module):
+    """``Scalar``'s loss through a function made and dropped each step, with a non-ASCII
+    name; the memory its name held is then overwritten. torch's Python tracer
+    (``with_stack``) kept a pointer to that name: ``key_averages()`` decoded garbage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.v = nn.Parameter(torch.zeros(()))
+        self.calls = 0
+        self.spray: list[bytes] = []
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for _ in range(20):
+            self.calls += 1
+            name = f"é_{self.calls}_" + "q" * 300
+            source = f"def fn_é{self.calls}_{'z' * 200}(a):\n    return a * 2\n"
+            namespace: dict[str, object] = {}
+            exec(compile(source, f"/generated/{name}.py", "exec"), namespace)
+            made = next(v for k, v in namespace.items() if k.startswith("fn_"))
+            x = made(x) / 2  # type: ignore[operator]  # the function just made
+            del namespace, made
+        self.spray = [b"\xff" * size for size in range(100, 700) for _ in range(20)]
+        return ((self.v * x - y) ** 2).mean()
+
+
+def shares(line: str) -> list[int]:
+    return [int(share) for share in re.findall(r"\((\d+)%\)", line)]
+
+
+def test_with_stack_the_summary_survives_and_its_shares_add_up(tmp_path: Path) -> None:
+    # Issue 30: with with_stack, a UnicodeDecodeError at teardown lost the summary, and
+    # shares over 100% were printed (Python frames' negative self times in the total).
+    profiler = Profiler(start_step=2, wait=0, warmup=1, active=5, with_stack=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(profiler, tmp_path, steps=4, model=Churning())  # ends inside the window
+    assert not [w for w in caught if issubclass(w.category, CallbackWarning)], [
+        str(w.message) for w in caught
+    ]
+    (line,) = profiler.summaries
+    assert line.startswith("profiler: rank 0 steps 3-4 -> ") and "aten::" in line
+    assert "generated" not in line and "ProfilerStep" not in line  # operators only
+    assert all(share <= 100 for share in shares(line))
+    assert sum(shares(line)) <= 100 + len(shares(line))  # each share rounds by < 1%
+
+
+def span(cat: str, name: str, ts: float, dur: float, **args: object) -> dict[str, object]:
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur,
+            "args": args}  # fmt: skip
+
+
+def test_operator_self_times_and_device_time_come_from_the_trace(tmp_path: Path) -> None:
+    events = [
+        span("user_annotation", "ProfilerStep#1", 0, 100),
+        span("python_function", "model.py(3): forward", 0, 100),
+        span("python_function", "model.py(9): inner", 5, 200),  # another clock: overlaps
+        span("cpu_op", "aten::linear", 10, 50, **{"External id": 6}),
+        span("cpu_op", "aten::mm", 15, 30, **{"External id": 7}),  # inside linear
+        span("cpu_op", "aten::add", 70, 10, **{"External id": 8}),
+        {**span("cpu_op", "aten::mm", 0, 20), "tid": 2},  # another thread
+        span("kernel", "sgemm_128x64", 20, 40, **{"External id": 7}),
+        span("kernel", "orphan_kernel", 70, 5, **{"External id": 99}),
+        span("gpu_memcpy", "Memcpy HtoD", 80, 3),
+    ]
+    top, total = top_operators(events, device=False, count=2)
+    assert top == [OperatorTime("aten::mm", 50.0), OperatorTime("aten::linear", 20.0)]
+    assert total == 80.0  # linear 20 + mm 30 + add 10 + mm 20: time inside operators
+    top, total = top_operators(events, device=True, count=5)
+    assert [(op.name, op.self_us) for op in top] == [
+        ("aten::mm", 40.0),  # the kernel charged to the operator that launched it
+        ("orphan_kernel", 5.0),
+        ("Memcpy HtoD", 3.0),
+    ]
+    assert total == 48.0
+    trace = tmp_path / "trace.json"
+    text = json.dumps({"traceEvents": events}).replace("inner", "in\\u00e9r")
+    trace.write_bytes(text.encode().replace(b"\\u00e9", b"\xff"))  # a byte that is not UTF-8
+    assert len(read_trace_events(trace)) == len(events)
+
+
+def test_a_cli_run_with_stack_prints_shares_that_add_up(tmp_path: Path) -> None:
+    # Issue 30: with with_stack, Python frames' self times entered the total and a tiny
+    # transformer's run printed `run_backward ... (106%)` and shares summing far past 100%.
+    entry = {"start_step": 2, "wait": 0, "warmup": 1, "active": 1, "with_stack": True}
+    result = run_cli("fit", "--config", str(run_yaml(tmp_path, entry)), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("profiler: ")]
+    found = shares(line)
+    assert len(found) == 5 and all(name.startswith("aten::") for name in re.findall(
+        r"(?:: |, )(\S+) [\d.]+ ms \(", line))  # fmt: skip
+    assert sum(found) <= 100 + len(found), line  # each share rounds by < 1%

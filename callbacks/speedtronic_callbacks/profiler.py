@@ -12,7 +12,9 @@ writes: ``tensorboard --logdir <output_dir>/profiler`` shows them (with the
 ``torch-tb-profiler`` plugin), and each is a Chrome trace JSON that https://ui.perfetto.dev
 or ``chrome://tracing`` opens. The trace's ``ProfilerStep#n`` spans count from the window's
 first step (``n = step - start_step``). One line then names the file and the top operators
-by self time (CUDA time on a GPU, CPU time otherwise), printed like the console's lines::
+by self time (CUDA time on a GPU, CPU time otherwise; computed from the trace file,
+``speedtronic_callbacks.profiler_summary``: operators only, each share of the time spent in
+operators, so they add up to at most 100%), printed like the console's lines::
 
     profiler: rank 0 steps 3-5 -> runs/x/profiler/rank0.17...pt.trace.json | top self CPU
     (of 41.2 ms): aten::mm 9.1 ms (22%), aten::addmm 5.0 ms (12%), ...
@@ -46,6 +48,7 @@ from speedtronic.engine.contexts import FitContext, StepContext, TeardownContext
 from speedtronic.engine.events import Event
 from speedtronic.engine.filters import StepFilter, once
 from speedtronic.state.run_lock import RunPaths
+from speedtronic_callbacks.profiler_summary import OperatorTime, read_trace_events, top_operators
 from speedtronic_callbacks.sink import resolve_path, under_output_dir
 
 if TYPE_CHECKING:
@@ -61,29 +64,6 @@ logger = logging.getLogger("speedtronic.profiler")
 DEFAULT_DIR = "profiler"
 TRACE_SUFFIX = ".pt.trace.json"
 Ranks = Literal["all"] | Sequence[int]
-
-
-@dataclass(frozen=True)
-class OperatorTime:
-    """One operator of a summary: its name and its self time in microseconds."""
-
-    name: str
-    self_us: float
-
-
-def top_operators(prof: profile, *, device: bool, count: int) -> tuple[list[OperatorTime], float]:
-    """The ``count`` operators with the most self time in ``prof``'s last trace (device
-    time with ``device``, else CPU time), and the total self time of all of them (µs).
-    The ``ProfilerStep#n`` spans are steps, not operators: left out."""
-    times: list[OperatorTime] = []
-    for event in prof.key_averages():
-        if event.key.startswith("ProfilerStep"):
-            continue
-        spent = event.self_device_time_total if device else event.self_cpu_time_total
-        times.append(OperatorTime(event.key, float(spent)))
-    total = sum(item.self_us for item in times)
-    times.sort(key=lambda item: item.self_us, reverse=True)
-    return [item for item in times[:count] if item.self_us > 0], total
 
 
 def _milliseconds(us: float) -> str:
@@ -304,7 +284,10 @@ class Profiler(Callback):
         self.traces.append(path)
         first, last = self.active_steps(cycle)
         last = max(first, min(last, self.start_step + self._stepped - 1))  # cut short?
-        operators, total = top_operators(prof, device=self._on_device, count=self.top)
+        # From the file, not prof.key_averages() (profiler_summary: dangling Python names
+        # with with_stack, and Python frames' negative self times in the total).
+        events = read_trace_events(path)
+        operators, total = top_operators(events, device=self._on_device, count=self.top)
         kind = "CUDA" if self._on_device else "CPU"
         named = ", ".join(
             f"{op.name} {_milliseconds(op.self_us)} ({100 * op.self_us / total:.0f}%)"

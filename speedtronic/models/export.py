@@ -19,17 +19,19 @@ With the run's tokens (``speedtronic.models.export_tokens``): its ``tokenizer.js
 end-of-document id (beginning-of-text when known) in ``config.json`` and
 ``generation_config.json``, checked against the model's ``vocab_size``.
 
-The directory is written atomically: everything goes into a hidden temporary sibling,
-which is fsynced and renamed onto ``output`` (an existing non-empty ``output`` only with
-``overwrite``, moved aside first and removed after). ``transformers`` and ``safetensors``
-are imported inside the functions (the ``hf`` extra).
+Weights holding a NaN or an infinity are refused, naming the tensor (``check_finite``),
+unless ``allow_nonfinite``: a diverged run's export would load and generate garbage.
+
+The directory is written as a unit, with a record of its files, and only where
+``speedtronic.models.export_target`` allows: never where a live run writes, never through a
+link, and over an existing directory only with ``overwrite`` and only over an earlier
+export. ``transformers`` and ``safetensors`` are imported inside the functions (the ``hf``
+extra).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -39,6 +41,12 @@ import torch
 from torch import nn
 
 from speedtronic.data.text import DataSourceError
+from speedtronic.models.export_target import (
+    EXPORT_RECORD,
+    ExportError,
+    check_export_target,
+    install_export,
+)
 from speedtronic.models.export_tokens import (
     RunTokens,
     TokenIdError,
@@ -60,12 +68,13 @@ from speedtronic.models.transformer import (
     SwiGLU,
     TransformerBlock,
 )
-from speedtronic.state.atomic_io import create_temporary_directory, fsync_directory
 
 __all__ = [
+    "EXPORT_RECORD",
     "ExportError",
     "ExportResult",
     "check_export_target",
+    "check_finite",
     "export_model",
     "export_tokens",
     "llama_weights",
@@ -74,10 +83,6 @@ __all__ = [
 ]
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
-
-
-class ExportError(ValueError):
-    """The model or the output directory cannot be exported as asked (a user mistake)."""
 
 
 @dataclass(frozen=True)
@@ -89,39 +94,27 @@ class ExportResult:
     architecture: str
 
 
-# -- the output directory -------------------------------------------------------------------
+# -- the weights' values ------------------------------------------------------------------
 
 
-def check_export_target(output: Path, *, overwrite: bool) -> None:
-    """``ExportError`` unless ``output`` can receive an export: absent, an empty
-    directory, or a non-empty one with ``overwrite``."""
-    if output.exists() and not output.is_dir():
-        raise ExportError(f"--output {output} exists and is not a directory")
-    if output.is_dir() and any(output.iterdir()) and not overwrite:
+def check_finite(tensors: Mapping[str, torch.Tensor], *, allow_nonfinite: bool) -> None:
+    """``ExportError`` naming the first floating-point tensor that holds a NaN or an
+    infinity (and how many more do), unless ``allow_nonfinite``."""
+    if allow_nonfinite:
+        return
+    bad: list[tuple[str, int, int, int]] = []
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() or tensor.is_complex():
+            nans, infs = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+            if nans or infs:
+                bad.append((name, nans, infs, tensor.numel()))
+    if bad:
+        name, nans, infs, count = bad[0]
+        more = f" ({len(bad) - 1} more tensors too)" if len(bad) > 1 else ""
         raise ExportError(
-            f"--output {output} is not empty; pass --overwrite to replace its contents"
+            f"cannot export non-finite weights: tensor {name} holds {nans} NaN and {infs} "
+            f"infinite values of {count}{more}; pass --allow-nonfinite to write them anyway"
         )
-
-
-def _install(temp: Path, output: Path) -> None:
-    """Rename the finished ``temp`` onto ``output``; an existing ``output`` is moved aside
-    first and removed after, so a reader sees the old directory or the new one."""
-    if output.exists():
-        aside = create_temporary_directory(output, "old")  # empty: the rename may replace it
-        os.replace(output, aside)
-        os.replace(temp, output)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.replace(temp, output)
-    fsync_directory(output.parent)
-
-
-def _fsync_files(directory: Path) -> None:
-    for path in directory.iterdir():
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-    fsync_directory(directory)
 
 
 # -- the reference transformer as Llama -------------------------------------------------------
@@ -230,8 +223,9 @@ def reference_llama_config(model: ReferenceTransformer) -> dict[str, object]:
     }
 
 
-def _write_llama(model: ReferenceTransformer, directory: Path) -> str:
+def _write_llama(model: ReferenceTransformer, directory: Path, *, allow_nonfinite: bool) -> str:
     weights = llama_weights(model)
+    check_finite(weights, allow_nonfinite=allow_nonfinite)
     fields = reference_llama_config(model)
     transformers = require_module("transformers", "speedtronic export")
     safetensors_torch = require_module("safetensors.torch", "speedtronic export")
@@ -245,8 +239,9 @@ def _write_llama(model: ReferenceTransformer, directory: Path) -> str:
 # -- transformers models ------------------------------------------------------------------------
 
 
-def _write_transformers(model: nn.Module, directory: Path) -> str:
+def _write_transformers(model: nn.Module, directory: Path, *, allow_nonfinite: bool) -> str:
     transformers = require_module("transformers", "speedtronic export")
+    check_finite(model.state_dict(), allow_nonfinite=allow_nonfinite)
     major = int(str(transformers.__version__).split(".")[0])
     # safetensors is the only format of transformers 5; 4.x is asked for it explicitly.
     options = {} if major >= 5 else {"safe_serialization": True}
@@ -263,13 +258,13 @@ def _write_transformers(model: nn.Module, directory: Path) -> str:
     return type(model).__name__
 
 
-def _write_model(model: nn.Module, directory: Path) -> str:
+def _write_model(model: nn.Module, directory: Path, *, allow_nonfinite: bool) -> str:
     if isinstance(model, HFCausalLM):
-        return _write_transformers(model.hf, directory)
+        return _write_transformers(model.hf, directory, allow_nonfinite=allow_nonfinite)
     if is_transformers_model(model):
-        return _write_transformers(model, directory)
+        return _write_transformers(model, directory, allow_nonfinite=allow_nonfinite)
     if isinstance(model, ReferenceTransformer):
-        return _write_llama(model, directory)
+        return _write_llama(model, directory, allow_nonfinite=allow_nonfinite)
     raise ExportError(
         f"cannot export a {type(model).__name__}: speedtronic export writes hf_causal_lm "
         "models and the reference transformer (as LlamaForCausalLM)"
@@ -282,31 +277,29 @@ def export_model(
     *,
     overwrite: bool = False,
     tokenizer: Path | RunTokens | None = None,
+    allow_nonfinite: bool = False,
 ) -> ExportResult:
     """Write ``model`` into ``output`` as a Hugging Face directory (module docstring). With
     the run's tokens (``export_tokens``; a plain path: a tokenizer file and nothing else
     known), its ``tokenizer.json`` and ``tokenizer_config.json`` go beside the weights
     and its end-of-document / beginning-of-text ids into ``config.json``. ``ExportError``
-    (nothing written) when ``output`` is a file or not empty without ``overwrite``, when
-    the model has no Hugging Face form, or when the run's tokens do not fit it."""
-    output = Path(output).expanduser()
-    check_export_target(output, overwrite=overwrite)
+    (nothing written, ``output`` untouched) when ``output`` cannot receive an export
+    (``check_export_target``), when the model has no Hugging Face form, holds NaN or
+    infinite weights (unless ``allow_nonfinite``), or when the run's tokens do not fit it."""
+    shown = Path(output).expanduser()
+    target = check_export_target(shown, overwrite=overwrite)
     tokens = RunTokens(file=tokenizer) if isinstance(tokenizer, Path) else tokenizer
     if tokens is not None and tokens.file is not None and not tokens.file.is_file():
         raise ExportError(f"the run's tokenizer {tokens.file} is not a file")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    temp = create_temporary_directory(output)
-    try:
-        architecture = _write_model(model, temp)
+
+    def fill(staging: Path) -> str:
+        architecture = _write_model(model, staging, allow_nonfinite=allow_nonfinite)
         if tokens is not None:
-            _write_tokens(temp, tokens)
-        _fsync_files(temp)
-        files = tuple(sorted(path.name for path in temp.iterdir()))
-        _install(temp, output)
-    finally:
-        if temp.exists():
-            shutil.rmtree(temp, ignore_errors=True)
-    return ExportResult(output, files, architecture)
+            _write_tokens(staging, tokens)
+        return architecture
+
+    architecture, files = install_export(target, shown, fill, overwrite=overwrite)
+    return ExportResult(shown, files, architecture)
 
 
 def _write_tokens(directory: Path, tokens: RunTokens) -> None:

@@ -26,7 +26,9 @@ naming the ``pip install`` line.
 
 from __future__ import annotations
 
+import difflib
 import json
+import stat
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -234,7 +236,10 @@ def adapt_model(model: nn.Module) -> nn.Module:
 
 def _read_json(path: Path, what: str) -> dict[str, object]:
     try:
-        size = path.stat().st_size
+        found = path.stat()
+        if not stat.S_ISREG(found.st_mode):  # a FIFO would block the read forever
+            raise HFModelError(f"{what}: {path} is not a regular file")
+        size = found.st_size
         if size > MAX_CONFIG_BYTES:
             raise HFModelError(f"{what}: {path} is {size} bytes, more than a config holds")
         value = json.loads(path.read_text(encoding="utf-8"))
@@ -301,6 +306,22 @@ def _check_fields(fields: dict[str, object], where: str) -> str:
     return model_type
 
 
+def _check_model_type(transformers: ModuleType, model_type: str, where: str) -> None:
+    """An unknown model_type named with a few near matches (transformers' own message
+    lists every type it knows: kilobytes on one line)."""
+    known = sorted(str(name) for name in transformers.CONFIG_MAPPING.keys())  # noqa: SIM118
+    if model_type in known:
+        return
+    near = difflib.get_close_matches(model_type, known, n=4, cutoff=0.6)
+    hint = (
+        f"near matches: {', '.join(near)}"
+        if near
+        else f"transformers {transformers.__version__} knows {len(known)} types, none close"
+    )
+    shown = model_type if len(model_type) <= 40 else f"{model_type[:40]}..."
+    raise HFModelError(f"{where}: model_type {shown!r} is not a transformers model type ({hint})")
+
+
 def _warn_unknown_fields(config: object, fields: Mapping[str, object], where: str) -> None:
     """transformers keeps any unknown key as an attribute: a typo'd field would be lost."""
     cls = type(config)
@@ -359,6 +380,7 @@ def _transformers_config(
     if isinstance(config, Mapping) and "vocab_size" not in fields and isinstance(vocab_size, int):
         fields["vocab_size"] = vocab_size
     transformers = require_module("transformers", "model.name: hf_causal_lm")
+    _check_model_type(transformers, model_type, where)
     try:
         built = transformers.AutoConfig.for_model(model_type, **fields)
     except (ValueError, TypeError, KeyError) as exc:
@@ -430,17 +452,20 @@ def load_safetensors_weights(model: nn.Module, directory: Path) -> None:
     files = _weight_files(directory)
     safetensors_torch = require_module("safetensors.torch", where)
     state: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
     for file in files:
         try:
-            state.update(safetensors_torch.load_file(str(file), device="cpu"))
+            tensors = safetensors_torch.load_file(str(file), device="cpu")
         except Exception as exc:  # safetensors' own error types vary by version
             raise HFModelError(f"{where}: cannot read {file}: {exc}") from None
+        state.update(tensors)
+        origin.update(dict.fromkeys(tensors, file))
     aliases = _tied_aliases(model)
     for alias, source in aliases.items():
         if alias not in state and source in state:
-            state[alias] = state[source]
+            state[alias], origin[alias] = state[source], origin[source]
         elif source not in state and alias in state:
-            state[source] = state[alias]
+            state[source], origin[source] = state[alias], origin[alias]
     own = model.state_dict()
     missing = sorted(key for key in own if key not in state)
     unexpected = sorted(key for key in state if key not in own)
@@ -458,7 +483,27 @@ def load_safetensors_weights(model: nn.Module, directory: Path) -> None:
         raise HFModelError(
             f"{where}: the weights in {directory} do not fit the model ({'; '.join(problems)})"
         )
+    _refuse_non_float(own, state, origin, where)
     model.load_state_dict(state)
+
+
+def _refuse_non_float(
+    own: Mapping[str, torch.Tensor],
+    state: Mapping[str, torch.Tensor],
+    origin: Mapping[str, Path],
+    where: str,
+) -> None:
+    """``load_state_dict`` would convert an int64 or bool tensor into a float parameter
+    without a word (ids or a mask saved under a weight's name): ``HFModelError`` naming
+    the first such tensor and its file instead."""
+    for key, target in own.items():
+        found = state[key]
+        if target.is_floating_point() and not found.is_floating_point():
+            have, want = (str(t.dtype).removeprefix("torch.") for t in (found, target))
+            raise HFModelError(
+                f"{where}: tensor {key} in {origin[key]} is {have}, not floating point, for "
+                f"the {want} parameter of that name"
+            )
 
 
 def _on_meta(model: nn.Module) -> bool:
