@@ -293,6 +293,8 @@ def test_a_cli_run_with_stack_prints_shares_that_add_up(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("profiler: ")]
     found = shares(line)
-    assert len(found) == 5 and all(name.startswith("aten::") for name in re.findall(
-        r"(?:: |, )(\S+) [\d.]+ ms \(", line))  # fmt: skip
+    names = re.findall(r"(?:: |, )(\S+(?: \S+)*?) [\d.]+ ms \(", line)
+    # operators only: no Python frame (``file.py(12): f``) and no annotation (``ProfilerStep#3``);
+    # which operators lead varies with the machine's load (autograd's own ones may)
+    assert len(found) == 5 and not [name for name in names if ".py(" in name or "#" in name]
     assert sum(found) <= 100 + len(found), line  # each share rounds by < 1%
