@@ -163,6 +163,22 @@ def _add_prepare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     prepare.add_argument("--workers", type=int, help="tokenizing processes (default 1)")
     prepare.add_argument(
+        "--max-document-bytes",
+        type=int,
+        help="the longest JSONL line / parquet value read (default 67,108,864: 64 MiB)",
+    )
+    prepare.add_argument(
+        "--long-documents",
+        choices=("refuse", "split"),
+        help="a longer document: refuse it (default) or tokenize it in pieces",
+    )
+    prepare.add_argument(
+        "--tokenize-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="the longest a worker may take for one batch of documents (default 600)",
+    )
+    prepare.add_argument(
         "--overwrite",
         action="store_true",
         help="replace the shard set in --output (once the new one is complete)",
@@ -602,7 +618,16 @@ def _prepare(args: argparse.Namespace) -> int:
 
     given = {
         key: getattr(args, key)
-        for key in ("text_key", "eos_token", "eval_fraction", "shard_tokens", "workers")
+        for key in (
+            "text_key",
+            "eos_token",
+            "eval_fraction",
+            "shard_tokens",
+            "workers",
+            "max_document_bytes",
+            "long_documents",
+            "tokenize_timeout",
+        )
         if getattr(args, key) is not None
     }
     options = PrepareOptions(

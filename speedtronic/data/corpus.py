@@ -13,7 +13,19 @@ Documents, by suffix (``read_segments``):
 * ``.parquet`` (needs ``pyarrow``): one document per row of the string column ``text_key``
   (``string``, ``large_string``, ``string_view``, or dictionary-encoded strings).
 
-Empty documents are skipped. A leading UTF-8 byte-order mark is not text and is dropped.
+A document that is empty or only whitespace is no document: it is skipped. A leading UTF-8
+byte-order mark is not text and is dropped (a file holding only one has no document).
+
+Document size (``DocumentLimit``). A JSONL line or a parquet value is held in memory whole,
+so its size is bounded: ``max_bytes`` (``--max-document-bytes``, default
+``DEFAULT_MAX_DOCUMENT_BYTES``). A longer one is refused, naming its file and line (row),
+or, with ``long="split"`` (``--long-documents split``), tokenized in pieces of about
+``TEXT_CHUNK_BYTES`` cut at whitespace, as a ``.txt`` file is (it stays one document); in
+that mode a JSONL line of up to ``SPLIT_LINE_CEILING`` bytes is read. A line is read with
+that bound, never whole first. A ``.txt`` file streams whatever its size.
+
+Each segment carries ``where`` its document is (``file:line``, ``file row N``, ``file``)
+for the messages of a tokenizer that fails on it.
 
 Every problem is a ``CorpusError`` (a ``DataSourceError``) that names the file and the place:
 the line of a JSONL row (malformed JSON, no ``text_key``, not a string), the byte offset of
@@ -27,15 +39,35 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import BinaryIO, Literal
 
-from speedtronic.data.text import DataSourceError, read_text_chunks
+from speedtronic.data.text import DataSourceError, open_data_file, read_text_chunks
 from speedtronic.data.tokenizer import require_module
 
-__all__ = ["SUFFIXES", "CorpusError", "Segment", "expand_inputs", "read_segments"]
+__all__ = [
+    "DEFAULT_MAX_DOCUMENT_BYTES",
+    "SPLIT_LINE_CEILING",
+    "SUFFIXES",
+    "CorpusError",
+    "DocumentLimit",
+    "LongDocuments",
+    "Segment",
+    "expand_inputs",
+    "read_segments",
+]
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 TEXT_CHUNK_BYTES = 1 << 20
 PARQUET_BATCH_ROWS = 1024
+DEFAULT_MAX_DOCUMENT_BYTES = 64 << 20
+"""The longest JSONL line / parquet value ``prepare`` takes by default (64 MiB)."""
+SPLIT_LINE_CEILING = 1 << 30
+"""The longest JSONL line read (whole) with ``--long-documents split`` (1 GiB)."""
+_MAX_BLANK_CHUNKS = 64
+"""Leading whitespace-only chunks of a ``.txt`` file held back to see whether text follows."""
+
+LongDocuments = Literal["refuse", "split"]
 _BOM = "\ufeff"
 _GLOB_CHARACTERS = frozenset("*?[")
 
@@ -52,6 +84,21 @@ class Segment:
     text: str
     ends_document: bool
     nbytes: int
+    where: str = ""
+
+
+@dataclass(frozen=True)
+class DocumentLimit:
+    """How long a document held in memory may be, and what a longer one gets (module
+    docstring)."""
+
+    max_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES
+    long: LongDocuments = "refuse"
+
+    @property
+    def line_bytes(self) -> int:
+        """The longest JSONL line read."""
+        return max(self.max_bytes, SPLIT_LINE_CEILING) if self.long == "split" else self.max_bytes
 
 
 def _suffix(path: Path) -> str:
@@ -110,20 +157,24 @@ def expand_inputs(patterns: Sequence[str]) -> list[Path]:
     return files
 
 
-def read_segments(path: Path, text_key: str) -> Iterator[Segment]:
+def read_segments(
+    path: Path, text_key: str, limit: DocumentLimit | None = None
+) -> Iterator[Segment]:
     """The documents of one input file as segments (module docstring)."""
     suffix = _suffix(path)
+    limit = DocumentLimit() if limit is None else limit
     if suffix == ".txt":
         return _text_file(path)
     if suffix == ".jsonl":
-        return _jsonl_file(path, text_key)
-    return _parquet_file(path, text_key)
+        return _jsonl_file(path, text_key, limit)
+    return _parquet_file(path, text_key, limit)
 
 
-def _text_file(path: Path) -> Iterator[Segment]:
-    held: Segment | None = None  # the last chunk is held back: it ends the document
+def _text_chunks(path: Path) -> Iterator[Segment]:
+    """The file's text in chunks (none ends the document: ``_text_file`` decides)."""
     read = 0  # file offset read up to
     text_bytes = 0  # bytes of the text handed out so far (where the next chunk starts)
+    where = str(path)
     try:
         for text, end in read_text_chunks(path, TEXT_CHUNK_BYTES):
             if read == 0 and text.startswith(_BOM):
@@ -133,22 +184,86 @@ def _text_file(path: Path) -> Iterator[Segment]:
                 offset = text_bytes + len(text[:nul].encode("utf-8"))
                 raise CorpusError(f"{path}: binary data, not text (a NUL byte at byte {offset})")
             text_bytes += len(text) if text.isascii() else len(text.encode("utf-8"))
-            if held is not None:
-                yield held
-            held = Segment(text, False, end - read)
+            yield Segment(text, False, end - read, where)
             read = end
     except CorpusError:
         raise
-    except DataSourceError as exc:  # invalid UTF-8, with its byte offset
+    except DataSourceError as exc:  # invalid UTF-8 (with its byte offset), not a file
         raise CorpusError(str(exc)) from None
-    if held is not None:
-        yield Segment(held.text, True, held.nbytes)
 
 
-def _jsonl_file(path: Path, text_key: str) -> Iterator[Segment]:
+def _text_file(path: Path) -> Iterator[Segment]:
+    """One document: its last chunk ends it; whitespace only is no document."""
+    pending: list[Segment] = []  # the last chunk, and leading whitespace-only ones
+    has_text = False
+    for segment in _text_chunks(path):
+        pending.append(segment)
+        has_text = has_text or bool(segment.text.strip()) or len(pending) > _MAX_BLANK_CHUNKS
+        if has_text and len(pending) > 1:
+            yield from pending[:-1]
+            del pending[:-1]
+    if not pending:
+        return
+    if has_text:
+        last = pending[-1]
+        yield Segment(last.text, True, last.nbytes, last.where)
+    else:
+        yield Segment("", False, sum(segment.nbytes for segment in pending), str(path))
+
+
+def _too_long(where: str, size: int, limit: DocumentLimit) -> CorpusError:
+    return CorpusError(
+        f"{where}: a document of {size:,} bytes, more than --max-document-bytes "
+        f"{limit.max_bytes:,}; pass --long-documents split to tokenize it in pieces, or raise "
+        "--max-document-bytes"
+    )
+
+
+def _line_too_long(where: str, limit: DocumentLimit) -> CorpusError:
+    if limit.long == "split":
+        return CorpusError(
+            f"{where}: a line of more than {limit.line_bytes:,} bytes, longer than any line "
+            "prepare reads (SPLIT_LINE_CEILING); split the document over several lines"
+        )
+    return CorpusError(
+        f"{where}: a line of more than {limit.line_bytes:,} bytes (--max-document-bytes); pass "
+        "--long-documents split to tokenize long documents in pieces, or raise "
+        "--max-document-bytes"
+    )
+
+
+def _document(text: str, where: str, nbytes: int, limit: DocumentLimit) -> Iterator[Segment]:
+    """A document read whole, as one segment, or pieces when it is long (module docstring)."""
+    if not text.strip():
+        yield Segment("", False, nbytes, where)
+        return
+    size = len(text) if len(text) <= limit.max_bytes // 4 or text.isascii() else 0
+    size = size or len(text.encode("utf-8"))
+    if size <= limit.max_bytes:
+        yield Segment(text, True, nbytes, where)
+        return
+    if limit.long == "refuse":
+        raise _too_long(where, size, limit)
+    start = 0
+    while start < len(text):
+        stop = min(len(text), start + TEXT_CHUNK_BYTES)
+        if stop < len(text):
+            cut = max(text.rfind(char, start + 1, stop) for char in (" ", "\n", "\t", "\r"))
+            stop = cut if cut > start else stop
+        last = stop >= len(text)
+        yield Segment(text[start:stop], last, nbytes if last else 0, where)
+        start = stop
+
+
+def _jsonl_file(path: Path, text_key: str, limit: DocumentLimit) -> Iterator[Segment]:
     offset = 0
-    with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
+    bound = limit.line_bytes
+    with open_data_file(path) as handle:
+        number = 0
+        while raw := handle.readline(bound + 1):  # a line longer than the bound is not read
+            number += 1
+            if len(raw) > bound and not raw.endswith(b"\n"):
+                raise _line_too_long(f"{path}:{number}", limit)
             start, offset = offset, offset + len(raw)
             if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw, start = raw[3:], start + 3
@@ -161,7 +276,7 @@ def _jsonl_file(path: Path, text_key: str) -> Iterator[Segment]:
             if not line.strip():
                 continue
             text = _jsonl_text(path, number, line, text_key)
-            yield Segment(text, bool(text), len(raw))
+            yield from _document(text, f"{path}:{number}", len(raw), limit)
 
 
 def _jsonl_text(path: Path, number: int, line: str, text_key: str) -> str:
@@ -204,10 +319,17 @@ def _check_encodable(text: str, where: str) -> None:
         ) from None
 
 
-def _parquet_file(path: Path, text_key: str) -> Iterator[Segment]:
+def _parquet_file(path: Path, text_key: str, limit: DocumentLimit) -> Iterator[Segment]:
     parquet = require_module("pyarrow.parquet", f"reading {path}")
+    with open_data_file(path) as handle:  # a FIFO is refused, not waited on
+        yield from _parquet_rows(parquet, handle, path, text_key, limit)
+
+
+def _parquet_rows(
+    parquet: ModuleType, handle: BinaryIO, path: Path, text_key: str, limit: DocumentLimit
+) -> Iterator[Segment]:
     try:
-        reader = parquet.ParquetFile(str(path))
+        reader = parquet.ParquetFile(handle)
         schema = reader.schema_arrow
     except Exception as exc:  # pyarrow raises its own ArrowException subclasses
         raise CorpusError(f"{path}: not a readable parquet file ({_first_line(exc)})") from None
@@ -233,7 +355,7 @@ def _parquet_file(path: Path, text_key: str) -> Iterator[Segment]:
                 row += 1
                 if text is None:
                     raise CorpusError(f"{path}: row {row} of column {text_key!r} is null")
-                yield Segment(text, bool(text), 0)
+                yield from _document(text, f"{path} row {row}", 0, limit)
             yield Segment("", False, share)
     except CorpusError:
         raise
