@@ -211,7 +211,7 @@ class EncodePool:
     def _check_alive(self) -> None:
         for number, process in enumerate(self._processes, start=1):
             code = process.exitcode
-            if code is not None:
+            if code is not None and (code != 0 or self._sent > self._read):
                 raise WorkerDied(
                     f"tokenizing worker {number} of {len(self._processes)} (pid {process.pid}) "
                     f"{_how_it_ended(code)}; nothing was written"
@@ -225,6 +225,8 @@ class EncodePool:
             deadline = time.monotonic() + _STOP_SECONDS
             for process in self._processes:
                 process.join(max(0.0, deadline - time.monotonic()))
+            if any(process.exitcode for process in self._processes):
+                self._check_alive()  # one killed just now: names it
         finally:
             self._kill()
 

@@ -360,8 +360,8 @@ def read_manifest(directory: str | Path) -> TokenManifest:
 
 # -- verifying the shards ---------------------------------------------------------------------
 
-_VERIFIED: dict[tuple[str, int, int, int, int], str] = {}
-"""Shards whose sha256 and ids this process already checked, by (path, size, mtime, inode,
+_DIGESTS: dict[tuple[str, int, int, int, int], tuple[str, int]] = {}
+"""``shard_digest`` of the shards this process already read, by (path, size, mtime, inode,
 device): the training and the evaluation loader of a run read each shard once."""
 _READ_CHUNK = 1 << 20  # a multiple of every dtype's itemsize
 
@@ -396,7 +396,11 @@ def _inside(path: Path, folder: Path) -> None:
 
 def _check_bytes(path: Path, manifest: TokenManifest, shard: ShardEntry) -> None:
     """The shard's sha256 and largest id against the manifest (``ShardError``)."""
-    digest, largest = shard_digest(path, manifest.numpy_dtype)
+    key = _stat_key(path)
+    found = _DIGESTS.get(key)
+    if found is None:
+        found = _DIGESTS[key] = shard_digest(path, manifest.numpy_dtype)
+    digest, largest = found
     if digest != shard.sha256:
         raise ShardError(
             f"{path}: sha256 {digest[:16]}... differs from index.json's "
@@ -438,13 +442,8 @@ def verify_shards(
                 f"tokens ({expected:,} bytes): the shard is truncated or was replaced; prepare "
                 "the shards again"
             )
-        if not checksums:
-            continue
-        key = _stat_key(path)
-        if _VERIFIED.get(key) == shard.sha256:
-            continue
-        _check_bytes(path, manifest, shard)
-        _VERIFIED[key] = shard.sha256
+        if checksums:
+            _check_bytes(path, manifest, shard)
 
 
 def check_tokenizer(

@@ -204,8 +204,8 @@ class TextFileTokenDataset(IterableDataset[dict[str, torch.Tensor]]):
     def _groups(self) -> Iterator[list[int]]:
         size = self.block_size + 1
         carry: list[int] = []
-        for text in self._text_chunks():
-            carry.extend(self._encode(text))
+        for text, read in read_text_chunks(self.path, self.chunk_bytes, self._byte_range):
+            carry.extend(self._encode(text, read))
             whole = len(carry) - len(carry) % size
             for start in range(0, whole, size):
                 yield carry[start : start + size]
@@ -213,8 +213,11 @@ class TextFileTokenDataset(IterableDataset[dict[str, torch.Tensor]]):
         if len(carry) >= 2:
             yield carry
 
-    def _encode(self, text: str) -> list[int]:
-        ids = encode_text(self.tokenizer, text)
+    def _encode(self, text: str, read: int) -> list[int]:
+        try:
+            ids = encode_text(self.tokenizer, text)
+        except DataSourceError as exc:  # a tokenizer that failed on this text
+            raise DataSourceError(f"{exc} on {self.path} (the text before byte {read:,})") from None
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             bad = min(ids) if min(ids) < 0 else max(ids)
             raise DataSourceError(
@@ -222,11 +225,6 @@ class TextFileTokenDataset(IterableDataset[dict[str, torch.Tensor]]):
                 f"{self.vocab_size}); pass a vocab_size that matches the tokenizer and the model"
             )
         return ids
-
-    def _text_chunks(self) -> Iterator[str]:
-        """Decoded text, cut at whitespace (see the class docstring)."""
-        for text, _ in read_text_chunks(self.path, self.chunk_bytes, self._byte_range):
-            yield text
 
 
 def read_text_chunks(
