@@ -474,20 +474,8 @@ def metadata_bytes(metadata: Metadata) -> bytes:
 tricky_values = st.one_of(
     plain_data,
     st.sampled_from(
-        [
-            "../../etc/passwd",
-            "/etc/passwd",
-            "__0_0.distcp",
-            "__1_0.distcp",
-            "state.pt",
-            ".metadata",
-            "manifest.json",
-            "a\x00b",
-            "__0_0.distcp/..",
-            "",
-            ".",
-            "..",
-        ]
+        ["../../etc/passwd", "/etc/passwd", "__0_0.distcp", "__1_0.distcp", "state.pt",
+         ".metadata", "manifest.json", "a\x00b", "__0_0.distcp/..", "", ".", ".."]
     ),  # fmt: skip
     st.integers(min_value=-(2**70), max_value=2**70),
     st.lists(st.integers(min_value=-5, max_value=2**40), max_size=4).map(torch.Size),
