@@ -12,14 +12,18 @@ A shard directory holds
 * ``index.json``, the manifest, written last: ``format``, ``version``, ``dtype``,
   ``vocab_size`` (largest id + 1), ``eos_id``, ``tokenizer`` (``kind``, ``sha256``, ``file``),
   ``documents``, ``tokens``, ``eval_fraction``, ``shard_tokens`` and ``shards``: per shard its
-  ``file``, ``split`` (``train`` or ``eval``), ``tokens`` and ``sha256``.
+  ``file``, ``split`` (``train`` or ``eval``), ``tokens``, ``sha256`` and ``max_id`` (its
+  largest token id; absent from manifests written before it was recorded).
 
 The manifest is untrusted input (a shard directory may come from anywhere): ``read_manifest``
 reads at most ``MAX_MANIFEST_BYTES``, checks every field, and refuses a shard name that is not
 a plain file name inside the directory (no path separators, no leading dot, so no ``..``).
 Every problem is a ``ManifestError`` naming the file and the field; no other exception
-escapes. ``verify_shards`` then checks each shard's size (always) and sha256 (``checksums``),
-so a truncated or modified shard is refused before training reads it.
+escapes. ``verify_shards`` then checks that each shard is a file inside the directory (a link
+out of it is refused), its size (always) and, with ``checksums``, in one read of its bytes,
+its sha256 and its largest id (below ``vocab_size``, and equal to ``max_id`` when recorded),
+so a truncated or modified shard -- ids beyond the vocabulary included, even under a
+rewritten hash -- is refused before training reads it.
 """
 
 from __future__ import annotations

@@ -614,7 +614,9 @@ def open_token_dataset(
     ``"train"``: training never reads the held-out shards) or its held-out shards
     (``"held_out"``). Checks first, each a ``DataSourceError`` naming ``key``: the manifest,
     that its vocabulary fits ``vocab_size`` (the model's), that ``tokenizer`` (when given)
-    made the shards, and the shards' sizes and, with ``verify``, sha256."""
+    made the shards, and the shards' sizes and, with ``verify``, sha256 and largest ids. The
+    dataset holds a shared lock on the set while it lives (``shard_lock``), so ``prepare
+    --overwrite`` does not replace it under the run."""
     in_use = _hold(directory)
     try:
         dataset = _open_checked(
