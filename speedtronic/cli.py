@@ -136,10 +136,23 @@ def _add_prepare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     prepare.add_argument(
         "--input",
         dest="inputs",
-        action="append",
+        action="extend",
+        nargs="+",
         required=True,
         metavar="PATH",
-        help="a .txt, .jsonl or .parquet file, a directory of them, or a glob (repeatable)",
+        help="a .txt, .jsonl or .parquet file, a directory of them, or a glob; several paths "
+        "per --input (an unquoted glob the shell expanded), and repeatable",
+    )
+    prepare.add_argument(
+        "--input-format",
+        choices=("txt", "jsonl", "parquet"),
+        help="read every input file as this format, whatever its name (default: by suffix)",
+    )
+    prepare.add_argument(
+        "--doc-separator",
+        metavar="LINE",
+        help="a line that separates the documents of a text file, e.g. '%%' ('': a blank "
+        "line; default: a text file is one document)",
     )
     prepare.add_argument(
         "--tokenizer", required=True, help="a tokenizer.json, or 'bytes' for the byte tokenizer"
@@ -627,6 +640,8 @@ def _prepare(args: argparse.Namespace) -> int:
             "max_document_bytes",
             "long_documents",
             "tokenize_timeout",
+            "input_format",
+            "doc_separator",
         )
         if getattr(args, key) is not None
     }

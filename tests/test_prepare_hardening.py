@@ -18,6 +18,7 @@ import time
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -211,15 +212,15 @@ def test_a_fifo_as_a_text_file_is_refused_where_it_is_opened(tmp_path: Path) -> 
 def stalled_prepare(ready: str, go: str, *argv: str) -> int:
     """A forked child: ``speedtronic prepare *argv`` whose reading stalls after the first
     file until ``go`` exists (the workers are up by then), so a test can kill one."""
-    real = prepare_module.read_segments
+    real = corpus_module.read_segments
 
-    def stalling(path: Path, *args: object) -> Iterator[Segment]:
-        yield from real(path, *args)  # type: ignore[arg-type]  # read_segments' own arguments
+    def stalling(path: Path, *args: Any, **kwargs: Any) -> Iterator[Segment]:
+        yield from real(path, *args, **kwargs)
         Path(ready).touch()
         while not Path(go).exists():
             time.sleep(0.01)
 
-    prepare_module.read_segments = stalling  # type: ignore[assignment]  # the child's copy
+    setattr(prepare_module, "read_segments", stalling)  # noqa: B010  # the child's own copy
     return cli_main("prepare", *argv)
 
 

@@ -5,10 +5,15 @@ and ``.parquet`` files, recursively, sorted by path) or a glob (``*``, ``?``, ``
 ``**`` descends; matches sorted). Files are read in the order the inputs are given; a file
 named twice is read once, the first time.
 
-Documents, by suffix (``read_segments``):
+With ``--input-format`` (``given``) every file is read as that format whatever its name, and a
+directory gives all its files but hidden ones.
+
+Documents, by format (``read_segments``; the suffix unless ``--input-format`` says):
 
 * ``.txt``: the whole file is one document, read in chunks of about ``TEXT_CHUNK_BYTES``
   cut at whitespace (a chunk boundary never splits a word), so a file of any size streams;
+  with a ``separator`` (``--doc-separator``) each run of lines between lines equal to it
+  (blank lines for ``""``) is a document, read line by line in bounded pieces;
 * ``.jsonl``: one document per line, the string under ``text_key`` (blank lines skipped);
 * ``.parquet`` (needs ``pyarrow``): one document per row of the string column ``text_key``
   (``string``, ``large_string``, ``string_view``, or dictionary-encoded strings).
@@ -29,18 +34,21 @@ for the messages of a tokenizer that fails on it.
 
 Every problem is a ``CorpusError`` (a ``DataSourceError``) that names the file and the place:
 the line of a JSONL row (malformed JSON, no ``text_key``, not a string), the byte offset of
-invalid UTF-8 (or of a NUL byte: a binary file), the row of a parquet null.
+invalid UTF-8 (or of a NUL byte: a binary file, called so even when an invalid byte comes
+after its first NUL), the row of a parquet null.
 """
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import glob
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import BinaryIO, Literal
+from typing import BinaryIO, Literal, cast
 
 from speedtronic.data.text import DataSourceError, open_data_file, read_text_chunks
 from speedtronic.data.tokenizer import require_module
@@ -51,9 +59,12 @@ __all__ = [
     "SUFFIXES",
     "CorpusError",
     "DocumentLimit",
+    "INPUT_FORMATS",
+    "InputFormat",
     "LongDocuments",
     "Segment",
     "expand_inputs",
+    "file_format",
     "read_segments",
 ]
 
@@ -64,10 +75,13 @@ DEFAULT_MAX_DOCUMENT_BYTES = 64 << 20
 """The longest JSONL line / parquet value ``prepare`` takes by default (64 MiB)."""
 SPLIT_LINE_CEILING = 1 << 30
 """The longest JSONL line read (whole) with ``--long-documents split`` (1 GiB)."""
+_SNIFF_BYTES = 1 << 16
 _MAX_BLANK_CHUNKS = 64
 """Leading whitespace-only chunks of a ``.txt`` file held back to see whether text follows."""
 
 LongDocuments = Literal["refuse", "split"]
+InputFormat = Literal["txt", "jsonl", "parquet"]
+INPUT_FORMATS: tuple[InputFormat, ...] = ("txt", "jsonl", "parquet")
 _BOM = "\ufeff"
 _GLOB_CHARACTERS = frozenset("*?[")
 
@@ -105,9 +119,26 @@ def _suffix(path: Path) -> str:
     return path.suffix.lower()
 
 
-def _directory_files(directory: Path) -> list[Path]:
+def file_format(path: Path, given: InputFormat | None = None) -> InputFormat | None:
+    """How a file is read: ``given`` (``--input-format``), else by its suffix (None: not a
+    corpus file)."""
+    if given is not None:
+        return given
+    suffix = _suffix(path)
+    return cast(InputFormat, suffix[1:]) if suffix in SUFFIXES else None
+
+
+def _directory_files(directory: Path, given: InputFormat | None) -> list[Path]:
     files = sorted(path for path in directory.rglob("*") if path.is_file())
-    usable = [path for path in files if _suffix(path) in SUFFIXES]
+    if given is not None:  # every file but hidden ones (``.git``, editor swap files)
+        relative = [path.relative_to(directory) for path in files]
+        usable = [
+            path
+            for path, name in zip(files, relative, strict=True)
+            if not any(part.startswith(".") for part in name.parts)
+        ]
+    else:
+        usable = [path for path in files if _suffix(path) in SUFFIXES]
     if not usable:
         others = ", ".join(path.name for path in files[:3]) or "none"
         raise CorpusError(
@@ -117,10 +148,10 @@ def _directory_files(directory: Path) -> list[Path]:
     return usable
 
 
-def _one_input(pattern: str) -> list[Path]:
+def _one_input(pattern: str, given: InputFormat | None) -> list[Path]:
     path = Path(pattern).expanduser()
     if path.is_dir():
-        return _directory_files(path)
+        return _directory_files(path, given)
     if path.exists():
         found = [path]
     elif _GLOB_CHARACTERS & set(pattern):
@@ -133,23 +164,24 @@ def _one_input(pattern: str) -> list[Path]:
     for file in found:
         if not file.is_file():
             raise CorpusError(f"--input {file}: not a regular file")
-        if _suffix(file) not in SUFFIXES:
+        if file_format(file, given) is None:
             matched = f" (matched by {pattern!r})" if str(file) != pattern else ""
             raise CorpusError(
-                f"--input {file}{matched}: not a {', '.join(SUFFIXES)} file; rename it or "
-                "leave it out"
+                f"--input {file}{matched}: not a {', '.join(SUFFIXES)} file; rename it, name "
+                "its format with --input-format, or leave it out"
             )
     return found
 
 
-def expand_inputs(patterns: Sequence[str]) -> list[Path]:
-    """The input files, in order, each once (module docstring)."""
+def expand_inputs(patterns: Sequence[str], given: InputFormat | None = None) -> list[Path]:
+    """The input files, in order, each once (module docstring); ``given``: every file is of
+    that format (``--input-format``), whatever its name."""
     if not patterns:
         raise CorpusError("no --input given")
     files: list[Path] = []
     seen: set[Path] = set()
     for pattern in patterns:
-        for file in _one_input(pattern):
+        for file in _one_input(pattern, given):
             resolved = file.resolve()
             if resolved not in seen:
                 seen.add(resolved)
@@ -158,14 +190,21 @@ def expand_inputs(patterns: Sequence[str]) -> list[Path]:
 
 
 def read_segments(
-    path: Path, text_key: str, limit: DocumentLimit | None = None
+    path: Path,
+    text_key: str,
+    limit: DocumentLimit | None = None,
+    *,
+    given: InputFormat | None = None,
+    separator: str | None = None,
 ) -> Iterator[Segment]:
-    """The documents of one input file as segments (module docstring)."""
-    suffix = _suffix(path)
+    """The documents of one input file as segments (module docstring): ``given`` is the
+    format of every file (``--input-format``; default: by suffix), ``separator`` the line
+    that separates the documents of a text file (``--doc-separator``)."""
+    kind = file_format(path, given) or "txt"
     limit = DocumentLimit() if limit is None else limit
-    if suffix == ".txt":
-        return _text_file(path)
-    if suffix == ".jsonl":
+    if kind == "txt":
+        return _text_file(path) if separator is None else separated_documents(path, separator)
+    if kind == "jsonl":
         return _jsonl_file(path, text_key, limit)
     return _parquet_file(path, text_key, limit)
 
@@ -189,7 +228,18 @@ def _text_chunks(path: Path) -> Iterator[Segment]:
     except CorpusError:
         raise
     except DataSourceError as exc:  # invalid UTF-8 (with its byte offset), not a file
-        raise CorpusError(str(exc)) from None
+        raise binary_or(path, CorpusError(str(exc))) from None
+
+
+def binary_or(path: Path, error: CorpusError) -> CorpusError:
+    """``error`` (invalid UTF-8), or the plainer news that the file is binary when a NUL byte
+    comes first in its first ``_SNIFF_BYTES`` (a binary file's first invalid byte may come
+    after its first NUL)."""
+    with contextlib.suppress(OSError, DataSourceError), open_data_file(path) as handle:
+        nul = handle.read(_SNIFF_BYTES).find(b"\x00")
+        if nul >= 0:
+            return CorpusError(f"{path}: binary data, not text (a NUL byte at byte {nul})")
+    return error
 
 
 def _text_file(path: Path) -> Iterator[Segment]:
@@ -211,6 +261,75 @@ def _text_file(path: Path) -> Iterator[Segment]:
         yield Segment("", False, sum(segment.nbytes for segment in pending), str(path))
 
 
+class _Document:
+    """The document being read from a separated text file (``separated_documents``)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.pieces: list[str] = []
+        self.chars = 0
+        self.nbytes = 0
+        self.has_text = False
+
+    def add(self, text: str, nbytes: int) -> Segment | None:
+        """Take a line; a segment to hand out when a chunk's worth has gathered."""
+        self.pieces.append(text)
+        self.chars += len(text)
+        self.nbytes += nbytes
+        self.has_text = self.has_text or bool(text.strip())
+        if self.chars < TEXT_CHUNK_BYTES:
+            return None
+        segment = Segment("".join(self.pieces) if self.has_text else "", False, self.nbytes)
+        self.pieces, self.chars, self.nbytes = [], 0, 0  # leading whitespace alone: dropped
+        return Segment(segment.text, False, segment.nbytes, self.where)
+
+    def end(self, nbytes: int) -> Segment:
+        """The document's last segment (no document when it held only whitespace)."""
+        text = "".join(self.pieces) if self.has_text else ""
+        return Segment(text, self.has_text, self.nbytes + nbytes, self.where)
+
+
+def _is_separator(line: str, separator: str) -> bool:
+    line = line.rstrip("\r\n")
+    return not line.strip() if separator == "" else line == separator
+
+
+def separated_documents(path: Path, separator: str) -> Iterator[Segment]:
+    """A text file whose documents are separated by lines equal to ``separator`` (``""``:
+    blank lines), e.g. fortune's ``%``: each run of lines between them is a document, read
+    line by line in bounded pieces (module docstring)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="strict")
+    number, offset, line_start = 1, 0, True
+    document = _Document(f"{path}:1")
+    with open_data_file(path) as handle:
+        while raw := handle.readline(TEXT_CHUNK_BYTES):
+            # A read short of the bound without a newline is the file's last line.
+            whole = raw.endswith(b"\n") or len(raw) < TEXT_CHUNK_BYTES
+            start, offset = offset, offset + len(raw)
+            if start == 0 and raw.startswith(b"\xef\xbb\xbf"):
+                raw, start = raw[3:], 3
+            if (nul := raw.find(b"\x00")) >= 0:
+                raise CorpusError(
+                    f"{path}:{number}: binary data, not text (a NUL byte at byte {start + nul})"
+                )
+            try:
+                text = decoder.decode(raw)
+            except UnicodeDecodeError as exc:
+                raise CorpusError(
+                    f"{path}:{number}: invalid UTF-8 at byte {start + exc.start} ({exc.reason})"
+                ) from None
+            if line_start and whole and _is_separator(text, separator):
+                yield document.end(len(raw))
+                document = _Document(f"{path}:{number + 1}")
+            elif (segment := document.add(text, len(raw))) is not None:
+                yield segment
+            line_start = whole
+            number += whole
+    if decoder.decode(b"", final=False) or decoder.getstate()[0]:
+        raise CorpusError(f"{path}: invalid UTF-8 at byte {offset} (the file ends mid-character)")
+    yield document.end(0)
+
+
 def _too_long(where: str, size: int, limit: DocumentLimit) -> CorpusError:
     return CorpusError(
         f"{where}: a document of {size:,} bytes, more than --max-document-bytes "
@@ -223,7 +342,8 @@ def _line_too_long(where: str, limit: DocumentLimit) -> CorpusError:
     if limit.long == "split":
         return CorpusError(
             f"{where}: a line of more than {limit.line_bytes:,} bytes, longer than any line "
-            "prepare reads (SPLIT_LINE_CEILING); split the document over several lines"
+            "prepare reads (1 GiB with --long-documents split); split the document over "
+            "several lines"
         )
     return CorpusError(
         f"{where}: a line of more than {limit.line_bytes:,} bytes (--max-document-bytes); pass "
@@ -267,6 +387,10 @@ def _jsonl_file(path: Path, text_key: str, limit: DocumentLimit) -> Iterator[Seg
             start, offset = offset, offset + len(raw)
             if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw, start = raw[3:], start + 3
+            if (nul := raw.find(b"\x00")) >= 0:
+                raise CorpusError(
+                    f"{path}:{number}: binary data, not text (a NUL byte at byte {start + nul})"
+                )
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:

@@ -52,6 +52,7 @@ from speedtronic.data.corpus import (
     DEFAULT_MAX_DOCUMENT_BYTES,
     CorpusError,
     DocumentLimit,
+    InputFormat,
     LongDocuments,
     expand_inputs,
     read_segments,
@@ -117,6 +118,10 @@ class PrepareOptions:
     max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES
     long_documents: LongDocuments = "refuse"
     tokenize_timeout: float = DEFAULT_TOKENIZE_TIMEOUT
+    input_format: InputFormat | None = None
+    """Read every input file as this format, whatever its name (default: by suffix)."""
+    doc_separator: str | None = None
+    """A line that separates the documents of a text file (``""``: a blank line)."""
 
     @property
     def limit(self) -> DocumentLimit:
@@ -200,15 +205,19 @@ class _Count:
     documents: int = 0
 
 
-def _batches(
-    files: Sequence[Path], text_key: str, limit: DocumentLimit, count: _Count
-) -> Iterator[_Batch]:
+def _batches(files: Sequence[Path], options: PrepareOptions, count: _Count) -> Iterator[_Batch]:
     """The corpus's segments in batches of about ``BATCH_CHARS`` characters (``count``
     counts the documents)."""
     batch = _Batch([], [], 0)
     chars = 0
     for path in files:
-        for segment in read_segments(path, text_key, limit):
+        for segment in read_segments(
+            path,
+            options.text_key,
+            options.limit,
+            given=options.input_format,
+            separator=options.doc_separator,
+        ):
             batch.nbytes += segment.nbytes
             if not segment.text and not segment.ends_document:
                 continue
@@ -449,7 +458,7 @@ def prepare(options: PrepareOptions, *, progress: TextIO | None = None) -> Prepa
     _check_options(options)
     output = Path(options.output).expanduser()
     replacing = check_output(output, options.overwrite)
-    files = expand_inputs(options.inputs)
+    files = expand_inputs(options.inputs, options.input_format)
     if replacing:
         _check_inputs_outside(files, output)
     tokenizer = load_tokenizer(options.tokenizer)
@@ -473,7 +482,7 @@ def prepare(options: PrepareOptions, *, progress: TextIO | None = None) -> Prepa
             ) as bar,
         ):
             count = _Count()
-            batches = _batches(files, options.text_key, options.limit, count)
+            batches = _batches(files, options, count)
             flow = _TokenFlow(_encoded(batches, tokenizer, eos_id, dtype, options, bar))
             parts = _write_parts(flow, staging, options.shard_tokens)
         if count.documents == 0:
