@@ -32,7 +32,6 @@ import speedtronic.data.prepare as prepare_module
 from speedtronic.data import read_manifest
 from speedtronic.data.corpus import Segment
 from speedtronic.data.shards import MANIFEST_NAME
-from speedtronic.data.windows import open_token_dataset
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -451,27 +450,22 @@ def test_a_shard_linked_from_outside_its_directory_is_refused(workspace: Path) -
     ), message
 
 
-def read_shards(directory: str, ready: str, done: str) -> int:
-    """A forked child that reads a shard set as a run does until ``done`` exists."""
-    dataset = open_token_dataset(directory, block_size=8)
-    Path(ready).touch()
-    while not Path(done).exists():
-        dataset.gather([0])
-        time.sleep(0.01)
-    return 0
-
-
-def test_overwrite_refuses_a_shard_set_a_run_is_reading(
-    workspace: Path, forked: Forked, tmp_path: Path
+def test_overwrite_refuses_a_shard_set_a_running_fit_is_reading(
+    workspace: Path, forked: Forked
 ) -> None:
     shards = prepared(workspace)
     before = tree_bytes(shards)
-    ready, done = tmp_path / "ready", tmp_path / "done"
-    reader = forked.start(read_shards, str(shards), str(ready), str(done))
+    config = run_config(
+        workspace / "run", {"tokens": "shards"}, model={"vocab_size": 257},
+        run={"max_steps": 1_000_000}, checkpoint={"enabled": False},
+    )  # fmt: skip
+    write_config(workspace / "run.yaml", config)
+    run = forked.start(cli_main, "fit", "--config", "run.yaml", cwd=workspace)
+    metrics = workspace / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 60
-    while not ready.exists():
-        assert reader.poll() is None and time.monotonic() < deadline, reader.output
-        time.sleep(0.02)
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert run.poll() is None and time.monotonic() < deadline, run.output
+        time.sleep(0.05)
     args = ["--input", "corpus", "--tokenizer", "bytes", "--output", "shards", "--overwrite"]
     message = one_error(prepare_cli(workspace, *args, "--shard-tokens", "300"))
     assert message.endswith(
@@ -480,7 +474,8 @@ def test_overwrite_refuses_a_shard_set_a_run_is_reading(
         "it to end, or write to another --output"
     )
     assert tree_bytes(shards) == before and hidden(workspace) == []
-    done.touch()
-    assert reader.wait(60) == 0, reader.output
+    assert run.poll() is None, run.output  # still training, on the same shards
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(60) in (143, -signal.SIGTERM), run.output  # its lock goes with it
     assert prepare_cli(workspace, *args, "--shard-tokens", "300").returncode == 0
     assert read_manifest(shards).shard_tokens == 300
