@@ -133,6 +133,8 @@ def _how_it_ended(code: int) -> str:
 
 
 def _documents(wheres: Sequence[str]) -> str:
+    if not wheres:
+        return "a batch without text"
     if len(wheres) == 1:
         return wheres[0]
     return f"one of {len(wheres)} documents from {wheres[0]} to {wheres[-1]}"
@@ -201,7 +203,8 @@ class EncodePool:
         if kind == "ids":
             assert isinstance(value, np.ndarray)
             return value
-        where = wheres[value] if isinstance(value, int) and value < len(wheres) else wheres[0]
+        inside = isinstance(value, int) and 0 <= value < len(wheres)
+        where = wheres[value] if isinstance(value, int) and inside else _documents(wheres)
         if kind == "failed":
             raise TokenizerFailure(
                 f"{self.name}: the tokenizer failed on {where} ({reason})", reason

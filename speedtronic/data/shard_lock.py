@@ -13,11 +13,12 @@ out by comparing inodes and locks the new one instead.
 
 The lock is advisory (``flock``): it binds speedtronic processes, on file systems that
 support it (local disks; NFS through its lock manager). Where ``fcntl`` does not exist
-(Windows) nothing is locked.
+(Windows), or the file system has no locks (``ENOLCK``), nothing is locked.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ __all__ = ["SHARED_WAIT_SECONDS", "ShardsInUse", "ShardsInUseError", "hold_exclu
 SHARED_WAIT_SECONDS = 60.0
 """How long a reader waits for a ``prepare`` that is swapping the set in (a rename or two)."""
 _POLL_SECONDS = 0.05
+_NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS})
 
 
 class ShardsInUseError(DataSourceError):
@@ -48,6 +50,10 @@ def _try_lock(handle: BinaryIO, operation: int) -> bool:
         fcntl.flock(handle.fileno(), operation | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
+    except OSError as exc:
+        if exc.errno in _NO_LOCKS:  # a file system without locks: nothing to respect
+            return True
+        raise
     return True
 
 
