@@ -150,6 +150,13 @@ def test_an_output_that_is_a_link_dot_or_under_a_file_is_one_error_leaving_nothi
     assert list((workspace / "real").iterdir()) == []
 
 
+def test_a_failed_prepare_removes_the_parent_directories_it_made(workspace: Path) -> None:
+    (workspace / "bad.jsonl").write_text('{"text": "fine"}\n{broken\n')
+    args = ["--input", "bad.jsonl", "--tokenizer", "bytes", "--output", "new/deep/shards"]
+    assert "bad.jsonl:2: malformed JSON" in one_error(prepare_cli(workspace, *args))
+    assert sorted(path.name for path in workspace.iterdir()) == ["bad.jsonl", "corpus"]
+
+
 # -- 6: FIFOs and devices are refused, never waited on -----------------------------------------
 
 

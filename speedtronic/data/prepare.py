@@ -35,7 +35,6 @@ import contextlib
 import hashlib
 import math
 import os
-import shutil
 import sys
 import time
 from collections import deque
@@ -58,7 +57,13 @@ from speedtronic.data.corpus import (
     read_segments,
 )
 from speedtronic.data.encode_pool import EncodePool, EncodeTask
-from speedtronic.data.shard_output import check_output, publish, staging_directory
+from speedtronic.data.shard_output import (
+    check_output,
+    discard,
+    missing_parent,
+    publish,
+    staging_directory,
+)
 from speedtronic.data.shards import (
     DTYPES,
     MANIFEST_NAME,
@@ -466,6 +471,7 @@ def prepare(options: PrepareOptions, *, progress: TextIO | None = None) -> Prepa
     eos_id = tokenizer.eos_id(options.eos_token)
     stream = sys.stderr if progress is None else progress
     started = time.perf_counter()
+    made = missing_parent(output)
     staging = staging_directory(output)
     try:
         total_bytes = sum(file.stat().st_size for file in files)
@@ -492,7 +498,7 @@ def prepare(options: PrepareOptions, *, progress: TextIO | None = None) -> Prepa
         manifest = _manifest(staging, parts, count.documents, tokenizer, dtype, eos_id, options)
         publish(staging, output, replacing)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        discard(staging, made)
         raise
     return PrepareResult(output, manifest, len(files), time.perf_counter() - started)
 

@@ -27,7 +27,14 @@ from speedtronic.data.shards import MANIFEST_NAME, ManifestError, read_manifest
 from speedtronic.data.text import DataSourceError
 from speedtronic.state.atomic_io import fsync_directory
 
-__all__ = ["OutputError", "check_output", "publish", "staging_directory"]
+__all__ = [
+    "OutputError",
+    "check_output",
+    "discard",
+    "missing_parent",
+    "publish",
+    "staging_directory",
+]
 
 _SHOWN = 5
 
@@ -116,7 +123,8 @@ def check_output(output: Path, overwrite: bool) -> bool:
 
 
 def staging_directory(output: Path) -> Path:
-    """A new hidden directory next to ``output`` to write the set into."""
+    """A new hidden directory next to ``output`` to write the set into (its missing parent
+    directories made too; ``discard`` removes them again)."""
     staging = output.parent / f".{output.name}.prepare-{uuid.uuid4().hex[:12]}"
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
@@ -126,6 +134,33 @@ def staging_directory(output: Path) -> Path:
             f"--output {output}: cannot create {staging} ({exc.strerror or exc})"
         ) from None
     return staging
+
+
+def missing_parent(output: Path) -> Path | None:
+    """The outermost of ``output``'s parent directories that does not exist yet (None: its
+    parent exists): what a failed run removes again, so it leaves nothing behind."""
+    missing = None
+    for parent in output.parents:
+        if parent.exists() or parent.is_symlink():
+            break
+        missing = parent
+    return missing
+
+
+def discard(staging: Path, made: Path | None) -> None:
+    """Remove a staging directory and, up to ``made``, the parents made for it (if empty)."""
+    shutil.rmtree(staging, ignore_errors=True)
+    if made is None:
+        return
+    folder = staging.parent
+    while True:
+        try:
+            folder.rmdir()
+        except OSError:  # not empty: another run's, or the output after all
+            return
+        if folder == made:
+            return
+        folder = folder.parent
 
 
 def publish(staging: Path, output: Path, replacing: bool) -> None:
