@@ -85,7 +85,7 @@ from speedtronic.data import build_dataloader  # noqa: E402
 from speedtronic.data.loader import DEFAULT_DATA_SEED  # noqa: E402
 from speedtronic.data.prepare import PrepareOptions, prepare  # noqa: E402
 from speedtronic.data.shards import (  # noqa: E402
-    _VERIFIED,
+    _DIGESTS,
     MANIFEST_NAME,
     ShardEntry,
     TokenizerRecord,
@@ -493,7 +493,7 @@ def verify_seconds_per_gb(directory: Path) -> list[float]:
     manifest = read_manifest(directory)
     times = []
     for _ in range(3):
-        _VERIFIED.clear()
+        _DIGESTS.clear()
         start = time.perf_counter()
         verify_shards(directory, manifest, manifest.shards, checksums=True)
         times.append((time.perf_counter() - start) / (manifest.tokens * 2 / GIGABYTE))

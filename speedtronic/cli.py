@@ -141,10 +141,23 @@ def _add_prepare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     prepare.add_argument(
         "--input",
         dest="inputs",
-        action="append",
+        action="extend",
+        nargs="+",
         required=True,
         metavar="PATH",
-        help="a .txt, .jsonl or .parquet file, a directory of them, or a glob (repeatable)",
+        help="a .txt, .jsonl or .parquet file, a directory of them, or a glob; several paths "
+        "per --input (an unquoted glob the shell expanded), and repeatable",
+    )
+    prepare.add_argument(
+        "--input-format",
+        choices=("txt", "jsonl", "parquet"),
+        help="read every input file as this format, whatever its name (default: by suffix)",
+    )
+    prepare.add_argument(
+        "--doc-separator",
+        metavar="LINE",
+        help="a line that separates the documents of a text file, e.g. '%%' ('': a blank "
+        "line; default: a text file is one document)",
     )
     prepare.add_argument(
         "--tokenizer", required=True, help="a tokenizer.json, or 'bytes' for the byte tokenizer"
@@ -167,6 +180,22 @@ def _add_prepare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         help="tokens per shard (default 100,000,000)",
     )
     prepare.add_argument("--workers", type=int, help="tokenizing processes (default 1)")
+    prepare.add_argument(
+        "--max-document-bytes",
+        type=int,
+        help="the longest JSONL line / parquet value read (default 67,108,864: 64 MiB)",
+    )
+    prepare.add_argument(
+        "--long-documents",
+        choices=("refuse", "split"),
+        help="a longer document: refuse it (default) or tokenize it in pieces",
+    )
+    prepare.add_argument(
+        "--tokenize-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="the longest a worker may take for one batch of documents (default 600)",
+    )
     prepare.add_argument(
         "--overwrite",
         action="store_true",
@@ -609,7 +638,18 @@ def _prepare(args: argparse.Namespace) -> int:
 
     given = {
         key: getattr(args, key)
-        for key in ("text_key", "eos_token", "eval_fraction", "shard_tokens", "workers")
+        for key in (
+            "text_key",
+            "eos_token",
+            "eval_fraction",
+            "shard_tokens",
+            "workers",
+            "max_document_bytes",
+            "long_documents",
+            "tokenize_timeout",
+            "input_format",
+            "doc_separator",
+        )
         if getattr(args, key) is not None
     }
     options = PrepareOptions(

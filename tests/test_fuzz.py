@@ -14,6 +14,7 @@ example database), a few hundred examples each, so CI stays fast and determinist
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import re
@@ -322,14 +323,18 @@ SHARD_NAMES = ["train-00000.bin", "eval-00000.bin", "../escape.bin", "/etc/passw
                "index.json", "tokenizer.json", "a/b.bin", "x" * 300, ""]  # fmt: skip
 MANIFEST_KEYS = ["format", "version", "dtype", "vocab_size", "eos_id", "tokenizer", "documents",
                  "tokens", "eval_fraction", "shard_tokens", "shards", "file", "split", "sha256",
-                 "kind"]  # fmt: skip
+                 "kind", "max_id"]  # fmt: skip
 SHARD_TOKENS = 40
+SHARD_IDS = [(index * 37) % 299 for index in range(SHARD_TOKENS)]  # ids 0..298 of 300
+SHARD_BYTES = b"".join(token.to_bytes(2, "little") for token in SHARD_IDS)
+SHARD_SHA256 = hashlib.sha256(SHARD_BYTES).hexdigest()
+SHARD_MAX_ID = max(SHARD_IDS)
 VALID_MANIFEST = {
     "format": "speedtronic-token-shards", "version": 1, "dtype": "uint16", "vocab_size": 300,
     "eos_id": 0, "tokenizer": {"kind": "bytes", "sha256": "a" * 64, "file": None},
     "documents": 3, "tokens": SHARD_TOKENS, "eval_fraction": 0.0, "shard_tokens": 100,
     "shards": [{"file": "train-00000.bin", "split": "train", "tokens": SHARD_TOKENS,
-                "sha256": "b" * 64}],
+                "sha256": SHARD_SHA256, "max_id": SHARD_MAX_ID}],
 }  # fmt: skip
 manifest_values = st.recursive(
     scalars | st.sampled_from(SHARD_NAMES) | st.sampled_from(["uint16", "uint32", "train", "eval",
@@ -382,7 +387,7 @@ manifest_bytes = st.one_of(
 def shard_directory(workdir: Path) -> Path:
     directory = workdir / "shards"
     directory.mkdir()
-    (directory / "train-00000.bin").write_bytes(b"\x01\x00" * SHARD_TOKENS)
+    (directory / "train-00000.bin").write_bytes(SHARD_BYTES)
     return directory
 
 
@@ -412,6 +417,11 @@ def test_manifest_bytes_give_a_manifest_or_a_manifest_error(
             verify_shards(shard_directory, manifest, manifest.shards, checksums=True)
         except ShardError as exc:
             assert str(exc).startswith(str(shard_directory))
+        else:  # what training may then read: the bytes the manifest describes, ids it allows
+            for shard in manifest.shards:
+                assert shard.sha256 == SHARD_SHA256
+                assert SHARD_MAX_ID < manifest.vocab_size
+                assert shard.max_id in (None, SHARD_MAX_ID)
     within_bound(start, data)
 
 

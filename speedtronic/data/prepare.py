@@ -1,13 +1,17 @@
 """``speedtronic prepare``: tokenize a corpus once into token shards (``speedtronic.data.shards``).
 
-Pipeline. The inputs' documents (``speedtronic.data.corpus``) are read in order in this
-process and cut into batches of about ``BATCH_CHARS`` characters; each batch is encoded --
-here with ``workers=1``, else by ``workers`` processes, results taken in submission order with
-at most two batches per worker in flight -- into token ids with the end-of-document id after
-each document; the ids fill shards of ``shard_tokens`` tokens, one after the other. The
-batches depend only on the input and each batch's ids only on the batch, so the output is
-byte-identical whatever the number of workers. Every process tokenizes on one thread
-(``TOKENIZERS_PARALLELISM=false``): ``workers`` is the parallelism, and nothing oversubscribes.
+Pipeline. The inputs' documents (``speedtronic.data.corpus``, each at most
+``max_document_bytes`` or split as ``long_documents`` says) are read in order in this process
+and cut into batches of about ``BATCH_CHARS`` characters; each batch is encoded by
+``workers`` processes (``speedtronic.data.encode_pool``: a dead worker, a tokenizer that
+fails and a batch over ``tokenize_timeout`` are errors naming what and where; only the
+byte tokenizer with ``workers=1`` runs here), results taken in submission order with at most
+two batches per worker in flight, into token ids with the end-of-document id after each
+document; the ids fill shards of ``shard_tokens`` tokens, one after the other, and each
+shard's largest id is recorded. The batches depend only on the input and each batch's ids
+only on the batch, so the output is byte-identical whatever the number of workers. Every
+process tokenizes on one thread (``TOKENIZERS_PARALLELISM=false``): ``workers`` is the
+parallelism, and nothing oversubscribes.
 
 Held-out split (``eval_fraction``). The held-out shards are the corpus's last documents,
 about ``eval_fraction`` of its tokens: the split falls on the document boundary nearest to
@@ -19,9 +23,10 @@ Nothing is changed in place. Everything is written into a hidden staging directo
 the output (``.<name>.prepare-<hex>``), each shard atomically (``speedtronic.state.atomic_io``)
 and the manifest last; then the staging directory becomes the output in one rename (over an
 absent or empty output) or, with ``overwrite``, two (the old shard directory is moved aside,
-then deleted). An error removes the staging directory; a killed run leaves at most that
-directory, which nothing reads (delete it). The output is always the old shard set or the new
-one, complete.
+then deleted) -- only over a shard set ``prepare`` wrote that no run is reading
+(``speedtronic.data.shard_output``). An error removes the staging directory; a killed run
+leaves at most that directory, which nothing reads (delete it). The output is always the old
+shard set or the new one, complete.
 """
 
 from __future__ import annotations
@@ -29,16 +34,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import multiprocessing
 import os
-import shutil
 import sys
 import time
-import uuid
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from multiprocessing.pool import AsyncResult
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, NoReturn, TextIO
 
@@ -46,7 +47,23 @@ import numpy as np
 import numpy.typing as npt
 from tqdm import tqdm
 
-from speedtronic.data.corpus import CorpusError, expand_inputs, read_segments
+from speedtronic.data.corpus import (
+    DEFAULT_MAX_DOCUMENT_BYTES,
+    CorpusError,
+    DocumentLimit,
+    InputFormat,
+    LongDocuments,
+    expand_inputs,
+    read_segments,
+)
+from speedtronic.data.encode_pool import EncodePool, EncodeTask
+from speedtronic.data.shard_output import (
+    check_output,
+    discard,
+    missing_parent,
+    publish,
+    staging_directory,
+)
 from speedtronic.data.shards import (
     DTYPES,
     MANIFEST_NAME,
@@ -59,23 +76,14 @@ from speedtronic.data.shards import (
     token_dtype,
 )
 from speedtronic.data.text import DataSourceError
-from speedtronic.data.tokenizer import (
-    BYTES,
-    ByteCorpusTokenizer,
-    CorpusTokenizer,
-    FileTokenizer,
-    load_tokenizer,
-)
-from speedtronic.state.atomic_io import (
-    atomic_write,
-    atomic_write_bytes,
-    atomic_write_text,
-    fsync_directory,
-)
+from speedtronic.data.tokenizer import CorpusTokenizer, FileTokenizer, load_tokenizer
+from speedtronic.state.atomic_io import atomic_write, atomic_write_bytes, atomic_write_text
 
 __all__ = [
     "DEFAULT_EVAL_FRACTION",
+    "DEFAULT_MAX_DOCUMENT_BYTES",
     "DEFAULT_SHARD_TOKENS",
+    "DEFAULT_TOKENIZE_TIMEOUT",
     "PrepareError",
     "PrepareOptions",
     "PrepareResult",
@@ -85,6 +93,9 @@ __all__ = [
 DEFAULT_SHARD_TOKENS = 100_000_000
 """Tokens per shard: 200 MB files at uint16."""
 DEFAULT_EVAL_FRACTION = 0.01
+DEFAULT_TOKENIZE_TIMEOUT = 600.0
+"""Seconds a worker may take for one batch (about ``BATCH_CHARS`` characters, or one
+document of up to ``max_document_bytes``) before ``prepare`` gives up on the tokenizer."""
 BATCH_CHARS = 1 << 20
 BATCH_SEGMENTS = 4096
 MAX_WORKERS = 1024
@@ -109,6 +120,17 @@ class PrepareOptions:
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     workers: int = 1
     overwrite: bool = False
+    max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES
+    long_documents: LongDocuments = "refuse"
+    tokenize_timeout: float = DEFAULT_TOKENIZE_TIMEOUT
+    input_format: InputFormat | None = None
+    """Read every input file as this format, whatever its name (default: by suffix)."""
+    doc_separator: str | None = None
+    """A line that separates the documents of a text file (``""``: a blank line)."""
+
+    @property
+    def limit(self) -> DocumentLimit:
+        return DocumentLimit(self.max_document_bytes, self.long_documents)
 
 
 @dataclass(frozen=True)
@@ -148,26 +170,19 @@ def _check_options(options: PrepareOptions) -> None:
         raise PrepareError(f"--workers must be in [1, {MAX_WORKERS}], got {options.workers}")
     if not options.text_key:
         raise PrepareError("--text-key must not be empty")
-
-
-def _check_output(output: Path, overwrite: bool) -> bool:
-    """Whether an existing shard set is to be replaced; a ``PrepareError`` when the output
-    may not be written."""
-    if output.exists() and not output.is_dir():
-        raise PrepareError(f"--output {output}: exists and is not a directory")
-    if not output.is_dir() or not any(output.iterdir()):
-        return False
-    if not overwrite:
+    if options.max_document_bytes < 1:
         raise PrepareError(
-            f"--output {output}: the directory is not empty; pass --overwrite to replace the "
-            "shards in it (the old shards stay until the new set is complete)"
+            f"--max-document-bytes must be positive, got {options.max_document_bytes}"
         )
-    if not (output / MANIFEST_NAME).is_file():
+    if options.long_documents not in ("refuse", "split"):
         raise PrepareError(
-            f"--output {output}: --overwrite replaces only a directory of token shards (one "
-            f"with {MANIFEST_NAME}), and this one is not: choose another --output"
+            f"--long-documents must be refuse or split, got {options.long_documents!r}"
         )
-    return True
+    if not (math.isfinite(options.tokenize_timeout) and options.tokenize_timeout > 0):
+        raise PrepareError(
+            f"--tokenize-timeout must be a positive number of seconds, got "
+            f"{options.tokenize_timeout}"
+        )
 
 
 def _check_inputs_outside(files: Sequence[Path], output: Path) -> None:
@@ -182,11 +197,12 @@ def _check_inputs_outside(files: Sequence[Path], output: Path) -> None:
 # -- reading and encoding ---------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Batch:
     texts: list[str]
     ends: list[bool]
     nbytes: int
+    wheres: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -194,58 +210,32 @@ class _Count:
     documents: int = 0
 
 
-def _batches(files: Sequence[Path], text_key: str, count: _Count) -> Iterator[_Batch]:
+def _batches(files: Sequence[Path], options: PrepareOptions, count: _Count) -> Iterator[_Batch]:
     """The corpus's segments in batches of about ``BATCH_CHARS`` characters (``count``
     counts the documents)."""
-    texts: list[str] = []
-    ends: list[bool] = []
-    chars = nbytes = 0
+    batch = _Batch([], [], 0)
+    chars = 0
     for path in files:
-        for segment in read_segments(path, text_key):
-            nbytes += segment.nbytes
+        for segment in read_segments(
+            path,
+            options.text_key,
+            options.limit,
+            given=options.input_format,
+            separator=options.doc_separator,
+        ):
+            batch.nbytes += segment.nbytes
             if not segment.text and not segment.ends_document:
                 continue
-            texts.append(segment.text)
-            ends.append(segment.ends_document)
+            batch.texts.append(segment.text)
+            batch.ends.append(segment.ends_document)
+            batch.wheres.append(segment.where)
             count.documents += segment.ends_document
             chars += len(segment.text)
-            if chars >= BATCH_CHARS or len(texts) >= BATCH_SEGMENTS:
-                yield _Batch(texts, ends, nbytes)
-                texts, ends, chars, nbytes = [], [], 0, 0
-    if texts or nbytes:
-        yield _Batch(texts, ends, nbytes)
-
-
-_WORKER_TOKENIZER: CorpusTokenizer | None = None
-
-
-def _start_worker(spec: tuple[str, bytes]) -> None:
-    """A worker's initializer: its own tokenizer (module docstring: one thread)."""
-    global _WORKER_TOKENIZER
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    name, data = spec
-    if name == BYTES:
-        _WORKER_TOKENIZER = ByteCorpusTokenizer()
-    else:
-        _WORKER_TOKENIZER = FileTokenizer(name, data)
-
-
-def _encode_in_worker(
-    texts: list[str], ends: list[bool], eos_id: int, dtype: str
-) -> npt.NDArray[np.unsignedinteger]:
-    assert _WORKER_TOKENIZER is not None, "worker started without its tokenizer"
-    return _WORKER_TOKENIZER.encode_documents(texts, ends, eos_id, DTYPES[dtype])
-
-
-def _spec(tokenizer: CorpusTokenizer) -> tuple[str, bytes]:
-    if isinstance(tokenizer, FileTokenizer):
-        return tokenizer.name, tokenizer.data
-    return BYTES, b""
-
-
-def _start_method() -> str:
-    # fork starts a worker in milliseconds (no re-import of torch); elsewhere it is unsafe.
-    return "fork" if sys.platform.startswith("linux") else "spawn"
+            if chars >= BATCH_CHARS or len(batch.texts) >= BATCH_SEGMENTS:
+                yield batch
+                batch, chars = _Batch([], [], 0), 0
+    if batch.texts or batch.nbytes:
+        yield batch
 
 
 def _encoded(
@@ -253,27 +243,25 @@ def _encoded(
     tokenizer: CorpusTokenizer,
     eos_id: int,
     dtype: str,
-    workers: int,
+    options: PrepareOptions,
     bar: tqdm[NoReturn],
 ) -> Iterator[npt.NDArray[np.unsignedinteger]]:
     """Each batch's ids, in order (module docstring)."""
-    if workers == 1:
-        for batch in batches:
+    if options.workers == 1 and not isinstance(tokenizer, FileTokenizer):
+        for batch in batches:  # the byte tokenizer: NumPy, nothing to contain
             bar.update(batch.nbytes)
             yield tokenizer.encode_documents(batch.texts, batch.ends, eos_id, DTYPES[dtype])
         return
-    context = multiprocessing.get_context(_start_method())
-    with context.Pool(workers, initializer=_start_worker, initargs=(_spec(tokenizer),)) as pool:
-        pending: deque[AsyncResult[npt.NDArray[np.unsignedinteger]]] = deque()
+    with EncodePool(tokenizer, options.workers, options.tokenize_timeout) as pool:
+        pending: deque[_Batch] = deque()
         for batch in batches:
             bar.update(batch.nbytes)
-            pending.append(
-                pool.apply_async(_encode_in_worker, (batch.texts, batch.ends, eos_id, dtype))
-            )
-            if len(pending) >= _IN_FLIGHT_PER_WORKER * workers:
-                yield pending.popleft().get()
+            pool.submit(EncodeTask(batch.texts, batch.ends, eos_id, dtype))
+            pending.append(batch)
+            if len(pending) >= _IN_FLIGHT_PER_WORKER * options.workers:
+                yield pool.result(pending.popleft().wheres)
         while pending:
-            yield pending.popleft().get()
+            yield pool.result(pending.popleft().wheres)
 
 
 @contextlib.contextmanager
@@ -300,6 +288,7 @@ class _Part:
     path: Path
     tokens: int
     sha256: str
+    max_id: int
 
 
 class _TokenFlow:
@@ -316,19 +305,22 @@ class _TokenFlow:
                 return False
         return True
 
-    def fill(self, handle: BinaryIO, limit: int) -> tuple[int, str]:
-        """Write up to ``limit`` tokens; ``(written, sha256)``."""
+    def fill(self, handle: BinaryIO, limit: int) -> tuple[int, str, int]:
+        """Write up to ``limit`` tokens; ``(written, sha256, largest id)``."""
         digest = hashlib.sha256()
         written = 0
+        largest = -1
         while written < limit and self.more():
             assert self._head is not None
             take = min(len(self._head), limit - written)
-            data = self._head[:take].tobytes()
+            piece = self._head[:take]
+            data = piece.tobytes()
             handle.write(data)
             digest.update(data)
+            largest = max(largest, int(piece.max()))
             written += take
             self._head = self._head[take:]
-        return written, digest.hexdigest()
+        return written, digest.hexdigest(), largest
 
 
 def _write_parts(flow: _TokenFlow, staging: Path, shard_tokens: int) -> list[_Part]:
@@ -340,7 +332,7 @@ def _write_parts(flow: _TokenFlow, staging: Path, shard_tokens: int) -> list[_Pa
 
 
 def _write_part(path: Path, flow: _TokenFlow, shard_tokens: int) -> _Part:
-    filled: list[tuple[int, str]] = []
+    filled: list[tuple[int, str, int]] = []
     atomic_write(path, lambda handle: filled.append(flow.fill(handle, shard_tokens)))
     return _Part(path, *filled[0])
 
@@ -414,19 +406,22 @@ def held_out_start(tokens: _Tokens, eos_id: int, fraction: float) -> int:
 
 def _copy_range(
     source: _Part, dtype: np.dtype[np.unsignedinteger], start: int, stop: int, target: Path
-) -> str:
-    """Write tokens ``[start, stop)`` of a part to ``target``; their sha256."""
+) -> tuple[str, int]:
+    """Write tokens ``[start, stop)`` of a part to ``target``; their sha256 and largest id."""
     digest = hashlib.sha256()
+    largest = [-1]
 
     def write(handle: BinaryIO) -> None:
         mapped = np.memmap(source.path, dtype=dtype, mode="r", shape=(source.tokens,))
         for begin in range(start, stop, _SCAN_TOKENS):
-            data = mapped[begin : min(begin + _SCAN_TOKENS, stop)].tobytes()
+            piece = mapped[begin : min(begin + _SCAN_TOKENS, stop)]
+            data = piece.tobytes()
             handle.write(data)
             digest.update(data)
+            largest[0] = max(largest[0], int(piece.max()))
 
     atomic_write(target, write)
-    return digest.hexdigest()
+    return digest.hexdigest(), largest[0]
 
 
 def _name_shards(
@@ -436,58 +431,28 @@ def _name_shards(
     entries: list[ShardEntry] = []
     counts: dict[Split, int] = {"train": 0, "eval": 0}
 
-    def add(split: Split, tokens: int, sha256: str) -> Path:
+    def add(split: Split, tokens: int, digest: tuple[str, int]) -> Path:
         name = f"{split}-{counts[split]:05d}.bin"
         counts[split] += 1
-        entries.append(ShardEntry(file=name, split=split, tokens=tokens, sha256=sha256))
+        entries.append(ShardEntry(name, split, tokens, sha256=digest[0], max_id=digest[1]))
         return staging / name
 
     offset = 0
     for part in parts:
         start, offset = offset, offset + part.tokens
         if offset <= cut or start >= cut:
-            os.replace(
-                part.path, add("train" if offset <= cut else "eval", part.tokens, part.sha256)
-            )
+            split: Split = "train" if offset <= cut else "eval"
+            os.replace(part.path, add(split, part.tokens, (part.sha256, part.max_id)))
             continue
         head = cut - start
         head_path = staging / f".head-{part.path.name}"
         tail_path = staging / f".tail-{part.path.name}"
-        head_sha = _copy_range(part, dtype, 0, head, head_path)
-        tail_sha = _copy_range(part, dtype, head, part.tokens, tail_path)
-        os.replace(head_path, add("train", head, head_sha))
-        os.replace(tail_path, add("eval", part.tokens - head, tail_sha))
+        head_digest = _copy_range(part, dtype, 0, head, head_path)
+        tail_digest = _copy_range(part, dtype, head, part.tokens, tail_path)
+        os.replace(head_path, add("train", head, head_digest))
+        os.replace(tail_path, add("eval", part.tokens - head, tail_digest))
         part.path.unlink()
     return entries
-
-
-# -- publishing --------------------------------------------------------------------------------
-
-
-def _staging_directory(output: Path) -> Path:
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.parent / f".{output.name}.prepare-{uuid.uuid4().hex[:12]}"
-    staging.mkdir()
-    return staging
-
-
-def _publish(staging: Path, output: Path, replacing: bool) -> None:
-    """Make the staging directory the output (module docstring)."""
-    if not replacing:
-        if output.is_dir():
-            output.rmdir()  # empty (checked before); rename does not replace a directory everywhere
-        os.replace(staging, output)
-        fsync_directory(output.parent)
-        return
-    aside = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:12]}"
-    os.replace(output, aside)
-    try:
-        os.replace(staging, output)
-    except BaseException:
-        os.replace(aside, output)  # the old set back in place
-        raise
-    fsync_directory(output.parent)
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 def prepare(options: PrepareOptions, *, progress: TextIO | None = None) -> PrepareResult:
@@ -497,8 +462,8 @@ def prepare(options: PrepareOptions, *, progress: TextIO | None = None) -> Prepa
     touched."""
     _check_options(options)
     output = Path(options.output).expanduser()
-    replacing = _check_output(output, options.overwrite)
-    files = expand_inputs(options.inputs)
+    replacing = check_output(output, options.overwrite)
+    files = expand_inputs(options.inputs, options.input_format)
     if replacing:
         _check_inputs_outside(files, output)
     tokenizer = load_tokenizer(options.tokenizer)
@@ -506,7 +471,8 @@ def prepare(options: PrepareOptions, *, progress: TextIO | None = None) -> Prepa
     eos_id = tokenizer.eos_id(options.eos_token)
     stream = sys.stderr if progress is None else progress
     started = time.perf_counter()
-    staging = _staging_directory(output)
+    made = missing_parent(output)
+    staging = staging_directory(output)
     try:
         total_bytes = sum(file.stat().st_size for file in files)
         terminal = hasattr(stream, "isatty") and stream.isatty()
@@ -522,17 +488,17 @@ def prepare(options: PrepareOptions, *, progress: TextIO | None = None) -> Prepa
             ) as bar,
         ):
             count = _Count()
-            batches = _batches(files, options.text_key, count)
-            flow = _TokenFlow(_encoded(batches, tokenizer, eos_id, dtype, options.workers, bar))
+            batches = _batches(files, options, count)
+            flow = _TokenFlow(_encoded(batches, tokenizer, eos_id, dtype, options, bar))
             parts = _write_parts(flow, staging, options.shard_tokens)
         if count.documents == 0:
             raise CorpusError(
                 f"empty corpus: the input(s) hold no text ({', '.join(options.inputs)})"
             )
         manifest = _manifest(staging, parts, count.documents, tokenizer, dtype, eos_id, options)
-        _publish(staging, output, replacing)
+        publish(staging, output, replacing)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        discard(staging, made)
         raise
     return PrepareResult(output, manifest, len(files), time.perf_counter() - started)
 

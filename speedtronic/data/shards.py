@@ -12,18 +12,23 @@ A shard directory holds
 * ``index.json``, the manifest, written last: ``format``, ``version``, ``dtype``,
   ``vocab_size`` (largest id + 1), ``eos_id``, ``tokenizer`` (``kind``, ``sha256``, ``file``),
   ``documents``, ``tokens``, ``eval_fraction``, ``shard_tokens`` and ``shards``: per shard its
-  ``file``, ``split`` (``train`` or ``eval``), ``tokens`` and ``sha256``.
+  ``file``, ``split`` (``train`` or ``eval``), ``tokens``, ``sha256`` and ``max_id`` (its
+  largest token id; absent from manifests written before it was recorded).
 
 The manifest is untrusted input (a shard directory may come from anywhere): ``read_manifest``
 reads at most ``MAX_MANIFEST_BYTES``, checks every field, and refuses a shard name that is not
 a plain file name inside the directory (no path separators, no leading dot, so no ``..``).
 Every problem is a ``ManifestError`` naming the file and the field; no other exception
-escapes. ``verify_shards`` then checks each shard's size (always) and sha256 (``checksums``),
-so a truncated or modified shard is refused before training reads it.
+escapes. ``verify_shards`` then checks that each shard is a file inside the directory (a link
+out of it is refused), its size (always) and, with ``checksums``, in one read of its bytes,
+its sha256 and its largest id (below ``vocab_size``, and equal to ``max_id`` when recorded),
+so a truncated or modified shard -- ids beyond the vocabulary included, even under a
+rewritten hash -- is refused before training reads it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -34,8 +39,8 @@ from typing import Literal, cast
 
 import numpy as np
 
-from speedtronic.data.text import DataSourceError
-from speedtronic.data.tokenizer import BYTE_TOKENIZER_SHA256, BYTES, sha256_of_file
+from speedtronic.data.text import DataSourceError, open_data_file
+from speedtronic.data.tokenizer import BYTE_TOKENIZER_SHA256, BYTES, read_tokenizer_file
 
 __all__ = [
     "FORMAT",
@@ -117,14 +122,20 @@ class ShardEntry:
     split: Split
     tokens: int
     sha256: str
+    max_id: int | None = None
+    """The largest token id in the shard (None in manifests written before it was
+    recorded: verification computes it then)."""
 
     def to_dict(self) -> dict[str, object]:
-        return {
+        values: dict[str, object] = {
             "file": self.file,
             "split": self.split,
             "tokens": self.tokens,
             "sha256": self.sha256,
         }
+        if self.max_id is not None:
+            values["max_id"] = self.max_id
+        return values
 
 
 @dataclass(frozen=True)
@@ -247,13 +258,15 @@ def _file_name(fields: _Fields, key: str) -> str:
     return name
 
 
-def _shard(where: str, index: int, values: object) -> ShardEntry:
+def _shard(where: str, index: int, values: object, vocab: int) -> ShardEntry:
     fields = _Fields(where, values, f"shards[{index}]")
+    has_max = "max_id" in fields.values  # absent from manifests written before it existed
     return ShardEntry(
         file=_file_name(fields, "file"),
         split=cast(Split, fields.choice("split", SPLITS)),
         tokens=fields.integer("tokens", 1, MAX_SHARD_TOKENS),
         sha256=fields.text("sha256", _SHA256, "a sha256 (64 lower-case hex digits)"),
+        max_id=fields.integer("max_id", 0, vocab - 1) if has_max else None,
     )
 
 
@@ -302,7 +315,7 @@ def parse_manifest(data: bytes, where: str) -> TokenManifest:
         raise fields.error("must be a non-empty list", "shards")
     if len(raw_shards) > MAX_SHARDS:
         raise fields.error(f"{len(raw_shards):,} shards, more than {MAX_SHARDS:,}", "shards")
-    shards = tuple(_shard(where, index, item) for index, item in enumerate(raw_shards))
+    shards = tuple(_shard(where, index, item, vocab) for index, item in enumerate(raw_shards))
     seen: set[str] = set()
     for index, shard in enumerate(shards):
         if shard.file in seen:
@@ -335,8 +348,10 @@ def read_manifest(directory: str | Path) -> TokenManifest:
             f"{folder} is not a directory of token shards (make one with speedtronic prepare)"
         )
     try:
-        with path.open("rb") as handle:
+        with open_data_file(path) as handle:
             data = handle.read(MAX_MANIFEST_BYTES + 1)
+    except DataSourceError as exc:  # a FIFO or a device: refused, never waited on
+        raise ManifestError(f"{exc}; it must be the manifest written by prepare") from None
     except FileNotFoundError:
         raise ManifestError(
             f"{folder} has no {MANIFEST_NAME}: not a directory written by speedtronic prepare "
@@ -349,9 +364,10 @@ def read_manifest(directory: str | Path) -> TokenManifest:
 
 # -- verifying the shards ---------------------------------------------------------------------
 
-_VERIFIED: dict[tuple[str, int, int, int, int], str] = {}
-"""Shards whose sha256 this process already checked, by (path, size, mtime, inode, device):
-the training and the evaluation loader of a run hash each shard once."""
+_DIGESTS: dict[tuple[str, int, int, int, int], tuple[str, int]] = {}
+"""``shard_digest`` of the shards this process already read, by (path, size, mtime, inode,
+device): the training and the evaluation loader of a run read each shard once."""
+_READ_CHUNK = 1 << 20  # a multiple of every dtype's itemsize
 
 
 def _stat_key(path: Path) -> tuple[str, int, int, int, int]:
@@ -359,11 +375,61 @@ def _stat_key(path: Path) -> tuple[str, int, int, int, int]:
     return (str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_dev)
 
 
+def shard_digest(path: Path, dtype: np.dtype[np.unsignedinteger]) -> tuple[str, int]:
+    """``(sha256, largest token id)`` of a shard's bytes, in one read (``-1``: no tokens)."""
+    digest = hashlib.sha256()
+    largest = -1
+    with open_data_file(path) as handle:
+        while chunk := handle.read(_READ_CHUNK):
+            digest.update(chunk)
+            ids = np.frombuffer(chunk, dtype=dtype, count=len(chunk) // dtype.itemsize)
+            if ids.size:
+                largest = max(largest, int(ids.max()))
+    return digest.hexdigest(), largest
+
+
+def _inside(path: Path, folder: Path) -> None:
+    """Refuse a shard that is a link to a file outside its directory."""
+    target = path.resolve()
+    if not target.is_relative_to(folder.resolve()):
+        raise ShardError(
+            f"{path}: a link to {target}, outside {folder}: shards are read only from inside "
+            "their own directory; copy the file in, or prepare the shards again"
+        )
+
+
+def _check_bytes(path: Path, manifest: TokenManifest, shard: ShardEntry) -> None:
+    """The shard's sha256 and largest id against the manifest (``ShardError``)."""
+    key = _stat_key(path)
+    found = _DIGESTS.get(key)
+    if found is None:
+        found = _DIGESTS[key] = shard_digest(path, manifest.numpy_dtype)
+    digest, largest = found
+    if digest != shard.sha256:
+        raise ShardError(
+            f"{path}: sha256 {digest[:16]}... differs from index.json's "
+            f"{shard.sha256[:16]}...: the shard was modified; prepare the shards again"
+        )
+    if largest >= manifest.vocab_size:
+        raise ShardError(
+            f"{path}: holds token id {largest}, outside index.json's vocabulary of "
+            f"{manifest.vocab_size} ids (0-{manifest.vocab_size - 1}): the shard was altered "
+            "after prepare; prepare the shards again"
+        )
+    if shard.max_id is not None and largest != shard.max_id:
+        raise ShardError(
+            f"{path}: its largest token id is {largest}, index.json records {shard.max_id}: "
+            "the shard was modified; prepare the shards again"
+        )
+
+
 def verify_shards(
     directory: str | Path, manifest: TokenManifest, shards: Sequence[ShardEntry], *, checksums: bool
 ) -> None:
-    """Check that each of ``shards`` is in ``directory`` with the size its token count gives
-    and, with ``checksums``, the sha256 the manifest records; ``ShardError`` otherwise."""
+    """Check that each of ``shards`` is a file inside ``directory`` (a link out of it is
+    refused) with the size its token count gives and, with ``checksums``, the sha256 and the
+    largest token id (below ``vocab_size``, and the recorded ``max_id``) that the manifest
+    records, all from one read of its bytes; ``ShardError`` otherwise."""
     folder = Path(directory)
     itemsize = manifest.numpy_dtype.itemsize
     for shard in shards:
@@ -372,6 +438,7 @@ def verify_shards(
         if not path.is_file():
             what = "not a regular file" if path.exists() else "missing (index.json lists it)"
             raise ShardError(f"{path}: {what}; prepare the shards again")
+        _inside(path, folder)
         size = path.stat().st_size
         if size != expected:
             raise ShardError(
@@ -379,18 +446,8 @@ def verify_shards(
                 f"tokens ({expected:,} bytes): the shard is truncated or was replaced; prepare "
                 "the shards again"
             )
-        if not checksums:
-            continue
-        key = _stat_key(path)
-        if _VERIFIED.get(key) == shard.sha256:
-            continue
-        digest = sha256_of_file(path)
-        if digest != shard.sha256:
-            raise ShardError(
-                f"{path}: sha256 {digest[:16]}... differs from index.json's "
-                f"{shard.sha256[:16]}...: the shard was modified; prepare the shards again"
-            )
-        _VERIFIED[key] = digest
+        if checksums:
+            _check_bytes(path, manifest, shard)
 
 
 def check_tokenizer(
@@ -401,10 +458,10 @@ def check_tokenizer(
     if tokenizer == BYTES:
         actual = BYTE_TOKENIZER_SHA256
     else:
-        path = Path(tokenizer)
-        if not path.is_file():
-            raise DataSourceError(f"{key}: tokenizer file not found: {path}")
-        actual = sha256_of_file(path)
+        try:
+            actual = hashlib.sha256(read_tokenizer_file(Path(tokenizer))).hexdigest()
+        except DataSourceError as exc:
+            raise DataSourceError(f"{key}: {exc}") from None
     expected = manifest.tokenizer.sha256
     if actual != expected:
         made_with = (

@@ -6,16 +6,19 @@ import codecs
 import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import BinaryIO, Literal, Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
+
+from speedtronic.state.regular_file import NotRegularFileError, open_regular
 
 __all__ = [
     "CharTokenizer",
     "DataSourceError",
     "TextPart",
     "held_out_cut",
+    "open_data_file",
     "SupportsEncode",
     "TextFileTokenDataset",
     "Tokenizer",
@@ -32,6 +35,16 @@ _CUT_CHARACTERS = (" ", "\n", "\t", "\r")
 
 class DataSourceError(ValueError):
     """A data source that cannot be used: bad bytes, unknown name, refused file, no source."""
+
+
+def open_data_file(path: Path) -> BinaryIO:
+    """``path`` opened for reading when it is a regular file: a FIFO or a device (which
+    would block or never end) is a ``DataSourceError`` naming it, found without blocking
+    (``speedtronic.state.regular_file``); ``FileNotFoundError`` as ``open``."""
+    try:
+        return open_regular(path)
+    except NotRegularFileError as exc:
+        raise DataSourceError(str(exc)) from None
 
 
 TextPart = Literal["all", "train", "held_out"]
@@ -51,7 +64,7 @@ def held_out_cut(path: Path, fraction: float) -> int:
         raise ValueError(f"fraction must be in (0, 1), got {fraction!r}")
     size = path.stat().st_size
     start = min(size, math.floor(size * (1 - fraction)))
-    with path.open("rb") as handle:
+    with open_data_file(path) as handle:
         handle.seek(start)
         position = start
         while position < size:
@@ -155,6 +168,8 @@ class TextFileTokenDataset(IterableDataset[dict[str, torch.Tensor]]):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.path = Path(path)
         if not self.path.is_file():
+            if self.path.exists():
+                open_data_file(self.path).close()  # names what it is instead
             raise FileNotFoundError(f"text data file not found: {self.path}")
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -189,8 +204,8 @@ class TextFileTokenDataset(IterableDataset[dict[str, torch.Tensor]]):
     def _groups(self) -> Iterator[list[int]]:
         size = self.block_size + 1
         carry: list[int] = []
-        for text in self._text_chunks():
-            carry.extend(self._encode(text))
+        for text, read in read_text_chunks(self.path, self.chunk_bytes, self._byte_range):
+            carry.extend(self._encode(text, read))
             whole = len(carry) - len(carry) % size
             for start in range(0, whole, size):
                 yield carry[start : start + size]
@@ -198,8 +213,11 @@ class TextFileTokenDataset(IterableDataset[dict[str, torch.Tensor]]):
         if len(carry) >= 2:
             yield carry
 
-    def _encode(self, text: str) -> list[int]:
-        ids = encode_text(self.tokenizer, text)
+    def _encode(self, text: str, read: int) -> list[int]:
+        try:
+            ids = encode_text(self.tokenizer, text)
+        except DataSourceError as exc:  # a tokenizer that failed on this text
+            raise DataSourceError(f"{exc} on {self.path} (the text before byte {read:,})") from None
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             bad = min(ids) if min(ids) < 0 else max(ids)
             raise DataSourceError(
@@ -207,11 +225,6 @@ class TextFileTokenDataset(IterableDataset[dict[str, torch.Tensor]]):
                 f"{self.vocab_size}); pass a vocab_size that matches the tokenizer and the model"
             )
         return ids
-
-    def _text_chunks(self) -> Iterator[str]:
-        """Decoded text, cut at whitespace (see the class docstring)."""
-        for text, _ in read_text_chunks(self.path, self.chunk_bytes, self._byte_range):
-            yield text
 
 
 def read_text_chunks(
@@ -225,7 +238,7 @@ def read_text_chunks(
     consumed = 0  # bytes handed to the decoder so far
     pending = ""
     try:
-        handle = path.open("rb")
+        handle = open_data_file(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"text data file not found: {path}") from None
     start, stop = byte_range

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from speedtronic.data.text import DataSourceError
+from speedtronic.data.text import DataSourceError, open_data_file
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer as HFTokenizerObject
@@ -44,7 +44,9 @@ __all__ = [
     "CorpusTokenizer",
     "FileTokenizer",
     "MissingExtraError",
+    "TokenizerFailure",
     "load_tokenizer",
+    "read_tokenizer_file",
     "require_module",
     "sha256_of_file",
     "tokenizer_from_bytes",
@@ -90,10 +92,30 @@ def require_module(name: str, purpose: str) -> ModuleType:
 def sha256_of_file(path: Path) -> str:
     """The hex sha256 of a file's bytes, read in chunks."""
     digest = hashlib.sha256()
-    with path.open("rb") as handle:
+    with open_data_file(path) as handle:
         while chunk := handle.read(_HASH_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+class TokenizerFailure(DataSourceError):
+    """The ``tokenizers`` library failed on a text (a Rust panic: a pre-tokenizer's regex
+    that gives up, ...); the message names the tokenizer file, ``reason`` is the library's."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _is_library_failure(exc: BaseException) -> bool:
+    # pyo3 turns a Rust panic into ``pyo3_runtime.PanicException``, a BaseException that no
+    # module exports by name.
+    return type(exc).__name__ == "PanicException"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class CorpusTokenizer(Protocol):
@@ -157,9 +179,7 @@ class FileTokenizer:
         """``data``: the file's bytes when they are already read (a worker process)."""
         self.path = Path(path)
         if data is None:
-            if not self.path.is_file():
-                raise DataSourceError(f"tokenizer file not found: {self.path}")
-            data = self.path.read_bytes()
+            data = read_tokenizer_file(self.path)
         self.data = data
         """The file's bytes, read once: what is hashed, loaded and copied is the same."""
         self.sha256 = hashlib.sha256(self.data).hexdigest()
@@ -173,7 +193,10 @@ class FileTokenizer:
         return str(self.path)
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        try:
+            return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        except BaseException as exc:
+            raise self._failure(exc) from None
 
     def encode_documents(
         self, texts: Sequence[str], ends: Sequence[bool], eos_id: int, dtype: npt.DTypeLike
@@ -181,8 +204,18 @@ class FileTokenizer:
         tokenizer = self._tokenizer
         # encode_batch_fast (tokenizers >= 0.20) skips the character offsets nobody reads.
         encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
-        encodings = encode(list(texts), add_special_tokens=False)
+        try:
+            encodings = encode(list(texts), add_special_tokens=False)
+        except BaseException as exc:
+            raise self._failure(exc) from None
         return _joined([encoding.ids for encoding in encodings], ends, eos_id, dtype)
+
+    def _failure(self, exc: BaseException) -> BaseException:
+        """A library failure as a ``TokenizerFailure``; anything else (Ctrl-C) unchanged."""
+        if not _is_library_failure(exc):
+            return exc
+        reason = _first_line(exc)
+        return TokenizerFailure(f"{self.path}: the tokenizer failed ({reason})", reason)
 
     def eos_id(self, token: str | None) -> int:
         if token is not None:
@@ -215,6 +248,20 @@ class FileTokenizer:
         """The text of token ``token_id`` (None for an id the vocabulary skips)."""
         found: str | None = self._tokenizer.id_to_token(token_id)
         return found
+
+
+def read_tokenizer_file(path: Path) -> bytes:
+    """The bytes of a ``tokenizer.json`` (a ``DataSourceError`` when it is missing or not a
+    regular file: a FIFO is refused, never waited on)."""
+    try:
+        with open_data_file(path) as handle:
+            return handle.read()
+    except FileNotFoundError:
+        raise DataSourceError(f"tokenizer file not found: {path}") from None
+    except DataSourceError as exc:
+        raise DataSourceError(f"tokenizer {exc}") from None
+    except OSError as exc:
+        raise DataSourceError(f"tokenizer {path}: cannot be read ({exc.strerror or exc})") from None
 
 
 def tokenizer_from_bytes(data: bytes, where: str) -> HFTokenizerObject:

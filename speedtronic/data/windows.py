@@ -57,7 +57,9 @@ import torch
 from torch.utils.data import Dataset
 
 from speedtronic.data.collate import collate_batch
+from speedtronic.data.shard_lock import ShardsInUse, ShardsInUseError
 from speedtronic.data.shards import (
+    MANIFEST_NAME,
     ManifestError,
     ShardEntry,
     ShardError,
@@ -487,6 +489,9 @@ class TokenWindowDataset(WindowSource):
         counts = [max(0, (shard.tokens - 1) // block_size) for shard in self.shards]
         self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
         self._resident_bytes = resident_bytes
+        self.in_use: ShardsInUse | None = None
+        """The shared lock that keeps ``prepare --overwrite`` off these shards while this
+        dataset lives (``open_token_dataset`` sets it; ``speedtronic.data.shard_lock``)."""
         self.chunk_windows, self.group_chunks = locality(
             block_size, manifest.numpy_dtype.itemsize, resident_bytes
         )
@@ -504,6 +509,7 @@ class TokenWindowDataset(WindowSource):
         # A worker started by spawn gets its own maps; a pickled memmap would be a copy.
         state = dict(self.__dict__)
         state["_maps"] = None
+        state["in_use"] = None  # the parent process holds the lock for its workers
         return state
 
     def __setstate__(self, state: dict[str, object]) -> None:
@@ -608,7 +614,43 @@ def open_token_dataset(
     ``"train"``: training never reads the held-out shards) or its held-out shards
     (``"held_out"``). Checks first, each a ``DataSourceError`` naming ``key``: the manifest,
     that its vocabulary fits ``vocab_size`` (the model's), that ``tokenizer`` (when given)
-    made the shards, and the shards' sizes and, with ``verify``, sha256."""
+    made the shards, and the shards' sizes and, with ``verify``, sha256 and largest ids. The
+    dataset holds a shared lock on the set while it lives (``shard_lock``), so ``prepare
+    --overwrite`` does not replace it under the run."""
+    in_use = _hold(directory)
+    try:
+        dataset = _open_checked(
+            directory, block_size, part, vocab_size, tokenizer, verify=verify, key=key
+        )
+    except BaseException:
+        if in_use is not None:
+            in_use.close()
+        raise
+    dataset.in_use = in_use
+    return dataset
+
+
+def _hold(directory: str | Path) -> ShardsInUse | None:
+    """A shared lock on the set, taken before its manifest is read (``shard_lock``); None
+    when ``index.json`` cannot be opened (reading the manifest then says why)."""
+    try:
+        return ShardsInUse(directory, MANIFEST_NAME)
+    except ShardsInUseError:
+        raise
+    except (OSError, DataSourceError):
+        return None
+
+
+def _open_checked(
+    directory: str | Path,
+    block_size: int,
+    part: TextPart,
+    vocab_size: int | None,
+    tokenizer: str | None,
+    *,
+    verify: bool,
+    key: str,
+) -> TokenWindowDataset:
     manifest = source_manifest(directory, key)
     where = f"{key}: {directory}"
     if vocab_size is not None:
