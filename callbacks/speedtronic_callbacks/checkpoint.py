@@ -114,13 +114,10 @@ from speedtronic.state.checkpoint import (
     signal_stop_reason,
 )
 from speedtronic.state.checkpoint_async import AsyncCheckpointWriter
-from speedtronic.state.remote import (
-    RemoteMirror,
-    RemoteStore,
-    RetryPolicy,
-    fetch_newer,
-    open_store,
-)
+from speedtronic.state.remote import RemoteMirror
+from speedtronic.state.remote_fetch import fetch_newer
+from speedtronic.state.remote_store import RemoteStore, RetryPolicy, open_store
+from speedtronic.state.resume import FetchedCheckpoint
 from speedtronic.state.rng import capture_rng_state
 from speedtronic.state.run_lock import RunPaths, resolve_run_path
 from speedtronic.state.time_budget import is_time_budget_stop
@@ -250,6 +247,15 @@ class CheckpointOptions:
             maximum=100,
         ),
     ] = 5
+    remote_final_wait_s: Annotated[
+        float,
+        Opt(
+            "seconds the end of a fit waits for the last uploads to `remote` before it "
+            "gives up (the checkpoints stay local); a SIGTERM ends the wait at once",
+            minimum=0,
+            maximum=86400,
+        ),
+    ] = 600.0
 
 
 OPTIONS_ONLY = ("save_final",)
@@ -360,6 +366,7 @@ class CheckpointCallback(Callback):
         remote_options: Mapping[str, object] = _NO_REMOTE_OPTIONS,
         remote_attempts: int = CheckpointOptions.remote_attempts,
         remote_retry: RetryPolicy | None = None,
+        remote_final_wait_s: float = CheckpointOptions.remote_final_wait_s,
     ) -> None:
         if every_minutes is not None and not every_minutes > 0:
             raise ValueError(f"every_minutes must be positive or None, got {every_minutes!r}")
@@ -416,6 +423,9 @@ class CheckpointCallback(Callback):
         )
         self.mirror: RemoteMirror | None = None
         """Rank 0's uploader during a fit with ``remote`` (``None`` otherwise)."""
+        self.remote_final_wait_s = remote_final_wait_s
+        self._take_over = False  # resumed with allow_other_run: the prefix becomes this run's
+        self._abandoned_upload = False  # the final wait for uploads ended early
 
     # -- ResumeSource ---------------------------------------------------------------------
 
@@ -488,6 +498,7 @@ class CheckpointCallback(Callback):
         self.signal_received = None
         self._deferred, self._abandoned = None, False
         self._step_end_state = None
+        self._abandoned_upload = False
         self.wall_clock = None
         self.last_saved_step = (
             ctx.start_step if self.manager.has_checkpoint(ctx.start_step) else None
@@ -503,7 +514,20 @@ class CheckpointCallback(Callback):
         self._warn_about_foreign_checkpoints(ctx.start_step, trainer)
         main = trainer.distributed is None or trainer.distributed.is_main
         if self._store is not None and main:
-            self.mirror = RemoteMirror(self._store, self.manager, retry=self.remote_retry)
+            self.mirror = RemoteMirror(
+                self._store,
+                self.manager,
+                retry=self.remote_retry,
+                run_id=_run_id(trainer),
+                output_dir=str(trainer.output_dir),
+                take_over=self._take_over,
+            )
+            # The claim of the prefix (remote_owner) runs on the upload thread; a store that
+            # answers refuses another run's prefix before the first step, a slow one later.
+            self.mirror.start()
+            self.mirror.flush(timeout=min(_CLAIM_WAIT_S, self.remote_final_wait_s))
+            if self.mirror.refusal is not None:
+                raise self.mirror.refusal
         if self.every_minutes is not None:
             self.wall_clock = Deadline(trainer.distributed)
             self._restart_clock(ctx.start_step)
@@ -516,6 +540,8 @@ class CheckpointCallback(Callback):
     def on_checkpoint(self, trainer: TrainerView, ctx: CheckpointContext) -> None:
         if self._writer is not None:
             self._writer.poll()  # a failed background write stops the run here
+        if self.mirror is not None and self.mirror.refusal is not None:
+            raise self.mirror.refusal  # the prefix is another run's: stop (exit 2)
         if self.save_on_exception:
             # What a mid-step failure cannot recover from the live trainer: where the data
             # and the RNG stood when the last step completed.
@@ -547,7 +573,7 @@ class CheckpointCallback(Callback):
                 self._writer.wait()  # the run is only over when its checkpoint is on disk
             _barrier(trainer)
         if self.mirror is not None:
-            self._flush_remote()
+            self._flush_remote(ctx)
         if self.signal_received is not None:
             logger.warning(
                 "stopped by %s at step %d; checkpoint %s written (resume with --resume)",
@@ -596,7 +622,8 @@ class CheckpointCallback(Callback):
         finally:
             mirror, self.mirror = self.mirror, None
             if mirror is not None:
-                mirror.close()  # what a failed fit committed is uploaded too
+                # What a failed fit committed is uploaded too, within the same bound.
+                mirror.close(0.0 if self._abandoned_upload else self.remote_final_wait_s)
 
     # -- saving -------------------------------------------------------------------------
 
@@ -636,45 +663,116 @@ class CheckpointCallback(Callback):
         assert self.wall_clock is not None and self.every_minutes is not None
         self.wall_clock.start_at(time.monotonic() + 60.0 * self.every_minutes, step=step)
 
-    def _flush_remote(self) -> None:
-        """Wait until the uploads are done (each store operation bounded by its retries),
-        so that a job ending here has its last checkpoint in the store."""
-        assert self.mirror is not None
-        if self.mirror.busy:
-            logger.info("checkpoint.remote: waiting for the upload to %s", self.mirror.store.url)
-        self.mirror.flush()
+    def _flush_remote(self, ctx: FitEndContext) -> None:
+        """Wait until the uploads are done, so that a job ending here has its last
+        checkpoint in the store -- at most ``remote_final_wait_s`` seconds, saying what it
+        waits for once the wait is longer than a few seconds; a SIGTERM/SIGINT meanwhile
+        ends the wait at once and the fit as stopped by it (exit 128 + signal)."""
+        mirror = self.mirror
+        assert mirror is not None
+        self._abandoned_upload = False
+        started = time.monotonic()
+        deadline = started + self.remote_final_wait_s
+        received_before = self.signal_received
+        told = False
+        while not mirror.flush(timeout=min(0.25, max(0.0, deadline - time.monotonic()))):
+            now = time.monotonic()
+            if self.signal_received is not received_before or now >= deadline:
+                self._abandoned_upload = True
+                break
+            if not told and now - started >= _TELL_AFTER_S:
+                told = True
+                logger.warning(
+                    "checkpoint.remote: waiting up to %s more (checkpoint.remote_final_wait_s) "
+                    "for %s to reach %s; now: %s. It is in %s either way",
+                    _seconds(deadline - now),
+                    mirror.submitted or "the last upload",
+                    mirror.store.url,
+                    mirror.activity or "between operations",
+                    self.manager.directory,
+                )
+        if mirror.refusal is not None:
+            raise mirror.refusal
+        if self._abandoned_upload:
+            self._gave_up(ctx, mirror, received_before)
+            return
         newest = None if self.last_path is None else self.last_path.name
-        if newest is not None and self.mirror.verified != newest:
+        if newest is not None and mirror.verified != newest:
             logger.warning(
                 "checkpoint.remote: the newest checkpoint %s is not in %s (%s); it is in %s",
                 newest,
-                self.mirror.store.url,
-                f"the newest there is {self.mirror.verified}"
-                if self.mirror.verified
+                mirror.store.url,
+                f"the newest there is {mirror.verified}"
+                if mirror.verified
                 else "no upload of this fit succeeded",
                 self.manager.directory,
             )
 
-    def fetch_checkpoints(self, trainer: TrainerView) -> Path | None:
+    def _gave_up(
+        self, ctx: FitEndContext, mirror: RemoteMirror, received_before: signal.Signals | None
+    ) -> None:
+        """The final wait ended early: by a signal (the fit ends as stopped by it), or after
+        ``remote_final_wait_s``. Either way the local checkpoint is the resume point."""
+        newest = None if self.last_path is None else self.last_path.name
+        there = f"the newest there is {mirror.verified}" if mirror.verified else "none yet"
+        received = self.signal_received
+        why = (
+            f"{received.name} received"
+            if received is not None and received is not received_before
+            else f"checkpoint.remote_final_wait_s {self.remote_final_wait_s:g} s passed"
+        )
+        logger.warning(
+            "checkpoint.remote: stopped waiting for the upload (%s; %s): %s is not in %s (%s); "
+            "it is in %s",
+            mirror.activity or "uploading",
+            why,
+            newest,
+            mirror.store.url,
+            there,
+            self.manager.directory,
+        )
+        if (
+            received is not None
+            and received is not received_before
+            and ctx.result.stop_reason is None
+        ):
+            ctx.result.stop_reason = signal_stop_reason(received)
+
+    def fetch_checkpoints(
+        self, trainer: TrainerView, *, run_id: str | None, allow_other_run: bool
+    ) -> FetchedCheckpoint:
         """Before a resume loads (``speedtronic.state.resume.FetchesCheckpoints``): download
-        the newest intact remote checkpoint when it is newer than the local directory's
-        (one process per node downloads; every rank gets its path)."""
+        the newest intact remote checkpoint of this run when it is newer than the local
+        directory's (one process per node downloads; every rank gets its path), and say
+        which run the prefix belongs to. ``allow_other_run`` also lets this run take the
+        prefix over at its first upload."""
         if self._store is None or not self.manager.enabled:
-            return None
+            return FetchedCheckpoint()
+        self._take_over = allow_other_run
         distributed = trainer.distributed
-        fetched: Path | None = None
+        path: Path | None = None
+        owner: str | None = None
         if distributed is None or distributed.is_local_main:
-            fetched = fetch_newer(self._store, self.manager, retry=self.remote_retry)
+            fetched = fetch_newer(
+                self._store,
+                self.manager,
+                retry=self.remote_retry,
+                run_id=run_id,
+                allow_other_run=allow_other_run,
+            )
+            path, owner = fetched.path, fetched.owner
         if distributed is not None and distributed.world_size > 1:
             import torch.distributed as dist
 
             # Every node's download is done before any rank loads (a broadcast alone would
             # release another node's ranks while their local main still downloads).
             _barrier(trainer)
-            names: list[object] = [None if fetched is None else fetched.name]
-            dist.broadcast_object_list(names, src=0)  # rank 0's verdict, for every rank
-            fetched = None if names[0] is None else self.manager.directory / str(names[0])
-        return fetched
+            verdict: list[object] = [None if path is None else path.name, owner]
+            dist.broadcast_object_list(verdict, src=0)  # rank 0's verdict, for every rank
+            name, chosen = verdict
+            path = None if name is None else self.manager.directory / str(name)
+            owner = None if chosen is None else str(chosen)
+        return FetchedCheckpoint(path, owner)
 
     def _state_at_last_step_end(self, trainer: TrainerView) -> dict[str, object]:
         """The trainer's state, with the counters, RNG and data position of the end of the
@@ -791,6 +889,26 @@ class CheckpointCallback(Callback):
             signal.signal(sig, handler)
 
 
+def _run_id(trainer: TrainerView) -> str | None:
+    """The trainer's run id (``Trainer.run_id``; the view does not declare it, so a
+    trainer-like object without one counts as a run without an id)."""
+    run_id = getattr(trainer, "run_id", None)
+    return run_id if isinstance(run_id, str) else None
+
+
+_CLAIM_WAIT_S = 5.0
+"""How long the start of a fit waits for the claim of its remote prefix (then it trains on
+while the claim completes; a refusal stops it at the next step)."""
+_TELL_AFTER_S = 3.0
+"""The final wait for uploads says what it waits for once it lasted this long."""
+
+
+def _seconds(value: float) -> str:
+    """``9m 58s``, ``42s``: a wait's length for a message."""
+    whole = max(0, round(value))
+    return f"{whole // 60}m {whole % 60:02d}s" if whole >= 60 else f"{whole}s"
+
+
 def _changed_only_by_optimizer_step(trainer: TrainerView) -> frozenset[int]:
     """Storages of the parameters and the optimizer state: between a step's checkpoint and
     the next optimizer update nothing in the loop writes to them (forward and backward only
@@ -862,5 +980,7 @@ def _credential_errors(path: str, options: object, depth: int = 0) -> Iterator[s
     for key, value in options.items():
         if isinstance(key, str) and key.lower() in CREDENTIAL_KEYS:
             yield f"{path}.{key}: {NO_CREDENTIALS}"
+        elif isinstance(value, str):  # endpoint_url and any other URL-valued option
+            yield from _url_credential_errors(f"{path}.{key}", value)
         else:
             yield from _credential_errors(f"{path}.{key}", value, depth + 1)
