@@ -49,7 +49,16 @@ from test_remote_checkpoint import (  # noqa: F401 - the fixtures s3_endpoint an
 from speedtronic.config import ConfigError, SpeedtronicConfig
 from speedtronic.state.checkpoint import CheckpointManager
 from speedtronic.state.remote import parse_remote_pointer
-from speedtronic.state.remote_owner import parse_owner
+from speedtronic.state.remote_owner import (
+    OWNER_NAME,
+    RemoteOwnerError,
+    check,
+    claim,
+    parse_owner,
+    read_owner,
+    this_run,
+)
+from speedtronic.state.remote_store import RemoteNotRegular, Retry, RetryPolicy, open_store
 
 RUN_ID = ".speedtronic-run-id"
 
@@ -389,3 +398,41 @@ def test_a_damaged_run_id_of_a_remote_record_is_rejected(value: object) -> None:
     else:
         run = pointer.records["step_000000000004.pt"].run_id
         assert run == value and (run is None or len(run) <= 128)
+
+
+# -- the claim itself -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["s3", "file", "memory"])
+def test_of_two_claims_one_owns_the_prefix(
+    kind: str,
+    s3: S3,  # noqa: F811 - the fixture
+    tmp_path: Path,
+) -> None:
+    store = {
+        "s3": lambda: s3.store(),
+        "file": lambda: open_store((tmp_path / "store").as_uri()),
+        "memory": lambda: open_store(f"memory://{tmp_path.name}/run"),
+    }[kind]()
+    fast = Retry(RetryPolicy(attempts=1), "claiming")
+    first, second = this_run("run-a", "/a"), this_run("run-b", "/b")
+    claim(store, first, fast)
+    claim(store, first, fast)  # its own record: fine
+    with pytest.raises(RemoteOwnerError, match=r"belongs to another run \(run id run-a, run dir"):
+        claim(store, second, fast)
+    assert store.create_small(OWNER_NAME, second.to_bytes()) is False  # conditional create
+    assert read_owner(store, fast) == first
+    claim(store, second, fast, take_over=True)
+    assert read_owner(store, fast) == second
+    with pytest.raises(RemoteOwnerError, match="was taken over by another run"):
+        check(store, "run-a", fast)
+
+
+def test_a_link_planted_at_owner_json_is_not_followed(tmp_path: Path) -> None:
+    store_dir, target = tmp_path / "store", tmp_path / "elsewhere.json"
+    store_dir.mkdir()
+    (store_dir / OWNER_NAME).symlink_to(target)  # dangling: a create through it would work
+    store = open_store(store_dir.as_uri())
+    assert store.create_small(OWNER_NAME, b"{}") is False and not target.exists()
+    with pytest.raises(RemoteNotRegular, match="owner.json is a symbolic link"):
+        read_owner(store, Retry(RetryPolicy(attempts=1), "reading"))

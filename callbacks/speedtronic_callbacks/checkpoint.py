@@ -63,10 +63,13 @@ without the barrier (the other ranks may be gone).
 
 Object storage (``remote: s3://bucket/run1``, any fsspec URL; ``remote_options``: fsspec's
 storage options, credentials from the environment): rank 0 hands every committed checkpoint
-to a ``speedtronic.state.remote.RemoteMirror``, which uploads and verifies it in the
-background and commits the remote pointer last; ``fit_end`` waits for the uploads. On
-resume (``fetch_checkpoints``, before the load) a newer remote checkpoint than the local
-directory holds is downloaded first -- a fresh machine resumes from the store.
+to a ``speedtronic.state.remote.RemoteMirror``, which claims the prefix for this run
+(``owner.json``: another run's prefix stops the fit, exit 2), uploads and verifies each
+checkpoint in the background and commits the remote pointer last; ``fit_end`` waits for the
+uploads, at most ``remote_final_wait_s`` seconds (saying what it waits for after a few; a
+SIGTERM/SIGINT ends the wait at once and the fit as stopped by that signal). On resume
+(``fetch_checkpoints``, before the load) a newer remote checkpoint of this run than the
+local directory holds is downloaded first -- a fresh machine resumes from the store.
 """
 
 from __future__ import annotations

@@ -1,47 +1,46 @@
-"""Object-store copies of committed checkpoints: uploaded in the background, fetched on resume.
+"""Object-store copies of committed checkpoints: the remote pointer and the upload mirror.
 
 ``checkpoint.remote: s3://bucket/run1`` (any fsspec URL: ``gs://``, ``az://``, ``file://``,
 ``memory://``, ...) mirrors the checkpoint directory into the store::
 
     s3://bucket/run1/
+        owner.json                  which run the prefix belongs to (``remote_owner``)
         latest.json                 the remote commit record, written last (below)
         step_000000000010.pt
         step_000000000020.dcp/manifest.json, state.pt, .metadata, __0_0.distcp, ...
 
+The store's file operations are ``remote_store``; fetching on resume is ``remote_fetch``.
+
 Uploading (``RemoteMirror``, one background thread: ``checkpoint_async.LatestJobWorker``).
-After the local commit (the local ``latest.json`` names the checkpoint) its path is handed
-to the mirror, which never blocks the training thread; a checkpoint still waiting when a
-newer one commits is dropped for it. One upload:
+The mirror first claims the prefix for its run (``remote_owner.claim``; a prefix of another
+run is ``refusal``, which the checkpoint callback raises). After the local commit (the
+local ``latest.json`` names the checkpoint) its path is handed to the mirror, which never
+blocks the training thread; a checkpoint still waiting when a newer one commits is dropped
+for it. One upload:
 
 1. every file of the checkpoint is streamed to the store (its SHA-256 computed on the way),
    then verified: its size and SHA-256 read back from the store must match;
-2. only then is the remote ``latest.json`` rewritten to name it, with a record per kept
-   remote checkpoint: the local pointer's checksum (what a local load verifies), the loss,
-   and every file's size and SHA-256 -- a reader never finds a pointer to an incomplete
-   upload;
-3. then retention, the local rules applied to the remote records: all but the newest
-   ``keep_last`` are deleted (never the one just uploaded, nor the newest with a finite
-   loss) -- after the pointer stopped recording them, and so only once their replacement
-   is verified -- and so are uploads that no pointer records (cut short by a kill).
+2. only then -- and only while ``owner.json`` still names this run -- is the remote
+   ``latest.json`` rewritten to name it, with a record per kept remote checkpoint: the
+   local pointer's checksum (what a local load verifies), the loss, every file's size and
+   SHA-256, and the id of the run that uploaded it -- a reader never finds a pointer to an
+   incomplete upload;
+3. then retention, the local rules applied to this run's remote records: all but the
+   newest ``keep_last`` are deleted (never the one just uploaded, nor the newest with a
+   finite loss) -- after the pointer stopped recording them, and so only once their
+   replacement is verified -- and so are uploads that no pointer records (cut short by a
+   kill) in the prefix this run owns. Records of another run (a prefix taken over with
+   ``--resume-from-other-run``) are kept in the pointer and never deleted.
 
 Re-uploading a step the remote pointer records with other content first rewrites the
-pointer without it. Every store operation is retried with jittered exponential backoff
-(``tenacity``; ``RetryPolicy``); an upload that still fails is reported once (one warning
-until an upload succeeds again) and training goes on -- the checkpoint stays local and the
-next one is tried. Nothing remote is deleted on a failed upload.
+pointer without it (another run's checkpoint of that step is not replaced: that upload
+fails). Every store operation is retried with jittered exponential backoff (``tenacity``;
+``RetryPolicy``); an upload that still fails is reported once (one warning until an upload
+succeeds again) and training goes on -- the checkpoint stays local and the next one is
+tried. Nothing remote is deleted on a failed upload.
 
-Fetching (``fetch_newer``, on resume, before the local load). When the remote pointer
-names a newer step than the local directory holds -- a fresh machine's empty directory --
-its checkpoint is downloaded into the local directory (a hidden temp file or directory,
-renamed into place, like a local save), every file checked against its upload record, and
-the local ``latest.json`` is pointed at it with its checksum; the normal resume then loads
-and verifies it. A pointer naming a missing checkpoint, a file whose checksum does not
-match, an unreadable pointer: each is one warning, and the resume continues from the
-next older remote checkpoint, else from the local directory.
-
-``fsspec`` (with ``s3fs`` for ``s3://``) and ``tenacity`` are the ``remote`` extra; this
-module imports them only when a store is opened (``RemoteError`` naming the pip line when
-they are missing).
+``fsspec`` (with ``s3fs`` for ``s3://``) and ``tenacity`` are the ``remote`` extra; they are
+imported only when a store is opened (``RemoteError`` naming the pip line when missing).
 """
 
 from __future__ import annotations
