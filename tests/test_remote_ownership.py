@@ -222,9 +222,7 @@ def test_a_fifo_in_a_file_store_is_refused_not_waited_on(
         f"speedtronic: error: {store.as_uri()}/{planted} is a FIFO, not a regular file"
         in child.output
     )
-    assert not (tmp_path / "b" / "checkpoints").exists() or not any(
-        (tmp_path / "b" / "checkpoints").iterdir()
-    )
+    assert not (tmp_path / "b" / "checkpoints").exists()  # not even made for the download
 
 
 # -- item 10: a store that never answers ------------------------------------------------------
@@ -280,7 +278,7 @@ def test_a_stalled_store_holds_the_end_of_a_fit_for_the_final_wait_at_most(
 ) -> None:
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    config = stalled_config(tmp_path, silent_endpoint, remote_final_wait_s=4)
+    config = stalled_config(tmp_path, silent_endpoint, remote_final_wait_s=3.5)
     out = tmp_path / "a"
     argv = ("fit", "--config", str(config), "--output-dir", str(out), "--max-steps", "4")
     child = forked.start(cli_main, *argv, cwd=tmp_path)
@@ -290,7 +288,7 @@ def test_a_stalled_store_holds_the_end_of_a_fit_for_the_final_wait_at_most(
     )
     assert "for step_000000000004.pt to reach s3://stalled/run; now: checking who owns" in waiting
     assert "stopped waiting for the upload" in child.output
-    assert "checkpoint.remote_final_wait_s 4 s passed" in child.output
+    assert "checkpoint.remote_final_wait_s 3.5 s passed" in child.output
     assert_resumable(out, 4)
 
 

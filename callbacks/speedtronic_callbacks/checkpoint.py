@@ -521,7 +521,7 @@ class CheckpointCallback(Callback):
                 self._store,
                 self.manager,
                 retry=self.remote_retry,
-                run_id=_run_id(trainer),
+                run_id=trainer.run_id,
                 output_dir=str(trainer.output_dir),
                 take_over=self._take_over,
             )
@@ -890,13 +890,6 @@ class CheckpointCallback(Callback):
             if handler is None:  # installed from C; we cannot put it back, use the default
                 handler = signal.SIG_DFL
             signal.signal(sig, handler)
-
-
-def _run_id(trainer: TrainerView) -> str | None:
-    """The trainer's run id (``Trainer.run_id``; the view does not declare it, so a
-    trainer-like object without one counts as a run without an id)."""
-    run_id = getattr(trainer, "run_id", None)
-    return run_id if isinstance(run_id, str) else None
 
 
 _CLAIM_WAIT_S = 5.0

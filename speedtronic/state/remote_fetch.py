@@ -224,13 +224,19 @@ def _download(
     """Stage ``record``, check whose it is, then rename it into place and point the local
     ``latest.json`` at it; staging is removed on any failure."""
     target = manager.directory / record.name
+    created = not manager.directory.exists()  # removed again when the download is refused
     manager.directory.mkdir(parents=True, exist_ok=True)
     sharded = record.name.endswith(SHARDED_SUFFIX)
-    staging = (
-        create_temporary_directory(target, tag=str(os.getpid()))
-        if sharded
-        else _staging_file(target)
-    )
+    try:
+        staging = (
+            create_temporary_directory(target, tag=str(os.getpid()))
+            if sharded
+            else _staging_file(target)
+        )
+    except BaseException:
+        if created:
+            _remove_empty(manager.directory)
+        raise
     try:
         try:
             _stage(store, record, staging, run)
@@ -245,6 +251,8 @@ def _download(
         _commit(staging, target)
     except BaseException:
         _remove(staging)
+        if created:
+            _remove_empty(manager.directory)
         raise
     records = _local_records(manager)
     records[record.name] = record.local_record()
@@ -313,3 +321,10 @@ def _remove(path: Path) -> None:
     else:
         with contextlib.suppress(OSError):
             path.unlink()
+
+
+def _remove_empty(directory: Path) -> None:
+    """Remove ``directory`` if it is empty (a checkpoint directory made for a download that
+    was then refused)."""
+    with contextlib.suppress(OSError):
+        directory.rmdir()
