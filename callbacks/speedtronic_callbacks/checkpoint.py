@@ -81,7 +81,6 @@ import math
 import signal
 import threading
 import time
-import urllib.parse
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -118,12 +117,18 @@ from speedtronic.state.checkpoint import (
 )
 from speedtronic.state.checkpoint_async import AsyncCheckpointWriter
 from speedtronic.state.remote import RemoteMirror
-from speedtronic.state.remote_fetch import fetch_newer
 from speedtronic.state.remote_store import RemoteStore, RetryPolicy, open_store
 from speedtronic.state.resume import FetchedCheckpoint
 from speedtronic.state.rng import capture_rng_state
 from speedtronic.state.run_lock import RunPaths, resolve_run_path
 from speedtronic.state.time_budget import is_time_budget_stop
+from speedtronic_callbacks.checkpoint_remote import (
+    credential_errors,
+    fetch,
+    start_mirror,
+    url_credential_errors,
+    wait_for_uploads,
+)
 from speedtronic_callbacks.monitor import Mode, check_monitor, improves, read_monitored
 from speedtronic_callbacks.wall_clock import Deadline
 
@@ -292,10 +297,10 @@ def options_from_section(
 
 def section_errors(sections: SectionData) -> Iterator[str]:
     """No credentials in ``checkpoint.remote_options`` or ``checkpoint.remote``'s URL
-    (``_credential_errors``, ``_url_credential_errors``)."""
+    (``checkpoint_remote.credential_errors``, ``url_credential_errors``)."""
     section = section_of(sections, "checkpoint")
-    yield from _url_credential_errors("checkpoint.remote", section.get("remote"))
-    yield from _credential_errors("checkpoint.remote_options", section.get("remote_options"))
+    yield from url_credential_errors("checkpoint.remote", section.get("remote"))
+    yield from credential_errors("checkpoint.remote_options", section.get("remote_options"))
 
 
 def options_errors(
@@ -303,8 +308,8 @@ def options_errors(
 ) -> Iterator[str]:
     """No credentials in a ``callbacks:`` entry's ``remote_options`` or ``remote`` URL."""
     del sections
-    yield from _url_credential_errors(f"{entry}.remote", options.get("remote"))
-    yield from _credential_errors(f"{entry}.remote_options", options.get("remote_options"))
+    yield from url_credential_errors(f"{entry}.remote", options.get("remote"))
+    yield from credential_errors(f"{entry}.remote_options", options.get("remote_options"))
 
 
 _NO_REMOTE_OPTIONS: Mapping[str, object] = MappingProxyType({})
@@ -517,20 +522,15 @@ class CheckpointCallback(Callback):
         self._warn_about_foreign_checkpoints(ctx.start_step, trainer)
         main = trainer.distributed is None or trainer.distributed.is_main
         if self._store is not None and main:
-            self.mirror = RemoteMirror(
+            self.mirror = start_mirror(
                 self._store,
                 self.manager,
                 retry=self.remote_retry,
                 run_id=trainer.run_id,
-                output_dir=str(trainer.output_dir),
+                output_dir=trainer.output_dir,
                 take_over=self._take_over,
+                wait_s=self.remote_final_wait_s,
             )
-            # The claim of the prefix (remote_owner) runs on the upload thread; a store that
-            # answers refuses another run's prefix before the first step, a slow one later.
-            self.mirror.start()
-            self.mirror.flush(timeout=min(_CLAIM_WAIT_S, self.remote_final_wait_s))
-            if self.mirror.refusal is not None:
-                raise self.mirror.refusal
         if self.every_minutes is not None:
             self.wall_clock = Deadline(trainer.distributed)
             self._restart_clock(ctx.start_step)
@@ -668,77 +668,25 @@ class CheckpointCallback(Callback):
 
     def _flush_remote(self, ctx: FitEndContext) -> None:
         """Wait until the uploads are done, so that a job ending here has its last
-        checkpoint in the store -- at most ``remote_final_wait_s`` seconds, saying what it
-        waits for once the wait is longer than a few seconds; a SIGTERM/SIGINT meanwhile
-        ends the wait at once and the fit as stopped by it (exit 128 + signal)."""
-        mirror = self.mirror
-        assert mirror is not None
-        self._abandoned_upload = False
-        started = time.monotonic()
-        deadline = started + self.remote_final_wait_s
-        received_before = self.signal_received
-        told = False
-        while not mirror.flush(timeout=min(0.25, max(0.0, deadline - time.monotonic()))):
-            now = time.monotonic()
-            if self.signal_received is not received_before or now >= deadline:
-                self._abandoned_upload = True
-                break
-            if not told and now - started >= _TELL_AFTER_S:
-                told = True
-                logger.warning(
-                    "checkpoint.remote: waiting up to %s more (checkpoint.remote_final_wait_s) "
-                    "for %s to reach %s; now: %s. It is in %s either way",
-                    _seconds(deadline - now),
-                    mirror.submitted or "the last upload",
-                    mirror.store.url,
-                    mirror.activity or "between operations",
-                    self.manager.directory,
-                )
-        if mirror.refusal is not None:
-            raise mirror.refusal
-        if self._abandoned_upload:
-            self._gave_up(ctx, mirror, received_before)
-            return
-        newest = None if self.last_path is None else self.last_path.name
-        if newest is not None and mirror.verified != newest:
-            logger.warning(
-                "checkpoint.remote: the newest checkpoint %s is not in %s (%s); it is in %s",
-                newest,
-                mirror.store.url,
-                f"the newest there is {mirror.verified}"
-                if mirror.verified
-                else "no upload of this fit succeeded",
-                self.manager.directory,
-            )
+        checkpoint in the store -- at most ``remote_final_wait_s`` seconds; a SIGTERM or
+        SIGINT meanwhile ends the wait at once and the fit as stopped by it (exit 128 +
+        signal) -- ``checkpoint_remote.wait_for_uploads``."""
+        assert self.mirror is not None
+        before = self.signal_received
 
-    def _gave_up(
-        self, ctx: FitEndContext, mirror: RemoteMirror, received_before: signal.Signals | None
-    ) -> None:
-        """The final wait ended early: by a signal (the fit ends as stopped by it), or after
-        ``remote_final_wait_s``. Either way the local checkpoint is the resume point."""
-        newest = None if self.last_path is None else self.last_path.name
-        there = f"the newest there is {mirror.verified}" if mirror.verified else "none yet"
-        received = self.signal_received
-        why = (
-            f"{received.name} received"
-            if received is not None and received is not received_before
-            else f"checkpoint.remote_final_wait_s {self.remote_final_wait_s:g} s passed"
+        def interrupted() -> signal.Signals | None:
+            return self.signal_received if self.signal_received is not before else None
+
+        finished = wait_for_uploads(
+            self.mirror,
+            seconds=self.remote_final_wait_s,
+            directory=self.manager.directory,
+            newest=None if self.last_path is None else self.last_path.name,
+            interrupted=interrupted,
         )
-        logger.warning(
-            "checkpoint.remote: stopped waiting for the upload (%s; %s): %s is not in %s (%s); "
-            "it is in %s",
-            mirror.activity or "uploading",
-            why,
-            newest,
-            mirror.store.url,
-            there,
-            self.manager.directory,
-        )
-        if (
-            received is not None
-            and received is not received_before
-            and ctx.result.stop_reason is None
-        ):
+        self._abandoned_upload = not finished
+        received = interrupted()
+        if received is not None and ctx.result.stop_reason is None:
             ctx.result.stop_reason = signal_stop_reason(received)
 
     def fetch_checkpoints(
@@ -746,36 +694,19 @@ class CheckpointCallback(Callback):
     ) -> FetchedCheckpoint:
         """Before a resume loads (``speedtronic.state.resume.FetchesCheckpoints``): download
         the newest intact remote checkpoint of this run when it is newer than the local
-        directory's (one process per node downloads; every rank gets its path), and say
-        which run the prefix belongs to. ``allow_other_run`` also lets this run take the
-        prefix over at its first upload."""
+        directory's, and say which run the prefix belongs to (``checkpoint_remote.fetch``).
+        ``allow_other_run`` also lets this run take the prefix over at its first upload."""
         if self._store is None or not self.manager.enabled:
             return FetchedCheckpoint()
         self._take_over = allow_other_run
-        distributed = trainer.distributed
-        path: Path | None = None
-        owner: str | None = None
-        if distributed is None or distributed.is_local_main:
-            fetched = fetch_newer(
-                self._store,
-                self.manager,
-                retry=self.remote_retry,
-                run_id=run_id,
-                allow_other_run=allow_other_run,
-            )
-            path, owner = fetched.path, fetched.owner
-        if distributed is not None and distributed.world_size > 1:
-            import torch.distributed as dist
-
-            # Every node's download is done before any rank loads (a broadcast alone would
-            # release another node's ranks while their local main still downloads).
-            _barrier(trainer)
-            verdict: list[object] = [None if path is None else path.name, owner]
-            dist.broadcast_object_list(verdict, src=0)  # rank 0's verdict, for every rank
-            name, chosen = verdict
-            path = None if name is None else self.manager.directory / str(name)
-            owner = None if chosen is None else str(chosen)
-        return FetchedCheckpoint(path, owner)
+        return fetch(
+            self._store,
+            self.manager,
+            trainer,
+            retry=self.remote_retry,
+            run_id=run_id,
+            allow_other_run=allow_other_run,
+        )
 
     def _state_at_last_step_end(self, trainer: TrainerView) -> dict[str, object]:
         """The trainer's state, with the counters, RNG and data position of the end of the
@@ -892,19 +823,6 @@ class CheckpointCallback(Callback):
             signal.signal(sig, handler)
 
 
-_CLAIM_WAIT_S = 5.0
-"""How long the start of a fit waits for the claim of its remote prefix (then it trains on
-while the claim completes; a refusal stops it at the next step)."""
-_TELL_AFTER_S = 3.0
-"""The final wait for uploads says what it waits for once it lasted this long."""
-
-
-def _seconds(value: float) -> str:
-    """``9m 58s``, ``42s``: a wait's length for a message."""
-    whole = max(0, round(value))
-    return f"{whole // 60}m {whole % 60:02d}s" if whole >= 60 else f"{whole}s"
-
-
 def _changed_only_by_optimizer_step(trainer: TrainerView) -> frozenset[int]:
     """Storages of the parameters and the optimizer state: between a step's checkpoint and
     the next optimizer update nothing in the loop writes to them (forward and backward only
@@ -937,46 +855,3 @@ def _barrier(trainer: TrainerView) -> None:
     """Wait for every rank of a distributed run (nothing to wait for in one process)."""
     if trainer.distributed is not None and trainer.distributed.world_size > 1:
         trainer.distributed.barrier()
-
-
-CREDENTIAL_KEYS = frozenset(
-    {"key", "secret", "token", "password", "session_token", "access_key", "secret_key"}
-    | {"aws_access_key_id", "aws_secret_access_key", "aws_session_token", "account_key"}
-    | {"sas_token", "client_secret", "api_key", "hmac_key"}
-)
-"""Storage-option keys that hold credentials: refused in ``remote_options`` (the config is
-saved with the run and inside every checkpoint); they come from the environment."""
-
-
-NO_CREDENTIALS = (
-    "credentials do not belong in the config (it is saved with the run and in every "
-    "checkpoint); set them in the environment instead (AWS_ACCESS_KEY_ID, "
-    "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE)"
-)
-
-
-def _url_credential_errors(path: str, url: object) -> Iterator[str]:
-    """A ``user:password@`` in the remote URL is a credential in the config too (fsspec
-    passes it on to the store, and the URL is saved with the run like the options)."""
-    if not isinstance(url, str):
-        return
-    for part in url.split("::"):  # fsspec chains: 'simplecache::s3://...'
-        try:
-            password = urllib.parse.urlsplit(part).password
-        except ValueError:  # a malformed URL is the store's to refuse, with its own words
-            continue
-        if password is not None:
-            yield f"{path}: the URL holds a password (user:password@host); {NO_CREDENTIALS}"
-            return
-
-
-def _credential_errors(path: str, options: object, depth: int = 0) -> Iterator[str]:
-    if not isinstance(options, Mapping) or depth > 8:
-        return
-    for key, value in options.items():
-        if isinstance(key, str) and key.lower() in CREDENTIAL_KEYS:
-            yield f"{path}.{key}: {NO_CREDENTIALS}"
-        elif isinstance(value, str):  # endpoint_url and any other URL-valued option
-            yield from _url_credential_errors(f"{path}.{key}", value)
-        else:
-            yield from _credential_errors(f"{path}.{key}", value, depth + 1)
