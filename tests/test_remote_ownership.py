@@ -35,7 +35,9 @@ from cli_runner import run_cli
 from forked import Forked, cli_main
 from hypothesis import given
 from hypothesis import strategies as st
+from test_checkpoint import saved_steps, tiny_trainer
 from test_remote_checkpoint import (  # noqa: F401 - the fixtures s3_endpoint and s3
+    FAST_RETRY,
     S3,
     cli_config,
     fit_cli,
@@ -47,8 +49,11 @@ from test_remote_checkpoint import (  # noqa: F401 - the fixtures s3_endpoint an
 )
 
 from speedtronic.config import ConfigError, SpeedtronicConfig
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import StepContext
+from speedtronic.engine.trainer import Trainer
 from speedtronic.state.checkpoint import CheckpointManager
-from speedtronic.state.remote import parse_remote_pointer
+from speedtronic.state.remote import parse_remote_pointer, read_remote_pointer
 from speedtronic.state.remote_owner import (
     OWNER_NAME,
     RemoteOwnerError,
@@ -59,6 +64,7 @@ from speedtronic.state.remote_owner import (
     this_run,
 )
 from speedtronic.state.remote_store import RemoteNotRegular, Retry, RetryPolicy, open_store
+from speedtronic_callbacks.checkpoint import CheckpointCallback
 
 RUN_ID = ".speedtronic-run-id"
 
@@ -434,3 +440,36 @@ def test_a_link_planted_at_owner_json_is_not_followed(tmp_path: Path) -> None:
     assert store.create_small(OWNER_NAME, b"{}") is False and not target.exists()
     with pytest.raises(RemoteNotRegular, match="owner.json is a symbolic link"):
         read_owner(store, Retry(RetryPolicy(attempts=1), "reading"))
+
+
+class TakeOver(Callback):
+    """At step ``step`` (once the uploads so far are done), another run takes the prefix."""
+
+    def __init__(self, checkpoint: CheckpointCallback, url: str, step: int) -> None:
+        self.checkpoint, self.url, self.step = checkpoint, url, step
+
+    def on_step_end(self, trainer: Trainer, ctx: StepContext) -> None:
+        if ctx.step == self.step:
+            assert self.checkpoint.mirror is not None
+            self.checkpoint.mirror.flush()
+            fast = Retry(RetryPolicy(attempts=1), "taking over")
+            claim(open_store(self.url), this_run("run-b", None), fast, take_over=True)
+
+
+def test_a_run_whose_prefix_was_taken_over_stops_uploading_there(tmp_path: Path) -> None:
+    url = (tmp_path / "store").as_uri()
+    checkpoint = CheckpointCallback(
+        tmp_path / "ck", every_steps=2, keep_last=1, remote=url, remote_retry=FAST_RETRY
+    )
+    trainer = tiny_trainer([checkpoint, TakeOver(checkpoint, url, 3)])
+    trainer.run_id = "run-a"
+    with pytest.raises(RemoteOwnerError, match=r"was taken over by another run \(run id run-b"):
+        trainer.fit(12)
+    assert trainer.step < 12  # stopped at the step after the refusal, not at the end
+    store = open_store(url)
+    data = read_remote_pointer(store)
+    assert data is not None
+    pointer, _ = parse_remote_pointer(data)
+    assert pointer is not None and pointer.target == "step_000000000002.pt"
+    assert store.checkpoint_names() == ["step_000000000002.pt"]  # nothing after the takeover
+    assert saved_steps(tmp_path / "ck")[-1] >= 4  # its newer checkpoints stay local

@@ -20,7 +20,8 @@ for it. One upload:
 
 1. every file of the checkpoint is streamed to the store (its SHA-256 computed on the way),
    then verified: its size and SHA-256 read back from the store must match;
-2. only then -- and only while ``owner.json`` still names this run -- is the remote
+2. only then -- and only while ``owner.json`` still names this run (read before the files
+   are uploaded and again here) -- is the remote
    ``latest.json`` rewritten to name it, with a record per kept remote checkpoint: the
    local pointer's checksum (what a local load verifies), the loss, every file's size and
    SHA-256, and the id of the run that uploaded it -- a reader never finds a pointer to an
@@ -438,6 +439,8 @@ class RemoteMirror:
 
     def _upload_open(self, path: Path, local: _LocalCheckpoint) -> None:
         run = Retry(self.retry, f"uploading {local.name}", (_LocalGone, RemoteOwnerError))
+        if self._owned and self.run_id is not None:
+            check(self.store, self.run_id, run)  # not taken over since: upload nothing
         self._ensure_owner(run)
         records = self._remote_records(run)
         previous = records.get(local.name)

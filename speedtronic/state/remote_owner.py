@@ -13,9 +13,10 @@ claimed with a conditional create (``RemoteStore.create_small``: a link on a loc
 owner, so two runs starting at once cannot both believe they own it. A record naming
 another run is ``RemoteOwnerError`` (naming the prefix and both runs) unless the run was
 asked to take the prefix over (``--resume-from-other-run``), which rewrites the record; the
-other run then finds the record changed before its next pointer write (``check``) and stops
-uploading. A record that cannot be read as one is refused too: the store was tampered with,
-and guessing an owner would hand its checkpoints to the wrong run.
+other run then finds the record changed at its next upload (``check``, before the files and
+again before the pointer write) and stops uploading. A record that cannot be read as one is
+refused too: the store was tampered with, and guessing an owner would hand its checkpoints
+to the wrong run.
 
 A run without an id (a ``Trainer`` built in Python without ``run_id``) claims nothing: its
 uploads carry no id, and it shares the prefix at its own risk (documented).
