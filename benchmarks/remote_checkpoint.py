@@ -52,7 +52,8 @@ from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import FitContext
 from speedtronic.engine.trainer import Trainer
 from speedtronic.models.transformer import ReferenceTransformer
-from speedtronic.state.remote import open_store, parse_remote_pointer
+from speedtronic.state.remote import parse_remote_pointer, read_remote_pointer
+from speedtronic.state.remote_store import open_store
 
 MODES = ("none", "sync local", "sync + remote", "async + remote")
 
@@ -227,7 +228,7 @@ def run(
 def check_uploaded(callback: HandOffTimed, options: dict[str, object]) -> None:
     """The segment's last save is what the remote pointer names (every upload verified)."""
     assert callback.remote is not None and callback.last_path is not None
-    data = open_store(callback.remote, options).read_pointer()
+    data = read_remote_pointer(open_store(callback.remote, options))
     pointer, problem = parse_remote_pointer(data or b"")
     if pointer is None or pointer.target != callback.last_path.name:
         raise SystemExit(

@@ -43,15 +43,14 @@ from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import StepContext
 from speedtronic.engine.trainer import Trainer
 from speedtronic.state.checkpoint import CheckpointManager
-from speedtronic.state.remote import (
+from speedtronic.state.remote import RemoteMirror, parse_remote_pointer, read_remote_pointer
+from speedtronic.state.remote_fetch import fetch_newer
+from speedtronic.state.remote_store import (
     PIP_LINE,
     RemoteError,
-    RemoteMirror,
     RemoteStore,
     RetryPolicy,
-    fetch_newer,
     open_store,
-    parse_remote_pointer,
 )
 from speedtronic.state.resume import resume_from
 from speedtronic_callbacks.checkpoint import CheckpointCallback
@@ -115,7 +114,7 @@ def s3(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> S3:
 
 
 def remote_pointer(store: RemoteStore) -> dict[str, object]:
-    data = store.read_pointer()
+    data = read_remote_pointer(store)
     assert data is not None
     pointer, problem = parse_remote_pointer(data)
     assert pointer is not None, problem
@@ -127,7 +126,7 @@ def remote_pointer(store: RemoteStore) -> dict[str, object]:
 def verified_intact(store: RemoteStore) -> str:
     """The checkpoint the remote pointer names, after checking every one it records is
     complete in the store (a reader never sees a pointer to an incomplete upload)."""
-    data = store.read_pointer()
+    data = read_remote_pointer(store)
     assert data is not None
     pointer, problem = parse_remote_pointer(data)
     assert pointer is not None, problem
@@ -342,9 +341,10 @@ def test_a_fresh_directory_resumes_from_s3_bit_for_bit(s3: S3, tmp_path: Path) -
     assert first.returncode == 0, first.stderr
     store = s3.store()
     assert verified_intact(store) == "step_000000000006.pt"
-    # keep_last 2 remotely too (step 4's upload may have been dropped for step 6's)
+    # keep_last 2 remotely too (uploads of steps 2 and 4 may have been dropped for newer ones
+    # while the upload thread was busy: claiming the prefix, uploading)
     kept = sorted(store.checkpoint_names())
-    assert len(kept) == 2 and kept[-1] == "step_000000000006.pt"
+    assert 1 <= len(kept) <= 2 and kept[-1] == "step_000000000006.pt"
     assert kept == sorted(remote_pointer(store)["checkpoints"])  # type: ignore[arg-type]
     # another machine: an empty directory, the same run from its remote copy
     second = fit_cli(config, "b", "12", resume=True, cwd=tmp_path)
@@ -372,14 +372,16 @@ def test_sharded_checkpoints_upload_as_directories_and_resume_elsewhere(
     assert first.returncode == 0, first.stderr
     store = s3.store()
     assert verified_intact(store) == "step_000000000004.dcp"
-    files = json.loads(store.read_pointer() or b"{}")["checkpoints"]["step_000000000004.dcp"]
+    files = json.loads(read_remote_pointer(store) or b"{}")["checkpoints"]["step_000000000004.dcp"]
     assert "step_000000000004.dcp/manifest.json" in files["files"]
     assert store.checkpoint_names() == ["step_000000000004.dcp"]  # step 2's deleted
     second = fit_cli(config, "b", "6", resume=True, cwd=tmp_path)
     assert second.returncode == 0, second.stderr
     assert "resumed from b/checkpoints/step_000000000004.dcp (step 4)" in second.stdout
+    # the same run without interruption (its own prefix: the first one is run a's)
+    config.write_text(config.read_text().replace(f"s3://{s3.bucket}/run", f"s3://{s3.bucket}/c"))
     third = fit_cli(config, "c", "6", cwd=tmp_path)
-    assert third.returncode == 0, third.stderr  # the same run without interruption
+    assert third.returncode == 0, third.stderr
     assert losses(tmp_path / "b") == {s: v for s, v in losses(tmp_path / "c").items() if s > 4}
 
 
@@ -408,10 +410,13 @@ def closed_port() -> int:
 
 
 def upload_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The store's warnings, but for the final wait's progress line (timing-dependent)."""
     return [
         r.getMessage()
         for r in caplog.records
-        if r.levelno >= logging.WARNING and r.getMessage().startswith("checkpoint.remote:")
+        if r.levelno >= logging.WARNING
+        and r.getMessage().startswith("checkpoint.remote:")
+        and not r.getMessage().startswith("checkpoint.remote: waiting up to")
     ]
 
 
@@ -601,10 +606,10 @@ def test_a_newer_local_checkpoint_is_not_replaced_by_an_older_remote_one(
     s3: S3, tmp_path: Path
 ) -> None:
     store = two_remote_checkpoints(s3, tmp_path)
-    assert fetch_newer(store, CheckpointManager(tmp_path / "a"), retry=FAST_RETRY) is None
+    assert fetch_newer(store, CheckpointManager(tmp_path / "a"), retry=FAST_RETRY).path is None
     local = CheckpointCallback(tmp_path / "c", every_steps=3)
     tiny_trainer([local]).fit(6)
-    assert fetch_newer(store, local.manager, retry=FAST_RETRY) is None
+    assert fetch_newer(store, local.manager, retry=FAST_RETRY).path is None
     assert saved_steps(tmp_path / "c") == [3, 6]
 
 
@@ -668,7 +673,7 @@ def test_sigkill_during_uploads_then_resume_elsewhere_continues_bit_for_bit(
         for chain in range(CHAINS):
             store = s3.store(f"chain{chain}")
             # none until a first upload completed; from then on always an intact one
-            if chain in uploaded or store.read_pointer() is not None:
+            if chain in uploaded or read_remote_pointer(store) is not None:
                 verified_intact(store)
                 uploaded.add(chain)
     for config in configs:

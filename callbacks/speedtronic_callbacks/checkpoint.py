@@ -63,10 +63,13 @@ without the barrier (the other ranks may be gone).
 
 Object storage (``remote: s3://bucket/run1``, any fsspec URL; ``remote_options``: fsspec's
 storage options, credentials from the environment): rank 0 hands every committed checkpoint
-to a ``speedtronic.state.remote.RemoteMirror``, which uploads and verifies it in the
-background and commits the remote pointer last; ``fit_end`` waits for the uploads. On
-resume (``fetch_checkpoints``, before the load) a newer remote checkpoint than the local
-directory holds is downloaded first -- a fresh machine resumes from the store.
+to a ``speedtronic.state.remote.RemoteMirror``, which claims the prefix for this run
+(``owner.json``: another run's prefix stops the fit, exit 2), uploads and verifies each
+checkpoint in the background and commits the remote pointer last; ``fit_end`` waits for the
+uploads, at most ``remote_final_wait_s`` seconds (saying what it waits for after a few; a
+SIGTERM/SIGINT ends the wait at once and the fit as stopped by that signal). On resume
+(``fetch_checkpoints``, before the load) a newer remote checkpoint of this run than the
+local directory holds is downloaded first -- a fresh machine resumes from the store.
 """
 
 from __future__ import annotations
@@ -78,7 +81,6 @@ import math
 import signal
 import threading
 import time
-import urllib.parse
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -114,16 +116,19 @@ from speedtronic.state.checkpoint import (
     signal_stop_reason,
 )
 from speedtronic.state.checkpoint_async import AsyncCheckpointWriter
-from speedtronic.state.remote import (
-    RemoteMirror,
-    RemoteStore,
-    RetryPolicy,
-    fetch_newer,
-    open_store,
-)
+from speedtronic.state.remote import RemoteMirror
+from speedtronic.state.remote_store import RemoteStore, RetryPolicy, open_store
+from speedtronic.state.resume import FetchedCheckpoint
 from speedtronic.state.rng import capture_rng_state
 from speedtronic.state.run_lock import RunPaths, resolve_run_path
 from speedtronic.state.time_budget import is_time_budget_stop
+from speedtronic_callbacks.checkpoint_remote import (
+    credential_errors,
+    fetch,
+    start_mirror,
+    url_credential_errors,
+    wait_for_uploads,
+)
 from speedtronic_callbacks.monitor import Mode, check_monitor, improves, read_monitored
 from speedtronic_callbacks.wall_clock import Deadline
 
@@ -250,6 +255,15 @@ class CheckpointOptions:
             maximum=100,
         ),
     ] = 5
+    remote_final_wait_s: Annotated[
+        float,
+        Opt(
+            "seconds the end of a fit waits for the last uploads to `remote` before it "
+            "gives up (the checkpoints stay local); a SIGTERM ends the wait at once",
+            minimum=0,
+            maximum=86400,
+        ),
+    ] = 600.0
 
 
 OPTIONS_ONLY = ("save_final",)
@@ -283,10 +297,10 @@ def options_from_section(
 
 def section_errors(sections: SectionData) -> Iterator[str]:
     """No credentials in ``checkpoint.remote_options`` or ``checkpoint.remote``'s URL
-    (``_credential_errors``, ``_url_credential_errors``)."""
+    (``checkpoint_remote.credential_errors``, ``url_credential_errors``)."""
     section = section_of(sections, "checkpoint")
-    yield from _url_credential_errors("checkpoint.remote", section.get("remote"))
-    yield from _credential_errors("checkpoint.remote_options", section.get("remote_options"))
+    yield from url_credential_errors("checkpoint.remote", section.get("remote"))
+    yield from credential_errors("checkpoint.remote_options", section.get("remote_options"))
 
 
 def options_errors(
@@ -294,8 +308,8 @@ def options_errors(
 ) -> Iterator[str]:
     """No credentials in a ``callbacks:`` entry's ``remote_options`` or ``remote`` URL."""
     del sections
-    yield from _url_credential_errors(f"{entry}.remote", options.get("remote"))
-    yield from _credential_errors(f"{entry}.remote_options", options.get("remote_options"))
+    yield from url_credential_errors(f"{entry}.remote", options.get("remote"))
+    yield from credential_errors(f"{entry}.remote_options", options.get("remote_options"))
 
 
 _NO_REMOTE_OPTIONS: Mapping[str, object] = MappingProxyType({})
@@ -360,6 +374,7 @@ class CheckpointCallback(Callback):
         remote_options: Mapping[str, object] = _NO_REMOTE_OPTIONS,
         remote_attempts: int = CheckpointOptions.remote_attempts,
         remote_retry: RetryPolicy | None = None,
+        remote_final_wait_s: float = CheckpointOptions.remote_final_wait_s,
     ) -> None:
         if every_minutes is not None and not every_minutes > 0:
             raise ValueError(f"every_minutes must be positive or None, got {every_minutes!r}")
@@ -416,6 +431,9 @@ class CheckpointCallback(Callback):
         )
         self.mirror: RemoteMirror | None = None
         """Rank 0's uploader during a fit with ``remote`` (``None`` otherwise)."""
+        self.remote_final_wait_s = remote_final_wait_s
+        self._take_over = False  # resumed with allow_other_run: the prefix becomes this run's
+        self._abandoned_upload = False  # the final wait for uploads ended early
 
     # -- ResumeSource ---------------------------------------------------------------------
 
@@ -488,6 +506,7 @@ class CheckpointCallback(Callback):
         self.signal_received = None
         self._deferred, self._abandoned = None, False
         self._step_end_state = None
+        self._abandoned_upload = False
         self.wall_clock = None
         self.last_saved_step = (
             ctx.start_step if self.manager.has_checkpoint(ctx.start_step) else None
@@ -503,7 +522,15 @@ class CheckpointCallback(Callback):
         self._warn_about_foreign_checkpoints(ctx.start_step, trainer)
         main = trainer.distributed is None or trainer.distributed.is_main
         if self._store is not None and main:
-            self.mirror = RemoteMirror(self._store, self.manager, retry=self.remote_retry)
+            self.mirror = start_mirror(
+                self._store,
+                self.manager,
+                retry=self.remote_retry,
+                run_id=trainer.run_id,
+                output_dir=trainer.output_dir,
+                take_over=self._take_over,
+                wait_s=self.remote_final_wait_s,
+            )
         if self.every_minutes is not None:
             self.wall_clock = Deadline(trainer.distributed)
             self._restart_clock(ctx.start_step)
@@ -516,6 +543,8 @@ class CheckpointCallback(Callback):
     def on_checkpoint(self, trainer: TrainerView, ctx: CheckpointContext) -> None:
         if self._writer is not None:
             self._writer.poll()  # a failed background write stops the run here
+        if self.mirror is not None and self.mirror.refusal is not None:
+            raise self.mirror.refusal  # the prefix is another run's: stop (exit 2)
         if self.save_on_exception:
             # What a mid-step failure cannot recover from the live trainer: where the data
             # and the RNG stood when the last step completed.
@@ -547,7 +576,7 @@ class CheckpointCallback(Callback):
                 self._writer.wait()  # the run is only over when its checkpoint is on disk
             _barrier(trainer)
         if self.mirror is not None:
-            self._flush_remote()
+            self._flush_remote(ctx)
         if self.signal_received is not None:
             logger.warning(
                 "stopped by %s at step %d; checkpoint %s written (resume with --resume)",
@@ -596,7 +625,8 @@ class CheckpointCallback(Callback):
         finally:
             mirror, self.mirror = self.mirror, None
             if mirror is not None:
-                mirror.close()  # what a failed fit committed is uploaded too
+                # What a failed fit committed is uploaded too, within the same bound.
+                mirror.close(0.0 if self._abandoned_upload else self.remote_final_wait_s)
 
     # -- saving -------------------------------------------------------------------------
 
@@ -636,45 +666,47 @@ class CheckpointCallback(Callback):
         assert self.wall_clock is not None and self.every_minutes is not None
         self.wall_clock.start_at(time.monotonic() + 60.0 * self.every_minutes, step=step)
 
-    def _flush_remote(self) -> None:
-        """Wait until the uploads are done (each store operation bounded by its retries),
-        so that a job ending here has its last checkpoint in the store."""
+    def _flush_remote(self, ctx: FitEndContext) -> None:
+        """Wait until the uploads are done, so that a job ending here has its last
+        checkpoint in the store -- at most ``remote_final_wait_s`` seconds; a SIGTERM or
+        SIGINT meanwhile ends the wait at once and the fit as stopped by it (exit 128 +
+        signal) -- ``checkpoint_remote.wait_for_uploads``."""
         assert self.mirror is not None
-        if self.mirror.busy:
-            logger.info("checkpoint.remote: waiting for the upload to %s", self.mirror.store.url)
-        self.mirror.flush()
-        newest = None if self.last_path is None else self.last_path.name
-        if newest is not None and self.mirror.verified != newest:
-            logger.warning(
-                "checkpoint.remote: the newest checkpoint %s is not in %s (%s); it is in %s",
-                newest,
-                self.mirror.store.url,
-                f"the newest there is {self.mirror.verified}"
-                if self.mirror.verified
-                else "no upload of this fit succeeded",
-                self.manager.directory,
-            )
+        before = self.signal_received
 
-    def fetch_checkpoints(self, trainer: TrainerView) -> Path | None:
+        def interrupted() -> signal.Signals | None:
+            return self.signal_received if self.signal_received is not before else None
+
+        finished = wait_for_uploads(
+            self.mirror,
+            seconds=self.remote_final_wait_s,
+            directory=self.manager.directory,
+            newest=None if self.last_path is None else self.last_path.name,
+            interrupted=interrupted,
+        )
+        self._abandoned_upload = not finished
+        received = interrupted()
+        if received is not None and ctx.result.stop_reason is None:
+            ctx.result.stop_reason = signal_stop_reason(received)
+
+    def fetch_checkpoints(
+        self, trainer: TrainerView, *, run_id: str | None, allow_other_run: bool
+    ) -> FetchedCheckpoint:
         """Before a resume loads (``speedtronic.state.resume.FetchesCheckpoints``): download
-        the newest intact remote checkpoint when it is newer than the local directory's
-        (one process per node downloads; every rank gets its path)."""
+        the newest intact remote checkpoint of this run when it is newer than the local
+        directory's, and say which run the prefix belongs to (``checkpoint_remote.fetch``).
+        ``allow_other_run`` also lets this run take the prefix over at its first upload."""
         if self._store is None or not self.manager.enabled:
-            return None
-        distributed = trainer.distributed
-        fetched: Path | None = None
-        if distributed is None or distributed.is_local_main:
-            fetched = fetch_newer(self._store, self.manager, retry=self.remote_retry)
-        if distributed is not None and distributed.world_size > 1:
-            import torch.distributed as dist
-
-            # Every node's download is done before any rank loads (a broadcast alone would
-            # release another node's ranks while their local main still downloads).
-            _barrier(trainer)
-            names: list[object] = [None if fetched is None else fetched.name]
-            dist.broadcast_object_list(names, src=0)  # rank 0's verdict, for every rank
-            fetched = None if names[0] is None else self.manager.directory / str(names[0])
-        return fetched
+            return FetchedCheckpoint()
+        self._take_over = allow_other_run
+        return fetch(
+            self._store,
+            self.manager,
+            trainer,
+            retry=self.remote_retry,
+            run_id=run_id,
+            allow_other_run=allow_other_run,
+        )
 
     def _state_at_last_step_end(self, trainer: TrainerView) -> dict[str, object]:
         """The trainer's state, with the counters, RNG and data position of the end of the
@@ -823,44 +855,3 @@ def _barrier(trainer: TrainerView) -> None:
     """Wait for every rank of a distributed run (nothing to wait for in one process)."""
     if trainer.distributed is not None and trainer.distributed.world_size > 1:
         trainer.distributed.barrier()
-
-
-CREDENTIAL_KEYS = frozenset(
-    {"key", "secret", "token", "password", "session_token", "access_key", "secret_key"}
-    | {"aws_access_key_id", "aws_secret_access_key", "aws_session_token", "account_key"}
-    | {"sas_token", "client_secret", "api_key", "hmac_key"}
-)
-"""Storage-option keys that hold credentials: refused in ``remote_options`` (the config is
-saved with the run and inside every checkpoint); they come from the environment."""
-
-
-NO_CREDENTIALS = (
-    "credentials do not belong in the config (it is saved with the run and in every "
-    "checkpoint); set them in the environment instead (AWS_ACCESS_KEY_ID, "
-    "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE)"
-)
-
-
-def _url_credential_errors(path: str, url: object) -> Iterator[str]:
-    """A ``user:password@`` in the remote URL is a credential in the config too (fsspec
-    passes it on to the store, and the URL is saved with the run like the options)."""
-    if not isinstance(url, str):
-        return
-    for part in url.split("::"):  # fsspec chains: 'simplecache::s3://...'
-        try:
-            password = urllib.parse.urlsplit(part).password
-        except ValueError:  # a malformed URL is the store's to refuse, with its own words
-            continue
-        if password is not None:
-            yield f"{path}: the URL holds a password (user:password@host); {NO_CREDENTIALS}"
-            return
-
-
-def _credential_errors(path: str, options: object, depth: int = 0) -> Iterator[str]:
-    if not isinstance(options, Mapping) or depth > 8:
-        return
-    for key, value in options.items():
-        if isinstance(key, str) and key.lower() in CREDENTIAL_KEYS:
-            yield f"{path}.{key}: {NO_CREDENTIALS}"
-        else:
-            yield from _credential_errors(f"{path}.{key}", value, depth + 1)

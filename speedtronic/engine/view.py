@@ -135,6 +135,11 @@ class TrainerView(Protocol):
         writing a checkpoint (``CheckpointManager.save`` on every rank, rank 0 commits)."""
 
     @property
+    def run_id(self) -> str | None:
+        """The run's id (``speedtronic.state.run_identity``; ``None``: a trainer built
+        without one): the checkpoint plugin claims its object-store prefix under it."""
+
+    @property
     def resumed_from(self) -> ResumePoint | None:
         """The checkpoint the run resumed from (path, step, and the newer checkpoints it
         fell back past because they could not be read), or ``None`` when it did not resume:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from speedtronic.engine.trainer import Trainer
     from speedtronic.engine.view import TrainerView
 
-__all__ = ["FetchesCheckpoints", "ResumePoint", "ResumeSource", "resume_from"]
+__all__ = ["FetchedCheckpoint", "FetchesCheckpoints", "ResumePoint", "ResumeSource", "resume_from"]
 
 logger = logging.getLogger("speedtronic.checkpoint")
 
@@ -55,9 +55,21 @@ class FetchesCheckpoints(Protocol):
     callback with ``checkpoint.remote``): before a resume loads, it brings a newer
     checkpoint than the local directory holds into it (a fresh machine's empty directory)."""
 
-    def fetch_checkpoints(self, trainer: TrainerView) -> Path | None:
-        """Fetch what is newer; the local path of what was fetched, or ``None``."""
+    def fetch_checkpoints(
+        self, trainer: TrainerView, *, run_id: str | None, allow_other_run: bool
+    ) -> FetchedCheckpoint:
+        """Fetch what is newer for run ``run_id`` (``None``: a run directory without an
+        id); another run's copies are refused unless ``allow_other_run``."""
         ...
+
+
+@dataclass(frozen=True)
+class FetchedCheckpoint:
+    """What a ``FetchesCheckpoints`` plugin fetched (``path``, ``None``: nothing) and the
+    run its copies belong to (``run_id``): a run directory without an id takes it."""
+
+    path: Path | None = None
+    run_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -117,12 +129,16 @@ def resume_from(
     for callback in trainer.callbacks:  # where setup would point them: the run's directory
         if isinstance(callback, BindsOutputDir):
             callback.bind_output_dir(trainer.output_dir)
-    fetched = [
-        path
-        for callback in trainer.callbacks
-        if isinstance(callback, FetchesCheckpoints)
-        and (path := callback.fetch_checkpoints(trainer)) is not None
-    ]
+    fetched: list[Path] = []
+    for callback in trainer.callbacks:
+        if isinstance(callback, FetchesCheckpoints):
+            found = callback.fetch_checkpoints(
+                trainer, run_id=trainer.run_id, allow_other_run=allow_other_run
+            )
+            if trainer.run_id is None and found.run_id is not None:
+                trainer.run_id = found.run_id  # this run's copies, on a new machine
+            if found.path is not None:
+                fetched.append(found.path)
     loaded = manager.load_latest_checkpoint()
     if loaded is None:
         warnings.warn(

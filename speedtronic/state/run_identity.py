@@ -31,6 +31,7 @@ __all__ = [
     "RUN_STATE_KEY",
     "OtherRunError",
     "check_same_run",
+    "is_run_id",
     "new_run_id",
     "read_run_id",
     "write_run_id",
@@ -47,6 +48,11 @@ _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 class OtherRunError(RunDirectoryError):
     """The checkpoint to resume was written by another run."""
+
+
+def is_run_id(text: object) -> bool:
+    """Whether ``text`` has the form of a run id (letters, digits, ``._-``; at most 128)."""
+    return isinstance(text, str) and _RUN_ID.fullmatch(text) is not None
 
 
 def new_run_id() -> str:
