@@ -7,33 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from pathlib import Path
 
 import pytest
 import yaml
 from distributed_worker import base_config
 from forked import Forked, cli_main
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """The variables torchrun sets for ``rank``."""
-    return {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": "1",
-    }
+from rank_env import free_port, rank_env
 
 
 def fit_on_ranks(forked: Forked, config: Path, world: int) -> None:
