@@ -25,7 +25,9 @@ Everything is a pure function of ``(seed, epoch, position)``: the sampler (a
 ``WindowSampler``) yields draw keys, ranks take strided positions, and a resumed run continues
 at the exact position, as for a single source. The mixture is always shuffled.
 
-Its held-out set (``eval:``) is every source's held-out shards, one source after the other.
+Its held-out set (``eval:``) is every source's held-out windows, interleaved in proportion to
+their counts in a fixed, seeded order (``speedtronic.data.interleave``), so a bounded evaluation
+(``eval.max_batches``) sees every source.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 import torch
-from torch.utils.data import ConcatDataset, Dataset
+from torch.utils.data import Dataset
 
+from speedtronic.data.interleave import Interleave
 from speedtronic.data.stream import _epoch_seed
 from speedtronic.data.text import DataSourceError, TextPart
 from speedtronic.data.windows import (
@@ -243,8 +246,9 @@ def open_mixture(
     verify: bool = True,
 ) -> Dataset[dict[str, torch.Tensor]]:
     """The mixture of ``entries`` (``(directory, weight)``) for training, or for ``part``
-    ``"held_out"`` the held-out shards of the sources that have them, one source after the
-    other. All sources must come from one tokenizer (the same ids for the same text)."""
+    ``"held_out"`` the held-out windows of the sources that have them, interleaved in
+    proportion (``Interleave``). All sources must come from one tokenizer (the same ids for
+    the same text)."""
     if not entries:
         raise DataSourceError("data.mixture: no sources")
     held_out = part == "held_out"
@@ -270,7 +274,7 @@ def open_mixture(
                 "data.mixture: no source has held-out shards (all were prepared with "
                 "--eval-fraction 0): name a held-out source with eval.text_path or eval.dataset"
             )
-        return ConcatDataset([dataset for _, dataset in sources])
+        return Interleave([dataset for _, dataset in sources], seed=seed)
     weights = [weight for _, weight in entries]
     quotas = apportion(sum(len(dataset) for _, dataset in sources), weights)
     for (index, _), quota in zip(sources, quotas, strict=True):
