@@ -438,6 +438,7 @@ def _validate(args: argparse.Namespace) -> int:
     _preflight(config, device=args.device, max_steps=_checked_max_steps(args))
     # Everything that can still refuse the run comes before the first line is printed.
     classes = callback_classes(config)
+    _check_callbacks(config)
     plan = format_plan(describe_classes(classes))
     model = _meta_model(config)
     _check_shardable(config, model)
@@ -458,6 +459,24 @@ def _validate(args: argparse.Namespace) -> int:
         f"{config.target_steps} steps, model {config.model.name!r})"
     )
     return EXIT_OK
+
+
+def _check_callbacks(config: object) -> None:
+    """The run's callbacks built as ``fit`` builds them (no hook runs), and ``fit``'s check
+    of their state keys: two that share one (two ``nan_guard`` entries) are refused here too."""
+    import torch
+
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.engine.dispatch import DuplicateStateKeyError, check_state_keys
+    from speedtronic.plugins import PluginContext
+    from speedtronic.runtime import build_callbacks
+
+    assert isinstance(config, SpeedtronicConfig)
+    context = PluginContext(config, Path(config.run.output_dir), torch.device("cpu"))
+    try:
+        check_state_keys(build_callbacks(config, context))
+    except DuplicateStateKeyError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _check_shardable(config: object, model: torch.nn.Module) -> None:

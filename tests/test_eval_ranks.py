@@ -31,7 +31,9 @@ def logged_eval(run: Path) -> dict[int, float]:
     return {r["step"]: r["eval/loss"] for r in records if "eval/loss" in r}
 
 
-def test_a_two_rank_eval_loss_is_what_evaluate_reproduces(forked: Forked, tmp_path: Path) -> None:
+def test_a_two_rank_eval_loss_is_what_evaluate_reproduces_and_latest_json_has_the_global_loss(
+    forked: Forked, tmp_path: Path
+) -> None:
     # 3 global batches of 2 samples: 6 held-out samples, 3 on each rank (3 batches each
     # before the fix: twice the samples, another figure).
     config = base_config(
@@ -42,6 +44,12 @@ def test_a_two_rank_eval_loss_is_what_evaluate_reproduces(forked: Forked, tmp_pa
     fit_on_ranks(forked, path, 2)
     logged = logged_eval(tmp_path / "run")
     assert sorted(logged) == [4]
+    # latest.json records the loss the log has: the mean over the ranks, not rank 0's own
+    # (issue 36, item 8).
+    pointer = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())
+    record = pointer["checkpoints"][pointer["file"]]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert record["loss"] == {r["step"]: r["loss"] for r in records}[4]
     child = forked.start(cli_main, "evaluate", "--config", str(path), cwd=tmp_path)
     assert child.wait(timeout=120) == 0, child.output[-2000:]
     match = re.search(r"eval/loss=(\S+) eval/ppl=\S+ step=4 batches=(\d+)", child.output)

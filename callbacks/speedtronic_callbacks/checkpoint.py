@@ -613,8 +613,9 @@ class CheckpointCallback(Callback):
         ``best``: ``best.json`` names it (the monitored value improved at ``step``)."""
         path = self.manager.path_for(step)
         main = trainer.distributed is None or trainer.distributed.is_main
+        loss = _last_loss(trainer, step, global_mean=meet_peers)  # a collective: every rank
         if main:
-            self.manager.note_loss(step, _last_loss(trainer, step))
+            self.manager.note_loss(step, loss)
             if best and self.monitor is not None and self.best_value is not None:
                 self.manager.note_best(step, self.monitor, self.mode, self.best_value)
         with self._writing_checkpoint():
@@ -802,13 +803,24 @@ def _changed_only_by_optimizer_step(trainer: TrainerView) -> frozenset[int]:
     return frozenset(pointers)
 
 
-def _last_loss(trainer: TrainerView, step: int) -> float | None:
+def _last_loss(trainer: TrainerView, step: int, *, global_mean: bool = False) -> float | None:
     """The training loss of the step being saved (one host sync per save), for the
-    checkpoint's record: retention keeps the newest checkpoint whose loss was finite."""
+    checkpoint's record: retention keeps the newest checkpoint whose loss was finite. With
+    ``global_mean`` in a distributed run (every rank saving together), the mean over the
+    ranks, reduced as the logged ``loss`` is (``RankMetricReducer``), so ``latest.json``
+    and the log agree."""
     loss = trainer.last_loss
     if loss is None or loss.numel() != 1:
         return None
     value = float(loss.detach().item())
+    context = trainer.distributed
+    if global_mean and context is not None and context.world_size > 1:
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor([value], dtype=torch.float64, device=context.collective_device)
+        dist.all_reduce(total)
+        value = float(total.item()) / context.world_size
     if not math.isfinite(value):
         logger.warning(
             "checkpoint of step %d: the loss is %s; it is recorded as non-finite and the "
