@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
             help="replace an earlier run in the run directory (deletes its checkpoints and "
             "metrics)",
         )
+        _add_launch_args(fit)
 
     evaluate = sub.add_parser(
         "evaluate", help="evaluate a run's checkpoint on its held-out set (writes nothing)"
@@ -194,6 +195,16 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps")
 
 
+def _add_launch_args(parser: argparse.ArgumentParser) -> None:
+    """``fit``'s launcher flags (``speedtronic.systems.launch``): start the ranks, like torchrun."""
+    launch = parser.add_argument_group("launching ranks (instead of torchrun)")
+    launch.add_argument(
+        "--nproc-per-node", type=int, help="start N ranks on this node and exit as the run did"
+    )
+    launch.add_argument("--nnodes", default="1", help="nodes of the job: N or MIN:MAX")
+    launch.add_argument("--rdzv-endpoint", help="HOST:PORT of the first node (multi-node)")
+
+
 def _add_max_steps(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, help="absolute step to stop at")
 
@@ -309,6 +320,14 @@ def _fit(args: argparse.Namespace) -> int:
     from speedtronic.runtime import prepared_fit
 
     config = _load(args)
+    if args.nproc_per_node is not None:
+        from speedtronic.systems.launch import LaunchError, LaunchOptions, launch_fit
+
+        options = LaunchOptions(args.nproc_per_node, args.nnodes, args.rdzv_endpoint)
+        try:
+            return launch_fit(options, args.argv)  # the ranks run the rest of this function
+        except LaunchError as exc:
+            raise UserError(str(exc)) from None
     assert isinstance(config, SpeedtronicConfig)
     _preflight(config, device=args.device, max_steps=_checked_max_steps(args))
     with prepared_fit(
@@ -702,6 +721,7 @@ def _silence_stdout() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what the launcher passes on
     with warnings.catch_warnings(), search_dirs(*_user_module_dirs(args)):
         warnings.simplefilter("default")
         warnings.showwarning = _show_warning

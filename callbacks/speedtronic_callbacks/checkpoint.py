@@ -778,7 +778,7 @@ class CheckpointCallback(Callback):
                 "received %s: stopping after step %d and saving a checkpoint "
                 "(send it again to stop immediately)",
                 received.name,
-                trainer.step_in_progress,
+                stop_step(trainer),
             )
 
         for sig in HANDLED_SIGNALS:
@@ -790,6 +790,18 @@ class CheckpointCallback(Callback):
             if handler is None:  # installed from C; we cannot put it back, use the default
                 handler = signal.SIG_DFL
             signal.signal(sig, handler)
+
+
+def stop_step(trainer: TrainerView) -> int:
+    """The step a stop requested now ends after: the step in progress in one process; the
+    ranks of a multi-rank run agree on stopping at logging steps only (``Trainer.fit``), so
+    there the first logging step from it (a multiple of ``metrics_every`` or of
+    ``eval_every``, or the target step)."""
+    step = trainer.step_in_progress
+    if not trainer.multi_rank:
+        return step
+    cadences = [every for every in (trainer.metrics_every, trainer.eval_every) if every > 0]
+    return min([trainer.target_step, *(-(-step // every) * every for every in cadences)])
 
 
 def _changed_only_by_optimizer_step(trainer: TrainerView) -> frozenset[int]:

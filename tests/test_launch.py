@@ -1,0 +1,92 @@
+"""``speedtronic fit --nproc-per-node 2`` (``speedtronic.systems.launch``): the launcher
+starts two real rank processes through ``torch.distributed.run``'s API and exits with the
+run's own code -- 143 after SIGTERM (each rank saved at the step its stop line named), 75
+when the time budget runs out, 2 for a mistake the ranks find -- with one line and no
+traceback. Each launcher is a fresh ``python -m speedtronic`` (the ranks are too); the three
+run at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from speedtronic.systems.launch import rank_arguments, run_exit_code
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_run(tmp_path: Path, name: str, **sections: dict[str, object]) -> Path:
+    config: dict[str, dict[str, object]] = {
+        "run": {"device": "cpu", "max_steps": 100_000, "output_dir": str(tmp_path / name)},
+        "model": {"vocab_size": 32, "max_seq_len": 8, "n_layer": 1, "n_head": 2, "d_model": 16},
+        "data": {"synthetic_kind": "learnable", "num_tokens": 256, "micro_batch_size": 2},
+        "scheduler": {"warmup_steps": 1},
+        "logging": {"every_steps": 4, "console": False},
+        "checkpoint": {"every_steps": 100_000},
+        "distributed": {"timeout_s": 60},
+    }
+    for key, values in sections.items():
+        config[key] = {**config[key], **values}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    return path
+
+
+def launcher(config: Path, *extra: str) -> subprocess.Popen[str]:
+    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}
+    env.update(
+        OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "callbacks")])
+    )
+    command = [sys.executable, "-m", "speedtronic", "fit", "--config", str(config)]
+    return subprocess.Popen(
+        [*command, "--nproc-per-node", "2", *extra],
+        cwd=config.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_the_launcher_exits_with_the_runs_own_code(tmp_path: Path) -> None:
+    signalled = launcher(write_run(tmp_path, "term"))
+    budget = launcher(write_run(tmp_path, "budget"), "--max-time", "1s")
+    missing = write_run(tmp_path, "missing", data={"text_path": str(tmp_path / "nope.txt")})
+    mistake = launcher(missing)
+    metrics = tmp_path / "term" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and metrics.read_text()):  # both ranks are training
+        assert signalled.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    signalled.send_signal(signal.SIGTERM)
+    outputs = [process.communicate(timeout=240)[0] for process in (signalled, budget, mistake)]
+    codes = [process.returncode for process in (signalled, budget, mistake)]
+    assert codes == [143, 75, 2], outputs
+    for output in outputs:
+        assert "Traceback" not in output and "ChildFailedError" not in output, output
+    # SIGTERM: each rank named the step it stopped after, and saved that step.
+    named = {int(step) for step in re.findall(r"stopping after step (\d+)", outputs[0])}
+    pointer = json.loads((tmp_path / "term" / "checkpoints" / "latest.json").read_text())
+    assert named == {pointer["step"]} and pointer["step"] % 4 == 0, outputs[0]
+    assert outputs[0].rstrip().endswith("exiting 143")
+    assert "speedtronic: the run exited with 75 (rank " in outputs[1]
+    assert "data.text_path" in outputs[2]
+    assert "speedtronic: the run exited with 2 (rank " in outputs[2]
+
+
+def test_the_ranks_get_the_arguments_less_the_launchers_and_the_run_speaks_for_them() -> None:
+    argv = ["fit", "--config", "r.yaml", "--nproc-per-node", "2", "--nnodes=1", "--resume"]
+    assert rank_arguments(argv) == ["fit", "--config", "r.yaml", "--resume"]
+    assert run_exit_code({}) == 0
+    assert run_exit_code({1: 2, 0: 2}) == 2
+    assert run_exit_code({0: -15, 1: 75}) == 75  # rank 0 stopped by the agent after rank 1
+    assert run_exit_code({0: 143, 1: 75}) == 75
+    assert run_exit_code({1: -15}) == 143  # killed by SIGTERM
