@@ -1,5 +1,5 @@
 """The ``speedtronic`` command: fit (alias train), evaluate, validate, schema, plugins, plot,
-prepare.
+prepare, tokenizer.
 
 User mistakes (bad config, unknown plugin, missing file, unreadable checkpoint) print
 ``speedtronic: error: ...`` and exit 2 -- never a traceback. A run that fails while
@@ -125,6 +125,7 @@ def _parser() -> argparse.ArgumentParser:
         "comma-joined keys share it; a key includes the keys under it (lr: lr/group1, ...)",
     )
     _add_prepare_parser(sub)
+    _add_tokenizer_parser(sub)
     _add_common_args(sub.choices.values())
     return parser
 
@@ -168,6 +169,26 @@ def _add_prepare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         action="store_true",
         help="replace the shard set in --output (once the new one is complete)",
     )
+
+
+def _add_tokenizer_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    tokenizer = sub.add_parser(
+        "tokenizer", help="train a byte-level BPE tokenizer.json on a corpus (for prepare)"
+    )
+    tokenizer.add_argument(
+        "--input", dest="inputs", action="append", required=True, metavar="PATH",
+        help="what prepare --input takes: a .txt, .jsonl or .parquet file, a directory of "
+        "them, or a glob (repeatable)",
+    )  # fmt: skip
+    tokenizer.add_argument("--output", required=True, help="the tokenizer.json to write")
+    tokenizer.add_argument("--vocab-size", type=int, default=4096, help="ids (default 4096)")
+    tokenizer.add_argument(
+        "--text-key", default="text", help="the JSONL key / parquet column of the text"
+    )
+    tokenizer.add_argument(
+        "--min-frequency", type=int, default=2, help="merge only pairs seen this often"
+    )
+    tokenizer.add_argument("--overwrite", action="store_true", help="replace --output")
 
 
 def _add_common_args(parsers: Iterable[argparse.ArgumentParser]) -> None:
@@ -654,6 +675,21 @@ def _prepare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _tokenizer(args: argparse.Namespace) -> int:
+    from speedtronic.data.train_tokenizer import TokenizerOptions, train_tokenizer
+
+    options = TokenizerOptions(
+        inputs=args.inputs,
+        output=Path(args.output),
+        vocab_size=args.vocab_size,
+        text_key=args.text_key,
+        min_frequency=args.min_frequency,
+        overwrite=args.overwrite,
+    )
+    print(train_tokenizer(options).summary())
+    return EXIT_OK
+
+
 _COMMANDS = {
     "fit": _fit,
     "train": _fit,
@@ -664,6 +700,7 @@ _COMMANDS = {
     "plugins": _plugins,
     "plot": _plot,
     "prepare": _prepare,
+    "tokenizer": _tokenizer,
 }
 
 
