@@ -206,16 +206,36 @@ class MixtureSampler(WindowSampler):
                 return rounds
             rounds = rounds - early + late
 
-    def _deal(self, round_: int, size: int) -> Permutation:
-        """The permutation of round ``round_`` of this epoch (a few kept)."""
-        found = self._deals.get((self.epoch, round_))
+    def _deal(self, round_: int, size: int, epoch: int | None = None) -> Permutation:
+        """The permutation of round ``round_`` of this epoch (or of ``epoch``; a few kept)."""
+        epoch = self.epoch if epoch is None else epoch
+        found = self._deals.get((epoch, round_))
         if found is None:
             if len(self._deals) >= 4:
                 del self._deals[next(iter(self._deals))]  # the earliest made
-            key = _epoch_seed(_epoch_seed(self.seed ^ _MIX_STREAM, self.epoch), round_)
+            key = _epoch_seed(_epoch_seed(self.seed ^ _MIX_STREAM, epoch), round_)
             found = Permutation(size, key)
-            self._deals[(self.epoch, round_)] = found
+            self._deals[(epoch, round_)] = found
         return found
+
+    def drawn_in_epoch(self, epoch: int, position: int) -> npt.NDArray[np.int64]:
+        """How many of the positions ``0 .. position - 1`` of epoch ``epoch`` (all ranks
+        together) each source fills: its draws of the rounds before, and in the round
+        ``position`` falls in, the slots of the round's deal dealt to it so far. For metrics
+        (``speedtronic.data.mixture_metrics``): a round's deal at most, never per step."""
+        quotas = self.mixture.quotas
+        if position >= len(self.mixture):
+            return quotas.copy()
+        if position <= 0:
+            return np.zeros_like(quotas)
+        round_ = int(self._round_of(np.array([position], dtype=np.int64))[0])
+        low, high = self._before(np.array([round_, round_ + 1], dtype=np.int64))
+        starts = np.concatenate([[0], np.cumsum(high - low)]).astype(np.int64)
+        done = position - int(low.sum())
+        slots = self._deal(round_, int(starts[-1]), epoch)(np.arange(done, dtype=np.int64))
+        sources = np.searchsorted(starts, slots, side="right") - 1
+        counts: npt.NDArray[np.int64] = low + np.bincount(sources, minlength=len(quotas))
+        return counts
 
     def _indices(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         mixture = self.mixture
