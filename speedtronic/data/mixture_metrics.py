@@ -7,9 +7,9 @@ position)`` (``speedtronic.data.mixture``), so on a logging step the counts are 
 where the data stream stands: in each epoch so far, the global positions the ranks' batches
 covered (rank ``r`` reads positions ``r, r + W, ...``; a dropped short last batch is not read;
 the positions a rank pads an epoch with wrap around to its start), dealt to the sources as
-the mixture deals them. The figures are the whole run's (all ranks, resumed fits included) on every rank, so
-no collective is needed. A source is named by its shard directory's name, or by its index in
-``data.mixture`` when two directories share a name.
+the mixture deals them. The figures are the whole run's (all ranks, resumed fits included)
+on every rank, so no collective is needed. A source is named by its shard directory's name,
+or by its index in ``data.mixture`` when two directories share a name.
 """
 
 from __future__ import annotations
