@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import yaml
 from cli_runner import run_cli
@@ -21,12 +22,19 @@ from token_data import BPE_VOCAB
 from speedtronic.plotting import draw_run
 
 
+def write_run(tmp_path: Path, *, max_steps: int = 8, callbacks: object = ()) -> None:
+    """test_plot's run as ``run.yaml`` (into ``out``), with ``callbacks``."""
+    run = {**cast("dict[str, object]", RUN["run"]), "output_dir": "out", "max_steps": max_steps}
+    config = {**RUN, "run": run, "callbacks": list(cast("list[object]", callbacks))}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+
+
 def test_export_takes_the_token_ids_of_the_runs_tokenizer(forked: Forked, tmp_path: Path) -> None:
     workspace = token_workspace(tmp_path)
     shards = prepare_shards(workspace, "shards", "--eval-fraction", "0")
-    data = {"tokens": str(shards)}
-    llama = {**LLAMA, "vocab_size": BPE_VOCAB}  # LlamaConfig's default ids: bos 1, eos 2
-    model = {"name": "hf_causal_lm", "options": {"config": llama}}
+    data: dict[str, object] = {"tokens": str(shards)}
+    llama: dict[str, object] = {**LLAMA, "vocab_size": BPE_VOCAB}  # default ids: bos 1, eos 2
+    model: dict[str, object] = {"name": "hf_causal_lm", "options": {"config": llama}}
     reference = token_run(workspace, data, model).rename(workspace / "reference.yaml")
     assert run_cli("fit", "--config", str(reference), cwd=workspace).returncode == 0
     llama = {**llama, "eos_token_id": 5}  # set by the user
@@ -53,8 +61,7 @@ def test_export_takes_the_token_ids_of_the_runs_tokenizer(forked: Forked, tmp_pa
 def test_plot_marks_a_resume_at_the_step_it_resumed_from(forked: Forked, tmp_path: Path) -> None:
     # Logged every 2 steps, saved at 3; the record of step 3 is lost (a run stopped between
     # its checkpoint and its log line), so the last step logged before the resume is 2.
-    config = dict(RUN, run=dict(RUN["run"], output_dir="out", max_steps=6))
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    write_run(tmp_path, max_steps=6)
     child = forked.start(cli_main, "fit", "--config", "run.yaml", "--max-steps", "3", cwd=tmp_path)
     assert child.wait(timeout=120) == 0, child.output
     metrics = tmp_path / "out" / "metrics.jsonl"
@@ -74,8 +81,7 @@ def test_validate_refuses_two_callbacks_with_one_state_key_as_fit_does(
     forked: Forked, tmp_path: Path
 ) -> None:
     guards = [{"name": "nan_guard", "action": "stop"}, {"name": "nan_guard", "action": "skip"}]
-    config = dict(RUN, run=dict(RUN["run"], output_dir="out"), callbacks=guards)
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    write_run(tmp_path, callbacks=guards)
     children = [
         forked.start(cli_main, command, "--config", "run.yaml", cwd=tmp_path)
         for command in ("validate", "fit")

@@ -25,7 +25,8 @@ import torch
 import yaml
 from distributed_worker import DDP_EVAL, base_config, run_rank
 from forked import Forked
-from rank_env import free_port, rank_env
+from rank_env import free_port as free_port  # re-exported: other tests import them here
+from rank_env import rank_env as rank_env
 from torch.utils.data import DataLoader, Dataset
 
 from speedtronic.config import ConfigError, load_config
