@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import yaml
+from cli_runner import run_cli
 
 from speedtronic.systems.launch import rank_arguments, run_exit_code
 
@@ -82,7 +83,9 @@ def test_the_launcher_exits_with_the_runs_own_code(tmp_path: Path) -> None:
     assert "speedtronic: the run exited with 2 (rank " in outputs[2]
 
 
-def test_the_ranks_get_the_arguments_less_the_launchers_and_the_run_speaks_for_them() -> None:
+def test_the_ranks_get_the_arguments_less_the_launchers_and_the_run_speaks_for_them(
+    tmp_path: Path,
+) -> None:
     argv = ["fit", "--config", "r.yaml", "--nproc-per-node", "2", "--nnodes=1", "--resume"]
     assert rank_arguments(argv) == ["fit", "--config", "r.yaml", "--resume"]
     assert run_exit_code({}) == 0
@@ -90,3 +93,15 @@ def test_the_ranks_get_the_arguments_less_the_launchers_and_the_run_speaks_for_t
     assert run_exit_code({0: -15, 1: 75}) == 75  # rank 0 stopped by the agent after rank 1
     assert run_exit_code({0: 143, 1: 75}) == 75
     assert run_exit_code({1: -15}) == 143  # killed by SIGTERM
+    # A launcher flag it cannot use: exit 2 and one line, before any rank starts.
+    config = write_run(tmp_path, "flags")
+    for flags, message in (
+        (("--nproc-per-node", "2", "--nnodes", "2"), "--nnodes above 1 needs --rdzv-endpoint"),
+        (("--nproc-per-node", "0"), "--nproc-per-node: 0 is not a positive count"),
+        (("--nproc-per-node", "2", "--nnodes", "x"), "--nnodes: 'x' is not N or MIN:MAX"),
+    ):
+        done = run_cli("fit", "--config", str(config), *flags, cwd=tmp_path)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip().startswith(f"speedtronic: error: {message}")
+        assert "Traceback" not in done.stderr
+    assert not (tmp_path / "flags").exists()
