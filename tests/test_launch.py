@@ -1,15 +1,16 @@
 """``speedtronic fit --nproc-per-node 2`` (``speedtronic.systems.launch``): the launcher
 starts two real rank processes through ``torch.distributed.run``'s API and exits with the
 run's own code -- 143 after SIGTERM (each rank saved at the step its stop line named), 75
-when the time budget runs out, 2 for a mistake the ranks find -- with one line and no
-traceback. Each launcher is a fresh ``python -m speedtronic`` (the ranks are too); the three
-run at once."""
+when the time budget runs out (run by docs/cluster-runs.md's SLURM wrapper, which then
+requeues), 2 for a mistake the ranks find -- with one line and no traceback. Each launcher is
+a fresh ``python -m speedtronic`` (the ranks are too); the three run at once."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -41,25 +42,50 @@ def write_run(tmp_path: Path, name: str, **sections: dict[str, object]) -> Path:
     return path
 
 
-def launcher(config: Path, *extra: str) -> subprocess.Popen[str]:
+def environment(**extra: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}
     env.update(
         OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "callbacks")])
     )
+    return {**env, **extra}
+
+
+def launch_line(config: Path, *extra: str) -> list[str]:
     command = [sys.executable, "-m", "speedtronic", "fit", "--config", str(config)]
+    return [*command, "--nproc-per-node", "2", *extra]
+
+
+def start(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [*command, "--nproc-per-node", "2", *extra],
-        cwd=config.parent,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+
+
+def launcher(config: Path, *extra: str) -> subprocess.Popen[str]:
+    return start(launch_line(config, *extra), config.parent, environment())
+
+
+def slurm_wrapper(tmp_path: Path, config: Path) -> subprocess.Popen[str]:
+    """docs/cluster-runs.md's requeue wrapper, its ``speedtronic fit`` line running this
+    launcher with a 1 s budget, under a stub ``scontrol`` that records what it was asked."""
+    page = (ROOT / "docs" / "cluster-runs.md").read_text(encoding="utf-8")
+    script = re.search(r"```bash\n(#!/bin/bash\n#SBATCH.*?)```", page, re.DOTALL)
+    assert script is not None
+    line = shlex.join(launch_line(config, "--max-time", "1s"))
+    wrapper = re.sub(r"^speedtronic fit .*$", line, script.group(1), count=1, flags=re.M)
+    assert line in wrapper and "scontrol requeue" in wrapper
+    (tmp_path / "wrapper.sh").write_text(wrapper, encoding="utf-8")
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "scontrol").write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "scontrol.txt"}\n')
+    (stub / "scontrol").chmod(0o755)
+    env = environment(SLURM_JOB_ID="4242", PATH=f"{stub}{os.pathsep}{os.environ['PATH']}")
+    return start(["bash", str(tmp_path / "wrapper.sh")], tmp_path, env)
 
 
 def test_the_launcher_exits_with_the_runs_own_code(tmp_path: Path) -> None:
     signalled = launcher(write_run(tmp_path, "term"))
-    budget = launcher(write_run(tmp_path, "budget"), "--max-time", "1s")
+    budget = slurm_wrapper(tmp_path, write_run(tmp_path, "budget"))
     missing = write_run(tmp_path, "missing", data={"text_path": str(tmp_path / "nope.txt")})
     mistake = launcher(missing)
     metrics = tmp_path / "term" / "metrics.jsonl"
@@ -79,6 +105,7 @@ def test_the_launcher_exits_with_the_runs_own_code(tmp_path: Path) -> None:
     assert named == {pointer["step"]} and pointer["step"] % 4 == 0, outputs[0]
     assert outputs[0].rstrip().endswith("exiting 143")
     assert "speedtronic: the run exited with 75 (rank " in outputs[1]
+    assert (tmp_path / "scontrol.txt").read_text() == "requeue 4242\n"  # the docs' wrapper
     assert "data.text_path" in outputs[2]
     assert "speedtronic: the run exited with 2 (rank " in outputs[2]
 
