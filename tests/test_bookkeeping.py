@@ -59,22 +59,23 @@ def test_export_takes_the_token_ids_of_the_runs_tokenizer(forked: Forked, tmp_pa
 
 
 def test_plot_marks_a_resume_at_the_step_it_resumed_from(forked: Forked, tmp_path: Path) -> None:
-    # Logged every 2 steps, saved at 3; the record of step 3 is lost (a run stopped between
-    # its checkpoint and its log line), so the last step logged before the resume is 2.
-    write_run(tmp_path, max_steps=6)
-    child = forked.start(cli_main, "fit", "--config", "run.yaml", "--max-steps", "3", cwd=tmp_path)
+    # Logged every 2 steps, saved at 7; the record of step 7 is lost (a run stopped between
+    # its checkpoint and its log line), so the last step logged before the resume is 6. The
+    # resumed fit's first record (step 8, one step in) restarts elapsed_s well below step 6's.
+    write_run(tmp_path, max_steps=10)
+    child = forked.start(cli_main, "fit", "--config", "run.yaml", "--max-steps", "7", cwd=tmp_path)
     assert child.wait(timeout=120) == 0, child.output
     metrics = tmp_path / "out" / "metrics.jsonl"
     lines = metrics.read_text().splitlines(keepends=True)
-    assert [json.loads(line)["step"] for line in lines] == [2, 3]
-    metrics.write_text(lines[0])
+    assert [json.loads(line)["step"] for line in lines] == [2, 4, 6, 7]
+    metrics.write_text("".join(lines[:-1]))
     child = forked.start(cli_main, "fit", "--config", "run.yaml", "--resume", cwd=tmp_path)
     assert child.wait(timeout=120) == 0, child.output
     child = forked.start(cli_main, "plot", "out", cwd=tmp_path)
     assert child.wait(timeout=120) == 0, child.output
     loss = lines_of(draw_run(tmp_path / "out").axes[0])
-    assert [label for label in loss if label.startswith("resumed")] == ["resumed at 3"]
-    assert loss["resumed at 3"][0] == [3, 3]
+    assert [label for label in loss if label.startswith("resumed")] == ["resumed at 7"]
+    assert loss["resumed at 7"][0] == [7, 7]
 
 
 def test_validate_refuses_two_callbacks_with_one_state_key_as_fit_does(
