@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from cli_runner import run_cli
 
@@ -42,8 +43,11 @@ def write_run(tmp_path: Path, name: str, **sections: dict[str, object]) -> Path:
     return path
 
 
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
+
+
 def environment(**extra: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}
+    env = {key: value for key, value in os.environ.items() if key not in RANK_VARIABLES}
     env.update(
         OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "callbacks")])
     )
@@ -111,7 +115,7 @@ def test_the_launcher_exits_with_the_runs_own_code(tmp_path: Path) -> None:
 
 
 def test_the_ranks_get_the_arguments_less_the_launchers_and_the_run_speaks_for_them(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     argv = ["fit", "--config", "r.yaml", "--nproc-per-node", "2", "--nnodes=1", "--resume"]
     assert rank_arguments(argv) == ["fit", "--config", "r.yaml", "--resume"]
@@ -131,4 +135,7 @@ def test_the_ranks_get_the_arguments_less_the_launchers_and_the_run_speaks_for_t
         assert done.returncode == 2, done.stderr
         assert done.stderr.strip().startswith(f"speedtronic: error: {message}")
         assert "Traceback" not in done.stderr
+    monkeypatch.setenv("LOCAL_RANK", "0")  # under torchrun: no ranks of ranks
+    done = run_cli("fit", "--config", str(config), "--nproc-per-node", "2", cwd=tmp_path)
+    assert done.returncode == 2 and "this process is already a rank" in done.stderr
     assert not (tmp_path / "flags").exists()

@@ -105,6 +105,11 @@ def run_exit_code(codes: dict[int, int]) -> int:
 def _config(options: LaunchOptions) -> object:
     from torch.distributed.launcher.api import LaunchConfig
 
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:
+        raise LaunchError(
+            "--nproc-per-node: this process is already a rank (started by torchrun or a "
+            "launcher); drop the launcher flags, or start speedtronic without torchrun"
+        )
     if options.nproc_per_node < 1:
         raise LaunchError(f"--nproc-per-node: {options.nproc_per_node} is not a positive count")
     low, high = options.node_range()
