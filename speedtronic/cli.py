@@ -1,5 +1,5 @@
 """The ``speedtronic`` command: fit (alias train), evaluate, validate, schema, plugins, plot,
-prepare.
+prepare, tokenizer.
 
 User mistakes (bad config, unknown plugin, missing file, unreadable checkpoint) print
 ``speedtronic: error: ...`` and exit 2 -- never a traceback. A run that fails while
@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
             help="replace an earlier run in the run directory (deletes its checkpoints and "
             "metrics)",
         )
+        _add_launch_args(fit)
 
     evaluate = sub.add_parser(
         "evaluate", help="evaluate a run's checkpoint on its held-out set (writes nothing)"
@@ -129,6 +130,7 @@ def _parser() -> argparse.ArgumentParser:
         "comma-joined keys share it; a key includes the keys under it (lr: lr/group1, ...)",
     )
     _add_prepare_parser(sub)
+    _add_tokenizer_parser(sub)
     _add_common_args(sub.choices.values())
     return parser
 
@@ -203,6 +205,26 @@ def _add_prepare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     )
 
 
+def _add_tokenizer_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    tokenizer = sub.add_parser(
+        "tokenizer", help="train a byte-level BPE tokenizer.json on a corpus (for prepare)"
+    )
+    tokenizer.add_argument(
+        "--input", dest="inputs", action="append", required=True, metavar="PATH",
+        help="what prepare --input takes: a .txt, .jsonl or .parquet file, a directory of "
+        "them, or a glob (repeatable)",
+    )  # fmt: skip
+    tokenizer.add_argument("--output", required=True, help="the tokenizer.json to write")
+    tokenizer.add_argument("--vocab-size", type=int, default=4096, help="ids (default 4096)")
+    tokenizer.add_argument(
+        "--text-key", default="text", help="the JSONL key / parquet column of the text"
+    )
+    tokenizer.add_argument(
+        "--min-frequency", type=int, default=2, help="merge only pairs seen this often"
+    )
+    tokenizer.add_argument("--overwrite", action="store_true", help="replace --output")
+
+
 def _add_common_args(parsers: Iterable[argparse.ArgumentParser]) -> None:
     """What every subcommand takes (one that declares it itself keeps its own)."""
     for parser in parsers:
@@ -226,6 +248,16 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--output-dir", help="run directory (overrides run.output_dir)")
     parser.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps")
+
+
+def _add_launch_args(parser: argparse.ArgumentParser) -> None:
+    """``fit``'s launcher flags (``speedtronic.systems.launch``): start the ranks, like torchrun."""
+    launch = parser.add_argument_group("launching ranks (instead of torchrun)")
+    launch.add_argument(
+        "--nproc-per-node", type=int, help="start N ranks on this node and exit as the run did"
+    )
+    launch.add_argument("--nnodes", default="1", help="nodes of the job: N or MIN:MAX")
+    launch.add_argument("--rdzv-endpoint", help="HOST:PORT of the first node (multi-node)")
 
 
 def _add_max_steps(parser: argparse.ArgumentParser) -> None:
@@ -343,6 +375,14 @@ def _fit(args: argparse.Namespace) -> int:
     from speedtronic.runtime import prepared_fit
 
     config = _load(args)
+    if args.nproc_per_node is not None:
+        from speedtronic.systems.launch import LaunchError, LaunchOptions, launch_fit
+
+        options = LaunchOptions(args.nproc_per_node, args.nnodes, args.rdzv_endpoint)
+        try:
+            return launch_fit(options, args.argv)  # the ranks run the rest of this function
+        except LaunchError as exc:
+            raise UserError(str(exc)) from None
     assert isinstance(config, SpeedtronicConfig)
     _preflight(config, device=args.device, max_steps=_checked_max_steps(args))
     with prepared_fit(
@@ -474,6 +514,7 @@ def _validate(args: argparse.Namespace) -> int:
     _preflight(config, device=args.device, max_steps=_checked_max_steps(args))
     # Everything that can still refuse the run comes before the first line is printed.
     classes = callback_classes(config)
+    _check_callbacks(config)
     plan = format_plan(describe_classes(classes))
     model = _meta_model(config)
     _check_shardable(config, model)
@@ -494,6 +535,24 @@ def _validate(args: argparse.Namespace) -> int:
         f"{config.target_steps} steps, model {config.model.name!r})"
     )
     return EXIT_OK
+
+
+def _check_callbacks(config: object) -> None:
+    """The run's callbacks built as ``fit`` builds them (no hook runs), and ``fit``'s check
+    of their state keys: two that share one (two ``nan_guard`` entries) are refused here too."""
+    import torch
+
+    from speedtronic.config import SpeedtronicConfig
+    from speedtronic.engine.dispatch import DuplicateStateKeyError, check_state_keys
+    from speedtronic.plugins import PluginContext
+    from speedtronic.runtime import build_callbacks
+
+    assert isinstance(config, SpeedtronicConfig)
+    context = PluginContext(config, Path(config.run.output_dir), torch.device("cpu"))
+    try:
+        check_state_keys(build_callbacks(config, context))
+    except DuplicateStateKeyError as exc:
+        raise UserError(str(exc)) from None
 
 
 def _check_shardable(config: object, model: torch.nn.Module) -> None:
@@ -663,6 +722,21 @@ def _prepare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _tokenizer(args: argparse.Namespace) -> int:
+    from speedtronic.data.train_tokenizer import TokenizerOptions, train_tokenizer
+
+    options = TokenizerOptions(
+        inputs=args.inputs,
+        output=Path(args.output),
+        vocab_size=args.vocab_size,
+        text_key=args.text_key,
+        min_frequency=args.min_frequency,
+        overwrite=args.overwrite,
+    )
+    print(train_tokenizer(options).summary())
+    return EXIT_OK
+
+
 _COMMANDS = {
     "fit": _fit,
     "train": _fit,
@@ -673,6 +747,7 @@ _COMMANDS = {
     "plugins": _plugins,
     "plot": _plot,
     "prepare": _prepare,
+    "tokenizer": _tokenizer,
 }
 
 
@@ -730,6 +805,7 @@ def _silence_stdout() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what the launcher passes on
     with warnings.catch_warnings(), search_dirs(*_user_module_dirs(args)):
         warnings.simplefilter("default")
         warnings.showwarning = _show_warning

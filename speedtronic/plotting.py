@@ -19,7 +19,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -77,9 +77,9 @@ class RunSeries:
     """Numeric series of a metrics file, keyed by record key, each as (steps, values)."""
 
     series: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
-    resumed_after: list[int] = field(default_factory=list)
-    """The last logged step before each resumed fit: where ``elapsed_s`` (seconds since the
-    fit started) starts again. The fit resumed from a checkpoint at that step or just after."""
+    resumed_at: list[int] = field(default_factory=list)
+    """The step each resumed fit started from (its checkpoint's step), found where
+    ``elapsed_s`` (seconds since the fit started) starts again (``_resumed_step``)."""
 
     def get(self, key: str) -> tuple[list[int], list[float]] | None:
         return self.series.get(key)
@@ -140,9 +140,21 @@ def load_series(path: Path) -> RunSeries:
         elapsed = _number(records[step].get("elapsed_s"))
         if elapsed is not None:
             if previous is not None and elapsed < previous[1]:
-                result.resumed_after.append(previous[0])
+                result.resumed_at.append(_resumed_step(records[step], step, previous[0]))
             previous = (step, elapsed)
     return result
+
+
+def _resumed_step(record: Mapping[str, object], step: int, last_logged: int) -> int:
+    """The step a fit whose first record is ``record`` started from: ``steps_per_sec`` is
+    ``(step - start) / elapsed_s``, so ``start`` is read back from the two (a resume from
+    step 139 logs step 140 first, whatever the logging cadence). ``last_logged`` (the last
+    step logged before it) when the record does not have them."""
+    rate, elapsed = _number(record.get("steps_per_sec")), _number(record.get("elapsed_s"))
+    if rate is None or elapsed is None:
+        return last_logged
+    start = round(step - rate * elapsed)
+    return start if 0 <= start < step else last_logged
 
 
 def default_panels(series: RunSeries) -> list[Panel]:
@@ -244,7 +256,7 @@ def _draw(axes: Axes, series: RunSeries, panel: Panel) -> None:
             data[0], data[1], label=key, linewidth=1.2, marker="o" if sparse else None, ms=3
         )
         drawn = True
-    for step in series.resumed_after:
+    for step in series.resumed_at:
         axes.axvline(step, color="0.45", linestyle="--", linewidth=1.0, label=f"resumed at {step}")
     axes.set_title(panel.title)
     axes.set_xlabel("step")

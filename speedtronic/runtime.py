@@ -39,6 +39,7 @@ from speedtronic.data.held_out import (
     training_excludes_tail,
 )
 from speedtronic.data.loader import training_dataset
+from speedtronic.data.mixture_metrics import mixture_metrics
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.evaluation import EvalOutcome, evaluate_model
 from speedtronic.engine.result import TrainResult
@@ -309,6 +310,7 @@ def build_runtime(
         )
     except DataSourceError as exc:  # what ``preflight`` reports (exit 2 in the CLI)
         raise ConfigError(str(exc)) from None
+    callbacks.extend(mixture_metrics(loader))  # data/<source>/samples, on logging steps
     target_step = max_steps if max_steps is not None else cfg.target_steps
     horizon = cfg.scheduler_steps
     epoch_steps = epoch_step_limit(loader, cfg.run.max_epochs, cfg.accumulation_steps)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ import torch
 import yaml
 from distributed_worker import DDP_EVAL, base_config, run_rank
 from forked import Forked
+from rank_env import free_port as free_port  # re-exported: other tests import them here
+from rank_env import rank_env as rank_env
 from torch.utils.data import DataLoader, Dataset
 
 from speedtronic.config import ConfigError, load_config
@@ -56,31 +57,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # -- launching ranks ------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @dataclass
 class RankOutcome:
     returncode: int
     output: str
     report: dict[str, object]
-
-
-def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    """The variables torchrun sets for ``rank``."""
-    return {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": "1",
-    }
 
 
 def launch(

@@ -144,7 +144,8 @@ def test_init_weights_from_a_local_safetensors_directory(tmp_path: Path) -> None
     )
     ids = torch.randint(0, VOCAB, (2, BLOCK))
     assert torch.equal(logits(model, ids), logits(saved, ids))
-    with pytest.warns(UserWarning, match="hiden_size is not a LlamaConfig field"):
+    typo = "hiden_size (did you mean 'hidden_size'?) is not a LlamaConfig field"
+    with pytest.raises(HFModelError, match=re.escape(typo)):
         build_hf_causal_lm(config={**LLAMA, "hiden_size": 8}, vocab_size=VOCAB)
 
 

@@ -19,7 +19,7 @@ import yaml
 from cli_runner import run_cli
 from forked import Forked, cli_main
 from token_data import bpe_tokenizer, documents, losses, run_config, write_config, write_jsonl
-from torch.utils.data import ConcatDataset, Dataset
+from torch.utils.data import Dataset
 
 from speedtronic.config import ConfigError, load_config
 from speedtronic.data import (
@@ -33,6 +33,7 @@ from speedtronic.data import (
 )
 from speedtronic.data.collate import collate_causal
 from speedtronic.data.held_out import held_out_dataset
+from speedtronic.data.interleave import Interleave
 from speedtronic.data.mixture import MixtureDataset, apportion, open_mixture
 from speedtronic.data.prepare import PrepareOptions, prepare
 from speedtronic.data.shards import MANIFEST_NAME, ManifestError, ShardEntry, parse_manifest
@@ -600,7 +601,7 @@ def test_a_mixture_from_config_trains_and_resumes_bitwise(tmp_path: Path) -> Non
     held = held_out_dataset(
         load_config(tmp_path / "full.yaml").data, load_config(tmp_path / "full.yaml").eval
     )
-    assert isinstance(held, ConcatDataset) and len(held.datasets) == 2
+    assert isinstance(held, Interleave) and len(held.datasets) == 2
     # speedtronic evaluate scores the last checkpoint on it, as the fit's last evaluation did
     evaluated = run_cli("evaluate", "--config", "full.yaml", cwd=tmp_path)
     assert evaluated.returncode == 0, evaluated.stderr

@@ -643,8 +643,9 @@ class CheckpointCallback(Callback):
         ``best``: ``best.json`` names it (the monitored value improved at ``step``)."""
         path = self.manager.path_for(step)
         main = trainer.distributed is None or trainer.distributed.is_main
+        loss = _last_loss(trainer, step, global_mean=meet_peers)  # a collective: every rank
         if main:
-            self.manager.note_loss(step, _last_loss(trainer, step))
+            self.manager.note_loss(step, loss)
             if best and self.monitor is not None and self.best_value is not None:
                 self.manager.note_best(step, self.monitor, self.mode, self.best_value)
         with self._writing_checkpoint():
@@ -809,7 +810,7 @@ class CheckpointCallback(Callback):
                 "received %s: stopping after step %d and saving a checkpoint "
                 "(send it again to stop immediately)",
                 received.name,
-                trainer.step_in_progress,
+                stop_step(trainer),
             )
 
         for sig in HANDLED_SIGNALS:
@@ -823,6 +824,18 @@ class CheckpointCallback(Callback):
             signal.signal(sig, handler)
 
 
+def stop_step(trainer: TrainerView) -> int:
+    """The step a stop requested now ends after: the step in progress in one process; the
+    ranks of a multi-rank run agree on stopping at logging steps only (``Trainer.fit``), so
+    there the first logging step from it (a multiple of ``metrics_every`` or of
+    ``eval_every``, or the target step)."""
+    step = trainer.step_in_progress
+    if not trainer.multi_rank:
+        return step
+    cadences = [every for every in (trainer.metrics_every, trainer.eval_every) if every > 0]
+    return min([trainer.target_step, *(-(-step // every) * every for every in cadences)])
+
+
 def _changed_only_by_optimizer_step(trainer: TrainerView) -> frozenset[int]:
     """Storages of the parameters and the optimizer state: between a step's checkpoint and
     the next optimizer update nothing in the loop writes to them (forward and backward only
@@ -834,13 +847,24 @@ def _changed_only_by_optimizer_step(trainer: TrainerView) -> frozenset[int]:
     return frozenset(pointers)
 
 
-def _last_loss(trainer: TrainerView, step: int) -> float | None:
+def _last_loss(trainer: TrainerView, step: int, *, global_mean: bool = False) -> float | None:
     """The training loss of the step being saved (one host sync per save), for the
-    checkpoint's record: retention keeps the newest checkpoint whose loss was finite."""
+    checkpoint's record: retention keeps the newest checkpoint whose loss was finite. With
+    ``global_mean`` in a distributed run (every rank saving together), the mean over the
+    ranks, reduced as the logged ``loss`` is (``RankMetricReducer``), so ``latest.json``
+    and the log agree."""
     loss = trainer.last_loss
     if loss is None or loss.numel() != 1:
         return None
     value = float(loss.detach().item())
+    context = trainer.distributed
+    if global_mean and context is not None and context.world_size > 1:
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor([value], dtype=torch.float64, device=context.collective_device)
+        dist.all_reduce(total)
+        value = float(total.item()) / context.world_size
     if not math.isfinite(value):
         logger.warning(
             "checkpoint of step %d: the loss is %s; it is recorded as non-finite and the "

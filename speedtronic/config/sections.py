@@ -645,7 +645,8 @@ class EvalConfig(_Section):
     max_batches: Annotated[
         int | None,
         Opt(
-            "batches per evaluation (`data.micro_batch_size` samples each); `null`: the whole "
+            "batches per evaluation, all ranks together (`data.micro_batch_size` samples each; "
+            "each rank reads its share); `null`: the whole "
             "held-out set",
             minimum=1,
             maximum=STEPS_MAX,

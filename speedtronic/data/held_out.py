@@ -17,12 +17,20 @@ Source order (first match wins):
 
 The loader never shuffles, keeps the last incomplete batch, uses no worker processes and
 has its own generator, so every evaluation reads the same batches and touches no random
-state of training. In a distributed run each rank reads a strided share.
+state of training.
+
+``eval.max_batches`` counts the batches of the whole evaluation, not of one rank: the
+held-out set is cut to its first ``max_batches * data.micro_batch_size`` samples, and in a
+distributed run each rank reads a strided share of those (sample ``i`` on rank
+``i % world_size``, none dropped). The ranks' sums are all-reduced once, so ``eval/loss`` is
+the loss over the same samples on 1, 2 or N ranks, and ``speedtronic evaluate`` (one process)
+reproduces the figure a distributed fit logged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sized
+from collections.abc import Iterable, Iterator, Mapping, Sized
+from itertools import islice
 from typing import Protocol
 
 import torch
@@ -39,7 +47,6 @@ from speedtronic.data.loader import (
     resolve_dataset,
     text_tokenizer,
 )
-from speedtronic.data.stream import RankShardedIterable
 from speedtronic.data.text import DataSourceError, TextFileTokenDataset
 
 __all__ = [
@@ -64,6 +71,8 @@ class EvalSettings(Protocol):
     def dataset(self) -> str | None: ...
     @property
     def dataset_options(self) -> Mapping[str, object]: ...
+    @property
+    def max_batches(self) -> int | None: ...
 
 
 def _own_source(settings: EvalSettings) -> bool:
@@ -119,6 +128,25 @@ def known_empty(dataset: Dataset[object]) -> str | None:
     return None
 
 
+class _HeldOutShare(IterableDataset[object]):
+    """Rank ``rank``'s share of an iterable held-out set: of its first ``limit`` items
+    (``None``: all), those at positions ``rank``, ``rank + world_size``, ... -- none dropped:
+    the ranks meet only at the evaluation's one all-reduce, so they need not stay in step."""
+
+    def __init__(
+        self, source: Iterable[object], *, rank: int, world_size: int, limit: int | None
+    ) -> None:
+        super().__init__()
+        self.source = source
+        self.rank = rank
+        self.world_size = world_size
+        self.limit = limit
+
+    def __iter__(self) -> Iterator[object]:
+        items = iter(self.source) if self.limit is None else islice(self.source, self.limit)
+        return islice(items, self.rank, None, self.world_size)
+
+
 def build_eval_loader(
     data: DataSettings,
     settings: EvalSettings,
@@ -129,15 +157,18 @@ def build_eval_loader(
     dataset: Dataset[object] | None = None,
 ) -> DataLoader[object]:
     """This rank's ``DataLoader`` over the held-out set (``dataset``, default
-    ``held_out_dataset(data, settings)``), ``data.micro_batch_size`` samples a batch."""
+    ``held_out_dataset(data, settings)``), ``data.micro_batch_size`` samples a batch: its
+    share of the first ``eval.max_batches`` batches of the whole set (module docstring)."""
     source = (
         dataset if dataset is not None else held_out_dataset(data, settings, vocab_size=vocab_size)
     )
-    if world_size > 1:
-        if isinstance(source, IterableDataset):
-            source = RankShardedIterable(source, rank=rank, world_size=world_size)
-        elif isinstance(source, Sized):
-            source = Subset(source, range(rank, len(source), world_size))
+    limit = None if settings.max_batches is None else settings.max_batches * data.micro_batch_size
+    if isinstance(source, IterableDataset):
+        if world_size > 1 or limit is not None:
+            source = _HeldOutShare(source, rank=rank, world_size=world_size, limit=limit)
+    elif isinstance(source, Sized) and (world_size > 1 or limit is not None):
+        end = len(source) if limit is None else min(limit, len(source))
+        source = Subset(source, range(rank, end, world_size))
     return DataLoader(
         source,
         batch_size=data.micro_batch_size,

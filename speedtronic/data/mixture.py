@@ -25,7 +25,9 @@ Everything is a pure function of ``(seed, epoch, position)``: the sampler (a
 ``WindowSampler``) yields draw keys, ranks take strided positions, and a resumed run continues
 at the exact position, as for a single source. The mixture is always shuffled.
 
-Its held-out set (``eval:``) is every source's held-out shards, one source after the other.
+Its held-out set (``eval:``) is every source's held-out windows, interleaved in proportion to
+their counts in a fixed, seeded order (``speedtronic.data.interleave``), so a bounded evaluation
+(``eval.max_batches``) sees every source.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 import torch
-from torch.utils.data import ConcatDataset, Dataset
+from torch.utils.data import Dataset
 
+from speedtronic.data.interleave import Interleave
 from speedtronic.data.stream import _epoch_seed
 from speedtronic.data.text import DataSourceError, TextPart
 from speedtronic.data.windows import (
@@ -203,16 +206,36 @@ class MixtureSampler(WindowSampler):
                 return rounds
             rounds = rounds - early + late
 
-    def _deal(self, round_: int, size: int) -> Permutation:
-        """The permutation of round ``round_`` of this epoch (a few kept)."""
-        found = self._deals.get((self.epoch, round_))
+    def _deal(self, round_: int, size: int, epoch: int | None = None) -> Permutation:
+        """The permutation of round ``round_`` of this epoch (or of ``epoch``; a few kept)."""
+        epoch = self.epoch if epoch is None else epoch
+        found = self._deals.get((epoch, round_))
         if found is None:
             if len(self._deals) >= 4:
                 del self._deals[next(iter(self._deals))]  # the earliest made
-            key = _epoch_seed(_epoch_seed(self.seed ^ _MIX_STREAM, self.epoch), round_)
+            key = _epoch_seed(_epoch_seed(self.seed ^ _MIX_STREAM, epoch), round_)
             found = Permutation(size, key)
-            self._deals[(self.epoch, round_)] = found
+            self._deals[(epoch, round_)] = found
         return found
+
+    def drawn_in_epoch(self, epoch: int, position: int) -> npt.NDArray[np.int64]:
+        """How many of the positions ``0 .. position - 1`` of epoch ``epoch`` (all ranks
+        together) each source fills: its draws of the rounds before, and in the round
+        ``position`` falls in, the slots of the round's deal dealt to it so far. For metrics
+        (``speedtronic.data.mixture_metrics``): a round's deal at most, never per step."""
+        quotas = self.mixture.quotas
+        if position >= len(self.mixture):
+            return quotas.copy()
+        if position <= 0:
+            return np.zeros_like(quotas)
+        round_ = int(self._round_of(np.array([position], dtype=np.int64))[0])
+        low, high = self._before(np.array([round_, round_ + 1], dtype=np.int64))
+        starts = np.concatenate([[0], np.cumsum(high - low)]).astype(np.int64)
+        done = position - int(low.sum())
+        slots = self._deal(round_, int(starts[-1]), epoch)(np.arange(done, dtype=np.int64))
+        sources = np.searchsorted(starts, slots, side="right") - 1
+        counts: npt.NDArray[np.int64] = low + np.bincount(sources, minlength=len(quotas))
+        return counts
 
     def _indices(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         mixture = self.mixture
@@ -243,8 +266,9 @@ def open_mixture(
     verify: bool = True,
 ) -> Dataset[dict[str, torch.Tensor]]:
     """The mixture of ``entries`` (``(directory, weight)``) for training, or for ``part``
-    ``"held_out"`` the held-out shards of the sources that have them, one source after the
-    other. All sources must come from one tokenizer (the same ids for the same text)."""
+    ``"held_out"`` the held-out windows of the sources that have them, interleaved in
+    proportion (``Interleave``). All sources must come from one tokenizer (the same ids for
+    the same text)."""
     if not entries:
         raise DataSourceError("data.mixture: no sources")
     held_out = part == "held_out"
@@ -270,7 +294,7 @@ def open_mixture(
                 "data.mixture: no source has held-out shards (all were prepared with "
                 "--eval-fraction 0): name a held-out source with eval.text_path or eval.dataset"
             )
-        return ConcatDataset([dataset for _, dataset in sources])
+        return Interleave([dataset for _, dataset in sources], seed=seed)
     weights = [weight for _, weight in entries]
     quotas = apportion(sum(len(dataset) for _, dataset in sources), weights)
     for (index, _), quota in zip(sources, quotas, strict=True):

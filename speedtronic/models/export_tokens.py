@@ -17,7 +17,10 @@ Where the facts come from:
 
 A beginning-of-text id is the tokenizer's own special token of that name
 (``BOS_CANDIDATES``), when it has one; speedtronic's data never adds it, so it is there for
-the tools that read ``bos_token_id``.
+the tools that read ``bos_token_id``. A padding id is likewise its own ``PAD_CANDIDATES``
+token. An id the run's tokenizer does not have is written as ``null`` in place of the config
+class's default (``LlamaConfig``'s ``bos_token_id`` 1 is an ordinary token of another
+tokenizer); an id the model's config set itself is kept, or replaced with a warning.
 
 ``write_tokenizer`` copies the ``tokenizer.json`` and writes the ``tokenizer_config.json``
 that makes ``transformers.AutoTokenizer.from_pretrained`` load it as a
@@ -42,6 +45,7 @@ from speedtronic.data.tokenizer import BYTES, FileTokenizer, sha256_of_file
 
 __all__ = [
     "BOS_CANDIDATES",
+    "PAD_CANDIDATES",
     "TOKENIZER_CONFIG_NAME",
     "TOKENIZER_NAME",
     "RunTokens",
@@ -55,6 +59,9 @@ TOKENIZER_NAME = "tokenizer.json"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 BOS_CANDIDATES = ("<|begin_of_text|>", "<|startoftext|>", "<s>", "<bos>", "[BOS]")
 """Special tokens taken as the beginning-of-text token, in this order of preference."""
+PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
+"""Special tokens taken as the padding token, in this order of preference."""
+_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _CONFIG_FILES = ("config.json", "generation_config.json")
 
 
@@ -74,6 +81,7 @@ class RunTokens:
     bos_id: int | None = None
     vocab_size: int | None = None
     source: str = "data"
+    pad_id: int | None = None
     """The ``data`` key the facts come from, for messages."""
 
     def config_ids(self) -> dict[str, int | list[int]]:
@@ -85,7 +93,14 @@ class RunTokens:
             )
         if self.bos_id is not None:
             fields["bos_token_id"] = self.bos_id
+        if self.pad_id is not None:
+            fields["pad_token_id"] = self.pad_id
         return fields
+
+    @property
+    def known(self) -> bool:
+        """Whether the run's tokenizer is known (its ids can replace a config's defaults)."""
+        return self.file is not None or bool(self.eos_ids)
 
 
 def run_tokens(data: Mapping[str, object]) -> RunTokens:
@@ -104,9 +119,10 @@ def run_tokens(data: Mapping[str, object]) -> RunTokens:
         return RunTokens(
             file=tokenizer,
             eos_ids=_own_eos(loaded),
-            bos_id=_bos_id(loaded),
+            bos_id=_special(loaded, BOS_CANDIDATES),
             vocab_size=loaded.vocab_size,
             source="data.tokenizer",
+            pad_id=_special(loaded, PAD_CANDIDATES),
         )
     return RunTokens()
 
@@ -153,9 +169,11 @@ def _from_shards(directories: Sequence[tuple[str, Path]], named: Path | None) ->
             "there is no one tokenizer to export"
         )
     file = next(iter(files.values()), None)
-    bos = _bos_id(FileTokenizer(file)) if file is not None else None
+    loaded = FileTokenizer(file) if file is not None else None
+    bos = _special(loaded, BOS_CANDIDATES) if loaded is not None else None
+    pad = _special(loaded, PAD_CANDIDATES) if loaded is not None else None
     source = directories[0][0] if len(directories) == 1 else "data.mixture"
-    return RunTokens(file, tuple(sorted(eos)), bos, vocab, source)
+    return RunTokens(file, tuple(sorted(eos)), bos, vocab, source, pad)
 
 
 def _shard_tokenizer(
@@ -187,8 +205,8 @@ def _own_eos(tokenizer: FileTokenizer) -> tuple[int, ...]:
         return ()
 
 
-def _bos_id(tokenizer: FileTokenizer) -> int | None:
-    for candidate in BOS_CANDIDATES:
+def _special(tokenizer: FileTokenizer, candidates: Sequence[str]) -> int | None:
+    for candidate in candidates:
         found = tokenizer.special_id(candidate)
         if found is not None:
             return found
@@ -198,32 +216,60 @@ def _bos_id(tokenizer: FileTokenizer) -> int | None:
 def set_token_ids(directory: Path, tokens: RunTokens, vocab_size: int) -> None:
     """Write ``tokens``' ids into the exported ``config.json`` (and
     ``generation_config.json`` when there is one), after checking that they and the
-    tokenizer's vocabulary fit the model's ``vocab_size``. A model config that named other
-    ids (``LlamaConfig``'s defaults are 1 and 2) gets the data's, with a warning: they are
-    the ids the model was trained to end documents with."""
+    tokenizer's vocabulary fit the model's ``vocab_size``. An id the config holds at its
+    class's default (``LlamaConfig``: bos 1, eos 2) is replaced by the data's, or by
+    ``null`` when the run's tokenizer has no such token; an id the model's config set
+    itself is replaced with a warning (the data's ids are the ones the model was trained
+    to end documents with), or kept when the data has none."""
     ids = tokens.config_ids()
-    largest = max([*tokens.eos_ids, tokens.bos_id or 0, (tokens.vocab_size or 1) - 1])
+    largest = max(
+        [*tokens.eos_ids, tokens.bos_id or 0, tokens.pad_id or 0, (tokens.vocab_size or 1) - 1]
+    )
     if largest >= vocab_size:
         raise TokenIdError(
             f"{tokens.source}: the run's tokens go up to id {largest}, beyond the exported "
             f"model's vocabulary of {vocab_size}"
         )
-    for name in _CONFIG_FILES:
-        path = directory / name
-        if not ids or not path.is_file():
-            continue
-        fields = json.loads(path.read_text(encoding="utf-8"))
-        for key, value in ids.items():
-            old = fields.get(key)
-            if name == "config.json" and old is not None and old != value:
+    config_path = directory / "config.json"
+    if not tokens.known or not config_path.is_file():
+        return
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    defaults = _default_ids(config.get("model_type"))
+    updates: dict[str, int | list[int] | None] = {}
+    for key in _ID_KEYS:
+        old = config.get(key)
+        own = old is not None and old != defaults.get(key)  # the model's config set it
+        if key in ids:
+            if own and old != ids[key]:
                 warnings.warn(
-                    f"config.json: {key} {old} of the model's config replaced by {value}, the "
-                    f"id the run's data uses ({tokens.source})",
+                    f"config.json: {key} {old} of the model's config replaced by {ids[key]}, "
+                    f"the id the run's data uses ({tokens.source})",
                     UserWarning,
                     stacklevel=3,
                 )
-            fields[key] = value
-        path.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            updates[key] = ids[key]
+        elif old is not None and not own:
+            updates[key] = None  # a default of the config class, not a token of this data
+    for name in _CONFIG_FILES:
+        path = directory / name
+        if updates and path.is_file():
+            fields = json.loads(path.read_text(encoding="utf-8"))
+            fields.update(updates)
+            text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
+            path.write_text(text, encoding="utf-8")
+
+
+def _default_ids(model_type: object) -> dict[str, object]:
+    """The token ids a default config of ``model_type`` holds (none for an unknown type)."""
+    if not isinstance(model_type, str):
+        return {}
+    from transformers import AutoConfig  # the export writes transformers files anyway
+
+    try:
+        defaults = AutoConfig.for_model(model_type)
+    except (ValueError, KeyError):
+        return {}
+    return {key: getattr(defaults, key, None) for key in _ID_KEYS}
 
 
 def write_tokenizer(directory: Path, tokens: RunTokens, *, max_length: int | None) -> None:
@@ -233,12 +279,13 @@ def write_tokenizer(directory: Path, tokens: RunTokens, *, max_length: int | Non
         return
     shutil.copyfile(tokens.file, directory / TOKENIZER_NAME)
     fields: dict[str, object] = {"tokenizer_class": "PreTrainedTokenizerFast"}
-    if len(tokens.eos_ids) == 1 or tokens.bos_id is not None:
-        loaded = FileTokenizer(directory / TOKENIZER_NAME)
-        if len(tokens.eos_ids) == 1:
-            fields["eos_token"] = loaded.token(tokens.eos_ids[0])
-        if tokens.bos_id is not None:
-            fields["bos_token"] = loaded.token(tokens.bos_id)
+    loaded = FileTokenizer(directory / TOKENIZER_NAME)
+    if len(tokens.eos_ids) == 1:
+        fields["eos_token"] = loaded.token(tokens.eos_ids[0])
+    if tokens.bos_id is not None:
+        fields["bos_token"] = loaded.token(tokens.bos_id)
+    if tokens.pad_id is not None:
+        fields["pad_token"] = loaded.token(tokens.pad_id)
     if max_length is not None:
         fields["model_max_length"] = max_length
     fields["clean_up_tokenization_spaces"] = False

@@ -30,7 +30,7 @@ import difflib
 import json
 import stat
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Protocol, cast
@@ -89,6 +89,15 @@ HF_OPTIONS_SCHEMA: Mapping[str, object] = {
             "enum": ["sdpa", "eager", "flash_attention_2"],
             "default": "sdpa",
             "description": "transformers' attention kernel",
+        },
+        "extra_config_keys": {
+            "type": "array",
+            "items": {"type": "string", "minLength": 1},
+            "uniqueItems": True,
+            "default": [],
+            "description": "config keys that are not fields of the config class but that a "
+            "custom config class reads; any other unknown key is an error (a typo such as "
+            "hiden_size would build the model without it)",
         },
         "dtype": {
             "enum": sorted(DTYPES),
@@ -322,26 +331,50 @@ def _check_model_type(transformers: ModuleType, model_type: str, where: str) -> 
     raise HFModelError(f"{where}: model_type {shown!r} is not a transformers model type ({hint})")
 
 
-def _warn_unknown_fields(config: object, fields: Mapping[str, object], where: str) -> None:
-    """transformers keeps any unknown key as an attribute: a typo'd field would be lost."""
+def _known_fields(cls: type) -> list[str]:
+    """The fields a config class declares: its ``__init__`` parameters and the keys of a
+    default instance's ``to_dict`` (the candidates of a did-you-mean)."""
+    import inspect
+
+    defaults = cls().to_dict()  # a transformers config class: every field has a default
+    parameters = inspect.signature(cls).parameters.values()
+    named = {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return sorted(set(defaults) | named)
+
+
+def _check_unknown_fields(
+    config: object, fields: Mapping[str, object], where: str, extra: Sequence[str], strict: bool
+) -> None:
+    """transformers keeps any unknown key as a plain attribute, so a typo'd field
+    (``hiden_size``) would build a model of the default width: an ``HFModelError`` with the
+    closest field, unless the key is in ``extra_config_keys`` (a custom config class that
+    reads it). ``strict=False`` (a checkpoint's own config.json) only warns."""
     cls = type(config)
-    # Known: the fields of a default config, the class's own attributes and properties
-    # (older spellings such as rope_scaling) and its aliases (gpt2's n_embd); a key the
-    # config consumed (rope_theta into rope_parameters) leaves no attribute behind.
-    defaults = cls().to_dict()  # type: ignore[attr-defined]  # a transformers config class
-    known = set(defaults) | set(dir(cls)) | set(getattr(cls, "attribute_map", {}))
+    declared = _known_fields(cls)
+    # Also known: the class's own attributes and properties (older spellings such as
+    # rope_scaling) and its aliases (gpt2's n_embd); a key the config consumed (rope_theta
+    # into rope_parameters) leaves no attribute behind.
+    known = set(declared) | set(dir(cls)) | set(getattr(cls, "attribute_map", {})) | set(extra)
     unknown = sorted(key for key in fields if key not in known and hasattr(config, key))
-    if unknown:
-        what = (
-            f"is not a {cls.__name__} field"
-            if len(unknown) == 1
-            else f"are not {cls.__name__} fields"
-        )
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, declared, n=1, cutoff=0.75)
+        hints.append(f"{key} (did you mean {close[0]!r}?)" if close else key)
+    what = "is not a" if len(unknown) == 1 else "are not"
+    plural = "field" if len(unknown) == 1 else "fields"
+    message = f"{where}: {', '.join(hints)} {what} {cls.__name__} {plural}"
+    if not strict:
         warnings.warn(
-            f"{where}: {', '.join(unknown)} {what}; transformers keeps it as a plain attribute",
-            UserWarning,
-            stacklevel=4,
+            f"{message}; transformers keeps it as a plain attribute", UserWarning, stacklevel=4
         )
+        return
+    raise HFModelError(
+        f"{message}: transformers would keep it as a plain attribute and build the model "
+        "without it; fix the key, or list it in model.options.extra_config_keys if a custom "
+        "config class reads it"
+    )
 
 
 def _positions(config: object) -> int | None:
@@ -374,6 +407,7 @@ def _transformers_config(
     init_weights_from: str | None,
     vocab_size: object,
     block_size: object,
+    extra_config_keys: Sequence[str] = (),
 ) -> object:
     fields, where = _config_fields(config, init_weights_from)
     model_type = _check_fields(fields, where)
@@ -385,7 +419,8 @@ def _transformers_config(
         built = transformers.AutoConfig.for_model(model_type, **fields)
     except (ValueError, TypeError, KeyError) as exc:
         raise HFModelError(f"{where}: transformers refuses it: {exc}") from None
-    _warn_unknown_fields(built, fields, where)
+    strict = config is not None  # a checkpoint's own config.json only warns
+    _check_unknown_fields(built, fields, where, extra_config_keys, strict)
     _check_sizes(built, vocab_size, block_size, where)
     return built
 
@@ -516,6 +551,7 @@ def build_hf_causal_lm(
     init_weights_from: str | None = None,
     attn_implementation: str = "sdpa",
     dtype: str = "float32",
+    extra_config_keys: Sequence[str] = (),
     vocab_size: object = None,
     block_size: object = None,
     **reference_fields: object,
@@ -541,7 +577,9 @@ def build_hf_causal_lm(
         raise HFModelError(
             f"model.options.init_weights_from: {init_weights_from!r} is not a directory"
         )
-    built = _transformers_config(config, init_weights_from, vocab_size, block_size)
+    built = _transformers_config(
+        config, init_weights_from, vocab_size, block_size, tuple(extra_config_keys)
+    )
     model = _from_config(built, attn_implementation, DTYPES[dtype])
     if weights is not None:
         files = _weight_files(weights)  # checked even on meta (speedtronic validate)
