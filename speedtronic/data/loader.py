@@ -365,6 +365,7 @@ def _token_shards(
         "vocab_size": vocab,
         "tokenizer": tokenizer,
         "verify": verify,
+        "document_mask": _setting(config, "document_mask", False) is True,
     }
     if isinstance(tokens, (str, Path)) and tokens:
         return open_token_dataset(tokens, **common)
@@ -378,6 +379,7 @@ class _ShardArguments(TypedDict):
     vocab_size: int | None
     tokenizer: str | None
     verify: bool
+    document_mask: bool
 
 
 def _sequence(value: object) -> Sequence[object]:

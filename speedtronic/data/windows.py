@@ -6,7 +6,9 @@ Windows. A sample is a window of ``block_size + 1`` consecutive tokens of one sh
 at token ``i * block_size``: consecutive windows share one token, so every next-token pair of
 a shard is a training target exactly once per epoch (nanoGPT's stride), except the last
 ``(n - 1) % block_size`` pairs of a shard of ``n`` tokens. Windows never span two shards;
-documents may span windows (an end-of-document id separates them).
+documents may span windows (an end-of-document id separates them). With ``document_mask``
+(``data.document_mask``) the records also carry ``position_ids`` that restart after each
+end-of-document id (``speedtronic.data.documents``): the models attend within documents.
 
 Order. ``WindowSampler`` is a ``ResumableSampler``: epoch ``e`` visits the windows in the
 order of ``ChunkedPermutation`` keyed by ``(data.seed, e)``, a shuffle in two levels that keeps
@@ -57,6 +59,7 @@ import torch
 from torch.utils.data import Dataset
 
 from speedtronic.data.collate import collate_batch
+from speedtronic.data.documents import document_positions
 from speedtronic.data.shards import (
     ManifestError,
     ShardEntry,
@@ -444,6 +447,17 @@ class WindowSource(Dataset[dict[str, torch.Tensor]], ABC):
     docstring); 1 where reading nearby windows costs nothing less."""
     group_chunks = 1
     """Chunks whose windows the shuffled order deals together (a working set)."""
+    document_eos: int | None = None
+    """With ``data.document_mask``: the end-of-document id, and the records carry
+    ``position_ids`` that restart after it (``speedtronic.data.documents``)."""
+
+    def records(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The batch of gathered windows: ``input_ids``, ``labels`` and, with document
+        masks, ``position_ids``."""
+        batch = {"input_ids": inputs, "labels": labels}
+        if self.document_eos is not None:
+            batch["position_ids"] = document_positions(inputs, self.document_eos)
+        return batch
 
     @abstractmethod
     def gather(
@@ -453,7 +467,7 @@ class WindowSource(Dataset[dict[str, torch.Tensor]], ABC):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         inputs, labels = self.gather([index])
-        return {"input_ids": inputs[0], "labels": labels[0]}
+        return {key: value[0] for key, value in self.records(inputs, labels).items()}
 
     def __getitems__(self, indices: Sequence[int]) -> TokenWindows:
         return TokenWindows(self, indices)
@@ -476,6 +490,7 @@ class TokenWindowDataset(WindowSource):
         block_size: int,
         *,
         resident_bytes: int = DEFAULT_RESIDENT_BYTES,
+        document_mask: bool = False,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
@@ -487,6 +502,7 @@ class TokenWindowDataset(WindowSource):
         counts = [max(0, (shard.tokens - 1) // block_size) for shard in self.shards]
         self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
         self._resident_bytes = resident_bytes
+        self.document_eos = manifest.eos_id if document_mask else None
         self.chunk_windows, self.group_chunks = locality(
             block_size, manifest.numpy_dtype.itemsize, resident_bytes
         )
@@ -574,7 +590,7 @@ class TokenWindows(Sequence[dict[str, torch.Tensor]]):
 
     def batch(self) -> dict[str, torch.Tensor]:
         inputs, labels = self.dataset.gather(self.indices)
-        return {"input_ids": inputs, "labels": labels}
+        return self.dataset.records(inputs, labels)
 
 
 def collate_windows(batch: Sequence[object]) -> object:
@@ -603,12 +619,14 @@ def open_token_dataset(
     tokenizer: str | None = None,
     verify: bool = True,
     key: str = "data.tokens",
+    document_mask: bool = False,
 ) -> TokenWindowDataset:
     """The windows of a shard directory: its training shards (``part`` ``"all"`` or
     ``"train"``: training never reads the held-out shards) or its held-out shards
     (``"held_out"``). Checks first, each a ``DataSourceError`` naming ``key``: the manifest,
     that its vocabulary fits ``vocab_size`` (the model's), that ``tokenizer`` (when given)
-    made the shards, and the shards' sizes and, with ``verify``, sha256."""
+    made the shards, and the shards' sizes and, with ``verify``, sha256. With
+    ``document_mask`` the records carry ``position_ids`` (``speedtronic.data.documents``)."""
     manifest = source_manifest(directory, key)
     where = f"{key}: {directory}"
     if vocab_size is not None:
@@ -628,7 +646,9 @@ def open_token_dataset(
         verify_shards(directory, manifest, shards, checksums=verify)
     except ShardError as exc:
         raise ShardError(f"{key}: {exc}") from None
-    dataset = TokenWindowDataset(directory, manifest, shards, block_size)
+    dataset = TokenWindowDataset(
+        directory, manifest, shards, block_size, document_mask=document_mask
+    )
     if len(dataset) == 0:
         what = "held-out" if split == "eval" else "training"
         raise DataSourceError(
