@@ -58,8 +58,9 @@ import numpy.typing as npt
 import torch
 from torch.utils.data import Dataset
 
-from speedtronic.data.collate import collate_batch
+from speedtronic.data.collate import IGNORE_INDEX, collate_batch
 from speedtronic.data.documents import document_positions
+from speedtronic.data.loss_masks import read_loss_masks
 from speedtronic.data.shards import (
     ManifestError,
     ShardEntry,
@@ -491,6 +492,7 @@ class TokenWindowDataset(WindowSource):
         *,
         resident_bytes: int = DEFAULT_RESIDENT_BYTES,
         document_mask: bool = False,
+        loss_masks: Sequence[Path] | None = None,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
@@ -503,10 +505,14 @@ class TokenWindowDataset(WindowSource):
         self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
         self._resident_bytes = resident_bytes
         self.document_eos = manifest.eos_id if document_mask else None
+        self.loss_masks = None if loss_masks is None else list(loss_masks)
+        """One mask shard per shard (``speedtronic.data.loss_masks``): labels whose mask
+        byte is 0 become ``-100``."""
         self.chunk_windows, self.group_chunks = locality(
             block_size, manifest.numpy_dtype.itemsize, resident_bytes
         )
         self._maps = self._new_maps()
+        self._mask_maps = self._new_mask_maps()
 
     def _new_maps(self) -> _Maps:
         return _Maps(
@@ -516,15 +522,23 @@ class TokenWindowDataset(WindowSource):
             self._resident_bytes,
         )
 
+    def _new_mask_maps(self) -> _Maps | None:
+        if self.loss_masks is None:
+            return None
+        lengths = [shard.tokens for shard in self.shards]
+        return _Maps(self.loss_masks, lengths, np.dtype(np.uint8), self._resident_bytes)
+
     def __getstate__(self) -> dict[str, object]:
         # A worker started by spawn gets its own maps; a pickled memmap would be a copy.
         state = dict(self.__dict__)
         state["_maps"] = None
+        state["_mask_maps"] = None
         return state
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self._maps = self._new_maps()
+        self._mask_maps = self._new_mask_maps()
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -563,6 +577,10 @@ class TokenWindowDataset(WindowSource):
         self._maps.read(shards, offsets, windows)
         inputs = windows[:, :-1].astype(np.int64, order="C")
         labels = windows[:, 1:].astype(np.int64, order="C")
+        if self._mask_maps is not None:  # fine-tuning data: the loss on the answers only
+            masks = np.empty((wanted.size, self.block_size + 1), dtype=np.uint8)
+            self._mask_maps.read(shards, offsets, masks)
+            labels[masks[:, 1:] == 0] = IGNORE_INDEX
         return torch.from_numpy(inputs), torch.from_numpy(labels)
 
 
@@ -646,8 +664,22 @@ def open_token_dataset(
         verify_shards(directory, manifest, shards, checksums=verify)
     except ShardError as exc:
         raise ShardError(f"{key}: {exc}") from None
+    loss_masks = read_loss_masks(directory, manifest, shards, verify=verify, key=key)
+    if loss_masks is not None:
+        sft = loss_masks[1]
+        if sft.pack == "first-fit" and sft.window != block_size:
+            raise DataSourceError(
+                f"{where} was packed first-fit into windows of {sft.window} tokens, but the "
+                f"model's block size is {block_size}: set model.max_seq_len: {sft.window}, "
+                "or prepare with --window matching it"
+            )
     dataset = TokenWindowDataset(
-        directory, manifest, shards, block_size, document_mask=document_mask
+        directory,
+        manifest,
+        shards,
+        block_size,
+        document_mask=document_mask,
+        loss_masks=None if loss_masks is None else loss_masks[0],
     )
     if len(dataset) == 0:
         what = "held-out" if split == "eval" else "training"
