@@ -218,7 +218,8 @@ def _chat(row: Mapping[str, object], where: str, template: ChatTemplate) -> Exam
         if message["role"] != TRAINED_ROLE:
             continue
         before = render(messages[:index], True)
-        through = render(messages[: index + 1], False)
+        last = index == len(messages) - 1
+        through = text if last else render(messages[: index + 1], False)
         if not (through.startswith(before) and text.startswith(through)):
             raise RowError(
                 f"{where}: {template.where} renders messages[{index}] ({TRAINED_ROLE}) so that "

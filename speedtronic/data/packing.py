@@ -1,9 +1,10 @@
 """Supervised fine-tuning examples as token sequences with a loss mask, packed for windows.
 
 An example is its token ids and a mask of the same length: 1 where the token is a target of
-the loss (the answer), 0 where it is context. ``encode_examples`` tokenizes rendered examples
-(``speedtronic.data.chat``) and marks the tokens whose text starts inside a loss-bearing span
-(through the tokenizer's character offsets); an end-of-document id follows each example,
+the loss (the answer), 0 where it is context. ``encode_examples`` tokenizes the whole text of each
+rendered example (``speedtronic.data.chat``) as inference would, and marks the tokens from the
+one holding a loss-bearing span's first character to the one holding its last (through the
+tokenizer's character offsets); an end-of-document id follows each example,
 loss-bearing when the example ends on an answer (the model learns to stop). The first token
 of an example is never a target: predicting it would take the previous example as context.
 
@@ -60,12 +61,23 @@ def encode_examples(
     encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
     encoded: list[Encoded] = []
     for (example, where), encoding in zip(examples, encodings, strict=True):
-        starts = np.fromiter((start for start, _ in encoding.offsets), dtype=np.int64)
-        inside = np.zeros(len(starts), dtype=bool)
+        ids = np.asarray(encoding.ids, dtype=np.int64)
+        inside = np.zeros(len(ids), dtype=bool)
         for low, high in example.spans:
-            inside |= (starts >= low) & (starts < high)
-        encoded.append(_finish(np.asarray(encoding.ids, dtype=np.int64), inside, where, eos_id))
+            # The tokens of the span's first and last characters (two lookups, not a list
+            # of every token's offsets).
+            first, last = encoding.char_to_token(low), encoding.char_to_token(high - 1)
+            if first is None or last is None:  # a character no token covers
+                inside |= _starts_within(encoding.offsets, low, high)
+            else:
+                inside[first : last + 1] = True
+        encoded.append(_finish(ids, inside, where, eos_id))
     return encoded
+
+
+def _starts_within(offsets: list[tuple[int, int]], low: int, high: int) -> npt.NDArray[np.bool_]:
+    starts = np.fromiter((start for start, _ in offsets), dtype=np.int64, count=len(offsets))
+    return (starts >= low) & (starts < high)
 
 
 def _encode_bytes(example: Example, where: str, eos_id: int) -> Encoded:
