@@ -174,3 +174,13 @@ def test_token_shards_carry_positions_that_restart_per_document(tmp_path: Path) 
     assert isinstance(mixture, MixtureDataset)
     mixed = mixture.__getitems__(list(range(4))).batch()
     assert torch.equal(mixed["position_ids"], document_positions(mixed["input_ids"], 256))
+
+
+def test_document_mask_without_token_shards_is_an_error() -> None:
+    from speedtronic.config import load_config
+    from speedtronic.data import DataSourceError
+    from speedtronic.data.loader import resolve_dataset
+
+    config = load_config({"data": {"synthetic": True, "document_mask": True}})
+    with pytest.raises(DataSourceError, match="data.document_mask applies to token shards"):
+        resolve_dataset(config.data)

@@ -355,6 +355,10 @@ def _token_shards(
     tokens = _setting(config, "tokens", None)
     mixture = _setting(config, "mixture", None)
     if not tokens and not mixture:
+        if _setting(config, "document_mask", False) is True:
+            raise DataSourceError(
+                "data.document_mask applies to token shards: set data.tokens or data.mixture"
+            )
         return None
     spec = _setting(config, "tokenizer", None)
     tokenizer = spec if isinstance(spec, str) else None
