@@ -158,13 +158,11 @@ def _accumulate_microbatches(
     moves = device.type != "cpu"
     batches: list[object] | None = None
     weights: StepWeights | None = None
-    ranks = path.gradient_ranks
-    if k > 1 or ranks > 1:  # one microbatch on one rank: its own mean is the step's
+    if k > 1 or path.gradient_ranks > 1:  # one microbatch on one rank: its mean is the step's
         batches = [next(stream) for _ in range(k)]
-        weights = step_weights(batches, ranks, path.sum_over_gradient_ranks)
+        weights = step_weights(batches, path.gradient_ranks, path.sum_over_gradient_ranks)
     # Unequal counts on this rank: the reported loss is their weighted mean, not sum / K.
-    weighted = weights is not None and not weights.uniform
-    losses: list[torch.Tensor] = []
+    losses: list[torch.Tensor] | None = None if weights is None or weights.uniform else []
     loss_sum: torch.Tensor | None = None
     for index in range(k):
         batch = next(stream) if batches is None else batches[index]
@@ -193,13 +191,13 @@ def _accumulate_microbatches(
         else:
             detached = loss.detach()
             loss_sum = detached if loss_sum is None else loss_sum + detached
-            if weighted:
+            if losses is not None:
                 losses.append(detached)
         if mb_ctx is not None:
             for hook in mb_end:
                 hook(t, mb_ctx)
     assert loss_sum is not None  # k >= 1 is enforced by the Trainer
-    if weighted and weights is not None:
+    if losses is not None and weights is not None:
         return weights.mean(losses)
     return loss_sum if k == 1 else loss_sum / k
 
