@@ -642,8 +642,11 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _prepare_examples(args: argparse.Namespace) -> int:
+    from speedtronic.data.prepare import PrepareError
     from speedtronic.data.sft_prepare import SFTOptions, prepare_examples
 
+    if args.workers is not None or args.text_key is not None:
+        raise PrepareError("--workers and --text-key apply to --format text")
     given = {
         key: getattr(args, key)
         for key in (

@@ -244,3 +244,9 @@ def test_a_document_longer_than_a_window_with_splitting_off(tmp_path: Path) -> N
     message = bad(tmp_path, [{"prompt": "a", "completion": "b"}, long], "prompt-completion",
                   "--pack", "first-fit", "--window", "16")  # fmt: skip
     assert "rows.jsonl:2: the example is" in message and "--too-long split" in message
+
+
+def test_flags_of_the_other_formats_are_refused(tmp_path: Path) -> None:
+    assert "apply to --format text" in bad(tmp_path, [GOOD], "chat", "--workers", "2")
+    message = bad(tmp_path, [GOOD], "text", "--window", "16")
+    assert "apply to --format chat and --format prompt-completion" in message
