@@ -5,9 +5,9 @@ turns of 4-40 words) is written twice: as chat rows (``{"messages": [...]}``) an
 rows (``{"text": ...}``) holding the same words, one row per conversation. Both are
 prepared with the same BPE tokenizer (trained here with ``tokenizers``, with the ChatML
 special tokens and a ChatML template in its ``tokenizer_config.json``) in one process
-(``--workers 1``); rounds alternate ABBA, and the table gives the median and best tokens/s
-of each (the tokens each wrote over the wall time of the ``prepare`` call) and their
-ratio. Target (issue 31): chat >= 0.8x plain.
+(``--workers 1``: one tokenizing thread, in this process); rounds alternate ABBA, and the
+table gives the median and best tokens/s of each (the tokens each wrote over the CPU time of
+the ``prepare`` call: the machine is shared) and their ratio. Target (issue 31): chat >= 0.8x plain.
 
     python benchmarks/sft_prepare.py --rows 20000 --rounds 4      # --markdown for docs
 """
@@ -87,7 +87,7 @@ def tokenizer(folder: Path) -> Path:
 
 def run(kind: str, corpus: Path, tok: Path, out: Path) -> float:
     shutil.rmtree(out, ignore_errors=True)
-    started = time.perf_counter()
+    started = time.process_time()
     if kind == "chat":
         result = prepare_examples(
             SFTOptions(inputs=[str(corpus)], tokenizer=str(tok), output=out, format="chat")
@@ -96,7 +96,7 @@ def run(kind: str, corpus: Path, tok: Path, out: Path) -> float:
         result = prepare(
             PrepareOptions(inputs=[str(corpus)], tokenizer=str(tok), output=out, eval_fraction=0.0)
         )
-    return result.manifest.tokens / (time.perf_counter() - started)
+    return result.manifest.tokens / (time.process_time() - started)
 
 
 def main() -> None:

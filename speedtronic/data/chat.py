@@ -26,7 +26,7 @@ assistant message, an empty completion).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NoReturn, Protocol
@@ -62,7 +62,8 @@ class Example:
 
 
 class _Template(Protocol):
-    def render(self, **values: object) -> str: ...
+    def new_context(self, vars: dict[str, object], shared: bool) -> object: ...
+    def root_render_func(self, context: object) -> Iterator[str]: ...
 
 
 class ChatTemplate:
@@ -77,6 +78,9 @@ class ChatTemplate:
         environment.globals["raise_exception"] = _raise_exception
         self.where = where
         self.variables = dict(variables)
+        # What ``Template.render`` would merge for every call, merged once: a render is
+        # then a third of the cost (a shared context, no chain of globals to walk).
+        self._values: dict[str, object] = {**environment.globals, **self.variables}
         try:
             self._template: _Template = environment.from_string(source)
         except jinja2.TemplateError as exc:
@@ -84,12 +88,13 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, object]], generation_prompt: bool) -> str:
         """The text of ``messages`` (a ``TemplateError`` or ``_TemplateRefusal`` raises)."""
-        values: dict[str, object] = {
-            **self.variables,
+        values = {
+            **self._values,
             "messages": list(messages),
             "add_generation_prompt": generation_prompt,
         }
-        return self._template.render(**values)
+        context = self._template.new_context(values, shared=True)
+        return "".join(self._template.root_render_func(context))
 
 
 class _TemplateRefusal(Exception):

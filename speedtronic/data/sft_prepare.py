@@ -38,6 +38,7 @@ from speedtronic.data.prepare import (
     PrepareError,
     PrepareResult,
     _check_output,
+    _one_thread_per_process,
     _publish,
     _staging_directory,
 )
@@ -159,7 +160,8 @@ def prepare_examples(options: SFTOptions) -> PrepareResult:
         loaded.encode_special_tokens = options.format != "chat"
         offsets = loaded
     started = time.perf_counter()
-    examples = list(_encoded(files, options, template, offsets, eos_id))
+    with _one_thread_per_process():  # as plain prepare: one tokenizing thread
+        examples = list(_encoded(files, options, template, offsets, eos_id))
     if not examples:
         inputs = ", ".join(options.inputs)
         raise DataSourceError(f"no examples: the input(s) hold no rows ({inputs})")
