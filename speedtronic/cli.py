@@ -203,6 +203,23 @@ def _add_prepare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         action="store_true",
         help="replace the shard set in --output (once the new one is complete)",
     )
+    _add_fine_tuning_args(prepare)
+
+
+def _add_fine_tuning_args(prepare: argparse.ArgumentParser) -> None:
+    """``--format chat | prompt-completion`` and its flags (docs/fine-tuning.md)."""
+    prepare.add_argument(
+        "--format",
+        choices=("text", "chat", "prompt-completion"),
+        default="text",
+        help="text (default), or fine-tuning rows with a loss mask: chat, prompt-completion",
+    )
+    prepare.add_argument("--chat-template", help="a Jinja chat template file (--format chat)")
+    prepare.add_argument("--pack", choices=("concatenate", "first-fit"), help="default concatenate")
+    prepare.add_argument("--window", type=int, help="tokens per packed window (max_seq_len)")
+    prepare.add_argument(
+        "--too-long", choices=("split", "refuse"), help="an example over --window (refuse)"
+    )
 
 
 def _add_tokenizer_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -693,8 +710,16 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from speedtronic.data.prepare import PrepareOptions, prepare
+    from speedtronic.data.prepare import PrepareError, PrepareOptions, prepare
 
+    if args.format != "text":
+        return _prepare_examples(args)
+    fine_tuning = ("chat_template", "pack", "window", "too_long")
+    if any(getattr(args, key) is not None for key in fine_tuning):
+        raise PrepareError(
+            "--chat-template, --pack, --window and --too-long apply to --format chat and "
+            "--format prompt-completion"
+        )
     given = {
         key: getattr(args, key)
         for key in (
@@ -734,6 +759,48 @@ def _tokenizer(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
     )
     print(train_tokenizer(options).summary())
+    return EXIT_OK
+
+
+def _prepare_examples(args: argparse.Namespace) -> int:
+    from speedtronic.data.prepare import PrepareError
+    from speedtronic.data.sft_prepare import SFTOptions, prepare_examples
+
+    text_only = (
+        "workers",
+        "text_key",
+        "max_document_bytes",
+        "long_documents",
+        "tokenize_timeout",
+        "input_format",
+        "doc_separator",
+    )
+    given_text_only = [key for key in text_only if getattr(args, key) is not None]
+    if given_text_only:
+        flags = ", ".join("--" + key.replace("_", "-") for key in given_text_only)
+        raise PrepareError(f"{flags} apply to --format text only")
+    given = {
+        key: getattr(args, key)
+        for key in (
+            "chat_template",
+            "pack",
+            "window",
+            "too_long",
+            "eos_token",
+            "eval_fraction",
+            "shard_tokens",
+        )
+        if getattr(args, key) is not None
+    }
+    options = SFTOptions(
+        inputs=args.inputs,
+        tokenizer=args.tokenizer,
+        output=args.output,
+        format=args.format,
+        overwrite=args.overwrite,
+        **given,
+    )
+    print(prepare_examples(options).summary())
     return EXIT_OK
 
 

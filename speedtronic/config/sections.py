@@ -486,6 +486,14 @@ class DataConfig(_Section):
             "(about 1 s per GB); `false` checks sizes only"
         ),
     ] = True
+    document_mask: Annotated[
+        bool,
+        Opt(
+            "token shards and mixtures: attention stays within each document of a window "
+            "(block-causal at the end-of-document ids) and positions restart at each "
+            "document; the batches carry `position_ids`"
+        ),
+    ] = False
     dataset: Annotated[
         str | None,
         Opt(

@@ -39,7 +39,7 @@ CollateFn = Callable[[list[Any]], object]
 IGNORE_INDEX = -100
 """Label value the loss ignores; padded label positions get it."""
 
-_CAUSAL_KEYS = frozenset({"input_ids", "labels", "attention_mask"})
+_CAUSAL_KEYS = frozenset({"input_ids", "labels", "attention_mask", "position_ids"})
 
 
 def _as_tensor(index: int, key: str, value: object) -> torch.Tensor:
@@ -61,7 +61,8 @@ def _causal_fields(
     if extra:
         raise ValueError(
             f"batch item {index} has keys {extra} that collate_causal does not handle "
-            "(it collates input_ids, labels and attention_mask); pass your own collate_fn"
+            "(it collates input_ids, labels, attention_mask and position_ids); pass your own "
+            "collate_fn"
         )
     input_ids = _as_tensor(index, "input_ids", item["input_ids"])
     labels = _as_tensor(index, "labels", item["labels"])
@@ -83,9 +84,21 @@ def collate_causal(batch: Sequence[Mapping[str, object]]) -> dict[str, torch.Ten
     ``input_ids`` pad with 0 and ``labels`` with -100. Labels must be as long as their
     ``input_ids`` or one shorter, the same way for every item. ``attention_mask`` (True on
     real positions) is returned only when padding happened or the items carry one.
+    ``position_ids`` (document masks), when every item has them, pad with 0.
     """
     if not batch:
         raise ValueError("cannot collate an empty batch")
+    collated = _collate_causal_fields(batch)
+    if all("position_ids" in item for item in batch):
+        positions = [
+            _as_tensor(index, "position_ids", item["position_ids"])
+            for index, item in enumerate(batch)
+        ]
+        collated["position_ids"] = pad_sequence(positions, batch_first=True, padding_value=0)
+    return collated
+
+
+def _collate_causal_fields(batch: Sequence[Mapping[str, object]]) -> dict[str, torch.Tensor]:
     fields = [_causal_fields(index, item) for index, item in enumerate(batch)]
     inputs = [ids for ids, _, _ in fields]
     labels = [lab for _, lab, _ in fields]

@@ -355,6 +355,10 @@ def _token_shards(
     tokens = _setting(config, "tokens", None)
     mixture = _setting(config, "mixture", None)
     if not tokens and not mixture:
+        if _setting(config, "document_mask", False) is True:
+            raise DataSourceError(
+                "data.document_mask applies to token shards: set data.tokens or data.mixture"
+            )
         return None
     spec = _setting(config, "tokenizer", None)
     tokenizer = spec if isinstance(spec, str) else None
@@ -365,6 +369,7 @@ def _token_shards(
         "vocab_size": vocab,
         "tokenizer": tokenizer,
         "verify": verify,
+        "document_mask": _setting(config, "document_mask", False) is True,
     }
     if isinstance(tokens, (str, Path)) and tokens:
         return open_token_dataset(tokens, **common)
@@ -378,6 +383,7 @@ class _ShardArguments(TypedDict):
     vocab_size: int | None
     tokenizer: str | None
     verify: bool
+    document_mask: bool
 
 
 def _sequence(value: object) -> Sequence[object]:

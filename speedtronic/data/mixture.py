@@ -91,6 +91,7 @@ class MixtureDataset(WindowSource):
         if any(not weight > 0 for weight in weights):
             raise ValueError(f"mixture weights must be positive, got {list(weights)}")
         self.sources = list(sources)
+        self.document_eos = sources[0].document_eos  # one tokenizer (open_mixture checks)
         self.weights = [float(weight) for weight in weights]
         self.seed = seed
         self.sizes = np.array([len(source) for source in self.sources], dtype=np.int64)
@@ -264,6 +265,7 @@ def open_mixture(
     vocab_size: int | None = None,
     tokenizer: str | None = None,
     verify: bool = True,
+    document_mask: bool = False,
 ) -> Dataset[dict[str, torch.Tensor]]:
     """The mixture of ``entries`` (``(directory, weight)``) for training, or for ``part``
     ``"held_out"`` the held-out windows of the sources that have them, interleaved in
@@ -285,6 +287,7 @@ def open_mixture(
             tokenizer=tokenizer,
             verify=verify,
             key=key,
+            document_mask=document_mask,
         )
         sources.append((index, dataset))
     _same_tokenizer(sources)

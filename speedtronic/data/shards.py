@@ -388,8 +388,8 @@ def shard_digest(path: Path, dtype: np.dtype[np.unsignedinteger]) -> tuple[str, 
     return digest.hexdigest(), largest
 
 
-def _inside(path: Path, folder: Path) -> None:
-    """Refuse a shard that is a link to a file outside its directory."""
+def check_inside(path: Path, folder: Path) -> None:
+    """Refuse a shard (or its loss mask) that is a link to a file outside its directory."""
     target = path.resolve()
     if not target.is_relative_to(folder.resolve()):
         raise ShardError(
@@ -438,7 +438,7 @@ def verify_shards(
         if not path.is_file():
             what = "not a regular file" if path.exists() else "missing (index.json lists it)"
             raise ShardError(f"{path}: {what}; prepare the shards again")
-        _inside(path, folder)
+        check_inside(path, folder)
         size = path.stat().st_size
         if size != expected:
             raise ShardError(

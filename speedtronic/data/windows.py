@@ -6,7 +6,9 @@ Windows. A sample is a window of ``block_size + 1`` consecutive tokens of one sh
 at token ``i * block_size``: consecutive windows share one token, so every next-token pair of
 a shard is a training target exactly once per epoch (nanoGPT's stride), except the last
 ``(n - 1) % block_size`` pairs of a shard of ``n`` tokens. Windows never span two shards;
-documents may span windows (an end-of-document id separates them).
+documents may span windows (an end-of-document id separates them). With ``document_mask``
+(``data.document_mask``) the records also carry ``position_ids`` that restart after each
+end-of-document id (``speedtronic.data.documents``): the models attend within documents.
 
 Order. ``WindowSampler`` is a ``ResumableSampler``: epoch ``e`` visits the windows in the
 order of ``ChunkedPermutation`` keyed by ``(data.seed, e)``, a shuffle in two levels that keeps
@@ -56,7 +58,9 @@ import numpy.typing as npt
 import torch
 from torch.utils.data import Dataset
 
-from speedtronic.data.collate import collate_batch
+from speedtronic.data.collate import IGNORE_INDEX, collate_batch
+from speedtronic.data.documents import document_positions
+from speedtronic.data.loss_masks import read_loss_masks
 from speedtronic.data.shard_lock import ShardsInUse, ShardsInUseError
 from speedtronic.data.shards import (
     MANIFEST_NAME,
@@ -446,6 +450,17 @@ class WindowSource(Dataset[dict[str, torch.Tensor]], ABC):
     docstring); 1 where reading nearby windows costs nothing less."""
     group_chunks = 1
     """Chunks whose windows the shuffled order deals together (a working set)."""
+    document_eos: int | None = None
+    """With ``data.document_mask``: the end-of-document id, and the records carry
+    ``position_ids`` that restart after it (``speedtronic.data.documents``)."""
+
+    def records(self, inputs: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The batch of gathered windows: ``input_ids``, ``labels`` and, with document
+        masks, ``position_ids``."""
+        batch = {"input_ids": inputs, "labels": labels}
+        if self.document_eos is not None:
+            batch["position_ids"] = document_positions(inputs, self.document_eos)
+        return batch
 
     @abstractmethod
     def gather(
@@ -455,7 +470,7 @@ class WindowSource(Dataset[dict[str, torch.Tensor]], ABC):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         inputs, labels = self.gather([index])
-        return {"input_ids": inputs[0], "labels": labels[0]}
+        return {key: value[0] for key, value in self.records(inputs, labels).items()}
 
     def __getitems__(self, indices: Sequence[int]) -> TokenWindows:
         return TokenWindows(self, indices)
@@ -478,6 +493,8 @@ class TokenWindowDataset(WindowSource):
         block_size: int,
         *,
         resident_bytes: int = DEFAULT_RESIDENT_BYTES,
+        document_mask: bool = False,
+        loss_masks: Sequence[Path] | None = None,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
@@ -492,10 +509,15 @@ class TokenWindowDataset(WindowSource):
         self.in_use: ShardsInUse | None = None
         """The shared lock that keeps ``prepare --overwrite`` off these shards while this
         dataset lives (``open_token_dataset`` sets it; ``speedtronic.data.shard_lock``)."""
+        self.document_eos = manifest.eos_id if document_mask else None
+        self.loss_masks = None if loss_masks is None else list(loss_masks)
+        """One mask shard per shard (``speedtronic.data.loss_masks``): labels whose mask
+        byte is 0 become ``-100``."""
         self.chunk_windows, self.group_chunks = locality(
             block_size, manifest.numpy_dtype.itemsize, resident_bytes
         )
         self._maps = self._new_maps()
+        self._mask_maps = self._new_mask_maps()
 
     def _new_maps(self) -> _Maps:
         return _Maps(
@@ -505,16 +527,24 @@ class TokenWindowDataset(WindowSource):
             self._resident_bytes,
         )
 
+    def _new_mask_maps(self) -> _Maps | None:
+        if self.loss_masks is None:
+            return None
+        lengths = [shard.tokens for shard in self.shards]
+        return _Maps(self.loss_masks, lengths, np.dtype(np.uint8), self._resident_bytes)
+
     def __getstate__(self) -> dict[str, object]:
         # A worker started by spawn gets its own maps; a pickled memmap would be a copy.
         state = dict(self.__dict__)
         state["_maps"] = None
         state["in_use"] = None  # the parent process holds the lock for its workers
+        state["_mask_maps"] = None
         return state
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self._maps = self._new_maps()
+        self._mask_maps = self._new_mask_maps()
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -553,6 +583,10 @@ class TokenWindowDataset(WindowSource):
         self._maps.read(shards, offsets, windows)
         inputs = windows[:, :-1].astype(np.int64, order="C")
         labels = windows[:, 1:].astype(np.int64, order="C")
+        if self._mask_maps is not None:  # fine-tuning data: the loss on the answers only
+            masks = np.empty((wanted.size, self.block_size + 1), dtype=np.uint8)
+            self._mask_maps.read(shards, offsets, masks)
+            labels[masks[:, 1:] == 0] = IGNORE_INDEX
         return torch.from_numpy(inputs), torch.from_numpy(labels)
 
 
@@ -580,7 +614,7 @@ class TokenWindows(Sequence[dict[str, torch.Tensor]]):
 
     def batch(self) -> dict[str, torch.Tensor]:
         inputs, labels = self.dataset.gather(self.indices)
-        return {"input_ids": inputs, "labels": labels}
+        return self.dataset.records(inputs, labels)
 
 
 def collate_windows(batch: Sequence[object]) -> object:
@@ -609,18 +643,27 @@ def open_token_dataset(
     tokenizer: str | None = None,
     verify: bool = True,
     key: str = "data.tokens",
+    document_mask: bool = False,
 ) -> TokenWindowDataset:
     """The windows of a shard directory: its training shards (``part`` ``"all"`` or
     ``"train"``: training never reads the held-out shards) or its held-out shards
     (``"held_out"``). Checks first, each a ``DataSourceError`` naming ``key``: the manifest,
     that its vocabulary fits ``vocab_size`` (the model's), that ``tokenizer`` (when given)
-    made the shards, and the shards' sizes and, with ``verify``, sha256 and largest ids. The
+    made the shards, and the shards' sizes and, with ``verify``, sha256 and largest ids. With
+    ``document_mask`` the records carry ``position_ids`` (``speedtronic.data.documents``). The
     dataset holds a shared lock on the set while it lives (``shard_lock``), so ``prepare
     --overwrite`` does not replace it under the run."""
     in_use = _hold(directory)
     try:
         dataset = _open_checked(
-            directory, block_size, part, vocab_size, tokenizer, verify=verify, key=key
+            directory,
+            block_size,
+            part,
+            vocab_size,
+            tokenizer,
+            verify=verify,
+            key=key,
+            document_mask=document_mask,
         )
     except BaseException:
         if in_use is not None:
@@ -650,6 +693,7 @@ def _open_checked(
     *,
     verify: bool,
     key: str,
+    document_mask: bool,
 ) -> TokenWindowDataset:
     manifest = source_manifest(directory, key)
     where = f"{key}: {directory}"
@@ -670,7 +714,23 @@ def _open_checked(
         verify_shards(directory, manifest, shards, checksums=verify)
     except ShardError as exc:
         raise ShardError(f"{key}: {exc}") from None
-    dataset = TokenWindowDataset(directory, manifest, shards, block_size)
+    loss_masks = read_loss_masks(directory, manifest, shards, verify=verify, key=key)
+    if loss_masks is not None:
+        sft = loss_masks[1]
+        if sft.pack == "first-fit" and sft.window != block_size:
+            raise DataSourceError(
+                f"{where} was packed first-fit into windows of {sft.window} tokens, but the "
+                f"model's block size is {block_size}: set model.max_seq_len: {sft.window}, "
+                "or prepare with --window matching it"
+            )
+    dataset = TokenWindowDataset(
+        directory,
+        manifest,
+        shards,
+        block_size,
+        document_mask=document_mask,
+        loss_masks=None if loss_masks is None else loss_masks[0],
+    )
     if len(dataset) == 0:
         what = "held-out" if split == "eval" else "training"
         raise DataSourceError(

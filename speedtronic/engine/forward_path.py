@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from speedtronic.engine.batch import run_model
@@ -78,6 +79,9 @@ class ForwardPath:
         """No DDP and no autocast: the loop calls ``forward`` without entering contexts."""
         self.notes = notes or Notes()
         """Where the ``compile`` note (2.0's event: enabled, reason) is published."""
+        self.gradient_ranks = 1
+        """The ranks whose gradients DDP or FSDP averages with this one's (1: none)."""
+        self._gradient_group: dist.ProcessGroup | None = None
 
     @property
     def train_module(self) -> nn.Module:
@@ -129,6 +133,7 @@ class ForwardPath:
         )
         self.ddp = None
         self.grad_sync_context = gradient_sync_on_final(self.sharded)
+        self.gradient_ranks, self._gradient_group = context.world_size, None
         self.compiled = None
         return True
 
@@ -149,6 +154,16 @@ class ForwardPath:
             self.notes.publish("compile", {"enabled": False, "reason": reason})
             self.compiled = None
             return run_model(self.train_module, batch)
+
+    def sum_over_gradient_ranks(self, count: int) -> int:
+        """``count`` summed over the ranks that average gradients with this one (one small
+        all-reduce; ``speedtronic.engine.loss_tokens``)."""
+        context = self.distributed
+        if self.gradient_ranks <= 1 or context is None:
+            return count
+        total = torch.tensor([count], dtype=torch.int64, device=context.collective_device)
+        dist.all_reduce(total, group=self._gradient_group)
+        return int(total.item())
 
     def _setup_compile(self) -> None:
         if not self.compile_requested or self.compiled is not None:
@@ -187,8 +202,10 @@ class ForwardPath:
         size = self._ranks_per_replica(context, callbacks)
         self.ddp = None
         self.grad_sync_context = _no_grad_sync_context
+        group: dist.ProcessGroup | None = None
         if size > 1:
             group = replica_groups(context, size).replica if size < context.world_size else None
             self.ddp = wrap_data_parallel(self.model, context, group)
             self.grad_sync_context = no_sync_on_non_final(self.ddp)
+        self.gradient_ranks, self._gradient_group = size, group
         self.compiled = None  # compile what the forward pass now calls

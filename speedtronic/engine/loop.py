@@ -35,6 +35,7 @@ from speedtronic.engine.contexts import (
 )
 from speedtronic.engine.evaluation import add_eval_results, is_eval_step, run_step_evaluation
 from speedtronic.engine.events import On
+from speedtronic.engine.loss_tokens import StepWeights, step_weights
 from speedtronic.engine.metrics import MetricRecord
 from speedtronic.systems.sharding import global_grad_norm
 
@@ -67,7 +68,7 @@ def run_global_step(t: Trainer, s: TrainingState, step: int) -> bool:
         for start_hook in start_hooks:
             start_hook(t, step_ctx)
 
-    loss_sum = _accumulate_microbatches(t, s, due, step, k)
+    step_loss = _accumulate_microbatches(t, s, due, step, k)
 
     scaler, grad_clip, optimizer = s.scaler, settings.grad_clip, s.optimizer
     plain_update = scaler is None and grad_clip is None  # no unscale, no clipping
@@ -100,7 +101,7 @@ def run_global_step(t: Trainer, s: TrainingState, step: int) -> bool:
         return False
 
     s.step = step
-    s.step_loss = loss_sum if k == 1 else loss_sum / k
+    s.step_loss = step_loss
     if s.scheduler is not None:
         s.scheduler.step()
     if scheduler_hooks := due[On.AFTER_SCHEDULER_STEP]:
@@ -144,17 +145,27 @@ def run_global_step(t: Trainer, s: TrainingState, step: int) -> bool:
 def _accumulate_microbatches(
     t: Trainer, s: TrainingState, due: HookTable, step: int, k: int
 ) -> torch.Tensor:
-    """Forward/backward K microbatches; returns the sum of their unscaled losses (with K=1
-    the one loss as the model returned it: ``Trainer.last_loss`` detaches it when read, so a
-    step costs no extra tensor op: a ``detach`` is ~3,900 instructions, ``loop_pieces.py``)."""
+    """Forward/backward K microbatches; returns the step's loss: with K=1 the one loss as
+    the model returned it (``Trainer.last_loss`` detaches it when read, so a step costs no
+    extra tensor op: a ``detach`` is ~3,900 instructions, ``loop_pieces.py``), else the mean
+    over this rank's loss-bearing tokens. Each microbatch's loss is divided so that the
+    gradient is the mean over the step's loss-bearing tokens, all microbatches and ranks
+    together (``speedtronic.engine.loss_tokens``): for that the K batches are taken at once."""
     mb_start, mb_end = due[On.MICROBATCH_START], due[On.MICROBATCH_END]
     before_bw, after_bw = due[On.BEFORE_BACKWARD], due[On.AFTER_BACKWARD]
     stream, device, path, scaler = s.stream, s.device, t.forward_path, s.scaler
     # On the CPU there is nowhere to move a batch to: skip walking it tensor by tensor.
     moves = device.type != "cpu"
+    batches: list[object] | None = None
+    weights: StepWeights | None = None
+    if k > 1 or path.gradient_ranks > 1:  # one microbatch on one rank: its mean is the step's
+        batches = [next(stream) for _ in range(k)]
+        weights = step_weights(batches, path.gradient_ranks, path.sum_over_gradient_ranks)
+    # Unequal counts on this rank: the reported loss is their weighted mean, not sum / K.
+    losses: list[torch.Tensor] | None = None if weights is None or weights.uniform else []
     loss_sum: torch.Tensor | None = None
     for index in range(k):
-        batch = next(stream)
+        batch = next(stream) if batches is None else batches[index]
         samples, tokens = batch_size_and_tokens(batch)  # before the move: no device sync
         if moves:
             batch = move_to_device(batch, device)
@@ -165,25 +176,30 @@ def _accumulate_microbatches(
             mb_ctx = new_context(MicrobatchContext, (step, index, k, batch))
             for hook in mb_start:
                 hook(t, mb_ctx)
+        divisor = k if weights is None else weights.divisors[index]
         if path.plain:  # no DDP, no autocast: no context managers to enter
             loss = _forward_backward(
-                t, path, scaler, batch, step, index, k, before_bw, after_bw, False
+                t, path, scaler, batch, step, index, k, divisor, before_bw, after_bw, False
             )
         else:
             with path.grad_sync_context(index == k - 1):
                 loss = _forward_backward(
-                    t, path, scaler, batch, step, index, k, before_bw, after_bw, True
+                    t, path, scaler, batch, step, index, k, divisor, before_bw, after_bw, True
                 )
         if k == 1:
             loss_sum = loss
         else:
             detached = loss.detach()
             loss_sum = detached if loss_sum is None else loss_sum + detached
+            if losses is not None:
+                losses.append(detached)
         if mb_ctx is not None:
             for hook in mb_end:
                 hook(t, mb_ctx)
     assert loss_sum is not None  # k >= 1 is enforced by the Trainer
-    return loss_sum
+    if losses is not None and weights is not None:
+        return weights.mean(losses)
+    return loss_sum if k == 1 else loss_sum / k
 
 
 def _forward_backward(
@@ -194,19 +210,22 @@ def _forward_backward(
     step: int,
     index: int,
     k: int,
+    divisor: float,
     before_bw: EventHooks[BackwardContext],
     after_bw: EventHooks[BackwardContext],
     autocast: bool,
 ) -> torch.Tensor:
     """One microbatch's forward and backward; returns its unscaled loss (``path`` and
-    ``scaler`` come from the caller's locals: read once per step, not per microbatch)."""
+    ``scaler`` come from the caller's locals: read once per step, not per microbatch;
+    ``divisor`` scales the loss for the step's token mean, ``K`` when the counts agree)."""
     if autocast:
         with path.autocast():
             output = path.forward(batch)
     else:
         output = path.forward(batch)
     loss = resolve_loss(output, batch)
-    scaled = loss if k == 1 else loss / k  # x / 1 is x: skip the op (bitwise the same grads)
+    # x / 1 is x: skip the op (bitwise the same grads)
+    scaled = loss if divisor == 1 else loss / divisor
     if scaler is not None:
         scaled = scaler.scale(scaled)
     if not (before_bw or after_bw):

@@ -173,9 +173,10 @@ def transformers_api(model: nn.Module) -> TransformersModel:
 class HFCausalLM(nn.Module):
     """A ``transformers`` causal LM trained on speedtronic's next-token-aligned batches.
 
-    ``forward(input_ids, labels=None, attention_mask=None)`` returns ``{"logits"}`` and,
-    with labels, ``{"loss"}`` computed from the logits with the labels as given (they are
-    not shifted again); ``-100`` is ignored and ``attention_mask`` goes to the model. The
+    ``forward(input_ids, labels=None, attention_mask=None, position_ids=None)`` returns
+    ``{"logits"}`` and, with labels, ``{"loss"}`` computed from the logits with the labels
+    as given (they are not shifted again); ``-100`` is ignored; ``attention_mask`` and
+    ``position_ids`` (packed documents) go to the model. The
     wrapped model is ``.hf`` (its weights are ``hf.``-prefixed in a speedtronic
     checkpoint; ``speedtronic export`` writes the model's own layout). Its input embedding
     and output head are marked for AdamW whatever their names (Muon routing).
@@ -204,9 +205,15 @@ class HFCausalLM(nn.Module):
         input_ids: torch.Tensor,
         labels: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         # No labels into the model: it would shift them a second time (module docstring).
-        output = self.hf(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        # ``position_ids`` restarting per packed document (and no ``attention_mask``):
+        # transformers then masks attention block-causally per document itself.
+        inputs: dict[str, object] = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if position_ids is not None:
+            inputs["position_ids"] = position_ids
+        output = self.hf(**inputs, use_cache=False)
         # A ModelOutput (``.logits``), or a tuple when the config sets return_dict=False.
         logits = getattr(output, "logits", None)
         result = {"logits": cast(torch.Tensor, output[0] if logits is None else logits)}

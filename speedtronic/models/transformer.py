@@ -16,6 +16,11 @@ Attention-mask policy (the hot path must not sync the host with the device):
 
 Every query may attend to itself even when its own position is padding, so left-padded rows
 never produce NaN (those positions carry label -100 and do not reach the loss).
+
+Packed documents (``data.document_mask``): ``position_ids`` that restart at 0 where a
+document starts (``speedtronic.data.documents``) make attention block-causal -- a token
+attends to the earlier tokens of its own document only, one boolean ``(B, 1, T, T)`` mask
+built per forward and shared by every layer -- and the rotary positions restart with them.
 """
 
 from __future__ import annotations
@@ -312,6 +317,15 @@ class TransformerBlock(nn.Module):
         return attended + mixed
 
 
+def _document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` positions restarting per document -> boolean ``(B, 1, T, T)``: causal and
+    within the query's document (a document starts where the position is 0)."""
+    seq = position_ids.shape[1]
+    documents = (position_ids == 0).cumsum(dim=1)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
+    return (documents[:, None, :, None] == documents[:, None, None, :]) & causal
+
+
 def _dense_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """``(B, T)`` key-validity mask -> boolean ``(B, 1, T, T)``: causal AND valid key, plus
     the diagonal so that no query row is empty (an empty row would make softmax NaN)."""
@@ -440,12 +454,14 @@ class ReferenceTransformer(nn.Module):
         input_ids: torch.Tensor,
         labels: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Logits ``(B, T, vocab)``; with ``labels`` also the causal LM ``loss``.
 
         Labels of the same length as ``input_ids`` are already next-token aligned (no shift);
         labels one shorter use ``logits[:, :-1]``; ``-100`` is ignored; an all-ignored batch
-        gives a differentiable zero.
+        gives a differentiable zero. ``position_ids`` that restart at each packed document
+        make attention block-causal and restart the rotary positions (module docstring).
         """
         if input_ids.dim() != 2:
             raise ValueError(
@@ -458,7 +474,10 @@ class ReferenceTransformer(nn.Module):
             )
         mask = self._attention_mask(input_ids, attention_mask)
         x: torch.Tensor = self.transformer["drop"](self.token_embedding(input_ids))
-        cos, sin = self.rotary(seq, x.device, x.dtype)
+        table = seq if position_ids is None else self.config.block_size
+        cos, sin = self.rotary(table, x.device, x.dtype)
+        if position_ids is not None:
+            mask, cos, sin = _documents(input_ids, position_ids, mask, cos, sin)
         for block in self.blocks:
             x = block(x, cos, sin, mask)
         logits: torch.Tensor = self.lm_head(self.transformer["ln_f"](x))
@@ -482,6 +501,26 @@ class ReferenceTransformer(nn.Module):
         if attention_mask.device.type == "cpu" and bool(attention_mask.all()):
             return None
         return _dense_causal_mask(attention_mask)
+
+
+def _documents(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    mask: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block-causal mask (with the padding ``mask``, if any) and the rotary tables at
+    ``position_ids`` (``(B, 1, T, D)``)."""
+    if position_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"position_ids shape {tuple(position_ids.shape)} does not match input_ids shape "
+            f"{tuple(input_ids.shape)}"
+        )
+    blocks = _document_mask(position_ids)
+    # ``mask`` already holds causality and its diagonal: AND keeps both masks' limits.
+    combined = blocks if mask is None else blocks & mask
+    return combined, cos[0, 0][position_ids][:, None], sin[0, 0][position_ids][:, None]
 
 
 GPT = ReferenceTransformer

@@ -1,0 +1,106 @@
+"""Document-masked training steps versus unmasked ones on the reference transformer (CPU).
+
+Both sides train the same model (4 layers, d_model 128, 4 heads, sequence 512, micro-batch
+4) with AdamW on the same windows of packed documents (lengths 20-300 tokens, an
+end-of-document id after each). The masked side computes the ``position_ids`` of each batch
+(``speedtronic.data.documents.document_positions``, what the loader does with
+``data.document_mask``) and passes them to the model, which then attends block-causally
+through ``scaled_dot_product_attention`` with a boolean mask; the unmasked side takes the
+``is_causal`` path. Rounds alternate ABBA; the table shows the median and best steps/s of
+each (per CPU second of the one-thread process: the machine is shared) and the ratio.
+Target (issue 31): masked >= 0.9x unmasked.
+
+    python benchmarks/document_mask.py --rounds 6 --steps 8      # --markdown for docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from speedtronic.data.documents import document_positions  # noqa: E402
+from speedtronic.models.transformer import ReferenceTransformer  # noqa: E402
+
+SEQ, BATCH, VOCAB, EOS = 512, 4, 512, 0
+
+
+def packed_batches(count: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    stream: list[int] = []
+    while len(stream) < count * BATCH * (SEQ + 1):
+        length = int(torch.randint(20, 300, (1,), generator=generator))
+        stream += torch.randint(1, VOCAB, (length,), generator=generator).tolist() + [EOS]
+    flat = torch.tensor(stream[: count * BATCH * (SEQ + 1)])
+    return list(flat.view(count, BATCH, SEQ + 1))
+
+
+def make_model() -> ReferenceTransformer:
+    torch.manual_seed(0)
+    return ReferenceTransformer(
+        vocab_size=VOCAB, max_seq_len=SEQ, n_layer=4, n_head=4, d_model=128, d_ff=512
+    )
+
+
+def run(masked: bool, batches: list[torch.Tensor]) -> float:
+    """Steps per CPU second over ``batches`` (after one warm-up step): one thread, so the
+    process's CPU time is the step's work, whatever else the shared machine runs."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(window: torch.Tensor) -> None:
+        inputs, labels = window[:, :-1], window[:, 1:]
+        positions = document_positions(inputs, EOS) if masked else None
+        loss = model(inputs, labels=labels, position_ids=positions)["loss"]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(batches[0])
+    start = time.process_time()
+    for window in batches:
+        step(window)
+    return len(batches) / (time.process_time() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    batches = packed_batches(args.steps)
+    results: dict[bool, list[float]] = {False: [], True: []}
+    for round_ in range(args.rounds):
+        order = (False, True) if round_ % 2 == 0 else (True, False)
+        for masked in order:
+            results[masked].append(run(masked, batches))
+    mask_bytes = BATCH * SEQ * SEQ  # one bool per (query, key) pair, shared by the layers
+    rows = [
+        ("unmasked (`is_causal`)", results[False]),
+        ("document mask", results[True]),
+    ]
+    ratio_median = statistics.median(results[True]) / statistics.median(results[False])
+    ratio_best = max(results[True]) / max(results[False])
+    if args.markdown:
+        print("| steps | median steps/s | best steps/s |")
+        print("|---|---|---|")
+        for name, values in rows:
+            print(f"| {name} | {statistics.median(values):.2f} | {max(values):.2f} |")
+        print(f"| ratio | {ratio_median:.3f}x | {ratio_best:.3f}x |")
+    else:
+        for name, values in rows:
+            print(f"{name:24s} median {statistics.median(values):.2f}  best {max(values):.2f}")
+        print(f"ratio: median {ratio_median:.3f}x  best {ratio_best:.3f}x")
+    print(f"mask: {mask_bytes / 2**20:.2f} MiB per forward ({BATCH}x{SEQ}x{SEQ} bool)")
+
+
+if __name__ == "__main__":
+    main()

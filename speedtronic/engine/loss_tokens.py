@@ -1,0 +1,88 @@
+"""One loss normalisation: the mean over the loss-bearing tokens of the whole optimizer step.
+
+A model's loss is the mean over its microbatch's loss-bearing labels (the ones that are not
+``-100``). Averaging those means (``loss / K`` per microbatch, then DDP's average over the
+ranks) weights a token of a microbatch with few loss-bearing labels more than one of a full
+microbatch -- the "mean of means" that packed or masked (SFT) data gets wrong. Instead each
+microbatch's loss is divided by ``N / (c * W)``: ``c`` its loss-bearing labels, ``N`` those of
+the whole step (every microbatch of every rank that averages gradients with this one), ``W``
+those ranks. Summed over the microbatches and averaged by DDP, the gradient is then that of
+the mean over all ``N`` tokens.
+
+The counts are known before the first forward pass: the loop takes the step's ``K`` batches
+at its start, counts their labels on the host (before they move to the device: no device
+sync) and, across ranks, all-reduces the sum once per step.
+
+When every microbatch has the same count (``N == K * c * W``: plain pretraining windows,
+synthetic data) the divisor is the integer ``K`` itself, so the arithmetic -- and every
+gradient -- is bitwise the one of ``loss / K``. A batch without integer labels (a regression
+target, a model that takes no labels) has no count: such a step keeps ``loss / K``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from speedtronic.engine.batch import IGNORE_INDEX, batch_labels
+
+__all__ = ["StepWeights", "loss_token_count", "step_weights"]
+
+CountReducer = Callable[[int], int]
+"""Sums a rank's count over the ranks that average gradients with it."""
+
+
+def loss_token_count(batch: object) -> int | None:
+    """The loss-bearing labels of ``batch`` (not ``-100``), or None without integer labels."""
+    labels = batch_labels(batch)
+    if labels is None or labels.is_floating_point() or labels.is_complex():
+        return None
+    return int((labels != IGNORE_INDEX).sum())
+
+
+class StepWeights:
+    """The divisor of each microbatch's loss in one step (``divisors``), and whether this
+    rank's microbatches all hold as many loss-bearing tokens (``uniform``)."""
+
+    __slots__ = ("counts", "divisors", "local_total", "uniform")
+
+    def __init__(self, counts: Sequence[int], divisors: Sequence[float], local_total: int) -> None:
+        self.counts = counts
+        self.divisors = divisors
+        self.local_total = local_total
+        self.uniform = all(count == counts[0] for count in counts)
+
+    def mean(self, losses: Sequence[torch.Tensor]) -> torch.Tensor:
+        """This rank's mean loss over its loss-bearing tokens, from the microbatches'
+        (detached) mean losses."""
+        weighted = losses[0] * self.counts[0]
+        for loss, count in zip(losses[1:], self.counts[1:], strict=True):
+            weighted = weighted + loss * count
+        return weighted / max(1, self.local_total)
+
+
+def step_weights(
+    batches: Sequence[object], ranks: int, reduce: CountReducer | None
+) -> StepWeights | None:
+    """The step's weights (module docstring), or None when a batch has no labels to count
+    (the loop then divides by ``K``). ``reduce`` sums over the ``ranks`` ranks (None: one)."""
+    counts: list[int] = []
+    for batch in batches:
+        count = loss_token_count(batch)
+        if count is None:
+            return None
+        counts.append(count)
+    local = sum(counts)
+    total = reduce(local) if reduce is not None else local
+    k = len(batches)
+    divisors: list[float] = []
+    for count in counts:
+        scale = count * ranks
+        if scale * k == total:
+            divisors.append(k)  # the integer: exactly ``loss / k``
+        elif scale == 0:
+            divisors.append(float("inf"))  # nothing to learn here: a zero gradient
+        else:
+            divisors.append(total / scale)
+    return StepWeights(counts, divisors, local)
