@@ -89,7 +89,11 @@ def test_equal_counts_divide_by_the_integer_k() -> None:
     )
     assert uneven is None  # float labels have no token count: loss / K as before
     counts = [{"labels": torch.tensor([[1, -100, -100]])}, {"labels": torch.tensor([[1, 2, 3]])}]
-    weights = step_weights(counts, 2, lambda local: local + 6)  # another rank holds 6
-    assert weights is not None and weights.divisors == [10 / 2, 10 / 6]
+    # another rank holds 6; the sum stays a tensor (never read on the host: no device sync)
+    weights = step_weights(counts, 2, lambda local: torch.tensor(local + 6))
+    assert weights is not None and all(isinstance(d, torch.Tensor) for d in weights.divisors)
+    assert [float(d) for d in weights.divisors] == pytest.approx([10 / 2, 10 / 6], rel=1e-7)
+    even = step_weights(counts[1:] * 2, 2, lambda local: torch.tensor(2 * local))
+    assert even is not None and [float(d) for d in even.divisors] == [2.0, 2.0]  # exactly K
     assert loss_token_count({"labels": torch.tensor([[-100, 4]])}) == 1
     assert sum(LOSS_TOKENS) > 0

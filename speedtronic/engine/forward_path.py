@@ -155,15 +155,15 @@ class ForwardPath:
             self.compiled = None
             return run_model(self.train_module, batch)
 
-    def sum_over_gradient_ranks(self, count: int) -> int:
+    def sum_over_gradient_ranks(self, count: int) -> torch.Tensor:
         """``count`` summed over the ranks that average gradients with this one (one small
-        all-reduce; ``speedtronic.engine.loss_tokens``)."""
+        all-reduce, left on the collective device: ``speedtronic.engine.loss_tokens``)."""
         context = self.distributed
-        if self.gradient_ranks <= 1 or context is None:
-            return count
-        total = torch.tensor([count], dtype=torch.int64, device=context.collective_device)
-        dist.all_reduce(total, group=self._gradient_group)
-        return int(total.item())
+        device = context.collective_device if context is not None else torch.device("cpu")
+        total = torch.tensor([count], dtype=torch.int64, device=device)
+        if self.gradient_ranks > 1 and context is not None:
+            dist.all_reduce(total, group=self._gradient_group)
+        return total[0]
 
     def _setup_compile(self) -> None:
         if not self.compile_requested or self.compiled is not None:

@@ -35,7 +35,7 @@ from speedtronic.engine.contexts import (
 )
 from speedtronic.engine.evaluation import add_eval_results, is_eval_step, run_step_evaluation
 from speedtronic.engine.events import On
-from speedtronic.engine.loss_tokens import StepWeights, step_weights
+from speedtronic.engine.loss_tokens import Divisor, StepWeights, step_weights
 from speedtronic.engine.metrics import MetricRecord
 from speedtronic.systems.sharding import global_grad_norm
 
@@ -161,6 +161,7 @@ def _accumulate_microbatches(
     if k > 1 or path.gradient_ranks > 1:  # one microbatch on one rank: its mean is the step's
         batches = [next(stream) for _ in range(k)]
         weights = step_weights(batches, path.gradient_ranks, path.sum_over_gradient_ranks)
+    plain_divisor = None if k == 1 else k  # without weights: loss / K (none for K = 1)
     # Unequal counts on this rank: the reported loss is their weighted mean, not sum / K.
     losses: list[torch.Tensor] | None = None if weights is None or weights.uniform else []
     loss_sum: torch.Tensor | None = None
@@ -176,7 +177,7 @@ def _accumulate_microbatches(
             mb_ctx = new_context(MicrobatchContext, (step, index, k, batch))
             for hook in mb_start:
                 hook(t, mb_ctx)
-        divisor = k if weights is None else weights.divisors[index]
+        divisor = plain_divisor if weights is None else weights.divisors[index]
         if path.plain:  # no DDP, no autocast: no context managers to enter
             loss = _forward_backward(
                 t, path, scaler, batch, step, index, k, divisor, before_bw, after_bw, False
@@ -210,7 +211,7 @@ def _forward_backward(
     step: int,
     index: int,
     k: int,
-    divisor: float,
+    divisor: Divisor | None,
     before_bw: EventHooks[BackwardContext],
     after_bw: EventHooks[BackwardContext],
     autocast: bool,
@@ -224,8 +225,8 @@ def _forward_backward(
     else:
         output = path.forward(batch)
     loss = resolve_loss(output, batch)
-    # x / 1 is x: skip the op (bitwise the same grads)
-    scaled = loss if divisor == 1 else loss / divisor
+    # None: one microbatch on one rank, x / 1 is x: skip the op (bitwise the same grads)
+    scaled = loss if divisor is None else loss / divisor
     if scaler is not None:
         scaled = scaler.scale(scaled)
     if not (before_bw or after_bw):

@@ -11,7 +11,8 @@ the mean over all ``N`` tokens.
 
 The counts are known before the first forward pass: the loop takes the step's ``K`` batches
 at its start, counts their labels on the host (before they move to the device: no device
-sync) and, across ranks, all-reduces the sum once per step.
+sync) and, across ranks, all-reduces the sum once per step -- a tensor that stays on the
+device: the divisions read it there, so the host never waits for the collective.
 
 When every microbatch has the same count (``N == K * c * W``: plain pretraining windows,
 synthetic data) the divisor is the integer ``K`` itself, so the arithmetic -- and every
@@ -29,8 +30,13 @@ from speedtronic.engine.batch import IGNORE_INDEX, batch_labels
 
 __all__ = ["StepWeights", "loss_token_count", "step_weights"]
 
-CountReducer = Callable[[int], int]
-"""Sums a rank's count over the ranks that average gradients with it."""
+CountReducer = Callable[[int], torch.Tensor]
+"""Sums a rank's count over the ranks that average gradients with it, as a tensor on the
+collective device: never read on the host, so the step does not wait for the device."""
+
+Divisor = int | float | torch.Tensor
+"""A microbatch loss's divisor: the integer ``K``, ``inf`` (nothing to learn), or, across
+ranks, ``N / (c * W)`` with ``N`` still on the device."""
 
 
 def loss_token_count(batch: object) -> int | None:
@@ -47,7 +53,9 @@ class StepWeights:
 
     __slots__ = ("counts", "divisors", "local_total", "uniform")
 
-    def __init__(self, counts: Sequence[int], divisors: Sequence[float], local_total: int) -> None:
+    def __init__(
+        self, counts: Sequence[int], divisors: Sequence[Divisor], local_total: int
+    ) -> None:
         self.counts = counts
         self.divisors = divisors
         self.local_total = local_total
@@ -74,15 +82,21 @@ def step_weights(
             return None
         counts.append(count)
     local = sum(counts)
-    total = reduce(local) if reduce is not None else local
     k = len(batches)
-    divisors: list[float] = []
-    for count in counts:
-        scale = count * ranks
-        if scale * k == total:
-            divisors.append(k)  # the integer: exactly ``loss / k``
-        elif scale == 0:
-            divisors.append(float("inf"))  # nothing to learn here: a zero gradient
-        else:
-            divisors.append(total / scale)
+    if reduce is None or ranks <= 1:
+        return StepWeights(counts, [_divisor(count, k, local) for count in counts], local)
+    total = reduce(local)  # on the device: read only by the divisions below
+    divisors: list[Divisor] = [
+        float("inf") if count == 0 else total / (count * ranks) for count in counts
+    ]  # a count that agrees everywhere gives exactly K: total / (c W) is an integer
     return StepWeights(counts, divisors, local)
+
+
+def _divisor(count: int, k: int, total: int) -> int | float:
+    """One rank's divisor: the integer ``K`` when the counts agree (exactly ``loss / K``),
+    ``inf`` for a microbatch with nothing to learn (a zero gradient), else ``N / c``."""
+    if count * k == total:
+        return k
+    if count == 0:
+        return float("inf")
+    return total / count
