@@ -30,7 +30,7 @@ from speedtronic.compat.metric_logger import MetricLogger
 from speedtronic.compat.trainer import Trainer
 from speedtronic.config import CallbackSpec, ConfigError, JSONValue, SpeedtronicConfig
 from speedtronic.config.preflight import Preflight, check
-from speedtronic.config.sections import OptimizerConfig
+from speedtronic.config.sections import EvalTaskSource, OptimizerConfig
 from speedtronic.data import DataSourceError, build_dataloader
 from speedtronic.data.held_out import (
     build_eval_loader,
@@ -43,12 +43,15 @@ from speedtronic.engine.callback import Callback
 from speedtronic.engine.evaluation import EvalOutcome, evaluate_model
 from speedtronic.engine.result import TrainResult
 from speedtronic.engine.trainer import TrainingStateError
+from speedtronic.evaluation.tasks import MultipleChoiceTask, TaskError, read_task
+from speedtronic.evaluation.text import TextError, run_text
 from speedtronic.models.export import (
     ExportResult,
     check_export_target,
     export_model,
     export_tokens,
 )
+from speedtronic.models.generation import context_length
 from speedtronic.models.hf import adapt_model
 from speedtronic.models.registry import build_model
 from speedtronic.models.summary import parameter_count
@@ -323,6 +326,7 @@ def build_runtime(
         if cfg.scheduler.max_steps is None:
             horizon = min(horizon, epoch_steps)
     eval_data = held_out_loader(cfg, distributed) if cfg.eval.every_steps is not None else None
+    tasks = eval_tasks(cfg, net) if cfg.eval.every_steps is not None else []
     optimizer = build_optimizer(net, optimizer_section(cfg.optimizer, callbacks), resolved_device)
     scheduler = build_scheduler(optimizer, cfg.scheduler, horizon)
     source = _resume_source(callbacks)
@@ -348,6 +352,7 @@ def build_runtime(
         eval_every=cfg.eval.every_steps,
         eval_max_batches=cfg.eval.max_batches,
     )
+    trainer.evaluation.tasks = tasks
     # 2.0 code appends hooks to ``trainer.logger``; built at its first read, so a run that
     # never reads it has no logger callback to run every step.
     trainer.provide_logger(lambda: build_logger(cfg, outputs=False))
@@ -386,6 +391,35 @@ def held_out_loader(
     return build_eval_loader(
         config.data, config.eval, rank=rank, world_size=world_size, dataset=_held_out(config)
     )
+
+
+def eval_tasks(
+    config: SpeedtronicConfig, model: torch.nn.Module, extra: Sequence[str | Path] = ()
+) -> list[MultipleChoiceTask]:
+    """The run's multiple-choice tasks (``eval.tasks``, then the files ``extra`` names),
+    read and checked now; tokenized with the run's tokenizer. ``ConfigError`` for a bad
+    task file or a run without text."""
+    sources = [*config.eval.tasks, *(EvalTaskSource(path=str(path)) for path in extra)]
+    if not sources:
+        return []
+    try:
+        text = run_text(config.data.to_dict())
+        context = context_length(model, config.model.max_seq_len)
+        return [
+            MultipleChoiceTask(
+                source.name or Path(source.path).stem,
+                read_task(source.path),
+                text.encode,
+                shots=source.shots,
+                seed=source.seed,
+                batch_size=source.batch_size,
+                context=context,
+                max_rows=source.max_rows,
+            )
+            for source in sources
+        ]
+    except (TaskError, TextError) as exc:
+        raise ConfigError(f"eval.tasks: {exc}") from None
 
 
 def _held_out(config: SpeedtronicConfig) -> Dataset[object]:
@@ -462,6 +496,24 @@ def evaluate_checkpoint(
         max_batches=cfg.eval.max_batches,
     )
     return loaded, outcome
+
+
+def checkpoint_model(
+    config: ConfigSource,
+    *,
+    checkpoint: str | Path | None = None,
+    device: str | torch.device | None = None,
+    weights: str = MODEL_WEIGHTS,
+    doing: str = "evaluate",
+) -> tuple[LoadedCheckpoint, torch.nn.Module]:
+    """A run's checkpoint (the named one, else the newest) loaded into the config's model on
+    ``device`` (``model_with_weights``), for ``generate`` and task scoring; reads only."""
+    cfg = as_config(config)
+    resolved_device = resolve_device(device if device is not None else cfg.run.device)
+    output_dir = Path(cfg.run.output_dir).expanduser().resolve()
+    loaded = _checkpoint_to_evaluate(cfg, output_dir, resolved_device, checkpoint)
+    net = model_with_weights(cfg, loaded, weights, doing=doing)
+    return loaded, net.to(resolved_device)
 
 
 def model_with_weights(

@@ -673,9 +673,54 @@ class EvalConfig(_Section):
         dict[str, JSONValue],
         Opt("options of the `eval.dataset` factory (`DatasetRequest.options`)"),
     ] = field(default_factory=dict)
+    tasks: Annotated[
+        list[EvalTaskSource],
+        Opt(
+            "multiple-choice tasks scored with the held-out set on every evaluation "
+            "(`eval/<name>/acc`, `eval/<name>/acc_norm`); needs a run on text",
+            extra={"maxItems": 64},
+            type_text="list of `{path, name, shots, seed, max_rows, batch_size}`",
+        ),
+    ] = field(default_factory=list)
 
     def __repr__(self) -> str:
         return _redacted_repr(self)
+
+
+@dataclass(frozen=True)
+class EvalTaskSource:
+    """One multiple-choice task scored on evaluation steps (docs/evaluation.md)."""
+
+    path: Annotated[
+        str,
+        Opt("a local JSONL file of `{context, choices, answer}` rows", min_length=1),
+    ]
+    name: Annotated[
+        str | None,
+        Opt(
+            "the metric name, `eval/<name>/acc` and `acc_norm`; default: the file's stem",
+            min_length=1,
+            pattern=r"^[A-Za-z0-9_.-]+$",
+        ),
+    ] = None
+    shots: Annotated[
+        int, Opt("examples from the same file asked before each row", minimum=0, maximum=64)
+    ] = 0
+    seed: Annotated[int, Opt("seeds the choice of the examples", minimum=0)] = 0
+    max_rows: Annotated[int | None, Opt("score the first N rows; `null`: all", minimum=1)] = None
+    batch_size: Annotated[
+        int, Opt("sequences (one per choice) per forward pass", minimum=1, maximum=4096)
+    ] = 16
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        return {
+            "path": self.path,
+            "name": self.name,
+            "shots": self.shots,
+            "seed": self.seed,
+            "max_rows": self.max_rows,
+            "batch_size": self.batch_size,
+        }
 
 
 @dataclass(frozen=True)
