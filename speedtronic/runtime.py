@@ -30,7 +30,7 @@ from speedtronic.compat.metric_logger import MetricLogger
 from speedtronic.compat.trainer import Trainer
 from speedtronic.config import CallbackSpec, ConfigError, JSONValue, SpeedtronicConfig
 from speedtronic.config.preflight import Preflight, check
-from speedtronic.config.sections import EvalTaskSource, OptimizerConfig
+from speedtronic.config.sections import OptimizerConfig
 from speedtronic.data import DataSourceError, build_dataloader
 from speedtronic.data.held_out import (
     build_eval_loader,
@@ -394,17 +394,18 @@ def held_out_loader(
 
 
 def eval_tasks(
-    config: SpeedtronicConfig, model: torch.nn.Module, extra: Sequence[str | Path] = ()
+    config: SpeedtronicConfig, model: torch.nn.Module | None = None
 ) -> list[MultipleChoiceTask]:
-    """The run's multiple-choice tasks (``eval.tasks``, then the files ``extra`` names),
-    read and checked now; tokenized with the run's tokenizer. ``ConfigError`` for a bad
-    task file or a run without text."""
-    sources = [*config.eval.tasks, *(EvalTaskSource(path=str(path)) for path in extra)]
+    """The run's multiple-choice tasks (``eval.tasks``), read and checked now; tokenized
+    with the run's tokenizer, cut to ``model``'s context (default ``model.max_seq_len``).
+    ``ConfigError`` for a bad task file or a run without text."""
+    sources = config.eval.tasks
     if not sources:
         return []
     try:
         text = run_text(config.data.to_dict())
-        context = context_length(model, config.model.max_seq_len)
+        default = config.model.max_seq_len
+        context = default if model is None else context_length(model, default)
         return [
             MultipleChoiceTask(
                 source.name or Path(source.path).stem,
@@ -463,6 +464,7 @@ def preflight(
     if config.eval.every_steps is not None:
         try:
             _held_out(config)
+            eval_tasks(config)
         except ConfigError as exc:
             outcome.errors.extend(exc.errors)
     return outcome

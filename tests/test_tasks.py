@@ -117,7 +117,13 @@ def task_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, 
     ]
     write_rows(tmp_path / "animals.jsonl", rows)
     task = {"path": str(tmp_path / "animals.jsonl"), "shots": 1}
-    config = text_run_config(tmp_path, tasks=[task])
+    monitored = {
+        "checkpoint": {"every_steps": 2, "monitor": "eval/animals/acc", "mode": "max"},
+        "callbacks": [
+            {"name": "early_stopping", "monitor": "eval/animals/acc_norm", "mode": "max"}
+        ],
+    }
+    config = text_run_config(tmp_path, extra=monitored, tasks=[task], every_steps=2)
     result = train_from_config(config)
     return config, result.metrics[-1]
 
@@ -130,6 +136,27 @@ def test_task_metrics_join_the_evaluation_record(
     for key in ("eval/animals/acc", "eval/animals/acc_norm"):
         value = record[key]
         assert isinstance(value, float) and value in (0.0, 1 / 3, 2 / 3, 1.0)
+
+
+def test_the_best_checkpoint_monitors_a_task_metric(
+    task_run: tuple[Path, dict[str, object]],
+) -> None:
+    config, record = task_run
+    best = json.loads((config.parent / "run" / "checkpoints" / "best.json").read_text("utf-8"))
+    assert best["monitor"] == "eval/animals/acc"
+    assert best["value"] >= record["eval/animals/acc"]
+
+
+def test_tasks_on_synthetic_tokens_are_a_config_error(tmp_path: Path) -> None:
+    from tests.hf_helpers import run_config
+
+    write_rows(tmp_path / "t.jsonl", HAND_ROWS)
+    eval_section = {"every_steps": 2, "tasks": [{"path": str(tmp_path / "t.jsonl")}]}
+    config = run_config(tmp_path, {"name": "reference_transformer"}, eval=eval_section)
+    result = run_cli("fit", "--config", str(config), cwd=tmp_path)
+    assert result.returncode == 2
+    assert "eval.tasks: the run trains on synthetic tokens" in result.stderr
+    assert not (tmp_path / "run").exists()  # refused before the run directory is made
 
 
 def test_evaluate_task_scores_a_checkpoint_as_the_fit_did(

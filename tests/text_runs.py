@@ -10,9 +10,15 @@ import yaml
 CORPUS = "the cat sat on the mat. the dog ran in the park. " * 60
 
 
-def text_run_config(tmp_path: Path, *, steps: int = 4, **eval_section: object) -> Path:
+def text_run_config(
+    tmp_path: Path,
+    *,
+    steps: int = 4,
+    extra: dict[str, object] | None = None,
+    **eval_section: object,
+) -> Path:
     """A config training a tiny reference transformer on ``CORPUS`` (byte tokenizer),
-    checkpointed at its last step."""
+    checkpointed at its last step; ``extra`` adds or replaces top-level sections."""
     (tmp_path / "corpus.txt").write_text(CORPUS, encoding="utf-8")
     config = {
         "run": {"device": "cpu", "max_steps": steps, "output_dir": str(tmp_path / "run")},
@@ -23,6 +29,7 @@ def text_run_config(tmp_path: Path, *, steps: int = 4, **eval_section: object) -
         "logging": {"console": False, "jsonl": True},
         "checkpoint": {"every_steps": steps},
         "eval": {"every_steps": steps, "max_batches": 1, **eval_section},
+        **(extra or {}),
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
