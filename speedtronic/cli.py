@@ -97,6 +97,15 @@ def _parser() -> argparse.ArgumentParser:
         "--overwrite", action="store_true", help="replace a non-empty --output directory"
     )
     _add_weights_arg(export)
+    lora = export.add_mutually_exclusive_group()
+    lora.add_argument(
+        "--adapter", action="store_true", help="a LoRA run: write its adapters for peft"
+    )
+    lora.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: write the weights with the adapters merged",
+    )
 
     validate = sub.add_parser("validate", help="check a config; print it and the callback plan")
     _add_config_args(validate)
@@ -534,6 +543,8 @@ def _export(args: argparse.Namespace) -> int:
             checkpoint=args.checkpoint,
             overwrite=args.overwrite,
             weights=args.weights,
+            adapter=args.adapter,
+            merge=args.merge,
         )
     except ExportError as exc:
         raise UserError(str(exc)) from None

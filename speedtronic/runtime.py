@@ -45,7 +45,9 @@ from speedtronic.engine.result import TrainResult
 from speedtronic.engine.trainer import TrainingStateError
 from speedtronic.evaluation.tasks import MultipleChoiceTask, TaskError, read_task
 from speedtronic.evaluation.text import TextError, run_text
+from speedtronic.models.adapters import has_lora, merge_lora
 from speedtronic.models.export import (
+    ExportError,
     ExportResult,
     check_export_target,
     export_model,
@@ -531,6 +533,9 @@ def model_with_weights(
     (``speedtronic.state.published_weights``). ``CheckpointError`` when it holds none,
     ``TrainingStateError`` when they do not fit the model (``cannot <doing> <path>: ...``)."""
     published = None if weights == MODEL_WEIGHTS else published_weights(loaded, weights)
+    # Seeded as a fit seeds it: the frozen base of a LoRA run without pretrained weights
+    # is its seeded initialisation, which the checkpoint's fingerprint names.
+    seed_everything(cfg.run.seed)
     net = build_model(cfg.model)
     sharded = loaded.state.get(SHARDED_DIRECTORY)
     if isinstance(sharded, str):  # an FSDP run's checkpoint: its weights, gathered whole
@@ -552,13 +557,17 @@ def export_checkpoint(
     checkpoint: str | Path | None = None,
     overwrite: bool = False,
     weights: str = MODEL_WEIGHTS,
+    adapter: bool = False,
+    merge: bool = False,
 ) -> tuple[LoadedCheckpoint, ExportResult]:
     """Write a run's checkpoint (the named one, else the newest) as a Hugging Face
     directory ``output`` (``speedtronic.models.export``), with the run's tokenizer and its
     token ids (``speedtronic.models.export_tokens``); ``weights`` names which weights
     (``model_with_weights``). ``ExportError`` for an output in the way, a model with no
     Hugging Face form or a tokenizer that does not fit, before anything is read; one
-    process, on the CPU."""
+    process, on the CPU. A run with LoRA adapters (``model.adapters.lora``) exports with
+    ``adapter`` (a peft adapter directory) or ``merge`` (the adapters merged into the
+    weights)."""
     cfg = as_config(config)
     target = Path(output).expanduser()
     check_export_target(target, overwrite=overwrite)
@@ -566,7 +575,14 @@ def export_checkpoint(
     output_dir = Path(cfg.run.output_dir).expanduser().resolve()
     loaded = _checkpoint_to_evaluate(cfg, output_dir, torch.device("cpu"), checkpoint)
     net = model_with_weights(cfg, loaded, weights, doing="export")
-    return loaded, export_model(net, target, overwrite=overwrite, tokenizer=tokens)
+    lora = has_lora(net)
+    if (adapter or merge) and not lora:
+        raise ExportError("--adapter and --merge export LoRA runs: model.adapters.lora is not set")
+    if adapter and merge:
+        raise ExportError("--adapter and --merge: give one of them")
+    if merge:
+        merge_lora(net)
+    return loaded, export_model(net, target, overwrite=overwrite, tokenizer=tokens, adapter=adapter)
 
 
 def _load_weights(net: torch.nn.Module, loaded: LoadedCheckpoint, *, doing: str) -> None:

@@ -334,6 +334,48 @@ class RunConfig(_Section):
     ] = None
 
 
+@dataclass(frozen=True)
+class LoraAdapterConfig:
+    """LoRA adapters through peft: only they train and are checkpointed."""
+
+    r: Annotated[int, Opt("rank of the low-rank update", minimum=1, maximum=65536)] = 8
+    alpha: Annotated[
+        float, Opt("scale: the update is multiplied by `alpha / r`", exclusive_minimum=0)
+    ] = 16.0
+    dropout: Annotated[
+        float, Opt("dropout on the adapters' input", minimum=0, exclusive_maximum=1)
+    ] = 0.0
+    targets: Annotated[
+        list[str],
+        Opt(
+            "names of the Linear modules to adapt (the last part of their path, e.g. `q_proj`)",
+            extra={"minItems": 1},
+            items={"minLength": 1},
+        ),
+    ] = field(default_factory=lambda: ["q_proj", "v_proj"])
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        return {
+            "r": self.r,
+            "alpha": self.alpha,
+            "dropout": self.dropout,
+            "targets": list(self.targets),
+        }
+
+
+@dataclass(frozen=True)
+class AdaptersConfig:
+    """Parameter-efficient fine-tuning: adapters on a frozen base model."""
+
+    lora: Annotated[
+        LoraAdapterConfig | None,
+        Opt("LoRA adapters (docs/adapters-and-generation.md); `null`: none"),
+    ] = None
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        return {"lora": None if self.lora is None else self.lora.to_dict()}
+
+
 @dataclass(eq=False)  # equality includes the plugin keys (the mixin's)
 class ModelConfig(_PluginKeysAsAttributes, _Section):
     """``model:`` -- the registered model name, reference-transformer dimensions and free-form
@@ -399,6 +441,13 @@ class ModelConfig(_PluginKeysAsAttributes, _Section):
             "transformer takes none"
         ),
     ] = field(default_factory=dict)
+    adapters: Annotated[
+        AdaptersConfig | None,
+        Opt(
+            "adapters trained on the frozen model: `{lora: {r, alpha, dropout, targets}}`; "
+            "`null`: the whole model trains"
+        ),
+    ] = None
 
     def __post_build__(self) -> None:
         if self.n_kv_head is None:

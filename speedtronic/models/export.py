@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from speedtronic.data.text import DataSourceError
+from speedtronic.models.adapters import AdapterError, has_lora, hf_module_name, write_adapter
 from speedtronic.models.export_tokens import (
     RunTokens,
     TokenIdError,
@@ -263,6 +264,27 @@ def _write_transformers(model: nn.Module, directory: Path) -> str:
     return type(model).__name__
 
 
+def _write_adapter(model: nn.Module, directory: Path) -> str:
+    """The model's LoRA adapters as a peft directory, named as the exported model's
+    modules (``speedtronic.models.adapters.write_adapter``)."""
+    if isinstance(model, ReferenceTransformer):
+        names = {
+            ref.removesuffix(".weight"): llama.removesuffix(".weight")
+            for ref, llama in _llama_names(model)
+        }
+
+        def rename(name: str) -> str:
+            return names.get(name, name)
+
+    else:
+        rename = hf_module_name(model)  # type: ignore[assignment]  # same signature
+    try:
+        write_adapter(model, directory, rename)
+    except AdapterError as exc:
+        raise ExportError(f"--adapter: {exc}") from None
+    return "LoRA adapter"
+
+
 def _write_model(model: nn.Module, directory: Path) -> str:
     if isinstance(model, HFCausalLM):
         return _write_transformers(model.hf, directory)
@@ -282,6 +304,7 @@ def export_model(
     *,
     overwrite: bool = False,
     tokenizer: Path | RunTokens | None = None,
+    adapter: bool = False,
 ) -> ExportResult:
     """Write ``model`` into ``output`` as a Hugging Face directory (module docstring). With
     the run's tokens (``export_tokens``; a plain path: a tokenizer file and nothing else
@@ -291,14 +314,19 @@ def export_model(
     the model has no Hugging Face form, or when the run's tokens do not fit it."""
     output = Path(output).expanduser()
     check_export_target(output, overwrite=overwrite)
+    if not adapter and has_lora(model):
+        raise ExportError(
+            "the model has LoRA adapters: export them with --adapter (a peft adapter "
+            "directory) or the adapted model with --merge (the adapters merged into its weights)"
+        )
     tokens = RunTokens(file=tokenizer) if isinstance(tokenizer, Path) else tokenizer
     if tokens is not None and tokens.file is not None and not tokens.file.is_file():
         raise ExportError(f"the run's tokenizer {tokens.file} is not a file")
     output.parent.mkdir(parents=True, exist_ok=True)
     temp = create_temporary_directory(output)
     try:
-        architecture = _write_model(model, temp)
-        if tokens is not None:
+        architecture = _write_adapter(model, temp) if adapter else _write_model(model, temp)
+        if tokens is not None and not adapter:
             _write_tokens(temp, tokens)
         _fsync_files(temp)
         files = tuple(sorted(path.name for path in temp.iterdir()))

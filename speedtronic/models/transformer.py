@@ -37,7 +37,6 @@ __all__ = [
     "CausalSelfAttention",
     "GPTConfig",
     "GPTModel",
-    "KVCache",
     "RMSNorm",
     "ReferenceModel",
     "ReferenceTransformer",
