@@ -5,8 +5,8 @@ step) it generates a continuation of each prompt with the model as it is
 (``speedtronic.models.generation.generate_ids``: the reference transformer's KV cache, a
 ``transformers`` model's ``generate()``), decoded with the run's tokenizer, and adds them
 to the step's record as text: ``text_samples/0``, ``text_samples/1``, ... (the prompt
-followed by the continuation). Every sink writes them as it writes text: the JSONL sink in the record's
-line, TensorBoard as a text summary per key, the console on its line.
+followed by the continuation). Every sink writes them as it writes text: the JSONL sink in
+the record's line, TensorBoard as a text summary per key, the console on its line.
 
 Off the hot path: it is called on its steps only (no hook on the others), on rank 0 only
 (``rank_policy = "main"``), in ``inference_mode`` with the model's mode and every random
