@@ -340,7 +340,12 @@ class LoraAdapterConfig:
 
     r: Annotated[int, Opt("rank of the low-rank update", minimum=1, maximum=65536)] = 8
     alpha: Annotated[
-        float, Opt("scale: the update is multiplied by `alpha / r`", exclusive_minimum=0)
+        float,
+        Opt(
+            "scale: the update is multiplied by `alpha / r`",
+            exclusive_minimum=0,
+            maximum=1_000_000,
+        ),
     ] = 16.0
     dropout: Annotated[
         float, Opt("dropout on the adapters' input", minimum=0, exclusive_maximum=1)
@@ -755,8 +760,12 @@ class EvalTaskSource:
     shots: Annotated[
         int, Opt("examples from the same file asked before each row", minimum=0, maximum=64)
     ] = 0
-    seed: Annotated[int, Opt("seeds the choice of the examples", minimum=0)] = 0
-    max_rows: Annotated[int | None, Opt("score the first N rows; `null`: all", minimum=1)] = None
+    seed: Annotated[
+        int, Opt("seeds the choice of the examples", minimum=0, maximum=2**32 - 1)
+    ] = 0
+    max_rows: Annotated[
+        int | None, Opt("score the first N rows; `null`: all", minimum=1, maximum=STEPS_MAX)
+    ] = None
     batch_size: Annotated[
         int, Opt("sequences (one per choice) per forward pass", minimum=1, maximum=4096)
     ] = 16

@@ -14,10 +14,10 @@ log-likelihood is the answer; ``acc_norm`` divides each sum by the choice's leng
 bytes first (so longer choices are not penalised for their length, as lm-evaluation-harness
 does).
 
-Batched: all (row, choice) sequences are sorted by length and cut into batches of
-``batch_size``, right-padded -- with causal attention the padding after a sequence cannot
-change its logits, so no mask is needed and any causal LM returning ``{"logits"}`` works.
-A 1,000-row task costs ``ceil(sequences / batch_size)`` forward passes.
+Batched (``speedtronic.evaluation.likelihood``): all (row, choice) sequences are sorted by
+length and cut into batches of ``batch_size``, right-padded, so a 1,000-row task costs
+``ceil(sequences / batch_size)`` forward passes; any causal LM returning ``{"logits"}``
+works.
 
 In a distributed run each rank scores every ``world_size``-th row and the three counts are
 all-reduced, so the metrics are those of the whole file.
@@ -25,17 +25,18 @@ all-reduced, so the metrics are those of the whole file.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from speedtronic.evaluation.likelihood import Continuation, LikelihoodError, score_continuations
 
 if TYPE_CHECKING:
     from speedtronic.systems.distributed import DistributedContext
@@ -138,14 +139,6 @@ class TaskScore:
         return self.correct_norm / self.rows if self.rows else math.nan
 
 
-@dataclass(frozen=True)
-class _Request:
-    row: int
-    choice: int
-    prompt: tuple[int, ...]
-    continuation: tuple[int, ...]
-
-
 def _prompt(rows: Sequence[ChoiceRow], index: int, shots: int, seed: int) -> str:
     others = [i for i in range(len(rows)) if i != index]
     picked = random.Random(seed * 1_000_003 + index).sample(others, min(shots, len(others)))
@@ -181,58 +174,16 @@ class MultipleChoiceTask:
         self.context = context
         self.max_rows = max_rows
 
-    def _requests(self, indices: Sequence[int]) -> list[_Request]:
+    def _requests(self, indices: Sequence[int]) -> list[tuple[int, int, Continuation]]:
+        """``(row, choice, continuation)`` of every choice of the rows ``indices``."""
         requests = []
         for index in indices:
             prompt = tuple(self.encode(_prompt(self.rows, index, self.shots, self.seed)))
             for choice, text in enumerate(self.rows[index].choices):
-                continuation = tuple(self.encode(CHOICE_SEPARATOR + text))
-                if not continuation:
-                    raise TaskError(f"task {self.name}: row {index + 1} choice {choice} is empty")
-                requests.append(_Request(index, choice, prompt, continuation))
+                tokens = tuple(self.encode(CHOICE_SEPARATOR + text))
+                label = f"task {self.name}: row {index + 1} choice {choice}"
+                requests.append((index, choice, Continuation(prompt, tokens, label)))
         return requests
-
-    def _fit(self, request: _Request) -> tuple[list[int], int]:
-        """The ids to run (prompt cut from the left to fit) and where the choice starts."""
-        ids = [*request.prompt, *request.continuation]
-        limit = self.context
-        if limit is not None and len(ids) > limit:
-            if len(request.continuation) >= limit:
-                raise TaskError(
-                    f"task {self.name}: row {request.row + 1} choice {request.choice} alone "
-                    f"is longer than the model's context of {limit} tokens"
-                )
-            ids = ids[len(ids) - limit :]
-        start = len(ids) - len(request.continuation)
-        if start == 0:
-            raise TaskError(
-                f"task {self.name}: row {request.row + 1} has an empty context (and no shots): "
-                "its first choice token has nothing to be predicted from"
-            )
-        return ids, start
-
-    def _batches(self, requests: list[_Request]) -> Iterator[list[_Request]]:
-        ordered = sorted(requests, key=lambda r: -(len(r.prompt) + len(r.continuation)))
-        for start in range(0, len(ordered), self.batch_size):
-            yield ordered[start : start + self.batch_size]
-
-    def _score_batch(
-        self, model: nn.Module, batch: list[_Request], device: torch.device
-    ) -> list[float]:
-        fitted = [self._fit(request) for request in batch]
-        width = max(len(ids) for ids, _ in fitted)
-        padded = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (ids, _) in enumerate(fitted):
-            padded[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        output = model(padded.to(device))
-        logits = output["logits"] if isinstance(output, Mapping) else output.logits
-        scores = []
-        for i, (ids, start) in enumerate(fitted):
-            # Position t predicts token t + 1: the choice's tokens are read from start - 1.
-            rows = logits[i, start - 1 : len(ids) - 1].float().log_softmax(dim=-1)
-            targets = torch.tensor(ids[start:], device=rows.device)
-            scores.append(rows.gather(1, targets[:, None]).sum())
-        return [float(value) for value in torch.stack(scores).tolist()]
 
     def score(
         self,
@@ -244,31 +195,23 @@ class MultipleChoiceTask:
     ) -> TaskScore:
         """Score the model on the task's rows (up to ``max_rows``); the model's mode and the
         random state are left as they were."""
-        from speedtronic.systems.precision import autocast_context
-
         rank, world = (distributed.rank, distributed.world_size) if distributed else (0, 1)
         count = len(self.rows) if self.max_rows is None else min(self.max_rows, len(self.rows))
         requests = self._requests(range(rank, count, world))
-        totals: dict[int, list[float]] = {}
-        passes = 0
-        autocast = (
-            autocast_context(precision, device)
-            if precision is not None and precision.autocast_enabled
-            else contextlib.nullcontext()
-        )
-        was_training = model.training
-        model.eval()
         try:
-            with torch.inference_mode(), autocast:
-                for batch in self._batches(requests):
-                    for request, value in zip(
-                        batch, self._score_batch(model, batch, device), strict=True
-                    ):
-                        totals.setdefault(request.row, [0.0] * len(self.rows[request.row].choices))
-                        totals[request.row][request.choice] = value
-                    passes += 1
-        finally:
-            model.train(was_training)
+            scored, passes = score_continuations(
+                model,
+                [continuation for _, _, continuation in requests],
+                device=device,
+                batch_size=self.batch_size,
+                context=self.context,
+                precision=precision,
+            )
+        except LikelihoodError as exc:
+            raise TaskError(str(exc)) from None
+        totals: dict[int, list[float]] = {}
+        for (row, choice, _), result in zip(requests, scored, strict=True):
+            totals.setdefault(row, [0.0] * len(self.rows[row].choices))[choice] = result.logprob
         return self._reduce(totals, passes, device, distributed)
 
     def _reduce(
