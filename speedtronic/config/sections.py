@@ -760,9 +760,7 @@ class EvalTaskSource:
     shots: Annotated[
         int, Opt("examples from the same file asked before each row", minimum=0, maximum=64)
     ] = 0
-    seed: Annotated[
-        int, Opt("seeds the choice of the examples", minimum=0, maximum=2**32 - 1)
-    ] = 0
+    seed: Annotated[int, Opt("seeds the choice of the examples", minimum=0, maximum=2**32 - 1)] = 0
     max_rows: Annotated[
         int | None, Opt("score the first N rows; `null`: all", minimum=1, maximum=STEPS_MAX)
     ] = None
