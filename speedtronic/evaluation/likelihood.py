@@ -6,8 +6,9 @@ returning ``{"logits"}`` (or ``.logits``) and returns, for each, the summed log-
 of the continuation's tokens after the prompt and whether each of them was the model's most
 likely token (greedy). Pairs are sorted by length and run in batches of ``batch_size``,
 right-padded: with causal attention the padding after a sequence cannot change its logits,
-so no mask is needed, and ``n`` pairs cost ``ceil(n / batch_size)`` forward passes. A prompt
-too long for the model's ``context`` loses its oldest tokens. The model runs in eval mode
+so no mask is needed, and ``n`` pairs cost ``ceil(n / batch_size)`` forward passes. The last
+token is only predicted, so ``context + 1`` tokens fit; a prompt too long for the model's
+``context`` loses its oldest tokens. The model runs in eval mode
 under ``inference_mode`` (and the run's autocast), and its mode is restored.
 """
 
@@ -52,12 +53,13 @@ def _fit(item: Continuation, context: int | None) -> tuple[list[int], int]:
     if not item.tokens:
         raise LikelihoodError(f"{item.label} is empty")
     ids = [*item.prompt, *item.tokens]
-    if context is not None and len(ids) > context:
-        if len(item.tokens) >= context:
+    # The last token is only predicted, never an input: ``context + 1`` ids fit.
+    if context is not None and len(ids) - 1 > context:
+        if len(item.tokens) > context:
             raise LikelihoodError(
                 f"{item.label} alone is longer than the model's context of {context} tokens"
             )
-        ids = ids[len(ids) - context :]
+        ids = ids[len(ids) - context - 1 :]
     start = len(ids) - len(item.tokens)
     if start == 0:
         raise LikelihoodError(
@@ -74,10 +76,10 @@ def _batches(order: list[int], size: int) -> Iterator[list[int]]:
 def _score_batch(
     model: nn.Module, fitted: Sequence[tuple[list[int], int]], device: torch.device
 ) -> list[Scored]:
-    width = max(len(ids) for ids, _ in fitted)
+    width = max(len(ids) for ids, _ in fitted) - 1
     padded = torch.zeros((len(fitted), width), dtype=torch.long)
     for i, (ids, _) in enumerate(fitted):
-        padded[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        padded[i, : len(ids) - 1] = torch.tensor(ids[:-1], dtype=torch.long)
     output = model(padded.to(device))
     logits = output["logits"] if isinstance(output, Mapping) else output.logits
     sums, greedy = [], []
