@@ -63,6 +63,8 @@ def _build(
     cls: type[SamplesCallback], options: SamplesOptions, context: PluginContext
 ) -> SamplesCallback:
     """From config: the run's tokenizer and context; a problem is a config error (exit 2)."""
+    if context.config.parallel.strategy == "fsdp":  # rank 0 alone cannot run sharded layers
+        raise ConfigError("text_samples: not available under parallel.strategy fsdp yet")
     try:
         return cls(
             text=run_text(context.config.data.to_dict()),
