@@ -10,12 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked import Forked
 from torch import nn
 
 from speedtronic.evaluation.tasks import MultipleChoiceTask, TaskError, read_task
 from speedtronic.models.transformer import ReferenceTransformer
 from speedtronic.runtime import train_from_config
 from tests.cli_runner import run_cli
+from tests.task_rank_worker import score_rank, task_model
+from tests.test_distributed import free_port, rank_env
 from tests.text_runs import text_run_config, write_rows
 
 
@@ -87,6 +90,30 @@ def test_batching_and_padding_change_no_score(tmp_path: Path) -> None:
     assert (single.correct, single.correct_norm) == (batched.correct, batched.correct_norm)
     assert (single.forward_passes, batched.forward_passes) == (30, 4)
     assert model.training  # the mode is restored
+
+
+def test_two_ranks_reduce_to_the_one_process_score(tmp_path: Path, forked: Forked) -> None:
+    rows = [
+        {
+            "context": f"row {i}: the",
+            "choices": ["cat", "dog", "mat."][: 2 + i % 2],
+            "answer": i % 2,
+        }
+        for i in range(9)  # an odd count: the ranks score 5 and 4 rows
+    ]
+    task_file = write_rows(tmp_path / "t.jsonl", rows)
+    port = free_port()
+    children = [
+        forked.start(score_rank, str(tmp_path), str(task_file), env=rank_env(rank, 2, port))
+        for rank in (0, 1)
+    ]
+    assert [child.wait(timeout=120) for child in children] == [0, 0], children[0].output
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text("utf-8")) for r in (0, 1)]
+    task = MultipleChoiceTask("t", read_task(task_file), encode, batch_size=4, context=64)
+    alone = task.score(task_model(), device=torch.device("cpu"))
+    expected = {"correct": alone.correct, "correct_norm": alone.correct_norm, "rows": 9.0}
+    assert reports == [expected, expected]
+    assert 0 < alone.correct < 9  # a score the split could get wrong
 
 
 @pytest.mark.parametrize(
