@@ -10,16 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from distributed_worker import base_config
+from forked import Forked
 
 from speedtronic.config import SpeedtronicConfig, load_config
 from speedtronic.models.adapters import FINGERPRINT
 from speedtronic.models.export import export_model
 from speedtronic.models.registry import build_model
-from speedtronic.runtime import checkpoint_model
+from speedtronic.runtime import checkpoint_model, train_from_config
 from speedtronic.state.checkpoint import CheckpointManager
 from speedtronic.state.rng import seed_everything
 from tests.cli_runner import run_cli
 from tests.hf_helpers import LLAMA, logits
+from tests.lora_rank_worker import fit_rank
+from tests.test_distributed import free_port, rank_env
 
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -140,6 +144,32 @@ def test_reference_adapter_loads_in_peft_and_merge_gives_the_same_logits(
     base = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"))
     with_adapter = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
     torch.testing.assert_close(logits(with_adapter, IDS), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_two_ddp_ranks_train_the_adapters_as_one_process(tmp_path: Path, forked: Forked) -> None:
+    adapters = {"adapters": {"lora": LORA}}
+    # 2 ranks x micro-batch 2 x K=2 is one process's 4 x K=2 (target_batch_size is per rank).
+    single = base_config(
+        tmp_path / "single", model=adapters, data={"micro_batch_size": 4, "target_batch_size": 8}
+    )
+    ddp = base_config(tmp_path / "ddp", model=adapters)
+    paths = []
+    for name, config in (("single", single), ("ddp", ddp)):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config), encoding="utf-8")
+        paths.append(path)
+    train_from_config(paths[0])
+    port = free_port()
+    children = [
+        forked.start(fit_rank, str(paths[1]), env=rank_env(rank, 2, port), cwd=tmp_path)
+        for rank in (0, 1)
+    ]
+    assert [child.wait(timeout=180) for child in children] == [0, 0], children[0].output
+    alone, ranks = latest_weights(paths[0]), latest_weights(paths[1])
+    assert ranks.keys() == alone.keys()
+    assert all("lora_" in key or key == FINGERPRINT for key in ranks)
+    for key in ranks:
+        torch.testing.assert_close(ranks[key], alone[key], rtol=1e-4, atol=1e-5)
 
 
 def test_bad_targets_and_another_base_exit_2(
