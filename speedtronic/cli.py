@@ -1,5 +1,5 @@
-"""The ``speedtronic`` command: fit (alias train), evaluate, validate, schema, plugins, plot,
-prepare, tokenizer.
+"""The ``speedtronic`` command: fit (alias train), evaluate, generate, export, validate, schema,
+plugins, plot, prepare, tokenizer.
 
 User mistakes (bad config, unknown plugin, missing file, unreadable checkpoint) print
 ``speedtronic: error: ...`` and exit 2 -- never a traceback. A run that fails while
@@ -22,6 +22,8 @@ from speedtronic.user_imports import search_dirs
 
 if TYPE_CHECKING:
     import torch
+
+    from speedtronic.config import SpeedtronicConfig
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -71,6 +73,18 @@ def _parser() -> argparse.ArgumentParser:
         "--checkpoint", help="checkpoint file to evaluate (default: the run's latest)"
     )
     _add_weights_arg(evaluate)
+    evaluate.add_argument(
+        "--task",
+        dest="tasks",
+        action="append",
+        metavar="FILE.jsonl",
+        help="score a multiple-choice task file instead of the held-out set (repeatable; "
+        "docs/evaluation.md)",
+    )
+    evaluate.add_argument(
+        "--shots", type=int, default=0, help="examples asked before each --task row"
+    )
+    _add_generate_parser(sub)
 
     export = sub.add_parser(
         "export", help="write a run's checkpoint as a Hugging Face model directory"
@@ -89,6 +103,15 @@ def _parser() -> argparse.ArgumentParser:
         help="write weights that hold NaN or infinite values (refused by default)",
     )
     _add_weights_arg(export)
+    lora = export.add_mutually_exclusive_group()
+    lora.add_argument(
+        "--adapter", action="store_true", help="a LoRA run: write its adapters for peft"
+    )
+    lora.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: write the weights with the adapters merged",
+    )
 
     validate = sub.add_parser("validate", help="check a config; print it and the callback plan")
     _add_config_args(validate)
@@ -133,6 +156,24 @@ def _parser() -> argparse.ArgumentParser:
     _add_tokenizer_parser(sub)
     _add_common_args(sub.choices.values())
     return parser
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    generate = sub.add_parser(
+        "generate", help="print what a run's checkpoint writes after a prompt"
+    )
+    _add_config_args(generate)
+    generate.add_argument(
+        "--checkpoint", help="checkpoint file to load (default: the run's latest)"
+    )
+    _add_weights_arg(generate)
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument("--max-new-tokens", type=int, default=100, help="default 100")
+    generate.add_argument(
+        "--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)"
+    )
+    generate.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
+    generate.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
 
 
 def _add_prepare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -466,20 +507,30 @@ def _callback_failures() -> Iterator[list[str]]:
         warnings.showwarning = show
 
 
-def _evaluate(args: argparse.Namespace) -> int:
-    """``speedtronic evaluate``: one line with the held-out metrics of a checkpoint. Reads
-    the config, the checkpoint and the held-out data; writes nothing (no lock, no metrics)."""
+def _loaded_config(args: argparse.Namespace) -> SpeedtronicConfig:
+    """The config, and its device usable on this machine (exit 2 otherwise)."""
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.config.preflight import device_error
-    from speedtronic.data import DataSourceError
-    from speedtronic.engine.evaluation import EVAL_LOSS, EVAL_PPL, EvaluationError
-    from speedtronic.runtime import evaluate_checkpoint
 
     config = _load(args)
     assert isinstance(config, SpeedtronicConfig)
     problem = device_error(args.device or config.run.device)
     if problem is not None:
         raise UserError(problem)
+    return config
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    """``speedtronic evaluate``: one line with the held-out metrics of a checkpoint (or its
+    ``--task`` scores). Reads the config, the checkpoint and the held-out data; writes
+    nothing (no lock, no metrics)."""
+    from speedtronic.data import DataSourceError
+    from speedtronic.engine.evaluation import EVAL_LOSS, EVAL_PPL, EvaluationError
+    from speedtronic.runtime import evaluate_checkpoint
+
+    config = _loaded_config(args)
+    if args.tasks:
+        return _evaluate_tasks(args, config)
     try:
         loaded, outcome = evaluate_checkpoint(
             config, checkpoint=args.checkpoint, device=args.device, weights=args.weights
@@ -493,6 +544,80 @@ def _evaluate(args: argparse.Namespace) -> int:
         f"{_weights_note(args.weights)}"
     )
     return EXIT_OK
+
+
+def _evaluate_tasks(args: argparse.Namespace, config: SpeedtronicConfig) -> int:
+    """``speedtronic evaluate --task``: one line per task file."""
+    from speedtronic.config.sections import EvalTaskSource
+    from speedtronic.runtime import checkpoint_model, eval_tasks
+    from speedtronic.systems.precision import resolve_precision
+
+    if args.shots < 0:
+        raise UserError(f"--shots must be >= 0, got {args.shots}")
+    loaded, net = checkpoint_model(
+        config, checkpoint=args.checkpoint, device=args.device, weights=args.weights
+    )
+    device = next(net.parameters()).device
+    config.eval.tasks = [EvalTaskSource(path=path, shots=args.shots) for path in args.tasks]
+    for task in eval_tasks(config, net):
+        score = task.score(
+            net, device=device, precision=resolve_precision(config.precision, device)
+        )
+        values = " ".join(f"{key}={value!r}" for key, value in task.metrics(score).items())
+        print(
+            f"{values} rows={int(score.rows)} step={loaded.step} checkpoint={loaded.path}"
+            f"{_weights_note(args.weights)}"
+        )
+    return EXIT_OK
+
+
+def _generate(args: argparse.Namespace) -> int:
+    """``speedtronic generate``: the prompt's continuation, decoded with the run's tokenizer."""
+    from speedtronic.evaluation.text import TextError, run_text
+    from speedtronic.models.generation import GenerationError, Sampling, generate_ids
+    from speedtronic.runtime import checkpoint_model
+
+    config = _loaded_config(args)
+    try:
+        text = run_text(config.data.to_dict())
+        sampling = Sampling(
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop_ids=text.stop_ids,
+        )
+    except (TextError, GenerationError) as exc:
+        raise UserError(_option_named(str(exc))) from None
+    _, net = checkpoint_model(
+        config,
+        checkpoint=args.checkpoint,
+        device=args.device,
+        weights=args.weights,
+        doing="generate from",
+    )
+    try:
+        ids = generate_ids(
+            net, text.encode(args.prompt), sampling, context=config.model.max_seq_len
+        )
+    except GenerationError as exc:
+        raise UserError(_option_named(str(exc))) from None
+    print(args.prompt + text.decode(ids))
+    return EXIT_OK
+
+
+def _option_named(message: str) -> str:
+    """A generation error prefixed by the option the user can change."""
+    for words, option in (
+        ("the prompt (", "--max-new-tokens"),
+        ("prompt", "--prompt"),
+        ("max_new_tokens", "--max-new-tokens"),
+        ("temperature", "--temperature"),
+        ("top_k", "--top-k"),
+    ):
+        if words in message:
+            return f"{option}: {message}"
+    return message
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -511,6 +636,8 @@ def _export(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             weights=args.weights,
             allow_nonfinite=args.allow_nonfinite,
+            adapter=args.adapter,
+            merge=args.merge,
         )
     except ExportError as exc:
         raise UserError(str(exc)) from None
@@ -808,6 +935,7 @@ _COMMANDS = {
     "fit": _fit,
     "train": _fit,
     "evaluate": _evaluate,
+    "generate": _generate,
     "export": _export,
     "validate": _validate,
     "schema": _schema,

@@ -67,6 +67,7 @@ MAX_EXTRA_PANELS = 9
 COLUMNS = 3
 """Panels per row of the figure."""
 
+
 class PlotError(RuntimeError):
     """The plot cannot be made: matplotlib is missing, there are no metrics to draw, or a
     requested key was not logged."""
@@ -252,9 +253,7 @@ def _draw(axes: Axes, series: RunSeries, panel: Panel) -> None:
         if data is None:
             continue
         sparse = key.startswith("eval/")  # evaluated every few steps: show the points
-        axes.plot(
-            data[0], data[1], label=key, linewidth=1.2, marker="o" if sparse else None, ms=3
-        )
+        axes.plot(data[0], data[1], label=key, linewidth=1.2, marker="o" if sparse else None, ms=3)
         drawn = True
     for step in series.resumed_at:
         axes.axvline(step, color="0.45", linestyle="--", linewidth=1.0, label=f"resumed at {step}")

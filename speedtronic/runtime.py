@@ -44,12 +44,17 @@ from speedtronic.engine.callback import Callback
 from speedtronic.engine.evaluation import EvalOutcome, evaluate_model
 from speedtronic.engine.result import TrainResult
 from speedtronic.engine.trainer import TrainingStateError
+from speedtronic.evaluation.tasks import MultipleChoiceTask, TaskError, read_task
+from speedtronic.evaluation.text import TextError, run_text
+from speedtronic.models.adapters import has_lora, merge_lora
 from speedtronic.models.export import (
+    ExportError,
     ExportResult,
     check_export_target,
     export_model,
     export_tokens,
 )
+from speedtronic.models.generation import context_length
 from speedtronic.models.hf import adapt_model
 from speedtronic.models.registry import build_model
 from speedtronic.models.summary import parameter_count
@@ -325,6 +330,7 @@ def build_runtime(
         if cfg.scheduler.max_steps is None:
             horizon = min(horizon, epoch_steps)
     eval_data = held_out_loader(cfg, distributed) if cfg.eval.every_steps is not None else None
+    tasks = eval_tasks(cfg, net) if cfg.eval.every_steps is not None else []
     optimizer = build_optimizer(net, optimizer_section(cfg.optimizer, callbacks), resolved_device)
     scheduler = build_scheduler(optimizer, cfg.scheduler, horizon)
     source = _resume_source(callbacks)
@@ -350,6 +356,7 @@ def build_runtime(
         eval_every=cfg.eval.every_steps,
         eval_max_batches=cfg.eval.max_batches,
     )
+    trainer.evaluation.tasks = tasks
     # 2.0 code appends hooks to ``trainer.logger``; built at its first read, so a run that
     # never reads it has no logger callback to run every step.
     trainer.provide_logger(lambda: build_logger(cfg, outputs=False))
@@ -390,6 +397,36 @@ def held_out_loader(
     )
 
 
+def eval_tasks(
+    config: SpeedtronicConfig, model: torch.nn.Module | None = None
+) -> list[MultipleChoiceTask]:
+    """The run's multiple-choice tasks (``eval.tasks``), read and checked now; tokenized
+    with the run's tokenizer, cut to ``model``'s context (default ``model.max_seq_len``).
+    ``ConfigError`` for a bad task file or a run without text."""
+    sources = config.eval.tasks
+    if not sources:
+        return []
+    try:
+        text = run_text(config.data.to_dict())
+        default = config.model.max_seq_len
+        context = default if model is None else context_length(model, default)
+        return [
+            MultipleChoiceTask(
+                source.name or Path(source.path).stem,
+                read_task(source.path),
+                text.encode,
+                shots=source.shots,
+                seed=source.seed,
+                batch_size=source.batch_size,
+                context=context,
+                max_rows=source.max_rows,
+            )
+            for source in sources
+        ]
+    except (TaskError, TextError) as exc:
+        raise ConfigError(f"eval.tasks: {exc}") from None
+
+
 def _held_out(config: SpeedtronicConfig) -> Dataset[object]:
     """The held-out dataset, or ``ConfigError`` when it cannot be built or is certainly empty."""
     try:
@@ -416,6 +453,12 @@ def preflight(
     ``text`` dataset without a path, an empty held-out set. ``speedtronic validate`` and
     ``speedtronic fit`` both run it, so what ``validate`` passes, ``fit`` starts."""
     outcome = check(config, device=device, max_steps=max_steps)
+    adapters = config.model.adapters
+    if adapters is not None and adapters.lora is not None and config.parallel.strategy == "fsdp":
+        outcome.errors.append(
+            "model.adapters.lora: LoRA does not run under parallel.strategy fsdp yet (use ddp "
+            "or one process)"
+        )
     if outcome.errors:
         return outcome  # the datasets may need the very files that are missing
     try:
@@ -431,6 +474,7 @@ def preflight(
     if config.eval.every_steps is not None:
         try:
             _held_out(config)
+            eval_tasks(config)
         except ConfigError as exc:
             outcome.errors.extend(exc.errors)
     return outcome
@@ -466,6 +510,24 @@ def evaluate_checkpoint(
     return loaded, outcome
 
 
+def checkpoint_model(
+    config: ConfigSource,
+    *,
+    checkpoint: str | Path | None = None,
+    device: str | torch.device | None = None,
+    weights: str = MODEL_WEIGHTS,
+    doing: str = "evaluate",
+) -> tuple[LoadedCheckpoint, torch.nn.Module]:
+    """A run's checkpoint (the named one, else the newest) loaded into the config's model on
+    ``device`` (``model_with_weights``), for ``generate`` and task scoring; reads only."""
+    cfg = as_config(config)
+    resolved_device = resolve_device(device if device is not None else cfg.run.device)
+    output_dir = Path(cfg.run.output_dir).expanduser().resolve()
+    loaded = _checkpoint_to_evaluate(cfg, output_dir, resolved_device, checkpoint)
+    net = model_with_weights(cfg, loaded, weights, doing=doing)
+    return loaded, net.to(resolved_device)
+
+
 def model_with_weights(
     cfg: SpeedtronicConfig,
     loaded: LoadedCheckpoint,
@@ -479,6 +541,9 @@ def model_with_weights(
     (``speedtronic.state.published_weights``). ``CheckpointError`` when it holds none,
     ``TrainingStateError`` when they do not fit the model (``cannot <doing> <path>: ...``)."""
     published = None if weights == MODEL_WEIGHTS else published_weights(loaded, weights)
+    # Seeded as a fit seeds it: the frozen base of a LoRA run without pretrained weights
+    # is its seeded initialisation, which the checkpoint's fingerprint names.
+    seed_everything(cfg.run.seed)
     net = build_model(cfg.model)
     sharded = loaded.state.get(SHARDED_DIRECTORY)
     if isinstance(sharded, str):  # an FSDP run's checkpoint: its weights, gathered whole
@@ -501,13 +566,17 @@ def export_checkpoint(
     overwrite: bool = False,
     weights: str = MODEL_WEIGHTS,
     allow_nonfinite: bool = False,
+    adapter: bool = False,
+    merge: bool = False,
 ) -> tuple[LoadedCheckpoint, ExportResult]:
     """Write a run's checkpoint (the named one, else the newest) as a Hugging Face
     directory ``output`` (``speedtronic.models.export``), with the run's tokenizer and its
     token ids (``speedtronic.models.export_tokens``); ``weights`` names which weights
     (``model_with_weights``). ``ExportError`` for an output in the way, a model with no
     Hugging Face form or a tokenizer that does not fit, before anything is read, and for
-    NaN or infinite weights unless ``allow_nonfinite``; one process, on the CPU."""
+    NaN or infinite weights unless ``allow_nonfinite``; one process, on the CPU. A run with
+    LoRA adapters (``model.adapters.lora``) exports with ``adapter`` (a peft adapter
+    directory) or ``merge`` (the adapters merged into the weights)."""
     cfg = as_config(config)
     target = Path(output).expanduser()
     check_export_target(target, overwrite=overwrite)
@@ -515,8 +584,20 @@ def export_checkpoint(
     output_dir = Path(cfg.run.output_dir).expanduser().resolve()
     loaded = _checkpoint_to_evaluate(cfg, output_dir, torch.device("cpu"), checkpoint)
     net = model_with_weights(cfg, loaded, weights, doing="export")
+    lora = has_lora(net)
+    if (adapter or merge) and not lora:
+        raise ExportError("--adapter and --merge export LoRA runs: model.adapters.lora is not set")
+    if adapter and merge:
+        raise ExportError("--adapter and --merge: give one of them")
+    if merge:
+        merge_lora(net)
     return loaded, export_model(
-        net, target, overwrite=overwrite, tokenizer=tokens, allow_nonfinite=allow_nonfinite
+        net,
+        target,
+        overwrite=overwrite,
+        tokenizer=tokens,
+        allow_nonfinite=allow_nonfinite,
+        adapter=adapter,
     )
 
 

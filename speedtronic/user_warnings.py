@@ -25,6 +25,7 @@ from types import CodeType, FrameType, TracebackType
 
 __all__ = ["skip_frames_under", "warn", "warn_at_failure"]
 
+
 def _prefixes(directory: str | Path) -> list[str]:
     """``directory`` as code objects may name it: as imported and with links resolved."""
     forms = {os.path.abspath(directory), str(Path(directory).resolve())}
@@ -81,9 +82,7 @@ def warn_at_failure(
     )
 
 
-def _innermost_line_in(
-    trace: TracebackType | None, filename: str
-) -> tuple[FrameType, int] | None:
+def _innermost_line_in(trace: TracebackType | None, filename: str) -> tuple[FrameType, int] | None:
     found = None
     while trace is not None:
         if trace.tb_frame.f_code.co_filename == filename:

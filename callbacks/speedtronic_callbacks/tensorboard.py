@@ -1,4 +1,5 @@
-"""``tensorboard``: every numeric key of each due record as a TensorBoard scalar.
+"""``tensorboard``: every numeric key of each due record as a TensorBoard scalar, and every
+text value (the ``text_samples`` callback's generations) as a text summary of its key.
 
 Writes real event files with ``torch.utils.tensorboard.SummaryWriter`` into
 ``<output_dir>/tensorboard`` (``log_dir``). Tags are the record keys (``loss``, ``lr``,
@@ -49,7 +50,8 @@ DEFAULT_LOG_DIR = "tensorboard"
 _INSTALL_HINT = "the tensorboard sink needs tensorboard: pip install 'speedtronic[logging]'"
 
 
-Scalars = tuple[int, list[tuple[str, float]]]
+Scalars = tuple[int, list[tuple[str, float]], list[tuple[str, str]]]
+"""One record's ``(step, scalars, texts)``."""
 """One record for the writer thread: ``(step, [(tag, value), ...])``."""
 
 SummaryBuilder = Callable[[list[tuple[str, float]]], object]
@@ -149,8 +151,11 @@ class TensorBoardCallback(MetricSink):
         if self._worker is None:
             raise RuntimeError("the tensorboard sink received a record before setup")
         scalars = [(self.prefix + key, value) for key, value in numeric_items(record)]
+        texts = [
+            (self.prefix + key, value) for key, value in record.items() if isinstance(value, str)
+        ]
         try:
-            self._worker.submit((int(record["step"]), scalars))
+            self._worker.submit((int(record["step"]), scalars, texts))
         except OSError as exc:  # a failed write of an earlier record, from the worker
             raise self.write_failed(self._resolved, exc) from exc
 
@@ -159,9 +164,11 @@ class TensorBoardCallback(MetricSink):
         writer, build = self.writer, self._build_summary
         if writer is None or build is None:
             raise RuntimeError("the tensorboard writer is closed")
-        step, scalars = item
+        step, scalars, texts = item
         file_writer = writer._get_file_writer()  # type: ignore[no-untyped-call]  # torch leaves this helper unannotated
         file_writer.add_summary(build(scalars), step)
+        for tag, text in texts:
+            writer.add_text(tag, text, step)
 
     def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
         if self.write_failure is not None:

@@ -95,10 +95,12 @@ def _bounds(item: declare.Declared, path: str) -> list[tuple[float, bool, str]]:
             bound = schema.get(key)
             if isinstance(bound, (int, float)) and not isinstance(bound, bool):
                 found.append((bound, exclusive, where))
+    # A list's items are ``path[i].field``; an optional nested section is ``path.field``.
+    items = typing.get_origin(item.hint) in (list, tuple)
     for nested in typing.get_args(item.hint):
         if isinstance(nested, type) and dataclasses.is_dataclass(nested):
             for field in declare.documented(nested):
-                found.extend(_bounds(field, f"{path}[i].{field.name}"))
+                found.extend(_bounds(field, f"{path}{'[i]' if items else ''}.{field.name}"))
     return found
 
 

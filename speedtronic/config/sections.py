@@ -334,6 +334,53 @@ class RunConfig(_Section):
     ] = None
 
 
+@dataclass(frozen=True)
+class LoraAdapterConfig:
+    """LoRA adapters through peft: only they train and are checkpointed."""
+
+    r: Annotated[int, Opt("rank of the low-rank update", minimum=1, maximum=65536)] = 8
+    alpha: Annotated[
+        float,
+        Opt(
+            "scale: the update is multiplied by `alpha / r`",
+            exclusive_minimum=0,
+            maximum=1_000_000,
+        ),
+    ] = 16.0
+    dropout: Annotated[
+        float, Opt("dropout on the adapters' input", minimum=0, exclusive_maximum=1)
+    ] = 0.0
+    targets: Annotated[
+        list[str],
+        Opt(
+            "names of the Linear modules to adapt (the last part of their path, e.g. `q_proj`)",
+            extra={"minItems": 1},
+            items={"minLength": 1},
+        ),
+    ] = field(default_factory=lambda: ["q_proj", "v_proj"])
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        return {
+            "r": self.r,
+            "alpha": self.alpha,
+            "dropout": self.dropout,
+            "targets": list(self.targets),
+        }
+
+
+@dataclass(frozen=True)
+class AdaptersConfig:
+    """Parameter-efficient fine-tuning: adapters on a frozen base model."""
+
+    lora: Annotated[
+        LoraAdapterConfig | None,
+        Opt("LoRA adapters (docs/adapters-and-generation.md); `null`: none"),
+    ] = None
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        return {"lora": None if self.lora is None else self.lora.to_dict()}
+
+
 @dataclass(eq=False)  # equality includes the plugin keys (the mixin's)
 class ModelConfig(_PluginKeysAsAttributes, _Section):
     """``model:`` -- the registered model name, reference-transformer dimensions and free-form
@@ -399,6 +446,13 @@ class ModelConfig(_PluginKeysAsAttributes, _Section):
             "transformer takes none"
         ),
     ] = field(default_factory=dict)
+    adapters: Annotated[
+        AdaptersConfig | None,
+        Opt(
+            "adapters trained on the frozen model: `{lora: {r, alpha, dropout, targets}}`; "
+            "`null`: the whole model trains"
+        ),
+    ] = None
 
     def __post_build__(self) -> None:
         if self.n_kv_head is None:
@@ -682,9 +736,56 @@ class EvalConfig(_Section):
         dict[str, JSONValue],
         Opt("options of the `eval.dataset` factory (`DatasetRequest.options`)"),
     ] = field(default_factory=dict)
+    tasks: Annotated[
+        list[EvalTaskSource],
+        Opt(
+            "multiple-choice tasks scored with the held-out set on every evaluation "
+            "(`eval/<name>/acc`, `eval/<name>/acc_norm`); needs a run on text",
+            extra={"maxItems": 64},
+            type_text="list of `{path, name, shots, seed, max_rows, batch_size}`",
+        ),
+    ] = field(default_factory=list)
 
     def __repr__(self) -> str:
         return _redacted_repr(self)
+
+
+@dataclass(frozen=True)
+class EvalTaskSource:
+    """One multiple-choice task scored on evaluation steps (docs/evaluation.md)."""
+
+    path: Annotated[
+        str,
+        Opt("a local JSONL file of `{context, choices, answer}` rows", min_length=1),
+    ]
+    name: Annotated[
+        str | None,
+        Opt(
+            "the metric name, `eval/<name>/acc` and `acc_norm`; default: the file's stem",
+            min_length=1,
+            pattern=r"^[A-Za-z0-9_.-]+$",
+        ),
+    ] = None
+    shots: Annotated[
+        int, Opt("examples from the same file asked before each row", minimum=0, maximum=64)
+    ] = 0
+    seed: Annotated[int, Opt("seeds the choice of the examples", minimum=0, maximum=2**32 - 1)] = 0
+    max_rows: Annotated[
+        int | None, Opt("score the first N rows; `null`: all", minimum=1, maximum=STEPS_MAX)
+    ] = None
+    batch_size: Annotated[
+        int, Opt("sequences (one per choice) per forward pass", minimum=1, maximum=4096)
+    ] = 16
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        return {
+            "path": self.path,
+            "name": self.name,
+            "shots": self.shots,
+            "seed": self.seed,
+            "max_rows": self.max_rows,
+            "batch_size": self.batch_size,
+        }
 
 
 @dataclass(frozen=True)

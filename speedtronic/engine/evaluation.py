@@ -17,16 +17,21 @@ each rank evaluates its shard and the two sums are all-reduced before the divisi
 many batches). ``run_step_evaluation`` is what the per-step loop calls on evaluation steps:
 it emits ``eval_start`` and ``eval_end`` around the pass and leaves the results in the
 training state for the step's metric record.
+
+``Evaluation.tasks`` are downstream tasks (``EvalTask``, e.g. the multiple-choice tasks of
+``speedtronic.evaluation.tasks``) scored on the same steps; their metrics
+(``eval/<task>/acc``...) join the held-out loss in ``eval_end`` and in the step's record, so
+early stopping and the best checkpoint can monitor them like ``eval/loss``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -54,6 +59,7 @@ __all__ = [
     "EVAL_LOSS",
     "EVAL_PPL",
     "EvalOutcome",
+    "EvalTask",
     "Evaluation",
     "EvaluationError",
     "add_eval_results",
@@ -93,15 +99,34 @@ def check_eval_settings(every: int | None, max_batches: int | None) -> None:
             raise EvaluationError(f"{name} must be a positive integer or None, got {value!r}")
 
 
+class EvalTask(Protocol):
+    """A downstream task scored on evaluation steps beside the held-out loss."""
+
+    def evaluate(
+        self,
+        model: nn.Module,
+        *,
+        device: torch.device,
+        precision: PrecisionPlan | None,
+        distributed: DistributedContext | None,
+    ) -> Mapping[str, float]:
+        """The task's metrics (``eval/...`` keys), the same on every rank: ranks that share
+        ``distributed`` split the work and reduce; ``None`` means this rank does it all.
+        The model's mode and every random state must be left as they were."""
+        ...
+
+
 @dataclass
 class Evaluation:
     """What a Trainer evaluates during a fit: ``data`` (any iterable of held-out batches),
     every ``every`` steps (0: evaluation is off) and at the fit's final step, up to
-    ``max_batches`` batches each time (``None``: all of them)."""
+    ``max_batches`` batches each time (``None``: all of them); and the ``tasks`` scored
+    on the same steps."""
 
     data: Iterable[object] | None = None
     every: int = 0
     max_batches: int | None = None
+    tasks: Sequence[EvalTask] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         check_eval_settings(self.every or None, self.max_batches)
@@ -201,10 +226,29 @@ def run_step_evaluation(t: Trainer, step: int) -> None:
     if due[On.EVAL_START]:
         plan.emit(t, On.EVAL_START, EvalStartContext(step, t.evaluation.max_batches))
     outcome = t.run_evaluation()
-    t.state.pending_eval = outcome.metrics
+    metrics = MappingProxyType({**outcome.metrics, **_task_metrics(t)})
+    t.state.pending_eval = metrics
     if due[On.EVAL_END]:
-        ctx = EvalEndContext(step, outcome.metrics, outcome.batches, outcome.weight)
+        ctx = EvalEndContext(step, metrics, outcome.batches, outcome.weight)
         plan.emit(t, On.EVAL_END, ctx)
+
+
+def _task_metrics(t: Trainer) -> dict[str, float]:
+    """The metrics of the evaluation's tasks. Sharded (FSDP) ranks each score every row --
+    their forwards must match one for one -- so nothing is split between them."""
+    state = t.state
+    shared = t.forward_path.one_replica(state.callbacks) and not state.sharded
+    metrics: dict[str, float] = {}
+    for task in t.evaluation.tasks:
+        metrics.update(
+            task.evaluate(
+                state.model,
+                device=state.device,
+                precision=state.precision,
+                distributed=state.distributed if shared else None,
+            )
+        )
+    return metrics
 
 
 def add_eval_results(state: TrainingState, record: MetricRecord) -> bool:

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from speedtronic.data.text import DataSourceError
+from speedtronic.models.adapters import AdapterError, has_lora, hf_module_name, write_adapter
 from speedtronic.models.export_target import (
     EXPORT_RECORD,
     ExportError,
@@ -258,6 +259,27 @@ def _write_transformers(model: nn.Module, directory: Path, *, allow_nonfinite: b
     return type(model).__name__
 
 
+def _write_adapter(model: nn.Module, directory: Path) -> str:
+    """The model's LoRA adapters as a peft directory, named as the exported model's
+    modules (``speedtronic.models.adapters.write_adapter``)."""
+    if isinstance(model, ReferenceTransformer):
+        names = {
+            ref.removesuffix(".weight"): llama.removesuffix(".weight")
+            for ref, llama in _llama_names(model)
+        }
+
+        def rename(name: str) -> str:
+            return names.get(name, name)
+
+    else:
+        rename = hf_module_name(model)  # type: ignore[assignment]  # same signature
+    try:
+        write_adapter(model, directory, rename)
+    except AdapterError as exc:
+        raise ExportError(f"--adapter: {exc}") from None
+    return "LoRA adapter"
+
+
 def _write_model(model: nn.Module, directory: Path, *, allow_nonfinite: bool) -> str:
     if isinstance(model, HFCausalLM):
         return _write_transformers(model.hf, directory, allow_nonfinite=allow_nonfinite)
@@ -278,6 +300,7 @@ def export_model(
     overwrite: bool = False,
     tokenizer: Path | RunTokens | None = None,
     allow_nonfinite: bool = False,
+    adapter: bool = False,
 ) -> ExportResult:
     """Write ``model`` into ``output`` as a Hugging Face directory (module docstring). With
     the run's tokens (``export_tokens``; a plain path: a tokenizer file and nothing else
@@ -285,14 +308,23 @@ def export_model(
     and its end-of-document / beginning-of-text ids into ``config.json``. ``ExportError``
     (nothing written, ``output`` untouched) when ``output`` cannot receive an export
     (``check_export_target``), when the model has no Hugging Face form, holds NaN or
-    infinite weights (unless ``allow_nonfinite``), or when the run's tokens do not fit it."""
+    infinite weights (unless ``allow_nonfinite``), or when the run's tokens do not fit it.
+    With ``adapter`` only the model's LoRA adapters are written, as a peft directory; a
+    model with adapters exports only so (or merged, ``merge_lora`` first)."""
     shown = Path(output).expanduser()
     target = check_export_target(shown, overwrite=overwrite)
+    if not adapter and has_lora(model):
+        raise ExportError(
+            "the model has LoRA adapters: export them with --adapter (a peft adapter "
+            "directory) or the adapted model with --merge (the adapters merged into its weights)"
+        )
     tokens = RunTokens(file=tokenizer) if isinstance(tokenizer, Path) else tokenizer
     if tokens is not None and tokens.file is not None and not tokens.file.is_file():
         raise ExportError(f"the run's tokenizer {tokens.file} is not a file")
 
     def fill(staging: Path) -> str:
+        if adapter:
+            return _write_adapter(model, staging)
         architecture = _write_model(model, staging, allow_nonfinite=allow_nonfinite)
         if tokens is not None:
             _write_tokens(staging, tokens)

@@ -79,6 +79,13 @@ HF_OPTIONS_SCHEMA: Mapping[str, object] = {
             "config field, e.g. hidden_size), or the path of a local config.json or of a "
             "directory holding one; default: init_weights_from's config.json",
         },
+        "pretrained": {
+            "type": "string",
+            "minLength": 1,
+            "description": "a local directory to fine-tune from: a transformers checkpoint "
+            "(config.json and model.safetensors) or a speedtronic export; the config and the "
+            "weights both come from it (not with config or init_weights_from)",
+        },
         "init_weights_from": {
             "type": "string",
             "minLength": 1,
@@ -556,6 +563,7 @@ def build_hf_causal_lm(
     *,
     config: Mapping[str, object] | str | None = None,
     init_weights_from: str | None = None,
+    pretrained: str | None = None,
     attn_implementation: str = "sdpa",
     dtype: str = "float32",
     extra_config_keys: Sequence[str] = (),
@@ -573,6 +581,13 @@ def build_hf_causal_lm(
     architecture is the config's.
     """
     del reference_fields
+    if pretrained is not None:
+        if config is not None or init_weights_from is not None:
+            raise HFModelError(
+                "model.options.pretrained names the config and the weights: leave "
+                "model.options.config and init_weights_from out"
+            )
+        init_weights_from = pretrained
     if dtype not in DTYPES:
         raise HFModelError(f"model.options.dtype: {dtype!r} is not one of {sorted(DTYPES)}")
     weights = (

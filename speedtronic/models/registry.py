@@ -151,6 +151,13 @@ def standard_model_fields(config: ModelSettings) -> dict[str, object]:
 
 def build_model(config: ModelSettings, **overrides: object) -> nn.Module:
     """Build ``config.name`` from the global registry with the standard fields and
-    ``config.options`` (which win over a standard field of the same name)."""
+    ``config.options`` (which win over a standard field of the same name), with the
+    adapters of ``config.adapters`` (``speedtronic.models.adapters``)."""
     options = dict(getattr(config, "options", None) or {})
-    return registry.build(config.name, **{**standard_model_fields(config), **options, **overrides})
+    model = registry.build(config.name, **{**standard_model_fields(config), **options, **overrides})
+    lora = getattr(getattr(config, "adapters", None), "lora", None)
+    if lora is not None:
+        from speedtronic.models.adapters import apply_lora  # imports peft only when asked
+
+        model = apply_lora(model, lora)
+    return model

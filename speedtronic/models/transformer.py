@@ -213,6 +213,53 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+class KVCache:
+    """The keys and values of the positions already decoded, one preallocated pair of
+    ``(B, n_kv_head, capacity, head_dim)`` buffers per layer, for incremental decoding
+    (``ReferenceTransformer.forward_cached``). ``length`` positions are filled."""
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        batch: int,
+        capacity: int,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        shape = (batch, config.kv_heads, capacity, config.head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.values = [
+            torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)
+        ]
+        self.capacity = capacity
+        self.length = 0
+
+    def append(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``/``v`` of the new positions after the filled ones; the layer's keys and
+        values up to them. ``length`` advances once every layer has appended
+        (``advance``)."""
+        end = self.length + k.shape[2]
+        self.keys[layer][:, :, self.length : end] = k
+        self.values[layer][:, :, self.length : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def advance(self, positions: int) -> None:
+        self.length += positions
+
+
+def _cached_mask(new: int, past: int, device: torch.device) -> torch.Tensor | None:
+    """The boolean mask of ``new`` queries over ``past + new`` keys (None: no mask needed,
+    a single query sees every key)."""
+    if new == 1:
+        return None
+    keys = torch.arange(past + new, device=device)
+    queries = torch.arange(past, past + new, device=device)
+    return keys[None, :] <= queries[:, None]
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal attention with grouped K/V heads (GQA) and RoPE."""
 
@@ -258,6 +305,35 @@ class CausalSelfAttention(nn.Module):
         )
         y = y.transpose(1, 2).reshape(batch, seq, width)
         return cast(torch.Tensor, self.resid_dropout(self.o_proj(y)))
+
+    def forward_cached(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        layer: int,
+    ) -> torch.Tensor:
+        """Attention of the new positions ``x`` over the cached ones and themselves (no
+        dropout: decoding runs in eval mode); ``cos``/``sin`` are the new positions' rows."""
+        batch, seq, width = x.shape
+        q = self.q_proj(x).view(batch, seq, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2)
+        past = cache.length
+        k, v = cache.append(layer, apply_rope(k, cos, sin), v)
+        q = apply_rope(q, cos, sin)
+        repeats = self.n_head // self.n_kv_head
+        if repeats > 1:
+            k = k.repeat_interleave(repeats, dim=1)
+            v = v.repeat_interleave(repeats, dim=1)
+        if past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            mask = _cached_mask(seq, past, x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.transpose(1, 2).reshape(batch, seq, width)
+        return cast(torch.Tensor, self.o_proj(y))
 
 
 class SwiGLU(nn.Module):
@@ -315,6 +391,13 @@ class TransformerBlock(nn.Module):
         attended: torch.Tensor = x + self.attn(self.norm1(x), cos, sin, mask)
         mixed: torch.Tensor = self.mlp_dropout(self.mlp(self.norm2(attended)))
         return attended + mixed
+
+    def forward_cached(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, layer: int
+    ) -> torch.Tensor:
+        """The block on the new positions only, attending through ``cache`` (decoding)."""
+        attended: torch.Tensor = x + self.attn.forward_cached(self.norm1(x), cos, sin, cache, layer)
+        return attended + cast(torch.Tensor, self.mlp(self.norm2(attended)))
 
 
 def _document_mask(position_ids: torch.Tensor) -> torch.Tensor:
@@ -485,6 +568,35 @@ class ReferenceTransformer(nn.Module):
         if labels is not None:
             output["loss"] = loss_from_logits(logits, labels)
         return output
+
+    def new_kv_cache(
+        self, batch: int, capacity: int | None = None, *, dtype: torch.dtype | None = None
+    ) -> KVCache:
+        """An empty cache for ``batch`` sequences of up to ``capacity`` positions (default
+        ``block_size``), on the model's device."""
+        size = self.config.block_size if capacity is None else capacity
+        if not 0 < size <= self.config.block_size:
+            raise ValueError(f"cache capacity {size} must be in 1..{self.config.block_size}")
+        weight = self.token_embedding.weight
+        return KVCache(self.config, batch, size, device=weight.device, dtype=dtype or weight.dtype)
+
+    def forward_cached(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits ``(B, T, vocab)`` of the new tokens ``input_ids`` that follow the
+        ``cache.length`` positions already in ``cache``, which then holds them too.
+
+        The incremental-decoding path of ``generate``: the training ``forward`` is not
+        involved (its numerics are untouched), no mask, no dropout, no labels."""
+        seq = input_ids.shape[1]
+        end = cache.length + seq
+        if end > cache.capacity:
+            raise ValueError(f"{end} positions exceed the cache capacity {cache.capacity}")
+        x: torch.Tensor = self.token_embedding(input_ids)
+        cos, sin = self.rotary(end, x.device, x.dtype)
+        cos, sin = cos[:, :, cache.length : end], sin[:, :, cache.length : end]
+        for layer, block in enumerate(self.blocks):
+            x = block.forward_cached(x, cos, sin, cache, layer)
+        cache.advance(seq)
+        return cast(torch.Tensor, self.lm_head(self.transformer["ln_f"](x)))
 
     @staticmethod
     def _attention_mask(

@@ -1,0 +1,3 @@
+from typing import Any
+
+def simple_evaluate(**options: Any) -> dict[str, Any] | None: ...

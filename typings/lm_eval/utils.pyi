@@ -1,0 +1,9 @@
+from collections.abc import Iterator
+
+def simple_parse_args_string(args_string: str | None) -> dict[str, object]: ...
+def get_rolling_token_windows(
+    token_list: list[int], prefix_token: int, max_seq_len: int, context_len: int
+) -> Iterator[tuple[list[int], list[int]]]: ...
+def make_disjoint_window(
+    pair: tuple[list[int], list[int]],
+) -> tuple[list[int], list[int]]: ...
