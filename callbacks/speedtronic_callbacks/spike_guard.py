@@ -4,7 +4,7 @@
       - {name: spike_guard, threshold: 6.0, warmup_steps: 50, max_skips: 5}
 
 At ``before_optimizer_step`` -- gradients complete and unscaled, the update not yet applied --
-the guard compares the step's loss (the sum of its microbatch losses; ``watch: grad_norm``:
+the guard compares the step's loss (the loop's own, from the event's context; ``watch: grad_norm``:
 the total gradient norm, the clipping norm when there is one; ``both``: either) with the mean
 and standard deviation of the last ``window`` accepted steps. A value more than ``threshold``
 standard deviations *above* the mean, or one that is not finite, is a spike -- once at least
@@ -29,7 +29,8 @@ weights) with a stop reason the CLI turns into exit status 2: data or a learning
 keeps the loss spiking is the user's to fix, not something to train through.
 
 Cost: each step's check brings one or two numbers to the host -- one device sync per step
-(nothing on the CPU; on a GPU the overlap of one step). With several ranks the numbers are
+(nothing on the CPU; on a GPU the overlap of one step) -- and is the guard's only hook on the
+hot path (figures in docs/performance.md). With several ranks the numbers are
 averaged over the world first (one all-reduce of two floats), so every rank skips alike.
 """
 
@@ -47,7 +48,6 @@ import torch.distributed as dist
 from speedtronic.config.declare import Opt, plugin
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import (
-    BackwardContext,
     FitContext,
     MetricsContext,
     OptimizerStepContext,
@@ -200,14 +200,16 @@ class SpikeGuard(Callback):
         self.warmup_steps = warmup_steps
         self.max_skips = max_skips
         self.skip_window = skip_window
-        self.bands = {name: RunningBand(window) for name in self._watched_names()}
+        self.names = ("loss", "grad_norm") if watch == "both" else (watch,)
+        self.bands = {name: RunningBand(window) for name in self.names}
         self.skipped: list[SkippedStep] = []
         self.skipped_steps = 0
-        self._loss_sum: torch.Tensor | None = None
+        self.multi_rank = False
         self.due_when = {Event.METRICS: logging_steps()}
 
-    def _watched_names(self) -> tuple[str, ...]:
-        return ("loss", "grad_norm") if self.watch == "both" else (self.watch,)
+    def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
+        context = trainer.distributed
+        self.multi_rank = context is not None and context.world_size > 1
 
     # -- state ----------------------------------------------------------------------------
 
@@ -234,43 +236,35 @@ class SpikeGuard(Callback):
 
     # -- hooks ----------------------------------------------------------------------------
 
-    def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
-        self._loss_sum = None
-
-    def on_after_backward(self, trainer: TrainerView, ctx: BackwardContext) -> None:
-        if self.watch == "grad_norm":
-            return
-        loss = ctx.loss.detach()
-        self._loss_sum = loss if ctx.index == 0 or self._loss_sum is None else self._loss_sum + loss
-
     def on_before_optimizer_step(self, trainer: TrainerView, ctx: OptimizerStepContext) -> None:
         values = self._watched_values(trainer, ctx)
         if values is None:
             return
-        for name, value in values.items():
+        for name, value in zip(self.names, values, strict=True):
             band = self.bands[name]
             if len(band) < self.warmup_steps:
                 continue
             spiked, mean, std = band.spikes(value, self.threshold)
             if spiked:
-                self._skip(
-                    trainer,
-                    SkippedStep(ctx.step, name, value, mean, std, dict(trainer.data_position())),
-                )
+                position = dict(trainer.data_position())
+                self._skip(trainer, SkippedStep(ctx.step, name, value, mean, std, position))
                 return
-        for name, value in values.items():
+        for name, value in zip(self.names, values, strict=True):
             self.bands[name].append(value)
 
     def _watched_values(
         self, trainer: TrainerView, ctx: OptimizerStepContext
-    ) -> dict[str, float] | None:
-        """This step's watched numbers on the host (one transfer; averaged over the ranks)."""
-        loss_sum, self._loss_sum = self._loss_sum, None
+    ) -> list[float] | None:
+        """This step's watched numbers on the host, in ``names`` order (one transfer;
+        averaged over the ranks)."""
+        loss = ctx.loss
+        if self.watch == "loss" and not self.multi_rank:  # the common case: one number
+            return None if loss is None else [loss.item()]
         watched: list[torch.Tensor] = []
         if self.watch != "grad_norm":
-            if loss_sum is None:
+            if loss is None:
                 return None
-            watched.append(loss_sum.float().reshape(()))
+            watched.append(loss.detach().float().reshape(()))
         if self.watch != "loss":
             norm = ctx.grad_norm
             if norm is None:
@@ -284,8 +278,7 @@ class SpikeGuard(Callback):
             numbers = numbers.to(context.collective_device)
             dist.all_reduce(numbers, op=dist.ReduceOp.SUM)
             numbers /= context.world_size
-        host = numbers.cpu().tolist()  # the one host sync of a step
-        return dict(zip(self._watched_names(), (float(value) for value in host), strict=True))
+        return [float(value) for value in numbers.cpu().tolist()]  # the step's one sync
 
     def _skip(self, trainer: TrainerView, skip: SkippedStep) -> None:
         trainer.skip_update()  # the optimizer step that follows changes nothing

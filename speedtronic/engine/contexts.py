@@ -71,11 +71,15 @@ class OptimizerStepContext(NamedTuple):
     Before the step the gradients are complete and unscaled. ``skipped`` is true after a step
     that the fp16 grad scaler skipped because of an overflow (the step is not counted).
     ``grad_norm`` is the total gradient norm when clipping computed it (a device tensor).
+    ``loss`` is the step's loss (a device tensor: with one microbatch the model's own loss,
+    else the mean over the step's loss-bearing tokens), as the loop has it -- read it (a
+    guard on spikes does), never backward through it.
     """
 
     step: int
     skipped: bool = False
     grad_norm: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
 
 
 class SchedulerContext(NamedTuple):
@@ -186,7 +190,10 @@ class NewContext(Protocol):
     ) -> BackwardContext: ...
     @overload
     def __call__(
-        self, cls: type[OptimizerStepContext], fields: tuple[int, bool, torch.Tensor | None], /
+        self,
+        cls: type[OptimizerStepContext],
+        fields: tuple[int, bool, torch.Tensor | None, torch.Tensor | None],
+        /,
     ) -> OptimizerStepContext: ...
     @overload
     def __call__(

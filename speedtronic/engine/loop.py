@@ -75,7 +75,7 @@ def run_global_step(t: Trainer, s: TrainingState, step: int) -> bool:
     grad_norm = None if plain_update else _prepare_gradients(s, grad_clip)
     before_ctx: OptimizerStepContext | None = None
     if before_hooks := due[On.BEFORE_OPTIMIZER_STEP]:
-        before_ctx = new_context(OptimizerStepContext, (step, False, grad_norm))
+        before_ctx = new_context(OptimizerStepContext, (step, False, grad_norm, step_loss))
         for before_hook in before_hooks:
             before_hook(t, before_ctx)
     if scaler is None:
@@ -87,7 +87,7 @@ def run_global_step(t: Trainer, s: TrainingState, step: int) -> bool:
     if after_hooks := due[On.AFTER_OPTIMIZER_STEP]:
         # Unless the scaler skipped the update, "after" has the fields of "before": share it.
         if before_ctx is None or skipped:
-            after_ctx = new_context(OptimizerStepContext, (step, skipped, grad_norm))
+            after_ctx = new_context(OptimizerStepContext, (step, skipped, grad_norm, step_loss))
         else:
             after_ctx = before_ctx
         for after_hook in after_hooks:
