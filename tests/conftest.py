@@ -84,6 +84,10 @@ SLOW_FIRST = (
     "tests/test_diloco_wire_fuzz.py::test_any_json_header_decodes_or_is_rejected",
     "tests/test_distributed.py::test_torchrun_runs_the_cli_data_parallel",
     "tests/test_distributed.py::test_synchronous_diloco_h4_trains_and_resumes_exactly",
+    "tests/test_launch.py",  # three launchers, each starting two fresh rank interpreters
+    "tests/test_remote_ownership.py",
+    "tests/test_adapters.py::test_two_ddp_ranks_train_the_adapters_as_one_process",
+    "tests/test_public_api.py::test_the_trainer_imports_no_config_machinery",
     "tests/test_wandb.py",
     "tests/test_fuzz.py",
     "tests/test_fsdp.py",
