@@ -836,33 +836,32 @@ def _plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# prepare's flags by the formats they apply to (a flag left out is None: the default).
+_PREPARE_SHARED_OPTIONS = ("eos_token", "eval_fraction", "shard_tokens")
+_PREPARE_TEXT_OPTIONS = (
+    "workers",
+    "text_key",
+    "max_document_bytes",
+    "long_documents",
+    "tokenize_timeout",
+    "input_format",
+    "doc_separator",
+)
+_PREPARE_EXAMPLE_OPTIONS = ("chat_template", "pack", "window", "too_long")
+
+
 def _prepare(args: argparse.Namespace) -> int:
     from speedtronic.data.prepare import PrepareError, PrepareOptions, prepare
 
     if args.format != "text":
         return _prepare_examples(args)
-    fine_tuning = ("chat_template", "pack", "window", "too_long")
-    if any(getattr(args, key) is not None for key in fine_tuning):
+    if any(getattr(args, key) is not None for key in _PREPARE_EXAMPLE_OPTIONS):
         raise PrepareError(
             "--chat-template, --pack, --window and --too-long apply to --format chat and "
             "--format prompt-completion"
         )
-    given = {
-        key: getattr(args, key)
-        for key in (
-            "text_key",
-            "eos_token",
-            "eval_fraction",
-            "shard_tokens",
-            "workers",
-            "max_document_bytes",
-            "long_documents",
-            "tokenize_timeout",
-            "input_format",
-            "doc_separator",
-        )
-        if getattr(args, key) is not None
-    }
+    keys = (*_PREPARE_SHARED_OPTIONS, *_PREPARE_TEXT_OPTIONS)
+    given = {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
     options = PrepareOptions(
         inputs=args.inputs,
         tokenizer=args.tokenizer,
@@ -893,32 +892,12 @@ def _prepare_examples(args: argparse.Namespace) -> int:
     from speedtronic.data.prepare import PrepareError
     from speedtronic.data.sft_prepare import SFTOptions, prepare_examples
 
-    text_only = (
-        "workers",
-        "text_key",
-        "max_document_bytes",
-        "long_documents",
-        "tokenize_timeout",
-        "input_format",
-        "doc_separator",
-    )
-    given_text_only = [key for key in text_only if getattr(args, key) is not None]
-    if given_text_only:
-        flags = ", ".join("--" + key.replace("_", "-") for key in given_text_only)
+    text_only = [key for key in _PREPARE_TEXT_OPTIONS if getattr(args, key) is not None]
+    if text_only:
+        flags = ", ".join("--" + key.replace("_", "-") for key in text_only)
         raise PrepareError(f"{flags} apply to --format text only")
-    given = {
-        key: getattr(args, key)
-        for key in (
-            "chat_template",
-            "pack",
-            "window",
-            "too_long",
-            "eos_token",
-            "eval_fraction",
-            "shard_tokens",
-        )
-        if getattr(args, key) is not None
-    }
+    keys = (*_PREPARE_SHARED_OPTIONS, *_PREPARE_EXAMPLE_OPTIONS)
+    given = {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
     options = SFTOptions(
         inputs=args.inputs,
         tokenizer=args.tokenizer,
