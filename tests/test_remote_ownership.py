@@ -225,7 +225,7 @@ def test_a_fifo_in_a_file_store_is_refused_not_waited_on(
     child = forked.start(cli_main, *argv, "--max-steps", "6", "--resume", cwd=tmp_path)
     assert child.wait(timeout=60) == 2, child.output
     assert (
-        f"speedtronic: error: {store.as_uri()}/{planted} is a FIFO, not a regular file"
+        f"speedtronic: error: {store.as_uri()}/{planted} is a FIFO (named pipe), not a regular file"
         in child.output
     )
     assert not (tmp_path / "b" / "checkpoints").exists()  # not even made for the download

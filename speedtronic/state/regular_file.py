@@ -23,6 +23,7 @@ __all__ = ["NotRegularFileError", "check_regular", "file_kind", "open_regular"]
 
 _NON_BLOCKING = getattr(os, "O_NONBLOCK", 0)  # POSIX; Windows has no FIFOs to open by name
 _BINARY = getattr(os, "O_BINARY", 0)  # Windows: no newline translation
+_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class NotRegularFileError(OSError):
@@ -48,10 +49,18 @@ def file_kind(mode: int) -> str:
     return "a special file"
 
 
-def open_regular(path: str | os.PathLike[str]) -> BinaryIO:
+def open_regular(path: str | os.PathLike[str], *, follow_links: bool = True) -> BinaryIO:
     """``open(path, "rb")`` that refuses, without blocking, anything but a regular file
-    (``NotRegularFileError``); ``FileNotFoundError`` and other ``OSError``\\ s as ``open``."""
-    fd = os.open(path, os.O_RDONLY | _NON_BLOCKING | _BINARY)
+    (``NotRegularFileError``); ``FileNotFoundError`` and other ``OSError``\\ s as ``open``.
+    ``follow_links=False``: a symbolic link at ``path`` is refused too (``NotRegularFileError``
+    of kind "a symbolic link"), for stores that hold only files this project wrote."""
+    flags = os.O_RDONLY | _NON_BLOCKING | _BINARY | (0 if follow_links else _NO_FOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        if not follow_links and os.path.islink(path):
+            raise NotRegularFileError(path, "a symbolic link") from None
+        raise
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):

@@ -25,7 +25,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import stat
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,8 @@ from speedtronic.state.atomic_io import (
 from speedtronic.state.checkpoint import CheckpointError
 from speedtronic.state.errors import first_line
 from speedtronic.state.layout import checkpoint_step
+from speedtronic.state.regular_file import NotRegularFileError
+from speedtronic.state.regular_file import open_regular as open_regular_file
 from speedtronic.state.sharded_checkpoint import SHARDED_SUFFIX
 
 if TYPE_CHECKING:
@@ -62,8 +63,6 @@ logger = logging.getLogger("speedtronic.checkpoint")
 PIP_LINE = "pip install 'speedtronic[remote]'"
 _CHUNK = 8 * 1024 * 1024
 _Result = TypeVar("_Result")
-_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_NON_BLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
 class RemoteError(CheckpointError):
@@ -134,30 +133,14 @@ def open_store(url: str, options: Mapping[str, object] | None = None) -> RemoteS
 def open_regular(path: str, where: str) -> BinaryIO:
     """Open the local file ``path`` for reading if it is a regular file: never through a
     symlink, never blocking on a FIFO (``RemoteNotRegular`` naming ``where`` otherwise;
-    ``FileNotFoundError`` when there is nothing)."""
+    ``FileNotFoundError`` when there is nothing). ``speedtronic.state.regular_file`` opens."""
     try:
-        fd = os.open(path, os.O_RDONLY | _NO_FOLLOW | _NON_BLOCK)
-    except OSError as exc:
-        if os.path.islink(path):
-            raise RemoteNotRegular(
-                f"{where} is a symbolic link, not a regular file; the store holds only "
-                "files this project wrote (remove it)"
-            ) from exc
-        raise
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
-            raise RemoteNotRegular(
-                f"{where} is {kind}, not a regular file; the store holds only files this "
-                "project wrote (remove it)"
-            )
-        if _NON_BLOCK:  # a regular file ignores it; cleared all the same for plain reads
-            os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+        return open_regular_file(path, follow_links=False)
+    except NotRegularFileError as exc:
+        raise RemoteNotRegular(
+            f"{where} is {exc.kind}, not a regular file; the store holds only files this "
+            "project wrote (remove it)"
+        ) from None
 
 
 class RemoteStore:
