@@ -120,6 +120,8 @@ def test_the_skip_is_reported_counted_and_checkpointed() -> None:
     restored.load_state_dict(state)
     assert restored.skipped == guard.skipped and restored.skipped_steps == 1
     assert list(restored.bands["loss"].values) == list(guard.bands["loss"].values)
+    assert restored.bands["loss"].sums() == guard.bands["loss"].sums()  # rounding included
+    assert restored.bands["loss"].mean_std() == guard.bands["loss"].mean_std()
 
 
 def test_the_guard_only_learns_during_warm_up() -> None:

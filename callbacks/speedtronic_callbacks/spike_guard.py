@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -149,6 +149,17 @@ class RunningBand:
         self.values.extend(values)
         self.recompute()
 
+    def sums(self) -> list[float]:
+        """The running sums as they stand (checkpointed: a resumed band decides exactly as
+        the uninterrupted one, rounding included)."""
+        return [self._sum, self._squares, float(self._since_exact)]
+
+    def restore_sums(self, sums: Sequence[object]) -> None:
+        numbers = [float(value) for value in sums if isinstance(value, int | float)]
+        if len(numbers) == len(sums) == 3:
+            self._sum, self._squares, since_exact = numbers
+            self._since_exact = int(since_exact)
+
     def recompute(self) -> None:
         self._sum = math.fsum(self.values)
         self._squares = math.fsum(value * value for value in self.values)
@@ -216,6 +227,7 @@ class SpikeGuard(Callback):
     def state_dict(self) -> dict[str, object]:
         return {
             "history": {name: list(band.values) for name, band in self.bands.items()},
+            "sums": {name: band.sums() for name, band in self.bands.items()},
             "skipped_steps": self.skipped_steps,
             "skipped": [skip.as_dict() for skip in self.skipped],
         }
@@ -227,6 +239,12 @@ class SpikeGuard(Callback):
                 values = history.get(name)
                 if isinstance(values, list):
                     band.extend(float(value) for value in values)
+        sums = state.get("sums")
+        if isinstance(sums, Mapping):
+            for name, band in self.bands.items():
+                saved = sums.get(name)
+                if isinstance(saved, list):
+                    band.restore_sums(saved)
         count = state.get("skipped_steps")
         if isinstance(count, int):
             self.skipped_steps = count
