@@ -176,12 +176,9 @@ def _add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
     generate.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
 
 
-def _add_prepare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    # The defaults are PrepareOptions' (a flag left out is not passed on).
-    prepare = sub.add_parser(
-        "prepare", help="tokenize a corpus once into token shards (data.tokens)"
-    )
-    prepare.add_argument(
+def _add_corpus_args(parser: argparse.ArgumentParser) -> None:
+    """The inputs of ``prepare`` and ``tokenizer``: the same paths, formats and documents."""
+    parser.add_argument(
         "--input",
         dest="inputs",
         action="extend",
@@ -191,17 +188,25 @@ def _add_prepare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         help="a .txt, .jsonl or .parquet file, a directory of them, or a glob; several paths "
         "per --input (an unquoted glob the shell expanded), and repeatable",
     )
-    prepare.add_argument(
+    parser.add_argument(
         "--input-format",
         choices=("txt", "jsonl", "parquet"),
         help="read every input file as this format, whatever its name (default: by suffix)",
     )
-    prepare.add_argument(
+    parser.add_argument(
         "--doc-separator",
         metavar="LINE",
         help="a line that separates the documents of a text file, e.g. '%%' ('': a blank "
         "line; default: a text file is one document)",
     )
+
+
+def _add_prepare_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    # The defaults are PrepareOptions' (a flag left out is not passed on).
+    prepare = sub.add_parser(
+        "prepare", help="tokenize a corpus once into token shards (data.tokens)"
+    )
+    _add_corpus_args(prepare)
     prepare.add_argument(
         "--tokenizer", required=True, help="a tokenizer.json, or 'bytes' for the byte tokenizer"
     )
@@ -267,11 +272,7 @@ def _add_tokenizer_parser(sub: argparse._SubParsersAction[argparse.ArgumentParse
     tokenizer = sub.add_parser(
         "tokenizer", help="train a byte-level BPE tokenizer.json on a corpus (for prepare)"
     )
-    tokenizer.add_argument(
-        "--input", dest="inputs", action="append", required=True, metavar="PATH",
-        help="what prepare --input takes: a .txt, .jsonl or .parquet file, a directory of "
-        "them, or a glob (repeatable)",
-    )  # fmt: skip
+    _add_corpus_args(tokenizer)
     tokenizer.add_argument("--output", required=True, help="the tokenizer.json to write")
     tokenizer.add_argument("--vocab-size", type=int, default=4096, help="ids (default 4096)")
     tokenizer.add_argument(
@@ -883,6 +884,8 @@ def _tokenizer(args: argparse.Namespace) -> int:
         text_key=args.text_key,
         min_frequency=args.min_frequency,
         overwrite=args.overwrite,
+        input_format=args.input_format,
+        doc_separator=args.doc_separator,
     )
     print(train_tokenizer(options).summary())
     return EXIT_OK

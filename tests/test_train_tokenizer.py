@@ -72,3 +72,25 @@ def test_tokenizer_mistakes_exit_2_with_one_line(forked: Forked, tmp_path: Path)
         assert expected in lines[0], lines[0]
     assert not (tmp_path / "t.json").exists()
     assert (tmp_path / "taken.json").read_text() == "{}"
+
+
+def test_tokenizer_reads_its_inputs_as_prepare_does(forked: Forked, tmp_path: Path) -> None:
+    """Several paths after one --input (what an unquoted glob becomes), documents separated
+    inside a text file (--doc-separator), an extensionless file read by --input-format."""
+    (tmp_path / "a.txt").write_text("one two three\n%\nfour five\n%\nsix\n", encoding="utf-8")
+    (tmp_path / "b.txt").write_text("seven eight\n%\nnine ten\n", encoding="utf-8")
+    (tmp_path / "notes").write_text('{"text": "eleven twelve"}\n', encoding="utf-8")
+    runs = {
+        "separated": ["--input", "a.txt", "b.txt", "--doc-separator", "%"],
+        "as jsonl": ["--input", "notes", "--input-format", "jsonl"],
+    }
+    outputs = {}
+    for label, inputs in runs.items():
+        child = forked.start(
+            cli_main, "tokenizer", *inputs, "--vocab-size", "270", "--min-frequency", "1",
+            "--output", f"{label}.json", cwd=tmp_path,
+        )  # fmt: skip
+        assert child.wait(timeout=120) == 0, child.output
+        outputs[label] = child.output
+    assert "trained on 5 documents from 2 file(s)" in outputs["separated"]
+    assert "trained on 1 documents from 1 file(s)" in outputs["as jsonl"]

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from speedtronic.data.corpus import CorpusError, expand_inputs, read_segments
+from speedtronic.data.corpus import CorpusError, InputFormat, expand_inputs, read_segments
 from speedtronic.data.tokenizer import require_module
 from speedtronic.state.atomic_io import atomic_write_text
 
@@ -46,6 +46,10 @@ class TokenizerOptions:
     text_key: str = "text"
     min_frequency: int = 2
     overwrite: bool = False
+    input_format: InputFormat | None = None
+    """As ``prepare --input-format``: the format of every input, whatever its name."""
+    doc_separator: str | None = None
+    """As ``prepare --doc-separator``: the line between the documents of a text file."""
 
 
 @dataclass(frozen=True)
@@ -82,14 +86,21 @@ def _check(options: TokenizerOptions) -> None:
 class _Corpus:
     """The corpus's text, piece by piece, counting documents as it goes."""
 
-    def __init__(self, files: Sequence[Path], text_key: str) -> None:
+    def __init__(self, files: Sequence[Path], options: TokenizerOptions) -> None:
         self.files = files
-        self.text_key = text_key
+        self.options = options
         self.documents = 0
 
     def __iter__(self) -> Iterator[str]:
+        options = self.options
         for path in self.files:
-            for segment in read_segments(path, self.text_key):
+            segments = read_segments(
+                path,
+                options.text_key,
+                given=options.input_format,
+                separator=options.doc_separator,
+            )
+            for segment in segments:
                 self.documents += segment.ends_document
                 yield segment.text
 
@@ -98,7 +109,7 @@ def train_tokenizer(options: TokenizerOptions) -> TrainedTokenizer:
     """Train and write the tokenizer (module docstring); ``CorpusError`` (a
     ``DataSourceError``) for an input or an option that cannot be used."""
     _check(options)
-    files = expand_inputs(options.inputs)
+    files = expand_inputs(options.inputs, options.input_format)
     library = require_module("tokenizers", "speedtronic tokenizer")
     tokenizer = library.Tokenizer(library.models.BPE())
     tokenizer.pre_tokenizer = library.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -110,7 +121,7 @@ def train_tokenizer(options: TokenizerOptions) -> TrainedTokenizer:
         initial_alphabet=library.pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    corpus = _Corpus(files, options.text_key)
+    corpus = _Corpus(files, options)
     tokenizer.train_from_iterator(corpus, trainer)
     if corpus.documents == 0:
         raise CorpusError(f"--input: no text in {len(files)} file(s) to train a tokenizer on")
