@@ -41,6 +41,7 @@ from speedtronic.state.layout import checkpoint_step
 from speedtronic.state.regular_file import NotRegularFileError
 from speedtronic.state.regular_file import open_regular as open_regular_file
 from speedtronic.state.sharded_checkpoint import SHARDED_SUFFIX
+from speedtronic.util.retry import Backoff, retry
 
 if TYPE_CHECKING:
     from fsspec.spec import AbstractFileSystem
@@ -80,10 +81,10 @@ class RemoteNotRegular(RemoteError):
 
 
 @dataclass(frozen=True)
-class RetryPolicy:
+class RetryPolicy(Backoff):
     """How often a store operation is tried (``attempts``) and how long to wait in
     between: exponential backoff with full jitter -- a random wait up to ``initial_s``,
-    then up to twice that, ... at most ``max_s``."""
+    then up to twice that, ... at most ``max_s`` (``speedtronic.util.retry``)."""
 
     attempts: int = 5
     initial_s: float = 1.0
@@ -335,28 +336,20 @@ class Retry:
         what: str,
         permanent: tuple[type[BaseException], ...] = (),
     ) -> None:
-        from tenacity import (
-            Retrying,
-            retry_if_not_exception_type,
-            stop_after_attempt,
-            wait_random_exponential,
-        )
+        self._policy = policy
+        self._what = what
+        self._permanent: tuple[type[BaseException], ...] = (RemoteNotRegular, *permanent)
 
-        def log_retry(state: object) -> None:
-            outcome = getattr(state, "outcome", None)
-            error = outcome.exception() if outcome is not None else None
-            logger.debug("checkpoint.remote: %s failed (%s); retrying", what, error)
-
-        self._retrying = Retrying(
-            stop=stop_after_attempt(policy.attempts),
-            wait=wait_random_exponential(multiplier=policy.initial_s, max=policy.max_s),
-            retry=retry_if_not_exception_type((RemoteNotRegular, *permanent)),
-            before_sleep=log_retry,
-            reraise=True,
-        )
+    def _log_retry(self, error: BaseException, seconds: float) -> None:
+        logger.debug("checkpoint.remote: %s failed (%s); retrying", self._what, error)
 
     def __call__(self, operation: Callable[[], _Result]) -> _Result:
-        return self._retrying(operation)
+        return retry(
+            self._policy,
+            operation,
+            retry_if=lambda error: not isinstance(error, self._permanent),
+            on_retry=self._log_retry,
+        )
 
 
 def describe_failure(exc: BaseException) -> str:

@@ -26,7 +26,9 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NoReturn, TypeVar
+
+from speedtronic.util.retry import Backoff, retry
 
 T = TypeVar("T")
 
@@ -218,10 +220,14 @@ class RetryPolicy:
         if self.timeout <= 0:
             raise ValueError(f"request timeout must be > 0, got {self.timeout}")
 
+    @property
+    def backoff(self) -> Backoff:
+        """The schedule as the project's one retry policy (``speedtronic.util.retry``)."""
+        return Backoff(self.attempts, self.initial, self.maximum, jitter="equal")
+
     def delay(self, retry_index: int, rng: random.Random) -> float:
         """Seconds to wait before retry number ``retry_index`` (1-based)."""
-        base = min(self.maximum, self.initial * float(2 ** (retry_index - 1)))
-        return base * (0.5 + 0.5 * rng.random())
+        return self.backoff.delay(retry_index, rng.random())
 
 
 def call_with_timeout(function: Callable[[], T], timeout: float, operation: str) -> T:
@@ -295,31 +301,36 @@ class RetryingTransport(Transport):
             raise Cancelled(operation, "shutting down")
 
     def _call(self, operation: str, function: Callable[[], T]) -> T:
-        last: TransportError | None = None
-        for attempt in range(1, self.policy.attempts + 1):
-            if attempt > 1:
-                with self._lock:
-                    self.retries += 1
-                self._wait(self.policy.delay(attempt - 1, self._rng), operation)
+        def attempt() -> T:
             try:
                 return call_with_timeout(function, self.policy.timeout, operation)
-            except TransportError as exc:
-                if not exc.transient:
-                    raise
-                last = exc
+            except TransportError:
+                raise
             except Exception as exc:
-                error: TransportError = (
-                    TransientTransportError(operation, f"{type(exc).__name__}: {exc}")
-                    if self.inner.classify(exc)
-                    else PermanentTransportError(operation, f"{type(exc).__name__}: {exc}")
+                kind = (
+                    TransientTransportError if self.inner.classify(exc) else PermanentTransportError
                 )
-                if not error.transient:
-                    raise error from exc
-                last = error
-        assert last is not None  # attempts >= 1, so at least one failure was recorded
-        raise TransientTransportError(
-            operation, f"failed after {self.policy.attempts} attempts: {last.message}"
-        ) from last
+                raise kind(operation, f"{type(exc).__name__}: {exc}") from exc
+
+        def count(error: BaseException, seconds: float) -> None:
+            with self._lock:
+                self.retries += 1
+
+        def give_up(last: BaseException) -> NoReturn:
+            message = last.message if isinstance(last, TransportError) else str(last)
+            raise TransientTransportError(
+                operation, f"failed after {self.policy.attempts} attempts: {message}"
+            ) from last
+
+        return retry(
+            self.policy.backoff,
+            attempt,
+            retry_if=lambda error: isinstance(error, TransportError) and error.transient,
+            on_retry=count,
+            give_up=give_up,
+            sleep=lambda seconds: self._wait(seconds, operation),
+            rng=self._rng,
+        )
 
     def prepare(self, *, create: bool) -> None:
         self._call("prepare", lambda: self.inner.prepare(create=create))
