@@ -9,9 +9,10 @@ shards, the tokenizer copy, the manifest itself). Anything more -- a source tree
 unrelated ``index.json``, a note, a subdirectory -- is refused, naming what would have been
 deleted. A set that a run is reading is not replaced either (``shard_lock``).
 
-Publishing renames the staging directory to the output (over an absent or empty one) or,
-when replacing, moves the old set aside under the exclusive lock, renames the new one in,
-and deletes the old one: the output is always one complete set.
+Publishing swaps the staging directory in (``speedtronic.state.directory_swap.swap_in``): over
+an absent or empty output, or, when replacing, under the exclusive lock, the old set moved
+aside, the new one renamed in (the old one put back if that fails) and the old one deleted:
+the output is always one complete set.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from speedtronic.data.shard_lock import hold_exclusive
 from speedtronic.data.shards import MANIFEST_NAME, ManifestError, read_manifest
 from speedtronic.data.text import DataSourceError
 from speedtronic.state.atomic_io import fsync_directory
+from speedtronic.state.directory_swap import swap_in
 
 __all__ = [
     "OutputError",
@@ -165,23 +167,10 @@ def discard(staging: Path, made: Path | None) -> None:
 
 def publish(staging: Path, output: Path, replacing: bool) -> None:
     """Make the staging directory the output (module docstring)."""
-    if not replacing:
-        if output.is_dir():
-            output.rmdir()  # empty (checked before); rename does not replace a directory everywhere
-        os.replace(staging, output)
-        fsync_directory(output.parent)
-        return
-    lock = hold_exclusive(output, MANIFEST_NAME, f"--output {output}")
-    aside = output.parent / f".{output.name}.old-{uuid.uuid4().hex[:12]}"
+    lock = hold_exclusive(output, MANIFEST_NAME, f"--output {output}") if replacing else None
     try:
-        os.replace(output, aside)
-        try:
-            os.replace(staging, output)
-        except BaseException:
-            os.replace(aside, output)  # the old set back in place
-            raise
+        swap_in(staging, output, what="--output")
     finally:
         if lock is not None:
             lock.close()
     fsync_directory(output.parent)
-    shutil.rmtree(aside, ignore_errors=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import stat
 from collections.abc import Callable
@@ -35,7 +36,7 @@ from typing import TypeVar
 
 from speedtronic.state.atomic_io import create_temporary_directory, fsync_directory
 
-__all__ = ["DirectorySwapError", "check_directory_target", "replace_directory"]
+__all__ = ["DirectorySwapError", "check_directory_target", "replace_directory", "swap_in"]
 
 _Filled = TypeVar("_Filled")
 
@@ -96,28 +97,44 @@ def _fsync_tree(directory: Path) -> None:
         fsync_directory(root)
 
 
-def _swap(staging: Path, target: Path, what: str) -> None:
-    """Rename ``staging`` onto ``target``; an existing ``target`` goes aside first and is
-    restored if the second rename fails (module docstring, step 4)."""
+def swap_in(
+    staging: Path, target: Path, *, what: str = "directory", any_entry: bool = False
+) -> None:
+    """Rename the finished directory ``staging`` onto ``target``; an existing ``target`` goes
+    aside first, is put back under its name if the second rename fails, and is removed once
+    the new one is in place (module docstring, step 4). ``target`` must be a directory
+    (else ``DirectorySwapError``) unless ``any_entry``: then whatever is there (a leftover
+    file, a planted link) is moved aside and removed, never followed. The one directory swap
+    of the project: exports, prepared shard sets, sharded checkpoints and the object-store
+    fetch all install their directories through it."""
     found = _lstat(target)
     if found is None:
         os.rename(staging, target)
         return
-    if not stat.S_ISDIR(found.st_mode):  # replaced by a link or a file meanwhile
+    is_directory = stat.S_ISDIR(found.st_mode)
+    if not is_directory and not any_entry:  # replaced by a link or a file meanwhile
         raise DirectorySwapError(f"{what} {target} changed while it was written: not replaced")
-    aside = create_temporary_directory(target, "old")  # empty: the rename replaces it
+    if is_directory:
+        aside = create_temporary_directory(target, "old")  # empty: the rename replaces it
+    else:  # a file or link cannot be renamed onto a directory: an unused name instead
+        aside = target.with_name(f".{target.name}.tmp-old-{secrets.token_hex(8)}")
     try:
         os.rename(target, aside)
     except BaseException:
-        with contextlib.suppress(OSError):
-            aside.rmdir()
+        if is_directory:
+            with contextlib.suppress(OSError):
+                aside.rmdir()
         raise
     try:
         os.rename(staging, target)
     except BaseException:
-        os.rename(aside, target)  # the old directory comes back under its name
+        os.rename(aside, target)  # the old entry comes back under its name
         raise
-    shutil.rmtree(aside, ignore_errors=True)
+    if is_directory:
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            aside.unlink()
 
 
 def replace_directory(
@@ -143,7 +160,7 @@ def replace_directory(
         _fsync_tree(staging)
         if still_replaceable is not None and _lstat(absolute) is not None:
             still_replaceable(absolute)
-        _swap(staging, absolute, what)
+        swap_in(staging, absolute, what=what)
     finally:
         if _lstat(staging) is not None:
             shutil.rmtree(staging, ignore_errors=True)

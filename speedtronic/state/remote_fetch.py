@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 import shutil
 import warnings
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from speedtronic.state.atomic_io import (
     fsync_directory,
 )
 from speedtronic.state.checkpoint import CheckpointError, CheckpointManager
+from speedtronic.state.directory_swap import swap_in
 from speedtronic.state.errors import first_line
 from speedtronic.state.layout import POINTER_NAME
 from speedtronic.state.pointer import atomic_json_dump
@@ -305,13 +305,13 @@ def _check_saved_by(
 
 
 def _commit(staging: Path, target: Path) -> None:
-    """Rename ``staging`` over ``target`` (an uncommitted local leftover at that step is
-    moved aside and removed first when it is a directory)."""
-    if staging.is_dir() and os.path.lexists(target):
-        aside = target.with_name(f".{target.name}.old-{os.getpid()}-{secrets.token_hex(8)}")
-        os.replace(target, aside)
-        _remove(aside)
-    os.replace(staging, target)
+    """Rename ``staging`` over ``target``. A directory (a sharded checkpoint) is swapped in
+    (``directory_swap.swap_in``): an uncommitted local leftover at that step is moved aside,
+    put back if the rename fails, and removed once the download is in place."""
+    if staging.is_dir():
+        swap_in(staging, target, what="checkpoint", any_entry=True)
+    else:
+        os.replace(staging, target)
     fsync_directory(target.parent)
 
 

@@ -47,7 +47,6 @@ import hashlib
 import json
 import os
 import re
-import secrets
 import shutil
 import stat
 from collections.abc import Mapping
@@ -60,6 +59,7 @@ from torch import nn
 
 from speedtronic.state.archive import load_checkpoint_file
 from speedtronic.state.atomic_io import create_temporary_directory
+from speedtronic.state.directory_swap import swap_in
 from speedtronic.state.errors import CheckpointError, CorruptCheckpointError, first_line
 from speedtronic.state.layout import SHARDED_SUFFIX
 from speedtronic.state.model_fit import Shape, model_mismatch, tensor_shapes
@@ -218,17 +218,8 @@ def _manifest(directory: dcp_io.BoundDirectory) -> dict[str, object]:
 def _replace_directory(temp: Path, path: Path) -> None:
     """Rename ``temp`` onto ``path``; whatever is at ``path`` (a leftover of a killed run at
     the same step, or something planted there, a symlink included: the entry is moved, not
-    followed) is moved aside first and removed after."""
-    if os.path.lexists(path):
-        aside = path.with_name(f".{path.name}.old-{os.getpid()}-{secrets.token_hex(8)}")
-        os.replace(path, aside)
-        os.replace(temp, path)
-        if aside.is_symlink():
-            aside.unlink()
-        else:
-            shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.replace(temp, path)
+    followed) is moved aside first, put back if the rename fails, and removed after."""
+    swap_in(temp, path, what="sharded checkpoint", any_entry=True)
 
 
 def copy_sharded(source: Path, target: Path) -> None:
