@@ -35,7 +35,6 @@ from speedtronic.profiling import (
     Payload,
     memory_usage_bytes,
 )
-from speedtronic_callbacks.background import BackgroundWorker
 from speedtronic_callbacks.console import ConsoleCallback
 from speedtronic_callbacks.csv_sink import CsvCallback
 from speedtronic_callbacks.early_stopping import EarlyStopping
@@ -552,33 +551,6 @@ def test_memory_usage_bytes_is_none_without_an_accelerator() -> None:
     if not torch.cuda.is_available() and not torch.backends.mps.is_available():
         assert memory_usage_bytes() is None
     assert memory_usage_bytes(torch.device("cpu")) is None
-
-
-# -- background worker ------------------------------------------------------------------
-
-
-def test_background_worker_keeps_order_drains_and_reports_failures() -> None:
-    handled: list[int] = []
-
-    def handle(item: int) -> None:
-        if item == 3:
-            raise ValueError("item 3 is bad")
-        handled.append(item)
-
-    worker: BackgroundWorker[int] = BackgroundWorker("test-worker", handle, max_pending=4)
-    for item in range(3):
-        worker.submit(item)
-    worker.drain()
-    assert handled == [0, 1, 2]
-    worker.submit(3)
-    with pytest.raises(ValueError, match="item 3 is bad"):
-        worker.drain()
-    for item in range(4, 20):  # more than max_pending: submit waits instead of growing
-        worker.submit(item)
-    worker.close()
-    assert handled == [0, 1, 2, *range(4, 20)]
-    with pytest.raises(RuntimeError, match="closed"):
-        worker.submit(99)
 
 
 @pytest.mark.parametrize("sink", ["jsonl", "csv"])

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Annotated
 from speedtronic.config.declare import Opt, plugin
 from speedtronic.engine.contexts import FitContext, FitEndContext, TeardownContext
 from speedtronic.state.run_lock import RunPaths
-from speedtronic_callbacks.background import BackgroundWorker
+from speedtronic.util.worker import BackgroundWorker
 from speedtronic_callbacks.sink import (
     MetricSink,
     Record,
@@ -145,7 +145,9 @@ class TensorBoardCallback(MetricSink):
                 )
         except OSError as exc:
             raise self.write_failed(log_dir, exc) from exc
-        self._worker = BackgroundWorker("speedtronic-tensorboard", self._write_event)
+        self._worker = BackgroundWorker(
+            "speedtronic-tensorboard", self._write_event, interval_s=0.1
+        )
 
     def write_record(self, trainer: TrainerView, record: Record) -> None:
         if self._worker is None:

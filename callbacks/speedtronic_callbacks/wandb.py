@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 from speedtronic.config.declare import Opt, plugin
 from speedtronic.engine.contexts import FitContext, FitEndContext, TeardownContext
 from speedtronic.plugins import PluginContext
-from speedtronic_callbacks.background import BackgroundWorker
+from speedtronic.util.worker import BackgroundWorker
 from speedtronic_callbacks.sink import MetricSink, Record, resolve_path
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ class WandbCallback(MetricSink):
         self.run_id = run.id
         self.finished = False
         if self.background:
-            self._worker = BackgroundWorker("speedtronic-wandb", self._log)
+            self._worker = BackgroundWorker("speedtronic-wandb", self._log, interval_s=0.1)
 
     def _init(self, wandb: ModuleType, directory: Path, config: dict[str, object] | None) -> Run:
         run: Run = wandb.init(

@@ -4,9 +4,9 @@
 device tensors; deferred for storages the caller promises not to touch until
 ``Snapshot.complete``). ``AsyncCheckpointWriter`` takes such a snapshot on the training thread
 and hands it to one writer thread, which saves it through a ``CheckpointManager`` (and tells
-``on_commit`` what it committed). ``LatestJobWorker`` is the same kind of one background
-thread for work that may lag behind training, where only the newest job matters: uploads of
-committed checkpoints to object storage (``speedtronic.state.remote``).
+``on_commit`` what it committed). The thread is the project's one background worker
+(``speedtronic.util.worker``), which also runs the uploads of committed checkpoints to object
+storage (``speedtronic.state.remote``).
 
 The files themselves -- atomic writes, the pointer, retention, what a checkpoint may hold --
 are ``speedtronic.state.checkpoint``'s business; this module only decides how a state gets there
@@ -18,7 +18,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +27,9 @@ from speedtronic.state.checkpoint import CheckpointError, CheckpointManager
 
 # TENSOR_TYPES: the snapshot copies byte-wise exactly the tensor types plain_state admits.
 from speedtronic.state.safe_load import TENSOR_TYPES, plain_state
+from speedtronic.util.worker import BackgroundWorker
 
-__all__ = ["AsyncCheckpointWriter", "LatestJobWorker", "Snapshot", "StateSnapshot"]
+__all__ = ["AsyncCheckpointWriter", "Snapshot", "StateSnapshot"]
 
 
 @dataclass
@@ -152,11 +152,12 @@ class AsyncCheckpointWriter:
     """Saves checkpoints on one background thread, at most one write in flight.
 
     ``submit`` snapshots the state on the calling (training) thread, waits for the previous
-    write first, and hands the snapshot to the writer thread, which completes the deferred
-    copies (``snapshot_copied`` tells when), then writes through the manager. A failed
-    write is raised as ``CheckpointError`` by the next ``submit``, ``poll`` or ``wait``.
-    ``on_commit`` is called on the writer thread with each checkpoint it committed (it must
-    not block: the checkpoint callback hands the path to its object-store mirror).
+    write first, and hands the snapshot to the writer thread (``speedtronic.util.worker``),
+    which completes the deferred copies (``snapshot_copied`` tells when), then writes through
+    the manager. A failed write is raised as ``CheckpointError`` by the next ``submit``,
+    ``poll`` or ``wait``. ``on_commit`` is called on the writer thread with each checkpoint
+    it committed (it must not block: the checkpoint callback hands the path to its
+    object-store mirror).
     """
 
     def __init__(
@@ -165,16 +166,17 @@ class AsyncCheckpointWriter:
         self.manager = manager
         self.on_commit = on_commit
         self._snapshot = StateSnapshot()
-        self._executor: ThreadPoolExecutor | None = None
-        self._pending: Future[Path] | None = None
+        self._worker: BackgroundWorker[tuple[int, Snapshot]] | None = None
         self._pending_step: int | None = None
+        self._written: Path | None = None
         self._copied = threading.Event()
         self._copied.set()
         self._lock = threading.Lock()
 
     @property
     def in_flight(self) -> bool:
-        return self._pending is not None and not self._pending.done()
+        worker = self._worker
+        return self._pending_step is not None and worker is not None and worker.busy
 
     def submit(
         self, step: int, state: Mapping[str, object], *, defer: frozenset[int] = frozenset()
@@ -185,22 +187,23 @@ class AsyncCheckpointWriter:
         self.wait()
         # plain_state first: the same rule as a synchronous save, raised on this thread.
         snapshot = self._snapshot.take(plain_state(state), defer)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="speedtronic-checkpoint")
+        if self._worker is None:
+            self._worker = BackgroundWorker("speedtronic-checkpoint", self._write, max_pending=1)
         with self._lock:
             self._copied.clear()
-            self._pending = self._executor.submit(self._write, step, snapshot)
             self._pending_step = step
+            self._worker.submit((step, snapshot))
 
-    def _write(self, step: int, snapshot: Snapshot) -> Path:
+    def _write(self, job: tuple[int, Snapshot]) -> None:
+        step, snapshot = job
         try:
             snapshot.complete()
         finally:
             self._copied.set()  # also on failure: nobody may wait forever
         path = self.manager.save(step, snapshot.state)
+        self._written = path
         if self.on_commit is not None:
             self.on_commit(path)
-        return path
 
     def wait_for_snapshot(self) -> None:
         """Block until the deferred copies of the write in flight are done (then the
@@ -210,109 +213,29 @@ class AsyncCheckpointWriter:
 
     def poll(self) -> None:
         """Raise the error of a finished failed write, if any; never blocks."""
-        pending = self._pending
-        if pending is not None and pending.done():
+        if self._pending_step is not None and not self.in_flight:
             self.wait()
 
     def wait(self) -> Path | None:
         """Block until the write in flight is on disk; returns its path (``None`` if none)."""
         with self._lock:
-            pending, step = self._pending, self._pending_step
-            self._pending, self._pending_step = None, None
-        if pending is None:
+            step, self._pending_step = self._pending_step, None
+        if step is None or self._worker is None:
             return None
         try:
-            return pending.result()
+            self._worker.drain()
         except Exception as exc:
             raise CheckpointError(
                 f"asynchronous save of step {step} failed: {type(exc).__name__}: {exc}"
             ) from exc
+        path, self._written = self._written, None
+        return path
 
     def close(self) -> None:
         """Wait for the last write (raising its error) and stop the thread."""
         try:
             self.wait()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
-
-
-class LatestJobWorker:
-    """One background thread for jobs where only the newest pending one matters.
-
-    ``submit`` never blocks: the job runs when the thread is free, and a job still waiting
-    when a newer one is submitted is dropped (the newer supersedes it; the one running is
-    never interrupted). A job reports its own failures -- an exception escaping it is kept
-    and raised by ``wait`` -- so that a slow or failing job never holds up the caller.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._condition = threading.Condition()
-        self._waiting: Callable[[], None] | None = None
-        self._running = False
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self.dropped = 0
-        """Jobs superseded by a newer one before they started."""
-
-    def submit(self, job: Callable[[], None]) -> None:
-        """Run ``job`` on the worker thread once it is free (replacing a job still waiting)."""
-        with self._condition:
-            if self._closed:
-                raise RuntimeError(f"{self._name}: submit after close")
-            if self._waiting is not None:
-                self.dropped += 1
-            self._waiting = job
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
-                self._thread.start()
-            self._condition.notify_all()
-
-    @property
-    def busy(self) -> bool:
-        """Whether a job is running or waiting."""
-        with self._condition:
-            return self._running or self._waiting is not None
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until no job is running or waiting (``False`` when ``timeout`` seconds
-        passed first); raises what a job raised, once."""
-        with self._condition:
-            idle = self._condition.wait_for(
-                lambda: not self._running and self._waiting is None, timeout
-            )
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
-        return idle
-
-    def close(self, timeout: float | None = None) -> bool:
-        """Finish what is running and waiting, then stop the thread (``wait``'s result)."""
-        try:
-            return self.wait(timeout)
-        finally:
-            with self._condition:
-                self._closed = True
-                self._condition.notify_all()
-
-    def _work(self) -> None:
-        while True:
-            with self._condition:
-                self._condition.wait_for(lambda: self._waiting is not None or self._closed)
-                job, self._waiting = self._waiting, None
-                if job is None:
-                    self._thread = None
-                    return
-                self._running = True
-            try:
-                job()
-            except BaseException as exc:  # kept for wait(): the thread must go on
-                with self._condition:
-                    self._error = exc
-            finally:
-                with self._condition:
-                    self._running = False
-                    self._condition.notify_all()
+            if self._worker is not None:
+                self._worker.close(None)
+                self._worker = None

@@ -11,7 +11,8 @@
 
 The store's file operations are ``remote_store``; fetching on resume is ``remote_fetch``.
 
-Uploading (``RemoteMirror``, one background thread: ``checkpoint_async.LatestJobWorker``).
+Uploading (``RemoteMirror``, one background thread: ``speedtronic.util.worker.BackgroundWorker``
+where a newer job replaces one still waiting).
 The mirror first claims the prefix for its run (``remote_owner.claim``; a prefix of another
 run is ``refusal``, which the checkpoint callback raises). After the local commit (the
 local ``latest.json`` names the checkpoint) its path is handed to the mirror, which never
@@ -50,7 +51,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -58,7 +59,6 @@ from typing import BinaryIO
 
 from speedtronic.state.archive import archive_checksum
 from speedtronic.state.checkpoint import CheckpointManager
-from speedtronic.state.checkpoint_async import LatestJobWorker
 from speedtronic.state.layout import POINTER_NAME, checkpoint_step
 from speedtronic.state.pointer import MAX_POINTER_BYTES, decode_pointer_bytes
 from speedtronic.state.remote_owner import RemoteOwnerError, check, claim, this_run
@@ -72,6 +72,7 @@ from speedtronic.state.remote_store import (
 )
 from speedtronic.state.run_identity import is_run_id
 from speedtronic.state.sharded_checkpoint import MANIFEST_NAME, SHARDED_SUFFIX
+from speedtronic.util.worker import BackgroundWorker, run_job
 
 __all__ = [
     "RemoteMirror",
@@ -358,7 +359,9 @@ class RemoteMirror:
         self._owned = run_id is None  # a run without an id claims nothing
         self._records: dict[str, RemoteRecord] | None = None  # the remote pointer's, once read
         self._reported = False
-        self._worker = LatestJobWorker("speedtronic-upload")
+        self._worker: BackgroundWorker[Callable[[], None]] = BackgroundWorker(
+            "speedtronic-upload", run_job, max_pending=1, when_full="replace"
+        )
 
     def start(self) -> None:
         """Claim the prefix now, in the background (an upload submitted before the claim
@@ -379,7 +382,7 @@ class RemoteMirror:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every submitted upload is done (verified, or failed and reported);
         ``False`` when ``timeout`` seconds passed first."""
-        return self._worker.wait(timeout)
+        return self._worker.drain(timeout)
 
     def close(self, timeout: float | None = None) -> bool:
         """``flush``, then stop the thread (a job still running after ``timeout`` is

@@ -1,4 +1,5 @@
-"""Bounded background I/O: each lane runs at most one job at a time and never queues.
+"""Bounded background I/O: each lane runs at most one job at a time and never queues (a
+``speedtronic.util.worker.BackgroundWorker`` that refuses while busy).
 
 The training thread hands work to a lane with ``try_submit``; if the lane is still busy
 with the previous job the call returns ``False`` at once and the caller carries on (a
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from speedtronic.util.worker import BackgroundWorker, run_job
 from speedtronic_callbacks.diloco.transport_base import HubNotCreatedError
 
 T = TypeVar("T")
@@ -46,7 +49,8 @@ class Inbox(Generic[T]):
 
 
 class Lane:
-    """One named daemon thread per job, at most one job in flight.
+    """One named background worker (``speedtronic.util.worker``) running at most one job
+    at a time: ``try_submit`` refuses while a job runs.
 
     A job that raises is logged and counted (``failures``); the lane stays usable. After
     ``close`` the lane refuses work until ``open`` is called again (a later ``fit``).
@@ -55,57 +59,64 @@ class Lane:
     def __init__(self, name: str) -> None:
         self.name = name
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._idle = threading.Event()
-        self._idle.set()
         self._open = True
+        self._worker = self._new_worker()
+        self._closing: BackgroundWorker[Callable[[], None]] | None = None
+        """A closed worker whose job outlived ``close``: the lane is busy until it ends."""
         self.submitted = 0
         self.skipped = 0
         self.failures = 0
 
+    def _new_worker(self) -> BackgroundWorker[Callable[[], None]]:
+        return BackgroundWorker(
+            f"speedtronic-diloco-{self.name}",
+            run_job,
+            max_pending=1,
+            when_full="refuse",
+            on_error=self._failed,
+        )
+
+    def _failed(self, error: BaseException) -> None:
+        # A background failure must never kill the process: logged, counted, lane usable.
+        with self._lock:
+            self.failures += 1
+        logger.error("diloco %s job failed", self.name, exc_info=error)
+
     @property
     def busy(self) -> bool:
-        return not self._idle.is_set()
+        closing = self._closing
+        return self._worker.busy or (closing is not None and closing.busy)
 
     def open(self) -> None:
         with self._lock:
             self._open = True
+            if self._worker.closed:
+                self._closing, self._worker = self._worker, self._new_worker()
 
     def try_submit(self, job: Callable[[], None]) -> bool:
         """Start ``job`` in the background unless a job is still running (then ``False``)."""
         with self._lock:
-            if not self._open or not self._idle.is_set():
+            if not self._open or self.busy or not self._worker.submit(job):
                 self.skipped += 1
                 return False
-            self._idle.clear()
             self.submitted += 1
-            thread = threading.Thread(
-                target=self._run, args=(job,), name=f"speedtronic-diloco-{self.name}", daemon=True
-            )
-            self._thread = thread
-        thread.start()
         return True
-
-    def _run(self, job: Callable[[], None]) -> None:
-        try:
-            job()
-        except Exception:  # a background failure must never kill the process
-            with self._lock:
-                self.failures += 1
-            logger.exception("diloco %s job failed", self.name)
-        finally:
-            self._idle.set()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no job is running (``True``) or ``timeout`` passes (``False``)."""
-        return self._idle.wait(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        closing = self._closing
+        if closing is not None and not closing.drain(timeout):
+            return False
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self._worker.drain(left)
 
     def close(self, timeout: float) -> bool:
         """Refuse new jobs and wait up to ``timeout`` s for the running one; ``True`` when
         the lane is idle. A job still running keeps going as a daemon thread."""
         with self._lock:
             self._open = False
-        finished = self._idle.wait(timeout)
+        finished = self._worker.close(timeout)
         if not finished:
             logger.warning(
                 "diloco %s lane still busy after %.1f s at shutdown; leaving it to finish in "
