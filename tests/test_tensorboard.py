@@ -76,3 +76,27 @@ def test_tensorboard_hook_writes_event_scalars(tmp_path: Path) -> None:
     assert scalars["train_step/loss"] == [(3, 0.5)]
     assert scalars["train_end/steps"] == [(0, 3.0)]
     assert "train_step/device" not in scalars and "train_step/ok" not in scalars
+
+
+def test_tensorboard_hook_writes_through_the_tensorboard_callback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from speedtronic.plugins import callback_registry
+
+    built: list[TensorBoardCallback] = []
+
+    class Recorded(TensorBoardCallback):
+        def __init__(self, *args: object, **options: object) -> None:
+            super().__init__(*args, **options)  # type: ignore[arg-type]  # forwarded as given
+            built.append(self)
+
+    monkeypatch.setattr(callback_registry, "_items", {"tensorboard": Recorded})
+    hook = TensorboardHook(tmp_path / "hook")
+    hook.on_event("train_step", {"step": 2, "loss": 0.25})
+    hook.flush()
+    assert len(built) == 1 and not built[0].closed
+    assert load_scalars(tmp_path / "hook")["train_step/loss"] == [(2, 0.25)]
+    hook.close()
+    assert built[0].closed
+    with pytest.raises(RuntimeError, match="after close"):
+        hook.on_event("train_step", {"step": 3, "loss": 0.5})

@@ -154,3 +154,32 @@ def test_wandb_hook_logs_events_and_finishes(tmp_path: Path) -> None:
     assert [path.name for path in files] == [f"run-{run_id}.wandb"]
     rows = history(files[0])
     assert rows[0]["loss"] == 0.75 and rows[0]["event"] == "train_step"
+
+
+def test_wandb_hook_logs_through_the_wandb_callback_as_2_0_did(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The hook is the `wandb` sink callback (looked up in the registry) set up outside a fit:
+    # its payload's `step` stays a logged value and W&B numbers the rows, as in 2.0.
+    from speedtronic.plugins import callback_registry
+
+    built: list[WandbCallback] = []
+
+    class Recorded(WandbCallback):
+        def __init__(self, **options: Any) -> None:
+            super().__init__(**options)
+            built.append(self)
+
+    monkeypatch.setattr(callback_registry, "_items", {"wandb": Recorded})
+    hook = WandbHook(project="speedtronic-test", dir=str(tmp_path), name="hooked")
+    hook.on_event("train_start", {"max_steps": 2})
+    hook.on_event("train_step", {"step": 5, "loss": 0.5})
+    assert len(built) == 1 and built[0].run is hook.run and hook.run is not None
+    assert hook.run.name == "hooked"
+    hook.finish()
+    assert built[0].finished and built[0].closed
+    rows = history(sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))[0])
+    assert [(row["_step"], row["event"]) for row in rows] == [(0, "train_start"), (1, "train_step")]
+    assert rows[1]["step"] == 5 and rows[0]["max_steps"] == 2
+    with pytest.raises(RuntimeError, match="after finish"):
+        hook.on_event("train_step", {"step": 6})

@@ -173,6 +173,11 @@ class TensorBoardCallback(MetricSink):
             writer.add_text(tag, text, step)
 
     def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
+        self.flush()
+
+    def flush(self) -> None:
+        """Write every queued record and flush the event file (also the 2.0
+        ``TensorboardHook.flush``); a failure reported once already is not raised again."""
         if self.write_failure is not None:
             return  # reported once already; teardown closes what is open
         try:

@@ -148,6 +148,11 @@ class WandbCallback(MetricSink):
         self.finished = False
         self._worker: BackgroundWorker[Record] | None = None
         self._setup_failed = False
+        self.init_settings: dict[str, object] = {}
+        """``wandb.init`` keywords over the ones above (what the 2.0 ``WandbHook`` passes)."""
+        self.step_from_record = True
+        """``False``: a record's ``step`` is logged as a value and W&B counts the steps (the
+        2.0 ``WandbHook``, whose events share no step)."""
 
     @property
     def closed(self) -> bool:
@@ -187,7 +192,7 @@ class WandbCallback(MetricSink):
             self._worker = BackgroundWorker("speedtronic-wandb", self._log, interval_s=0.1)
 
     def _init(self, wandb: ModuleType, directory: Path, config: dict[str, object] | None) -> Run:
-        run: Run = wandb.init(
+        settings: dict[str, object] = dict(
             project=self.project,
             entity=self.entity,
             name=self.name,
@@ -202,12 +207,17 @@ class WandbCallback(MetricSink):
             # W&B's console capture wraps sys.stdout; the console/progress sinks own it.
             settings=wandb.Settings(console="off"),
         )
+        settings.update(self.init_settings)
+        run: Run = wandb.init(**settings)
         return run
 
     def _log(self, record: Record) -> None:
         run = self.run
         if run is None:
             raise RuntimeError("the wandb sink received a record before setup")
+        if not self.step_from_record:
+            run.log(dict(record))
+            return
         run.log(
             {key: value for key, value in record.items() if key != "step"}, step=int(record["step"])
         )
