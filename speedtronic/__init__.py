@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "3.0.0"
+from speedtronic._version import __version__ as __version__
 
 _EXPORTS: dict[str, str] = {
     # events and callbacks
@@ -45,7 +45,7 @@ _EXPORTS: dict[str, str] = {
     "OptimizerConfig": "speedtronic.config",
     "SchedulerConfig": "speedtronic.config",
     "PrecisionConfig": "speedtronic.config",
-    "CheckpointConfig": "speedtronic.compat.checkpoint_config",
+    "CheckpointConfig": "speedtronic.config",
     "LoggingConfig": "speedtronic.config",
     "DistributedConfig": "speedtronic.config",
     "ParallelConfig": "speedtronic.config",
@@ -115,11 +115,11 @@ def __getattr__(name: str) -> object:
 
 
 if TYPE_CHECKING:
-    from speedtronic.compat.checkpoint_config import CheckpointConfig as CheckpointConfig
     from speedtronic.compat.coordinator import SyncCoordinator as SyncCoordinator
     from speedtronic.compat.trainer import SpeedtronicTrainer as SpeedtronicTrainer
     from speedtronic.compat.trainer import Trainer as Trainer
     from speedtronic.compat.trainer import TrainingEngine as TrainingEngine
+    from speedtronic.config import CheckpointConfig as CheckpointConfig
     from speedtronic.config import Config as Config
     from speedtronic.config import ConfigError as ConfigError
     from speedtronic.config import DataConfig as DataConfig

@@ -10,8 +10,7 @@ and composed in (see ``speedtronic.config.schema``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from speedtronic.config.checkpoint_config import CheckpointConfig
 from speedtronic.config.loading import (
     OPTIMIZER_ALIASES,
     RUN_ALIASES,
@@ -57,9 +56,6 @@ from speedtronic.config.sections import (
     redact_secrets,
 )
 
-if TYPE_CHECKING:
-    from speedtronic.compat.checkpoint_config import CheckpointConfig
-
 __all__ = [
     "OPTIMIZER_ALIASES",
     "RUN_ALIASES",
@@ -101,13 +97,3 @@ __all__ = [
     "section_aliases",
     "write_schemas",
 ]
-
-
-def __getattr__(name: str) -> object:
-    """2.0's ``CheckpointConfig`` lives with the 2.0 shims, which import this package, so it
-    resolves here on first use."""
-    if name == "CheckpointConfig":
-        from speedtronic.compat.checkpoint_config import CheckpointConfig
-
-        return CheckpointConfig
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
