@@ -16,7 +16,8 @@ used nowhere outside their own module.
   in no other file of the package, the plugins, tests, docs, examples, benchmarks, configs,
   README.md or pyproject.toml. A name in an ``__all__`` of its own module only counts as used
   when something else names it. Text search: a name used through ``getattr`` by a string of
-  the same spelling counts as used.
+  the same spelling counts as used. Those not used even in their own module are *dead*; the
+  others are helpers of their module that are public by name only.
 """
 
 from __future__ import annotations
@@ -152,6 +153,12 @@ def _all_of(path: Path) -> set[str]:
     return set()
 
 
+def _uses_in_own_module(path: Path, name: str) -> int:
+    """How often ``name`` appears in its own module beyond its definition (and ``__all__``)."""
+    text = path.read_text(encoding="utf-8")
+    return len(re.findall(rf"\b{re.escape(name)}\b", text)) - 1 - (f'"{name}"' in text)
+
+
 def unused_public_names() -> tuple[list[str], int]:
     files = [p for folder in READERS for p in (ROOT / folder).rglob("*") if p.is_file()]
     files += [ROOT / "README.md", ROOT / "pyproject.toml"]
@@ -172,7 +179,8 @@ def unused_public_names() -> tuple[list[str], int]:
                     continue
                 if any(name in found for other, found in words.items() if other != path):
                     continue
-                unused.append(f"{path.relative_to(ROOT)}:{name}")
+                dead = _uses_in_own_module(path, name) <= 0
+                unused.append(f"{path.relative_to(ROOT)}:{name}" + (" (dead)" if dead else ""))
                 in_all += name in exported
     return unused, in_all
 
@@ -182,7 +190,9 @@ def main() -> None:
     for key, value in import_cycles().items():
         print(f"{key}: {value}")
     unused, in_all = unused_public_names()
+    dead = [entry for entry in unused if entry.endswith("(dead)")]
     print(f"unused public names: {len(unused)} ({in_all} of them in an __all__)")
+    print(f"  of them used nowhere, not even in their own module: {len(dead)}")
     if "-v" in sys.argv:
         print("\n".join(unused))
 

@@ -61,11 +61,11 @@ def __getattr__(name: str) -> object:
 
 
 if TYPE_CHECKING:
+    from speedtronic.compat.checkpoint_config import CheckpointConfig as CheckpointConfig
     from speedtronic.compat.coordinator import SyncCoordinator as SyncCoordinator
     from speedtronic.compat.trainer import SpeedtronicTrainer as SpeedtronicTrainer
     from speedtronic.compat.trainer import Trainer as Trainer
     from speedtronic.compat.trainer import TrainingEngine as TrainingEngine
-    from speedtronic.config import CheckpointConfig as CheckpointConfig
     from speedtronic.config import Config as Config
     from speedtronic.config import ConfigError as ConfigError
     from speedtronic.config import DataConfig as DataConfig

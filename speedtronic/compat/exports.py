@@ -13,9 +13,9 @@ import importlib
 
 from speedtronic.compat.plugin_exports import plugin_attribute
 
-__all__ = ["KEPT_EXPORTS", "PLUGIN_EXPORTS", "kept_attribute", "kept_names"]
+__all__ = ["kept_attribute", "kept_names"]
 
-KEPT_EXPORTS: dict[str, str] = {
+_KEPT_EXPORTS: dict[str, str] = {
     "CallbackWarning": "speedtronic.engine.dispatch",
     "SyncCoordinator": "speedtronic.compat.coordinator",
     "TrainingEngine": "speedtronic.compat.trainer",
@@ -29,7 +29,7 @@ KEPT_EXPORTS: dict[str, str] = {
     "OptimizerConfig": "speedtronic.config",
     "SchedulerConfig": "speedtronic.config",
     "PrecisionConfig": "speedtronic.config",
-    "CheckpointConfig": "speedtronic.config",
+    "CheckpointConfig": "speedtronic.compat.checkpoint_config",
     "LoggingConfig": "speedtronic.config",
     "DistributedConfig": "speedtronic.config",
     "ParallelConfig": "speedtronic.config",
@@ -63,22 +63,22 @@ KEPT_EXPORTS: dict[str, str] = {
 }
 """Name -> the module that defines it."""
 
-PLUGIN_EXPORTS: dict[str, str] = {"HubClient": "diloco", "DumbDiLoCoCoordinator": "diloco"}
+_PLUGIN_EXPORTS: dict[str, str] = {"HubClient": "diloco", "DumbDiLoCoCoordinator": "diloco"}
 """2.0 names whose implementation is a plugin: found through the plugin's entry point, so the
 package never imports ``speedtronic_callbacks`` itself."""
 
 
 def kept_names() -> list[str]:
     """Every name ``speedtronic`` gives beyond its ``__all__``."""
-    return [*KEPT_EXPORTS, *PLUGIN_EXPORTS]
+    return [*_KEPT_EXPORTS, *_PLUGIN_EXPORTS]
 
 
 def kept_attribute(name: str, owner: str) -> object:
     """The object a kept name stands for; ``AttributeError`` for any other name (for
     ``owner``'s ``__getattr__``)."""
-    module = KEPT_EXPORTS.get(name)
+    module = _KEPT_EXPORTS.get(name)
     if module is not None:
         return getattr(importlib.import_module(module), name)
-    if name in PLUGIN_EXPORTS:
-        return plugin_attribute(PLUGIN_EXPORTS[name], name, owner)
+    if name in _PLUGIN_EXPORTS:
+        return plugin_attribute(_PLUGIN_EXPORTS[name], name, owner)
     raise AttributeError(f"module {owner!r} has no attribute {name!r}")

@@ -10,7 +10,9 @@ and composed in (see ``speedtronic.config.schema``).
 
 from __future__ import annotations
 
-from speedtronic.config.checkpoint_config import CheckpointConfig
+import importlib
+from typing import TYPE_CHECKING
+
 from speedtronic.config.loading import (
     OPTIMIZER_ALIASES,
     RUN_ALIASES,
@@ -56,6 +58,9 @@ from speedtronic.config.sections import (
     redact_secrets,
 )
 
+if TYPE_CHECKING:
+    from speedtronic.compat.checkpoint_config import CheckpointConfig
+
 __all__ = [
     "OPTIMIZER_ALIASES",
     "RUN_ALIASES",
@@ -97,3 +102,13 @@ __all__ = [
     "section_aliases",
     "write_schemas",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """2.0's ``CheckpointConfig`` is a 2.0 shim (``speedtronic.compat``): looked up by name at
+    first use, as the package root does for its kept names, so that the config layer imports
+    nothing of the 2.0 layer."""
+    if name == "CheckpointConfig":
+        module = importlib.import_module("speedtronic.compat.checkpoint_config")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
