@@ -16,11 +16,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from speedtronic.systems.shapes import WarningLogger
 
 __all__ = [
     "MAX_STREAMS",
@@ -32,10 +33,6 @@ __all__ = [
 MAX_STREAMS = 8
 
 _LOGGER = logging.getLogger("speedtronic.stage_streams")
-
-
-class WarningLogger(Protocol):
-    def warning(self, msg: str, /) -> object: ...
 
 
 @dataclass(frozen=True)
