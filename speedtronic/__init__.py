@@ -13,103 +13,49 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "3.0.0"
+from speedtronic._version import __version__ as __version__
 
 _EXPORTS: dict[str, str] = {
     # events and callbacks
     "Event": "speedtronic.engine.events",
     "Callback": "speedtronic.engine.callback",
     "CallbackPlan": "speedtronic.engine.dispatch",
-    "CallbackWarning": "speedtronic.engine.dispatch",
+    "TrainerView": "speedtronic.engine.view",
     "MetricRecord": "speedtronic.engine.metrics",
     "TrainResult": "speedtronic.engine.result",
-    "SyncCoordinator": "speedtronic.compat.coordinator",
-    # trainer and runtime
+    # training
     "Trainer": "speedtronic.compat.trainer",
-    "TrainerView": "speedtronic.engine.view",
-    "TrainingEngine": "speedtronic.compat.trainer",
-    "SpeedtronicTrainer": "speedtronic.compat.trainer",
     "TrainingStateError": "speedtronic.engine.trainer",
     "build_runtime": "speedtronic.runtime",
     "train_from_config": "speedtronic.runtime",
-    "build_callbacks": "speedtronic.runtime",
+    "seed_everything": "speedtronic.state.rng",
     # config
     "SpeedtronicConfig": "speedtronic.config",
-    "Config": "speedtronic.config",
     "ConfigError": "speedtronic.config",
     "load_config": "speedtronic.config",
-    "load_yaml_config": "speedtronic.config",
-    "RunConfig": "speedtronic.config",
-    "ModelConfig": "speedtronic.config",
-    "DataConfig": "speedtronic.config",
-    "OptimizerConfig": "speedtronic.config",
-    "SchedulerConfig": "speedtronic.config",
-    "PrecisionConfig": "speedtronic.config",
-    "CheckpointConfig": "speedtronic.compat.checkpoint_config",
-    "LoggingConfig": "speedtronic.config",
-    "DistributedConfig": "speedtronic.config",
-    "ParallelConfig": "speedtronic.config",
-    "ShapeValidationConfig": "speedtronic.config",
     # plugins and registries
     "PluginContext": "speedtronic.plugins",
     "PluginError": "speedtronic.plugins",
     "register_callback": "speedtronic.plugins",
-    "callback_registry": "speedtronic.plugins",
-    "ModelRegistry": "speedtronic.models.registry",
     "register_model": "speedtronic.models.registry",
     "build_model": "speedtronic.models.registry",
-    "registry": "speedtronic.models.registry",
     "register_dataset": "speedtronic.data",
     "build_dataloader": "speedtronic.data",
-    # model
-    "GPT": "speedtronic.models.transformer",
-    "GPTConfig": "speedtronic.models.transformer",
-    "ReferenceTransformer": "speedtronic.models.transformer",
-    # precision
-    "PrecisionPlan": "speedtronic.systems.precision",
-    # reproducibility
-    "seed_everything": "speedtronic.state.rng",
-    # utilities of the original API
-    "set_gradient_checkpointing": "speedtronic.module_utils",
-    "CheckpointManager": "speedtronic.state.checkpoint",
-    "MetricLogger": "speedtronic.profiling",
-    "WandbHook": "speedtronic.integrations",
-    "TensorboardHook": "speedtronic.integrations",
-    # 2.0's optimizers, out-of-order backprop and shape checks
-    "CautiousOptimizer": "speedtronic.optimizers",
-    "HybridOptimizer": "speedtronic.optimizers",
-    "Muon": "speedtronic.optimizers",
-    "ParameterRouting": "speedtronic.optimizers",
-    "newton_schulz": "speedtronic.optimizers",
-    "post_polar_normalize": "speedtronic.optimizers",
-    "route_parameters": "speedtronic.optimizers",
-    "StageInfo": "speedtronic.systems.stage_streams",
-    "StageStreamScheduler": "speedtronic.systems.stage_streams",
-    "ShapeProfile": "speedtronic.systems.shapes",
-    "ShapeReport": "speedtronic.systems.shapes",
-    "ShapeWarning": "speedtronic.systems.shapes",
-    "resolve_shape_profile": "speedtronic.systems.shapes",
-    "validate_startup_shapes": "speedtronic.systems.shapes",
 }
+"""The front door: the modern API. Every other name ``speedtronic`` gave before (2.0's config
+classes, optimizers, hooks, ...) still resolves, through ``speedtronic.compat.exports``."""
 
-# Original names whose implementation is a plugin: resolved through the plugin's entry point
-# at first use, so the engine never imports ``speedtronic_callbacks`` itself at run time
-# (the static declaration below names the class, for type checkers only).
-_PLUGIN_EXPORTS: dict[str, str] = {"HubClient": "diloco", "DumbDiLoCoCoordinator": "diloco"}
-
-__all__ = ["__version__", *_EXPORTS, *_PLUGIN_EXPORTS]
+__all__ = ["__version__", *_EXPORTS]
 
 
 def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
     if module is not None:
         value = getattr(importlib.import_module(module), name)
-    elif name in _PLUGIN_EXPORTS:
-        # By name, like every export: the package root imports nothing until a name is used.
-        exports = importlib.import_module("speedtronic.compat.plugin_exports")
-        value = exports.plugin_attribute(_PLUGIN_EXPORTS[name], name, "speedtronic")
     else:
-        raise AttributeError(f"module 'speedtronic' has no attribute {name!r}")
+        # The 2.0 facade beside the front door: loaded only when such a name is asked for.
+        exports = importlib.import_module("speedtronic.compat.exports")
+        value = exports.kept_attribute(name, "speedtronic")
     globals()[name] = value
     return value
 

@@ -234,7 +234,7 @@ def _weights_note(weights: str) -> str:
 
 
 def _version() -> str:
-    from speedtronic import __version__
+    from speedtronic._version import __version__
 
     return f"speedtronic {__version__}"
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from speedtronic.engine.rank_metrics import RankMetricReducer as RankMetricReducer
 from speedtronic.systems.distributed import TORCHRUN_VARIABLES as TORCHRUN_VARIABLES
 from speedtronic.systems.distributed import CollectiveError as CollectiveError
 from speedtronic.systems.distributed import DistributedContext as DistributedContext
 from speedtronic.systems.distributed import DistributedSetupError as DistributedSetupError
 from speedtronic.systems.distributed import LaunchEnvironment as LaunchEnvironment
-from speedtronic.systems.distributed import RankMetricReducer as RankMetricReducer
 from speedtronic.systems.distributed import ReplicaGroups as ReplicaGroups
 from speedtronic.systems.distributed import ReplicaSync as ReplicaSync
 from speedtronic.systems.distributed import agree_on_stop as agree_on_stop

@@ -44,7 +44,7 @@ MODEL_GROUP = "speedtronic.models"
 DATASET_GROUP = "speedtronic.datasets"
 
 
-NAME_HINT_CUTOFF = 0.7
+_NAME_HINT_CUTOFF = 0.7
 """How close (``difflib`` ratio) a known name must be to a mistyped one to be suggested:
 ``jsonn`` -> ``jsonl`` is 0.8, ``consol`` -> ``console`` 0.92."""
 
@@ -53,7 +53,7 @@ def closest_name(name: str, names: Sequence[str]) -> str | None:
     """The known name to suggest for a mistyped ``name``: the closest by ``difflib``, else the
     only known name in the same family (the same first ``_`` part: ``hf_lama`` ->
     ``hf_causal_lm``, whose ratio is too low), else none."""
-    close = difflib.get_close_matches(name, names, n=1, cutoff=NAME_HINT_CUTOFF)
+    close = difflib.get_close_matches(name, names, n=1, cutoff=_NAME_HINT_CUTOFF)
     if close:
         return close[0]
     family, underscore, _ = name.partition("_")
@@ -382,13 +382,13 @@ callback_registry: PluginRegistry[type[Callback]] = PluginRegistry("callback", C
 """Callback classes by the name used in ``callbacks:`` (each with its ``PluginSpec``)."""
 
 
-CallbackClass = TypeVar("CallbackClass", bound="type[Callback]")
+_CallbackClass = TypeVar("_CallbackClass", bound="type[Callback]")
 
 
-def register_callback(name: str) -> Callable[[CallbackClass], CallbackClass]:
+def register_callback(name: str) -> Callable[[_CallbackClass], _CallbackClass]:
     """Class decorator: make a ``Callback`` subclass usable as ``{name: <name>}`` in config."""
 
-    def decorate(cls: CallbackClass) -> CallbackClass:
+    def decorate(cls: _CallbackClass) -> _CallbackClass:
         if not _is_callback_class(cls):
             raise TypeError(f"register_callback({name!r}) needs a Callback subclass, got {cls!r}")
         callback_registry.register(name, cls)
@@ -464,17 +464,6 @@ def _configurable_specs(version: int) -> tuple[PluginSpec, ...]:
     return tuple(found)
 
 
-def configurable_plugins() -> tuple[tuple[str, type[Callback]], ...]:
-    """``(name, class)`` of each plugin of ``configurable_specs``."""
-    return tuple((spec.name, spec.callback) for spec in configurable_specs())
-
-
 def sections_of(spec: PluginSpec, data: Mapping[str, object]) -> dict[str, object]:
     """The top-level sections ``spec`` reads, taken from a normalised config mapping."""
     return {key: data[key] for key in spec.sections.keys if key in data}
-
-
-def legacy_sections_of(plugin: type[Callback], data: Mapping[str, object]) -> dict[str, object]:
-    """The sections a plugin class declared (``legacy_sections``), from a config mapping."""
-    keys = cast("tuple[str, ...]", getattr(plugin, "legacy_sections", ()))
-    return {key: data[key] for key in keys if key in data}

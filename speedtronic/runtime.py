@@ -39,10 +39,11 @@ from speedtronic.data.held_out import (
     training_excludes_tail,
 )
 from speedtronic.data.loader import training_dataset
-from speedtronic.data.mixture_metrics import mixture_metrics
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.evaluation import EvalOutcome, evaluate_model
+from speedtronic.engine.mixture_metrics import mixture_metrics
 from speedtronic.engine.result import TrainResult
+from speedtronic.engine.stage_streams import StageStreamCallback
 from speedtronic.engine.trainer import TrainingStateError
 from speedtronic.evaluation.tasks import MultipleChoiceTask, TaskError, read_task
 from speedtronic.evaluation.text import TextError, run_text
@@ -92,7 +93,7 @@ from speedtronic.systems.distributed import (
 )
 from speedtronic.systems.precision import resolve_device, resolve_precision
 from speedtronic.systems.shapes import validate_startup_shapes
-from speedtronic.systems.stage_streams import StageStreamCallback, StageStreamScheduler
+from speedtronic.systems.stage_streams import StageStreamScheduler
 from speedtronic.user_warnings import warn
 
 ConfigSource = SpeedtronicConfig | Mapping[str, object] | str | Path

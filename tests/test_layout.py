@@ -30,7 +30,11 @@ FACES = {
     "plotting",
 }
 """The composition root and the faces users and tools touch (``user_warnings``: plugin
-packages raise their warnings through it, and every layer does, so it sits at the top)."""
+packages raise their warnings through it, and every layer does)."""
+
+LEAVES = {"_version", "errors"}
+"""Leaf modules every layer may import, which import nothing of the package: the version
+(checkpoints record it) and ``ConfigError`` (models raise it below the config layer)."""
 
 V2_PATHS: dict[str, str] = {
     "config": (
@@ -93,7 +97,7 @@ REEXPORTS = {
 def test_the_top_level_holds_only_the_faces_and_the_2_0_paths() -> None:
     top = {path.stem for path in PACKAGE.glob("*.py")}
     v2_modules = {name for name in V2_PATHS if (PACKAGE / f"{name}.py").is_file()}
-    assert top == FACES | v2_modules
+    assert top == FACES | LEAVES | v2_modules
 
 
 @pytest.mark.parametrize("path", sorted(V2_PATHS))
@@ -150,7 +154,7 @@ def lint_imports(root: Path) -> tuple[int, str]:
 def test_the_import_contracts_hold() -> None:
     code, report = lint_imports(ROOT)
     assert code == 0, report
-    assert "Contracts: 5 kept, 0 broken." in report
+    assert "Contracts: 8 kept, 0 broken." in report
 
 
 def copy_with_imports(tmp_path: Path, imports: Mapping[str, str]) -> Path:
@@ -200,3 +204,54 @@ def test_import_linter_catches_the_config_layer_importing_the_engine(tmp_path: P
     assert code == 1
     assert "configuration never imports the engine BROKEN" in report
     assert "speedtronic.config.schema -> speedtronic.engine.callback" in report
+
+
+@pytest.mark.parametrize(
+    ("module", "statement", "arrow"),
+    [
+        # a building block reaching up to the engine (issue 33: state, systems, models, data)
+        ("state/rng.py", "import speedtronic.engine.callback", "speedtronic.state.rng -> "),
+        ("systems/precision.py", "import speedtronic.engine.events", "speedtronic.systems."),
+        ("data/stream.py", "import speedtronic.engine.metrics", "speedtronic.data.stream -> "),
+        ("models/summary.py", "import speedtronic.engine.view", "speedtronic.models.summary -> "),
+        # the config layer reaching up to the 2.0 layer, the engine to the runtime
+        ("config/declare.py", "import speedtronic.compat.hooks", "speedtronic.config.declare -> "),
+        ("state/layout.py", "import speedtronic.models.loss", "speedtronic.state.layout -> "),
+    ],
+)
+def test_import_linter_catches_an_import_up_the_layers(
+    tmp_path: Path, module: str, statement: str, arrow: str
+) -> None:
+    """``layers point down``: a module importing from a layer above its own fails the check."""
+    code, report = lint_imports(copy_with_imports(tmp_path, {module: statement}))
+    assert code == 1
+    assert "layers point down BROKEN" in report
+    assert arrow in report
+
+
+@pytest.mark.parametrize(
+    ("module", "statement", "contract", "arrow"),
+    [
+        # What needs the version reads ``speedtronic._version``, never the root (which would
+        # make a checkpoint writer import every public name's module).
+        (
+            "state/rng.py",
+            "from speedtronic import __version__",
+            "nothing inside the package imports its root",
+            "speedtronic.state.rng -> speedtronic (",
+        ),
+        (
+            "models/summary.py",
+            "import speedtronic.compat.hooks",
+            "the modern path never imports the 2.0 layer",
+            "speedtronic.models.summary -> speedtronic.compat.hooks",
+        ),
+    ],
+)
+def test_import_linter_catches_the_root_or_the_2_0_layer_imported_from_inside(
+    tmp_path: Path, module: str, statement: str, contract: str, arrow: str
+) -> None:
+    code, report = lint_imports(copy_with_imports(tmp_path, {module: statement}))
+    assert code == 1
+    assert f"{contract} BROKEN" in report
+    assert arrow in report

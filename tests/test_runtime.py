@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from speedtronic import Callback, build_runtime, train_from_config
+from speedtronic.engine.stage_streams import StageStreamCallback
 from speedtronic.runtime import callback_specs, data_shard
 from speedtronic.state.checkpoint import CheckpointManager
 from speedtronic.systems.distributed import DistributedContext
-from speedtronic.systems.stage_streams import StageStreamCallback
 
 
 def tiny(tmp_path: Path, **extra: object) -> dict[str, object]:

@@ -13,8 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import cast
 
-from speedtronic.config import ConfigError
-from speedtronic.config.schema import schema_defaults
+from speedtronic.config.schema import ConfigError, schema_defaults
 
 __all__ = ["CheckpointConfig"]
 

@@ -10,6 +10,7 @@ and composed in (see ``speedtronic.config.schema``).
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 from speedtronic.config.loading import (
@@ -104,10 +105,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    """2.0's ``CheckpointConfig`` lives with the 2.0 shims, which import this package, so it
-    resolves here on first use."""
+    """2.0's ``CheckpointConfig`` is a 2.0 shim (``speedtronic.compat``): looked up by name at
+    first use, as the package root does for its kept names, so that the config layer imports
+    nothing of the 2.0 layer."""
     if name == "CheckpointConfig":
-        from speedtronic.compat.checkpoint_config import CheckpointConfig
-
-        return CheckpointConfig
+        module = importlib.import_module("speedtronic.compat.checkpoint_config")
+        return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -34,6 +34,7 @@ from jsonschema import Draft202012Validator, ValidationError, validators
 from jsonschema.exceptions import SchemaError
 
 from speedtronic import plugins
+from speedtronic.errors import ConfigError as ConfigError
 from speedtronic.state.atomic_io import atomic_write_text
 
 SchemaDict = dict[str, object]
@@ -100,26 +101,6 @@ def oversized_integer(value: object) -> TypeGuard[int]:
         and not isinstance(value, bool)
         and value.bit_length() > MAX_INTEGER_BITS
     )
-
-
-class ConfigError(ValueError):
-    """Invalid configuration. ``errors`` lists every problem, each starting with its path
-    (``optimizer.lr: -1 is less than or equal to the minimum of 0``)."""
-
-    def __init__(self, errors: str | Sequence[str], *, source: str | None = None) -> None:
-        self.errors: list[str] = [errors] if isinstance(errors, str) else list(errors)
-        self.source = source
-        super().__init__(self._render())
-
-    def _render(self) -> str:
-        where = f" in {self.source}" if self.source else ""
-        if len(self.errors) == 1:
-            return f"invalid configuration{where}: {self.errors[0]}"
-        lines = "\n".join(f"  - {error}" for error in self.errors)
-        return f"{len(self.errors)} configuration errors{where}:\n{lines}"
-
-    def __str__(self) -> str:
-        return self._render()
 
 
 # -- paths ------------------------------------------------------------------------------

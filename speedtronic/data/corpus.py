@@ -59,7 +59,6 @@ __all__ = [
     "SUFFIXES",
     "CorpusError",
     "DocumentLimit",
-    "INPUT_FORMATS",
     "InputFormat",
     "LongDocuments",
     "Segment",
@@ -81,7 +80,6 @@ _MAX_BLANK_CHUNKS = 64
 
 LongDocuments = Literal["refuse", "split"]
 InputFormat = Literal["txt", "jsonl", "parquet"]
-INPUT_FORMATS: tuple[InputFormat, ...] = ("txt", "jsonl", "parquet")
 _BOM = "\ufeff"
 _GLOB_CHARACTERS = frozenset("*?[")
 

@@ -223,7 +223,7 @@ class MixtureSampler(WindowSampler):
         """How many of the positions ``0 .. position - 1`` of epoch ``epoch`` (all ranks
         together) each source fills: its draws of the rounds before, and in the round
         ``position`` falls in, the slots of the round's deal dealt to it so far. For metrics
-        (``speedtronic.data.mixture_metrics``): a round's deal at most, never per step."""
+        (``speedtronic.engine.mixture_metrics``): a round's deal at most, never per step."""
         quotas = self.mixture.quotas
         if position >= len(self.mixture):
             return quotas.copy()

@@ -12,14 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-IGNORE_INDEX = -100
-
-
-class ModelOutputError(TypeError):
-    """The model returned something the loop cannot turn into a loss."""
+# The loss of logits is the models' own (a model computes it without the engine); the loop
+# uses the same function and names.
+from speedtronic.models.loss import IGNORE_INDEX as IGNORE_INDEX
+from speedtronic.models.loss import ModelOutputError as ModelOutputError
+from speedtronic.models.loss import loss_from_logits as loss_from_logits
 
 
 def move_to_device(batch: object, device: torch.device) -> object:
@@ -58,31 +57,6 @@ def batch_labels(batch: object) -> torch.Tensor | None:
     if isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[1], torch.Tensor):
         return batch[1]
     return None
-
-
-def loss_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Causal LM cross-entropy. Same-length labels are already next-token aligned (no
-    shift); labels one shorter than the sequence use ``logits[:, :-1]``."""
-    if logits.dim() != 3:
-        raise ModelOutputError(
-            f"logits must be (batch, seq, vocab), got shape {tuple(logits.shape)}"
-        )
-    seq = logits.shape[1]
-    if labels.shape[-1] == seq - 1:
-        logits = logits[:, :-1]
-    elif labels.shape[-1] != seq:
-        raise ModelOutputError(
-            f"labels of shape {tuple(labels.shape)} do not match logits {tuple(logits.shape)}"
-        )
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_labels = labels.reshape(-1).long()
-    # Sum over valid positions divided by their count (at least 1): the mean loss, and a
-    # differentiable zero (not NaN) when every label is ignored.
-    total = F.cross_entropy(
-        flat_logits.float(), flat_labels, ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    count = (flat_labels != IGNORE_INDEX).sum().clamp(min=1)
-    return total / count
 
 
 def _tensor_loss(value: object, batch: object) -> torch.Tensor | None:

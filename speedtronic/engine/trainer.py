@@ -54,6 +54,7 @@ from speedtronic.engine.events import On
 from speedtronic.engine.forward_path import ForwardPath
 from speedtronic.engine.loop import run_global_step
 from speedtronic.engine.notes import Notes
+from speedtronic.engine.rank_metrics import RankMetricReducer
 from speedtronic.engine.result import TrainResult
 from speedtronic.engine.settings import TrainerSettings
 from speedtronic.engine.state import FitClock, LRScheduler, TrainingState
@@ -67,7 +68,6 @@ from speedtronic.state.training_state import (
 )
 from speedtronic.systems.distributed import (
     DistributedContext,
-    RankMetricReducer,
     agree_on_stop,
     collective_failure,
     reduce_run_totals,

@@ -38,9 +38,9 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from speedtronic.config import ConfigError
 from speedtronic.data.tokenizer import HF_EXTRA
-from speedtronic.engine.batch import loss_from_logits
+from speedtronic.errors import ConfigError
+from speedtronic.models.loss import loss_from_logits
 from speedtronic.optimizers.routing import ROLE_ATTRIBUTE
 
 __all__ = [

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from speedtronic.engine.batch import loss_from_logits
+from speedtronic.models.loss import loss_from_logits
 
 __all__ = [
     "GPT",

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from speedtronic.engine.trainer import TrainingStateError
 from speedtronic.state.checkpoint import CheckpointManager, SkippedCheckpoint
 from speedtronic.state.run_identity import check_same_run, saved_run
 from speedtronic.state.run_lock import BindsOutputDir
+from speedtronic.state.training_state import TrainingStateError
 
 if TYPE_CHECKING:
     from speedtronic.engine.trainer import Trainer

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from speedtronic import __version__
+from speedtronic._version import __version__
 from speedtronic.state.callback_shards import (
     CALLBACK_SHARD_PATHS,
     split_callback_shards,

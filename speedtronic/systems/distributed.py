@@ -32,20 +32,14 @@ import gc
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from speedtronic.engine.callback import Callback
-from speedtronic.engine.contexts import MetricsContext
-from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.systems.precision import resolve_device
-
-if TYPE_CHECKING:
-    from speedtronic.engine.view import TrainerView
 
 __all__ = [
     "TORCHRUN_VARIABLES",
@@ -53,7 +47,6 @@ __all__ = [
     "DistributedContext",
     "DistributedSetupError",
     "LaunchEnvironment",
-    "RankMetricReducer",
     "ReplicaGroups",
     "ReplicaSync",
     "agree_on_stop",
@@ -463,39 +456,3 @@ def collective_failure(
         f"rank crashed, was killed, or did not answer within distributed.timeout_s="
         f"{context.timeout_s:g} s (check the other ranks' logs): {first_line}"
     )
-
-
-# -- metrics ----------------------------------------------------------------------------------
-
-
-class RankMetricReducer(Callback):
-    """Makes the logged metrics global: on logging steps only, one all-reduce turns the
-    local loss (and grad norm) into the mean over ranks and the sample/token counts and
-    rates into sums. The trainer adds it, last among the contributors, in distributed runs."""
-
-    MEAN_KEYS: ClassVar[tuple[str, ...]] = ("loss", "grad_norm")
-    SUM_KEYS: ClassVar[tuple[str, ...]] = ("samples", "tokens", "samples_per_sec", "tokens_per_sec")
-    due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
-
-    def __init__(self, context: DistributedContext) -> None:
-        self.context = context
-
-    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
-        record = ctx.record
-        present = [key for key in (*self.MEAN_KEYS, *self.SUM_KEYS) if key in record]
-        values = record.values()  # one host transfer; sinks reuse the materialised values
-        numbers = [values[key] for key in present]
-        local = torch.tensor(
-            [float(n) if isinstance(n, (int, float)) else 0.0 for n in numbers],
-            dtype=torch.float64,
-            device=self.context.collective_device,
-        )
-        dist.all_reduce(local)
-        world = self.context.world_size
-        for key, total, original in zip(present, local.tolist(), numbers, strict=True):
-            if key in self.MEAN_KEYS:
-                record.set(key, total / world)
-            elif isinstance(original, int):
-                record.set(key, int(round(total)))
-            else:
-                record.set(key, total)

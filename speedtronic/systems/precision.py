@@ -127,8 +127,3 @@ def supports_fused_adamw(device: torch.device) -> bool:
     except (TypeError, RuntimeError, ValueError):
         return False
     return True
-
-
-def parameter_count(model: nn.Module) -> int:
-    """Number of distinct parameters (tied weights counted once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -16,27 +16,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from speedtronic.engine.callback import Callback
-from speedtronic.engine.contexts import (
-    BackwardContext,
-    FitContext,
-    MicrobatchContext,
-    TeardownContext,
-)
-
-if TYPE_CHECKING:
-    from speedtronic.engine.view import TrainerView
+from speedtronic.systems.shapes import WarningLogger
 
 __all__ = [
     "MAX_STREAMS",
     "StageInfo",
-    "StageStreamCallback",
     "StageStreamScheduler",
     "WarningLogger",
 ]
@@ -44,10 +33,6 @@ __all__ = [
 MAX_STREAMS = 8
 
 _LOGGER = logging.getLogger("speedtronic.stage_streams")
-
-
-class WarningLogger(Protocol):
-    def warning(self, msg: str, /) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -247,29 +232,3 @@ class StageStreamScheduler:
     @property
     def stage_names(self) -> Sequence[str]:
         return [stage.name for stage in self.stages]
-
-
-class StageStreamCallback(Callback):
-    """Runs a ``StageStreamScheduler`` around every microbatch's forward pass (the runtime
-    adds it when ``ooo_backprop: true``): ``begin`` at ``microbatch_start``, ``finish`` at
-    ``before_backward`` (the loss exists, backward follows on the stage streams), ``dispose``
-    at ``teardown``. On CPU/MPS the scheduler is disabled and the hooks do nothing."""
-
-    def __init__(self, scheduler: StageStreamScheduler) -> None:
-        self.scheduler = scheduler
-
-    def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
-        if not self.scheduler.enabled and self.scheduler.reason:
-            _LOGGER.info("out-of-order backprop disabled: %s", self.scheduler.reason)
-
-    def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
-        trainer.notes.publish("ooo_backprop", self.scheduler.as_dict())  # 2.0's event
-
-    def on_microbatch_start(self, trainer: TrainerView, ctx: MicrobatchContext) -> None:
-        self.scheduler.begin()
-
-    def on_before_backward(self, trainer: TrainerView, ctx: BackwardContext) -> None:
-        self.scheduler.finish()
-
-    def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
-        self.scheduler.dispose()
