@@ -107,7 +107,6 @@ from speedtronic_callbacks.diloco.options import (
     streaming_problems,
 )
 from speedtronic_callbacks.diloco.transport_base import RetryingTransport, RetryPolicy, Transport
-from speedtronic_callbacks.diloco.wire import Compression
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
@@ -301,7 +300,6 @@ def make_node(
         role=options.role,
         inner_steps=options.inner_steps,
         poll_interval=options.poll_interval,
-        compression=Compression(options.compression),
         shutdown_timeout=options.shutdown_timeout,
         secret=secret,
         delta_dtype=delta_encoding(options),

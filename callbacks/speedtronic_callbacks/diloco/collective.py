@@ -89,7 +89,8 @@ from speedtronic_callbacks.diloco.aggregation import (
     replica_weights,
     state_norm,
 )
-from speedtronic_callbacks.diloco.encoding import BLOCK_SIZE, Encoding, Packed, pack, unpack
+from speedtronic_callbacks.diloco.codec import BLOCK_SIZE, BlockCodec, CastCodec, Packed
+from speedtronic_callbacks.diloco.codecs import registered_codecs
 from speedtronic_callbacks.diloco.eval_keys import global_eval_metrics
 from speedtronic_callbacks.diloco.fragments import FragmentPlan, fragment_name, layout_plan
 from speedtronic_callbacks.diloco.math import (
@@ -205,7 +206,9 @@ class CollectiveDiLoCo(Callback):
         self.options = options or CollectiveDiLoCoOptions.from_mapping(values)
         self.ranks_per_replica = self.options.ranks_per_replica  # speedtronic ReplicaSync
         self.encoding = delta_encoding(self.options)
-        self.wire_dtype = torch.float32 if self.encoding.packed else self.encoding.float_dtype
+        self.wire_dtype = (
+            self.encoding.dtype if isinstance(self.encoding, CastCodec) else torch.float32
+        )
         self.robust = robust_settings(self.options)
         self.screens = Screens(self.robust)
         """The recent pseudo-gradient norms, per fragment (``norm_histories``)."""
@@ -534,7 +537,7 @@ class CollectiveDiLoCo(Callback):
         mark = self._work_mark or (0, 0)
         work = (trainer.tokens - mark[0], trainer.samples - mark[1])
         self._work_mark = (trainer.tokens, trainer.samples)
-        codes = list(Encoding)
+        codes = list(registered_codecs())
         local = torch.tensor(
             [
                 float(torch.linalg.vector_norm(flat, dtype=torch.float64)),
@@ -550,8 +553,8 @@ class CollectiveDiLoCo(Callback):
         rows = [torch.zeros_like(device_local) for _ in range(groups.num_replicas)]
         dist.all_gather(rows, device_local, group=groups.peers)
         stats = [row.cpu().tolist() for row in rows]
-        used = sorted({codes[int(row[3])].value for row in stats if 0 <= row[3] < len(codes)})
-        if used != [self.encoding.value]:
+        used = sorted({codes[int(row[3])].name for row in stats if 0 <= row[3] < len(codes)})
+        if used != [self.encoding.name]:
             raise ValueError(
                 f"diloco: the replicas use different delta_dtype values ({used}); every "
                 "rank must be configured with the same one"
@@ -563,10 +566,12 @@ class CollectiveDiLoCo(Callback):
     ) -> _PackedGather:
         """int8/fp4: pack ``flat`` (keeping what the packing dropped as ``fragment``'s
         residual) and start the all-gathers of every replica's codes and scales (async)."""
-        packed = pack(flat, self.encoding)
+        packed = self._block_codec().pack(flat)
         if self.options.error_feedback:
             kept = coefficients[self._replica_index()] > 0
-            self.residuals[fragment] = flat - unpack(packed) if kept else torch.zeros_like(flat)
+            self.residuals[fragment] = (
+                flat - packed.codec.unpack(packed) if kept else torch.zeros_like(flat)
+            )
         groups, context = self._groups, self._context
         gather = _PackedGather([], [], [packed.codes], [packed.scales], coefficients, flat.numel())
         if groups is None or context is None or groups.num_replicas < 2:
@@ -587,12 +592,17 @@ class CollectiveDiLoCo(Callback):
             handle.wait()
         gather.handles, gather.sent = [], []
         total = torch.zeros(gather.values, dtype=torch.float32)
+        codec = self._block_codec()
         rows = zip(gather.codes, gather.scales, gather.coefficients, strict=True)
         for codes, scales, coefficient in rows:
             if coefficient:
-                packed = Packed(self.encoding, gather.values, BLOCK_SIZE, codes.cpu(), scales.cpu())
-                total.add_(unpack(packed), alpha=coefficient)
+                packed = Packed(codec, gather.values, BLOCK_SIZE, codes.cpu(), scales.cpu())
+                total.add_(codec.unpack(packed), alpha=coefficient)
         return total.div_(len(gather.coefficients))
+
+    def _block_codec(self) -> BlockCodec:
+        assert isinstance(self.encoding, BlockCodec), "a packed exchange needs a block codec"
+        return self.encoding
 
     def _ensure_residuals(self) -> None:
         """With fragments or overlap and int8/fp4 error feedback, every fragment's residual

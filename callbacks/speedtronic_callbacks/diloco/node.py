@@ -56,7 +56,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from speedtronic_callbacks.diloco.encoding import Encoding
+from speedtronic_callbacks.diloco.codec import Codec
+from speedtronic_callbacks.diloco.codecs import FP32
 from speedtronic_callbacks.diloco.fragments import layout_plan
 from speedtronic_callbacks.diloco.hub_files import delta_path, parse_delta_path
 from speedtronic_callbacks.diloco.lanes import ErrorReporter, Inbox, Lane
@@ -70,7 +71,6 @@ from speedtronic_callbacks.diloco.transport_base import (
     UnreadableFileError,
 )
 from speedtronic_callbacks.diloco.wire import (
-    Compression,
     DeltaInfo,
     Rejected,
     check_signature,
@@ -102,21 +102,22 @@ class NodeSettings:
     role: Role
     inner_steps: int = 500
     poll_interval: float = 60.0
-    compression: Compression = Compression.NONE
+    compression: Codec = FP32
+    """The codec ``compression`` names (its older option; ``delta_dtype`` wins)."""
     shutdown_timeout: float = 5.0
     secret: bytes | None = field(default=None, repr=False)
     max_file_bytes: int | None = None
     """Largest hub file read; ``None``: derived from the model (``largest_file_bytes``)."""
-    delta_dtype: Encoding | None = None
-    """The delta encoding (``None``: the one ``compression`` names)."""
+    delta_dtype: Codec | None = None
+    """The delta codec (``None``: the one ``compression`` names)."""
     error_feedback: bool = True
     """Carry what a lossy encoding dropped into the next delta."""
     fragments: int = 1
     """Streaming fragments P (1: the whole model at every boundary)."""
 
     @property
-    def encoding(self) -> Encoding:
-        return self.delta_dtype or self.compression.encoding
+    def encoding(self) -> Codec:
+        return self.delta_dtype or self.compression
 
 
 @dataclass(frozen=True)

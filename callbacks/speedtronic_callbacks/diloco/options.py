@@ -30,7 +30,8 @@ from jsonschema import Draft202012Validator
 from speedtronic.config.declare import Opt, build, default_of, defaults_of, object_schema
 from speedtronic.plugins import JSONSchema
 from speedtronic_callbacks.diloco.aggregation import RobustSettings
-from speedtronic_callbacks.diloco.encoding import Encoding
+from speedtronic_callbacks.diloco.codec import Codec
+from speedtronic_callbacks.diloco.codecs import CodecName, codec_named
 from speedtronic_callbacks.diloco.master import NODE_ID_PATTERN
 
 __all__ = [
@@ -58,9 +59,7 @@ __all__ = [
 
 logger = logging.getLogger("speedtronic.diloco")
 
-DeltaDtype = Literal["fp32", "bf16", "fp16", "int8", "fp4"]
 OutlierPolicy = Literal["clip", "reject", "off"]
-Compression = Literal["none", "bf16", "fp16"]
 
 
 # -- the options, each declared once -----------------------------------------------------
@@ -112,11 +111,11 @@ class DeltaOptions:
         bool, Opt("clear the inner optimizer state when a newer global model is installed")
     ] = True
     compression: Annotated[
-        Compression,
+        Literal["none", "bf16", "fp16"],
         Opt("`delta_dtype`'s older name (`none` = `fp32`, `bf16`, `fp16`); set one of the two"),
     ] = "none"
     delta_dtype: Annotated[
-        DeltaDtype | None,
+        CodecName | None,
         Opt(
             "pseudo-gradient encoding on the wire and in hub files: `fp32`, `bf16`/`fp16` (1/2 "
             "the bytes), `int8` (per-block scale, ~1/3.8), `fp4` (e2m1 with a per-block scale, "
@@ -551,9 +550,9 @@ def encoding_problems(values: Mapping[str, object]) -> Iterator[str]:
         )
 
 
-def delta_encoding(options: DiLoCoOptions | CollectiveDiLoCoOptions) -> Encoding:
-    """The encoding ``options`` choose: ``delta_dtype``, else ``compression``."""
-    return Encoding.parse(options.delta_dtype or options.compression)
+def delta_encoding(options: DiLoCoOptions | CollectiveDiLoCoOptions) -> Codec:
+    """The codec ``options`` choose: ``delta_dtype``, else ``compression``."""
+    return codec_named(options.delta_dtype or options.compression)
 
 
 def robust_settings(options: DiLoCoOptions | CollectiveDiLoCoOptions) -> RobustSettings:

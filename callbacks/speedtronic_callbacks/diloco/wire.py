@@ -37,14 +37,16 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from speedtronic_callbacks.diloco.encoding import (
+from speedtronic_callbacks.diloco.codec import (
     BLOCK_SIZE,
-    Encoding,
+    BlockCodec,
+    CastCodec,
+    Codec,
     Packed,
     PackingError,
-    pack,
-    unpack,
 )
+from speedtronic_callbacks.diloco.codecs import FP32, cast_codecs, find_codec, registered_codecs
+from speedtronic_callbacks.diloco.encoding import Compression as Compression  # its earlier home
 from speedtronic_callbacks.diloco.fields import (
     FRAGMENT_PATTERN,
     FieldError,
@@ -67,25 +69,10 @@ MAX_JSON_DEPTH = 8
 Checked before parsing, so a 100,000-deep header is a rejection, not a RecursionError."""
 
 
-class Compression(str, enum.Enum):
-    """How a delta's values travel: float32, or halved to bfloat16 / float16."""
-
-    NONE = "none"
-    BF16 = "bf16"
-    FP16 = "fp16"
-
-    @property
-    def encoding(self) -> Encoding:
-        """The ``delta_dtype`` this names (``none`` is ``fp32``)."""
-        return Encoding.parse(self.value)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.encoding.float_dtype
-
-
-_WIRE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-_FP16_MAX = 65504.0
+_SAFETENSORS_TAGS = {
+    torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"
+}  # fmt: skip
+"""The safetensors dtype tag of each float dtype a cast codec may send."""
 
 
 class RejectionReason(str, enum.Enum):
@@ -447,44 +434,43 @@ def unflatten_delta(flat: torch.Tensor, layout: ModelLayout) -> dict[str, torch.
     return unflatten(flat, {key: layout.wire_shapes[key] for key in layout.sync_keys})
 
 
-def _as_encoding(value: Compression | Encoding) -> Encoding:
-    return value if isinstance(value, Encoding) else value.encoding
+def _cast_codec(codec: Codec) -> CastCodec:
+    """A codec that is not block-scaled must cast: the file format has those two kinds."""
+    if not isinstance(codec, CastCodec):
+        raise TypeError(f"codec {codec.name!r} is neither a CastCodec nor a BlockCodec")
+    return codec
 
 
 def to_wire(
-    delta: StateDict, layout: ModelLayout, compression: Compression | Encoding = Compression.NONE
+    delta: StateDict, layout: ModelLayout, compression: Codec = FP32
 ) -> dict[str, torch.Tensor]:
-    """The delta's tensors as they travel: cast to the encoding's dtype (fp32/bf16/fp16;
-    an fp16 delta with values beyond the fp16 range is sent in float32 instead of
-    overflowing to Inf), or packed into ``PACKED_KEYS`` (int8/fp4)."""
-    encoding = _as_encoding(compression)
-    if encoding.packed:
-        packed = pack(flatten_delta(delta, layout), encoding)
+    """The delta's tensors as they travel in codec ``compression``: cast to its dtype (per
+    key; ``CastCodec.send_dtype``: an fp16 delta with values beyond the fp16 range is sent
+    in float32 instead of overflowing to Inf), or packed into ``PACKED_KEYS``."""
+    if isinstance(compression, BlockCodec):
+        packed = compression.pack(flatten_delta(delta, layout))
         return {"codes": packed.codes, "scales": packed.scales}
-    dtype = encoding.float_dtype
-    if encoding is Encoding.FP16 and any(
-        bool(t.abs().max() > _FP16_MAX) for t in delta.values() if t.numel()
-    ):
-        dtype = torch.float32
+    dtype = _cast_codec(compression).send_dtype(list(delta.values()))
     return {key: delta[key].to(dtype) for key in layout.sync_keys}
 
 
-def wire_encoding(wire: StateDict) -> Encoding:
-    """The encoding of ``to_wire``'s result, read from its entries."""
+def wire_encoding(wire: StateDict) -> Codec:
+    """The cast codec of ``to_wire``'s result, read from its entries' dtypes (fp32 when
+    they are mixed)."""
     if set(wire) == set(PACKED_KEYS):
         raise ValueError("a packed delta's encoding cannot be told from its tensors")
     dtypes = {tensor.dtype for tensor in wire.values()}
-    for encoding in (Encoding.BF16, Encoding.FP16):
-        if dtypes == {encoding.float_dtype}:
-            return encoding
-    return Encoding.FP32
+    for codec in cast_codecs():
+        if dtypes == {codec.dtype}:
+            return codec
+    return FP32
 
 
-def from_wire(wire: StateDict, layout: ModelLayout, encoding: Encoding) -> dict[str, torch.Tensor]:
+def from_wire(wire: StateDict, layout: ModelLayout, codec: Codec) -> dict[str, torch.Tensor]:
     """What a receiver decodes from ``to_wire``'s result: float32 per key."""
-    if encoding.packed:
-        packed = Packed(encoding, layout.sync_numel, BLOCK_SIZE, wire["codes"], wire["scales"])
-        return unflatten_delta(unpack(packed), layout)
+    if isinstance(codec, BlockCodec):
+        packed = Packed(codec, layout.sync_numel, BLOCK_SIZE, wire["codes"], wire["scales"])
+        return unflatten_delta(codec.unpack(packed), layout)
     return {key: wire[key].to(torch.float32) for key in layout.sync_keys}
 
 
@@ -494,27 +480,28 @@ def encode_wire(
     layout: ModelLayout,
     *,
     secret: bytes | None = None,
-    encoding: Encoding | None = None,
+    encoding: Codec | None = None,
 ) -> bytes:
     """A delta file from tensors already in their wire form (see ``to_wire``). The
     ``encoding`` (read from the tensors' dtypes when not given; required for int8/fp4) is
     recorded in the signed metadata, with the block size and value count of a packed one.
     ``layout`` is the whole model's, also for a fragment's delta (``info.fragment``)."""
     encoding = encoding or wire_encoding(wire)
-    if encoding is Encoding.FP16 and any(t.dtype == torch.float32 for t in wire.values()):
-        encoding = Encoding.FP32  # to_wire's overflow fallback
+    if isinstance(encoding, CastCodec) and encoding.falls_back:
+        if any(t.dtype == torch.float32 for t in wire.values()):
+            encoding = FP32  # to_wire's overflow fallback (``send_dtype``)
     fields = {
         "node_id": info.node_id,
         "local_step": str(info.local_step),
         "base_outer_step": str(info.base_outer_step),
         "incarnation": info.incarnation,
-        "encoding": encoding.value,
+        "encoding": encoding.name,
         "tokens": str(info.tokens),
         "samples": str(info.samples),
     }
     if info.first_step is not None:
         fields["first_step"] = str(info.first_step)
-    if encoding.packed:
+    if isinstance(encoding, BlockCodec):
         fields["block_size"] = str(BLOCK_SIZE)
         fields["values"] = str(fragment_layout(layout, info.fragment).sync_numel)
     if info.fragment:
@@ -527,14 +514,13 @@ def encode_delta(
     info: DeltaInfo,
     layout: ModelLayout,
     *,
-    compression: Compression | Encoding = Compression.NONE,
+    compression: Codec = FP32,
     secret: bytes | None = None,
 ) -> bytes:
-    """A delta file in ``compression``'s encoding (a ``Compression`` or an ``Encoding``);
-    with ``info.fragment``, of that streaming fragment's keys of ``delta``."""
-    encoding = _as_encoding(compression)
-    wire = to_wire(delta, fragment_layout(layout, info.fragment), encoding)
-    return encode_wire(wire, info, layout, secret=secret, encoding=encoding)
+    """A delta file in codec ``compression``; with ``info.fragment``, of that streaming
+    fragment's keys of ``delta``."""
+    wire = to_wire(delta, fragment_layout(layout, info.fragment), compression)
+    return encode_wire(wire, info, layout, secret=secret, encoding=compression)
 
 
 @dataclass(frozen=True)
@@ -545,19 +531,19 @@ class DecodedDelta:
     tensors: dict[str, torch.Tensor]
     sha256: str
     size: int
-    encoding: Encoding = Encoding.FP32
+    encoding: Codec = FP32
+    """The codec the file declares (its ``encoding`` field)."""
 
 
-def _declared_encoding(data: bytes) -> Encoding | str | None:
-    """The ``encoding`` a delta file's header declares: ``None`` when absent (files of
-    earlier versions: float tensors per key), the name itself when it is unknown."""
+def _declared_encoding(data: bytes) -> Codec | str | None:
+    """The codec a delta file's header declares (``encoding``, a codec's own name; an
+    alias is no wire name): ``None`` when absent (files of earlier versions: float
+    tensors per key), the name itself when it is unknown."""
     declared = parse_header(data).metadata.get("encoding")
     if declared is None:
         return None
-    try:
-        return Encoding(declared)
-    except ValueError:
-        return declared
+    codec = find_codec(declared)
+    return codec if codec is not None and codec.name == declared else declared
 
 
 def decode_delta(data: bytes, layout: ModelLayout, *, secret: bytes | None) -> DecodedDelta:
@@ -566,8 +552,8 @@ def decode_delta(data: bytes, layout: ModelLayout, *, secret: bytes | None) -> D
     fingerprint checks), packed data that does not fit its header ``BAD_PACKING``. A
     ``fragment`` field restricts the keys the file must hold to that fragment's."""
     declared = _declared_encoding(data)
-    packed = isinstance(declared, Encoding) and declared.packed
-    known = declared is None or isinstance(declared, Encoding)
+    packed = isinstance(declared, BlockCodec)
+    known = declared is None or isinstance(declared, Codec)
     fragment = parse_header(data).metadata.get("fragment", "")
     expected = fragment_layout(layout, fragment)
     decoded = decode_file(
@@ -576,11 +562,11 @@ def decode_delta(data: bytes, layout: ModelLayout, *, secret: bytes | None) -> D
         fingerprint=layout.fingerprint,
         secret=secret,
         expected_shapes=expected.wire_shapes if known and not packed else None,
-        allowed_dtypes=(_PACKED_DTYPES if packed else _WIRE_DTYPES) if known else None,
+        allowed_dtypes=(_PACKED_DTYPES if packed else _cast_dtypes()) if known else None,
         what="delta",
     )
-    if not isinstance(declared, Encoding) and declared is not None:
-        known_names = ", ".join(item.value for item in Encoding)
+    if isinstance(declared, str):
+        known_names = ", ".join(codec.name for codec in registered_codecs())
         raise Rejected(
             RejectionReason.UNKNOWN_ENCODING,
             f"delta is encoded as {declared[:40]!r}; this version reads {known_names}",
@@ -588,7 +574,7 @@ def decode_delta(data: bytes, layout: ModelLayout, *, secret: bytes | None) -> D
     require_fields(decoded.metadata, ("node_id", "local_step", "base_outer_step"), "delta")
     info = _delta_info(decoded.fields, fragment)
     encoding = declared or wire_encoding(decoded.tensors)
-    if encoding.packed:
+    if isinstance(encoding, BlockCodec):
         tensors = _unpack_delta(decoded, expected, encoding)
     else:
         tensors = {key: value.to(torch.float32) for key, value in decoded.tensors.items()}
@@ -619,8 +605,13 @@ def _delta_info(fields: Fields, fragment: str) -> DeltaInfo:
     )
 
 
+def _cast_dtypes() -> dict[str, torch.dtype]:
+    """The safetensors tags a cast delta's entries may have: the registered cast codecs'."""
+    return {_SAFETENSORS_TAGS[codec.dtype]: codec.dtype for codec in cast_codecs()}
+
+
 def _unpack_delta(
-    decoded: DecodedFile, layout: ModelLayout, encoding: Encoding
+    decoded: DecodedFile, layout: ModelLayout, encoding: BlockCodec
 ) -> dict[str, torch.Tensor]:
     """The float32 delta of a packed file; ``BAD_PACKING`` when the codes or scales do not
     fit the header (block size, value count) or the model."""
@@ -628,7 +619,7 @@ def _unpack_delta(
     if set(tensors) != set(PACKED_KEYS):
         raise Rejected(
             RejectionReason.WRONG_KEYS,
-            f"a {encoding.value} delta holds {sorted(tensors)[:5]}, expected {list(PACKED_KEYS)}",
+            f"a {encoding.name} delta holds {sorted(tensors)[:5]}, expected {list(PACKED_KEYS)}",
         )
     require_fields(decoded.metadata, ("block_size", "values"), "delta")
     block_size = fields.integer("block_size")
@@ -637,7 +628,7 @@ def _unpack_delta(
     if values != expected:
         raise Rejected(
             RejectionReason.BAD_PACKING,
-            f"{encoding.value} delta says it holds {values} values, this model has {expected}",
+            f"{encoding.name} delta says it holds {values} values, this model has {expected}",
         )
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise Rejected(RejectionReason.BAD_PACKING, f"block size {block_size} is out of range")
@@ -645,7 +636,7 @@ def _unpack_delta(
     if codes.dim() != 1 or scales.dim() != 1:
         raise Rejected(RejectionReason.BAD_PACKING, "packed codes and scales must be 1-D")
     try:
-        flat = unpack(Packed(encoding, values, block_size, codes, scales))
+        flat = encoding.unpack(Packed(encoding, values, block_size, codes, scales))
     except PackingError as exc:
         raise Rejected(RejectionReason.BAD_PACKING, f"delta: {exc}") from None
     return unflatten_delta(flat, layout)
