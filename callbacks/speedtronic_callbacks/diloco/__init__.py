@@ -13,7 +13,8 @@ Modules, one concept each (docs/distributed.md, "Where the code is"):
 * ``model_layout`` -- what a model's files must contain (exchanged keys, shapes, tied
   weights) and its fingerprint;
 * ``wire`` and ``fields`` -- the exchanged tensor files (safetensors + signed metadata) and
-  their validation; ``pointer`` -- the hub pointer naming the current global files;
+  their validation (``signed_file``: the common format; ``delta_file``: deltas;
+  ``ledger``: what the master applied); ``pointer`` -- the hub pointer naming the current global files;
   ``hub_files`` -- the hub's file names and the master state a version holds;
 * ``transport_base`` -- the ``Transport`` interface, its errors, retries and timeouts;
   ``directory_transport`` and ``hub_transport`` -- one store per kind;
