@@ -14,14 +14,16 @@ Modules, one concept each (docs/distributed.md, "Where the code is"):
   weights) and its fingerprint;
 * ``wire`` and ``fields`` -- the exchanged tensor files (safetensors + signed metadata) and
   their validation (``signed_file``: the common format; ``delta_file``: deltas;
-  ``ledger``: what the master applied); ``pointer`` -- the hub pointer naming the current global files;
+  ``ledger``: what the master applied);
+  ``pointer`` -- the hub pointer naming the current global files;
   ``hub_files`` -- the hub's file names and the master state a version holds;
 * ``transport_base`` -- the ``Transport`` interface, its errors, retries and timeouts;
   ``directory_transport`` and ``hub_transport`` -- one store per kind;
 * ``lanes`` -- bounded background I/O;
 * ``master`` -- the outer loop, with ``recovery`` (start-up from the hub) and ``hub_gc``
   (deleting applied deltas and old versions); ``node`` -- the per-step state machine;
-* ``options`` -- the plugin's options and its 2.0 ``distributed:`` section;
+* ``options`` -- the plugin's options; ``distributed_section`` -- its 2.0
+  ``distributed:`` section;
 * ``callback`` -- the ``Callback`` itself and the plugin's builder; ``collective`` -- the
   torch.distributed mode.
 
@@ -33,6 +35,10 @@ from __future__ import annotations
 
 from speedtronic_callbacks.diloco.callback import DiLoCoCallback, build_diloco
 from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
+from speedtronic_callbacks.diloco.distributed_section import (
+    DistributedSection,
+    options_from_distributed_section,
+)
 from speedtronic_callbacks.diloco.hub_transport import HubTransport
 from speedtronic_callbacks.diloco.master import MasterLoop, MasterSettings, RoundReport
 from speedtronic_callbacks.diloco.math import (
@@ -43,11 +49,7 @@ from speedtronic_callbacks.diloco.math import (
     staleness_weight,
 )
 from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
-from speedtronic_callbacks.diloco.options import (
-    DiLoCoOptions,
-    DistributedSection,
-    options_from_distributed_section,
-)
+from speedtronic_callbacks.diloco.options import DiLoCoOptions
 from speedtronic_callbacks.diloco.original_api import (
     DumbDiLoCo,
     DumbDiLoCoCoordinator,
