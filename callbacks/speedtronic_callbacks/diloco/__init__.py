@@ -25,7 +25,8 @@ Modules, one concept each (docs/distributed.md, "Where the code is"):
 * ``options`` -- the plugin's options; ``distributed_section`` -- its 2.0
   ``distributed:`` section;
 * ``callback`` -- the ``Callback`` itself and the plugin's builder; ``collective`` -- the
-  torch.distributed mode.
+  torch.distributed mode (``collective_exchange``: the replicas' exchange;
+  ``collective_state``: its checkpoint).
 
 ``original_api`` holds 2.0's Python API (``HubClient``, ``DumbDiLoCoCoordinator``, ...) and
 ``legacy_hub`` reads a hub written by 2.0.
