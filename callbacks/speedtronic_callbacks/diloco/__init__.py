@@ -20,8 +20,10 @@ Modules, one concept each (docs/distributed.md, "Where the code is"):
 * ``transport_base`` -- the ``Transport`` interface, its errors, retries and timeouts;
   ``directory_transport`` and ``hub_transport`` -- one store per kind;
 * ``lanes`` -- bounded background I/O;
-* ``master`` -- the outer loop, with ``recovery`` (start-up from the hub) and ``hub_gc``
-  (deleting applied deltas and old versions); ``node`` -- the per-step state machine;
+* ``master`` -- the outer loop (``master_intake``: validating and screening the deltas;
+  ``master_publish``: the pointer and publication; ``master_report``: settings, reports),
+  with ``recovery`` (start-up from the hub) and ``hub_gc`` (deleting applied deltas and
+  old versions); ``node`` -- the per-step state machine;
 * ``options`` -- the plugin's options; ``distributed_section`` -- its 2.0
   ``distributed:`` section;
 * ``callback`` -- the ``Callback`` itself and the plugin's builder; ``collective`` -- the
