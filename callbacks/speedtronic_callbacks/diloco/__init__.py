@@ -23,7 +23,9 @@ Modules, one concept each (docs/distributed.md, "Where the code is"):
 * ``master`` -- the outer loop (``master_intake``: validating and screening the deltas;
   ``master_publish``: the pointer and publication; ``master_report``: settings, reports),
   with ``recovery`` (start-up from the hub) and ``hub_gc`` (deleting applied deltas and
-  old versions); ``node`` -- the per-step state machine;
+  old versions); ``node`` -- the per-step state machine (``node_pending``: unsent
+  work; ``node_jobs``: the lane jobs; ``node_results``: taking in their results;
+  ``node_state``: checkpoint and metrics; ``node_messages``: what the lanes pass);
 * ``options`` -- the plugin's options; ``distributed_section`` -- its 2.0
   ``distributed:`` section;
 * ``callback`` -- the ``Callback`` itself and the plugin's builder; ``collective`` -- the
