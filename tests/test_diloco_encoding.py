@@ -124,7 +124,7 @@ def test_non_finite_values_are_refused(encoding: Encoding, bad: float) -> None:
 
 def _tampered(packed: Packed, **changes: object) -> Packed:
     fields = {
-        "encoding": packed.encoding,
+        "codec": packed.codec,
         "numel": packed.numel,
         "block_size": packed.block_size,
         "codes": packed.codes,

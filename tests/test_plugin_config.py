@@ -403,15 +403,19 @@ def test_each_builtin_declares_its_options_once_and_takes_them_as_keywords(name:
 def test_diloco_declares_both_modes_and_checks_built_options_once() -> None:
     from speedtronic.config import declare
     from speedtronic.plugins import plugin_spec
-    from speedtronic_callbacks.diloco import options
+    from speedtronic_callbacks.diloco import distributed_section, options
 
     spec = plugin_spec("diloco")
     assert spec.options_type is options.DiLoCoOptions
-    assert options.HUB_OPTIONS_SCHEMA["properties"] == (
-        declare.object_schema(options.DiLoCoOptions)["properties"]
+    assert (
+        options.HUB_OPTIONS_SCHEMA["properties"]
+        == (declare.object_schema(options.DiLoCoOptions)["properties"])
     )
     shared = {item.name for item in declare.documented(options.OuterLoopOptions)}
-    for declaration in (options.CollectiveDiLoCoOptions, options.DistributedSectionKeys):
+    for declaration in (
+        options.CollectiveDiLoCoOptions,
+        distributed_section.DistributedSectionKeys,
+    ):
         assert shared <= {item.name for item in declare.documented(declaration)}
     built = spec.parse({"hub_dir": "/h", "inner_steps": 7})  # validated data: not checked again
     assert isinstance(built, options.DiLoCoOptions) and built.inner_steps == 7

@@ -7,21 +7,30 @@ Modules, one concept each (docs/distributed.md, "Where the code is"):
 
 * the algorithm, shared by every mode: ``math`` -- pseudo-gradients, the delta-carry
   rule, the outer Nesterov optimizer; ``aggregation`` -- outlier screening and work
-  weighting; ``fragments`` -- streaming fragments; ``encoding`` -- the ``delta_dtype``
-  codecs;
+  weighting; ``fragments`` -- streaming fragments; ``codec`` -- the ``Codec`` interface,
+  ``codecs`` -- one class per ``delta_dtype`` and their registry (``encoding``: the
+  codecs' earlier names, ``Encoding`` and ``Compression``);
 * ``model_layout`` -- what a model's files must contain (exchanged keys, shapes, tied
   weights) and its fingerprint;
 * ``wire`` and ``fields`` -- the exchanged tensor files (safetensors + signed metadata) and
-  their validation; ``pointer`` -- the hub pointer naming the current global files;
+  their validation (``signed_file``: the common format; ``delta_file``: deltas;
+  ``ledger``: what the master applied);
+  ``pointer`` -- the hub pointer naming the current global files;
   ``hub_files`` -- the hub's file names and the master state a version holds;
 * ``transport_base`` -- the ``Transport`` interface, its errors, retries and timeouts;
   ``directory_transport`` and ``hub_transport`` -- one store per kind;
 * ``lanes`` -- bounded background I/O;
-* ``master`` -- the outer loop, with ``recovery`` (start-up from the hub) and ``hub_gc``
-  (deleting applied deltas and old versions); ``node`` -- the per-step state machine;
-* ``options`` -- the plugin's options and its 2.0 ``distributed:`` section;
+* ``master`` -- the outer loop (``master_intake``: validating and screening the deltas;
+  ``master_publish``: the pointer and publication; ``master_report``: settings, reports),
+  with ``recovery`` (start-up from the hub) and ``hub_gc`` (deleting applied deltas and
+  old versions); ``node`` -- the per-step state machine (``node_pending``: unsent
+  work; ``node_jobs``: the lane jobs; ``node_results``: taking in their results;
+  ``node_state``: checkpoint and metrics; ``node_messages``: what the lanes pass);
+* ``options`` -- the plugin's options; ``distributed_section`` -- its 2.0
+  ``distributed:`` section;
 * ``callback`` -- the ``Callback`` itself and the plugin's builder; ``collective`` -- the
-  torch.distributed mode.
+  torch.distributed mode (``collective_exchange``: the replicas' exchange;
+  ``collective_state``: its checkpoint).
 
 ``original_api`` holds 2.0's Python API (``HubClient``, ``DumbDiLoCoCoordinator``, ...) and
 ``legacy_hub`` reads a hub written by 2.0.
@@ -31,6 +40,10 @@ from __future__ import annotations
 
 from speedtronic_callbacks.diloco.callback import DiLoCoCallback, build_diloco
 from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
+from speedtronic_callbacks.diloco.distributed_section import (
+    DistributedSection,
+    options_from_distributed_section,
+)
 from speedtronic_callbacks.diloco.hub_transport import HubTransport
 from speedtronic_callbacks.diloco.master import MasterLoop, MasterSettings, RoundReport
 from speedtronic_callbacks.diloco.math import (
@@ -41,11 +54,7 @@ from speedtronic_callbacks.diloco.math import (
     staleness_weight,
 )
 from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
-from speedtronic_callbacks.diloco.options import (
-    DiLoCoOptions,
-    DistributedSection,
-    options_from_distributed_section,
-)
+from speedtronic_callbacks.diloco.options import DiLoCoOptions
 from speedtronic_callbacks.diloco.original_api import (
     DumbDiLoCo,
     DumbDiLoCoCoordinator,

@@ -81,6 +81,13 @@ from speedtronic.plugins import (
 from speedtronic.systems.distributed import DistributedContext, SameOnEveryRankError
 from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
 from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
+from speedtronic_callbacks.diloco.distributed_section import (
+    DISTRIBUTED_SECTION_SCHEMA,
+    DistributedSection,
+    distributed_section_problems,
+    normalise_distributed_section,
+    options_from_distributed_section,
+)
 from speedtronic_callbacks.diloco.eval_keys import (
     GLOBAL_EVAL_LOSS,
     GLOBAL_EVAL_OUTER_STEP,
@@ -92,22 +99,16 @@ from speedtronic_callbacks.diloco.master import NODE_ID_PATTERN, MasterLoop, Mas
 from speedtronic_callbacks.diloco.model_layout import ModelLayout, build_layout
 from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
 from speedtronic_callbacks.diloco.options import (
-    DISTRIBUTED_SECTION_SCHEMA,
     OPTIONS_SCHEMA,
     CollectiveDiLoCoOptions,
     DiLoCoOptions,
-    DistributedSection,
     delta_encoding,
-    distributed_section_problems,
     encoding_problems,
     hub_option_problems,
-    normalise_distributed_section,
-    options_from_distributed_section,
     robust_settings,
     streaming_problems,
 )
 from speedtronic_callbacks.diloco.transport_base import RetryingTransport, RetryPolicy, Transport
-from speedtronic_callbacks.diloco.wire import Compression
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
@@ -301,7 +302,6 @@ def make_node(
         role=options.role,
         inner_steps=options.inner_steps,
         poll_interval=options.poll_interval,
-        compression=Compression(options.compression),
         shutdown_timeout=options.shutdown_timeout,
         secret=secret,
         delta_dtype=delta_encoding(options),

@@ -57,15 +57,9 @@ to rank 0), so they resume exactly at any step.
 
 from __future__ import annotations
 
-import logging
-import math
-import sys
 import time
-import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING, ClassVar, cast
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -84,14 +78,13 @@ from speedtronic.engine.evaluation import EVAL_LOSS
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.systems.distributed import DistributedContext, ReplicaGroups, replica_groups
 from speedtronic_callbacks.diloco.aggregation import (
-    NormHistory,
     Screens,
-    replica_weights,
-    state_norm,
 )
-from speedtronic_callbacks.diloco.encoding import BLOCK_SIZE, Encoding, Packed, pack, unpack
+from speedtronic_callbacks.diloco.codec import CastCodec
+from speedtronic_callbacks.diloco.collective_exchange import Exchange, baseline_copy
+from speedtronic_callbacks.diloco.collective_state import CollectiveCheckpoint
 from speedtronic_callbacks.diloco.eval_keys import global_eval_metrics
-from speedtronic_callbacks.diloco.fragments import FragmentPlan, fragment_name, layout_plan
+from speedtronic_callbacks.diloco.fragments import FragmentPlan, layout_plan
 from speedtronic_callbacks.diloco.math import (
     NesterovOuterOptimizer,
     carry,
@@ -118,74 +111,8 @@ __all__ = [
     "CollectiveDiLoCoOptions",
 ]
 
-logger = logging.getLogger("speedtronic.diloco")
 
-STATE_FORMAT = 1
-"""Version of ``CollectiveDiLoCo.state_dict``'s layout."""
-
-
-def _baseline_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU copy for the baseline: float32 (complex64 for complex entries)."""
-    dtype = torch.complex64 if tensor.is_complex() else torch.float32
-    return tensor.detach().to("cpu", dtype, copy=True)
-
-
-@dataclass
-class _Exchange:
-    """One fragment's exchange in flight (``overlap_steps`` > 0): started at ``started``,
-    applied at ``apply_at``. ``snapshot`` holds this replica's weights of the fragment when
-    it started (float32 CPU); ``result`` is the replicas' mean pseudo-gradient once the
-    all-reduce has completed."""
-
-    fragment: int
-    started: int
-    apply_at: int
-    snapshot: dict[str, torch.Tensor]
-    work: dist.Work | None
-    wire: torch.Tensor | None
-    result: torch.Tensor | None
-    started_at: float
-    kept: bool = True
-    """Whether screening kept any replica (``False``: no outer step for this exchange)."""
-    packed: _PackedGather | None = None
-    """int8/fp4: the all-gathers in flight (instead of ``work`` and ``wire``)."""
-
-
-@dataclass
-class _PackedGather:
-    """An int8/fp4 exchange's all-gathers: their work handles (none with one replica),
-    every replica's packed codes and scales (filled when the handles complete), the
-    replicas' coefficients and the number of values packed."""
-
-    handles: list[dist.Work]
-    sent: list[torch.Tensor]
-    """This replica's codes and scales on the collective device, alive until the handles
-    complete."""
-    codes: list[torch.Tensor]
-    scales: list[torch.Tensor]
-    coefficients: list[float]
-    values: int
-
-
-def _as_bytes(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The raw bytes of ``tensors``, concatenated (exact for every dtype)."""
-    if not tensors:
-        return torch.zeros(0, dtype=torch.uint8)
-    return torch.cat(
-        [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    )
-
-
-def _bytes_into(blob: torch.Tensor, offset: int, target: torch.Tensor) -> int:
-    """Copy the bytes of ``blob[offset:]`` into ``target`` in place; the next offset."""
-    size = target.numel() * target.element_size()
-    chunk = blob[offset : offset + size].clone().view(target.dtype).view(target.shape)
-    with torch.no_grad():
-        target.copy_(chunk.to(target.device))
-    return offset + size
-
-
-class CollectiveDiLoCo(Callback):
+class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
     """Synchronous DiLoCo over collectives (see the module docstring).
 
     ``bytes_reduced`` counts the payload handed to the outer all-reduce so far (what a
@@ -205,7 +132,9 @@ class CollectiveDiLoCo(Callback):
         self.options = options or CollectiveDiLoCoOptions.from_mapping(values)
         self.ranks_per_replica = self.options.ranks_per_replica  # speedtronic ReplicaSync
         self.encoding = delta_encoding(self.options)
-        self.wire_dtype = torch.float32 if self.encoding.packed else self.encoding.float_dtype
+        self.wire_dtype = (
+            self.encoding.dtype if isinstance(self.encoding, CastCodec) else torch.float32
+        )
         self.robust = robust_settings(self.options)
         self.screens = Screens(self.robust)
         """The recent pseudo-gradient norms, per fragment (``norm_histories``)."""
@@ -228,7 +157,7 @@ class CollectiveDiLoCo(Callback):
         self.global_eval: dict[str, int | float] | None = None
         """This step's evaluation of the global model, until the metric record takes it."""
         self.plan: FragmentPlan | None = None
-        self.in_flight: list[_Exchange] = []
+        self.in_flight: list[Exchange] = []
         self.peak_sync_bytes = 0
         """The largest payload of one exchange (about 1/P of the model with P fragments)."""
         self.stall_s = 0.0
@@ -242,13 +171,6 @@ class CollectiveDiLoCo(Callback):
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
         del context
         return cls(CollectiveDiLoCoOptions.from_mapping(options))
-
-    # -- setup ----------------------------------------------------------------------------
-
-    @property
-    def streaming(self) -> bool:
-        """Whether fragments or overlap are on (not plain DiLoCo)."""
-        return self.options.fragments > 1 or self.options.overlap_steps > 0
 
     def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         self._context = trainer.distributed
@@ -265,7 +187,7 @@ class CollectiveDiLoCo(Callback):
                 self._restore_streaming(trainer, staged, ctx.start_step)
         elif not self.baseline:  # a fresh start: every replica starts from rank 0's weights
             self._broadcast_from_rank_zero(state)
-            self.baseline = {key: _baseline_copy(state[key]) for key in self.layout.sync_keys}
+            self.baseline = {key: baseline_copy(state[key]) for key in self.layout.sync_keys}
         self._ensure_residuals()
         if self._work_mark is None:
             self._work_mark = (trainer.tokens, trainer.samples)
@@ -309,8 +231,6 @@ class CollectiveDiLoCo(Callback):
                 count = tensor.numel()
                 tensor.copy_(flat[offset : offset + count].view(tensor.shape).to(tensor.dtype))
                 offset += count
-
-    # -- the outer round ------------------------------------------------------------------
 
     def on_coordinate(self, trainer: TrainerView, ctx: CoordinateContext) -> None:
         """Apply the exchanges due at this step, then start the fragments due at it (with
@@ -358,17 +278,17 @@ class CollectiveDiLoCo(Callback):
         self.peak_sync_bytes = max(self.peak_sync_bytes, self.bytes_reduced - before)
         self._outer_update(state, keys, averaged, None)
 
-    def _start(self, trainer: TrainerView, fragment: int, step: int) -> _Exchange:
+    def _start(self, trainer: TrainerView, fragment: int, step: int) -> Exchange:
         """Compute the fragment's pseudo-gradient, screen it (a blocking all-gather of a
         few numbers) and start its exchange (async): an all-reduce, or for int8/fp4 the
         all-gathers of the packed codes and scales."""
         assert self.plan is not None
         keys = self.plan.fragments[fragment]
         state = trainer.model.state_dict()
-        snapshot = {key: _baseline_copy(state[key]) for key in keys}
+        snapshot = {key: baseline_copy(state[key]) for key in keys}
         flat = flatten(pseudo_gradient(self.baseline, snapshot, keys), keys)
         flat, coefficients = self._screen(flat, trainer, fragment)
-        exchange = _Exchange(
+        exchange = Exchange(
             fragment=fragment,
             started=step,
             apply_at=step + self.options.overlap_steps,
@@ -389,36 +309,7 @@ class CollectiveDiLoCo(Callback):
         self.peak_sync_bytes = max(self.peak_sync_bytes, self.bytes_reduced - before)
         return exchange
 
-    def _start_average(self, flat: torch.Tensor) -> tuple[dist.Work | None, torch.Tensor | None]:
-        """``_average`` started asynchronously: the work handle and the buffer it reduces
-        (``(None, None)`` with a single replica: the mean is ``flat`` itself)."""
-        groups = self._groups
-        context = self._context
-        if groups is None or context is None or groups.num_replicas < 2:
-            return None, None
-        wire = flat.div(groups.num_replicas).to(context.collective_device, self.wire_dtype)
-        work = dist.all_reduce(wire, group=groups.peers, async_op=True)
-        self.bytes_reduced += wire.numel() * wire.element_size()
-        return work, wire
-
-    def _wait(self, exchange: _Exchange) -> torch.Tensor:
-        """The exchange's mean pseudo-gradient, waiting for it if needed (stall)."""
-        if exchange.result is None:
-            started = time.perf_counter()
-            if self.link_delay_s > 0:
-                time.sleep(max(0.0, exchange.started_at + self.link_delay_s - started))
-            if exchange.packed is not None:
-                exchange.result = self._finish_packed(exchange.packed)
-                exchange.packed = None
-            else:
-                assert exchange.work is not None and exchange.wire is not None
-                exchange.work.wait()
-                exchange.result = exchange.wire.to("cpu", torch.float32)
-                exchange.work = exchange.wire = None
-            self.stall_s += time.perf_counter() - started
-        return exchange.result
-
-    def _apply(self, trainer: TrainerView, exchange: _Exchange) -> None:
+    def _apply(self, trainer: TrainerView, exchange: Exchange) -> None:
         """Step the fragment's global and load it, keeping the progress since the start."""
         averaged = self._wait(exchange)
         self._kept = exchange.kept
@@ -429,7 +320,7 @@ class CollectiveDiLoCo(Callback):
         state: Mapping[str, torch.Tensor],
         keys: tuple[str, ...],
         averaged: torch.Tensor,
-        exchange: _Exchange | None,
+        exchange: Exchange | None,
     ) -> None:
         """One outer step of ``keys`` with the mean pseudo-gradient ``averaged`` (none when
         screening left every replica out: ``_kept``); the model gets the new global
@@ -442,211 +333,13 @@ class CollectiveDiLoCo(Callback):
             self.outer.step(self.baseline, unflatten(averaged, shapes))
         weights: Mapping[str, torch.Tensor] = self.baseline
         if exchange is not None:
-            current = {key: _baseline_copy(state[key]) for key in keys}
+            current = {key: baseline_copy(state[key]) for key in keys}
             weights = carry(self.baseline, pseudo_gradient(exchange.snapshot, current, keys))
         with torch.no_grad():
             for key in keys:
                 target = state[key]
                 target.copy_(weights[key].to(target.device, target.dtype))
         self.outer_steps += 1
-
-    # -- encoding, screening and weighting (docs/distributed.md) ------------------------
-
-    def _exchange(
-        self, flat: torch.Tensor, trainer: TrainerView, fragment: int = 0
-    ) -> torch.Tensor:
-        """The replicas' screened, work-weighted mean pseudo-gradient of ``fragment`` (0:
-        the whole model without fragments), through the ``delta_dtype`` encoding. Every
-        rank computes the same coefficients from the same gathered numbers; when every
-        replica was left out the mean is zero and ``_kept`` is false (no outer step: the
-        replicas return to the global model)."""
-        flat, coefficients = self._screen(flat, trainer, fragment)
-        if self.encoding.packed:
-            return self._finish_packed(self._start_packed(flat, coefficients, fragment))
-        return self._average(self._scaled(flat, coefficients))
-
-    def _scaled(self, flat: torch.Tensor, coefficients: list[float]) -> torch.Tensor:
-        """This replica's share of the float all-reduce: ``flat`` times its coefficient
-        (``flat`` itself when every coefficient is 1: the plain mean, bit for bit)."""
-        if all(value == 1.0 for value in coefficients):
-            return flat
-        return flat * coefficients[self._replica_index()]
-
-    def _screen(
-        self, flat: torch.Tensor, trainer: TrainerView, fragment: int
-    ) -> tuple[torch.Tensor, list[float]]:
-        """Add ``fragment``'s error-feedback residual (int8/fp4), gather every replica's
-        numbers and judge them against ``fragment``'s own norm history (a fragment's norm
-        is not comparable with another fragment's): the pseudo-gradient to send and every
-        replica's coefficient. Sets ``_kept``."""
-        residual = self.residuals[fragment]
-        if self.encoding.packed and self.options.error_feedback and residual is not None:
-            if residual.numel() == flat.numel():
-                flat = flat + residual
-        name = fragment_name(fragment, self.options.fragments)
-        stats = self._gather_stats(flat, trainer)
-        norms = [row[0] for row in stats]
-        keys = None if self.plan is None else self.plan.fragments[fragment]
-        screening = self.screens.judge(name, norms, partial(state_norm, self.baseline, keys))
-        coefficients = replica_weights(
-            screening,
-            [int(row[1]) for row in stats],
-            [int(row[2]) for row in stats],
-            weight_by_work=self.options.weight_by_work,
-        )
-        self.screens.record(name, screening.applied_norms(norms))
-        self._kept = screening.kept > 0
-        self.outliers += len(screening.outliers)
-        if screening.outliers:
-            logger.warning(
-                "diloco: replica(s) %s sent pseudo-gradient norms %s above the bound %s "
-                "(outlier_policy %s)",
-                list(screening.outliers),
-                [f"{norms[i]:.4g}" for i in screening.outliers],
-                screening.bound,
-                self.robust.policy,
-            )
-        return flat, coefficients
-
-    @property
-    def residual(self) -> torch.Tensor | None:
-        """The error-feedback residual of fragment 0 (the whole model without fragments)."""
-        return self.residuals[0]
-
-    @property
-    def norm_history(self) -> NormHistory:
-        """The norm history of fragment 0 (the whole model without fragments)."""
-        return self.norm_histories[0]
-
-    @property
-    def norm_histories(self) -> list[NormHistory]:
-        """Per fragment (one without fragments): the recent pseudo-gradient norms."""
-        count = self.options.fragments
-        return [self.screens.history(fragment_name(p, count)) for p in range(count)]
-
-    def _replica_index(self) -> int:
-        return 0 if self._groups is None else self._groups.replica_index
-
-    def _gather_stats(self, flat: torch.Tensor, trainer: TrainerView) -> list[list[float]]:
-        """Every replica's ``[norm, tokens, samples, encoding]`` since the last round (one
-        all-gather of four float64 numbers); replicas with another ``delta_dtype`` are a
-        clear error on every rank instead of a hang in the data exchange."""
-        mark = self._work_mark or (0, 0)
-        work = (trainer.tokens - mark[0], trainer.samples - mark[1])
-        self._work_mark = (trainer.tokens, trainer.samples)
-        codes = list(Encoding)
-        local = torch.tensor(
-            [
-                float(torch.linalg.vector_norm(flat, dtype=torch.float64)),
-                *work,
-                codes.index(self.encoding),
-            ],
-            dtype=torch.float64,
-        )
-        groups, context = self._groups, self._context
-        if groups is None or context is None or groups.num_replicas < 2:
-            return [local.tolist()]
-        device_local = local.to(context.collective_device)
-        rows = [torch.zeros_like(device_local) for _ in range(groups.num_replicas)]
-        dist.all_gather(rows, device_local, group=groups.peers)
-        stats = [row.cpu().tolist() for row in rows]
-        used = sorted({codes[int(row[3])].value for row in stats if 0 <= row[3] < len(codes)})
-        if used != [self.encoding.value]:
-            raise ValueError(
-                f"diloco: the replicas use different delta_dtype values ({used}); every "
-                "rank must be configured with the same one"
-            )
-        return stats
-
-    def _start_packed(
-        self, flat: torch.Tensor, coefficients: list[float], fragment: int
-    ) -> _PackedGather:
-        """int8/fp4: pack ``flat`` (keeping what the packing dropped as ``fragment``'s
-        residual) and start the all-gathers of every replica's codes and scales (async)."""
-        packed = pack(flat, self.encoding)
-        if self.options.error_feedback:
-            kept = coefficients[self._replica_index()] > 0
-            self.residuals[fragment] = flat - unpack(packed) if kept else torch.zeros_like(flat)
-        groups, context = self._groups, self._context
-        gather = _PackedGather([], [], [packed.codes], [packed.scales], coefficients, flat.numel())
-        if groups is None or context is None or groups.num_replicas < 2:
-            return gather
-        gather.codes, gather.scales = [], []
-        for part, rows in ((packed.codes, gather.codes), (packed.scales, gather.scales)):
-            local = part.to(context.collective_device)
-            gather.sent.append(local)
-            rows.extend(torch.empty_like(local) for _ in range(groups.num_replicas))
-            gather.handles.append(dist.all_gather(rows, local, group=groups.peers, async_op=True))
-            self.bytes_reduced += local.numel() * local.element_size()
-        return gather
-
-    def _finish_packed(self, gather: _PackedGather) -> torch.Tensor:
-        """Wait for ``_start_packed``'s all-gathers; decode every replica's pseudo-gradient
-        and combine them as ``sum(c_i * delta_i) / replicas`` in float32, in replica order."""
-        for handle in gather.handles:
-            handle.wait()
-        gather.handles, gather.sent = [], []
-        total = torch.zeros(gather.values, dtype=torch.float32)
-        rows = zip(gather.codes, gather.scales, gather.coefficients, strict=True)
-        for codes, scales, coefficient in rows:
-            if coefficient:
-                packed = Packed(self.encoding, gather.values, BLOCK_SIZE, codes.cpu(), scales.cpu())
-                total.add_(unpack(packed), alpha=coefficient)
-        return total.div_(len(gather.coefficients))
-
-    def _ensure_residuals(self) -> None:
-        """With fragments or overlap and int8/fp4 error feedback, every fragment's residual
-        exists from the start (zeros): it is per-replica state, part of the replicas'
-        checkpoint blob, which needs fixed sizes."""
-        if not (self.streaming and self.encoding.packed and self.options.error_feedback):
-            return
-        assert self.plan is not None and self.layout is not None
-        for fragment, keys in enumerate(self.plan.fragments):
-            count = sum(math.prod(self.layout.wire_shapes[key]) for key in keys)
-            residual = self.residuals[fragment]
-            if residual is None or residual.numel() != count:
-                self.residuals[fragment] = torch.zeros(count, dtype=torch.float32)
-
-    def _robust_state(self) -> dict[str, object]:
-        """The checkpointed part of encoding and screening: the error-feedback residual,
-        the recent norms and the work counters at the last round; with fragments, those
-        of every fragment too (``fragment_residuals``, ``fragment_norm_history``)."""
-        state: dict[str, object] = {
-            "residual": self.residual,
-            "norm_history": self.norm_history.to_list(),
-            "work_mark": None if self._work_mark is None else list(self._work_mark),
-            "outliers": self.outliers,
-        }
-        if self.options.fragments > 1:
-            state["fragment_residuals"] = list(self.residuals)
-            state["fragment_norm_history"] = [h.to_list() for h in self.norm_histories]
-        return state
-
-    def _restore_robust(self, state: Mapping[str, object]) -> None:
-        count = self.options.fragments
-        residuals: object = [state.get("residual")]
-        histories: object = [state.get("norm_history")]
-        if count > 1:  # a checkpoint of another number of fragments starts them afresh
-            residuals = state.get("fragment_residuals") or [None] * count
-            histories = state.get("fragment_norm_history") or [None] * count
-        if not (isinstance(residuals, list) and isinstance(histories, list)):
-            raise ValueError("diloco state: fragment residuals and norm histories must be lists")
-        if len(residuals) != count or len(histories) != count:
-            residuals, histories = [None] * count, [None] * count
-        self.residuals = [
-            item.detach().to("cpu", torch.float32).clone()
-            if isinstance(item, torch.Tensor)
-            else None
-            for item in residuals
-        ]
-        self.screens.histories = {
-            fragment_name(p, count): NormHistory.from_state(self.robust.window, item)
-            for p, item in enumerate(histories)
-        }
-        mark = state.get("work_mark")
-        if isinstance(mark, list) and len(mark) == 2:
-            self._work_mark = (int(mark[0]), int(mark[1]))
-        self.outliers = int(cast(int, state.get("outliers", 0)))
 
     def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
         """Every rank is here: finish the exchanges' communication (applied on schedule by
@@ -657,88 +350,6 @@ class CollectiveDiLoCo(Callback):
     def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         if ctx.error is not None:
             self.in_flight = []  # a failed run: the peers may be gone
-
-    def _average(self, flat: torch.Tensor) -> torch.Tensor:
-        """The mean of ``flat`` over the replicas: one all-reduce of the wire dtype."""
-        groups = self._groups
-        context = self._context
-        if groups is None or context is None or groups.num_replicas < 2:
-            return flat
-        count = groups.num_replicas
-        wire = flat.div(count).to(context.collective_device, self.wire_dtype)
-        dist.all_reduce(wire, group=groups.peers)
-        self.bytes_reduced += wire.numel() * wire.element_size()
-        return wire.to("cpu", torch.float32)
-
-    def _restore_streaming(
-        self, trainer: TrainerView, state: Mapping[str, object], start_step: int
-    ) -> None:
-        """Restore the exchanges in flight and this replica's own weights, snapshots and
-        inner-optimizer state; warn when the checkpoint cannot give them back."""
-        saved = (state.get("fragments", 1), state.get("overlap_steps", 0), state.get("inner_steps"))
-        current = (self.options.fragments, self.options.overlap_steps, self.options.inner_steps)
-        self.peak_sync_bytes = int(cast(int, state.get("peak_sync_bytes", 0)))
-        self.stall_s = float(cast(float, state.get("stall_s", 0.0)))
-        entries = state.get("in_flight") or []
-        assert isinstance(entries, list) and self.plan is not None
-        if entries and saved != current:
-            warnings.warn(
-                f"diloco: the checkpoint was saved with fragments/overlap_steps/inner_steps "
-                f"{saved}, this run uses {current}: the {len(entries)} exchange(s) in flight "
-                "are dropped",
-                UserWarning,
-                stacklevel=3,
-            )
-            entries = []
-        for entry in entries:
-            fragment = int(entry["fragment"])
-            result = entry["result"]
-            assert isinstance(result, torch.Tensor)
-            keys = self.plan.fragments[fragment]
-            self.in_flight.append(
-                _Exchange(
-                    fragment=fragment,
-                    started=int(entry["started"]),
-                    apply_at=int(entry["apply_at"]),
-                    snapshot={key: torch.empty_like(self.baseline[key]) for key in keys},
-                    work=None,
-                    wire=None,
-                    result=result.to("cpu", torch.float32),
-                    started_at=time.perf_counter(),
-                    kept=bool(entry.get("kept", True)),
-                )
-            )
-        if not self._restore_replica(trainer, state.get("replicas")):
-            self.in_flight = []
-            warnings.warn(
-                f"diloco: the checkpoint of step {start_step} holds no per-replica state for "
-                "this run's replicas (saved while the fit was failing, or with another number "
-                "of replicas): every replica continues from rank 0's local weights and the "
-                "exchanges in flight are dropped",
-                UserWarning,
-                stacklevel=3,
-            )
-
-    def _restore_replica(self, trainer: TrainerView, replicas: object) -> bool:
-        """Load this replica's blob into the model, the snapshots and the optimizer state;
-        ``False`` when there is none for it or its size does not fit."""
-        groups = self._groups
-        count = 1 if groups is None else groups.num_replicas
-        index = 0 if groups is None else groups.replica_index
-        if not isinstance(replicas, list) or len(replicas) != count:
-            return False
-        blob = replicas[index]
-        targets = self._replica_tensors(trainer)
-        if not isinstance(blob, torch.Tensor) or blob.numel() != sum(
-            t.numel() * t.element_size() for t in targets
-        ):
-            return False
-        offset = 0
-        for target in targets:
-            offset = _bytes_into(blob, offset, target)
-        return True
-
-    # -- metrics --------------------------------------------------------------------------
 
     def on_eval_end(self, trainer: TrainerView, ctx: EvalEndContext) -> None:
         """An evaluation right after an outer round measured the global model (every
@@ -771,132 +382,3 @@ class CollectiveDiLoCo(Callback):
             ctx.record.set("diloco/stall_s", self.stall_s)
         if self.last_pseudo_grad_norm is not None:
             ctx.record.set("diloco/pseudo_grad_norm", self.last_pseudo_grad_norm)
-
-    # -- state ----------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, object]:
-        if self._staged is not None and not self.baseline:
-            return dict(self._staged)
-        state: dict[str, object] = {
-            "format": STATE_FORMAT,
-            "mode": "collective",
-            "inner_steps": self.options.inner_steps,
-            "outer_steps": self.outer_steps,
-            "bytes_reduced": self.bytes_reduced,
-            "baseline": dict(self.baseline),
-            "outer": self.outer.state_dict(),
-            **self._robust_state(),
-        }
-        if self.streaming:
-            state.update(self._streaming_state())
-        return state
-
-    def _streaming_state(self) -> dict[str, object]:
-        """The exchanges in flight (their communication finished first: every rank is
-        saving) and, per replica, its local weights, in-flight snapshots and inner-optimizer
-        state (``replicas``, gathered to every rank; ``None`` when the replicas cannot meet,
-        i.e. while the fit is failing)."""
-        for exchange in self.in_flight:
-            self._wait(exchange)
-        replicas: list[torch.Tensor] | None = None
-        if self._view is not None:
-            blob = self._replica_blob(self._view)
-            failing = sys.exc_info()[0] is not None  # called from an exception hook
-            groups = self._groups
-            if groups is None or groups.num_replicas < 2:
-                replicas = [blob]
-            elif not failing:
-                replicas = self._gather(blob, groups)
-        return {
-            "fragments": self.options.fragments,
-            "overlap_steps": self.options.overlap_steps,
-            "peak_sync_bytes": self.peak_sync_bytes,
-            "stall_s": self.stall_s,
-            "in_flight": [
-                {
-                    "fragment": e.fragment,
-                    "started": e.started,
-                    "apply_at": e.apply_at,
-                    "result": e.result,
-                    "kept": e.kept,
-                }
-                for e in self.in_flight
-            ],
-            "replicas": replicas,
-        }
-
-    def _replica_tensors(self, trainer: TrainerView) -> list[torch.Tensor]:
-        """What differs between replicas: the synchronised weights, the in-flight
-        exchanges' snapshots and the inner optimizer's state, in a fixed order."""
-        assert self.layout is not None
-        state = trainer.model.state_dict()
-        tensors = [state[key] for key in self.layout.sync_keys]
-        for exchange in self.in_flight:
-            tensors.extend(exchange.snapshot.values())
-        tensors.extend(residual for residual in self.residuals if residual is not None)
-        tensors.extend(trainer.optimizer_state_tensors())
-        return tensors
-
-    def _replica_blob(self, trainer: TrainerView) -> torch.Tensor:
-        return _as_bytes(self._replica_tensors(trainer))
-
-    def _gather(self, blob: torch.Tensor, groups: ReplicaGroups) -> list[torch.Tensor] | None:
-        """Every replica's ``blob``; ``None`` (with a warning) when their sizes differ (an
-        optimizer that holds state for different parameters on different replicas)."""
-        assert self._context is not None
-        device = self._context.collective_device
-        sizes = [
-            torch.zeros(1, dtype=torch.int64, device=device) for _ in range(groups.num_replicas)
-        ]
-        size = torch.tensor([blob.numel()], dtype=torch.int64, device=device)
-        dist.all_gather(sizes, size, group=groups.peers)
-        if len({int(item.item()) for item in sizes}) != 1:
-            warnings.warn(
-                "diloco: the replicas' states differ in size (their inner optimizers hold state "
-                "for different parameters); this checkpoint keeps rank 0's replica only",
-                UserWarning,
-                stacklevel=3,
-            )
-            return None
-        local = blob.to(device)
-        gathered = [torch.empty_like(local) for _ in range(groups.num_replicas)]
-        dist.all_gather(gathered, local, group=groups.peers)
-        return [tensor.to("cpu") for tensor in gathered]
-
-    def load_state_dict(self, state: Mapping[str, object]) -> None:
-        if state.get("mode") != "collective" or state.get("format") != STATE_FORMAT:
-            raise ValueError(
-                "the checkpoint's diloco state is not from synchronous (collective) DiLoCo "
-                f"format {STATE_FORMAT} (mode {state.get('mode')!r}, format "
-                f"{state.get('format')!r}); resume it with the mode it was saved with"
-            )
-        baseline = state.get("baseline")
-        if not isinstance(baseline, Mapping) or not all(
-            isinstance(key, str) and isinstance(value, torch.Tensor)
-            for key, value in baseline.items()
-        ):
-            raise ValueError("diloco state: 'baseline' must map names to tensors")
-        self._staged = state
-        self.baseline = {}
-
-    def _restore(self, state: Mapping[str, object], start_step: int) -> None:
-        baseline = cast(Mapping[str, torch.Tensor], state["baseline"])
-        self.baseline = {key: _baseline_copy(value) for key, value in baseline.items()}
-        outer = state.get("outer")
-        if isinstance(outer, Mapping):
-            self.outer.load_state_dict(outer)
-        self.outer_steps = int(cast(int, state.get("outer_steps", 0)))
-        self.bytes_reduced = int(cast(int, state.get("bytes_reduced", 0)))
-        self._restore_robust(state)
-        saved_h = int(cast(int, state.get("inner_steps", self.options.inner_steps)))
-        horizon = self.options.inner_steps
-        if start_step % horizon and not self.streaming:
-            changed = f", saved with inner_steps {saved_h}" if saved_h != horizon else ""
-            warnings.warn(
-                f"diloco: resuming at step {start_step}, which is not the end of an outer "
-                f"round (inner_steps {horizon}{changed}): every replica continues from rank "
-                "0's local weights and the other replicas' work since the last round is lost. "
-                "Save checkpoints at multiples of inner_steps for an exact resume.",
-                UserWarning,
-                stacklevel=2,
-            )

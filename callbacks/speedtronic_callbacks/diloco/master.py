@@ -33,7 +33,11 @@ master's checkpoint is ahead of it. A master resumed from an older checkpoint ad
 newer published global, momentum and ledger instead of rolling the hub back, so nothing is
 applied twice.
 
-Apart from this module: the algorithm of a round -- screening (``aggregation.Screens``),
+The round's steps live beside this module: 1-3, the intake of deltas (``master_intake``:
+validation, screening, work shares), 0 and 4, the pointer and the publication
+(``master_publish``); the settings and a round's report are in ``master_report``.
+
+Apart from these modules: the algorithm of a round -- screening (``aggregation.Screens``),
 work shares, the weighted mean (``fragments.aggregate_by_key``) and the outer Nesterov step
 (``math``) -- which the collective exchange shares; reading the versions a hub offers at
 start-up (``recovery``); deleting applied deltas and old versions (``hub_gc``); the hub's
@@ -43,28 +47,17 @@ file names and ``OuterState`` (``hub_files``); and the files' codecs (``wire``, 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from functools import partial
 from pathlib import Path
 
 import torch
 
-from speedtronic.state.append_io import open_to_append
 from speedtronic_callbacks.diloco.aggregation import (
     NormHistory,
-    RobustSettings,
-    Screening,
     Screens,
-    state_norm,
-    work_cap,
-    work_shares,
-    work_unit,
 )
 from speedtronic_callbacks.diloco.fields import NODE_ID_PATTERN
 from speedtronic_callbacks.diloco.fragments import aggregate_by_key
@@ -76,8 +69,15 @@ from speedtronic_callbacks.diloco.hub_files import (
     delta_path,
     parse_delta_path,
 )
-from speedtronic_callbacks.diloco.hub_gc import delete_applied, stale_globals
 from speedtronic_callbacks.diloco.legacy_hub import V2Pointer, read_v2_pointer
+from speedtronic_callbacks.diloco.master_publish import HubPublication
+from speedtronic_callbacks.diloco.master_report import (
+    AppliedDelta,
+    DeltaRejection,
+    MasterConflictError,
+    MasterSettings,
+    RoundReport,
+)
 from speedtronic_callbacks.diloco.math import (
     NesterovOuterOptimizer,
     StateDict,
@@ -88,31 +88,18 @@ from speedtronic_callbacks.diloco.pointer import (
     POINTER_PATH,
     Pointer,
     decode_pointer,
-    encode_pointer,
-    model_file_name,
-    outer_file_name,
 )
 from speedtronic_callbacks.diloco.recovery import HubVersions
 from speedtronic_callbacks.diloco.transport_base import (
-    RemoteFile,
-    Replaced,
     Transport,
-    TransportError,
     UnreadableFileError,
 )
 from speedtronic_callbacks.diloco.wire import (
-    DecodedDelta,
-    DeltaInfo,
     Ledger,
     Rejected,
-    RejectionReason,
     covered_from_json,
     covered_to_json,
-    decode_delta,
-    encode_global,
-    encode_outer,
     largest_file_bytes,
-    parse_header,
     progress_from_json,
     progress_to_json,
 )
@@ -136,113 +123,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class MasterSettings:
-    """Outer-loop knobs (see the callback options for their meaning and defaults)."""
-
-    node_id: str
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    staleness_power: float = 0.5
-    max_staleness: int | None = None
-    delete_applied: bool = True
-    keep_global_versions: int = 2
-    secret: bytes | None = field(default=None, repr=False)
-    max_file_bytes: int | None = None
-    """Largest hub file read; ``None``: derived from the model (``largest_file_bytes``)."""
-    robust: RobustSettings = field(default_factory=RobustSettings)
-    """The outlier rule (``outlier_policy``, ``outlier_factor``, ``outlier_window``)."""
-    weight_by_work: bool = True
-    """Weight deltas by the tokens (else samples) they report, times staleness."""
-    inner_steps: int | None = None
-    """H of the fleet: a delta's claimed work counts at most H steps (``None``: its range)."""
-    max_step_tokens: int | None = None
-    """The most tokens one optimizer step of a node trains (``None``: the master's own, as
-    its node measures it: ``observe_step_work``)."""
-    max_step_samples: int | None = None
-    """The same in samples."""
-
-
-@dataclass(frozen=True)
-class DeltaRejection:
-    path: str
-    reason: RejectionReason
-    detail: str
-
-
-@dataclass(frozen=True)
-class AppliedDelta:
-    path: str
-    sha256: str
-    node_id: str
-    local_step: int
-    base_outer_step: int
-    staleness: int
-    weight: float
-    norm: float = 0.0
-    clip: float = 1.0
-    """The factor an outlier was scaled by (1: applied as it came)."""
-    tokens: int = 0
-    samples: int = 0
-    first_step: int | None = None
-    """The start of the delta's step range (``local_step`` is its end)."""
-    work: float = 0.0
-    """The work figure the weight came from: the claimed tokens (else samples), capped at
-    what the node could have trained and screened like a norm (0: not weighted by work)."""
-
-
-@dataclass
-class _Accepted:
-    """A delta that passed validation, on its way through one round's screening."""
-
-    entry: RemoteFile
-    decoded: DecodedDelta
-    staleness: int
-    norm: float = 0.0
-    clip: float = 1.0
-    work: float = 0.0
-    """The work figure its weight comes from (0: the round is not weighted by work)."""
-    share: float = 1.0
-    """``work / mean(work)`` of the round (1: not weighted by work)."""
-
-
-@dataclass(frozen=True)
-class RoundReport:
-    """What one round did (also the per-round metrics)."""
-
-    outer_step: int
-    published: bool
-    found: int
-    applied: tuple[AppliedDelta, ...] = ()
-    rejected: tuple[DeltaRejection, ...] = ()
-    duplicates: int = 0
-    latency_s: float = 0.0
-    paused: str | None = None
-    """Why the round did nothing (the hub pointer is unreadable), or ``None``."""
-    norms: tuple[float, ...] = ()
-    """The applied deltas' norms (clipped ones at the bound): the outlier history."""
-    norm_fragments: tuple[str, ...] = ()
-    """Per norm, the delta's streaming fragment (``"p/P"``; ``""``: the whole model): each
-    fragment has its own outlier history."""
-    works: tuple[float, ...] = ()
-    """The applied deltas' work figures (``AppliedDelta.work``): the work history."""
-    work_unit: str = ""
-    """``tokens``, ``samples`` or ``""`` (the round was not weighted by work)."""
-
-    @property
-    def included(self) -> int:
-        return len(self.applied)
-
-    @property
-    def staleness(self) -> tuple[int, ...]:
-        return tuple(item.staleness for item in self.applied)
-
-
-class MasterConflictError(RuntimeError):
-    """Another master published to the same hub; this one stops aggregating."""
-
-
-class MasterLoop:
+class MasterLoop(HubPublication):
     """The outer optimizer of one hub. Only one may be active per hub in a process."""
 
     _active: dict[str, MasterLoop] = {}
@@ -307,23 +188,6 @@ class MasterLoop:
     @property
     def reconciled(self) -> bool:
         return self._reconciled
-
-    @property
-    def outer_step(self) -> int:
-        with self._lock:
-            return -1 if self._state is None else self._state.outer_step
-
-    def snapshot(self) -> OuterState | None:
-        with self._lock:
-            if self._state is None:
-                return None
-            state = self._state
-            return OuterState(
-                global_state=dict(state.global_state),
-                momentum=dict(state.momentum),
-                outer_step=state.outer_step,
-                ledger=state.ledger.copy(),
-            )
 
     def state_dict(self) -> dict[str, object]:
         """Checkpoint form (tensors, numbers, strings, lists and dicts only)."""
@@ -508,10 +372,6 @@ class MasterLoop:
         self._expected_pointer = (pointer.outer_step, pointer.master)
         return state
 
-    def _adopt(self, pointer: Pointer) -> OuterState:
-        """Load the published global and outer state of ``pointer``."""
-        return self._versions.read(pointer.outer_step, pointer.model_sha256, pointer.outer_sha256)
-
     # -- one round ---------------------------------------------------------------------
 
     def sync_once(self) -> RoundReport:
@@ -641,524 +501,6 @@ class MasterLoop:
             work_unit=unit,
         )
         return report, new_state, cleanup
-
-    def _candidates(self, cleanup: list[str]) -> list[tuple[RemoteFile, DeltaName]]:
-        """The delta files under ``nodes/`` to examine this round, by node and step. An
-        applied one seen before joins ``cleanup``; a quarantined one (rejected before and
-        unchanged) is skipped. Records of files no longer listed are forgotten, so the
-        quarantine list stays as long as the hub's own listing."""
-        listed = self.transport.list_files("nodes")
-        paths = {entry.path for entry in listed}
-        with self._lock:
-            self._rejected = {p: v for p, v in self._rejected.items() if p in paths}
-            self._known_applied = {p: v for p, v in self._known_applied.items() if p in paths}
-        candidates: list[tuple[RemoteFile, DeltaName]] = []
-        for entry in listed:
-            name = parse_delta_path(entry.path)
-            if name is None:
-                continue
-            if self._known_applied.get(entry.path) == entry.version:
-                cleanup.append(entry.path)  # checked before: an applied delta, unchanged
-                continue
-            if self._rejected.get(entry.path) == entry.version:
-                continue  # quarantined: examined before, unchanged, reported once already
-            candidates.append((entry, name))
-        candidates.sort(key=lambda item: (item[1].node_id, item[1].local_step, item[0].path))
-        return candidates
-
-    def _validate(
-        self,
-        state: OuterState,
-        candidates: list[tuple[RemoteFile, DeltaName]],
-        cleanup: list[str],
-    ) -> tuple[list[_Accepted], list[DeltaRejection], int]:
-        """Download and check every candidate: the deltas to aggregate, the rejections and
-        the number of duplicates (applied before or twice in this round: ``cleanup``)."""
-        accepted: list[_Accepted] = []
-        rejected: list[DeltaRejection] = []
-        seen: set[str] = set()  # content hashes accepted in this round
-        duplicates = 0
-        ranges = state.ledger.copy()  # the step ranges applied, and accepted in this round
-        for entry, name in candidates:
-            try:
-                decoded = self._download(entry, name)
-                if decoded is None:
-                    continue  # removed since listing
-                if _is_applied(decoded.sha256, state.ledger.applied):
-                    duplicates += 1
-                    cleanup.append(entry.path)
-                    with self._lock:
-                        self._known_applied[entry.path] = entry.version
-                    continue
-                staleness = self._staleness(decoded, state.outer_step)
-                if decoded.sha256 in seen:
-                    duplicates += 1
-                    cleanup.append(entry.path)
-                    continue
-                self._check_range(decoded.info, ranges)
-            except Rejected as exc:
-                rejected.append(self._reject(entry, exc))
-                continue
-            except TransportError:
-                raise  # the hub, not the file: the round fails and is retried
-            except Exception as exc:  # a file must never stop aggregation, even through a bug
-                logger.debug("diloco master: %s could not be validated", entry.path, exc_info=True)
-                detail = f"could not be validated ({type(exc).__name__}: {exc})"
-                rejected.append(self._reject(entry, Rejected(RejectionReason.CORRUPT, detail)))
-                continue
-            seen.add(decoded.sha256)
-            ranges.record(decoded.info)
-            accepted.append(_Accepted(entry, decoded, staleness))
-        return accepted, rejected, duplicates
-
-    @staticmethod
-    def _check_range(info: DeltaInfo, ranges: Ledger) -> None:
-        """``Rejected(OVERLAP)`` when ``info``'s step range reaches back into steps applied
-        (or accepted in this round) from its node incarnation: the same samples would
-        count twice (a resumed node of an earlier version resending them, or a second
-        process with this node id)."""
-        through = ranges.overlap(info)
-        if through is None:
-            return
-        start = info.local_step - 1 if info.first_step is None else info.first_step
-        raise Rejected(
-            RejectionReason.OVERLAP,
-            f"delta holds local steps {start + 1}..{info.local_step} of node "
-            f"{info.node_id!r}, whose steps up to {through} were applied already",
-        )
-
-    def _screen(
-        self, state: OuterState, accepted: list[_Accepted], rejected: list[DeltaRejection]
-    ) -> list[_Accepted]:
-        """Outlier screening of the round's deltas (``aggregation.screen``): returns the
-        deltas kept, with their norms and clip factors set; rejected outliers join
-        ``rejected``. Deltas of one streaming fragment are judged together, against that
-        fragment's history (a fragment's norm is not comparable with another's or the
-        model's)."""
-        for item in accepted:
-            item.norm = state_norm(item.decoded.tensors)
-        groups: dict[str, list[_Accepted]] = {}
-        for item in accepted:
-            groups.setdefault(item.decoded.info.fragment, []).append(item)
-        bounds: dict[int, float | None] = {}
-        for fragment, members in groups.items():
-            keys = (list(members[0].decoded.tensors) if fragment else None) or self.layout.sync_keys
-            model_norm = partial(state_norm, state.global_state, keys)
-            screening = self._norms.judge(fragment, [m.norm for m in members], model_norm)
-            for member, factor in zip(members, screening.factors, strict=True):
-                member.clip, bounds[id(member)] = factor, screening.bound
-        kept: list[_Accepted] = []
-        for item in accepted:
-            bound = bounds[id(item)]
-            if item.clip == 0.0:
-                detail = f"pseudo-gradient norm {item.norm:.4g} exceeds the bound {bound}"
-                rejected.append(self._reject(item.entry, Rejected(RejectionReason.OUTLIER, detail)))
-                continue
-            if item.clip != 1.0:
-                logger.warning(
-                    "diloco master clipped %s: pseudo-gradient norm %.4g is above %.4g "
-                    "(outlier_factor x the recent median)",
-                    item.entry.path,
-                    item.norm,
-                    bound,
-                )
-            kept.append(item)
-        return kept
-
-    # -- work weighting ------------------------------------------------------------------
-
-    def observe_step_work(self, tokens: int, samples: int) -> None:
-        """The tokens and samples one optimizer step of this master's own training took
-        (its node reports them at each capture); the largest seen is the default per-step
-        cap of a delta's claimed work (``max_step_tokens`` / ``max_step_samples``)."""
-        with self._lock:
-            self._step_work = (max(self._step_work[0], tokens), max(self._step_work[1], samples))
-
-    def _per_step(self, unit: str) -> int | None:
-        """The most ``unit`` one optimizer step of any node may claim (``None``: unknown)."""
-        settings = self.settings
-        configured = settings.max_step_tokens if unit == "tokens" else settings.max_step_samples
-        if configured is not None:
-            return configured
-        with self._lock:
-            measured = self._step_work[0 if unit == "tokens" else 1]
-        return measured or None
-
-    def _work_shares(
-        self, accepted: list[_Accepted], rejected: list[DeltaRejection]
-    ) -> tuple[list[_Accepted], str]:
-        """Each delta's share of the round's work (``weight_by_work``), and the unit:
-        a claimed figure above what its node could have trained (``aggregation.work_cap``)
-        counts as that much, and the capped figures are screened like norms (clipped to,
-        or left out above, ``outlier_factor`` x the median of recent figures). Shares are
-        ``work / mean(work)``: equal work weighs exactly 1."""
-        if not accepted or not self.settings.weight_by_work:
-            return accepted, ""
-        infos = [item.decoded.info for item in accepted]
-        unit = work_unit([i.tokens for i in infos], [i.samples for i in infos])
-        if unit is None:
-            return accepted, ""
-        per_step = self._per_step(unit)
-        figures: list[float] = []
-        for item, info in zip(accepted, infos, strict=True):
-            claim = info.tokens if unit == "tokens" else info.samples
-            cap = work_cap(info.steps, self.settings.inner_steps, per_step)
-            if cap is not None and claim > cap:
-                # A cumulative delta of several periods is capped quietly; a claim its
-                # own step range could not hold is reported.
-                holds = work_cap(info.steps, None, per_step)
-                if holds is None or claim > holds:
-                    self._log_cap(item.entry.path, info, claim, cap, unit)
-                claim = cap
-            figures.append(float(claim))
-        screening = self._works.judge(unit, figures)
-        kept = self._apply_work_screening(accepted, figures, screening, unit, rejected)
-        if kept:
-            for item, share in zip(kept, work_shares([item.work for item in kept]), strict=True):
-                item.share = share
-        return kept, unit
-
-    def _apply_work_screening(
-        self,
-        accepted: list[_Accepted],
-        figures: list[float],
-        screening: Screening,
-        unit: str,
-        rejected: list[DeltaRejection],
-    ) -> list[_Accepted]:
-        kept: list[_Accepted] = []
-        for item, figure, factor in zip(accepted, figures, screening.factors, strict=True):
-            if factor == 0.0:
-                detail = (
-                    f"claimed work of {figure:.6g} {unit} exceeds the bound "
-                    f"{screening.bound:.6g} (outlier_factor x the recent median)"
-                )
-                rejected.append(self._reject(item.entry, Rejected(RejectionReason.OUTLIER, detail)))
-                continue
-            if factor != 1.0:
-                logger.warning(
-                    "diloco master clipped the work of %s: %.6g %s is above %.6g "
-                    "(outlier_factor x the recent median)",
-                    item.entry.path,
-                    figure,
-                    unit,
-                    screening.bound,
-                )
-            item.work = figure * factor
-            kept.append(item)
-        return kept
-
-    def _log_cap(self, path: str, info: DeltaInfo, claim: int, cap: int, unit: str) -> None:
-        """One WARNING per node whose claimed work was capped (each cap is in the audit)."""
-        with self._lock:
-            first = info.node_id not in self._capped
-            self._capped.add(info.node_id)
-        if first:
-            logger.warning(
-                "diloco master capped the claimed work of %s: %d %s is more than node %r "
-                "could have trained (%d: at most inner_steps steps of max_step_%s); the "
-                "audit log has every capped figure",
-                path,
-                claim,
-                unit,
-                info.node_id,
-                cap,
-                unit,
-            )
-
-    def _download(self, entry: RemoteFile, name: DeltaName) -> DecodedDelta | None:
-        """Read and decode one candidate (``None`` if it vanished). Files that are not
-        regular files or exceed the size limit are refused before any byte is read."""
-        limit = self.transport.max_file_bytes
-        if limit is not None and entry.size > limit:
-            raise Rejected(
-                RejectionReason.TOO_LARGE, f"file is {entry.size} bytes, the limit is {limit}"
-            )
-        try:
-            data = self.transport.get(entry.path)
-        except UnreadableFileError as exc:
-            reason = RejectionReason.TOO_LARGE if exc.too_large else RejectionReason.UNSAFE_FILE
-            raise Rejected(reason, exc.message) from None
-        if data is None:
-            return None
-        decoded = decode_delta(data, self.layout, secret=self.settings.secret)
-        info = decoded.info
-        if (
-            info.node_id != name.node_id
-            or info.local_step != name.local_step
-            or not decoded.sha256.startswith(name.hash_prefix)
-        ):
-            raise Rejected(
-                RejectionReason.NAME_MISMATCH,
-                f"header says node {info.node_id!r} step {info.local_step}, hash "
-                f"{decoded.sha256[:16]}; the path disagrees",
-            )
-        return decoded
-
-    def _staleness(self, decoded: DecodedDelta, outer_step: int) -> int:
-        """How many outer steps old the delta's base is; ``Rejected`` when it has no base,
-        a base from the future, or is older than ``max_staleness``."""
-        info = decoded.info
-        if info.base_outer_step < 0:
-            raise Rejected(RejectionReason.BAD_METADATA, "delta has no base outer step")
-        if info.base_outer_step > outer_step:
-            raise Rejected(
-                RejectionReason.FUTURE_BASE,
-                f"delta starts from outer step {info.base_outer_step}, the hub is at {outer_step}",
-            )
-        staleness = outer_step - info.base_outer_step
-        limit = self.settings.max_staleness
-        if limit is not None and staleness > limit:
-            raise Rejected(
-                RejectionReason.TOO_STALE, f"staleness {staleness} exceeds max_staleness {limit}"
-            )
-        return staleness
-
-    def _reject(self, entry: RemoteFile, exc: Rejected) -> DeltaRejection:
-        """Record and log a rejected file. It stays on the hub for inspection; it is not
-        examined again until it changes."""
-        with self._lock:
-            self._rejected[entry.path] = entry.version
-        logger.warning(
-            "diloco master rejected %s (%s): %s", entry.path, exc.reason.value, exc.detail
-        )
-        return DeltaRejection(entry.path, exc.reason, exc.detail)
-
-    # -- publication -------------------------------------------------------------------
-
-    def _check_pointer(self) -> str | None:
-        """Compare the hub pointer with what this master last saw or wrote, before a round
-        and again before publishing. Returns why the round must pause, or ``None``.
-
-        * unreadable (junk, unsigned, not a regular file, too large): pause -- logged once;
-          the next round looks again, and once the pointer is valid the master goes on;
-        * missing: halt (the hub was reset; publishing over it could fork the run);
-        * older than this master's outer step: a replay or rollback of old files -- rejected,
-          logged, and the current state republished (versions only move forward);
-        * newer, written under this node id: our own publication that was reported as
-          failed but landed -- adopted;
-        * anything else: a second master -- halt.
-        """
-        try:
-            raw = self.transport.get(POINTER_PATH)
-            pointer = None if raw is None else self._decode_pointer(raw)
-        except (Rejected, UnreadableFileError) as exc:
-            return self._pause(f"the hub pointer is unusable ({exc})")
-        self._resume()
-        if pointer is None:
-            self._halt("the hub pointer disappeared; refusing to publish over a reset hub")
-            return None
-        expected = self._expected_pointer
-        if expected is None or (pointer.outer_step, pointer.master) == expected:
-            return None
-        current = self.outer_step
-        if pointer.outer_step < current:
-            self._reject_replay(pointer, current)
-        elif pointer.master == self.settings.node_id and pointer.outer_step > expected[0]:
-            self._adopt_own(pointer)
-        else:
-            self._halt(
-                f"master {pointer.master!r} published outer step {pointer.outer_step} while "
-                f"this master ({self.settings.node_id!r}) was at {expected[0]}; only one "
-                "master may serve a hub"
-            )
-        return None
-
-    def _decode_pointer(self, raw: bytes) -> Pointer:
-        return decode_pointer(raw, fingerprint=self.layout.fingerprint, secret=self.settings.secret)
-
-    def _pause(self, reason: str) -> str:
-        if reason != self._paused:
-            logger.warning("diloco master pauses aggregation: %s", reason)
-        self._paused = reason
-        return reason
-
-    def _resume(self) -> None:
-        if self._paused is not None:
-            logger.info("diloco master: the hub pointer is valid again; aggregation resumes")
-        self._paused = None
-
-    def _reject_replay(self, pointer: Pointer, current: int) -> None:
-        """An older pointer than this master's state: never adopt it; put ours back."""
-        logger.error(
-            "diloco master %s rejected the hub pointer at outer step %d written under %r: "
-            "this master is at outer step %d (a replayed or rolled-back file); republishing "
-            "outer step %d",
-            self.settings.node_id,
-            pointer.outer_step,
-            pointer.master,
-            current,
-            current,
-        )
-        state = self.snapshot()
-        assert state is not None  # reconciled
-        self._expected_pointer = (pointer.outer_step, pointer.master)  # knowingly replaced
-        self._publish(state, applied=(), deletes=self._stale_globals(state.outer_step))
-
-    def _adopt_own(self, pointer: Pointer) -> None:
-        """Our own publication that we counted as failed (a timed-out request that
-        completed after all): the hub is the truth."""
-        logger.warning(
-            "diloco master %s: the hub holds outer step %d written under this node id; adopting it",
-            self.settings.node_id,
-            pointer.outer_step,
-        )
-        state = self._adopt(pointer)
-        with self._lock:
-            self._state = state
-        self._expected_pointer = (pointer.outer_step, pointer.master)
-
-    def _halt(self, reason: str) -> None:
-        self.halted = reason
-        logger.error("diloco master stops aggregating: %s", reason)
-        raise MasterConflictError(reason)
-
-    def _publish(
-        self,
-        state: OuterState,
-        applied: tuple[str, ...],
-        deletes: list[str] | None = None,
-        *,
-        judge: bool = True,
-    ) -> Pointer:
-        """Write model, outer state and -- last -- the pointer (one commit on the Hub),
-        removing ``deletes`` (applied deltas, old globals) in the same commit. Elsewhere
-        the pointer is swapped in (``Transport.replace``) and, with ``judge``, what it
-        replaced is judged (``_judge_replaced``): a junk pointer written during the round
-        is reported. Start-up (``reconcile``) replaces what it has just read, knowingly."""
-        secret = self.settings.secret
-        step = state.outer_step
-        model_bytes = encode_global(state.global_state, step, self.layout, secret=secret)
-        outer_bytes = encode_outer(state.momentum, state.ledger, step, self.layout, secret=secret)
-        pointer = Pointer(
-            outer_step=step,
-            model_file=model_file_name(step),
-            model_sha256=parse_header(model_bytes).metadata["sha256"],
-            outer_file=outer_file_name(step),
-            outer_sha256=parse_header(outer_bytes).metadata["sha256"],
-            fingerprint=self.layout.fingerprint,
-            master=self.settings.node_id,
-            updated_at=datetime.now(timezone.utc).isoformat(),
-            applied=applied,
-            progress=dict(state.ledger.progress),
-            covered=state.ledger.copy().covered,
-        )
-        pointer_bytes = encode_pointer(pointer, secret=secret)
-        files = [(pointer.model_file, model_bytes), (pointer.outer_file, outer_bytes)]
-        removals = sorted(set(deletes or []))
-        expected = self._expected_pointer
-        if self.transport.atomic_commit:
-            self.transport.commit([*files, (POINTER_PATH, pointer_bytes)], removals)
-            self._expected_pointer = (step, self.settings.node_id)
-            return pointer
-        self.transport.commit(files)
-        replaced = self.transport.replace(POINTER_PATH, pointer_bytes)
-        self._expected_pointer = (step, self.settings.node_id)
-        self.transport.commit([], removals)
-        if judge:
-            self._judge_replaced(replaced, expected, pointer_bytes, step)
-        return pointer
-
-    def _judge_replaced(
-        self, replaced: Replaced, expected: tuple[int, str] | None, written: bytes, step: int
-    ) -> None:
-        """Report what a publication wrote over when it was not the pointer this master
-        last saw or wrote (``expected``): junk or an unreadable file (a WARNING -- the
-        publication replaced it, as the pause of a round would have waited for), an older
-        pointer (a replay: the ERROR of ``_reject_replay``), another master's (halt)."""
-        if expected is None or not replaced.seen or replaced.data == written:
-            return  # nothing expected or known, or a retried swap that had landed: our bytes
-        if replaced.data is None:
-            what = replaced.unreadable or "was missing"
-            logger.warning(
-                "diloco master %s published outer step %d over a hub pointer that %s "
-                "(written during the round)",
-                self.settings.node_id,
-                step,
-                what,
-            )
-            return
-        try:
-            found = self._decode_pointer(replaced.data)
-        except Rejected as exc:
-            logger.warning(
-                "diloco master %s published over an unusable hub pointer written during the "
-                "round (%s); the new pointer replaced it",
-                self.settings.node_id,
-                exc,
-            )
-            return
-        if (found.outer_step, found.master) == expected:
-            return
-        if found.outer_step < expected[0]:
-            logger.error(
-                "diloco master %s replaced a hub pointer at outer step %d written under %r "
-                "during the round (a replayed or rolled-back file)",
-                self.settings.node_id,
-                found.outer_step,
-                found.master,
-            )
-            return
-        self.halted = (
-            f"master {found.master!r} published outer step {found.outer_step} while this "
-            f"master ({self.settings.node_id!r}) was publishing over it; only one master may "
-            "serve a hub"
-        )
-        logger.error("diloco master stops aggregating: %s", self.halted)
-
-    def _delete(self, paths: list[str]) -> None:
-        if self.settings.delete_applied:
-            delete_applied(self.transport, paths)
-
-    def _stale_globals(self, outer_step: int) -> list[str]:
-        """Global files this master no longer keeps (``hub_gc.stale_globals``)."""
-        return stale_globals(self.transport, outer_step, self.settings.keep_global_versions)
-
-    def _audit(self, report: RoundReport) -> None:
-        """Append the round to a local JSON-lines log (who was applied, with what weight)."""
-        if self.audit_path is None:
-            return
-        record = {
-            "time": datetime.now(timezone.utc).isoformat(),
-            "outer_step": report.outer_step,
-            "found": report.found,
-            "duplicates": report.duplicates,
-            "latency_s": round(report.latency_s, 6),
-            "applied": [
-                {
-                    "sha256": item.sha256,
-                    "node_id": item.node_id,
-                    "local_step": item.local_step,
-                    "base_outer_step": item.base_outer_step,
-                    "staleness": item.staleness,
-                    "weight": item.weight,
-                    "norm": item.norm,
-                    "clip": item.clip,
-                    "tokens": item.tokens,
-                    "samples": item.samples,
-                    "first_step": item.first_step,
-                    "work": item.work,
-                }
-                for item in report.applied
-            ],
-            "work_unit": report.work_unit,
-            "rejected": [
-                {"path": item.path, "reason": item.reason.value, "detail": item.detail}
-                for item in report.rejected
-            ],
-        }
-        try:
-            self.audit_path.parent.mkdir(parents=True, exist_ok=True)
-            with open_to_append(self.audit_path) as handle:  # never through a planted link
-                handle.write(json.dumps(record, sort_keys=True) + "\n")
-        except OSError as exc:
-            logger.warning("diloco master could not write its audit log: %s", exc)
-
-
-def _is_applied(sha256: str, applied: set[str]) -> bool:
-    """Whether a delta's content hash is in a ledger (which may hold bare 16-character
-    prefixes when it was rebuilt from file names after the outer state was lost)."""
-    return sha256 in applied or sha256[:16] in applied
 
 
 def _plain(value: object) -> object:

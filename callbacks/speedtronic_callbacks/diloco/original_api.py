@@ -36,6 +36,7 @@ from torch import nn
 
 from speedtronic.state.atomic_io import atomic_write_bytes
 from speedtronic_callbacks.diloco.callback import default_node_id, make_node, make_transport
+from speedtronic_callbacks.diloco.distributed_section import options_from_distributed_section
 from speedtronic_callbacks.diloco.hub_transport import HubApi
 from speedtronic_callbacks.diloco.hub_transport import HubTransport as _HubStore
 from speedtronic_callbacks.diloco.legacy_hub import V2_MODEL_FILE, is_v2_delta
@@ -43,7 +44,7 @@ from speedtronic_callbacks.diloco.master import MasterLoop
 from speedtronic_callbacks.diloco.math import NesterovOuterOptimizer as _Nesterov
 from speedtronic_callbacks.diloco.math import StateDict, average_deltas, pseudo_gradient
 from speedtronic_callbacks.diloco.node import DiLoCoNode, UploadJob
-from speedtronic_callbacks.diloco.options import DiLoCoOptions, options_from_distributed_section
+from speedtronic_callbacks.diloco.options import DiLoCoOptions
 from speedtronic_callbacks.diloco.transport_base import (
     RemoteFile,
     RetryingTransport,

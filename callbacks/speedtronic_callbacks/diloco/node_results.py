@@ -1,0 +1,181 @@
+"""How a DiLoCo node takes in its lanes' results on the training thread (``node``, step
+1 and 4): confirmed or failed uploads, fetched globals, master rounds, the resume
+hand-shake with the hub (``_finish_startup``), and scheduling the next poll or round."""
+
+from __future__ import annotations
+
+import logging
+import math as pymath
+import uuid
+from collections.abc import Mapping
+
+import torch
+
+from speedtronic_callbacks.diloco.master import RoundReport
+from speedtronic_callbacks.diloco.node_jobs import BackgroundJobs
+from speedtronic_callbacks.diloco.node_messages import GlobalCandidate
+from speedtronic_callbacks.diloco.node_pending import all_zero, merge_held
+from speedtronic_callbacks.diloco.wire import (
+    global_tensors,
+)
+
+logger = logging.getLogger("speedtronic.diloco")
+
+
+class LaneResults(BackgroundJobs):
+    """The results-and-scheduling part of ``DiLoCoNode``."""
+
+    def _drain(self) -> None:
+        for result in self._uploads.drain():
+            if result.error is None:
+                if self.unconfirmed is result.job:
+                    self.unconfirmed = None
+                if result.residual is not None:
+                    self._add_pending(result.residual, result.job.base_outer_step)
+                self.stats.uploads += 1
+                self.stats.sync_latency_s = result.latency_s
+                self._publish("delta_uploaded", {"step": result.job.local_step})
+            else:
+                self.stats.upload_failures += 1  # the same job is re-sent at the next boundary
+                self._publish(
+                    "delta_upload_failed", {"step": result.job.local_step, "error": result.error}
+                )
+        for poll in self._polls.drain():
+            if not poll.ok:
+                continue
+            if poll.pointer_step is not None:
+                self.stats.hub_outer_step = max(self.stats.hub_outer_step, poll.pointer_step)
+            if poll.sent is not None and not self._startup_done:
+                self._finish_startup(poll.sent)
+            if poll.progress is not None and self._startup_done:
+                self._check_own_progress(*poll.progress)
+            self._offer(poll.candidate)
+        for event in self._rounds.drain():
+            self._offer(event.candidate)
+            if event.report is None:
+                self._last_round = -pymath.inf  # reconciled: the first round may run now
+            else:
+                self._record_round(event.report)
+
+    def _offer(self, candidate: GlobalCandidate | None) -> None:
+        if candidate is None:
+            return
+        self.stats.hub_outer_step = max(self.stats.hub_outer_step, candidate.outer_step)
+        if self._candidate is None or candidate.outer_step > self._candidate.outer_step:
+            self._candidate = candidate
+
+    def _record_round(self, report: RoundReport) -> None:
+        stats = self.stats
+        stats.rounds += 1
+        stats.last_round = report
+        stats.deltas_found += report.found
+        stats.deltas_included += report.included
+        stats.deltas_rejected += len(report.rejected)
+        stats.deltas_duplicate += report.duplicates
+        self._publish(
+            "outer_step",
+            {
+                "outer_step": report.outer_step,
+                "deltas_found": report.found,
+                "deltas_included": report.included,
+            },
+        )
+
+    def _finish_startup(self, sent: Mapping[str, int]) -> None:
+        """Decide what to do with checkpointed, unsent work once the hub answered what this
+        node had sent after its checkpoint (``_sent_after``): nothing -- the checkpointed
+        work goes out at the next boundary; something -- that work, and the recomputed
+        progress up to what was sent, is dropped per fragment (``_skip``, ``_drop_sent``)."""
+        held, self._held_pending = self._held_pending, None
+        skip = self._skip_plan(sent)
+        if not skip:
+            if held is not None:
+                self._add_pending(held, self._held_base, self._held_work)
+            self._startup_done = True
+            return
+        through = max(sent.values())
+        logger.info(
+            "diloco node %s: the hub already has this node's work up to local step %d "
+            "(after its checkpoint at step %s); that work and its recomputation are not "
+            "sent again",
+            self.settings.node_id,
+            through,
+            self._checkpoint_step,
+        )
+        merged = merge_held(held, self.pending)
+        pending = None if merged is None else dict(merged)  # a checkpoint may share the old
+        assert self._range_starts is not None  # set by start()
+        for fragment in skip:
+            if pending is not None:
+                for key in self.plan.fragments[fragment]:
+                    pending[key] = torch.zeros_like(pending[key])
+            self._range_starts[fragment] = self._last_step
+        bases = [
+            base
+            for base, part in ((self._held_base, held), (self.pending_base, self.pending))
+            if part is not None
+        ]
+        self.pending = None if pending is None or all_zero(pending) else pending
+        self.pending_base = min(bases, default=self.pending_base)
+        self.pending_work = (0, 0)  # reported with what was sent
+        self._skip, self._skip_work = skip, through
+        self._dispatched_through = max(self._dispatched_through, through)
+        self.stats.resyncs += 1
+        self._startup_done = True
+
+    def _skip_plan(self, sent: Mapping[str, int]) -> dict[int, int]:
+        """Per fragment of this node's plan, the local step through which its progress
+        was sent (``sent`` after ``_sent_after``); a field that is not one of this plan's
+        (``"*"``, or a fragment count this node no longer uses) counts for every fragment."""
+        names = [self.plan.name(p) for p in range(self.plan.count)]
+        fallback = max((step for name, step in sent.items() if name not in names), default=-1)
+        plan = {p: max(sent.get(name, -1), fallback) for p, name in enumerate(names)}
+        return {p: step for p, step in plan.items() if step >= 0}
+
+    def _check_own_progress(self, incarnation: str, step: int) -> None:
+        """The hub says a delta of this incarnation ending at ``step`` was applied, but this
+        node never dispatched one that far: someone else sends under this node id (a
+        second process with the same id, or a holder of the signing secret). Its deltas
+        would make the master refuse this node's next ones as overlapping, so the node
+        continues under a new incarnation, and says so once."""
+        if incarnation != self.incarnation or step <= self._dispatched_through:
+            return
+        if not self._foreign_logged:
+            logger.error(
+                "diloco node %s: the hub applied a delta of this node (incarnation %s) for "
+                "local step %d, but this node has sent only up to step %d: another process "
+                "uses node id %r, or someone with the signing secret wrote it; this node "
+                "continues under a new incarnation (give every node its own node_id)",
+                self.settings.node_id,
+                incarnation,
+                step,
+                self._dispatched_through,
+                self.settings.node_id,
+            )
+            self._foreign_logged = True
+        self.incarnation = uuid.uuid4().hex[:12]
+
+    def _schedule(self, step: int, boundary: bool) -> None:
+        now = self._clock()
+        master = self.master
+        if master is not None and self.acts_as_master and not self.master_lane.busy:
+            if now - self._last_round >= self.settings.poll_interval:
+                self._last_round = now
+                if master.reconciled:
+                    self.master_lane.try_submit(self._master_round)
+                else:
+                    initial = global_tensors(self.model.state_dict(), self.layout)
+                    snapshot = {k: v.detach().to("cpu", copy=True) for k, v in initial.items()}
+                    self.master_lane.try_submit(lambda: self._master_reconcile(snapshot))
+        fetch = not self.acts_as_master
+        if not fetch and self._startup_done:
+            return  # a master gets its globals in-process
+        if self.poll_lane.busy or not (
+            boundary or now - self._last_poll >= self.settings.poll_interval
+        ):
+            return
+        self._last_poll = now
+        installed = self.installed_step
+        seen = max(installed, self.stats.hub_outer_step)
+        checkpoint_step = None if self._startup_done else self._checkpoint_step
+        self.poll_lane.try_submit(lambda: self._poll(installed, seen, fetch, checkpoint_step))

@@ -1,0 +1,223 @@
+"""What a DiLoCo node (``node``) keeps in the trainer checkpoint and its metrics."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from speedtronic_callbacks.diloco.model_layout import ModelLayout
+from speedtronic_callbacks.diloco.node_messages import UploadJob
+from speedtronic_callbacks.diloco.node_pending import merge_held
+from speedtronic_callbacks.diloco.node_results import LaneResults
+from speedtronic_callbacks.diloco.wire import (
+    Rejected,
+    fragment_shapes,
+)
+
+STATE_FORMAT = 1
+"""Version of ``DiLoCoNode.state_dict``'s layout."""
+
+logger = logging.getLogger("speedtronic.diloco")
+
+
+def _text(state: Mapping[str, object], key: str) -> str:
+    value = state.get(key)
+    if not isinstance(value, str):
+        raise ValueError(f"diloco state: {key!r} must be a string")
+    return value
+
+
+def _integer(state: Mapping[str, object], key: str) -> int:
+    value = state.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"diloco state: {key!r} must be an integer")
+    return value
+
+
+def _steps(state: Mapping[str, object], key: str, count: int, default: int) -> list[int]:
+    """``count`` step numbers under ``key`` (``default`` each when absent or when the
+    checkpoint was taken with another number of fragments)."""
+    value = state.get(key)
+    if value is None:
+        return [default] * count
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(item, int) and not isinstance(item, bool) for item in value
+    ):
+        raise ValueError(f"diloco state: {key!r} must be a list of step numbers")
+    return [int(item) for item in value] if len(value) == count else [default] * count
+
+
+def _work(state: Mapping[str, object], *keys: str) -> tuple[int, int]:
+    """Tokens and samples: ``[tokens, samples]`` under one key, or one key each; (0, 0)
+    when absent (a checkpoint of an earlier version)."""
+    if len(keys) == 1:
+        value = state.get(keys[0], [0, 0])
+        if not (isinstance(value, (list, tuple)) and len(value) == 2):
+            raise ValueError(f"diloco state: {keys[0]!r} must be [tokens, samples]")
+        items = list(value)
+    else:
+        items = [state.get(key, 0) for key in keys]
+    if not all(isinstance(item, int) and not isinstance(item, bool) for item in items):
+        raise ValueError(f"diloco state: {keys} must be integers")
+    return (int(items[0]), int(items[1]))
+
+
+def _optional_tensors(
+    state: Mapping[str, object],
+    key: str,
+    layout: ModelLayout,
+    keys: tuple[str, ...] | None = None,
+) -> dict[str, torch.Tensor] | None:
+    """``state[key]``: tensors of exactly ``keys`` (default: every synchronised key)."""
+    value = state.get(key)
+    if value is None:
+        return None
+    expected = set(layout.sync_keys if keys is None else keys)
+    if not isinstance(value, Mapping) or set(value) != expected:
+        raise ValueError(f"diloco state: {key!r} does not match this model's layout")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in value.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"diloco state: {key!r}[{name!r}] is not a tensor")
+        tensors[str(name)] = tensor.detach().to("cpu")
+    return tensors
+
+
+class NodeCheckpoint(LaneResults):
+    """The checkpoint and metrics part of ``DiLoCoNode``."""
+
+    def state_dict(self) -> dict[str, object]:
+        """Everything needed to resume (tensors, numbers, strings, lists, dicts, None)."""
+        job = self.unconfirmed
+        return {
+            "format": STATE_FORMAT,
+            "node_id": self.settings.node_id,
+            "role": self.settings.role,
+            "incarnation": self.incarnation,
+            "installed_outer_step": self.installed_step,
+            "checkpoint_step": self._last_step,
+            "baseline": self.baseline,
+            "pending": self.pending,
+            "pending_base": self.pending_base,
+            "held_pending": self._held_pending,
+            "held_base": self._held_base,
+            "pending_work": list(self.pending_work) if self.pending is not None else [0, 0],
+            "held_work": list(self._held_work),
+            "work_mark": list(self._work_mark),
+            "range_starts": list(self._range_starts or []),
+            "dispatched_through": self._dispatched_through,
+            "unconfirmed": None
+            if job is None
+            else {
+                "delta": job.delta,
+                "local_step": job.local_step,
+                "base_outer_step": job.base_outer_step,
+                "tokens": job.tokens,
+                "samples": job.samples,
+                "fragment": job.fragment,
+                "first_step": job.first_step,
+            },
+            "master": {} if self.master is None else self.master.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Restore a checkpoint (before ``start``). Unsent pending work is held until the
+        hub confirms it was not sent after the checkpoint; an unconfirmed upload is re-sent
+        as is (the master dedupes it by content hash if it had arrived)."""
+        if not state:
+            return
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"diloco state format {state.get('format')!r} is not supported")
+        master_state = state.get("master")
+        if self.master is not None and isinstance(master_state, Mapping):
+            self.master.load_state_dict(master_state)
+        if state.get("node_id") != self.settings.node_id:
+            logger.warning(
+                "diloco checkpoint belongs to node %r, this is %r: starting this node fresh",
+                state.get("node_id"),
+                self.settings.node_id,
+            )
+            return
+        self.incarnation = _text(state, "incarnation")
+        self.installed_step = _integer(state, "installed_outer_step")
+        self.baseline = _optional_tensors(state, "baseline", self.layout)
+        self.pending = None
+        self._held_pending = merge_held(
+            _optional_tensors(state, "pending", self.layout),
+            _optional_tensors(state, "held_pending", self.layout),
+        )
+        bases = [
+            _integer(state, base)
+            for base, tensors in (("pending_base", "pending"), ("held_base", "held_pending"))
+            if state.get(tensors) is not None
+        ]
+        self._held_base = min(bases, default=-1)
+        pending_work, held_work = _work(state, "pending_work"), _work(state, "held_work")
+        self._held_work = (pending_work[0] + held_work[0], pending_work[1] + held_work[1])
+        self._work_mark = self._work_now = _work(state, "work_mark")
+        unconfirmed = state.get("unconfirmed")
+        if isinstance(unconfirmed, Mapping):
+            fragment = unconfirmed.get("fragment", "")
+            if not isinstance(fragment, str):
+                raise ValueError("diloco state: 'unconfirmed.fragment' must be a string")
+            try:
+                keys = tuple(fragment_shapes(self.layout, fragment))
+            except Rejected as exc:
+                raise ValueError(f"diloco state: 'unconfirmed': {exc.detail}") from None
+            delta = _optional_tensors(unconfirmed, "delta", self.layout, keys)
+            if delta is not None:
+                first = unconfirmed.get("first_step")
+                self.unconfirmed = UploadJob(
+                    delta,
+                    _integer(unconfirmed, "local_step"),
+                    _integer(unconfirmed, "base_outer_step"),
+                    *_work(unconfirmed, "tokens", "samples"),
+                    fragment,
+                    None if first is None else _integer(unconfirmed, "first_step"),
+                )
+        checkpoint_step = self._checkpoint_step = _integer(state, "checkpoint_step")
+        # Checkpoints of earlier versions do not record these: every range then starts at
+        # the checkpoint, and what the hub has of this node up to it is this node's.
+        self._range_starts = _steps(state, "range_starts", self.plan.count, checkpoint_step)
+        through = state.get("dispatched_through", checkpoint_step)
+        self._dispatched_through = _integer({"dispatched_through": through}, "dispatched_through")
+        self._baseline_step = checkpoint_step  # the baseline is from this step or before
+        self._work_step = None  # the work mark's step is not recorded: measure afresh
+        self._skip = None
+        self._startup_done = False
+        self._captured_step = None
+
+    def metrics(self) -> dict[str, int | float]:
+        """Cumulative counters plus the last round's figures (``diloco/`` keys)."""
+        stats = self.stats
+        values: dict[str, int | float] = {
+            "diloco/outer_step": self.installed_step,
+            "diloco/hub_outer_step": stats.hub_outer_step,
+            "diloco/uploads": stats.uploads,
+            "diloco/upload_failures": stats.upload_failures,
+            "diloco/boundaries_skipped": stats.boundaries_skipped,
+            "diloco/installs": stats.installs,
+            "diloco/resyncs": stats.resyncs,
+            "diloco/bytes_up": self.transport.bytes_up,
+            "diloco/bytes_down": self.transport.bytes_down,
+            "diloco/sync_latency_s": stats.sync_latency_s,
+            "diloco/errors": self.reporter.errors,
+        }
+        if self.master is not None:
+            values["diloco/rounds"] = stats.rounds
+            values["diloco/deltas_found"] = stats.deltas_found
+            values["diloco/deltas_included"] = stats.deltas_included
+            values["diloco/deltas_rejected"] = stats.deltas_rejected
+            values["diloco/deltas_duplicate"] = stats.deltas_duplicate
+            last = stats.last_round
+            if last is not None:
+                staleness = last.staleness
+                values["diloco/round_included"] = last.included
+                values["diloco/round_latency_s"] = last.latency_s
+                values["diloco/staleness_mean"] = (
+                    sum(staleness) / len(staleness) if staleness else 0.0
+                )
+                values["diloco/staleness_max"] = max(staleness, default=0)
+        return values
