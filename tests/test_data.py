@@ -478,7 +478,7 @@ def test_resume_through_the_sampler_loads_nothing_twice() -> None:
     stream.load_state_dict({"epoch": 1, "batches_in_epoch": 2})
     next(stream)
     assert dataset.loads == 3  # one batch of three, nothing skipped by loading
-    assert stream.state_dict() == {"epoch": 1, "batches_in_epoch": 3}
+    assert stream.state_dict() == {"epoch": 1, "batches_in_epoch": 3, "samples": 9}
 
 
 def test_resume_without_automatic_batching_skips_single_samples() -> None:

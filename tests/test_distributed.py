@@ -236,7 +236,7 @@ def test_sharded_loader_resumes_at_the_exact_sample_of_its_shard() -> None:
     for _ in range(2):
         next(first)
     state = first.state_dict()
-    assert state == {"epoch": 0, "batches_in_epoch": 2, "shards": 2}
+    assert state == {"epoch": 0, "batches_in_epoch": 2, "shards": 2, "samples": 8}
     resumed = stream(1)
     resumed.load_state_dict(state)
     assert [next(resumed).tolist() for _ in range(3)] == batches[2:]

@@ -113,7 +113,7 @@ def test_resume_mid_epoch_gives_the_uninterrupted_losses(tmp_path: Path) -> None
     first_losses = Losses()
     first, _ = build_runtime(config(tmp_path / "b", max_epochs=2), extra_callbacks=[first_losses])
     first.fit(max_steps=7)  # two batches into the second epoch
-    assert first.stream.state_dict() == {"epoch": 1, "batches_in_epoch": 2}
+    assert first.stream.state_dict() == {"epoch": 1, "batches_in_epoch": 2, "samples": 4}
     state = copy.deepcopy(first.state_dict())
     second_losses = Losses()
     second, _ = build_runtime(config(tmp_path / "c", max_epochs=2), extra_callbacks=[second_losses])

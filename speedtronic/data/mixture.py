@@ -42,13 +42,15 @@ from torch.utils.data import Dataset
 from speedtronic.data.interleave import Interleave
 from speedtronic.data.stream import _epoch_seed
 from speedtronic.data.text import DataSourceError, TextPart
-from speedtronic.data.windows import (
+from speedtronic.data.window_order import (
     ChunkedPermutation,
     Permutation,
-    TokenWindowDataset,
     WindowSampler,
-    WindowSource,
     _distinct,
+)
+from speedtronic.data.windows import (
+    TokenWindowDataset,
+    WindowSource,
     open_token_dataset,
     source_manifest,
 )

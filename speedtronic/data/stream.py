@@ -10,6 +10,12 @@ exactly the one an uninterrupted run would have received:
 * anything else (iterable datasets such as the text stream, lists, other loaders) is
   re-iterated for that epoch and the already-seen batches are read and dropped.
 
+With a ``ResumableSampler`` the position also holds a global cursor (``samples``: the
+positions of the epoch's order all ranks together consumed). Ranks take strided positions of
+one global order, so a run resumed on another number of ranks, or with another batch size,
+continues from the cursor: the same global sample sequence, no sample skipped or repeated
+(``speedtronic.engine.batch_layout`` keeps the global batch).
+
 Exactness needs a source whose epoch ``e`` is the same every time it is iterated: a
 ``ResumableSampler``, a fixed order, or randomness seeded per epoch. A ``DataLoader`` with
 torch's default ``RandomSampler`` and no ``generator`` draws its order from the global RNG
@@ -260,6 +266,29 @@ class _SamplerPosition:
         full, rest = divmod(self.sampler.num_samples, self.batch_size)
         return full + (1 if rest and not self.drop_last else 0)
 
+    def cursor(self, batches: int) -> int:
+        """The global cursor after ``batches`` batches of every rank: positions of the
+        epoch's order consumed, all ranks together (ranks take strided positions)."""
+        return min(batches * self.batch_size, self.sampler.num_samples) * self.sampler.world_size
+
+    def batches_at(self, cursor: int, epoch: int) -> int:
+        """The batches of every rank that leave the global cursor at ``cursor``: another
+        rank count or batch size continues the same global order (``ValueError`` when
+        ``cursor`` falls inside a batch of this layout)."""
+        sampler = self.sampler
+        share, rest = divmod(cursor, sampler.world_size)
+        if share >= sampler.num_samples:
+            return self.epoch_batches()  # the epoch's end, whatever the padding was
+        batches, within = divmod(share, self.batch_size)
+        if rest or within:
+            raise ValueError(
+                f"the data position, sample {cursor} of epoch {epoch}'s order (all ranks "
+                f"together), falls inside a batch of {sampler.world_size} rank(s) x "
+                f"{self.batch_size} samples: choose a rank count and micro-batch whose batches "
+                "end there"
+            )
+        return batches
+
 
 def _resumable_sampler(source: object) -> _SamplerPosition | None:
     """The loader's ``ResumableSampler`` and its batching, if it has one."""
@@ -402,7 +431,8 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
 
     def state_dict(self) -> dict[str, int]:
         """The position: the epoch and how many of its batches were handed out (plus the
-        number of rank shards of a sharded source)."""
+        number of rank shards of a sharded source, and the global cursor ``samples`` of a
+        ``ResumableSampler``'s order)."""
         state = {"epoch": self.epoch, "batches_in_epoch": self.batches_in_epoch}
         shards = data_shards(self.source)
         if shards > 1:
@@ -410,6 +440,9 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
         order = data_order_version(self.source)
         if order != 1:
             state["order"] = order
+        position = _resumable_sampler(self.source)
+        if position is not None:  # the global cursor: what another rank count resumes from
+            state["samples"] = position.cursor(self.batches_in_epoch)
         return state
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
@@ -423,7 +456,13 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
             )
         saved_shards = int(state.get("shards", 1))
         shards = data_shards(self.source)
-        if saved_shards != shards:
+        position = _resumable_sampler(self.source)
+        cursor = state.get("samples")
+        if position is not None and cursor is not None:
+            cursor = _non_negative("data state samples", cursor)
+            if cursor != position.cursor(batches):  # another rank count or micro-batch
+                batches = position.batches_at(cursor, epoch)
+        elif saved_shards != shards:
             warn(
                 f"the data position was saved with the data split into {saved_shards} rank "
                 f"shard(s) and is now restored with {shards}: the run continues at batch "

@@ -41,6 +41,12 @@ from torch import nn
 
 from speedtronic.data import BatchStream, EpochLimitReached
 from speedtronic.data.stream import DataPass
+from speedtronic.engine.batch_layout import (
+    LAYOUT_KEY,
+    apply_layout,
+    current_layout,
+    resume_layout,
+)
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import (
     ExceptionContext,
@@ -559,8 +565,22 @@ class Trainer:
 
     def state_dict(self) -> dict[str, object]:
         """Everything needed to continue this run exactly (loads with weights_only=True)."""
-        return capture_training_state(self.state)
+        state = capture_training_state(self.state)
+        layout = current_layout(self)
+        if layout is not None:  # what an elastic resume keeps (``engine.batch_layout``)
+            state[LAYOUT_KEY] = layout.to_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, object], *, load_callbacks: bool = True) -> None:
-        """Restore a ``state_dict``; raises ``TrainingStateError`` naming what does not fit."""
-        restore_training_state(self.state, state, load_callbacks=load_callbacks)
+        """Restore a ``state_dict``; raises ``TrainingStateError`` naming what does not fit.
+        On another number of data-parallel ranks the saved global batch is kept
+        (``speedtronic.engine.batch_layout``)."""
+        layout, before = resume_layout(self, state), current_layout(self)
+        if layout is not None:
+            apply_layout(self, layout)
+        try:
+            restore_training_state(self.state, state, load_callbacks=load_callbacks)
+        except BaseException:
+            if layout is not None and before is not None:
+                apply_layout(self, before)  # a refused checkpoint leaves the trainer as it was
+            raise
