@@ -8,6 +8,7 @@ sinks that cannot write. (Non-UTF-8 and 100,000-deep configs: tests/test_config_
 from __future__ import annotations
 
 import copy
+import csv
 import errno
 import json
 import os
@@ -427,7 +428,7 @@ def test_a_csv_sink_that_fails_mid_run_is_reported_once(
             self._handle.close()
             self._handle = open("/dev/full", "a", encoding="utf-8")  # noqa: SIM115  # closed at teardown
             assert self._writer is not None
-            self._writer = type(self._writer)(self._handle, fieldnames=self._columns)
+            self._writer = csv.writer(self._handle)
         original(self, trainer, record)  # type: ignore[arg-type]  # the trainer view
 
     monkeypatch.setattr(CsvCallback, "write_record", fill_the_disk_at_step_4)

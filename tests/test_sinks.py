@@ -265,6 +265,65 @@ def test_csv_rows_widen_for_new_keys_and_survive_resume(tmp_path: Path) -> None:
     assert rows[-1]["extra"] == "6.0"
 
 
+class KeyPerStep(Callback):
+    """Adds a key of its own on every step (``k<step>``), and ``odd`` on odd steps only."""
+
+    def on_metrics(self, trainer: Trainer, ctx: MetricsContext) -> None:
+        ctx.record.set(f"k{ctx.step}", float(ctx.step))
+        if ctx.step % 2:
+            ctx.record.set("odd", ctx.step)
+
+
+class CsvStaysATable(Callback):
+    """At every step end, the CSV parses as one table: a row per step so far, every row as
+    wide as the header."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_step_end(self, trainer: Trainer, ctx: StepContext) -> None:
+        with self.path.open(encoding="utf-8", newline="") as handle:
+            header, *rows = list(csv.reader(handle))
+        assert len(rows) == ctx.step
+        assert {len(row) for row in rows} == {len(header)}
+        assert [row[header.index("step")] for row in rows] == [str(s + 1) for s in range(ctx.step)]
+
+
+@pytest.mark.parametrize("floor", [0, CsvCallback.REWRITE_FLOOR_BYTES])
+def test_csv_widening_writes_linear_bytes_and_keeps_every_cell(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, floor: int
+) -> None:
+    import speedtronic_callbacks.csv_sink as csv_sink
+
+    rewrites: list[int] = []  # bytes of every whole-file write the sink makes
+    original = csv_sink.atomic_write_text
+
+    def counted(path: Path, text: str) -> None:
+        rewrites.append(len(text.encode("utf-8")))
+        original(path, text)
+
+    monkeypatch.setattr(csv_sink, "atomic_write_text", counted)
+    monkeypatch.setattr(CsvCallback, "REWRITE_FLOOR_BYTES", floor)
+    steps, table = 120, tmp_path / "metrics.csv"
+    sink = CsvCallback()
+    callbacks = [KeyPerStep(), sink, JsonlCallback(), CsvStaysATable(table)]
+    make_trainer(tmp_path, callbacks, max_steps=steps).fit()
+
+    # every cell of every record is in the file once the fit ends, as in metrics.jsonl
+    rows, records = read_csv(table), read_jsonl(tmp_path / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [str(record["step"]) for record in records]
+    for row, record in zip(rows, records, strict=True):
+        assert {key: value for key, value in row.items() if value} == {
+            key: str(value) for key, value in record.items()
+        }
+    # a new key on every step: rewrites stay within the budget, a few whole files, not one
+    # file per step (which is what makes the cost quadratic)
+    size = table.stat().st_size
+    assert sum(rewrites) == sink.rewritten_bytes + rewrites[0]  # the first is the header
+    assert sink.rewritten_bytes <= (CsvCallback.REWRITE_BUDGET + 1) * size + floor
+    assert len(rewrites) < (steps if floor else 20)
+
+
 # -- console ----------------------------------------------------------------------------
 
 
