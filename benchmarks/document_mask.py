@@ -5,12 +5,14 @@ Both sides train the same model (4 layers, d_model 128, 4 heads, sequence 512, m
 end-of-document id after each). The masked side computes the ``position_ids`` of each batch
 (``speedtronic.data.documents.document_positions``, what the loader does with
 ``data.document_mask``) and passes them to the model, which then attends block-causally
-through ``scaled_dot_product_attention`` with a boolean mask; the unmasked side takes the
+through the kernel of ``--kernel`` (``model.options.document_attention``: ``auto`` is
+SDPA with a boolean mask on the CPU, flex_attention on CUDA); the unmasked side takes the
 ``is_causal`` path. Rounds alternate ABBA; the table shows the median and best steps/s of
-each (per CPU second of the one-thread process: the machine is shared) and the ratio.
-Target (issue 31): masked >= 0.9x unmasked.
+each (per CPU second of the one-thread process on the CPU -- the machine is shared -- per
+wall second on CUDA) and the ratio. Target (issue 31): masked >= 0.9x unmasked.
 
     python benchmarks/document_mask.py --rounds 6 --steps 8      # --markdown for docs
+    python benchmarks/document_mask.py --device cuda --kernel flex
 """
 
 from __future__ import annotations
@@ -41,32 +43,47 @@ def packed_batches(count: int) -> list[torch.Tensor]:
     return list(flat.view(count, BATCH, SEQ + 1))
 
 
-def make_model() -> ReferenceTransformer:
+def make_model(kernel: str, device: str) -> ReferenceTransformer:
     torch.manual_seed(0)
     return ReferenceTransformer(
-        vocab_size=VOCAB, max_seq_len=SEQ, n_layer=4, n_head=4, d_model=128, d_ff=512
-    )
+        vocab_size=VOCAB,
+        max_seq_len=SEQ,
+        n_layer=4,
+        n_head=4,
+        d_model=128,
+        d_ff=512,
+        document_attention=kernel,
+    ).to(device)
 
 
-def run(masked: bool, batches: list[torch.Tensor]) -> float:
-    """Steps per CPU second over ``batches`` (after one warm-up step): one thread, so the
-    process's CPU time is the step's work, whatever else the shared machine runs."""
-    model = make_model()
+def seconds(device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+        return time.perf_counter()
+    return time.process_time()
+
+
+def run(masked: bool, batches: list[torch.Tensor], kernel: str, device: str) -> float:
+    """Steps per second over ``batches`` (after one warm-up step): on the CPU per CPU second
+    of one thread, so the step's work whatever else the shared machine runs."""
+    model = make_model(kernel, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(window: torch.Tensor) -> None:
         inputs, labels = window[:, :-1], window[:, 1:]
-        positions = document_positions(inputs, EOS) if masked else None
+        # on the host, as the loader computes them, then moved with the batch
+        positions = document_positions(inputs, EOS).to(device) if masked else None
+        inputs, labels = inputs.to(device), labels.to(device)
         loss = model(inputs, labels=labels, position_ids=positions)["loss"]
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     step(batches[0])
-    start = time.process_time()
+    start = seconds(device)
     for window in batches:
         step(window)
-    return len(batches) / (time.process_time() - start)
+    return len(batches) / (seconds(device) - start)
 
 
 def main() -> None:
@@ -74,6 +91,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--kernel", choices=("auto", "sdpa", "flex"), default="auto")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)
     batches = packed_batches(args.steps)
@@ -81,7 +100,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = (False, True) if round_ % 2 == 0 else (True, False)
         for masked in order:
-            results[masked].append(run(masked, batches))
+            results[masked].append(run(masked, batches, args.kernel, args.device))
     mask_bytes = BATCH * SEQ * SEQ  # one bool per (query, key) pair, shared by the layers
     rows = [
         ("unmasked (`is_causal`)", results[False]),

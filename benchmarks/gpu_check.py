@@ -290,7 +290,37 @@ def check_attention_masks() -> Outcome:
     if flex_error > 2e-2:
         raise RuntimeError(f"flex_attention differs from fp32 math by {flex_error:.3g}")
     notes.append(f"flex max err {flex_error:.1e}")
+    notes.append(f"model flex/sdpa max grad diff {_document_attention_difference():.1e}")
     return Outcome(peak_bytes=torch.cuda.max_memory_allocated(), note="; ".join(notes))
+
+
+def _document_attention_difference() -> float:
+    """The reference transformer trained one step on packed documents with
+    ``document_attention`` flex and sdpa: the largest difference of the loss and gradients
+    (an error above fp32 tolerance)."""
+    from speedtronic.data.documents import document_positions
+    from speedtronic.models.transformer import ReferenceTransformer
+
+    ids = torch.randint(1, 256, (4, 512), generator=torch.Generator().manual_seed(0))
+    ids[:, ::97] = 0  # an end-of-document id every 97 tokens
+    positions = document_positions(ids, 0).cuda()
+    ids = ids.cuda()
+    found: dict[str, list[torch.Tensor]] = {}
+    for kernel in ("sdpa", "flex"):
+        torch.manual_seed(0)
+        model = ReferenceTransformer(
+            vocab_size=256, max_seq_len=512, n_layer=2, n_head=4, d_model=128,
+            document_attention=kernel,
+        ).cuda()  # fmt: skip
+        loss = model(ids, labels=ids, position_ids=positions)["loss"]
+        loss.backward()
+        found[kernel] = [loss.detach(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    worst = max(
+        float((a - b).abs().max()) for a, b in zip(found["sdpa"], found["flex"], strict=True)
+    )
+    if worst > 1e-3:
+        raise RuntimeError(f"document_attention flex differs from sdpa by {worst:.3g}")
+    return worst
 
 
 def run_ranks(sections: Mapping[str, object], nproc: int) -> Outcome:

@@ -186,3 +186,92 @@ def test_document_mask_without_token_shards_is_an_error() -> None:
     config = load_config({"data": {"synthetic": True, "document_mask": True}})
     with pytest.raises(DataSourceError, match="data.document_mask applies to token shards"):
         resolve_dataset(config.data)
+
+
+def test_hf_llama_through_the_trainer_keeps_documents_apart(tmp_path: Path) -> None:
+    """``hf_causal_lm`` (a Llama built from a config) trained by the Trainer on token shards
+    with ``document_mask``: changing any token of document 1 leaves document 2's logits and
+    loss unchanged. Without ``document_mask`` no positions reach the model: its forward is
+    the plain one, bitwise."""
+    from speedtronic.runtime import build_runtime
+
+    second = "a second document, longer"
+    base = ["abc", second] + [f"more text {i}" for i in range(20)]
+    length = len(base[0]) + 1  # document 1 and its end-of-document id
+    doc2 = slice(length, length + len(second))
+
+    def first_forward(texts: list[str], name: str, mask: bool) -> dict[str, object]:
+        """The first forward of a one-step run: its inputs, outputs and the weights."""
+        config = {
+            "run": {"device": "cpu", "max_steps": 1, "output_dir": str(tmp_path / f"run-{name}")},
+            "model": {"name": "hf_causal_lm", "vocab_size": 257, "max_seq_len": 24,
+                      "options": {"config": LLAMA}},
+            "data": {"tokens": str(byte_shards(tmp_path, name, texts)), "micro_batch_size": 1,
+                     "document_mask": mask, "shuffle": False},
+            "optimizer": {"name": "adamw", "lr": 1e-2},
+            "logging": {"console": False},
+            "checkpoint": {"enabled": False},
+        }  # fmt: skip
+        trainer, _ = build_runtime(config)
+        seen: dict[str, object] = {}
+
+        def keep(module: nn.Module, args: object, kwargs: dict[str, object], out: object) -> None:
+            if not seen:
+                assert isinstance(out, dict)
+                seen.update({key: value for key, value in kwargs.items() if value is not None})
+                seen["output"] = {key: value.detach().clone() for key, value in out.items()}
+                seen["weights"] = {k: v.clone() for k, v in module.state_dict().items()}
+                seen["model"] = module
+
+        trainer.model.register_forward_hook(keep, with_kwargs=True)
+        trainer.fit()
+        return seen
+
+    def doc2_logits_and_loss(run: dict[str, object]) -> tuple[torch.Tensor, torch.Tensor]:
+        output, labels = run["output"], run["labels"]
+        assert isinstance(output, dict) and isinstance(labels, torch.Tensor)
+        logits = output["logits"][0, doc2]
+        return logits, torch.nn.functional.cross_entropy(logits, labels[0, doc2])
+
+    original = first_forward(base, "original", True)
+    ids, positions = original["input_ids"], original["position_ids"]
+    assert isinstance(ids, torch.Tensor) and isinstance(positions, torch.Tensor)
+    assert ids[0, length - 1] == 256 and positions[0, length] == 0  # document 2 starts there
+    logits, loss = doc2_logits_and_loss(original)
+    for change in range(length - 1):  # every token of document 1 but its end
+        texts = [base[0][:change] + "Z" + base[0][change + 1 :], *base[1:]]
+        run = first_forward(texts, f"changed{change}", True)
+        assert not torch.equal(run["input_ids"], ids)  # type: ignore[arg-type]
+        changed_logits, changed_loss = doc2_logits_and_loss(run)
+        assert torch.equal(changed_logits, logits), f"token {change} of document 1 leaked"
+        assert torch.equal(changed_loss, loss)
+    # Without document_mask: the Trainer's forward is the model's own without positions.
+    plain = first_forward(base, "plain", False)
+    assert "position_ids" not in plain
+    model, weights, output = plain["model"], plain["weights"], plain["output"]
+    assert isinstance(model, nn.Module) and isinstance(weights, dict) and isinstance(output, dict)
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        again = model(plain["input_ids"], labels=plain["labels"])
+    assert torch.equal(again["logits"], output["logits"]) and torch.equal(
+        again["loss"], output["loss"]
+    )
+    # ... and there document 1 does reach document 2 (the test can tell).
+    leaked = first_forward(["Zbc", *base[1:]], "plain-changed", False)
+    assert not torch.equal(doc2_logits_and_loss(leaked)[0], doc2_logits_and_loss(plain)[0])
+
+
+def test_hf_packed_documents_with_padding_are_refused() -> None:
+    """transformers finds packed documents only without an ``attention_mask``: a mask of no
+    padding is dropped (the documents stay apart), a padded batch is an error."""
+    model = llama()
+    ids = window(3)
+    positions = document_positions(ids, EOS)
+    with torch.no_grad():
+        alone = model(ids, position_ids=positions)["logits"]
+        unpadded = model(ids, position_ids=positions, attention_mask=torch.ones_like(ids))
+    assert torch.equal(unpadded["logits"], alone)
+    padded = torch.ones_like(ids)
+    padded[0, -2:] = 0
+    with pytest.raises(ValueError, match="would attend across the documents"):
+        model(ids, position_ids=positions, attention_mask=padded)

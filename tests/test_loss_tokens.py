@@ -13,10 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from forked import Forked
-from loss_tokens_worker import LOSS_TOKENS, global_batch, model, one_step
+from loss_tokens_worker import LENGTH, LOSS_TOKENS, global_batch, model, one_step
 from test_distributed import free_port, rank_env
 
+from speedtronic.engine.callback import Callback
+from speedtronic.engine.contexts import OptimizerStepContext
 from speedtronic.engine.loss_tokens import loss_token_count, step_weights
+from speedtronic.engine.settings import TrainerSettings
+from speedtronic.engine.trainer import Trainer
 
 
 def reference_grads() -> dict[str, torch.Tensor]:
@@ -97,3 +101,64 @@ def test_equal_counts_divide_by_the_integer_k() -> None:
     assert even is not None and [float(d) for d in even.divisors] == [2.0, 2.0]  # exactly K
     assert loss_token_count({"labels": torch.tensor([[-100, 4]])}) == 1
     assert sum(LOSS_TOKENS) > 0
+
+
+class _OwnLoss(torch.nn.Module):
+    """A user model that takes its own loss, undefined (0 / 0) on a microbatch whose labels
+    are all ``-100``: ``F.cross_entropy`` (mean, ``ignore_index``: a NaN loss), returned
+    with the logits; or a hand-written masked mean (NaN gradients too), returned alone in a
+    tuple (no other output reaches the parameters)."""
+
+    def __init__(self, hand_written: bool) -> None:
+        super().__init__()
+        self.net = model()
+        self.hand_written = hand_written
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> object:
+        logits = self.net(input_ids)["logits"]
+        if not self.hand_written:
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+            return {"loss": loss, "logits": logits}
+        mask = labels != -100
+        picked = logits.log_softmax(-1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+        return (-(picked * mask).sum() / mask.sum(),)
+
+
+def _own_loss(net: _OwnLoss, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    output = net(**batch)
+    loss = output[0] if isinstance(output, tuple) else output["loss"]  # type: ignore[index]
+    assert isinstance(loss, torch.Tensor)
+    return loss
+
+
+@pytest.mark.parametrize("hand_written", [False, True], ids=["cross_entropy", "masked_mean"])
+def test_a_microbatch_without_loss_bearing_tokens_contributes_zero(hand_written: bool) -> None:
+    torch.set_num_threads(1)
+    batch = global_batch()
+    empty = {"input_ids": batch["input_ids"][:2], "labels": torch.full((2, LENGTH), -100)}
+    full = {key: value[2:4] for key, value in batch.items()}
+    net, expected = _OwnLoss(hand_written), _OwnLoss(hand_written)
+    assert torch.isnan(_own_loss(net, empty))  # what the model's own mean gives
+    reference = _own_loss(expected, full)
+    reference.backward()  # type: ignore[no-untyped-call]
+    seen: list[float] = []
+
+    class Grads(Callback):
+        def on_before_optimizer_step(self, trainer: object, ctx: OptimizerStepContext) -> None:
+            seen.append(float(ctx.loss))
+            pairs = zip(net.named_parameters(), expected.parameters(), strict=True)
+            for (name, param), want in pairs:
+                assert param.grad is not None and want.grad is not None
+                torch.testing.assert_close(param.grad, want.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+    trainer = Trainer(
+        net,
+        torch.optim.AdamW(net.parameters(), lr=1e-2),
+        [empty, full],
+        callbacks=[Grads()],
+        max_steps=1,
+        settings=TrainerSettings(accumulation_steps=2),
+    )
+    trainer.fit()
+    assert seen == [pytest.approx(float(reference.detach()))]  # the empty microbatch weighs nothing
+    assert all(torch.isfinite(param).all() for param in net.parameters())

@@ -443,7 +443,7 @@ class ModelConfig(_PluginKeysAsAttributes, _Section):
             "keyword arguments for the model factory beside the standard fields (they win "
             "over a standard field of the same name); values must be JSON values; checked "
             "against the factory's `options_schema` when it declares one. The reference "
-            "transformer takes none"
+            "transformer takes `document_attention` (docs/fine-tuning.md)"
         ),
     ] = field(default_factory=dict)
     adapters: Annotated[

@@ -51,6 +51,7 @@ from speedtronic.data.shards import (
     token_dtype,
 )
 from speedtronic.data.text import DataSourceError, open_data_file
+from speedtronic.data.token_bytes import token_byte_lengths
 from speedtronic.data.tokenizer import (
     CorpusTokenizer,
     FileTokenizer,
@@ -136,14 +137,15 @@ def _encoded(
     tokenizer: HFTokenizerObject | None,
     eos_id: int,
 ) -> Iterator[Encoded]:
+    byte_lengths = None if tokenizer is None else token_byte_lengths(tokenizer)
     batch: list[tuple[Example, str]] = []
     for row, where in _rows(files):
         batch.append((render_row(options.format, row, where, template), where))
         if len(batch) >= ENCODE_BATCH:
-            yield from encode_examples(batch, tokenizer, eos_id)
+            yield from encode_examples(batch, tokenizer, eos_id, byte_lengths)
             batch = []
     if batch:
-        yield from encode_examples(batch, tokenizer, eos_id)
+        yield from encode_examples(batch, tokenizer, eos_id, byte_lengths)
 
 
 def prepare_examples(options: SFTOptions) -> PrepareResult:

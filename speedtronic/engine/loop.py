@@ -35,7 +35,13 @@ from speedtronic.engine.contexts import (
 )
 from speedtronic.engine.evaluation import add_eval_results, is_eval_step, run_step_evaluation
 from speedtronic.engine.events import On
-from speedtronic.engine.loss_tokens import Divisor, StepWeights, step_weights
+from speedtronic.engine.loss_tokens import (
+    NOTHING_TO_LEARN,
+    Divisor,
+    StepWeights,
+    nothing_to_learn,
+    step_weights,
+)
 from speedtronic.engine.metrics import MetricRecord
 from speedtronic.systems.sharding import global_grad_norm
 
@@ -225,8 +231,10 @@ def _forward_backward(
     else:
         output = path.forward(batch)
     loss = resolve_loss(output, batch)
-    # None: one microbatch on one rank, x / 1 is x: skip the op (bitwise the same grads)
-    scaled = loss if divisor is None else loss / divisor
+    if divisor is NOTHING_TO_LEARN:  # no loss-bearing label: a zero, never the model's 0/0
+        loss, scaled = nothing_to_learn(output, loss, t.trainable_parameters)
+    else:  # None: one microbatch on one rank, x / 1 is x: skip the op (bitwise the same grads)
+        scaled = loss if divisor is None else loss / divisor
     if scaler is not None:
         scaled = scaler.scale(scaled)
     if not (before_bw or after_bw):

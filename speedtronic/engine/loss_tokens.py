@@ -18,21 +18,38 @@ When every microbatch has the same count (``N == K * c * W``: plain pretraining 
 synthetic data) the divisor is the integer ``K`` itself, so the arithmetic -- and every
 gradient -- is bitwise the one of ``loss / K``. A batch without integer labels (a regression
 target, a model that takes no labels) has no count: such a step keeps ``loss / K``.
+
+A microbatch without a loss-bearing label contributes nothing, whatever its model computes:
+a model's own mean over no token is 0 / 0 (``F.cross_entropy`` gives a NaN loss, a
+hand-written masked mean NaN gradients too), so its loss is not backpropagated at all. A zero
+is, through the model's other outputs (the logits: the same graph, so DDP and FSDP see every
+parameter they expect) or, when it returns the loss alone, through the trainable parameters;
+the loss it reports is 0 (it weighs nothing in the step's mean).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from speedtronic.engine.batch import IGNORE_INDEX, batch_labels
 
-__all__ = ["StepWeights", "loss_token_count", "step_weights"]
+__all__ = [
+    "NOTHING_TO_LEARN",
+    "StepWeights",
+    "loss_token_count",
+    "nothing_to_learn",
+    "step_weights",
+]
 
 CountReducer = Callable[[int], torch.Tensor]
 """Sums a rank's count over the ranks that average gradients with it, as a tensor on the
 collective device: never read on the host, so the step does not wait for the device."""
+
+NOTHING_TO_LEARN = math.inf
+"""The divisor of a microbatch without a loss-bearing label (compared by identity)."""
 
 Divisor = int | float | torch.Tensor
 """A microbatch loss's divisor: the integer ``K``, ``inf`` (nothing to learn), or, across
@@ -87,7 +104,7 @@ def step_weights(
         return StepWeights(counts, [_divisor(count, k, local) for count in counts], local)
     total = reduce(local)  # on the device: read only by the divisions below
     divisors: list[Divisor] = [
-        float("inf") if count == 0 else total / (count * ranks) for count in counts
+        NOTHING_TO_LEARN if count == 0 else total / (count * ranks) for count in counts
     ]  # a count that agrees everywhere gives exactly K: total / (c W) is an integer
     return StepWeights(counts, divisors, local)
 
@@ -98,5 +115,28 @@ def _divisor(count: int, k: int, total: int) -> int | float:
     if count * k == total:
         return k
     if count == 0:
-        return float("inf")
+        return NOTHING_TO_LEARN
     return total / count
+
+
+def nothing_to_learn(
+    output: object, loss: torch.Tensor, parameters: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a microbatch without a loss-bearing label (its divisor ``NOTHING_TO_LEARN``): the
+    loss to report (0) and a zero to backpropagate instead of the loss (module docstring)."""
+    values: Sequence[object] = ()
+    if isinstance(output, Mapping):
+        values = list(output.values())
+    elif isinstance(output, Sequence) and not isinstance(output, str):
+        values = output
+    others = [
+        value
+        for value in values
+        if isinstance(value, torch.Tensor)
+        and value is not loss
+        and value.grad_fn is not None
+        and value.is_floating_point()
+    ]
+    reach = others or [p for p in parameters if p.requires_grad]
+    zero = torch.stack([value.sum() for value in reach]).sum() * 0.0
+    return torch.zeros_like(loss.detach()), zero

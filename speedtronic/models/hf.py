@@ -217,6 +217,15 @@ class HFCausalLM(nn.Module):
         # No labels into the model: it would shift them a second time (module docstring).
         # ``position_ids`` restarting per packed document (and no ``attention_mask``):
         # transformers then masks attention block-causally per document itself.
+        if position_ids is not None and attention_mask is not None:
+            # transformers looks for packed documents only without an attention_mask: with
+            # one it would attend across them. A mask of no padding says nothing: drop it.
+            if not bool(attention_mask.all()):
+                raise ValueError(
+                    "hf_causal_lm: packed documents (position_ids) in a padded batch "
+                    "(attention_mask): transformers would attend across the documents"
+                )
+            attention_mask = None
         inputs: dict[str, object] = {"input_ids": input_ids, "attention_mask": attention_mask}
         if position_ids is not None:
             inputs["position_ids"] = position_ids

@@ -20,7 +20,9 @@ never produce NaN (those positions carry label -100 and do not reach the loss).
 Packed documents (``data.document_mask``): ``position_ids`` that restart at 0 where a
 document starts (``speedtronic.data.documents``) make attention block-causal -- a token
 attends to the earlier tokens of its own document only, one boolean ``(B, 1, T, T)`` mask
-built per forward and shared by every layer -- and the rotary positions restart with them.
+built per forward and shared by every layer (or a flex_attention ``BlockMask``:
+``model.options.document_attention``, ``speedtronic.models.document_attention``) -- and the
+rotary positions restart with them.
 """
 
 from __future__ import annotations
@@ -28,14 +30,24 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import ClassVar, cast
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from speedtronic.models.document_attention import (
+    OPTIONS_SCHEMA,
+    check_kernel,
+    flex_attend,
+    flex_block_mask,
+    uses_flex,
+)
 from speedtronic.models.loss import loss_from_logits
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 __all__ = [
     "GPT",
@@ -281,10 +293,10 @@ class CausalSelfAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | BlockMask | None = None,
     ) -> torch.Tensor:
         """``mask``: None for plain causal attention, else a boolean ``(B, 1, T, T)`` mask
-        (True = may attend) that already includes causality."""
+        (True = may attend) that already includes causality, or a flex ``BlockMask``."""
         batch, seq, width = x.shape
         q = self.q_proj(x).view(batch, seq, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -295,14 +307,17 @@ class CausalSelfAttention(nn.Module):
         if repeats > 1:
             k = k.repeat_interleave(repeats, dim=1)
             v = v.repeat_interleave(repeats, dim=1)
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=mask is None,
-        )
+        if mask is not None and not isinstance(mask, torch.Tensor):  # packed documents
+            y = flex_attend(q, k, v, mask)
+        else:
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=self.dropout if self.training else 0.0,
+                is_causal=mask is None,
+            )
         y = y.transpose(1, 2).reshape(batch, seq, width)
         return cast(torch.Tensor, self.resid_dropout(self.o_proj(y)))
 
@@ -372,7 +387,7 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | BlockMask | None = None,
     ) -> torch.Tensor:
         if self.gradient_checkpointing and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(
@@ -386,7 +401,7 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | BlockMask | None,
     ) -> torch.Tensor:
         attended: torch.Tensor = x + self.attn(self.norm1(x), cos, sin, mask)
         mixed: torch.Tensor = self.mlp_dropout(self.mlp(self.norm2(attended)))
@@ -422,15 +437,10 @@ def _dense_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 class ReferenceTransformer(nn.Module):
     """Decoder-only transformer; keyword arguments are the ``GPTConfig`` fields, plus
-    ``max_seq_len`` as another name for ``block_size``. An unknown keyword is a TypeError."""
+    ``max_seq_len`` as another name for ``block_size`` and ``document_attention`` (its one
+    ``model.options`` key). An unknown keyword is a TypeError."""
 
-    options_schema: ClassVar[Mapping[str, object]] = {
-        "type": "object",
-        "properties": {},
-        "additionalProperties": False,
-        "description": "The reference transformer takes no model.options; its settings are "
-        "the model: fields.",
-    }
+    options_schema: ClassVar[Mapping[str, object]] = OPTIONS_SCHEMA
 
     def __init__(
         self,
@@ -446,6 +456,7 @@ class ReferenceTransformer(nn.Module):
         dropout: float = GPTConfig.dropout,
         tie_weights: bool = GPTConfig.tie_weights,
         rope_base: float = GPTConfig.rope_base,
+        document_attention: str = "auto",
     ) -> None:
         super().__init__()
         if block_size is not None and max_seq_len is not None and block_size != max_seq_len:
@@ -467,6 +478,7 @@ class ReferenceTransformer(nn.Module):
             rope_base=rope_base,
         )
         self.config = config
+        self.document_attention = check_kernel(document_attention, config.dropout)
         self.transformer = nn.ModuleDict(
             {
                 "wte": nn.Embedding(config.vocab_size, config.d_model),
@@ -555,12 +567,14 @@ class ReferenceTransformer(nn.Module):
             raise ValueError(
                 f"sequence length {seq} exceeds model block size {self.config.block_size}"
             )
-        mask = self._attention_mask(input_ids, attention_mask)
+        padding = self._attention_mask(input_ids, attention_mask)
+        mask: torch.Tensor | BlockMask | None = padding
         x: torch.Tensor = self.transformer["drop"](self.token_embedding(input_ids))
         table = seq if position_ids is None else self.config.block_size
         cos, sin = self.rotary(table, x.device, x.dtype)
         if position_ids is not None:
-            mask, cos, sin = _documents(input_ids, position_ids, mask, cos, sin)
+            flex = uses_flex(self.document_attention, x.device, self.config.dropout)
+            mask, cos, sin = _documents(input_ids, position_ids, padding, cos, sin, flex)
         for block in self.blocks:
             x = block(x, cos, sin, mask)
         logits: torch.Tensor = self.lm_head(self.transformer["ln_f"](x))
@@ -621,18 +635,22 @@ def _documents(
     mask: torch.Tensor | None,
     cos: torch.Tensor,
     sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The block-causal mask (with the padding ``mask``, if any) and the rotary tables at
-    ``position_ids`` (``(B, 1, T, D)``)."""
+    flex: bool,
+) -> tuple[torch.Tensor | BlockMask, torch.Tensor, torch.Tensor]:
+    """The block-causal mask (with the padding ``mask``, if any; a ``BlockMask`` with
+    ``flex``) and the rotary tables at ``position_ids`` (``(B, 1, T, D)``)."""
     if position_ids.shape != input_ids.shape:
         raise ValueError(
             f"position_ids shape {tuple(position_ids.shape)} does not match input_ids shape "
             f"{tuple(input_ids.shape)}"
         )
+    tables = cos[0, 0][position_ids][:, None], sin[0, 0][position_ids][:, None]
+    if flex:
+        return flex_block_mask((position_ids == 0).cumsum(dim=1), mask), *tables
     blocks = _document_mask(position_ids)
     # ``mask`` already holds causality and its diagonal: AND keeps both masks' limits.
     combined = blocks if mask is None else blocks & mask
-    return combined, cos[0, 0][position_ids][:, None], sin[0, 0][position_ids][:, None]
+    return combined, *tables
 
 
 GPT = ReferenceTransformer
