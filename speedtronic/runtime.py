@@ -453,12 +453,6 @@ def preflight(
     ``text`` dataset without a path, an empty held-out set. ``speedtronic validate`` and
     ``speedtronic fit`` both run it, so what ``validate`` passes, ``fit`` starts."""
     outcome = check(config, device=device, max_steps=max_steps)
-    adapters = config.model.adapters
-    if adapters is not None and adapters.lora is not None and config.parallel.strategy == "fsdp":
-        outcome.errors.append(
-            "model.adapters.lora: LoRA does not run under parallel.strategy fsdp yet (use ddp "
-            "or one process)"
-        )
     if outcome.errors:
         return outcome  # the datasets may need the very files that are missing
     try:
