@@ -54,6 +54,7 @@ from speedtronic.engine.events import On
 from speedtronic.engine.metrics import MetricRecord
 from speedtronic.state.rng import capture_rng_state, restore_rng_state
 from speedtronic.systems.precision import PrecisionPlan, autocast_context
+from speedtronic.systems.sharding import reshard_model
 
 if TYPE_CHECKING:
     from speedtronic.engine.state import TrainingState
@@ -118,6 +119,8 @@ class EvalTask(Protocol):
     ) -> Mapping[str, float]:
         """The task's metrics (``eval/...`` keys), the same on every rank: ranks that share
         ``distributed`` split the work and reduce; ``None`` means this rank does it all.
+        Ranks of an FSDP-sharded model must make the same number of forward passes (each
+        gathers the shards together).
         The model's mode and every random state must be left as they were."""
         ...
 
@@ -277,20 +280,24 @@ def run_step_evaluation(t: Trainer, step: int) -> None:
 
 
 def _task_metrics(t: Trainer) -> dict[str, float]:
-    """The metrics of the evaluation's tasks. Sharded (FSDP) ranks each score every row --
-    their forwards must match one for one -- so nothing is split between them."""
+    """The metrics of the evaluation's tasks, the rows split between the ranks of one
+    replica (sharded ranks too: a task runs their forwards in lockstep)."""
     state = t.state
-    shared = t.forward_path.one_replica(state.callbacks) and not state.sharded
+    shared = t.forward_path.one_replica(state.callbacks)
     metrics: dict[str, float] = {}
-    for task in t.evaluation.tasks:
-        metrics.update(
-            task.evaluate(
-                state.model,
-                device=state.device,
-                precision=state.precision,
-                distributed=state.distributed if shared else None,
+    try:
+        for task in t.evaluation.tasks:
+            metrics.update(
+                task.evaluate(
+                    state.model,
+                    device=state.device,
+                    precision=state.precision,
+                    distributed=state.distributed if shared else None,
+                )
             )
-        )
+    finally:
+        if state.sharded and t.evaluation.tasks:  # no gathered copy outlives the evaluation
+            reshard_model(state.model)
     return metrics
 
 
