@@ -426,8 +426,11 @@ def _evaluate(args: argparse.Namespace) -> int:
     except (EvaluationError, DataSourceError) as exc:
         raise UserError(str(exc)) from None
     metrics = outcome.metrics
+    parts = "".join(  # a mixture's eval/<source>/loss
+        f"{key}={value!r} " for key, value in metrics.items() if key not in (EVAL_LOSS, EVAL_PPL)
+    )
     print(
-        f"{EVAL_LOSS}={metrics[EVAL_LOSS]!r} {EVAL_PPL}={metrics[EVAL_PPL]!r} "
+        f"{EVAL_LOSS}={metrics[EVAL_LOSS]!r} {EVAL_PPL}={metrics[EVAL_PPL]!r} {parts}"
         f"step={loaded.step} batches={outcome.batches} checkpoint={loaded.path}"
         f"{_weights_note(args.weights)}"
     )

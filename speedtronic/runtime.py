@@ -38,9 +38,10 @@ from speedtronic.data.held_out import (
     known_empty,
     training_excludes_tail,
 )
+from speedtronic.data.held_out_sources import held_out_parts
 from speedtronic.data.loader import training_dataset
 from speedtronic.engine.callback import Callback
-from speedtronic.engine.evaluation import EvalOutcome, evaluate_model
+from speedtronic.engine.evaluation import EvalOutcome, HeldOutParts, evaluate_model
 from speedtronic.engine.mixture_metrics import mixture_metrics
 from speedtronic.engine.result import TrainResult
 from speedtronic.engine.stage_streams import StageStreamCallback
@@ -358,6 +359,7 @@ def build_runtime(
         eval_max_batches=cfg.eval.max_batches,
     )
     trainer.evaluation.tasks = tasks
+    trainer.evaluation.parts = eval_parts(eval_data)
     # 2.0 code appends hooks to ``trainer.logger``; built at its first read, so a run that
     # never reads it has no logger callback to run every step.
     trainer.provide_logger(lambda: build_logger(cfg, outputs=False))
@@ -396,6 +398,12 @@ def held_out_loader(
     return build_eval_loader(
         config.data, config.eval, rank=rank, world_size=world_size, dataset=_held_out(config)
     )
+
+
+def eval_parts(loader: object) -> HeldOutParts | None:
+    """The sources a mixture's held-out loader reads batch by batch (``eval/<source>/loss``)."""
+    parts = held_out_parts(loader)
+    return None if parts is None else HeldOutParts(*parts)
 
 
 def eval_tasks(
@@ -454,12 +462,6 @@ def preflight(
     ``text`` dataset without a path, an empty held-out set. ``speedtronic validate`` and
     ``speedtronic fit`` both run it, so what ``validate`` passes, ``fit`` starts."""
     outcome = check(config, device=device, max_steps=max_steps)
-    adapters = config.model.adapters
-    if adapters is not None and adapters.lora is not None and config.parallel.strategy == "fsdp":
-        outcome.errors.append(
-            "model.adapters.lora: LoRA does not run under parallel.strategy fsdp yet (use ddp "
-            "or one process)"
-        )
     if outcome.errors:
         return outcome  # the datasets may need the very files that are missing
     try:
@@ -501,12 +503,14 @@ def evaluate_checkpoint(
     net = model_with_weights(cfg, loaded, weights)
     net.to(resolved_device)
     _warn_if_trained_on_the_tail(cfg)
+    loader = held_out_loader(cfg, None)
     outcome = evaluate_model(
         net,
-        held_out_loader(cfg, None),
+        loader,
         device=resolved_device,
         precision=resolve_precision(cfg.precision, resolved_device),
         max_batches=cfg.eval.max_batches,
+        parts=eval_parts(loader),
     )
     return loaded, outcome
 

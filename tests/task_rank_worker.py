@@ -12,6 +12,7 @@ import torch
 from speedtronic.evaluation.tasks import MultipleChoiceTask, read_task
 from speedtronic.models.transformer import ReferenceTransformer
 from speedtronic.systems.distributed import setup_distributed, teardown_distributed
+from speedtronic.systems.sharding import shard_model
 
 
 def task_model() -> ReferenceTransformer:
@@ -29,13 +30,30 @@ def encode(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-def score_rank(out: str, task_file: str) -> int:
+def score_rank(out: str, task_file: str, sharded: bool = False, batch_size: int = 4) -> int:
+    """Score this rank's share; ``sharded``: of the model under FSDP2 (its forwards in
+    lockstep with the other rank's)."""
     torch.set_num_threads(1)
     distributed = setup_distributed("cpu", timeout_s=60)
     try:
-        task = MultipleChoiceTask("t", read_task(task_file), encode, batch_size=4, context=64)
-        score = task.score(task_model(), device=torch.device("cpu"), distributed=distributed)
+        task = MultipleChoiceTask(
+            "t", read_task(task_file), encode, batch_size=batch_size, context=64
+        )
+        model: torch.nn.Module = task_model()
+        if sharded:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            model = shard_model(
+                model,
+                optimizer,
+                device=torch.device("cpu"),
+                group=None,
+                reshard_after_forward=True,
+                param_dtype=None,
+            )
+        score = task.score(model, device=torch.device("cpu"), distributed=distributed)
         report = {"correct": score.correct, "correct_norm": score.correct_norm, "rows": score.rows}
+        if sharded:
+            report["passes"] = score.forward_passes
         rank = os.environ["RANK"]
         Path(out, f"rank{rank}.json").write_text(json.dumps(report), encoding="utf-8")
     finally:

@@ -92,7 +92,10 @@ def test_batching_and_padding_change_no_score(tmp_path: Path) -> None:
     assert model.training  # the mode is restored
 
 
-def test_two_ranks_reduce_to_the_one_process_score(tmp_path: Path, forked: Forked) -> None:
+@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp"])
+def test_two_ranks_reduce_to_the_one_process_score(
+    tmp_path: Path, forked: Forked, sharded: bool
+) -> None:
     rows = [
         {
             "context": f"row {i}: the",
@@ -103,12 +106,19 @@ def test_two_ranks_reduce_to_the_one_process_score(tmp_path: Path, forked: Forke
     ]
     task_file = write_rows(tmp_path / "t.jsonl", rows)
     port = free_port()
+    # Sharded: batches of 5 give rank 0 (10 choices) 2 batches and rank 1 (12) 3, so rank 0
+    # makes a padding pass to keep the forwards (and their all-gathers) in lockstep.
+    size = 5 if sharded else 4
     children = [
-        forked.start(score_rank, str(tmp_path), str(task_file), env=rank_env(rank, 2, port))
+        forked.start(
+            score_rank, str(tmp_path), str(task_file), sharded, size, env=rank_env(rank, 2, port)
+        )
         for rank in (0, 1)
     ]
     assert [child.wait(timeout=120) for child in children] == [0, 0], children[0].output
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text("utf-8")) for r in (0, 1)]
+    if sharded:
+        assert [report.pop("passes") for report in reports] == [3, 3]
     task = MultipleChoiceTask("t", read_task(task_file), encode, batch_size=4, context=64)
     alone = task.score(task_model(), device=torch.device("cpu"))
     expected = {"correct": alone.correct, "correct_norm": alone.correct_norm, "rows": 9.0}

@@ -183,3 +183,32 @@ def test_wandb_hook_logs_through_the_wandb_callback_as_2_0_did(
     assert rows[1]["step"] == 5 and rows[0]["max_steps"] == 2
     with pytest.raises(RuntimeError, match="after finish"):
         hook.on_event("train_step", {"step": 6})
+
+
+def test_text_samples_are_a_wandb_table(tmp_path: Path) -> None:
+    from speedtronic.runtime import train_from_config
+    from tests.text_runs import text_run_config
+
+    samples = {"name": "text_samples", "prompts": ["the cat", "the dog"], "every_steps": 2}
+    extra = {
+        "logging": {"console": False, "jsonl": True, "every_steps": 2},
+        "callbacks": [{**samples, "max_new_tokens": 6}, {"name": "wandb"}],
+    }
+    train_from_config(text_run_config(tmp_path, extra=extra))
+    run = tmp_path / "run"
+    jsonl = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    written = {r["step"]: [r["text_samples/0"], r["text_samples/1"]] for r in jsonl
+               if "text_samples/0" in r}  # fmt: skip
+    files = run_files(run)
+    assert len(files) == 1
+    # W&B's history flattens the table reference: text_samples._type, text_samples.path...
+    rows = [row for row in history(files[0]) if "text_samples._type" in row]
+    assert [row["_step"] for row in rows] == [2, 4]
+    for row in rows:
+        assert row["text_samples._type"] == "table-file" and "text_samples/0" not in row
+        table = files[0].parent / "files" / row["text_samples.path"]
+        saved = json.loads(table.read_text(encoding="utf-8"))
+        assert saved["columns"] == ["step", "key", "text"]
+        assert saved["data"] == [
+            [row["_step"], str(i), text] for i, text in enumerate(written[row["_step"]])
+        ]

@@ -7,7 +7,9 @@
   fit calls ``wandb.init(id=<saved id>, resume="allow")`` and continues the same W&B run.
   W&B keeps a run's steps increasing: if the run had already logged steps past the resume
   point, W&B ignores the repeated steps until the run passes them.
-* Each due record becomes one ``run.log(record, step=step)``. ``wandb.log`` waits for its
+* Each due record becomes one ``run.log(record, step=step)``; its text values (the
+  ``text_samples`` callback's generations, ``text_samples/0``, ...) become one
+  ``wandb.Table`` per key group (``text_samples``: columns ``step``, ``key``, ``text``). ``wandb.log`` waits for its
   service round trip (~0.2 ms), so by default the calls happen on a background thread and
   training only pays for a queue put; the queue is drained before ``finish()``.
 * ``finish()`` always runs at teardown (exit code 1 when the fit failed).
@@ -218,9 +220,20 @@ class WandbCallback(MetricSink):
         if not self.step_from_record:
             run.log(dict(record))
             return
-        run.log(
-            {key: value for key, value in record.items() if key != "step"}, step=int(record["step"])
-        )
+        step = int(record["step"])
+        values: dict[str, object] = {}
+        texts: dict[str, list[list[object]]] = {}
+        for key, value in record.items():
+            if key == "step":
+                continue
+            if isinstance(value, str):  # text (text_samples/0, ...): rows of a table per group
+                group, _, name = key.rpartition("/")
+                texts.setdefault(group or key, []).append([step, name or key, value])
+            else:
+                values[key] = value
+        for group, rows in texts.items():
+            values[group] = import_wandb().Table(columns=["step", "key", "text"], data=rows)
+        run.log(values, step=step)
 
     def write_record(self, trainer: TrainerView, record: Record) -> None:
         if self._setup_failed:

@@ -25,6 +25,11 @@ distributed run each rank reads a strided share of those (sample ``i`` on rank
 ``i % world_size``, none dropped). The ranks' sums are all-reduced once, so ``eval/loss`` is
 the loss over the same samples on 1, 2 or N ranks, and ``speedtronic evaluate`` (one process)
 reproduces the figure a distributed fit logged.
+
+A mixture's held-out set (``data.mixture``) is read source by source instead
+(``speedtronic.data.held_out_sources``): each batch from one source, so each source's loss
+is reported (``eval/<source>/loss``); a bound gives every source its batches, the whole
+evaluation at most ``eval.max_batches`` batches, dealt to the ranks batch by batch.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 
 from speedtronic.data.collate import collate_batch
+from speedtronic.data.held_out_sources import SourceBatches
+from speedtronic.data.interleave import Interleave
 from speedtronic.data.loader import (
     DEFAULT_DATA_SEED,
     DatasetRequest,
@@ -162,6 +169,15 @@ def build_eval_loader(
     source = (
         dataset if dataset is not None else held_out_dataset(data, settings, vocab_size=vocab_size)
     )
+    if isinstance(source, Interleave):  # a mixture's: source by source (module docstring)
+        batches = SourceBatches(
+            source,
+            batch_size=data.micro_batch_size,
+            max_batches=settings.max_batches,
+            rank=rank,
+            world_size=world_size,
+        )
+        return DataLoader(source, batch_sampler=batches, num_workers=0, collate_fn=collate_batch)
     limit = None if settings.max_batches is None else settings.max_batches * data.micro_batch_size
     if isinstance(source, IterableDataset):
         if world_size > 1 or limit is not None:

@@ -18,6 +18,11 @@ many batches). ``run_step_evaluation`` is what the per-step loop calls on evalua
 it emits ``eval_start`` and ``eval_end`` around the pass and leaves the results in the
 training state for the step's metric record.
 
+``Evaluation.parts`` names the parts of a held-out set read part by part (a mixture's
+sources, each batch from one of them): each part's token-weighted loss is reported as
+``eval/<part>/loss`` beside the whole set's ``eval/loss``, from the same forward passes and
+the same one all-reduce.
+
 ``Evaluation.tasks`` are downstream tasks (``EvalTask``, e.g. the multiple-choice tasks of
 ``speedtronic.evaluation.tasks``) scored on the same steps; their metrics
 (``eval/<task>/acc``...) join the held-out loss in ``eval_end`` and in the step's record, so
@@ -49,6 +54,7 @@ from speedtronic.engine.events import On
 from speedtronic.engine.metrics import MetricRecord
 from speedtronic.state.rng import capture_rng_state, restore_rng_state
 from speedtronic.systems.precision import PrecisionPlan, autocast_context
+from speedtronic.systems.sharding import reshard_model
 
 if TYPE_CHECKING:
     from speedtronic.engine.state import TrainingState
@@ -62,6 +68,7 @@ __all__ = [
     "EvalTask",
     "Evaluation",
     "EvaluationError",
+    "HeldOutParts",
     "add_eval_results",
     "check_eval_settings",
     "evaluate_model",
@@ -112,8 +119,24 @@ class EvalTask(Protocol):
     ) -> Mapping[str, float]:
         """The task's metrics (``eval/...`` keys), the same on every rank: ranks that share
         ``distributed`` split the work and reduce; ``None`` means this rank does it all.
+        Ranks of an FSDP-sharded model must make the same number of forward passes (each
+        gathers the shards together).
         The model's mode and every random state must be left as they were."""
         ...
+
+
+@dataclass(frozen=True)
+class HeldOutParts:
+    """The parts of a held-out set: ``names`` (every part, the same on every rank) and
+    ``of_batch``, the index in ``names`` of the part each of this rank's batches comes
+    from, in the order the batches are read."""
+
+    names: tuple[str, ...]
+    of_batch: tuple[int, ...]
+
+    def key(self, index: int) -> str:
+        """The metric key of part ``index``: ``eval/<name>/loss``."""
+        return f"eval/{self.names[index]}/loss"
 
 
 @dataclass
@@ -127,6 +150,7 @@ class Evaluation:
     every: int = 0
     max_batches: int | None = None
     tasks: Sequence[EvalTask] = field(default_factory=tuple)
+    parts: HeldOutParts | None = None
 
     def __post_init__(self) -> None:
         check_eval_settings(self.every or None, self.max_batches)
@@ -163,8 +187,10 @@ def evaluate_model(
     precision: PrecisionPlan | None = None,
     max_batches: int | None = None,
     distributed: DistributedContext | None = None,
+    parts: HeldOutParts | None = None,
 ) -> EvalOutcome:
-    """Evaluate ``model`` on up to ``max_batches`` batches of ``data`` (module docstring).
+    """Evaluate ``model`` on up to ``max_batches`` batches of ``data`` (module docstring);
+    with ``parts``, the loss of each part too (``eval/<part>/loss``).
 
     ``EvaluationError`` when the held-out set is empty (on every rank together)."""
     was_training = model.training
@@ -172,6 +198,8 @@ def evaluate_model(
     dtype = _sum_dtype(device)
     total = torch.zeros((), dtype=dtype, device=device)
     weight = torch.zeros((), dtype=dtype, device=device)
+    # Per part: its loss sum and weight, on the device like the totals (no host sync).
+    part_sums = torch.zeros((len(parts.names) if parts else 0, 2), dtype=dtype, device=device)
     batches = 0
     autocast = (
         autocast_context(precision, device)
@@ -186,20 +214,26 @@ def evaluate_model(
                 batch = move_to_device(host_batch, device)
                 loss = resolve_loss(run_model(model, batch), batch)
                 batch_weight = _batch_weight(batch, samples)
-                total += loss.detach().to(dtype) * batch_weight
+                weighted = loss.detach().to(dtype) * batch_weight
+                total += weighted
                 weight += batch_weight
+                if parts is not None:
+                    part = _part_of(parts, batches)
+                    part_sums[part, 0] += weighted
+                    part_sums[part, 1] += batch_weight
                 batches += 1
                 if max_batches is not None and batches >= max_batches:
                     break  # before pulling a batch that would not be used
     finally:
         model.train(was_training)
         restore_rng_state(rng)
-    sums = torch.stack([total, weight])
+    sums = torch.cat([torch.stack([total, weight]), part_sums.reshape(-1)])
     if distributed is not None and distributed.world_size > 1:
         import torch.distributed as dist
 
         dist.all_reduce(sums)
-    loss_sum, weight_sum = (float(value) for value in sums.tolist())  # the one host read
+    values = [float(value) for value in sums.tolist()]  # the one host read
+    loss_sum, weight_sum = values[0], values[1]
     if weight_sum <= 0:
         raise EvaluationError(
             "the held-out set is empty: no batch to evaluate (check eval.max_batches, "
@@ -207,7 +241,19 @@ def evaluate_model(
         )
     loss_value = loss_sum / weight_sum
     metrics = {EVAL_LOSS: loss_value, EVAL_PPL: _perplexity(loss_value)}
+    for index in range(len(parts.names) if parts else 0):
+        part_loss, part_weight = values[2 + 2 * index], values[3 + 2 * index]
+        if parts is not None and part_weight > 0:  # a part no batch came from has no loss
+            metrics[parts.key(index)] = part_loss / part_weight
     return EvalOutcome(MappingProxyType(metrics), batches, weight_sum)
+
+
+def _part_of(parts: HeldOutParts, batch: int) -> int:
+    if batch >= len(parts.of_batch):
+        raise EvaluationError(
+            f"the held-out data yielded more batches than its parts name ({len(parts.of_batch)})"
+        )
+    return parts.of_batch[batch]
 
 
 def _perplexity(loss: float) -> float:
@@ -234,20 +280,24 @@ def run_step_evaluation(t: Trainer, step: int) -> None:
 
 
 def _task_metrics(t: Trainer) -> dict[str, float]:
-    """The metrics of the evaluation's tasks. Sharded (FSDP) ranks each score every row --
-    their forwards must match one for one -- so nothing is split between them."""
+    """The metrics of the evaluation's tasks, the rows split between the ranks of one
+    replica (sharded ranks too: a task runs their forwards in lockstep)."""
     state = t.state
-    shared = t.forward_path.one_replica(state.callbacks) and not state.sharded
+    shared = t.forward_path.one_replica(state.callbacks)
     metrics: dict[str, float] = {}
-    for task in t.evaluation.tasks:
-        metrics.update(
-            task.evaluate(
-                state.model,
-                device=state.device,
-                precision=state.precision,
-                distributed=state.distributed if shared else None,
+    try:
+        for task in t.evaluation.tasks:
+            metrics.update(
+                task.evaluate(
+                    state.model,
+                    device=state.device,
+                    precision=state.precision,
+                    distributed=state.distributed if shared else None,
+                )
             )
-        )
+    finally:
+        if state.sharded and t.evaluation.tasks:  # no gathered copy outlives the evaluation
+            reshard_model(state.model)
     return metrics
 
 

@@ -536,6 +536,7 @@ class Trainer:
                 device=state.device,
                 precision=state.precision,
                 max_batches=evaluation.max_batches,
+                parts=evaluation.parts if data is None else None,
                 # Ranks reduce their shards' sums only when they hold one model replica; a
                 # rank that is its own replica evaluates its local model alone.
                 distributed=(

@@ -10,6 +10,12 @@ so no mask is needed, and ``n`` pairs cost ``ceil(n / batch_size)`` forward pass
 token is only predicted, so ``context + 1`` tokens fit; a prompt too long for the model's
 ``context`` loses its oldest tokens. The model runs in eval mode
 under ``inference_mode`` (and the run's autocast), and its mode is restored.
+
+Ranks of an FSDP-sharded model gather each unit's shards together in every forward pass, so
+they must run the same number of passes whatever their share of the pairs: with
+``lockstep`` (their ``DistributedContext``) the ranks agree on the largest count first (one
+all-reduce, before any pass) and a rank with fewer batches then runs one-token passes until
+it has made as many.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from speedtronic.systems.distributed import DistributedContext
     from speedtronic.systems.precision import PrecisionPlan
 
 __all__ = ["Continuation", "LikelihoodError", "Scored", "score_continuations"]
@@ -94,6 +101,19 @@ def _score_batch(
     return [Scored(float(v), bool(g)) for v, g in zip(values, flags, strict=True)]
 
 
+def _passes_to_match(
+    passes: int, lockstep: DistributedContext | None, device: torch.device
+) -> int:
+    """How many more passes this rank makes to match the rank that makes the most."""
+    if lockstep is None or lockstep.world_size <= 1:
+        return 0
+    import torch.distributed as dist
+
+    most = torch.tensor([passes], dtype=torch.int64, device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item()) - passes
+
+
 def score_continuations(
     model: nn.Module,
     items: Sequence[Continuation],
@@ -102,9 +122,11 @@ def score_continuations(
     batch_size: int = 16,
     context: int | None = None,
     precision: PrecisionPlan | None = None,
+    lockstep: DistributedContext | None = None,
 ) -> tuple[list[Scored], int]:
     """Each item's score, in the order given, and the number of forward passes made
-    (module docstring). ``LikelihoodError`` for an item that cannot be scored."""
+    (module docstring; ``lockstep``: as many passes as the other ranks make).
+    ``LikelihoodError`` for an item that cannot be scored."""
     from speedtronic.systems.precision import autocast_context
 
     if batch_size < 1:
@@ -118,6 +140,8 @@ def score_continuations(
         if precision is not None and precision.autocast_enabled
         else contextlib.nullcontext()
     )
+    # Agreed before any pass: a collective between passes would meet another rank's gather.
+    padding = _passes_to_match(-(-len(order) // batch_size), lockstep, device)
     was_training = model.training
     model.eval()
     try:
@@ -127,6 +151,9 @@ def score_continuations(
                     batch, _score_batch(model, [fitted[i] for i in batch], device), strict=True
                 ):
                     scores[index] = scored
+                passes += 1
+            for _ in range(padding):
+                model(torch.zeros((1, 1), dtype=torch.long, device=device))
                 passes += 1
     finally:
         model.train(was_training)

@@ -20,7 +20,9 @@ length and cut into batches of ``batch_size``, right-padded, so a 1,000-row task
 works.
 
 In a distributed run each rank scores every ``world_size``-th row and the three counts are
-all-reduced, so the metrics are those of the whole file.
+all-reduced, so the metrics are those of the whole file. That holds under FSDP too: the
+ranks of a sharded model run their forward passes in lockstep (a rank with fewer batches
+makes one-token passes to match, ``score_continuations``).
 """
 
 from __future__ import annotations
@@ -148,6 +150,15 @@ def _prompt(rows: Sequence[ChoiceRow], index: int, shots: int, seed: int) -> str
     return FEWSHOT_SEPARATOR.join([*examples, rows[index].context])
 
 
+def _is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is FSDP-sharded (its forwards gather shards with the other ranks)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 class MultipleChoiceTask:
     """A multiple-choice task (module docstring) scored with ``encode`` (text -> ids)."""
 
@@ -206,6 +217,7 @@ class MultipleChoiceTask:
                 batch_size=self.batch_size,
                 context=self.context,
                 precision=precision,
+                lockstep=distributed if _is_sharded(model) else None,
             )
         except LikelihoodError as exc:
             raise TaskError(str(exc)) from None
