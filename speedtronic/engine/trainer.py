@@ -199,7 +199,10 @@ class Trainer:
             model, precision, device, distributed, compile=settings.compile, notes=self._notes
         )
         if self.state.sharded and not self.forward_path.shard(
-            optimizer, self.callbacks, reshard_after_forward=settings.reshard_after_forward
+            optimizer,
+            self.callbacks,
+            reshard_after_forward=settings.reshard_after_forward,
+            tensor=settings.tensor,
         ):
             find_shard_blocks(model)  # a model torchrun could not shard fails here too
             warn(
