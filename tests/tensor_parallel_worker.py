@@ -9,11 +9,13 @@ layout trains on exactly the batches of the one-process run.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
 from pathlib import Path
 
 import torch
+from rank_env import rank_env
 from torch import nn
 
 STEPS = 20
@@ -59,8 +61,8 @@ def make_trainer(
     family: str,
     *,
     tensor: int,
-    data_rank: int = 0,
-    data_ranks: int = 1,
+    rank: int = 0,
+    world: int = 1,
     distributed: object = None,
     directory: Path | None = None,
     every: int = 5,
@@ -81,7 +83,7 @@ def make_trainer(
         return Trainer(
             model,
             optimizer,
-            batches(data_rank, data_ranks, steps),
+            batches(rank // tensor, world // tensor, steps),  # this rank's data rank's rows
             device="cpu",
             distributed=distributed,  # type: ignore[arg-type]  # a DistributedContext
             parallel={"strategy": "fsdp", "tensor": tensor},
@@ -109,83 +111,81 @@ def full_state(trainer: object) -> dict[str, torch.Tensor]:
 
 
 def fit(trainer: object, steps: int) -> dict[str, list[float]]:
+    """The logged (global) losses, grad norms and sample counts of each step."""
     result = trainer.fit(steps)  # type: ignore[attr-defined]
-    return {key: [float(record[key]) for record in result.metrics] for key in ("loss", "grad_norm")}
+    keys = ("loss", "grad_norm", "samples")
+    return {key: [float(record[key]) for record in result.metrics] for key in keys}
 
 
-def rank_main(rank: int, world: int, tensor: int, port: int, out: str, scenario: str) -> None:
-    """One rank of a ``world``-rank job with tensor degree ``tensor``."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-    )
+def resume(trainer: object) -> str:
+    from speedtronic.state.resume import resume_from
+
+    callback = trainer.callbacks[0]  # type: ignore[attr-defined]
+    return str(resume_from(trainer, callback.manager))  # type: ignore[arg-type]
+
+
+def relayout(
+    family: str, old: int, new: int, world: int, rank: int, context: object, root: Path
+) -> tuple[dict[str, object], dict[str, dict[str, torch.Tensor]]]:
+    """5 steps at tensor degree ``old``, checkpointed; a trainer at degree ``new`` resumes it
+    and trains to step 7. Returns (report, {saved, loaded} whole states)."""
+    directory = root / f"{family}-t{old}-to-t{new}"
+    place = {"rank": rank, "world": world, "distributed": context, "directory": directory}
+    first = make_trainer(family, tensor=old, **place)  # type: ignore[arg-type]
+    first.fit(5)  # type: ignore[attr-defined]
+    saved = full_state(first)
+    second = make_trainer(family, tensor=new, **place)  # type: ignore[arg-type]
+    report: dict[str, object] = {"from": resume(second), "step": second.step}  # type: ignore[attr-defined]
+    loaded = full_state(second)
+    report["after"] = fit(second, 7)["loss"]
+    return report, {"saved": saved, "loaded": loaded}
+
+
+def rank_main(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of a ``world``-rank job (tensor degree 2): every scenario, results to files."""
+    os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     from torch.distributed.tensor import DTensor
 
-    from speedtronic.state.resume import resume_from
     from speedtronic.systems.distributed import setup_distributed, teardown_distributed
 
-    context = setup_distributed("cpu", timeout_s=120.0)
+    context = setup_distributed("cpu", timeout_s=300.0)
     assert context is not None
     root = Path(out)
-    data_rank, data_ranks = rank // tensor, world // tensor
     report: dict[str, object] = {}
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     try:
-        if scenario == "losses":
-            for family in ("reference", "llama"):
-                trainer = make_trainer(
-                    family,
-                    tensor=tensor,
-                    data_rank=data_rank,
-                    data_ranks=data_ranks,
-                    distributed=context,
-                )
-                report[family] = fit(trainer, STEPS)
-                params = dict(trainer.model.named_parameters())  # type: ignore[attr-defined]
-                report[f"{family}/all_dtensors"] = all(
-                    isinstance(p, DTensor) and p.device_mesh.ndim == 2 for p in params.values()
-                )
-                local = sum(p.to_local().numel() for p in params.values() if isinstance(p, DTensor))
-                report[f"{family}/local_numel"] = local
-        elif scenario.startswith("save:"):
-            # Train 5 steps on this layout, checkpoint, record the whole state.
-            family = scenario.split(":")[1]
+        for family in ("reference", "llama"):
             trainer = make_trainer(
                 family,
-                tensor=tensor,
-                data_rank=data_rank,
-                data_ranks=data_ranks,
+                tensor=2,
+                rank=rank,
+                world=world,
                 distributed=context,
-                directory=root / f"ckpt-{family}",
-                every=5,
             )
-            trainer.fit(5)  # type: ignore[attr-defined]
-            tensors["saved"] = full_state(trainer)
-        elif scenario.startswith("load:"):
-            family = scenario.split(":")[1]
-            trainer = make_trainer(
-                family,
-                tensor=tensor,
-                data_rank=data_rank,
-                data_ranks=data_ranks,
-                distributed=context,
-                directory=root / f"ckpt-{family}",
+            report[family] = fit(trainer, STEPS)
+            params = dict(trainer.model.named_parameters())  # type: ignore[attr-defined]
+            report[f"{family}/on_2d_mesh"] = all(
+                isinstance(p, DTensor) and p.device_mesh.ndim == 2 for p in params.values()
             )
-            callback = trainer.callbacks[0]  # type: ignore[attr-defined]
-            report["resumed_from"] = str(resume_from(trainer, callback.manager))  # type: ignore[arg-type]
-            report["step"] = trainer.step  # type: ignore[attr-defined]
-            tensors["loaded"] = full_state(trainer)
-            report["after"] = fit(trainer, 7)
+            report[f"{family}/local_numel"] = sum(
+                p.to_local().numel() for p in params.values() if isinstance(p, DTensor)
+            )
+        if world == 2:  # tensor 2 x data 1 -> data 2 (tensor 1), and back
+            for family, old, new in (("reference", 2, 1), ("reference", 1, 2), ("llama", 2, 1)):
+                key = f"{family}/t{old}->t{new}"
+                report[key], tensors[key] = relayout(family, old, new, world, rank, context, root)
     finally:
         teardown_distributed(context)
     if rank == 0:
-        torch.save(tensors, root / f"{scenario.replace(':', '-')}-w{world}t{tensor}.pt")
-    (root / f"{scenario.replace(':', '-')}-w{world}t{tensor}-rank{rank}.json").write_text(
-        json.dumps(report)
-    )
+        torch.save(tensors, root / f"w{world}.pt")
+    (root / f"w{world}-rank{rank}.json").write_text(json.dumps(report))
+
+
+def cli_rank(argv: list[str]) -> int:
+    """One rank of a CLI run (the torchrun variables come with the forked child's env)."""
+    from speedtronic.cli import main
+
+    return main(argv)

@@ -189,7 +189,9 @@ class Trainer:
         # The engine's own callbacks come after the run's: the rank reducer is the last
         # contributor to the metric record.
         self._engine_callbacks: list[Callback] = (
-            [RankMetricReducer(distributed)] if self.state.multi_rank and distributed else []
+            [RankMetricReducer(distributed, settings.tensor)]
+            if self.state.multi_rank and distributed
+            else []
         )
         self.plan = self._plan_for([*callbacks, *self._engine_callbacks])
         self._in_loop = False
@@ -496,7 +498,9 @@ class Trainer:
         samples, tokens = state.samples, state.tokens
         if state.multi_rank:
             assert state.distributed is not None
-            mean_loss, samples, tokens = reduce_run_totals(state.distributed, loss, samples, tokens)
+            mean_loss, samples, tokens = reduce_run_totals(
+                state.distributed, loss, samples, tokens, self.settings.tensor
+            )
             final_loss = mean_loss
         else:
             final_loss = float(loss.item()) if loss is not None else None

@@ -424,10 +424,16 @@ def agree_on_stop(context: DistributedContext, wants_stop: bool) -> bool:
 
 
 def reduce_run_totals(
-    context: DistributedContext, loss: torch.Tensor | None, samples: int, tokens: int
+    context: DistributedContext,
+    loss: torch.Tensor | None,
+    samples: int,
+    tokens: int,
+    batch_sharers: int = 1,
 ) -> tuple[float | None, int, int]:
     """The mean loss over ranks (``None`` when there is none) and the total sample and
-    token counts, in one all-reduce. ``loss`` must be given on every rank or on none."""
+    token counts, in one all-reduce. ``loss`` must be given on every rank or on none.
+    ``batch_sharers``: ranks that train on the same batch (a tensor-parallel group), whose
+    counts are one batch's, not several."""
     local = torch.tensor(
         [0.0 if loss is None else float(loss.detach().item()), float(samples), float(tokens)],
         dtype=torch.float64,
@@ -436,7 +442,11 @@ def reduce_run_totals(
     dist.all_reduce(local)
     total_loss, total_samples, total_tokens = local.tolist()
     mean_loss = None if loss is None else total_loss / context.world_size
-    return mean_loss, int(round(total_samples)), int(round(total_tokens))
+    return (
+        mean_loss,
+        int(round(total_samples / batch_sharers)),
+        int(round(total_tokens / batch_sharers)),
+    )
 
 
 class SameOnEveryRankError(RuntimeError):
@@ -477,8 +487,11 @@ class RankMetricReducer(Callback):
     SUM_KEYS: ClassVar[tuple[str, ...]] = ("samples", "tokens", "samples_per_sec", "tokens_per_sec")
     due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
 
-    def __init__(self, context: DistributedContext) -> None:
+    def __init__(self, context: DistributedContext, batch_sharers: int = 1) -> None:
         self.context = context
+        self.batch_sharers = batch_sharers
+        """Ranks training on the same batch (the tensor-parallel degree): the sums count
+        each batch once."""
 
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         record = ctx.record
@@ -496,6 +509,6 @@ class RankMetricReducer(Callback):
             if key in self.MEAN_KEYS:
                 record.set(key, total / world)
             elif isinstance(original, int):
-                record.set(key, int(round(total)))
+                record.set(key, int(round(total / self.batch_sharers)))
             else:
-                record.set(key, total)
+                record.set(key, total / self.batch_sharers)

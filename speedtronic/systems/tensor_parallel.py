@@ -43,6 +43,7 @@ __all__ = [
     "check_tensor_parallel",
     "data_parallel_share",
     "model_family",
+    "refuse_whole_matrix_optimizers",
     "register_tensor_parallel_plan",
     "require_divisible",
     "tensor_parallel_plan",
@@ -133,6 +134,22 @@ def data_parallel_share(rank: int, world_size: int, degree: int) -> tuple[int, i
     return rank // degree, max(world_size // degree, 1)
 
 
+def refuse_whole_matrix_optimizers(optimizer: torch.optim.Optimizer) -> None:
+    """``TensorParallelError`` for Muon (alone or in the hybrid optimizer, whose Muon group
+    says ``algorithm: muon``): its Newton-Schulz step orthogonalizes each whole matrix, and a
+    tensor-parallel rank holds a slice of it (the config rule refuses it at ``validate``;
+    this catches an optimizer built in Python)."""
+    muon = type(optimizer).__name__ == "Muon" or any(
+        group.get("algorithm") == "muon" for group in optimizer.param_groups
+    )
+    if muon:
+        raise TensorParallelError(
+            "parallel.tensor: Muon's Newton-Schulz step needs each whole weight matrix and a "
+            "tensor-parallel rank holds a slice of it (gathering it is not implemented); "
+            "use AdamW, or parallel.tensor: 1 with strategy ddp"
+        )
+
+
 def _broadcast_whole_model(model: nn.Module) -> None:
     """Rank 0's parameters and buffers on every rank before anything is split, as DDP does
     at construction (each rank may have initialised differently)."""
@@ -150,6 +167,7 @@ def apply_tensor_parallel(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
+    refuse_whole_matrix_optimizers(optimizer)
     world_size = dist.get_world_size()
     check_tensor_parallel(model, degree, world_size)
     plan = tensor_parallel_plan(model)

@@ -36,6 +36,7 @@ from speedtronic.systems.tensor_parallel import (
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = ["LLAMA_PLAN", "REFERENCE_PLAN", "ReplicateParallel"]
 
@@ -65,7 +66,7 @@ def _local_output(module: nn.Module, output: object, mesh: DeviceMesh) -> object
     return output.to_local() if isinstance(output, DTensor) else output
 
 
-def _replicate_style() -> type:
+def _replicate_style() -> type[ParallelStyle]:
     from torch.distributed.tensor import distribute_module
     from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -82,7 +83,7 @@ def _replicate_style() -> type:
     return _ReplicateParallel
 
 
-def ReplicateParallel() -> object:  # noqa: N802  # reads as the torch styles it sits among
+def ReplicateParallel() -> ParallelStyle:  # noqa: N802  # reads as the torch styles it sits among
     """A parallel style that splits nothing: the module's parameters become ``Replicate``
     DTensors on the tensor mesh (every rank holds them whole and computes the same), its
     tensor inputs are taken as replicated and its output handed back as a plain tensor. For
@@ -208,12 +209,12 @@ def _llama_apply(model: nn.Module, mesh: DeviceMesh) -> None:
             layer,
             mesh,
             {
-                "input_layernorm": ReplicateParallel(),  # type: ignore[dict-item]  # a style
+                "input_layernorm": ReplicateParallel(),
                 "self_attn.q_proj": ColwiseParallel(),
                 "self_attn.k_proj": ColwiseParallel(),
                 "self_attn.v_proj": ColwiseParallel(),
                 "self_attn.o_proj": RowwiseParallel(),
-                "post_attention_layernorm": ReplicateParallel(),  # type: ignore[dict-item]
+                "post_attention_layernorm": ReplicateParallel(),
                 "mlp.gate_proj": ColwiseParallel(),
                 "mlp.up_proj": ColwiseParallel(),
                 "mlp.down_proj": RowwiseParallel(),
@@ -226,7 +227,7 @@ def _llama_apply(model: nn.Module, mesh: DeviceMesh) -> None:
             "model.embed_tokens": RowwiseParallel(
                 input_layouts=Replicate(), output_layouts=Replicate()
             ),
-            "model.norm": ReplicateParallel(),  # type: ignore[dict-item]  # a style
+            "model.norm": ReplicateParallel(),
             "lm_head": ColwiseParallel(output_layouts=Replicate()),
         },
     )
