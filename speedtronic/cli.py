@@ -591,15 +591,24 @@ def _check_callbacks(config: object) -> None:
 
 
 def _check_shardable(config: object, model: torch.nn.Module) -> None:
-    """``parallel.strategy: fsdp`` needs a model with blocks to shard (exit 2 otherwise)."""
+    """``parallel.strategy: fsdp`` needs a model with blocks to shard, and ``parallel.tensor``
+    a plan for its family whose shapes the degree divides (exit 2 otherwise)."""
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.systems.sharding import ShardingError, find_shard_blocks
 
     assert isinstance(config, SpeedtronicConfig)
     if config.parallel.strategy != "fsdp":
         return
+    import os
+
+    from speedtronic.systems.tensor_parallel import check_tensor_parallel
+
     try:
         find_shard_blocks(model)
+        if config.parallel.tensor > 1:  # the plan, the shapes and (under torchrun) the world
+            world = os.environ.get("WORLD_SIZE", "")
+            world_size = int(world) if world.isdigit() else None
+            check_tensor_parallel(model, config.parallel.tensor, world_size)
     except ShardingError as exc:
         raise UserError(str(exc)) from None
 

@@ -95,6 +95,7 @@ from speedtronic.systems.distributed import (
 from speedtronic.systems.precision import resolve_device, resolve_precision
 from speedtronic.systems.shapes import validate_startup_shapes
 from speedtronic.systems.stage_streams import StageStreamScheduler
+from speedtronic.systems.tensor_parallel import data_parallel_share
 from speedtronic.user_warnings import warn
 
 ConfigSource = SpeedtronicConfig | Mapping[str, object] | str | Path
@@ -168,13 +169,14 @@ class ShardsData(Protocol):
 
 
 def data_shard(
-    callbacks: Sequence[Callback], distributed: DistributedContext | None
+    callbacks: Sequence[Callback], distributed: DistributedContext | None, tensor: int = 1
 ) -> tuple[int, int]:
     """``(index, count)`` of the data this process reads: the shard a callback (a node of a
     hub-synchronised run) asks for, split once more by the torch.distributed rank when the
-    node itself has several ranks; else the rank's share, or all of it."""
+    node itself has several ranks; else the rank's share, or all of it. The ``tensor``
+    ranks of one tensor-parallel group read the same share (their data rank's)."""
     ranks = (
-        (distributed.rank, distributed.world_size)
+        data_parallel_share(distributed.rank, distributed.world_size, tensor)
         if distributed is not None and distributed.world_size > 1
         else (0, 1)
     )
@@ -301,7 +303,7 @@ def build_runtime(
     if cfg.ooo_backprop:
         streams = StageStreamScheduler(net, resolved_device, num_streams=cfg.ooo_streams)
         callbacks.append(StageStreamCallback(streams))
-    shard_index, shard_count = data_shard(callbacks, distributed)
+    shard_index, shard_count = data_shard(callbacks, distributed, cfg.parallel.tensor)
     try:
         loader = (
             dataloader
@@ -393,7 +395,9 @@ def held_out_loader(
     whole set). A held-out set that is certainly empty is a ``ConfigError`` here, before
     anything trains."""
     rank, world_size = (
-        (distributed.rank, distributed.world_size) if distributed is not None else (0, 1)
+        data_parallel_share(distributed.rank, distributed.world_size, config.parallel.tensor)
+        if distributed is not None
+        else (0, 1)
     )
     return build_eval_loader(
         config.data, config.eval, rank=rank, world_size=world_size, dataset=_held_out(config)

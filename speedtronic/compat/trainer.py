@@ -201,20 +201,20 @@ def _pick(explicit: int | bool | None, configured: int | bool | None, default: i
 
 def _parallel(
     given: ParallelConfig | Mapping[str, object] | None, config: SpeedtronicConfig | None
-) -> tuple[ParallelStrategy, bool]:
-    """``(strategy, reshard_after_forward)`` of ``parallel=`` as given (a mapping is
+) -> tuple[ParallelStrategy, bool, int]:
+    """``(strategy, reshard_after_forward, tensor)`` of ``parallel=`` as given (a mapping is
     validated), else of the config, else ddp -- without building a section for the default
     (validating one costs a plugin scan on first use)."""
     section = config.parallel if given is None and config is not None else given
     if section is None:
-        return "ddp", True
+        return "ddp", True, 1
     # Imported here: the config machinery (jsonschema) loads when a section is validated,
     # never on ``import speedtronic; speedtronic.Trainer``.
     from speedtronic.config.sections import ParallelConfig
 
     if not isinstance(section, ParallelConfig):
         section = ParallelConfig.from_dict(section)
-    return section.strategy, section.reshard_after_forward
+    return section.strategy, section.reshard_after_forward, section.tensor
 
 
 def resolve_settings(
@@ -241,7 +241,7 @@ def resolve_settings(
     resolved_device = resolve_device(device)
     if max_epochs is None and cfg is not None:
         max_epochs = cfg.run.max_epochs
-    strategy, reshard_after_forward = _parallel(parallel, cfg)
+    strategy, reshard_after_forward, tensor = _parallel(parallel, cfg)
     return TrainerSettings(
         device=resolved_device,
         precision=precision or resolve_precision(cfg.precision if cfg else None, resolved_device),
@@ -261,6 +261,7 @@ def resolve_settings(
         max_epochs=max_epochs,
         parallel=strategy,
         reshard_after_forward=reshard_after_forward,
+        tensor=tensor,
         output_dir=Path(
             output_dir if output_dir is not None else (cfg.run.output_dir if cfg else "runs")
         ),

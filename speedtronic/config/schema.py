@@ -828,7 +828,13 @@ def _optimizer_rules(values: _Values) -> Iterator[str]:
 def _parallel_rules(values: _Values) -> Iterator[str]:
     """FSDP shards every parameter across the ranks; Muon's Newton-Schulz step needs each
     whole matrix, which this version does not gather (docs/scale-out.md)."""
+    tensor = values.get("parallel", "tensor")
     if values.text("parallel", "strategy") != "fsdp":
+        if isinstance(tensor, int) and tensor > 1:
+            yield (
+                f"parallel.tensor: {tensor} needs parallel.strategy 'fsdp' (tensor parallelism "
+                "composes with FSDP2 over a data x tensor device mesh); set strategy: fsdp"
+            )
         return
     if values.text("optimizer", "name") == "muon":
         yield (

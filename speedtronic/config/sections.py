@@ -1147,6 +1147,17 @@ class ParallelConfig(_Section):
             "memory; backward gathers them again)"
         ),
     ] = True
+    tensor: Annotated[
+        int,
+        Opt(
+            "`fsdp`: tensor-parallel degree T: each layer is split over T ranks (a 2-D "
+            "`data x tensor` device mesh; FSDP shards over the data ranks). Must divide the "
+            "world size, the attention and key/value heads and the MLP hidden size; the model "
+            "family needs a plan (docs/scale-out.md). 1: no tensor parallelism",
+            minimum=1,
+            maximum=4096,
+        ),
+    ] = 1
 
 
 @dataclass

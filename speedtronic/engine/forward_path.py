@@ -30,6 +30,7 @@ from speedtronic.systems.distributed import (
 )
 from speedtronic.systems.precision import PrecisionPlan, autocast_context
 from speedtronic.systems.sharding import ShardingError, gradient_sync_on_final, shard_model
+from speedtronic.systems.tensor_parallel import TensorParallelError, apply_tensor_parallel
 from speedtronic.user_warnings import warn
 
 __all__ = ["ForwardPath", "is_compile_failure"]
@@ -107,11 +108,20 @@ class ForwardPath:
         callbacks: Sequence[Callback],
         *,
         reshard_after_forward: bool,
+        tensor: int = 1,
     ) -> bool:
         """Shard the model with FSDP2 over its replica's ranks (``speedtronic.systems.sharding``;
         a collective) and point ``optimizer`` at the sharded parameters. Returns False,
-        leaving the model whole, when the replica is a single process."""
+        leaving the model whole, when the replica is a single process. ``tensor`` > 1:
+        split it over a ``(data, tensor)`` mesh first (``speedtronic.systems.tensor_parallel``);
+        gradients are then averaged over the data ranks only."""
         context = self.distributed
+        if tensor > 1 and (context is None or context.world_size % tensor):
+            raise TensorParallelError(
+                f"parallel.tensor: {tensor} does not divide the world size "
+                f"({context.world_size if context is not None else 1} rank(s)); launch under "
+                f"torchrun with a multiple of {tensor} ranks, or set parallel.tensor: 1"
+            )
         if context is None or context.world_size <= 1:
             return False
         size = self._ranks_per_replica(context, callbacks)
@@ -123,6 +133,9 @@ class ForwardPath:
                 "parallel.strategy ddp"
             )
         param_dtype = self.precision.dtype if self.precision.is_mixed_precision else None
+        data_mesh = None
+        if tensor > 1:  # split each layer over the tensor ranks first; FSDP over the data ranks
+            data_mesh = apply_tensor_parallel(self.model, optimizer, self.device, tensor)
         self.sharded = shard_model(
             self.model,
             optimizer,
@@ -130,10 +143,13 @@ class ForwardPath:
             group=None,
             reshard_after_forward=reshard_after_forward,
             param_dtype=param_dtype,
+            mesh=data_mesh,
         )
         self.ddp = None
         self.grad_sync_context = gradient_sync_on_final(self.sharded)
         self.gradient_ranks, self._gradient_group = context.world_size, None
+        if data_mesh is not None:  # a tensor group's ranks hold the same batch
+            self.gradient_ranks, self._gradient_group = data_mesh.size(), data_mesh.get_group()
         self.compiled = None
         return True
 

@@ -28,8 +28,11 @@ class RankMetricReducer(Callback):
     SUM_KEYS: ClassVar[tuple[str, ...]] = ("samples", "tokens", "samples_per_sec", "tokens_per_sec")
     due_when = METRICS_ON_LOGGING_STEPS  # on_metrics only on logging steps
 
-    def __init__(self, context: DistributedContext) -> None:
+    def __init__(self, context: DistributedContext, batch_sharers: int = 1) -> None:
         self.context = context
+        self.batch_sharers = batch_sharers
+        """Ranks training on the same batch (the tensor-parallel degree): the sums count
+        each batch once."""
 
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         record = ctx.record
@@ -47,6 +50,6 @@ class RankMetricReducer(Callback):
             if key in self.MEAN_KEYS:
                 record.set(key, total / world)
             elif isinstance(original, int):
-                record.set(key, int(round(total)))
+                record.set(key, int(round(total / self.batch_sharers)))
             else:
-                record.set(key, total)
+                record.set(key, total / self.batch_sharers)

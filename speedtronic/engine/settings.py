@@ -44,6 +44,8 @@ class TrainerSettings:
     """``parallel.strategy``: data-parallel replicas, or FSDP2 shards."""
     reshard_after_forward: bool = True
     """FSDP: free the gathered parameters after each block's forward."""
+    tensor: int = 1
+    """FSDP: the tensor-parallel degree (ranks splitting each layer; 1: none)."""
     output_dir: Path = Path("runs")
     """The run's output directory (relative plugin paths live under it)."""
 

@@ -195,7 +195,9 @@ class Trainer:
         # The engine's own callbacks come after the run's: the rank reducer is the last
         # contributor to the metric record.
         self._engine_callbacks: list[Callback] = (
-            [RankMetricReducer(distributed)] if self.state.multi_rank and distributed else []
+            [RankMetricReducer(distributed, settings.tensor)]
+            if self.state.multi_rank and distributed
+            else []
         )
         self.plan = self._plan_for([*callbacks, *self._engine_callbacks])
         self._in_loop = False
@@ -205,7 +207,10 @@ class Trainer:
             model, precision, device, distributed, compile=settings.compile, notes=self._notes
         )
         if self.state.sharded and not self.forward_path.shard(
-            optimizer, self.callbacks, reshard_after_forward=settings.reshard_after_forward
+            optimizer,
+            self.callbacks,
+            reshard_after_forward=settings.reshard_after_forward,
+            tensor=settings.tensor,
         ):
             find_shard_blocks(model)  # a model torchrun could not shard fails here too
             warn(
@@ -499,7 +504,9 @@ class Trainer:
         samples, tokens = state.samples, state.tokens
         if state.multi_rank:
             assert state.distributed is not None
-            mean_loss, samples, tokens = reduce_run_totals(state.distributed, loss, samples, tokens)
+            mean_loss, samples, tokens = reduce_run_totals(
+                state.distributed, loss, samples, tokens, self.settings.tensor
+            )
             final_loss = mean_loss
         else:
             final_loss = float(loss.item()) if loss is not None else None

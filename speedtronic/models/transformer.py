@@ -318,7 +318,8 @@ class CausalSelfAttention(nn.Module):
                 dropout_p=self.dropout if self.training else 0.0,
                 is_causal=mask is None,
             )
-        y = y.transpose(1, 2).reshape(batch, seq, width)
+        # -1, not width: under tensor parallelism this rank holds 1/T of the heads.
+        y = y.transpose(1, 2).reshape(batch, seq, -1)
         return cast(torch.Tensor, self.resid_dropout(self.o_proj(y)))
 
     def forward_cached(

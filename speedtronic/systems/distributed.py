@@ -417,10 +417,16 @@ def agree_on_stop(context: DistributedContext, wants_stop: bool) -> bool:
 
 
 def reduce_run_totals(
-    context: DistributedContext, loss: torch.Tensor | None, samples: int, tokens: int
+    context: DistributedContext,
+    loss: torch.Tensor | None,
+    samples: int,
+    tokens: int,
+    batch_sharers: int = 1,
 ) -> tuple[float | None, int, int]:
     """The mean loss over ranks (``None`` when there is none) and the total sample and
-    token counts, in one all-reduce. ``loss`` must be given on every rank or on none."""
+    token counts, in one all-reduce. ``loss`` must be given on every rank or on none.
+    ``batch_sharers``: ranks that train on the same batch (a tensor-parallel group), whose
+    counts are one batch's, not several."""
     local = torch.tensor(
         [0.0 if loss is None else float(loss.detach().item()), float(samples), float(tokens)],
         dtype=torch.float64,
@@ -429,7 +435,11 @@ def reduce_run_totals(
     dist.all_reduce(local)
     total_loss, total_samples, total_tokens = local.tolist()
     mean_loss = None if loss is None else total_loss / context.world_size
-    return mean_loss, int(round(total_samples)), int(round(total_tokens))
+    return (
+        mean_loss,
+        int(round(total_samples / batch_sharers)),
+        int(round(total_tokens / batch_sharers)),
+    )
 
 
 class SameOnEveryRankError(RuntimeError):

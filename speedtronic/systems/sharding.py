@@ -33,13 +33,16 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from speedtronic.systems.distributed import SameOnEveryRankError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "SHARD_BLOCKS_METHOD",
@@ -149,22 +152,27 @@ def shard_model(
     group: dist.ProcessGroup | None,
     reshard_after_forward: bool,
     param_dtype: torch.dtype | None,
+    mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Apply FSDP2 to ``model`` in place over ``group`` (``None``: the world) and point
     ``optimizer`` at the sharded parameters. Returns the root FSDP module (``model``).
+    ``mesh``: shard over this one-dimensional mesh instead (the data dimension of a
+    tensor-parallel run's mesh, ``speedtronic.systems.tensor_parallel``).
 
     Block by block: each block is moved to ``device``, given rank 0's values and sharded
     before the next one moves, so the device never holds more than one whole block (plus
     the root's own parameters) of a model that exists whole only in host memory."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed import device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     blocks = find_shard_blocks(model)
     old_names = {id(param): name for name, param in model.named_parameters()}
-    if group is None:
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if mesh is not None:
+        pass  # tensor parallelism's data dimension
+    elif group is None:
+        mesh = device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
     else:
-        mesh = DeviceMesh.from_group(group, device.type)
+        mesh = device_mesh.DeviceMesh.from_group(group, device.type)
     policy = MixedPrecisionPolicy()
     if param_dtype is not None and device.type == "cuda":
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
