@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 
-from speedtronic.config import ConfigError
+from speedtronic.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
