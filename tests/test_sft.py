@@ -250,3 +250,16 @@ def test_flags_of_the_other_formats_are_refused(tmp_path: Path) -> None:
     assert "apply to --format text" in bad(tmp_path, [GOOD], "chat", "--workers", "2")
     message = bad(tmp_path, [GOOD], "text", "--window", "16")
     assert "apply to --format chat and --format prompt-completion" in message
+
+
+def test_a_bad_row_leaves_an_existing_output_as_it_was(tmp_path: Path) -> None:
+    output = prepare(tmp_path, chat_rows(6), "chat", "--eval-fraction", "0")
+    before = {path.name: path.read_bytes() for path in output.iterdir()}
+    data = write_rows(tmp_path / "rows" / "train.jsonl", [GOOD, {"conversation": []}])
+    result = run_cli(
+        "prepare", "--format", "chat", "--input", str(data), "--tokenizer",
+        str(tmp_path / "tok" / "tokenizer.json"), "--output", str(output), "--overwrite",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2 and "train.jsonl:2: no 'messages'" in result.stderr
+    assert {path.name: path.read_bytes() for path in output.iterdir()} == before

@@ -31,7 +31,14 @@ from speedtronic.data.shards import (
 )
 from speedtronic.data.tokenizer import sha256_of_file
 
-__all__ = ["MASK_SUFFIX", "SFTRecord", "mask_file", "read_loss_masks", "sft_fields"]
+__all__ = [
+    "MASK_SUFFIX",
+    "SFTRecord",
+    "listed_mask_files",
+    "mask_file",
+    "read_loss_masks",
+    "sft_fields",
+]
 
 MASK_SUFFIX = ".mask"
 MAX_MANIFEST_BYTES = 64 << 20
@@ -111,6 +118,24 @@ def read_loss_masks(
         _check_mask(mask_path, shard, digest, verify, key)
         paths.append(mask_path)
     return paths, sft
+
+
+def listed_mask_files(directory: str | Path) -> set[str]:
+    """The plain file names ``loss_masks`` lists in ``directory``'s manifest (none for
+    pretraining shards), the files themselves unchecked: what ``--overwrite`` may replace."""
+    path = Path(directory) / MANIFEST_NAME
+    try:
+        values = json.loads(path.read_bytes()[:MAX_MANIFEST_BYTES].decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return set()
+    raw = values.get("loss_masks") if isinstance(values, dict) else None
+    entries = raw if isinstance(raw, list) else []
+    files = (entry.get("file") for entry in entries if isinstance(entry, dict))
+    return {
+        file
+        for file in files
+        if isinstance(file, str) and _PLAIN.fullmatch(file) and ".." not in file
+    }
 
 
 def _sft_record(value: object, where: str) -> SFTRecord:

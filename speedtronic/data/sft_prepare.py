@@ -66,7 +66,7 @@ if TYPE_CHECKING:
 __all__ = ["SFTOptions", "prepare_examples"]
 
 ENCODE_BATCH = 512
-"""Rows rendered and then encoded together (one ``encode_batch`` call)."""
+"""Rows rendered and then encoded together (one call of the tokenizer)."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import stat
 import uuid
 from pathlib import Path
 
+from speedtronic.data.loss_masks import listed_mask_files
 from speedtronic.data.shard_lock import hold_exclusive
 from speedtronic.data.shards import MANIFEST_NAME, ManifestError, read_manifest
 from speedtronic.data.text import DataSourceError
@@ -86,6 +87,7 @@ def _check_replaceable(output: Path) -> None:
             "choose another --output"
         ) from None
     listed = {MANIFEST_NAME, *(shard.file for shard in manifest.shards)}
+    listed |= listed_mask_files(output)  # a fine-tuning set's loss masks are prepare's too
     if manifest.tokenizer.file is not None:
         listed.add(manifest.tokenizer.file)
     extra = _unlisted(output, listed)

@@ -10,7 +10,7 @@ chooses how:
 * ``flex``: a ``BlockMask`` through ``torch.nn.attention.flex_attention``, which skips the
   blocks of the score matrix that the mask empties (the cross-document ones), compiled on
   CUDA. This torch runs it on CUDA; on the CPU only its forward runs (no backward: training
-  there is an error, ``FlexAttentionUnavailable``), unfused, and it has no dropout;
+  there is a ``ConfigError``, exit 2), unfused, and it has no dropout;
 * ``auto`` (default): ``flex`` on a CUDA device when the model has no dropout, ``sdpa``
   otherwise.
 
@@ -37,7 +37,6 @@ __all__ = [
     "KERNELS",
     "OPTIONS_SCHEMA",
     "DocumentAttention",
-    "FlexAttentionUnavailable",
     "check_kernel",
     "flex_attend",
     "flex_block_mask",
@@ -64,10 +63,6 @@ OPTIONS_SCHEMA: Mapping[str, object] = {
 """The ``model.options`` of the reference transformer (``speedtronic.models.registry``)."""
 
 
-class FlexAttentionUnavailable(ConfigError):
-    """``document_attention: flex`` where flex_attention cannot run (exit 2)."""
-
-
 def flex_available() -> bool:
     try:
         from torch.nn.attention import flex_attention  # noqa: F401
@@ -83,12 +78,12 @@ def check_kernel(choice: str, dropout: float) -> DocumentAttention:
             f"model.options.document_attention must be one of {', '.join(KERNELS)}, got {choice!r}"
         )
     if choice == "flex" and not flex_available():
-        raise FlexAttentionUnavailable(
+        raise ConfigError(
             f"model.options.document_attention: flex needs torch.nn.attention.flex_attention, "
             f"which torch {torch.__version__} does not have; use sdpa"
         )
     if choice == "flex" and dropout > 0:
-        raise FlexAttentionUnavailable(
+        raise ConfigError(
             f"model.options.document_attention: flex has no attention dropout (model.dropout "
             f"is {dropout}); use sdpa, or dropout 0"
         )
@@ -123,12 +118,12 @@ def flex_attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask
 ) -> torch.Tensor:
     """``flex_attention`` of ``(B, H, T, D)`` queries, keys and values under ``block_mask``:
-    compiled on CUDA; elsewhere eager and forward-only (``FlexAttentionUnavailable`` for a
-    backward this torch cannot take)."""
+    compiled on CUDA; elsewhere eager and forward-only (a ``ConfigError`` for a backward
+    this torch cannot take)."""
     if q.device.type == "cuda":
         return _compiled_flex()(q, k, v, block_mask=block_mask)
     if q.requires_grad:
-        raise FlexAttentionUnavailable(
+        raise ConfigError(
             f"model.options.document_attention: flex cannot train on {q.device.type} "
             f"(torch {torch.__version__} has no flex_attention backward there); use sdpa or "
             "auto, or train on CUDA"
