@@ -11,7 +11,6 @@ from typing import ClassVar, get_args
 
 import pytest
 import torch
-from torch import nn
 
 from speedtronic_callbacks import diloco
 from speedtronic_callbacks.diloco import codecs, wire
@@ -127,20 +126,12 @@ def test_a_registered_codec_travels_in_a_delta_file_and_a_master_round(
     tmp_path: Path, int4: Codec
 ) -> None:
     MasterLoop._active.clear()
-    model = nn.Linear(9, 4)  # 40 values: not whole blocks
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.fill_(0.5)
-    state = {key: value.detach().clone() for key, value in model.state_dict().items()}
+    state = {"weight": torch.full((4, 9), 0.5), "bias": torch.full((4,), 0.5)}  # 40 values
     layout = build_layout(state)
-    transport = RetryingTransport(
-        DirectoryTransport(tmp_path / "hub"),
-        RetryPolicy(attempts=1, initial=0.001, maximum=0.001, timeout=10),
-    )
-    settings = MasterSettings(
-        node_id="master", outer_lr=1.0, outer_momentum=0.0, staleness_power=0.0
-    )
-    master = MasterLoop(transport, layout, settings)
+    policy = RetryPolicy(attempts=1, initial=0.001, maximum=0.001, timeout=10)
+    transport = RetryingTransport(DirectoryTransport(tmp_path / "hub"), policy)
+    plain = MasterSettings("master", outer_lr=1.0, outer_momentum=0.0, staleness_power=0.0)
+    master = MasterLoop(transport, layout, plain)
     master.reconcile(state)
     delta = {key: torch.full(layout.wire_shapes[key], 0.2) for key in layout.sync_keys}
     delta["bias"][0] = -0.5
