@@ -11,8 +11,8 @@ from typing import ClassVar, get_args
 
 import pytest
 import torch
-from torch import nn
 
+from speedtronic import Trainer
 from speedtronic_callbacks import diloco
 from speedtronic_callbacks.diloco import codecs, wire
 from speedtronic_callbacks.diloco.codec import BlockCodec, CastCodec, Codec
@@ -28,6 +28,7 @@ from speedtronic_callbacks.diloco.codecs import (
     registered_codecs,
     unregister_codec,
 )
+from speedtronic_callbacks.diloco.collective import CollectiveDiLoCo
 from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
 from speedtronic_callbacks.diloco.encoding import Compression, Encoding, packed_bytes
 from speedtronic_callbacks.diloco.master import MasterLoop, MasterSettings, delta_path
@@ -127,20 +128,12 @@ def test_a_registered_codec_travels_in_a_delta_file_and_a_master_round(
     tmp_path: Path, int4: Codec
 ) -> None:
     MasterLoop._active.clear()
-    model = nn.Linear(9, 4)  # 40 values: not whole blocks
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.fill_(0.5)
-    state = {key: value.detach().clone() for key, value in model.state_dict().items()}
+    state = {"weight": torch.full((4, 9), 0.5), "bias": torch.full((4,), 0.5)}  # 40 values
     layout = build_layout(state)
-    transport = RetryingTransport(
-        DirectoryTransport(tmp_path / "hub"),
-        RetryPolicy(attempts=1, initial=0.001, maximum=0.001, timeout=10),
-    )
-    settings = MasterSettings(
-        node_id="master", outer_lr=1.0, outer_momentum=0.0, staleness_power=0.0
-    )
-    master = MasterLoop(transport, layout, settings)
+    policy = RetryPolicy(attempts=1, initial=0.001, maximum=0.001, timeout=10)
+    transport = RetryingTransport(DirectoryTransport(tmp_path / "hub"), policy)
+    plain = MasterSettings("master", outer_lr=1.0, outer_momentum=0.0, staleness_power=0.0)
+    master = MasterLoop(transport, layout, plain)
     master.reconcile(state)
     delta = {key: torch.full(layout.wire_shapes[key], 0.2) for key in layout.sync_keys}
     delta["bias"][0] = -0.5
@@ -170,6 +163,43 @@ def test_a_registered_codec_travels_in_a_delta_file_and_a_master_round(
         assert "int4" in caught.value.detail and "fp4" in caught.value.detail
     finally:
         register_codec(int4)
+
+
+class _Regression(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+
+def test_a_registered_codec_carries_a_collective_round(tmp_path: Path, int4: Codec) -> None:
+    """The collective exchange packs, decodes and keeps the residual through the codec's
+    interface alone (one process: the round is the replica's own decoded delta)."""
+    callback = CollectiveDiLoCo(inner_steps=2, outer_lr=1.0, outer_momentum=0.0)
+    callback.encoding = int4  # the options accept the built-in names; Python takes any codec
+    model = _Regression()
+    inputs = torch.randn(32, 16, generator=torch.Generator().manual_seed(1))
+    data = [(inputs, inputs.sum(dim=1, keepdim=True))]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    trainer = Trainer(model, optimizer, data, callbacks=[callback], output_dir=tmp_path)
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    trainer.fit(2)
+    assert callback.outer_steps == 1
+    residual = callback.residual
+    assert residual is not None and residual.abs().max() > 0  # int4 dropped something
+    # The model now holds the new global: the start minus the decoded int4 delta, and the
+    # residual is what int4 dropped, so (decoded + residual) is the replica's pseudo-gradient
+    # and the decoded delta is exactly its int4 round trip.
+    assert callback.layout is not None
+    keys = callback.layout.sync_keys  # the flat form's order
+    local = torch.cat([model.state_dict()[key].reshape(-1) for key in keys])
+    start = torch.cat([before[key].reshape(-1) for key in keys])
+    decoded = start - local
+    assert torch.allclose(decoded, int4.round_trip(decoded + residual), atol=1e-6)
+    assert not torch.allclose(decoded, decoded + residual)
 
 
 def test_the_codec_registry_is_the_only_place_that_names_the_codecs() -> None:

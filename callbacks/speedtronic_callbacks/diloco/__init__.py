@@ -7,7 +7,8 @@ Modules, one concept each (docs/distributed.md, "Where the code is"):
 
 * the algorithm, shared by every mode: ``math`` -- pseudo-gradients, the delta-carry
   rule, the outer Nesterov optimizer; ``aggregation`` -- outlier screening and work
-  weighting; ``fragments`` -- streaming fragments; ``codec`` -- the ``Codec`` interface,
+  weighting; ``outer_round`` -- a round's steps both modes share; ``fragments`` --
+  streaming fragments; ``codec`` -- the ``Codec`` interface,
   ``codecs`` -- one class per ``delta_dtype`` and their registry (``encoding``: the
   codecs' earlier names, ``Encoding`` and ``Compression``);
 * ``model_layout`` -- what a model's files must contain (exchanged keys, shapes, tied

@@ -16,7 +16,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,13 +27,13 @@ from speedtronic_callbacks.diloco.aggregation import (
     RobustSettings,
     Screens,
     replica_weights,
-    state_norm,
 )
 from speedtronic_callbacks.diloco.codec import BLOCK_SIZE, BlockCodec, Codec, Packed
 from speedtronic_callbacks.diloco.codecs import registered_codecs
 from speedtronic_callbacks.diloco.fragments import FragmentPlan, fragment_name
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
 from speedtronic_callbacks.diloco.options import CollectiveDiLoCoOptions
+from speedtronic_callbacks.diloco.outer_round import judge_fragment
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
@@ -152,7 +151,7 @@ class ReplicaExchange:
         stats = self._gather_stats(flat, trainer)
         norms = [row[0] for row in stats]
         keys = None if self.plan is None else self.plan.fragments[fragment]
-        screening = self.screens.judge(name, norms, partial(state_norm, self.baseline, keys))
+        screening = judge_fragment(self.screens, name, norms, self.baseline, keys)
         coefficients = replica_weights(
             screening,
             [int(row[1]) for row in stats],

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 from speedtronic_callbacks.diloco.aggregation import (
@@ -31,6 +30,7 @@ from speedtronic_callbacks.diloco.master_report import (
     _Accepted,
 )
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
+from speedtronic_callbacks.diloco.outer_round import judge_fragment
 from speedtronic_callbacks.diloco.recovery import HubVersions
 from speedtronic_callbacks.diloco.transport_base import (
     RemoteFile,
@@ -239,8 +239,8 @@ class DeltaIntake:
         bounds: dict[int, float | None] = {}
         for fragment, members in groups.items():
             keys = (list(members[0].decoded.tensors) if fragment else None) or self.layout.sync_keys
-            model_norm = partial(state_norm, state.global_state, keys)
-            screening = self._norms.judge(fragment, [m.norm for m in members], model_norm)
+            norms = [m.norm for m in members]
+            screening = judge_fragment(self._norms, fragment, norms, state.global_state, keys)
             for member, factor in zip(members, screening.factors, strict=True):
                 member.clip, bounds[id(member)] = factor, screening.bound
         kept: list[_Accepted] = []
