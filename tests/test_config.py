@@ -774,7 +774,7 @@ def test_data_vocab_larger_than_model_vocab_is_an_error() -> None:
 def test_a_config_is_validated_once_and_again_only_when_it_changed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import speedtronic.config.schema as schema
+    import speedtronic.config.validation as schema
     from speedtronic.runtime import as_config
 
     passes: list[object] = []

@@ -30,7 +30,7 @@ from rank_env import rank_env as rank_env
 from torch.utils.data import DataLoader, Dataset
 
 from speedtronic.config import ConfigError, load_config
-from speedtronic.config.schema import cross_field_errors
+from speedtronic.config.validation import cross_field_errors
 from speedtronic.data import BatchStream, ResumableSampler, TextFileTokenDataset
 from speedtronic.data.stream import RankShardedIterable
 from speedtronic.engine.callback import Callback

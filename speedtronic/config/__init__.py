@@ -26,7 +26,6 @@ from speedtronic.config.schema import (
     ConfigError,
     builtin_callback_names,
     composed_schema,
-    config_errors,
     core_schema,
     format_path,
     packaged_core_schema,
@@ -57,6 +56,7 @@ from speedtronic.config.sections import (
     load_yaml_config,
     redact_secrets,
 )
+from speedtronic.config.validation import config_errors
 
 if TYPE_CHECKING:
     from speedtronic.compat.checkpoint_config import CheckpointConfig

@@ -14,7 +14,7 @@ through ``SectionView``). These views are plain data: new code reads a plugin's 
 instead.
 
 One pass each: a mapping, file or text is normalised once (``loading.normalise``), validated
-once against the composed schema and the cross-field rules (``schema.config_errors``), and
+once against the composed schema and the cross-field rules (``validation.config_errors``), and
 then built into these objects without being checked again (``declare.build``). A section or
 root built directly from Python goes through the same pipeline, once, on construction; after
 mutating fields call ``validate()``. Errors are collected and raised together as
@@ -24,1211 +24,85 @@ mutating fields call ``validate()``. Errors are collected and raised together as
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, TypeAlias, TypeVar, cast
+from typing import Annotated, TypeAlias, TypeVar, cast
 
 import yaml
-from typing_extensions import Self
 
 from speedtronic.config import declare
+from speedtronic.config.data_section import DataConfig, MixtureSource
 from speedtronic.config.declare import Opt
+from speedtronic.config.eval_section import EvalConfig, EvalTaskSource
 from speedtronic.config.loading import (
-    REDACTED,
     apply_overrides,
-    fold_value,
     looks_like_text,
     normalise,
     read_file,
     read_source,
 )
-from speedtronic.config.schema import (
-    ConfigError,
-    config_errors,
-    import_errors,
-    plugin_root_keys,
-    plugin_section_keys,
-    root_default,
-    schema_defaults,
+from speedtronic.config.model_section import AdaptersConfig, LoraAdapterConfig, ModelConfig
+from speedtronic.config.optimizer_section import OptimizerConfig, RoutingRule, SchedulerConfig
+from speedtronic.config.run_section import RunConfig
+from speedtronic.config.schema import plugin_root_keys, root_default
+from speedtronic.config.section_base import (
+    SECRET_KEYS,
+    JSONValue,
+    Section,
+    as_mapping,
+    field_names,
+    jsonable,
+    redact_secrets,
 )
+from speedtronic.config.system_sections import (
+    CallbackSpec,
+    DistributedConfig,
+    LoggingConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    ShapeValidationConfig,
+)
+from speedtronic.config.validation import config_errors, import_errors
+from speedtronic.errors import ConfigError
 from speedtronic.state.atomic_io import atomic_write_text
 
-JSONValue: TypeAlias = None | bool | int | float | str | list["JSONValue"] | dict[str, "JSONValue"]
-"""A value that JSON (and YAML) can represent."""
-
-SECRET_KEYS = frozenset({"token", "secret", "password", "hmac_key", "api_key"})
-"""Keys whose values are secrets wherever they appear (case-insensitive)."""
-
-STEPS_MAX = 10**12
-"""The bound of every step count (``run.max_steps``, ``eval.every_steps``, ...): 10^12 steps."""
-SEED_MAX = 2**32 - 1
-"""The bound of a seed: what NumPy accepts."""
-
-
-def redact_secrets(value: JSONValue) -> JSONValue:
-    """A copy of ``value`` with every non-empty secret (``SECRET_KEYS``) replaced by
-    ``"<redacted>"``, at any depth (distributed.token, callback options, ...)."""
-    if isinstance(value, dict):
-        return {
-            key: (
-                REDACTED
-                if key.lower() in SECRET_KEYS and item not in (None, "")
-                else redact_secrets(item)
-            )
-            for key, item in value.items()
-        }
-    if isinstance(value, list):
-        return [redact_secrets(item) for item in value]
-    return value
-
-
-def _jsonable(value: object) -> JSONValue:
-    to_dict = getattr(value, "to_dict", None)
-    if callable(to_dict) and not isinstance(value, type):
-        return _jsonable(to_dict())
-    if isinstance(value, Mapping):
-        return {str(key): _jsonable(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(item) for item in value]
-    if isinstance(value, os.PathLike):
-        return str(os.fspath(value))
-    # Scalars pass through; anything else is left for validation to report by path.
-    return cast(JSONValue, value)
-
-
-# -- sections -----------------------------------------------------------------------------
-
-
-@dataclass
-class _Section:
-    """Shared behaviour of the section dataclasses: extensions, construction from Python."""
-
-    section_name: ClassVar[str] = ""
-    section_doc: ClassVar[str] = ""
-    """The section's description in the run schema."""
-    bare_value: ClassVar[str | None] = None
-    """The key a section written as a bare value means (``optimizer: muon`` is
-    ``{name: muon}``)."""
-
-    @property
-    def extensions(self) -> dict[str, JSONValue]:
-        """Keys that installed plugins add to this section (``PluginSpec.sections``)."""
-        extensions = self.__dict__.get("_extensions")
-        if extensions is None:
-            extensions = {
-                key: cast(JSONValue, schema_defaults(self.section_name).get(key))
-                for key in plugin_section_keys(self.section_name)
-            }
-            self.__dict__["_extensions"] = extensions
-        return cast("dict[str, JSONValue]", extensions)
-
-    def __post_init__(self) -> None:
-        """Built from Python: lossless coercion (``lr=1`` -> ``1.0``), case folding, the
-        derived defaults, then this section's one validation pass."""
-        for item in declare.declared(type(self)):
-            value = declare.coerce(item.hint, getattr(self, item.name))
-            if item.opt.fold is not None and isinstance(value, str):
-                value = fold_value(item.opt.fold, value)
-            object.__setattr__(self, item.name, value)
-        self.__post_build__()
-        errors = config_errors({self.section_name: self.to_dict()})
-        if errors:
-            raise ConfigError(errors)
-
-    def __post_build__(self) -> None:
-        """Derive defaults that depend on other keys of the section (also run by
-        ``declare.build``, which builds a section from validated data)."""
-
-    def to_dict(self) -> dict[str, JSONValue]:
-        """The section as JSON-compatible data, keys in declaration order (the fields, then
-        the keys plugins add)."""
-        values = {
-            item.name: _jsonable(getattr(self, item.name)) for item in dataclasses.fields(self)
-        }
-        values.update((key, _jsonable(value)) for key, value in self.extensions.items())
-        return values
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, object] | None = None) -> Self:
-        """Validate ``values`` as this section (shorthands and case folding included)."""
-        data, errors = normalise({cls.section_name: {} if values is None else values})
-        errors.extend(config_errors(data))
-        if errors:
-            raise ConfigError(errors)
-        return cls._from_valid(_as_mapping(data.get(cls.section_name)))
-
-    @classmethod
-    def _from_valid(cls, values: Mapping[str, object]) -> Self:
-        """The section from validated values (its fields, then the keys plugins add)."""
-        names = _field_names(cls)
-        section = declare.build(cls, {k: v for k, v in values.items() if k in names})
-        section.extensions.update(
-            (key, cast(JSONValue, value)) for key, value in values.items() if key not in names
-        )
-        return section
-
-    def _stated(self) -> dict[str, JSONValue]:
-        """What this section states: ``to_dict()`` without the fields that hold their
-        declared default (a dataclass cannot tell a default from one given explicitly)."""
-        values = self.to_dict()
-        for item in declare.declared(type(self)):
-            if item.has_default and values.get(item.name) == declare.to_json(item.default()):
-                del values[item.name]
-        return values
-
-
-class _PluginKeysAsAttributes:
-    """Read (and set) the keys plugins add to a section as attributes: ``logging.console``.
-    Typed as plain JSON values; a plugin's own options are the typed way in."""
-
-    extensions: dict[str, JSONValue]
-    if TYPE_CHECKING:  # provided by _Section, which comes after this mixin
-
-        def to_dict(self) -> dict[str, JSONValue]: ...
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        assert isinstance(other, _PluginKeysAsAttributes)
-        return self.to_dict() == other.to_dict()
-
-    __hash__ = None  # type: ignore[assignment]  # mutable, like the other sections
-
-    def __getattr__(self, name: str) -> JSONValue:
-        extensions = self.__dict__.get("_extensions")
-        if extensions is None and not name.startswith("_"):
-            extensions = self.extensions
-        if isinstance(extensions, dict) and name in extensions:
-            return cast(JSONValue, extensions[name])
-        raise AttributeError(f"{type(self).__name__} has no setting {name!r}")
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in _field_names(type(self)) or name.startswith("_"):
-            object.__setattr__(self, name, value)
-        elif name in self.extensions:
-            self.extensions[name] = cast(JSONValue, value)
-        else:
-            raise AttributeError(f"{type(self).__name__} has no setting {name!r}")
-
-
-def _field_names(cls: type) -> frozenset[str]:
-    return frozenset(item.name for item in dataclasses.fields(cls))
-
-
-def _as_mapping(value: object) -> Mapping[str, object]:
-    return cast("Mapping[str, object]", value) if isinstance(value, Mapping) else {}
-
-
-def _redacted_repr(section: object) -> str:
-    """A section's repr with its free-form mappings redacted: ``dataset_options`` may hold
-    credentials, and are never printed."""
-    values = ", ".join(
-        f"{item.name}={_redacted(getattr(section, item.name))!r}"
-        for item in dataclasses.fields(cast("type", type(section)))
-    )
-    return f"{type(section).__name__}({values})"
-
-
-def _redacted(value: object) -> object:
-    return redact_secrets(cast(JSONValue, value)) if isinstance(value, dict) else value
-
-
-@dataclass
-class RunConfig(_Section):
-    """``run:`` -- identity, seed, device and the training target."""
-
-    section_name: ClassVar[str] = "run"
-    section_doc: ClassVar[str] = "Run identity, seed, device and training target."
-
-    name: Annotated[str, Opt("non-empty; a label, not a path", min_length=1, shorthand=True)] = (
-        "speedtronic-run"
-    )
-    seed: Annotated[
-        int,
-        Opt(
-            "seeds Python, NumPy and torch; the default of `data.seed`",
-            minimum=0,
-            maximum=SEED_MAX,
-            type_text="int 0 … 2³²−1",
-            shorthand=True,
-        ),
-    ] = 1234
-    device: Annotated[
-        str,
-        Opt(
-            "`auto` = CUDA, then MPS, then CPU; or a torch device (`cpu`, `cuda`, `cuda:1`, "
-            "`mps`); an explicit device that is not available is an error when the run is built",
-            min_length=1,
-            shorthand=True,
-        ),
-    ] = "auto"
-    max_steps: Annotated[
-        int,
-        Opt(
-            "absolute target of global optimizer steps (a resumed run continues up to it); "
-            "`data.max_steps` wins when set",
-            minimum=1,
-            maximum=STEPS_MAX,
-            shorthand=True,
-        ),
-    ] = 1000
-    max_epochs: Annotated[
-        int | None,
-        Opt(
-            "also stop after this many passes over the data, whichever of "
-            "`max_steps`/`max_epochs` comes first (see [training "
-            "target](#training-target---max-steps-and-the-lr-schedule))",
-            minimum=1,
-            maximum=STEPS_MAX,
-        ),
-    ] = None
-    output_dir: Annotated[
-        str,
-        Opt(
-            "the run directory: `config.yaml`, `metrics.jsonl`, `checkpoints/`; the base of "
-            "every relative path a plugin writes",
-            min_length=1,
-            shorthand=True,
-        ),
-    ] = "runs"
-    log_every: Annotated[
-        int | None,
-        Opt(
-            "legacy spelling of `logging.every_steps`, copied there; giving both with "
-            "different values is an error",
-            minimum=1,
-            maximum=STEPS_MAX,
-            shorthand=True,
-            fills="logging.every_steps",
-        ),
-    ] = None
-    threads: Annotated[
-        int | Literal["auto"],
-        Opt(
-            "CPU threads torch uses (`torch.set_num_threads`); `auto` is 1 for a model under "
-            "20M parameters trained on the CPU, torch's default otherwise, on CUDA/MPS, and "
-            "whenever `OMP_NUM_THREADS` is set (see "
-            "[performance](performance.md#cpu-threads--runthreads)); the start line says what "
-            "was chosen, e.g. `threads 1 (auto)`",
-            schema={
-                "anyOf": [{"const": "auto"}, {"type": "integer", "minimum": 1, "maximum": 4096}]
-            },
-            type_text="`auto` or int ≥ 1",
-        ),
-    ] = "auto"
-    stop_grace_s: Annotated[
-        float | None,
-        Opt(
-            "seconds: how long a requested stop (SIGTERM, Ctrl-C, a callback's `request_stop`) "
-            "waits for a batch the data loader does not deliver; then the fit gives up on it "
-            "and exits 1, keeping the last completed step's checkpoint (see "
-            "[checkpointing](checkpointing.md))",
-            exclusive_minimum=0,
-            maximum=86400,
-            default_text="`null` (10 s, `Trainer.stop_grace_s`)",
-        ),
-    ] = None
-
-
-@dataclass(frozen=True)
-class LoraAdapterConfig:
-    """LoRA adapters through peft: only they train and are checkpointed."""
-
-    r: Annotated[int, Opt("rank of the low-rank update", minimum=1, maximum=65536)] = 8
-    alpha: Annotated[
-        float,
-        Opt(
-            "scale: the update is multiplied by `alpha / r`",
-            exclusive_minimum=0,
-            maximum=1_000_000,
-        ),
-    ] = 16.0
-    dropout: Annotated[
-        float, Opt("dropout on the adapters' input", minimum=0, exclusive_maximum=1)
-    ] = 0.0
-    targets: Annotated[
-        list[str],
-        Opt(
-            "names of the Linear modules to adapt (the last part of their path, e.g. `q_proj`)",
-            extra={"minItems": 1},
-            items={"minLength": 1},
-        ),
-    ] = field(default_factory=lambda: ["q_proj", "v_proj"])
-
-    def to_dict(self) -> dict[str, JSONValue]:
-        return {
-            "r": self.r,
-            "alpha": self.alpha,
-            "dropout": self.dropout,
-            "targets": list(self.targets),
-        }
-
-
-@dataclass(frozen=True)
-class AdaptersConfig:
-    """Parameter-efficient fine-tuning: adapters on a frozen base model."""
-
-    lora: Annotated[
-        LoraAdapterConfig | None,
-        Opt("LoRA adapters (docs/adapters-and-generation.md); `null`: none"),
-    ] = None
-
-    def to_dict(self) -> dict[str, JSONValue]:
-        return {"lora": None if self.lora is None else self.lora.to_dict()}
-
-
-@dataclass(eq=False)  # equality includes the plugin keys (the mixin's)
-class ModelConfig(_PluginKeysAsAttributes, _Section):
-    """``model:`` -- the registered model name, reference-transformer dimensions and free-form
-    ``options`` for the factory (plugins may add 2.0 keys, readable as attributes:
-    ``model.gradient_checkpointing``)."""
-
-    section_name: ClassVar[str] = "model"
-    section_doc: ClassVar[str] = (
-        "Model selection, reference-transformer dimensions and free-form options for other models."
-    )
-
-    name: Annotated[
-        str,
-        Opt(
-            "a registered model (`register_model`, the `speedtronic.models` entry points, or "
-            "`imports:`); `gpt` is an alias of the reference transformer",
-            min_length=1,
-        ),
-    ] = "reference_transformer"
-    vocab_size: Annotated[
-        int, Opt("also the default of `data.vocab_size`", minimum=1, maximum=2**24)
-    ] = 512
-    max_seq_len: Annotated[
-        int,
-        Opt(
-            "context length; passed to factories as `block_size`; the default of `data.block_size`",
-            minimum=1,
-            maximum=2**24,
-        ),
-    ] = 128
-    n_layer: Annotated[int, Opt("transformer blocks", minimum=1, maximum=2**16)] = 4
-    n_head: Annotated[int, Opt("must divide `d_model`", minimum=1, maximum=2**16)] = 8
-    n_kv_head: Annotated[
-        int | None,
-        Opt(
-            "key/value heads (grouped-query attention); must divide `n_head`",
-            minimum=1,
-            maximum=2**16,
-            default_text="`null` → `n_head`",
-        ),
-    ] = None
-    d_model: Annotated[int, Opt("model width", minimum=1, maximum=2**20)] = 256
-    d_ff: Annotated[
-        int | None,
-        Opt(
-            "feed-forward width",
-            minimum=1,
-            maximum=2**22,
-            default_text="`null` → `4 * d_model`",
-        ),
-    ] = None
-    dropout: Annotated[float, Opt("dropout probability", minimum=0, exclusive_maximum=1)] = 0.0
-    tie_weights: Annotated[bool, Opt("share the token embedding and the output head")] = True
-    rope_base: Annotated[float, Opt("rotary embedding base", exclusive_minimum=0, maximum=1e12)] = (
-        10000.0
-    )
-    options: Annotated[
-        dict[str, JSONValue],
-        Opt(
-            "keyword arguments for the model factory beside the standard fields (they win "
-            "over a standard field of the same name); values must be JSON values; checked "
-            "against the factory's `options_schema` when it declares one. The reference "
-            "transformer takes `document_attention` (docs/fine-tuning.md)"
-        ),
-    ] = field(default_factory=dict)
-    adapters: Annotated[
-        AdaptersConfig | None,
-        Opt(
-            "adapters trained on the frozen model: `{lora: {r, alpha, dropout, targets}}`; "
-            "`null`: the whole model trains"
-        ),
-    ] = None
-
-    def __post_build__(self) -> None:
-        if self.n_kv_head is None:
-            self.n_kv_head = self.n_head
-        if self.d_ff is None and _is_int(self.d_model):
-            self.d_ff = 4 * self.d_model
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class MixtureSource:
-    """One source of the mixture."""
-
-    tokens: Annotated[
-        str,
-        Opt("Directory of token shards written by speedtronic prepare.", min_length=1),
-    ]
-    weight: Annotated[
-        float,
-        Opt(
-            "Relative share of the samples (weights are normalised).",
-            exclusive_minimum=0,
-            maximum=1_000_000,
-        ),
-    ] = 1.0
-
-    def to_dict(self) -> dict[str, JSONValue]:
-        return {"tokens": self.tokens, "weight": self.weight}
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, object]) -> MixtureSource | Mapping[str, object]:
-        """The source, or ``values`` unchanged when they do not fit (validation reports it)."""
-        return cast("MixtureSource | Mapping[str, object]", declare.coerce(cls, values))
-
-
-@dataclass(repr=False)
-class DataConfig(_Section):
-    """``data:`` -- the data source and batching (``target = K * micro``)."""
-
-    section_name: ClassVar[str] = "data"
-    section_doc: ClassVar[str] = "Training data source and batching."
-
-    text_path: Annotated[
-        str | None,
-        Opt(
-            "UTF-8 text file streamed through `tokenizer` (default: the byte tokenizer); "
-            "relative to the working directory",
-            min_length=1,
-        ),
-    ] = None
-    tokens: Annotated[
-        str | None,
-        Opt(
-            "a directory of token shards written by `speedtronic prepare` (`index.json`), read "
-            "through `np.memmap`; trains on its training shards, `eval:` reads its held-out "
-            "shards",
-            min_length=1,
-        ),
-    ] = None
-    mixture: Annotated[
-        list[MixtureSource],
-        Opt(
-            "token-shard directories mixed by `weight` (> 0, default 1, normalised): each "
-            "epoch draws from each source in proportion; always shuffled",
-            extra={"maxItems": 1024},
-            type_text="list of `{tokens, weight}`",
-        ),
-    ] = field(default_factory=list)
-    tokenizer: Annotated[
-        str | None,
-        Opt(
-            "a `tokenizer.json` (Hugging Face `tokenizers`, the `hf` extra) for `text_path` "
-            "and `eval.text_path`, or `bytes`; `null`: the byte tokenizer. With "
-            "`tokens`/`mixture` the shards must come from this tokenizer (sha256)",
-            min_length=1,
-        ),
-    ] = None
-    verify_shards: Annotated[
-        bool,
-        Opt(
-            "check every token shard's sha256 against `index.json` when the data is built "
-            "(about 1 s per GB); `false` checks sizes only"
-        ),
-    ] = True
-    document_mask: Annotated[
-        bool,
-        Opt(
-            "token shards and mixtures: attention stays within each document of a window "
-            "(block-causal at the end-of-document ids) and positions restart at each "
-            "document; the batches carry `position_ids`"
-        ),
-    ] = False
-    dataset: Annotated[
-        str | None,
-        Opt(
-            "a registered dataset name (`register_dataset`, the `speedtronic.datasets` entry "
-            "points, or `imports:`); built in: `synthetic`, `learnable`, `text`. A name "
-            "ending in `.pt`, `.pth`, `.pkl` or `.pickle` is a config error, and any other "
-            "name that looks like a file is refused when the data is built: pickled dataset "
-            "files are never loaded",
-            min_length=1,
-        ),
-    ] = None
-    dataset_options: Annotated[
-        dict[str, JSONValue],
-        Opt(
-            "passed to the dataset factory as `DatasetRequest.options`; values must be JSON "
-            "values; secret-named keys are redacted (see [secrets](#secrets))"
-        ),
-    ] = field(default_factory=dict)
-    collate: Annotated[
-        str,
-        Opt(
-            "how items become a batch: `auto` (the dataset's own collate when it declares "
-            "one, else `collate_batch`: causal LM records padded, other mappings and tuples "
-            "stacked field by field), `causal`, `default` (torch's `default_collate`), or a "
-            "name registered with `register_collate` (see "
-            "[collators](models-and-data.md#collators))",
-            min_length=1,
-        ),
-    ] = "auto"
-    synthetic: Annotated[
-        bool,
-        Opt("fall back to synthetic tokens when neither `text_path` nor `dataset` is set"),
-    ] = True
-    synthetic_kind: Annotated[
-        Literal["uniform", "learnable"],
-        Opt(
-            "random tokens (floor `ln(vocab)`), or a Markov language with a known entropy floor",
-            fold="lower",
-        ),
-    ] = "uniform"
-    num_tokens: Annotated[
-        int,
-        Opt(
-            "despite the name, the number of **samples** (each `block_size` tokens) of the "
-            "synthetic data, and `DatasetRequest.num_samples` for registered datasets",
-            minimum=1,
-            maximum=STEPS_MAX,
-        ),
-    ] = 100000
-    vocab_size: Annotated[
-        int | None,
-        Opt(
-            "token ids the data source draws from; at most `model.vocab_size` (a larger value "
-            "is an error)",
-            minimum=1,
-            maximum=2**24,
-            default_text="`null` → `model.vocab_size`",
-        ),
-    ] = None
-    block_size: Annotated[
-        int | None,
-        Opt(
-            "tokens per sample",
-            minimum=1,
-            maximum=2**24,
-            default_text="`null` → `model.max_seq_len`",
-        ),
-    ] = None
-    micro_batch_size: Annotated[
-        int, Opt("samples per forward/backward", minimum=1, maximum=2**20)
-    ] = 1
-    target_batch_size: Annotated[
-        int | None,
-        Opt(
-            "samples per optimizer step; a multiple of (and ≥) `micro_batch_size`; `K = target "
-            "/ micro` microbatches are accumulated (null: no accumulation)",
-            minimum=1,
-            maximum=2**30,
-            default_text="`null` → `micro_batch_size`",
-        ),
-    ] = None
-    num_workers: Annotated[
-        int,
-        Opt("DataLoader worker processes (kept alive between epochs)", minimum=0, maximum=1024),
-    ] = 0
-    prefetch_factor: Annotated[
-        int | None,
-        Opt(
-            "batches prefetched per worker; ignored without workers",
-            minimum=1,
-            maximum=1024,
-            default_text="`null` → `2`",
-        ),
-    ] = None
-    pin_memory: Annotated[
-        bool | None, Opt("pin host memory", default_text="`null` → on for CUDA")
-    ] = None
-    shuffle: Annotated[
-        bool | None,
-        Opt(
-            "per-epoch permutation seeded by `(data.seed, epoch)`; map-style data only "
-            "(ignored with a warning for a streaming source); `false` is an error with "
-            "`mixture`",
-            default_text="`null` → on for `tokens` and `mixture`, off otherwise",
-        ),
-    ] = None
-    drop_last: Annotated[bool, Opt("drop an epoch's last incomplete batch")] = True
-    seed: Annotated[
-        int | None,
-        Opt(
-            "seeds the data order and the synthetic data",
-            minimum=0,
-            maximum=SEED_MAX,
-            type_text="int 0 … 2³²−1 or null",
-            default_text="`null` → `run.seed`",
-        ),
-    ] = None
-    max_steps: Annotated[
-        int | None,
-        Opt(
-            "training target that overrides `run.max_steps` when set",
-            minimum=1,
-            maximum=STEPS_MAX,
-        ),
-    ] = None
-
-    @property
-    def accumulation_steps(self) -> int:
-        """Microbatches per optimizer step (1 while ``target_batch_size`` is unset)."""
-        if self.target_batch_size is None:
-            return 1
-        return self.target_batch_size // self.micro_batch_size
-
-    def __repr__(self) -> str:
-        return _redacted_repr(self)
-
-
-@dataclass(repr=False)
-class EvalConfig(_Section):
-    """``eval:`` -- evaluation on a held-out set: how often, how much, and from where (no
-    data option: the training source's held-out split, see ``docs/evaluation.md``)."""
-
-    section_name: ClassVar[str] = "eval"
-    section_doc: ClassVar[str] = (
-        "Evaluation on a held-out set during training (and for `speedtronic evaluate`)."
-    )
-
-    every_steps: Annotated[
-        int | None,
-        Opt(
-            "evaluate every N global steps and on the final step; `null`: no evaluation "
-            "during training. A `monitor: eval/...` (checkpoint, early stopping) needs it",
-            minimum=1,
-            maximum=STEPS_MAX,
-        ),
-    ] = None
-    max_batches: Annotated[
-        int | None,
-        Opt(
-            "batches per evaluation, all ranks together (`data.micro_batch_size` samples each; "
-            "each rank reads its share); `null`: the whole "
-            "held-out set",
-            minimum=1,
-            maximum=STEPS_MAX,
-        ),
-    ] = None
-    fraction: Annotated[
-        float,
-        Opt(
-            "the tail of a training text file kept out of training as the held-out set (only "
-            "while `every_steps` is set and no other held-out source is named); token shards "
-            "fix their split at `speedtronic prepare --eval-fraction` instead",
-            exclusive_minimum=0,
-            maximum=0.5,
-        ),
-    ] = 0.05
-    text_path: Annotated[
-        str | None,
-        Opt("a UTF-8 file to evaluate on instead (through `data.tokenizer`)", min_length=1),
-    ] = None
-    dataset: Annotated[
-        str | None,
-        Opt("a registered dataset to evaluate on instead (not with `text_path`)", min_length=1),
-    ] = None
-    dataset_options: Annotated[
-        dict[str, JSONValue],
-        Opt("options of the `eval.dataset` factory (`DatasetRequest.options`)"),
-    ] = field(default_factory=dict)
-    tasks: Annotated[
-        list[EvalTaskSource],
-        Opt(
-            "multiple-choice tasks scored with the held-out set on every evaluation "
-            "(`eval/<name>/acc`, `eval/<name>/acc_norm`); needs a run on text",
-            extra={"maxItems": 64},
-            type_text="list of `{path, name, shots, seed, max_rows, batch_size}`",
-        ),
-    ] = field(default_factory=list)
-
-    def __repr__(self) -> str:
-        return _redacted_repr(self)
-
-
-@dataclass(frozen=True)
-class EvalTaskSource:
-    """One multiple-choice task scored on evaluation steps (docs/evaluation.md)."""
-
-    path: Annotated[
-        str,
-        Opt("a local JSONL file of `{context, choices, answer}` rows", min_length=1),
-    ]
-    name: Annotated[
-        str | None,
-        Opt(
-            "the metric name, `eval/<name>/acc` and `acc_norm`; default: the file's stem",
-            min_length=1,
-            pattern=r"^[A-Za-z0-9_.-]+$",
-        ),
-    ] = None
-    shots: Annotated[
-        int, Opt("examples from the same file asked before each row", minimum=0, maximum=64)
-    ] = 0
-    seed: Annotated[int, Opt("seeds the choice of the examples", minimum=0, maximum=2**32 - 1)] = 0
-    max_rows: Annotated[
-        int | None, Opt("score the first N rows; `null`: all", minimum=1, maximum=STEPS_MAX)
-    ] = None
-    batch_size: Annotated[
-        int, Opt("sequences (one per choice) per forward pass", minimum=1, maximum=4096)
-    ] = 16
-
-    def to_dict(self) -> dict[str, JSONValue]:
-        return {
-            "path": self.path,
-            "name": self.name,
-            "shots": self.shots,
-            "seed": self.seed,
-            "max_rows": self.max_rows,
-            "batch_size": self.batch_size,
-        }
-
-
-@dataclass(frozen=True)
-class RoutingRule:
-    """Send matching parameters to one optimizer. Rules are tried in order; the first match
-    wins; unmatched parameters follow the built-in heuristic.
-
-    Every given criterion must match; a rule with none matches everything. This is the
-    config record only: ``speedtronic.optimizers.RoutingRule`` does the matching.
-    """
-
-    to: Annotated[Literal["muon", "adamw"], Opt("Target optimizer.")]
-    name: Annotated[
-        str | None,
-        Opt(
-            "Glob matched against the full parameter name (e.g. 'blocks.*.attn.*').",
-            schema={"type": "string"},
-            min_length=1,
-        ),
-    ] = None
-    module: Annotated[
-        str | None,
-        Opt(
-            "Class name of the module that owns the parameter (e.g. 'Linear').",
-            schema={"type": "string"},
-            min_length=1,
-        ),
-    ] = None
-    ndim: Annotated[
-        int | None,
-        Opt(
-            "Number of dimensions of the parameter.",
-            schema={"type": "integer"},
-            minimum=0,
-            maximum=64,
-        ),
-    ] = None
-
-    def to_dict(self) -> dict[str, JSONValue]:
-        """The rule as config data (unset criteria omitted)."""
-        values: dict[str, JSONValue] = {"to": self.to}
-        for key in ("name", "module", "ndim"):
-            value = getattr(self, key)
-            if value is not None:
-                values[key] = value
-        return values
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, object]) -> RoutingRule | Mapping[str, object]:
-        """The rule, or ``values`` unchanged when they do not fit (validation reports it)."""
-        return cast("RoutingRule | Mapping[str, object]", declare.coerce(cls, values))
-
-
-@dataclass
-class OptimizerConfig(_Section):
-    """``optimizer:`` -- AdamW, or hybrid Muon (matrices) + AdamW (the rest); optionally
-    cautious. ``muon_lr``/``muon_weight_decay`` default to ``lr``/``weight_decay``."""
-
-    section_name: ClassVar[str] = "optimizer"
-    bare_value: ClassVar[str | None] = "name"
-    section_doc: ClassVar[str] = (
-        "Optimizer: AdamW or hybrid Muon/AdamW, optionally cautious. A bare string "
-        "(optimizer: muon) is a shorthand for {name: muon}."
-    )
-
-    name: Annotated[
-        Literal["adamw", "muon"],
-        Opt("`muon`: hidden matrices with Muon, everything else with AdamW", fold="lower"),
-    ] = "adamw"
-    lr: Annotated[
-        float,
-        Opt(
-            "AdamW learning rate; also Muon's unless `muon_lr` is set",
-            exclusive_minimum=0,
-            maximum=1000,
-            default_text="`3e-4`",
-        ),
-    ] = 3e-4
-    betas: Annotated[
-        tuple[float, float],
-        Opt(
-            "AdamW betas",
-            items={"minimum": 0, "exclusiveMaximum": 1},
-            type_text="two numbers in [0, 1)",
-        ),
-    ] = (0.9, 0.95)
-    eps: Annotated[
-        float,
-        Opt(
-            "AdamW epsilon",
-            exclusive_minimum=0,
-            maximum=1,
-            type_text="number > 0",
-            default_text="`1e-8`",
-        ),
-    ] = 1e-8
-    weight_decay: Annotated[
-        float,
-        Opt(
-            "decoupled weight decay; also Muon's unless `muon_weight_decay` is set",
-            minimum=0,
-            maximum=1000,
-        ),
-    ] = 0.1
-    fused: Annotated[bool | None, Opt("fused AdamW; `null` probes support on CUDA")] = None
-    grad_clip: Annotated[
-        float | None,
-        Opt("clip the global gradient norm (after unscaling)", exclusive_minimum=0, maximum=1e9),
-    ] = None
-    muon_plus: Annotated[
-        bool,
-        Opt(
-            "normalise Muon updates after orthogonalisation (Muon+); requires `name: muon`",
-            shorthand=True,
-        ),
-    ] = False
-    muon_plus_mode: Annotated[
-        Literal["row_col", "col_row"], Opt("order of the Muon+ normalisation", fold="lower")
-    ] = "row_col"
-    cautious: Annotated[
-        bool,
-        Opt("mask update entries whose sign disagrees with the gradient", shorthand=True),
-    ] = False
-    cautious_rescale: Annotated[
-        bool, Opt("rescale cautious updates by the fraction of entries kept")
-    ] = False
-    muon_momentum: Annotated[float, Opt("Muon momentum", minimum=0, exclusive_maximum=1)] = 0.95
-    muon_nesterov: Annotated[bool, Opt("Nesterov momentum for Muon")] = True
-    muon_ns_steps: Annotated[int, Opt("Newton–Schulz iterations", minimum=1, maximum=100)] = 5
-    muon_ns_coefficients: Annotated[
-        tuple[float, float, float],
-        Opt(
-            "quintic Newton–Schulz coefficients (a, b, c)",
-            items={"minimum": -1000, "maximum": 1000},
-        ),
-    ] = (3.4445, -4.775, 2.0315)
-    muon_norm_eps: Annotated[
-        float,
-        Opt(
-            "epsilon of the Muon+ normalisation",
-            exclusive_minimum=0,
-            maximum=1,
-            type_text="number > 0",
-            default_text="`1e-8`",
-        ),
-    ] = 1e-8
-    muon_lr: Annotated[
-        float | None,
-        Opt(
-            "learning rate of the Muon group",
-            exclusive_minimum=0,
-            maximum=1000,
-            default_text="`null` → `lr`",
-        ),
-    ] = None
-    muon_lr_scale: Annotated[
-        Literal["original", "rms"],
-        Opt(
-            "`rms` scales Muon updates to AdamW's update RMS (so `lr` means the same for both "
-            "branches); `original` is √max(1, rows/cols) (set `muon_lr` explicitly, e.g. 0.02)",
-            fold="lower",
-        ),
-    ] = "rms"
-    muon_weight_decay: Annotated[
-        float | None,
-        Opt(
-            "weight decay of the Muon group",
-            minimum=0,
-            maximum=1000,
-            default_text="`null` → `weight_decay`",
-        ),
-    ] = None
-    decay_norms_and_biases: Annotated[
-        bool | None,
-        Opt(
-            "`false`: 1-D and scalar parameters (biases, norm gains) get weight decay 0 in "
-            "AdamW; see [optimizers](optimizers.md#weight-decay-on-norms-and-biases)",
-            default_text="`null` → `true`, or a callback's proposal",
-        ),
-    ] = None
-    """``null``: ``true`` unless a callback of the run proposes otherwise
-    (``Callback.optimizer_decay_norms_and_biases``)."""
-    routing: Annotated[
-        list[RoutingRule],
-        Opt(
-            "with `name: muon` only: `{to: muon|adamw, name: <glob>, module: <class name>, "
-            "ndim: <int>}`; every criterion given must match, the first matching rule wins, "
-            "unmatched parameters follow the heuristic; a rule sending `ndim` ≠ 2 to `muon` "
-            "is an error",
-            type_text="list of rules",
-        ),
-    ] = field(default_factory=list)
-
-    @property
-    def resolved_muon_lr(self) -> float:
-        """The Muon group's learning rate (``muon_lr``, else ``lr``)."""
-        return self.lr if self.muon_lr is None else self.muon_lr
-
-    @property
-    def resolved_muon_weight_decay(self) -> float:
-        """The Muon group's weight decay (``muon_weight_decay``, else ``weight_decay``)."""
-        return self.weight_decay if self.muon_weight_decay is None else self.muon_weight_decay
-
-
-@dataclass
-class SchedulerConfig(_Section):
-    """``scheduler:`` -- warmup then cosine or constant. ``max_steps: None`` follows the
-    training target; read the resolved horizon from ``SpeedtronicConfig.scheduler_steps``."""
-
-    section_name: ClassVar[str] = "scheduler"
-    section_doc: ClassVar[str] = "Learning-rate schedule, advanced once per optimizer step."
-
-    name: Annotated[
-        Literal["cosine", "constant"],
-        Opt(
-            "`cosine` decays from 1 to `min_lr_ratio` at the horizon and holds there; "
-            "`constant` stays at 1",
-            fold="lower",
-        ),
-    ] = "cosine"
-    warmup_steps: Annotated[
-        int,
-        Opt(
-            "linear warmup steps (the 2.0 default); `validate` and `fit` warn when it covers "
-            "more than half of the schedule's horizon (below; `--max-steps` does not change "
-            "it) — scale it with the schedule (about 10% of its steps)",
-            minimum=0,
-            maximum=STEPS_MAX,
-        ),
-    ] = 100
-    max_steps: Annotated[
-        int | None,
-        Opt(
-            "the horizon. Absent or `null`: the training target (`data.max_steps`, else "
-            "`run.max_steps`). A value you give is used as given, never overwritten — "
-            "including `1000`",
-            minimum=1,
-            maximum=STEPS_MAX,
-        ),
-    ] = None
-    min_lr_ratio: Annotated[
-        float, Opt("cosine floor as a fraction of `lr`", minimum=0, maximum=1)
-    ] = 0.1
-
-
-@dataclass
-class PrecisionConfig(_Section):
-    """``precision:`` -- ``auto`` or a forced bf16/fp16/fp32 mode."""
-
-    section_name: ClassVar[str] = "precision"
-    bare_value: ClassVar[str | None] = "mode"
-    section_doc: ClassVar[str] = (
-        "Numeric precision. A bare string (precision: bf16) is a shorthand for {mode: bf16}."
-    )
-
-    mode: Annotated[
-        Literal["auto", "bf16", "fp16", "fp32"],
-        Opt(
-            "`auto`: bf16 on CUDA that supports it, else fp16 (with a grad scaler); fp32 on "
-            "CPU and MPS. Forced `bf16` falls back to fp32 on CUDA without bf16 and on MPS; "
-            "forced `fp16` is fp32 off CUDA",
-            fold="lower",
-        ),
-    ] = "auto"
-    dtype: Annotated[
-        Literal["bf16", "fp16", "fp32"] | None,
-        Opt(
-            "with `mode: auto`, the mode to request instead (the same fallbacks apply)",
-            fold="lower",
-        ),
-    ] = None
-
-
-@dataclass(eq=False)  # equality includes the plugin keys (the mixin's)
-class LoggingConfig(_PluginKeysAsAttributes, _Section):
-    """``logging:`` -- log level and file, and the metric cadence. Sink plugins add their
-    2.0 switches (``console``, ``jsonl``, ``json_file``), readable as attributes."""
-
-    section_name: ClassVar[str] = "logging"
-    section_doc: ClassVar[str] = (
-        "Logging and metric cadence. Plugins add their own keys (the 2.0 default-sink "
-        "switches come from the sink plugins)."
-    )
-
-    level: Annotated[
-        str,
-        Opt(
-            "any case; the level of the `speedtronic` Python loggers (checkpoint, resume, "
-            "shape and plugin messages)",
-            extra={"enum": ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]},
-            fold="upper",
-            type_text="`DEBUG` | `INFO` | `WARNING` | `ERROR` | `CRITICAL`",
-        ),
-    ] = "INFO"
-    file: Annotated[
-        str | None,
-        Opt(
-            "the text log file of the default console sink: its lines go there (relative to "
-            "`run.output_dir`) instead of the terminal",
-            min_length=1,
-        ),
-    ] = None
-    every_steps: Annotated[
-        int,
-        Opt(
-            "metric cadence: a record is due every N global steps (and at the last step)",
-            minimum=1,
-            maximum=STEPS_MAX,
-        ),
-    ] = 1
-
-
-@dataclass(eq=False)  # equality includes the plugin keys (the mixin's)
-class DistributedConfig(_PluginKeysAsAttributes, _Section):
-    """``distributed:`` -- settings of torch.distributed runs (``timeout_s``, the per-step
-    collective timeout). Plugins add their 2.0 keys, readable as attributes."""
-
-    section_name: ClassVar[str] = "distributed"
-    section_doc: ClassVar[str] = (
-        "Settings of torch.distributed runs (torchrun). Plugins add their own keys to this section."
-    )
-
-    timeout_s: Annotated[
-        float,
-        Opt(
-            "`torch.distributed` collective timeout, seconds",
-            exclusive_minimum=0,
-            maximum=30 * 86400,
-        ),
-    ] = 1800.0
-
-
-@dataclass
-class ParallelConfig(_Section):
-    """``parallel:`` -- how a multi-rank run splits the model: ``ddp`` (every rank holds
-    the whole model and optimizer state) or ``fsdp`` (FSDP2: parameters, gradients and
-    optimizer state sharded across the ranks; see docs/scale-out.md)."""
-
-    section_name: ClassVar[str] = "parallel"
-    section_doc: ClassVar[str] = (
-        "How a multi-rank (torchrun) run splits the model across ranks: ddp replicates it, "
-        "fsdp shards parameters, gradients and optimizer state (FSDP2)."
-    )
-
-    strategy: Annotated[
-        Literal["ddp", "fsdp"],
-        Opt(
-            "any case. `ddp`: every rank holds the whole model and optimizer state "
-            "(`DistributedDataParallel`). `fsdp`: FSDP2 (`fully_shard`) shards parameters, "
-            "gradients and optimizer state across the ranks, and checkpoints are sharded (DCP) "
-            "directories that resume on another number of ranks",
-            fold="lower",
-        ),
-    ] = "ddp"
-    reshard_after_forward: Annotated[
-        bool,
-        Opt(
-            "`fsdp`: free each block's gathered parameters after its forward pass (less "
-            "memory; backward gathers them again)"
-        ),
-    ] = True
-    tensor: Annotated[
-        int,
-        Opt(
-            "`fsdp`: tensor-parallel degree T: each layer is split over T ranks (a 2-D "
-            "`data x tensor` device mesh; FSDP shards over the data ranks). Must divide the "
-            "world size, the attention and key/value heads and the MLP hidden size; the model "
-            "family needs a plan (docs/scale-out.md). 1: no tensor parallelism",
-            minimum=1,
-            maximum=4096,
-        ),
-    ] = 1
-
-
-@dataclass
-class ShapeValidationConfig(_Section):
-    """``shape_validation:`` -- startup warnings about unaligned shapes (never errors)."""
-
-    section_name: ClassVar[str] = "shape_validation"
-    section_doc: ClassVar[str] = (
-        "Startup warnings about tensor-core-unfriendly shapes (never errors)."
-    )
-
-    enabled: Annotated[bool, Opt("check shapes at startup")] = True
-    alignment: Annotated[
-        int | Literal["auto", "none"],
-        Opt(
-            "`auto`: 8 on CUDA with bf16/fp16, no checks elsewhere; `none`: no checks; `null` "
-            "means `auto`",
-            schema={
-                "type": ["integer", "string"],
-                "minimum": 1,
-                "maximum": 4096,
-                "if": {"type": "string"},
-                "then": {"enum": ["auto", "none"]},
-            },
-            fold="lower",
-            type_text="int ≥ 1, `auto` or `none`",
-        ),
-    ] = "auto"
-    check_batch: Annotated[bool, Opt("`data.micro_batch_size`")] = True
-    check_sequence: Annotated[
-        bool, Opt("`data.block_size` and `micro_batch_size * block_size`")
-    ] = True
-    check_model: Annotated[bool, Opt("model GEMM dimensions")] = True
-    check_vocab: Annotated[bool, Opt("`model.vocab_size`")] = False
-    warn_on_cpu: Annotated[bool, Opt("also warn on CPU/MPS when an explicit alignment is set")] = (
-        False
-    )
-
-    def __post_build__(self) -> None:
-        if self.alignment is None:  # the original treated null as auto
-            self.alignment = "auto"
-
-
-@dataclass
-class CallbackSpec:
-    """One ``callbacks:`` entry: the plugin name and its (validated) options."""
-
-    name: str
-    options: dict[str, JSONValue] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if "name" in self.options:
-            raise ConfigError(
-                f"callbacks: option 'name' of {self.name!r} clashes with the plugin name"
-            )
-
-    def to_dict(self) -> dict[str, JSONValue]:
-        """The entry as written in config: ``{name: ..., **options}``."""
-        return {"name": self.name, **self.options}
-
-    @classmethod
-    def from_dict(cls, entry: Mapping[str, object]) -> CallbackSpec:
-        """An entry ``{name: ..., **options}`` (already validated)."""
-        options = {key: value for key, value in entry.items() if key != "name"}
-        return cls(name=str(entry["name"]), options=cast("dict[str, JSONValue]", options))
-
-    def __repr__(self) -> str:
-        return f"CallbackSpec(name={self.name!r}, options={redact_secrets(self.options)!r})"
-
-
-_SECTION_TYPES: dict[str, type[_Section]] = {
+__all__ = [
+    "AdaptersConfig",
+    "CallbackSpec",
+    "Config",
+    "ConfigSource",
+    "core_keys",
+    "core_schema_document",
+    "CoreKeys",
+    "DataConfig",
+    "DistributedConfig",
+    "EvalConfig",
+    "EvalTaskSource",
+    "JSONValue",
+    "load_config",
+    "load_yaml_config",
+    "LoggingConfig",
+    "LoraAdapterConfig",
+    "MixtureSource",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "PrecisionConfig",
+    "redact_secrets",
+    "RoutingRule",
+    "RunConfig",
+    "SchedulerConfig",
+    "SECRET_KEYS",
+    "SectionType",
+    "SectionView",
+    "ShapeValidationConfig",
+    "SpeedtronicConfig",
+]
+
+_SECTION_TYPES: dict[str, type[Section]] = {
     "run": RunConfig,
     "model": ModelConfig,
     "data": DataConfig,
@@ -1243,7 +117,7 @@ _SECTION_TYPES: dict[str, type[_Section]] = {
 }
 
 
-SectionType = TypeVar("SectionType", bound=_Section)
+SectionType = TypeVar("SectionType", bound=Section)
 
 
 def _defaults_of(section_type: type[SectionType]) -> Callable[[], SectionType]:
@@ -1352,7 +226,7 @@ class SpeedtronicConfig:
         stated.update(self.plugin_keys)
         for item in declare.declared(type(self)):
             if item.name not in _SECTION_TYPES:
-                stated[item.name] = _jsonable(getattr(self, item.name))
+                stated[item.name] = jsonable(getattr(self, item.name))
         self._adopt(type(self)._resolve(stated))
 
     def _adopt(self, resolved: SpeedtronicConfig) -> None:
@@ -1360,7 +234,7 @@ class SpeedtronicConfig:
         given as objects stay those objects."""
         for name in _SECTION_TYPES:
             section, built = getattr(self, name), getattr(resolved, name)
-            if isinstance(section, _Section):
+            if isinstance(section, Section):
                 section.__dict__.update(built.__dict__)
             else:
                 object.__setattr__(self, name, built)
@@ -1393,10 +267,10 @@ class SpeedtronicConfig:
         return SectionView(name, value) if isinstance(value, dict) else value
 
     def __setattr__(self, name: str, value: object) -> None:
-        if name in _field_names(type(self)) or name.startswith("_"):
+        if name in field_names(type(self)) or name.startswith("_"):
             object.__setattr__(self, name, value)
         elif name in self.plugin_keys:
-            self.plugin_keys[name] = _jsonable(value)
+            self.plugin_keys[name] = jsonable(value)
         else:
             raise AttributeError(f"SpeedtronicConfig has no section {name!r}")
 
@@ -1523,7 +397,7 @@ class SpeedtronicConfig:
         """The typed configuration of validated, normalised data (nothing is checked)."""
         config = cls.__new__(cls)
         for name, section_type in _SECTION_TYPES.items():
-            object.__setattr__(config, name, section_type._from_valid(_as_mapping(data.get(name))))
+            object.__setattr__(config, name, section_type._from_valid(as_mapping(data.get(name))))
         compile_value = data.get("compile", False)
         if isinstance(compile_value, Mapping):
             compile_value = compile_value.get("enabled", False)
@@ -1531,14 +405,14 @@ class SpeedtronicConfig:
         object.__setattr__(config, "ooo_backprop", data.get("ooo_backprop", False) is True)
         object.__setattr__(config, "ooo_streams", data.get("ooo_streams", 4))
         callbacks = [
-            CallbackSpec.from_dict(_as_mapping(entry)) for entry in _as_list(data.get("callbacks"))
+            CallbackSpec.from_dict(as_mapping(entry)) for entry in _as_list(data.get("callbacks"))
         ]
         object.__setattr__(config, "callbacks", callbacks)
         object.__setattr__(
             config, "imports", [str(module) for module in _as_list(data.get("imports"))]
         )
         config.plugin_keys.update(
-            (key, _jsonable(data[key])) for key in list(config.plugin_keys) if key in data
+            (key, jsonable(data[key])) for key in list(config.plugin_keys) if key in data
         )
         config._derive_defaults()
         config.__dict__["_validated"] = config.to_dict()
@@ -1589,7 +463,7 @@ class SectionView:
         values: dict[str, JSONValue] = self.__dict__["_values"]
         if key not in values:
             raise AttributeError(f"{self.__dict__['_name']} has no setting {key!r}")
-        values[key] = _jsonable(value)
+        values[key] = jsonable(value)
 
     def to_dict(self) -> dict[str, JSONValue]:
         """The section as plain data (a copy)."""
@@ -1659,7 +533,7 @@ class CoreKeys:
     """``(section, key)`` -> the key it fills when that is not given (``run.log_every`` ->
     ``logging.every_steps``)."""
     bare_values: Mapping[str, str]
-    """Section -> the key a bare value means (``_Section.bare_value``)."""
+    """Section -> the key a bare value means (``Section.bare_value``)."""
 
 
 def core_keys() -> CoreKeys:
