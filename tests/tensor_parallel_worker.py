@@ -19,6 +19,8 @@ from rank_env import rank_env
 from torch import nn
 
 STEPS = 20
+ACCUMULATION_STEPS = (2, 6)
+"""(microbatches per step, steps) of the accumulation case."""
 GLOBAL_BATCH = 4
 SEQ = 8
 VOCAB = 32
@@ -67,6 +69,7 @@ def make_trainer(
     directory: Path | None = None,
     every: int = 5,
     steps: int = STEPS,
+    accumulation: int = 1,
 ) -> object:
     from speedtronic import Trainer
     from speedtronic_callbacks.checkpoint import CheckpointCallback
@@ -83,12 +86,14 @@ def make_trainer(
         return Trainer(
             model,
             optimizer,
-            batches(rank // tensor, world // tensor, steps),  # this rank's data rank's rows
+            # this rank's data rank's rows
+            batches(rank // tensor, world // tensor, steps * accumulation),
             device="cpu",
             distributed=distributed,  # type: ignore[arg-type]  # a DistributedContext
             parallel={"strategy": "fsdp", "tensor": tensor},
             callbacks=callbacks,
             grad_clip=0.5,  # clipping is active: the global norm over DTensors is used
+            accumulation_steps=accumulation,
             metrics_every=1,
         )
 
@@ -173,6 +178,17 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
             report[f"{family}/local_numel"] = sum(
                 p.to_local().numel() for p in params.values() if isinstance(p, DTensor)
             )
+        if world == 4:  # accumulation: no reduce-scatter over the data ranks but on the last
+            trainer = make_trainer(
+                "reference",
+                tensor=2,
+                rank=rank,
+                world=world,
+                distributed=context,
+                accumulation=ACCUMULATION_STEPS[0],
+                steps=ACCUMULATION_STEPS[1],
+            )
+            report["reference/k2"] = fit(trainer, ACCUMULATION_STEPS[1])
         if world == 2:  # tensor 2 x data 1 -> data 2 (tensor 1), and back
             for family, old, new in (("reference", 2, 1), ("reference", 1, 2), ("llama", 2, 1)):
                 key = f"{family}/t{old}->t{new}"

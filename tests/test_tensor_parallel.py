@@ -28,7 +28,14 @@ import yaml
 from cli_runner import run_cli
 from forked import Forked
 from rank_env import free_port, rank_env
-from tensor_parallel_worker import STEPS, cli_rank, fit, make_trainer, rank_main
+from tensor_parallel_worker import (
+    ACCUMULATION_STEPS,
+    STEPS,
+    cli_rank,
+    fit,
+    make_trainer,
+    rank_main,
+)
 from text_runs import text_run_config
 from torch import nn
 
@@ -63,7 +70,12 @@ def run_job(out: Path, world: int) -> list[dict[str, object]]:
 @pytest.fixture(scope="module")
 def one_process() -> dict[str, dict[str, list[float]]]:
     """The reference: both families, one process, the whole global batch."""
-    return {family: fit(make_trainer(family, tensor=1), STEPS) for family in ("reference", "llama")}
+    runs = {family: fit(make_trainer(family, tensor=1), STEPS) for family in ("reference", "llama")}
+    k, steps = ACCUMULATION_STEPS
+    runs["reference/k2"] = fit(
+        make_trainer("reference", tensor=1, accumulation=k, steps=steps), steps
+    )
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +116,14 @@ def test_four_ranks_data_two_by_tensor_two_match_one_process(
 ) -> None:
     for report in four_ranks:
         assert_matches(report, one_process)
+        accumulated = report["reference/k2"]  # 2 microbatches a step: gradients synced once
+        assert isinstance(accumulated, dict)
+        for key in ("loss", "grad_norm", "samples"):
+            torch.testing.assert_close(
+                torch.tensor(accumulated[key]),
+                torch.tensor(one_process["reference/k2"][key]),
+                **TOLERANCE,
+            )
     # Each rank holds about a quarter of the parameters (FSDP halves what TP halved).
     two = four_ranks[0]["reference/local_numel"]
     assert isinstance(two, int)
