@@ -20,6 +20,7 @@ from torch import nn
 
 STEPS = 20
 ACCUMULATION_STEPS = (2, 6)
+TIED_STEPS = 8
 """(microbatches per step, steps) of the accumulation case."""
 GLOBAL_BATCH = 4
 SEQ = 8
@@ -48,7 +49,8 @@ def build_model(family: str) -> nn.Module:
         )
     from speedtronic.models.hf import build_hf_causal_lm
 
-    return build_hf_causal_lm(config=LLAMA, vocab_size=VOCAB, block_size=16)
+    tied = {"tie_word_embeddings": family == "llama_tied"}  # one embedding and head matrix
+    return build_hf_causal_lm(config={**LLAMA, **tied}, vocab_size=VOCAB, block_size=16)
 
 
 def batches(data_rank: int, data_ranks: int, steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
@@ -189,6 +191,13 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
                 steps=ACCUMULATION_STEPS[1],
             )
             report["reference/k2"] = fit(trainer, ACCUMULATION_STEPS[1])
+        if world == 2:  # a tied embedding and head stay one parameter, split by vocabulary
+            trainer = make_trainer(
+                "llama_tied", tensor=2, rank=rank, world=world, distributed=context
+            )
+            hf = trainer.model.hf  # type: ignore[attr-defined]
+            report["llama_tied/tied"] = hf.lm_head.weight is hf.model.embed_tokens.weight
+            report["llama_tied"] = fit(trainer, TIED_STEPS)
         if world == 2:  # tensor 2 x data 1 -> data 2 (tensor 1), and back
             for family, old, new in (("reference", 2, 1), ("reference", 1, 2), ("llama", 2, 1)):
                 key = f"{family}/t{old}->t{new}"

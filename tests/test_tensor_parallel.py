@@ -31,6 +31,7 @@ from rank_env import free_port, rank_env
 from tensor_parallel_worker import (
     ACCUMULATION_STEPS,
     STEPS,
+    TIED_STEPS,
     cli_rank,
     fit,
     make_trainer,
@@ -72,6 +73,8 @@ def one_process() -> dict[str, dict[str, list[float]]]:
     """The reference: both families, one process, the whole global batch."""
     runs = {family: fit(make_trainer(family, tensor=1), STEPS) for family in ("reference", "llama")}
     k, steps = ACCUMULATION_STEPS
+    tied = make_trainer("llama_tied", tensor=1, steps=TIED_STEPS)
+    runs["llama_tied"] = fit(tied, TIED_STEPS)
     runs["reference/k2"] = fit(
         make_trainer("reference", tensor=1, accumulation=k, steps=steps), steps
     )
@@ -109,6 +112,12 @@ def test_two_ranks_tensor_two_match_one_process(
     _, reports = two_ranks
     for report in reports:  # both tensor ranks log the same (global) values
         assert_matches(report, one_process)
+        assert report["llama_tied/tied"] is True  # tie_word_embeddings: still one parameter
+        tied = report["llama_tied"]
+        assert isinstance(tied, dict)
+        torch.testing.assert_close(
+            torch.tensor(tied["loss"]), torch.tensor(one_process["llama_tied"]["loss"]), **TOLERANCE
+        )
 
 
 def test_four_ranks_data_two_by_tensor_two_match_one_process(
