@@ -191,6 +191,14 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
                 steps=ACCUMULATION_STEPS[1],
             )
             report["reference/k2"] = fit(trainer, ACCUMULATION_STEPS[1])
+        if world == 2:  # sequence parallelism: a length T does not divide is refused
+            trainer = make_trainer(
+                "reference", tensor=2, rank=rank, world=world, distributed=context
+            )
+            try:
+                trainer.model(torch.zeros(1, SEQ - 1, dtype=torch.long))  # type: ignore[attr-defined]
+            except ValueError as exc:
+                report["odd_sequence"] = str(exc)
         if world == 2:  # a tied embedding and head stay one parameter, split by vocabulary
             trainer = make_trainer(
                 "llama_tied", tensor=2, rank=rank, world=world, distributed=context

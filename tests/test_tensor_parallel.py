@@ -112,6 +112,11 @@ def test_two_ranks_tensor_two_match_one_process(
     _, reports = two_ranks
     for report in reports:  # both tensor ranks log the same (global) values
         assert_matches(report, one_process)
+        assert report["odd_sequence"] == (
+            "parallel.tensor: 2 does not divide the sequence length (7): the reference "
+            "transformer's sequence parallelism splits each sequence evenly over the tensor "
+            "ranks; use sequences (data.block_size) a multiple of 2"
+        )
         assert report["llama_tied/tied"] is True  # tie_word_embeddings: still one parameter
         tied = report["llama_tied"]
         assert isinstance(tied, dict)
