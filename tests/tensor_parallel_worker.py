@@ -19,6 +19,9 @@ from rank_env import rank_env
 from torch import nn
 
 STEPS = 20
+ACCUMULATION_STEPS = (2, 6)
+TIED_STEPS = 8
+"""(microbatches per step, steps) of the accumulation case."""
 GLOBAL_BATCH = 4
 SEQ = 8
 VOCAB = 32
@@ -46,7 +49,8 @@ def build_model(family: str) -> nn.Module:
         )
     from speedtronic.models.hf import build_hf_causal_lm
 
-    return build_hf_causal_lm(config=LLAMA, vocab_size=VOCAB, block_size=16)
+    tied = {"tie_word_embeddings": family == "llama_tied"}  # one embedding and head matrix
+    return build_hf_causal_lm(config={**LLAMA, **tied}, vocab_size=VOCAB, block_size=16)
 
 
 def batches(data_rank: int, data_ranks: int, steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
@@ -67,6 +71,7 @@ def make_trainer(
     directory: Path | None = None,
     every: int = 5,
     steps: int = STEPS,
+    accumulation: int = 1,
 ) -> object:
     from speedtronic import Trainer
     from speedtronic_callbacks.checkpoint import CheckpointCallback
@@ -83,12 +88,14 @@ def make_trainer(
         return Trainer(
             model,
             optimizer,
-            batches(rank // tensor, world // tensor, steps),  # this rank's data rank's rows
+            # this rank's data rank's rows
+            batches(rank // tensor, world // tensor, steps * accumulation),
             device="cpu",
             distributed=distributed,  # type: ignore[arg-type]  # a DistributedContext
             parallel={"strategy": "fsdp", "tensor": tensor},
             callbacks=callbacks,
             grad_clip=0.5,  # clipping is active: the global norm over DTensors is used
+            accumulation_steps=accumulation,
             metrics_every=1,
         )
 
@@ -173,6 +180,32 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
             report[f"{family}/local_numel"] = sum(
                 p.to_local().numel() for p in params.values() if isinstance(p, DTensor)
             )
+        if world == 4:  # accumulation: no reduce-scatter over the data ranks but on the last
+            trainer = make_trainer(
+                "reference",
+                tensor=2,
+                rank=rank,
+                world=world,
+                distributed=context,
+                accumulation=ACCUMULATION_STEPS[0],
+                steps=ACCUMULATION_STEPS[1],
+            )
+            report["reference/k2"] = fit(trainer, ACCUMULATION_STEPS[1])
+        if world == 2:  # sequence parallelism: a length T does not divide is refused
+            trainer = make_trainer(
+                "reference", tensor=2, rank=rank, world=world, distributed=context
+            )
+            try:
+                trainer.model(torch.zeros(1, SEQ - 1, dtype=torch.long))  # type: ignore[attr-defined]
+            except ValueError as exc:
+                report["odd_sequence"] = str(exc)
+        if world == 2:  # a tied embedding and head stay one parameter, split by vocabulary
+            trainer = make_trainer(
+                "llama_tied", tensor=2, rank=rank, world=world, distributed=context
+            )
+            hf = trainer.model.hf  # type: ignore[attr-defined]
+            report["llama_tied/tied"] = hf.lm_head.weight is hf.model.embed_tokens.weight
+            report["llama_tied"] = fit(trainer, TIED_STEPS)
         if world == 2:  # tensor 2 x data 1 -> data 2 (tensor 1), and back
             for family, old, new in (("reference", 2, 1), ("reference", 1, 2), ("llama", 2, 1)):
                 key = f"{family}/t{old}->t{new}"

@@ -28,7 +28,15 @@ import yaml
 from cli_runner import run_cli
 from forked import Forked
 from rank_env import free_port, rank_env
-from tensor_parallel_worker import STEPS, cli_rank, fit, make_trainer, rank_main
+from tensor_parallel_worker import (
+    ACCUMULATION_STEPS,
+    STEPS,
+    TIED_STEPS,
+    cli_rank,
+    fit,
+    make_trainer,
+    rank_main,
+)
 from text_runs import text_run_config
 from torch import nn
 
@@ -63,7 +71,14 @@ def run_job(out: Path, world: int) -> list[dict[str, object]]:
 @pytest.fixture(scope="module")
 def one_process() -> dict[str, dict[str, list[float]]]:
     """The reference: both families, one process, the whole global batch."""
-    return {family: fit(make_trainer(family, tensor=1), STEPS) for family in ("reference", "llama")}
+    runs = {family: fit(make_trainer(family, tensor=1), STEPS) for family in ("reference", "llama")}
+    k, steps = ACCUMULATION_STEPS
+    tied = make_trainer("llama_tied", tensor=1, steps=TIED_STEPS)
+    runs["llama_tied"] = fit(tied, TIED_STEPS)
+    runs["reference/k2"] = fit(
+        make_trainer("reference", tensor=1, accumulation=k, steps=steps), steps
+    )
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +112,17 @@ def test_two_ranks_tensor_two_match_one_process(
     _, reports = two_ranks
     for report in reports:  # both tensor ranks log the same (global) values
         assert_matches(report, one_process)
+        assert report["odd_sequence"] == (
+            "parallel.tensor: 2 does not divide the sequence length (7): the reference "
+            "transformer's sequence parallelism splits each sequence evenly over the tensor "
+            "ranks; use sequences (data.block_size) a multiple of 2"
+        )
+        assert report["llama_tied/tied"] is True  # tie_word_embeddings: still one parameter
+        tied = report["llama_tied"]
+        assert isinstance(tied, dict)
+        torch.testing.assert_close(
+            torch.tensor(tied["loss"]), torch.tensor(one_process["llama_tied"]["loss"]), **TOLERANCE
+        )
 
 
 def test_four_ranks_data_two_by_tensor_two_match_one_process(
@@ -104,6 +130,14 @@ def test_four_ranks_data_two_by_tensor_two_match_one_process(
 ) -> None:
     for report in four_ranks:
         assert_matches(report, one_process)
+        accumulated = report["reference/k2"]  # 2 microbatches a step: gradients synced once
+        assert isinstance(accumulated, dict)
+        for key in ("loss", "grad_norm", "samples"):
+            torch.testing.assert_close(
+                torch.tensor(accumulated[key]),
+                torch.tensor(one_process["reference/k2"][key]),
+                **TOLERANCE,
+            )
     # Each rank holds about a quarter of the parameters (FSDP halves what TP halved).
     two = four_ranks[0]["reference/local_numel"]
     assert isinstance(two, int)

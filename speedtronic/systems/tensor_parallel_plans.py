@@ -23,6 +23,7 @@ Register either for another family with the same structure::
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -170,6 +171,21 @@ def _reference_apply(model: nn.Module, mesh: DeviceMesh) -> None:
     )
     if tied:  # both split by vocabulary rows (Shard(0)): one parameter again
         head.weight = embedding.weight
+    model.register_forward_pre_hook(partial(_whole_sequence_shares, degree), with_kwargs=True)
+
+
+def _whole_sequence_shares(
+    degree: int, module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+) -> None:
+    """Sequence parallelism splits the sequence evenly over the tensor ranks: a length it
+    does not divide would give ranks unequal shares, which the split cannot represent."""
+    ids = args[0] if args else kwargs.get("input_ids")
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] % degree:
+        raise ValueError(
+            f"parallel.tensor: {degree} does not divide the sequence length ({ids.shape[1]}): "
+            "the reference transformer's sequence parallelism splits each sequence evenly "
+            f"over the tensor ranks; use sequences (data.block_size) a multiple of {degree}"
+        )
 
 
 REFERENCE_PLAN = TensorParallelPlan(apply=_reference_apply, check=_reference_check)
