@@ -250,3 +250,14 @@ def test_a_cache_smaller_than_a_shard_is_refused(tmp_path: Path) -> None:
     )
     with pytest.raises(ShardCacheFull, match="data.shard_cache_bytes: 100 bytes cannot hold"):
         dataset.gather([0])
+
+
+def test_dataloader_workers_read_through_the_same_cache(tmp_path: Path) -> None:
+    local = write_sequential_shards(tmp_path / "local", SHARDS[:2])
+    cache = tmp_path / "cache"
+    expected = first_ids(BatchStream(build_dataloader(data_config(str(local), cache).data)), 20)
+    config = data_config(f"file://{local}", cache, num_workers=1)
+    stream = BatchStream(build_dataloader(config.data))
+    assert first_ids(stream, 20) == expected
+    stream.abandon()
+    assert len(list(cache.glob("*.bin"))) == 2
