@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from elastic_worker import elastic_config
-from forked import Forked
+from forked import Forked, cli_main
 from sequential_shards import write_sequential_shards
 from test_remote_checkpoint import s3_endpoint as s3_endpoint  # the loopback moto server
 
@@ -261,3 +261,30 @@ def test_dataloader_workers_read_through_the_same_cache(tmp_path: Path) -> None:
     assert first_ids(stream, 20) == expected
     stream.abandon()
     assert len(list(cache.glob("*.bin"))) == 2
+
+
+def test_the_cli_stops_on_a_damaged_shard_with_one_error_and_exit_2(
+    tmp_path: Path, forked: Forked
+) -> None:
+    local = write_sequential_shards(tmp_path / "local", SHARDS[:2])
+    damaged = bytearray((local / "train-00001.bin").read_bytes())
+    damaged[5] ^= 1
+    (local / "train-00001.bin").write_bytes(bytes(damaged))
+    data = {
+        "tokens": f"file://{local}",
+        "shard_cache": str(tmp_path / "cache"),
+        "shard_prefetch": 0,
+    }
+    config = elastic_config(tmp_path / "run", data, micro=4, target=4, steps=40)
+    config["checkpoint"] = {"enabled": False}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(config))
+    child = forked.start(cli_main, "fit", "--config", str(path))
+    assert child.wait(timeout=120) == 2, child.output
+    errors = [line for line in child.output.splitlines() if line.startswith("speedtronic: error:")]
+    assert len(errors) == 1 and "Traceback" not in child.output
+    assert f"file://{local}/train-00001.bin: the downloaded bytes have sha256" in errors[0]
+    assert errors[0].endswith("(4 tries)")
+    damaged_sha = read_manifest(local).shards[1].sha256
+    assert not (tmp_path / "cache" / f"{damaged_sha}.bin").exists()
+    assert not list((tmp_path / "cache").glob(".*.part"))

@@ -132,10 +132,12 @@ class RemoteShardSet:
             wait=wait_random_exponential(multiplier=self.options.backoff_s, max=30.0),
             retry=retry_if_not_exception_type((ShardCacheFull, ManifestError, FileNotFoundError)),
             before_sleep=lambda state: logger.warning(
-                "%s: %s failed (%s); retrying",
+                "%s: %s failed (try %d of %d, %s); retrying",
                 self.key,
                 what,
-                state.outcome and state.outcome.exception(),
+                state.attempt_number,
+                self.options.attempts,
+                type(state.outcome.exception()).__name__ if state.outcome else "?",
             ),
             reraise=True,
         )
