@@ -63,7 +63,8 @@ class DataConfig(Section):
         Opt(
             "a directory of token shards written by `speedtronic prepare` (`index.json`), read "
             "through `np.memmap`; trains on its training shards, `eval:` reads its held-out "
-            "shards",
+            "shards. An fsspec URL (`s3://bucket/shards/`, `file://`, ...) is read through "
+            "a local cache (`shard_cache`)",
             min_length=1,
         ),
     ] = None
@@ -100,6 +101,40 @@ class DataConfig(Section):
             "document; the batches carry `position_ids`"
         ),
     ] = False
+    storage_options: Annotated[
+        dict[str, JSONValue],
+        Opt(
+            "fsspec storage options for a `tokens` URL (for `s3://`: `endpoint_url`, "
+            "`client_kwargs`, ...); secret-named keys are redacted (see [secrets](#secrets))"
+        ),
+    ] = field(default_factory=dict)
+    shard_cache: Annotated[
+        str | None,
+        Opt(
+            "the local cache directory of shards read from a `tokens` URL, shared by the "
+            "ranks of a node",
+            min_length=1,
+            default_text="`null` → `$XDG_CACHE_HOME/speedtronic/shards`",
+        ),
+    ] = None
+    shard_cache_bytes: Annotated[
+        int,
+        Opt(
+            "the most bytes of shards the cache keeps (least recently used evicted); at "
+            "least a few shards",
+            minimum=1,
+            maximum=2**60,
+        ),
+    ] = 16 << 30
+    shard_prefetch: Annotated[
+        int,
+        Opt(
+            "shards of a `tokens` URL downloaded ahead of the order in the background (0: "
+            "none, each is fetched when first read)",
+            minimum=0,
+            maximum=1024,
+        ),
+    ] = 4
     dataset: Annotated[
         str | None,
         Opt(

@@ -56,6 +56,11 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from speedtronic.data.collate import CollateFn, collate_registry
 from speedtronic.data.mixture import open_mixture
+from speedtronic.data.remote_shards import (
+    RemoteShardOptions,
+    is_url,
+    open_remote_token_dataset,
+)
 from speedtronic.data.shards import check_vocab_fits
 from speedtronic.data.stream import RankShardedIterable, ResumableSampler
 from speedtronic.data.synthetic import LearnableLanguageDataset, SyntheticTokenDataset
@@ -371,6 +376,10 @@ def _token_shards(
         "verify": verify,
         "document_mask": _setting(config, "document_mask", False) is True,
     }
+    if is_url(tokens):
+        assert isinstance(tokens, str)
+        arguments = {key: value for key, value in common.items() if key != "verify"}
+        return open_remote_token_dataset(tokens, _remote_options(config), **arguments)  # type: ignore[arg-type]  # _ShardArguments minus verify
     if isinstance(tokens, (str, Path)) and tokens:
         return open_token_dataset(tokens, **common)
     entries = [_mixture_entry(index, entry) for index, entry in enumerate(_sequence(mixture))]
@@ -384,6 +393,18 @@ class _ShardArguments(TypedDict):
     tokenizer: str | None
     verify: bool
     document_mask: bool
+
+
+def _remote_options(config: DataSettings) -> RemoteShardOptions:
+    """How ``data.tokens`` at a URL is read (``speedtronic.data.remote_shards``)."""
+    storage = _setting(config, "storage_options", {})
+    cache = _setting(config, "shard_cache", None)
+    return RemoteShardOptions(
+        storage_options=dict(storage) if isinstance(storage, Mapping) else {},
+        cache=cache if isinstance(cache, str) else None,
+        cache_bytes=int(str(_setting(config, "shard_cache_bytes", 16 << 30))),
+        prefetch=int(str(_setting(config, "shard_prefetch", 4))),
+    )
 
 
 def _sequence(value: object) -> Sequence[object]:
@@ -400,6 +421,11 @@ def _mixture_entry(index: int, entry: object) -> tuple[str, float]:
         tokens, weight = getattr(entry, "tokens", None), getattr(entry, "weight", 1.0)
     if not isinstance(tokens, (str, Path)) or not str(tokens):
         raise DataSourceError(f"data.mixture[{index}].tokens must name a shard directory")
+    if is_url(tokens):
+        raise DataSourceError(
+            f"data.mixture[{index}].tokens: {tokens} is a URL; shards in object storage are "
+            "read through data.tokens (a mixture reads local shard directories)"
+        )
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
         raise DataSourceError(f"data.mixture[{index}].weight must be a positive number")
     return str(tokens), float(weight)

@@ -127,7 +127,7 @@ class _Maps:
         dtype: np.dtype[np.unsignedinteger],
         resident_bytes: int,
     ) -> None:
-        self.paths = list(paths)
+        self.paths = paths  # a lazy sequence for shards fetched on first use (remote_shards)
         self.lengths = list(lengths)
         self.dtype = dtype
         self.resident_bytes = resident_bytes
@@ -142,9 +142,14 @@ class _Maps:
         if len(self._maps) >= MAX_OPEN_MAPS:
             oldest = next(iter(self._maps))
             del self._maps[oldest], self._views[oldest]
-        mapped: _ShardMap = np.memmap(
-            self.paths[shard], dtype=self.dtype, mode="r", shape=(self.lengths[shard],)
-        )
+        try:
+            mapped: _ShardMap = np.memmap(
+                self.paths[shard], dtype=self.dtype, mode="r", shape=(self.lengths[shard],)
+            )
+        except FileNotFoundError:  # a cached shard evicted between its fetch and this open
+            mapped = np.memmap(
+                self.paths[shard], dtype=self.dtype, mode="r", shape=(self.lengths[shard],)
+            )
         self._maps[shard] = mapped
         view = self._views[shard] = mapped.view(np.ndarray)
         return view
@@ -315,12 +320,15 @@ class TokenWindowDataset(WindowSource):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return super().__getitem__(index + len(self) if index < 0 else index)
 
+    sampler_type: type[WindowSampler] = WindowSampler
+    """The sampler ``make_sampler`` builds (shards in object storage: one that prefetches)."""
+
     def make_sampler(
         self, *, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1
     ) -> WindowSampler:
         """The training order of these windows (module docstring): chunks of a block, in
         working sets that fit ``resident_bytes``."""
-        return WindowSampler(
+        return self.sampler_type(
             len(self),
             shuffle=shuffle,
             seed=seed,
@@ -447,6 +455,31 @@ def _hold(directory: str | Path) -> ShardsInUse | None:
         return None
 
 
+def checked_split(
+    manifest: TokenManifest,
+    directory: str,
+    where: str,
+    split: Split,
+    vocab_size: int | None,
+    tokenizer: str | None,
+) -> tuple[ShardEntry, ...]:
+    """The shards of ``split``, after checking that the vocabulary fits ``vocab_size`` and
+    that ``tokenizer`` (when given) made them (``DataSourceError`` naming ``where``)."""
+    if vocab_size is not None:
+        check_vocab_fits(manifest.vocab_size, vocab_size, source=where)
+    if tokenizer is not None:
+        check_tokenizer(manifest, directory, tokenizer)
+    shards = manifest.split(split)
+    if not shards:
+        raise DataSourceError(
+            f"{where} has no held-out shards (prepared with --eval-fraction 0): prepare with "
+            "--eval-fraction, or name a held-out source with eval.text_path or eval.dataset"
+            if split == "eval"
+            else f"{where} has no training shards"
+        )
+    return shards
+
+
 def _open_checked(
     directory: str | Path,
     block_size: int,
@@ -460,19 +493,8 @@ def _open_checked(
 ) -> TokenWindowDataset:
     manifest = source_manifest(directory, key)
     where = f"{key}: {directory}"
-    if vocab_size is not None:
-        check_vocab_fits(manifest.vocab_size, vocab_size, source=where)
-    if tokenizer is not None:
-        check_tokenizer(manifest, directory, tokenizer)
     split: Split = "eval" if part == "held_out" else "train"
-    shards = manifest.split(split)
-    if not shards:
-        raise DataSourceError(
-            f"{where} has no held-out shards (prepared with --eval-fraction 0): prepare with "
-            "--eval-fraction, or name a held-out source with eval.text_path or eval.dataset"
-            if split == "eval"
-            else f"{where} has no training shards"
-        )
+    shards = checked_split(manifest, str(directory), where, split, vocab_size, tokenizer)
     try:
         verify_shards(directory, manifest, shards, checksums=verify)
     except ShardError as exc:
