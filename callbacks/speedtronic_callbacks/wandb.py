@@ -9,9 +9,10 @@
   point, W&B ignores the repeated steps until the run passes them.
 * Each due record becomes one ``run.log(record, step=step)``; its text values (the
   ``text_samples`` callback's generations, ``text_samples/0``, ...) become one
-  ``wandb.Table`` per key group (``text_samples``: columns ``step``, ``key``, ``text``). ``wandb.log`` waits for its
-  service round trip (~0.2 ms), so by default the calls happen on a background thread and
-  training only pays for a queue put; the queue is drained before ``finish()``.
+  ``wandb.Table`` per key group (``text_samples``: columns ``step``, ``key``, ``text``).
+  ``wandb.log`` waits for its service round trip (~0.2 ms), so by default the calls happen
+  on a background thread and training only pays for a queue put; the queue is drained
+  before ``finish()``.
 * ``finish()`` always runs at teardown (exit code 1 when the fit failed).
 
 Needs the ``logging`` extra (``pip install 'speedtronic[logging]'``).

@@ -69,9 +69,12 @@ class LeanDecoder:
         self.cache = cache
         self.layers = layers
         self.embedding = model.token_embedding.weight
-        self.final_norm = model.transformer["ln_f"].weight
+        final = model.transformer["ln_f"]
+        if not isinstance(final, RMSNorm):
+            raise TypeError(f"the final norm is {type(final).__name__}, not RMSNorm")
+        self.final_norm = final.weight
         self.head = model.lm_head.weight
-        self.eps = float(model.transformer["ln_f"].eps)
+        self.eps = float(final.eps)
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
         self.group = config.n_head // config.kv_heads
         self.q_width = config.n_head * config.head_dim
@@ -81,8 +84,8 @@ class LeanDecoder:
         weight = self.embedding
         cos, sin = model.rotary(cache.capacity, weight.device, weight.dtype)
         # (capacity, 1, head_dim): row p broadcasts over (B, heads, head_dim).
-        self.cos = cos[0, 0, :, None, :].contiguous()
-        self.sin = sin[0, 0, :, None, :].contiguous()
+        self.cos: torch.Tensor = cos[0, 0, :, None, :].contiguous()
+        self.sin: torch.Tensor = sin[0, 0, :, None, :].contiguous()
         self.half = config.head_dim // 2
         dim = config.head_dim
         self.rotation: torch.Tensor | None = None
@@ -97,7 +100,7 @@ class LeanDecoder:
     def _rope(self, x: torch.Tensor, position: int) -> torch.Tensor:
         """``x`` ``(B, heads, head_dim)`` rotated to ``position``."""
         if self.rotation is not None:
-            return x @ self.rotation[position]
+            return torch.matmul(x, self.rotation[position])
         first, second = x[..., : self.half], x[..., self.half :]
         rotated = torch.cat((-second, first), dim=-1)
         return x * self.cos[position] + rotated * self.sin[position]
@@ -113,7 +116,8 @@ class LeanDecoder:
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (x.shape[-1],), layer.norm1, eps)
             qkv = F.linear(h, layer.qkv)
-            rotated = self._rope(qkv[:, 0, : self.qk_width].view(batch, -1, self.head_dim), position)
+            qk = qkv[:, 0, : self.qk_width].view(batch, -1, self.head_dim)
+            rotated = self._rope(qk, position)
             # Queries as (B, kv_heads, group, head_dim): each K/V head's group of heads
             # (head h reads K/V head h // group, as the cache-free path repeats them).
             q = rotated[:, : self.n_head].reshape(batch, self.n_kv_head, self.group, self.head_dim)
@@ -123,8 +127,9 @@ class LeanDecoder:
             y = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end])
             x = x + F.linear(y.reshape(batch, 1, self.q_width), layer.o)
             h = F.rms_norm(x, (x.shape[-1],), layer.norm2, eps)
-            gate, up = F.linear(h, layer.gate_up).split((self.hidden, self.hidden), dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate_up = F.linear(h, layer.gate_up)
+            gated = F.silu(gate_up[..., : self.hidden]) * gate_up[..., self.hidden :]
+            x = x + F.linear(gated, layer.down)
         cache.advance(1)
         x = F.rms_norm(x, (x.shape[-1],), self.final_norm, eps)
         return F.linear(x[:, -1], self.head)
@@ -149,7 +154,5 @@ def lean_decoder(model: ReferenceTransformer, cache: KVCache) -> LeanDecoder | N
         if norm1 is None or norm2 is None or any(w is None for w in weights):
             return None
         q, k, v, o, gate, up, down = (w for w in weights if w is not None)
-        layers.append(
-            _Layer(norm1, torch.cat((q, k, v)), o, norm2, torch.cat((gate, up)), down)
-        )
+        layers.append(_Layer(norm1, torch.cat((q, k, v)), o, norm2, torch.cat((gate, up)), down))
     return LeanDecoder(model, layers, cache)

@@ -2,10 +2,11 @@
 
 The reference transformer decodes incrementally with a KV cache
 (``ReferenceTransformer.forward_cached``): the prompt is run once, then each new token costs
-one position's forward (``speedtronic.models.decoding``'s lean step for a plain model). A ``transformers`` model (``HFCausalLM``) uses its own
-``generate()``. Any other model returning ``{"logits"}`` recomputes the whole prefix for
-every token, as does the reference transformer with ``use_cache=False`` (the comparison the
-tests and ``benchmarks/generate.py`` make).
+one position's forward (``speedtronic.models.decoding``'s lean step for a plain model).
+A ``transformers`` model (``HFCausalLM``) uses its own ``generate()``. Any other model
+returning ``{"logits"}`` recomputes the whole prefix for every token, as does the
+reference transformer with ``use_cache=False`` (the comparison the tests and
+``benchmarks/generate.py`` make).
 
 Sampling: ``temperature`` 0 is greedy (argmax); otherwise the logits are divided by it,
 cut to the ``top_k`` most likely tokens when set, and sampled with a generator seeded by
@@ -169,9 +170,7 @@ def _reference_cached(
     token = choose(model.forward_cached(prompt, cache)[:, -1])
     decoder = lean_decoder(model, cache)
     step = (
-        decoder.step
-        if decoder is not None
-        else lambda ids: model.forward_cached(ids, cache)[:, -1]
+        decoder.step if decoder is not None else lambda ids: model.forward_cached(ids, cache)[:, -1]
     )
     tokens = torch.empty((1, new), dtype=torch.long, device=prompt.device)
     tokens[:, :1] = token
