@@ -256,3 +256,27 @@ def test_a_pretrained_directory_that_does_not_fit_exits_2(pretrained: Path, tmp_
     result = run_cli("fit", "--config", str(config), cwd=tmp_path)
     assert result.returncode == 2
     assert "model.vocab_size: 96" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_pretrained_weights_of_other_shapes_exit_2_naming_the_option(
+    pretrained: Path, tmp_path: Path
+) -> None:
+    """The config fits ``model:`` but the weights file holds another MLP width."""
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(pretrained, other)
+    narrow = transformers.LlamaConfig(
+        **{k: v for k, v in LLAMA.items() if k not in ("model_type", "intermediate_size")},
+        intermediate_size=40,
+        vocab_size=64,
+    )
+    transformers.LlamaForCausalLM(narrow).save_pretrained(str(tmp_path / "narrow"))
+    shutil.copy(tmp_path / "narrow" / "model.safetensors", other / "model.safetensors")
+    config = write_config(tmp_path, {"name": "hf_causal_lm", "options": {"pretrained": str(other)}})
+    result = run_cli("fit", "--config", str(config), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"model.options.pretrained: the weights in {other} do not fit the model" in (
+        result.stderr
+    )
+    assert "shape: model.layers.0.mlp.down_proj.weight (32, 40) vs (32, 48)" in result.stderr

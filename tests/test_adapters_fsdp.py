@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from forked import Forked
+from forked import Forked, cli_main
 
 from speedtronic.config import load_config
 from speedtronic.models.adapters import FINGERPRINT, lora_state
@@ -137,6 +137,21 @@ def test_lora_under_fsdp_shards_resumes_bitwise_and_exports_for_peft(
     ours, theirs = lora_state(adapted), lora_state(again)
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
     assert any(k.endswith("lora_B.default.weight") and w.abs().sum() > 0 for k, w in ours.items())
+
+    if kind == "reference":  # the base is the seeded initialisation: another seed, another base
+        other = run_cli(
+            "fit", "--config", str(resumed), "--resume", "--max-steps", "9",
+            "--set", "run.seed=99", cwd=tmp_path,
+        )  # fmt: skip
+        assert other.returncode == 2 and "trained on other base weights" in other.stderr
+        port = free_port()
+        ranks = [
+            forked.start(cli_main, "fit", "--config", str(resumed), "--resume", "--max-steps",
+                         "9", "--set", "run.seed=99", env=rank_env(r, 2, port), cwd=tmp_path)
+            for r in (0, 1)
+        ]  # fmt: skip
+        assert [child.wait(timeout=120) for child in ranks] == [2, 2]
+        assert "trained on other base weights" in ranks[0].output
 
     expected = logits(adapted, IDS)
     for flag in ("--adapter", "--merge"):

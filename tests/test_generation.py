@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from speedtronic.models import decoding
+from speedtronic.models.decoding import lean_decoder
 from speedtronic.models.generation import GenerationError, Sampling, generate_ids
 from speedtronic.models.transformer import ReferenceTransformer
 from speedtronic.runtime import train_from_config
@@ -71,6 +73,53 @@ def test_top_k_one_is_greedy_and_stop_ids_end_early(model: ReferenceTransformer)
     assert top1 == greedy
     stop = Sampling(max_new_tokens=20, temperature=0.0, stop_ids=(greedy[3],))
     assert generate_ids(model, PROMPT, stop) == greedy[: greedy.index(greedy[3]) + 1]
+
+
+@pytest.mark.parametrize("rotation", [True, False], ids=["rotation-matrix", "elementwise"])
+def test_lean_decoder_steps_give_the_cached_forward_logits(
+    model: ReferenceTransformer, rotation: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not rotation:
+        monkeypatch.setattr(decoding, "ROTATION_BUDGET", 0)
+    ids = torch.randint(0, 48, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        reference = model.new_kv_cache(2)
+        expected = model.forward_cached(ids, reference)[:, 8:]
+        cache = model.new_kv_cache(2)
+        model.forward_cached(ids[:, :8], cache)
+        decoder = lean_decoder(model, cache)
+        assert decoder is not None and (decoder.rotation is not None) == rotation
+        steps = [decoder.step(ids[:, t : t + 1]) for t in range(8, 20)]  # positions 8..19
+    torch.testing.assert_close(torch.stack(steps, 1), expected, rtol=1e-5, atol=1e-5)
+    assert cache.length == 20
+    for index in range(2):
+        torch.testing.assert_close(cache.keys[index][:, :, :20], reference.keys[index][:, :, :20])
+
+
+def test_a_stop_id_past_the_first_check_ends_generation_there(
+    model: ReferenceTransformer,
+) -> None:
+    greedy = generate_ids(model, PROMPT, Sampling(max_new_tokens=56, temperature=0.0))
+    late = next(i for i in range(33, 56) if greedy[i] not in greedy[:i])  # first seen past 32
+    stop = Sampling(max_new_tokens=56, temperature=0.0, stop_ids=(greedy[late],))
+    assert generate_ids(model, PROMPT, stop) == greedy[: late + 1]
+
+
+def test_an_adapted_model_decodes_through_its_modules(model: ReferenceTransformer) -> None:
+    from speedtronic.config.sections import LoraAdapterConfig
+    from speedtronic.models.adapters import apply_lora
+
+    pytest.importorskip("peft")
+    torch.manual_seed(0)
+    net = ReferenceTransformer(vocab_size=48, block_size=64, n_layer=1, n_head=2, d_model=16)
+    apply_lora(net, LoraAdapterConfig(r=2, alpha=4.0, targets=["q_proj"]))
+    with torch.no_grad():
+        for name, param in net.named_parameters():
+            if "lora_B" in name or param.dim() == 2:
+                param.normal_(0.0, 0.3)
+    assert lean_decoder(net, net.new_kv_cache(1)) is None  # the adapters must run
+    greedy = Sampling(max_new_tokens=12, temperature=0.0)
+    assert generate_ids(net, PROMPT, greedy) == generate_ids(net, PROMPT, greedy, use_cache=False)
 
 
 def test_a_prompt_that_does_not_fit_is_refused(model: ReferenceTransformer) -> None:

@@ -106,12 +106,14 @@ def test_source_batch_counts_give_every_source_a_batch_within_the_bound() -> Non
     assert source_batch_counts([30, 9, 9], [5, 2, 1], 4, 2) == [1, 1, 0]
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_each_source_has_its_held_out_loss_reduced_across_ranks(
-    forked: Forked, tmp_path: Path
+    forked: Forked, tmp_path: Path, strategy: str
 ) -> None:
     """A varied source and a repetitive one: after training, their held-out losses differ
     clearly; a 2-rank fit logs both (and the whole set's) as one process evaluates them,
-    and early stopping monitors one."""
+    and early stopping monitors one. Three batches on two ranks: rank 1 reads one, so under
+    FSDP it repeats it (unscored) to keep the sharded forwards in lockstep."""
     shards = prepared(forked, tmp_path, {"fortunes": 200, "manual": 200}, texts={
         "manual": ["the cat sat on a mat " * 6] * 200})  # fmt: skip
     data = {"mixture": [{"tokens": str(path), "weight": 0.5} for path in shards.values()]}
@@ -122,6 +124,7 @@ def test_each_source_has_its_held_out_loss_reduced_across_ranks(
         optimizer={"lr": 1e-2},
         eval={"every_steps": 20, "max_batches": 3},
         checkpoint={"every_steps": 20},
+        parallel={"strategy": strategy},
     )
     settings["callbacks"] = [
         {"name": "early_stopping", "monitor": "eval/manual/loss", "patience": 50}

@@ -71,3 +71,30 @@ def test_a_prompt_too_long_for_the_model_exits_2(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "text_samples: prompts[0] (40 tokens)" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_samples_are_generated_on_their_steps_only(tmp_path: Path) -> None:
+    """Off the hot path: the callback is not called on the steps it is not due (logging
+    every step, sampling every 2), and its texts reach the records of its steps only."""
+    from speedtronic.config import load_config
+    from speedtronic.evaluation.text import run_text
+    from speedtronic.runtime import build_runtime
+    from speedtronic_callbacks.samples import SamplesCallback
+
+    calls: list[int] = []
+
+    class Counting(SamplesCallback):
+        def generate(self, trainer):  # type: ignore[no-untyped-def]  # a test double
+            calls.append(trainer.step)
+            return super().generate(trainer)
+
+    extra = {"logging": {"console": False, "jsonl": True, "every_steps": 1}}
+    config = load_config(text_run_config(tmp_path, steps=5, extra=extra))
+    sampler = Counting(text=run_text(config.data.to_dict()), prompts=["the cat"], every_steps=2,
+                       max_new_tokens=4, context_length=config.model.max_seq_len)  # fmt: skip
+    trainer, _ = build_runtime(config, extra_callbacks=[sampler])
+    trainer.fit()
+    assert calls == [2, 4, 5]  # every 2 steps and the final step
+    sampled = [r["step"] for r in records(tmp_path / "run") if "text_samples/0" in r]
+    assert sampled == [2, 4, 5]
+    assert len(records(tmp_path / "run")) == 5

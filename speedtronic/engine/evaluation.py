@@ -188,9 +188,13 @@ def evaluate_model(
     max_batches: int | None = None,
     distributed: DistributedContext | None = None,
     parts: HeldOutParts | None = None,
+    sharded: bool = False,
 ) -> EvalOutcome:
     """Evaluate ``model`` on up to ``max_batches`` batches of ``data`` (module docstring);
-    with ``parts``, the loss of each part too (``eval/<part>/loss``).
+    with ``parts``, the loss of each part too (``eval/<part>/loss``). ``sharded``: the
+    model is FSDP-sharded, whose forwards the ranks make together -- with ``parts`` (whose
+    batch counts are known) a rank with fewer batches repeats its last one, unscored,
+    until it has made as many forwards as the rank with the most.
 
     ``EvaluationError`` when the held-out set is empty (on every rank together)."""
     was_training = model.training
@@ -206,6 +210,9 @@ def evaluate_model(
         if precision is not None and precision.autocast_enabled
         else contextlib.nullcontext()
     )
+    # Agreed before any forward: a collective between them would meet another rank's gather.
+    most = _most_batches(parts, distributed, device) if sharded else None
+    batch: object = None
     model.eval()
     try:
         with torch.inference_mode(), autocast:
@@ -224,6 +231,10 @@ def evaluate_model(
                 batches += 1
                 if max_batches is not None and batches >= max_batches:
                     break  # before pulling a batch that would not be used
+            for _ in range(batches, batches if most is None else most):
+                filler = batch if batch is not None else {"input_ids": torch.zeros(
+                    (1, 1), dtype=torch.long, device=device)}  # fmt: skip
+                run_model(model, filler)
     finally:
         model.train(was_training)
         restore_rng_state(rng)
@@ -246,6 +257,19 @@ def evaluate_model(
         if parts is not None and part_weight > 0:  # a part no batch came from has no loss
             metrics[parts.key(index)] = part_loss / part_weight
     return EvalOutcome(MappingProxyType(metrics), batches, weight_sum)
+
+
+def _most_batches(
+    parts: HeldOutParts | None, distributed: DistributedContext | None, device: torch.device
+) -> int | None:
+    """The most batches any rank reads (``parts`` give each rank's count), or ``None``."""
+    if parts is None or distributed is None or distributed.world_size <= 1:
+        return None
+    import torch.distributed as dist
+
+    most = torch.tensor([len(parts.of_batch)], dtype=torch.int64, device=device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
 
 
 def _part_of(parts: HeldOutParts, batch: int) -> int:

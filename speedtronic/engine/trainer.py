@@ -544,6 +544,7 @@ class Trainer:
                 precision=state.precision,
                 max_batches=evaluation.max_batches,
                 parts=evaluation.parts if data is None else None,
+                sharded=state.sharded,
                 # Ranks reduce their shards' sums only when they hold one model replica; a
                 # rank that is its own replica evaluates its local model alone.
                 distributed=(

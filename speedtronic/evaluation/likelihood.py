@@ -101,9 +101,7 @@ def _score_batch(
     return [Scored(float(v), bool(g)) for v, g in zip(values, flags, strict=True)]
 
 
-def _passes_to_match(
-    passes: int, lockstep: DistributedContext | None, device: torch.device
-) -> int:
+def _passes_to_match(passes: int, lockstep: DistributedContext | None, device: torch.device) -> int:
     """How many more passes this rank makes to match the rank that makes the most."""
     if lockstep is None or lockstep.world_size <= 1:
         return 0

@@ -54,6 +54,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _MARK = "_speedtronic_lora"
 _HANDLES = "_speedtronic_lora_hooks"
+_BASE = "_speedtronic_lora_base"
 _WHERE = "model.adapters.lora"
 
 
@@ -143,7 +144,9 @@ def _install_state_hooks(model: nn.Module, frozen: set[str]) -> None:
         *args: object,
     ) -> None:
         saved = state.get(prefix + FINGERPRINT)
-        own = cast(torch.Tensor, getattr(module, FINGERPRINT))
+        # The fingerprint taken at apply_lora, not the buffer: a sharded (DCP) load writes
+        # the saved tensors into the model's own, the buffer included, before this runs.
+        own = cast(torch.Tensor, getattr(module, _BASE))
         meta = bool(own.is_meta) or not bool(own.any())
         if saved is not None and not meta and not torch.equal(saved.cpu(), own.cpu()):
             raise TrainingStateError(
@@ -188,7 +191,9 @@ def apply_lora(model: nn.Module, options: LoraOptions) -> nn.Module:
     peft.inject_adapter_in_model(config, model)
     for name, param in model.named_parameters():
         param.requires_grad_("lora_" in name)
-    model.register_buffer(FINGERPRINT, _fingerprint(model))
+    fingerprint = _fingerprint(model)
+    model.register_buffer(FINGERPRINT, fingerprint)
+    setattr(model, _BASE, fingerprint.clone())
     _install_state_hooks(model, _frozen_keys(model))
     setattr(model, _MARK, settings)
     return model
@@ -216,7 +221,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
         setattr(parent, child, base())
     for handle in getattr(model, _HANDLES, []):
         handle.remove()
-    for attribute in (_HANDLES, _MARK, FINGERPRINT):
+    for attribute in (_HANDLES, _MARK, _BASE, FINGERPRINT):
         if hasattr(model, attribute):
             delattr(model, attribute)
     for param in model.parameters():

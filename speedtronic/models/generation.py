@@ -2,10 +2,11 @@
 
 The reference transformer decodes incrementally with a KV cache
 (``ReferenceTransformer.forward_cached``): the prompt is run once, then each new token costs
-one position's forward. A ``transformers`` model (``HFCausalLM``) uses its own
-``generate()``. Any other model returning ``{"logits"}`` recomputes the whole prefix for
-every token, as does the reference transformer with ``use_cache=False`` (the comparison the
-tests and ``benchmarks/generate.py`` make).
+one position's forward (``speedtronic.models.decoding``'s lean step for a plain model).
+A ``transformers`` model (``HFCausalLM``) uses its own ``generate()``. Any other model
+returning ``{"logits"}`` recomputes the whole prefix for every token, as does the
+reference transformer with ``use_cache=False`` (the comparison the tests and
+``benchmarks/generate.py`` make).
 
 Sampling: ``temperature`` 0 is greedy (argmax); otherwise the logits are divided by it,
 cut to the ``top_k`` most likely tokens when set, and sampled with a generator seeded by
@@ -23,6 +24,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from speedtronic.models.decoding import lean_decoder
 from speedtronic.models.hf import HFCausalLM
 from speedtronic.models.transformer import ReferenceTransformer
 
@@ -142,16 +144,46 @@ def _decode_loop(
     return new
 
 
+_STOP_CHECK_EVERY = 32
+"""Tokens between looks for a stop id in the cached loop: one host read per 32 tokens,
+not per token (the tokens past a stop id are computed and dropped)."""
+
+
+def _until_stop(tokens: list[int], stop_ids: tuple[int, ...]) -> list[int]:
+    """``tokens`` up to and including the first stop id."""
+    for index, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[: index + 1]
+    return tokens
+
+
 def _reference_cached(
     model: ReferenceTransformer, prompt: torch.Tensor, sampling: Sampling
 ) -> list[int]:
-    cache = model.new_kv_cache(1, prompt.shape[1] + sampling.max_new_tokens)
-
-    def step(ids: torch.Tensor, first: bool) -> torch.Tensor:
-        fresh = ids if first else ids[:, -1:]  # the prompt once, then the last token
-        return model.forward_cached(fresh, cache)[:, -1]
-
-    return _decode_loop(step, prompt, sampling)
+    """The prompt through ``forward_cached`` once, then one-token steps (the lean decoder
+    of ``speedtronic.models.decoding`` when the model is plain); the tokens stay on the
+    device, written into a preallocated row, and are read back at the end (and once per
+    ``_STOP_CHECK_EVERY`` tokens when there are stop ids)."""
+    new = sampling.max_new_tokens
+    cache = model.new_kv_cache(1, prompt.shape[1] + new)
+    choose = _Chooser(sampling, prompt.device)
+    token = choose(model.forward_cached(prompt, cache)[:, -1])
+    decoder = lean_decoder(model, cache)
+    step = (
+        decoder.step if decoder is not None else lambda ids: model.forward_cached(ids, cache)[:, -1]
+    )
+    tokens = torch.empty((1, new), dtype=torch.long, device=prompt.device)
+    tokens[:, :1] = token
+    stops = torch.tensor(sampling.stop_ids, dtype=torch.long, device=prompt.device)
+    filled = 1
+    while filled < new:
+        if stops.numel() and filled % _STOP_CHECK_EVERY == 0:
+            if bool(torch.isin(tokens[:, :filled], stops).any()):
+                break
+        token = choose(step(token))
+        tokens[:, filled : filled + 1] = token
+        filled += 1
+    return _until_stop(tokens[0, :filled].tolist(), sampling.stop_ids)
 
 
 def _recomputed(model: nn.Module, prompt: torch.Tensor, sampling: Sampling) -> list[int]:

@@ -502,11 +502,13 @@ def _tied_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def load_safetensors_weights(model: nn.Module, directory: Path) -> None:
+def load_safetensors_weights(
+    model: nn.Module, directory: Path, where: str = "model.options.init_weights_from"
+) -> None:
     """Load ``directory``'s safetensors weights into ``model`` (keys as ``save_pretrained``
     writes them). A tied weight may be saved under one of its names only; every other
-    missing or unexpected key is an ``HFModelError`` naming it."""
-    where = "model.options.init_weights_from"
+    missing or unexpected key is an ``HFModelError`` naming it (and ``where``, the option
+    that named the directory)."""
     files = _weight_files(directory)
     safetensors_torch = require_module("safetensors.torch", where)
     state: dict[str, torch.Tensor] = {}
@@ -615,7 +617,8 @@ def build_hf_causal_lm(
     if weights is not None:
         files = _weight_files(weights)  # checked even on meta (speedtronic validate)
         if not _on_meta(model) and files:
-            load_safetensors_weights(model, weights)
+            where = "model.options." + ("pretrained" if pretrained else "init_weights_from")
+            load_safetensors_weights(model, weights, where)
     return HFCausalLM(model)
 
 
