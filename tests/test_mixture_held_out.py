@@ -149,3 +149,40 @@ def test_each_source_has_its_held_out_loss_reduced_across_ranks(
     alone = dict(re.findall(r"(eval/\S+)=(\S+)", child.output))
     for key in ("eval/loss", "eval/fortunes/loss", "eval/manual/loss"):
         assert float(alone[key]) == pytest.approx(last[key], rel=1e-6), key
+
+
+def test_sharded_ranks_with_uneven_held_out_batches_stay_in_step(
+    forked: Forked, tmp_path: Path
+) -> None:
+    """One token source (no mixture parts to count batches by) under FSDP: three held-out
+    samples, batches of one, dealt to two ranks, so rank 1 reads one batch. Its forwards gather shards with rank
+    0's: before each forward the ranks agree whether any still has a batch, and rank 1
+    makes an unscored one (without it, rank 0's second forward met rank 1's all-reduce of
+    the sums: the run hung until the distributed timeout). The logged loss is the one
+    process's over the same three batches."""
+    shards = prepared(forked, tmp_path, {"fortunes": 200})
+    settings = run_config(
+        tmp_path / "run",
+        {"tokens": str(shards["fortunes"]), "micro_batch_size": 1},
+        run={"max_steps": 4},
+        eval={"every_steps": 4, "max_batches": 3},
+        parallel={"strategy": "fsdp"},
+        distributed={"timeout_s": 30.0},
+    )
+    config = write_config(tmp_path / "run.yaml", settings)
+    port = free_port()
+    children = [
+        forked.start(cli_main, "fit", "--config", str(config), env=rank_env(r, 2, port),
+                     cwd=tmp_path)
+        for r in (0, 1)
+    ]  # fmt: skip
+    assert [child.wait(timeout=180) for child in children] == [0, 0], children[0].output[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").open()]
+    logged = [r["eval/loss"] for r in records if "eval/loss" in r]
+    assert len(logged) == 1
+    child = forked.start(cli_main, "evaluate", "--config", str(config), cwd=tmp_path)
+    assert child.wait(timeout=120) == 0, child.output[-2000:]
+    match = re.search(r"eval/loss=(\S+) .*batches=(\d+)", child.output)
+    assert match is not None, child.output
+    assert match.group(2) == "3"
+    assert float(match.group(1)) == pytest.approx(logged[0], rel=1e-6)

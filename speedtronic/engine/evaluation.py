@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
@@ -212,11 +212,18 @@ def evaluate_model(
     )
     # Agreed before any forward: a collective between them would meet another rank's gather.
     most = _most_batches(parts, distributed, device) if sharded else None
+    # Without parts the ranks' batch counts are unknown (a strided share, none dropped, may
+    # give one rank a batch more): sharded ranks agree before each forward whether any of
+    # them still has a batch, and one that has none makes an unscored forward.
+    lockstep = sharded and most is None and distributed is not None and distributed.world_size > 1
     batch: object = None
     model.eval()
     try:
         with torch.inference_mode(), autocast:
-            for host_batch in data:
+            for host_batch in _batches(data, max_batches, device if lockstep else None):
+                if host_batch is None:  # lockstep: another rank still has a batch
+                    run_model(model, _filler(batch, device))
+                    continue
                 samples, _ = batch_size_and_tokens(host_batch)
                 batch = move_to_device(host_batch, device)
                 loss = resolve_loss(run_model(model, batch), batch)
@@ -229,12 +236,8 @@ def evaluate_model(
                     part_sums[part, 0] += weighted
                     part_sums[part, 1] += batch_weight
                 batches += 1
-                if max_batches is not None and batches >= max_batches:
-                    break  # before pulling a batch that would not be used
             for _ in range(batches, batches if most is None else most):
-                filler = batch if batch is not None else {"input_ids": torch.zeros(
-                    (1, 1), dtype=torch.long, device=device)}  # fmt: skip
-                run_model(model, filler)
+                run_model(model, _filler(batch, device))
     finally:
         model.train(was_training)
         restore_rng_state(rng)
@@ -257,6 +260,36 @@ def evaluate_model(
         if parts is not None and part_weight > 0:  # a part no batch came from has no loss
             metrics[parts.key(index)] = part_loss / part_weight
     return EvalOutcome(MappingProxyType(metrics), batches, weight_sum)
+
+
+def _batches(
+    data: Iterable[object], max_batches: int | None, lockstep_device: torch.device | None
+) -> Iterator[object | None]:
+    """The batches of ``data``, at most ``max_batches`` (stopping before pulling one that
+    would not be used). With ``lockstep_device`` the ranks go round by round: a round
+    happens while any rank has a batch, and yields ``None`` on a rank that has none."""
+    items = iter(data)
+    rounds = 0
+    while max_batches is None or rounds < max_batches:
+        item = next(items, None)
+        if lockstep_device is not None:
+            import torch.distributed as dist
+
+            has = torch.tensor([int(item is not None)], dtype=torch.int64, device=lockstep_device)
+            dist.all_reduce(has, op=dist.ReduceOp.MAX)
+            if not int(has.item()):
+                return
+        elif item is None:
+            return
+        rounds += 1
+        yield item
+
+
+def _filler(batch: object, device: torch.device) -> object:
+    """An unscored forward's input: this rank's last batch, or one token."""
+    if batch is not None:
+        return batch
+    return {"input_ids": torch.zeros((1, 1), dtype=torch.long, device=device)}
 
 
 def _most_batches(
