@@ -157,9 +157,9 @@ def test_sharded_ranks_with_uneven_held_out_batches_stay_in_step(
     """One token source (no mixture parts to count batches by) under FSDP: three held-out
     samples, batches of one, dealt to two ranks, so rank 1 reads one batch. Its forwards
     gather shards with rank 0's: before each forward the ranks agree whether any still has
-    a batch, and rank 1 makes an unscored one (without it, rank 0's second forward met rank 1's all-reduce of
-    the sums: the run hung until the distributed timeout). The logged loss is the one
-    process's over the same three batches."""
+    a batch, and rank 1 makes an unscored one (without it, rank 0's second forward met rank
+    1's all-reduce of the sums: the run hung until the distributed timeout). The logged
+    loss is the one process's over the same three batches."""
     shards = prepared(forked, tmp_path, {"fortunes": 200})
     settings = run_config(
         tmp_path / "run",
