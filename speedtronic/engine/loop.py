@@ -126,7 +126,7 @@ def run_global_step(t: Trainer, s: TrainingState, step: int) -> bool:
             coordinate_hook(t, coordinate_ctx)
     if s.requests.resets:
         _maybe_reset_optimizer(t, step)
-    evaluated = bool(eval_every) and is_eval_step(step, eval_every, target_step)
+    evaluated = eval_every != 0 and is_eval_step(step, eval_every, target_step)
     if evaluated:
         run_step_evaluation(t, step)  # eval_start, the pass, eval_end
 
