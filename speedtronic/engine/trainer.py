@@ -49,7 +49,7 @@ from speedtronic.engine.contexts import (
     TeardownContext,
 )
 from speedtronic.engine.dispatch import CallbackPlan, HookFailure, attach_failures
-from speedtronic.engine.evaluation import EvalOutcome, Evaluation, EvaluationError, evaluate_model
+from speedtronic.engine.evaluation import EvalOutcome, Evaluation, EvaluationError, evaluate_state
 from speedtronic.engine.events import On
 from speedtronic.engine.forward_path import ForwardPath
 from speedtronic.engine.loop import run_global_step
@@ -57,7 +57,7 @@ from speedtronic.engine.notes import Notes
 from speedtronic.engine.result import TrainResult
 from speedtronic.engine.settings import TrainerSettings
 from speedtronic.engine.state import FitClock, LRScheduler, TrainingState
-from speedtronic.engine.stop_watch import STOP_GRACE_S, StopTimeoutError, StopWatch
+from speedtronic.engine.stop_watch import STOP_GRACE_S, StopWatch
 from speedtronic.state.training_state import STATE_FORMAT_VERSION as STATE_FORMAT_VERSION
 from speedtronic.state.training_state import TrainingStateError as TrainingStateError
 from speedtronic.state.training_state import (
@@ -73,7 +73,7 @@ from speedtronic.systems.distributed import (
     reduce_run_totals,
 )
 from speedtronic.systems.precision import PrecisionPlan, make_grad_scaler, resolve_precision
-from speedtronic.systems.sharding import find_shard_blocks, reshard_model
+from speedtronic.systems.sharding import find_shard_blocks
 from speedtronic.user_warnings import warn
 
 if TYPE_CHECKING:
@@ -124,6 +124,30 @@ def _raise_first(failures: Sequence[HookFailure]) -> None:
         first = failures[0].error
         attach_failures(first, failures[1:])
         raise first
+
+
+def _fit_result(
+    state: TrainingState, start_step: int, last_loss: torch.Tensor | None, stop_reason: str | None
+) -> TrainResult:
+    """The result of a fit that started at ``start_step``; in a multi-rank run the loss is
+    the mean over ranks and the sample and token counts are the totals of all ranks."""
+    loss = last_loss if state.step > start_step else None
+    samples, tokens = state.samples, state.tokens
+    if state.multi_rank:
+        assert state.distributed is not None
+        mean_loss, samples, tokens = reduce_run_totals(state.distributed, loss, samples, tokens)
+        final_loss = mean_loss
+    else:
+        final_loss = float(loss.item()) if loss is not None else None
+    return TrainResult(
+        steps=state.step,
+        samples=samples,
+        tokens=tokens,
+        final_loss=final_loss,
+        elapsed_s=time.perf_counter() - state.fit_clock.start_time,
+        metrics=list(state.due_records),
+        stop_reason=stop_reason,
+    )
 
 
 class Trainer:
@@ -459,7 +483,7 @@ class Trainer:
                 # The data ran out mid-step (or before it): drop the unfinished step.
                 state.optimizer.zero_grad(set_to_none=True)
             self._end_stop_watch()
-            result = self._result(start_step)
+            result = _fit_result(self.state, start_step, self.last_loss, self.stop_reason)
             # Every fit_end hook runs (the final checkpoint is saved even when a callback
             # before it fails); the first failure then fails the fit.
             _raise_first(
@@ -487,35 +511,12 @@ class Trainer:
             else:
                 _raise_first(failures)
 
-    def _result(self, start_step: int) -> TrainResult:
-        """The fit's result; in a multi-rank run the loss is the mean over ranks and the
-        sample and token counts are the totals of all ranks."""
-        state = self.state
-        loss = self.last_loss if state.step > start_step else None
-        samples, tokens = state.samples, state.tokens
-        if state.multi_rank:
-            assert state.distributed is not None
-            mean_loss, samples, tokens = reduce_run_totals(state.distributed, loss, samples, tokens)
-            final_loss = mean_loss
-        else:
-            final_loss = float(loss.item()) if loss is not None else None
-        return TrainResult(
-            steps=state.step,
-            samples=samples,
-            tokens=tokens,
-            final_loss=final_loss,
-            elapsed_s=time.perf_counter() - state.fit_clock.start_time,
-            metrics=list(state.due_records),
-            stop_reason=self.stop_reason,
-        )
-
     # -- evaluation ----------------------------------------------------------------------
 
     def run_evaluation(self, data: Iterable[object] | None = None) -> EvalOutcome:
         """Evaluate the model on ``data`` (default: the trainer's ``eval_data``), up to
-        ``eval_max_batches`` batches; see ``speedtronic.engine.evaluation.evaluate_model``."""
-        state, evaluation = self.state, self.evaluation
-        source = evaluation.data if data is None else data
+        ``eval_max_batches`` batches; see ``speedtronic.engine.evaluation.evaluate_state``."""
+        source = self.evaluation.data if data is None else data
         if source is None:
             raise EvaluationError(
                 "no held-out data to evaluate: pass data to evaluate() or eval_data to Trainer"
@@ -523,28 +524,11 @@ class Trainer:
         # Read through a DataPass, whose waits the stop watch bounds as it bounds the
         # training stream's (a SIGTERM while the held-out data hangs still ends the run).
         batches = self._held_out_pass = DataPass(source)
-        if state.sharded:  # gather the shards as they are now (``reshard_model``)
-            reshard_model(state.model)
         try:
-            return evaluate_model(
-                state.model,
-                batches,
-                device=state.device,
-                precision=state.precision,
-                max_batches=evaluation.max_batches,
-                # Ranks reduce their shards' sums only when they hold one model replica; a
-                # rank that is its own replica evaluates its local model alone.
-                distributed=(
-                    state.distributed if self.forward_path.one_replica(state.callbacks) else None
-                ),
-            )
-        except StopTimeoutError:
-            batches.abandon()  # its workers may be stuck in the dataset's code
-            raise
+            one_replica = self.forward_path.one_replica(self.state.callbacks)
+            return evaluate_state(self.state, batches, self.evaluation.max_batches, one_replica)
         finally:
             self._held_out_pass = None
-            if state.sharded:  # no gathered copy outlives the evaluation
-                reshard_model(state.model)
 
     def evaluate(self, data: Iterable[object] | None = None) -> dict[str, float]:
         """The held-out metrics of the model as it is now: ``{"eval/loss": ...,
