@@ -5,12 +5,13 @@ The header is the union of the keys seen so far, in first-seen order. A record t
 a new key (say ``lr/group1`` once param-group rates diverge) widens the header, which means
 rewriting the file (a header cannot grow in place); older rows get empty cells.
 
-So that a run whose keys keep changing still costs time linear in its length, the bytes
+So that a run whose keys keep changing still costs time linear in what it writes, the bytes
 rewritten for widenings stay within ``REWRITE_BUDGET`` times the file's size plus
 ``REWRITE_FLOOR_BYTES``. A key that appears when that budget is spent *waits*: its rows are
 written at once with the columns the file already has, its cells are kept in memory, and
 its column joins at the next widening the budget allows -- at the latest when the fit ends.
-A run with a handful of widenings (evaluation keys, param-group rates) never waits.
+A widening happens at once while what was rewritten so far is at most the file's size
+plus the floor: a few widenings spread over a run do not wait.
 
 Like the JSONL sink it is flushed per row and resume-safe: rows beyond the step a fit
 starts from are dropped at ``setup``. A file that cannot be written is reported once,

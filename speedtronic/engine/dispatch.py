@@ -50,6 +50,19 @@ class HookTable(Protocol):
 
 HOOK_NAMES: frozenset[str] = frozenset(event.hook_name for event in Event)
 
+_IN_ORDER = list(Event)
+STEP_HOOK_KEYS: tuple[EventKey, ...] = tuple(
+    EVENT_KEYS[event]
+    for event in _IN_ORDER[_IN_ORDER.index(Event.STEP_START) : _IN_ORDER.index(Event.STEP_END) + 1]
+    if event not in (Event.OPTIMIZER_RESET, Event.EVAL_START, Event.EVAL_END)
+)
+"""The events the loop calls from its hook table (``optimizer_reset`` and the evaluation
+events go through ``emit``, on the steps that have them)."""
+
+
+def _idle(table: dict[EventKey, tuple[BoundHook, ...]]) -> bool:
+    return not any(table[key] for key in STEP_HOOK_KEYS)
+
 
 class CallbackWarning(UserWarning):
     """An observer callback failed; training continued."""
@@ -246,6 +259,10 @@ class CallbackPlan:
             self._quiet_hooks[key] = tuple(hook for when, hook in entries if when is None)
         self._quiet_from = self._quiet_until = self._quiet_target = self._quiet_every = 0
         self._quiet_eval_every = 0
+        self._quiet_idle = _idle(self._quiet_hooks)
+        self.step_idle = _idle(self._by_key)
+        """No hook of an in-step event (``STEP_HOOK_KEYS``) is due in the current step
+        (``begin_step``): the loop then runs the step without consulting the table."""
 
     @staticmethod
     def _bind(callback: Callback, event: Event) -> BoundHook:
@@ -279,6 +296,7 @@ class CallbackPlan:
             and metrics_every == self._quiet_every
             and eval_every == self._quiet_eval_every
         ):
+            self.step_idle = self._quiet_idle
             self._due = self._quiet_hooks
             return self._due
         next_due = min(
@@ -296,6 +314,7 @@ class CallbackPlan:
             self._quiet_from, self._quiet_until = step, next_due or sys.maxsize
             self._quiet_target, self._quiet_every = target_step, metrics_every
             self._quiet_eval_every = eval_every
+            self.step_idle = self._quiet_idle
             self._due = self._quiet_hooks
             return self._due
         current = dict(self._by_key)
@@ -305,6 +324,7 @@ class CallbackPlan:
                 for when, hook in entries
                 if when is None or when.due(step, target_step, metrics_every, eval_every)
             )
+        self.step_idle = _idle(current)
         self._due = current
         return current
 

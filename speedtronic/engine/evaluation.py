@@ -52,11 +52,13 @@ from speedtronic.engine.batch import (
 from speedtronic.engine.contexts import EvalEndContext, EvalStartContext
 from speedtronic.engine.events import On
 from speedtronic.engine.metrics import MetricRecord
+from speedtronic.engine.stop_watch import StopTimeoutError
 from speedtronic.state.rng import capture_rng_state, restore_rng_state
 from speedtronic.systems.precision import PrecisionPlan, autocast_context
 from speedtronic.systems.sharding import reshard_model
 
 if TYPE_CHECKING:
+    from speedtronic.data.stream import DataPass
     from speedtronic.engine.state import TrainingState
     from speedtronic.engine.trainer import Trainer
     from speedtronic.systems.distributed import DistributedContext
@@ -72,6 +74,7 @@ __all__ = [
     "add_eval_results",
     "check_eval_settings",
     "evaluate_model",
+    "evaluate_state",
     "is_eval_step",
     "run_step_evaluation",
 ]
@@ -177,6 +180,38 @@ def _batch_weight(batch: object, samples: int) -> torch.Tensor | int:
     if labels is not None and labels.dim() >= 2 and not labels.is_floating_point():
         return (labels != IGNORE_INDEX).sum()
     return samples
+
+
+def evaluate_state(
+    state: TrainingState,
+    batches: DataPass[object],
+    max_batches: int | None,
+    one_replica: bool,
+    parts: HeldOutParts | None = None,
+) -> EvalOutcome:
+    """``evaluate_model`` on the training state's model as it is now (``Trainer.evaluate``
+    and the fit's evaluations): FSDP shards gathered for it and resharded after, and the
+    metrics reduced across ranks only when they hold one model replica (``one_replica``; a
+    rank that is its own replica evaluates its local model alone)."""
+    if state.sharded:  # gather the shards as they are now (``reshard_model``)
+        reshard_model(state.model)
+    try:
+        return evaluate_model(
+            state.model,
+            batches,
+            device=state.device,
+            precision=state.precision,
+            max_batches=max_batches,
+            parts=parts,
+            sharded=state.sharded,
+            distributed=state.distributed if one_replica else None,
+        )
+    except StopTimeoutError:
+        batches.abandon()  # its workers may be stuck in the dataset's code
+        raise
+    finally:
+        if state.sharded:  # no gathered copy outlives the evaluation
+            reshard_model(state.model)
 
 
 def evaluate_model(

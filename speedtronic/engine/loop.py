@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from speedtronic.data.collate import batch_size_and_tokens
-from speedtronic.engine.batch import move_to_device, resolve_loss
+from speedtronic.engine.batch import move_to_device, resolve_loss, run_model
 from speedtronic.engine.contexts import (
     BackwardContext,
     CheckpointContext,
@@ -66,8 +66,12 @@ def run_global_step(t: Trainer, s: TrainingState, step: int) -> bool:
         settings.metrics_every,
         t.evaluation.every,
     )
-    due = t.plan.begin_step(step, target_step, metrics_every, eval_every)
+    plan = t.plan
+    due = plan.begin_step(step, target_step, metrics_every, eval_every)
     k = settings.accumulation_steps
+    if plan.step_idle and k == 1 and s.plain_step and settings.grad_clip is None:
+        _lean_step(t, s, step, target_step, metrics_every, eval_every)
+        return True
     step_ctx: StepContext | None = None  # shared by step_start and step_end (immutable)
     if start_hooks := due[On.STEP_START]:
         step_ctx = new_context(StepContext, (step, k))
@@ -128,7 +132,7 @@ def run_global_step(t: Trainer, s: TrainingState, step: int) -> bool:
             coordinate_hook(t, coordinate_ctx)
     if s.requests.resets:
         _maybe_reset_optimizer(t, step)
-    evaluated = bool(eval_every) and is_eval_step(step, eval_every, target_step)
+    evaluated = eval_every != 0 and is_eval_step(step, eval_every, target_step)
     if evaluated:
         run_step_evaluation(t, step)  # eval_start, the pass, eval_end
 
@@ -146,6 +150,41 @@ def run_global_step(t: Trainer, s: TrainingState, step: int) -> bool:
         for end_hook in end_hooks:
             end_hook(t, end_ctx)
     return True
+
+
+def _lean_step(
+    t: Trainer, s: TrainingState, step: int, target_step: int, metrics_every: int, eval_every: int
+) -> None:
+    """``run_global_step`` for the common step on which no hook is due to hear an in-step
+    event (``CallbackPlan.step_idle``): one microbatch on one rank through the plain forward
+    path, a plain update (no scaler, no clipping; ``TrainingState.plain_step``). The same
+    work in the same order, without the hook tables, the contexts or the K-microbatch
+    bookkeeping: the loop's own cost on a run without per-step callbacks."""
+    batch = next(s.stream)
+    samples, tokens = batch_size_and_tokens(batch)  # before the move: no device sync
+    if s.device.type != "cpu":
+        batch = move_to_device(batch, s.device)
+    s.samples += samples
+    s.tokens += tokens
+    path = t.forward_path
+    # Eager and plain: the model itself (``ForwardPath.forward`` adds a call for compile).
+    output = run_model(path.model, batch) if path.compiled is None else path.forward(batch)
+    loss = resolve_loss(output, batch)
+    loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+    optimizer = s.optimizer
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    s.step = step
+    s.step_loss = loss
+    if s.scheduler is not None:
+        s.scheduler.step()
+    if s.requests.resets:
+        _maybe_reset_optimizer(t, step)
+    if eval_every and is_eval_step(step, eval_every, target_step):
+        run_step_evaluation(t, step)  # eval_start, the pass, eval_end
+        _emit_metrics(t, s, step, s.step_loss, None)
+    elif step % metrics_every == 0 or step == target_step:
+        _emit_metrics(t, s, step, s.step_loss, None)
 
 
 def _accumulate_microbatches(

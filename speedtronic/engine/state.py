@@ -129,6 +129,10 @@ class TrainingState:
     pending_eval: Mapping[str, float] | None = None
     """This step's evaluation results until the metric record takes them."""
     requests: StepRequests = field(default_factory=StepRequests)
+    plain_step: bool = False
+    """This fit's step needs no grad scaler, no gradient-rank bookkeeping and no context
+    around the forward pass (set at fit start): with K = 1, no clipping and no hook due, the
+    loop takes its lean path (``loop._lean_step``)."""
 
     @property
     def multi_rank(self) -> bool:

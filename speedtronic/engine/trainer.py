@@ -55,7 +55,7 @@ from speedtronic.engine.contexts import (
     TeardownContext,
 )
 from speedtronic.engine.dispatch import CallbackPlan, HookFailure, attach_failures
-from speedtronic.engine.evaluation import EvalOutcome, Evaluation, EvaluationError, evaluate_model
+from speedtronic.engine.evaluation import EvalOutcome, Evaluation, EvaluationError, evaluate_state
 from speedtronic.engine.events import On
 from speedtronic.engine.forward_path import ForwardPath
 from speedtronic.engine.loop import run_global_step
@@ -64,7 +64,7 @@ from speedtronic.engine.rank_metrics import RankMetricReducer
 from speedtronic.engine.result import TrainResult
 from speedtronic.engine.settings import TrainerSettings
 from speedtronic.engine.state import FitClock, LRScheduler, TrainingState
-from speedtronic.engine.stop_watch import STOP_GRACE_S, StopTimeoutError, StopWatch
+from speedtronic.engine.stop_watch import STOP_GRACE_S, StopWatch
 from speedtronic.state.training_state import STATE_FORMAT_VERSION as STATE_FORMAT_VERSION
 from speedtronic.state.training_state import TrainingStateError as TrainingStateError
 from speedtronic.state.training_state import (
@@ -79,7 +79,7 @@ from speedtronic.systems.distributed import (
     reduce_run_totals,
 )
 from speedtronic.systems.precision import PrecisionPlan, make_grad_scaler, resolve_precision
-from speedtronic.systems.sharding import find_shard_blocks, reshard_model
+from speedtronic.systems.sharding import find_shard_blocks
 from speedtronic.user_warnings import warn
 
 if TYPE_CHECKING:
@@ -130,6 +130,37 @@ def _raise_first(failures: Sequence[HookFailure]) -> None:
         first = failures[0].error
         attach_failures(first, failures[1:])
         raise first
+
+
+def _fit_result(
+    state: TrainingState,
+    start_step: int,
+    last_loss: torch.Tensor | None,
+    stop_reason: str | None,
+    batch_sharers: int,
+) -> TrainResult:
+    """The result of a fit that started at ``start_step``; in a multi-rank run the loss is
+    the mean over ranks and the sample and token counts are the totals of all ranks
+    (``batch_sharers``: ranks training on one batch, the tensor-parallel degree)."""
+    loss = last_loss if state.step > start_step else None
+    samples, tokens = state.samples, state.tokens
+    if state.multi_rank:
+        assert state.distributed is not None
+        mean_loss, samples, tokens = reduce_run_totals(
+            state.distributed, loss, samples, tokens, batch_sharers
+        )
+        final_loss = mean_loss
+    else:
+        final_loss = float(loss.item()) if loss is not None else None
+    return TrainResult(
+        steps=state.step,
+        samples=samples,
+        tokens=tokens,
+        final_loss=final_loss,
+        elapsed_s=time.perf_counter() - state.fit_clock.start_time,
+        metrics=list(state.due_records),
+        stop_reason=stop_reason,
+    )
 
 
 class Trainer:
@@ -444,6 +475,8 @@ class Trainer:
         state.model.to(state.device)
         state.model.train()
         self.forward_path.prepare(state.model, state.callbacks)
+        path = self.forward_path
+        state.plain_step = path.plain and path.gradient_ranks == 1 and state.scaler is None
         state.optimizer.zero_grad(set_to_none=True)
         state.step_loss = None
         error: BaseException | None = None
@@ -468,7 +501,9 @@ class Trainer:
                 # The data ran out mid-step (or before it): drop the unfinished step.
                 state.optimizer.zero_grad(set_to_none=True)
             self._end_stop_watch()
-            result = self._result(start_step)
+            result = _fit_result(
+                self.state, start_step, self.last_loss, self.stop_reason, self.settings.tensor
+            )
             # Every fit_end hook runs (the final checkpoint is saved even when a callback
             # before it fails); the first failure then fails the fit.
             _raise_first(
@@ -496,37 +531,12 @@ class Trainer:
             else:
                 _raise_first(failures)
 
-    def _result(self, start_step: int) -> TrainResult:
-        """The fit's result; in a multi-rank run the loss is the mean over ranks and the
-        sample and token counts are the totals of all ranks."""
-        state = self.state
-        loss = self.last_loss if state.step > start_step else None
-        samples, tokens = state.samples, state.tokens
-        if state.multi_rank:
-            assert state.distributed is not None
-            mean_loss, samples, tokens = reduce_run_totals(
-                state.distributed, loss, samples, tokens, self.settings.tensor
-            )
-            final_loss = mean_loss
-        else:
-            final_loss = float(loss.item()) if loss is not None else None
-        return TrainResult(
-            steps=state.step,
-            samples=samples,
-            tokens=tokens,
-            final_loss=final_loss,
-            elapsed_s=time.perf_counter() - state.fit_clock.start_time,
-            metrics=list(state.due_records),
-            stop_reason=self.stop_reason,
-        )
-
     # -- evaluation ----------------------------------------------------------------------
 
     def run_evaluation(self, data: Iterable[object] | None = None) -> EvalOutcome:
         """Evaluate the model on ``data`` (default: the trainer's ``eval_data``), up to
-        ``eval_max_batches`` batches; see ``speedtronic.engine.evaluation.evaluate_model``."""
-        state, evaluation = self.state, self.evaluation
-        source = evaluation.data if data is None else data
+        ``eval_max_batches`` batches; see ``speedtronic.engine.evaluation.evaluate_state``."""
+        source = self.evaluation.data if data is None else data
         if source is None:
             raise EvaluationError(
                 "no held-out data to evaluate: pass data to evaluate() or eval_data to Trainer"
@@ -534,30 +544,14 @@ class Trainer:
         # Read through a DataPass, whose waits the stop watch bounds as it bounds the
         # training stream's (a SIGTERM while the held-out data hangs still ends the run).
         batches = self._held_out_pass = DataPass(source)
-        if state.sharded:  # gather the shards as they are now (``reshard_model``)
-            reshard_model(state.model)
         try:
-            return evaluate_model(
-                state.model,
-                batches,
-                device=state.device,
-                precision=state.precision,
-                max_batches=evaluation.max_batches,
-                parts=evaluation.parts if data is None else None,
-                sharded=state.sharded,
-                # Ranks reduce their shards' sums only when they hold one model replica; a
-                # rank that is its own replica evaluates its local model alone.
-                distributed=(
-                    state.distributed if self.forward_path.one_replica(state.callbacks) else None
-                ),
+            one_replica = self.forward_path.one_replica(self.state.callbacks)
+            parts = self.evaluation.parts if data is None else None
+            return evaluate_state(
+                self.state, batches, self.evaluation.max_batches, one_replica, parts
             )
-        except StopTimeoutError:
-            batches.abandon()  # its workers may be stuck in the dataset's code
-            raise
         finally:
             self._held_out_pass = None
-            if state.sharded:  # no gathered copy outlives the evaluation
-                reshard_model(state.model)
 
     def evaluate(self, data: Iterable[object] | None = None) -> dict[str, float]:
         """The held-out metrics of the model as it is now: ``{"eval/loss": ...,
