@@ -1,11 +1,14 @@
 """speedtronic: an event-driven PyTorch training framework with typed callbacks.
 
+``__all__`` is the modern API (docs/architecture.md); the names the package gave before
+(2.0's) still resolve, from ``speedtronic.compat.exports``, loaded only when one is asked for.
 Public names are imported lazily so that ``import speedtronic`` stays cheap for tools
-(``speedtronic validate`` / ``schema``) that do not train. Every name in ``__all__`` is
-declared for type checkers under ``TYPE_CHECKING`` with the same type it has at run time, in
-any import order: no public name is also the name of a submodule (a submodule, once imported,
-would replace the package attribute -- hence ``speedtronic.models.registry`` holds the
-``registry`` instance). ``tests/test_static_types.py`` checks this.
+(``speedtronic validate`` / ``schema``) that do not train. Every name in ``__all__`` and
+every kept name is declared for type checkers under ``TYPE_CHECKING`` with the same type it
+has at run time, in any import order: no public name is also the name of a submodule (a
+submodule, once imported, would replace the package attribute -- hence
+``speedtronic.models.registry`` holds the ``registry`` instance).
+``tests/test_static_types.py`` checks this.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 
 from speedtronic.compat.metric_logger import MetricLogger
 from speedtronic.compat.trainer import Trainer
-from speedtronic.config import CallbackSpec, ConfigError, JSONValue, SpeedtronicConfig
+from speedtronic.config import CallbackSpec, ConfigError, ConfigSource, JSONValue, SpeedtronicConfig
 from speedtronic.config.preflight import Preflight, check
 from speedtronic.config.sections import OptimizerConfig
 from speedtronic.data import DataSourceError, build_dataloader
@@ -97,8 +97,6 @@ from speedtronic.systems.shapes import validate_startup_shapes
 from speedtronic.systems.stage_streams import StageStreamScheduler
 from speedtronic.systems.tensor_parallel import data_parallel_share
 from speedtronic.user_warnings import warn
-
-ConfigSource = SpeedtronicConfig | Mapping[str, object] | str | Path
 
 DEFAULT_CHECKPOINT_DIRECTORY = "checkpoints"
 """Where ``--resume`` looks (under the output directory) when no plugin of the run is a

@@ -17,12 +17,12 @@ from speedtronic.config.schema import ConfigError, schema_defaults
 
 __all__ = ["CheckpointConfig"]
 
-SECTION = "checkpoint"
+_SECTION = "checkpoint"
 
 
 def _default(key: str) -> Callable[[], object]:
     """The declared default of ``checkpoint.<key>`` (the checkpoint plugin's)."""
-    return lambda: schema_defaults(SECTION)[key]
+    return lambda: schema_defaults(_SECTION)[key]
 
 
 @dataclass

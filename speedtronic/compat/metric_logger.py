@@ -134,7 +134,7 @@ def _format_value(value: object) -> str:
     return str(value)
 
 
-def format_event_line(event: str, payload: Mapping[str, object]) -> str:
+def _format_event_line(event: str, payload: Mapping[str, object]) -> str:
     """``<event> key=value key=value ...`` (the message part of a text line)."""
     fields = " ".join(f"{key}={_format_value(value)}" for key, value in payload.items())
     return f"{event} {fields}".rstrip()
@@ -226,7 +226,7 @@ class MetricLogger:
                 data["memory_bytes"] = memory
         if event == "train_step" and not self._is_due(data.get("step")):
             return
-        self._logger.info(format_event_line(event, data))
+        self._logger.info(_format_event_line(event, data))
         self._write_json(event, data)
         for index, hook in enumerate(list(self.hooks)):
             try:
@@ -421,10 +421,11 @@ class MetricLoggerCallback(Callback):
 
 
 def _shape_report_of(trainer: TrainerView) -> object:
-    """The startup shape report the runtime gave the trainer (``None`` without one)."""
-    from speedtronic.compat.trainer import Trainer
-
-    return trainer.shape_report if isinstance(trainer, Trainer) else None
+    """The startup shape report the runtime gave the trainer (``None`` without one): the 2.0
+    Trainer's ``shape_report`` member, read by name (this module and ``compat.trainer`` do
+    not import each other)."""
+    report: object = getattr(trainer, "shape_report", None)
+    return report
 
 
 def _callbacks_of(trainer: TrainerView) -> Sequence[Callback]:

@@ -7,7 +7,7 @@ callbacks=[...], max_steps=500, metrics_every=10)``) and the 2.0 constructor's a
 resolves them (explicit > ``config=``'s sections > default, as 2.0 did) and builds the engine's
 Trainer from the result:
 
-* ``config=`` fills every setting left out (``resolve_settings``) and is what checkpoints and
+* ``config=`` fills every setting left out (``_resolve_settings``) and is what checkpoints and
   sinks record (``run_config``);
 * ``logger=``, ``coordinator=`` and ``checkpoint_manager=`` become callbacks on the same
   events, in that order, after the run's own (``legacy_callbacks``);
@@ -95,8 +95,8 @@ class Trainer(EngineTrainer):
     ) -> None:
         check_eval_settings(eval_every, eval_max_batches)
         evaluation = Evaluation(eval_data, eval_every or 0, eval_max_batches)
-        resolved = coerce_config(config)
-        settings = resolve_settings(
+        resolved = _coerce_config(config)
+        settings = _resolve_settings(
             resolved,
             device=device,
             precision=precision,
@@ -178,7 +178,7 @@ TrainingEngine = Trainer
 SpeedtronicTrainer = Trainer
 
 
-def coerce_config(
+def _coerce_config(
     config: SpeedtronicConfig | Mapping[str, object] | None,
 ) -> SpeedtronicConfig | None:
     """A ``SpeedtronicConfig`` from a config object or a plain mapping (validated)."""
@@ -217,7 +217,7 @@ def _parallel(
     return section.strategy, section.reshard_after_forward, section.tensor
 
 
-def resolve_settings(
+def _resolve_settings(
     config: SpeedtronicConfig | None,
     *,
     device: str | torch.device | None,

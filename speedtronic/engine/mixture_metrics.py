@@ -27,10 +27,10 @@ from speedtronic.engine.contexts import MetricsContext
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.engine.view import TrainerView
 
-__all__ = ["MixtureMetrics", "mixture_metrics", "source_names"]
+__all__ = ["MixtureMetrics", "mixture_metrics"]
 
 
-def source_names(mixture: MixtureDataset) -> list[str]:
+def _source_names(mixture: MixtureDataset) -> list[str]:
     """Each source's name in metric keys (module docstring)."""
     names = [Path(str(getattr(source, "directory", index))).name for index, source in
              enumerate(mixture.sources)]  # fmt: skip
@@ -46,7 +46,7 @@ class MixtureMetrics(Callback):
         self.sampler = sampler
         self.batch_size = batch_size
         self.epoch_batches = epoch_batches  # a rank's batches per epoch (drop_last counted)
-        self.names = source_names(sampler.mixture)
+        self.names = _source_names(sampler.mixture)
         self.block_size = int(sampler.mixture.sources[0].block_size)
 
     def _drawn_in(self, epoch: int, batches: int) -> npt.NDArray[np.int64]:
