@@ -311,8 +311,8 @@ def test_a_cli_fit_normalises_validates_and_imports_once(
     Counted: the composed-schema pass, the normalisation (with its case folds), every
     plugin's section adapter, and the import of ``imports:``."""
     import speedtronic.config.loading as loading
-    import speedtronic.config.validation as schema
     import speedtronic.config.sections as sections
+    import speedtronic.config.validation as schema
     import speedtronic.plugins as plugins
 
     calls: dict[str, list[object]] = {"schema": [], "normalise": [], "folds": [], "imports": []}
