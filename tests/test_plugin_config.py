@@ -360,6 +360,33 @@ def test_diloco_options_are_declared_once_each_dataclass_mirrors_its_schema(mode
         assert properties[name].get("default", properties[name].get("const")) == default, name
 
 
+def test_keys_a_plugin_adds_to_a_section_are_declared_once_and_read_typed() -> None:
+    """``logging:``'s sink switches are fields of the sink plugins' dataclasses
+    (``Sections.declared``): the composed schema is derived from them, and plugins read them
+    typed -- ``keys_of`` from the validated sections, ``section.keys_of`` on a built config."""
+    from speedtronic.config import declare
+    from speedtronic.config.schema import base
+    from speedtronic.plugins import keys_of, plugin_spec
+    from speedtronic_callbacks.console import ConsoleLoggingKeys
+    from speedtronic_callbacks.jsonl import JsonlLoggingKeys
+
+    logging = base()["properties"]["logging"]["properties"]  # type: ignore[index]  # JSON
+    for name, declaring in (("console", ConsoleLoggingKeys), ("jsonl", JsonlLoggingKeys)):
+        sections = plugin_spec(name).sections
+        assert sections.declared == {"logging": declaring}
+        assert sections.schema["logging"] == declare.object_schema(declaring)
+        for key, schema in declare.object_schema(declaring)["properties"].items():  # type: ignore[attr-defined]  # JSON
+            assert logging[key] == schema, key
+    config = SpeedtronicConfig.load({"logging": {"jsonl": False, "json_file": "m.jsonl"}})
+    typed = config.logging.keys_of(JsonlLoggingKeys)
+    assert typed == JsonlLoggingKeys(json_file="m.jsonl", jsonl=False)
+    assert config.logging.keys_of(ConsoleLoggingKeys) == ConsoleLoggingKeys(console=True)
+    data = {"logging": config.logging.to_dict()}
+    assert keys_of(data, "logging", JsonlLoggingKeys) == typed
+    assert keys_of({}, "logging", ConsoleLoggingKeys) == ConsoleLoggingKeys()  # the defaults
+    assert [spec.name for spec in callback_specs(config)].count("jsonl") == 0
+
+
 def test_2_0_keys_stay_readable_and_count_for_equality() -> None:
     config = SpeedtronicConfig.load(
         {
