@@ -35,6 +35,7 @@ CORE_FILES = (
         REPO / "speedtronic" / f"{name}.py"
         for name in (
             "runtime",
+            "composition/run_callbacks",
             "engine/trainer",
             "engine/loop",
             "engine/dispatch",
