@@ -378,6 +378,12 @@ def test_keys_a_plugin_adds_to_a_section_are_declared_once_and_read_typed() -> N
         assert sections.schema["logging"] == declare.object_schema(declaring)
         for key, schema in declare.object_schema(declaring)["properties"].items():  # type: ignore[attr-defined]  # JSON
             assert logging[key] == schema, key
+    from speedtronic_callbacks.time_budget import RunKeys
+
+    run_keys = base()["properties"]["run"]["properties"]  # type: ignore[index]  # JSON
+    assert plugin_spec("time_budget").sections.declared == {"run": RunKeys}
+    assert run_keys["max_time"] == declare.object_schema(RunKeys)["properties"]["max_time"]  # type: ignore[index]  # JSON
+    assert keys_of({"run": {"max_time": "3h"}}, "run", RunKeys) == RunKeys(max_time="3h")
     config = SpeedtronicConfig.load({"logging": {"jsonl": False, "json_file": "m.jsonl"}})
     typed = config.logging.keys_of(JsonlLoggingKeys)
     assert typed == JsonlLoggingKeys(json_file="m.jsonl", jsonl=False)
