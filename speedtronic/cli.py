@@ -18,17 +18,20 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from speedtronic.commands import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, corpus
+from speedtronic.commands import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    UserError,
+    checkpoints,
+    corpus,
+)
+from speedtronic.commands.config_args import add_config_args, add_max_time, load
 from speedtronic.user_imports import search_dirs
 
 if TYPE_CHECKING:
     import torch
-
-    from speedtronic.config import SpeedtronicConfig
-
-
-class UserError(Exception):
-    """A mistake the user can fix; printed without a traceback."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,9 +44,9 @@ def _parser() -> argparse.ArgumentParser:
 
     for name, help_text in (("fit", "train a model from a config file"), ("train", "alias of fit")):
         fit = sub.add_parser(name, help=help_text)
-        _add_config_args(fit)
+        add_config_args(fit)
         _add_max_steps(fit)
-        _add_max_time(fit)
+        add_max_time(fit)
         fit.add_argument(
             "--resume", action="store_true", help="continue from the latest checkpoint"
         )
@@ -61,58 +64,12 @@ def _parser() -> argparse.ArgumentParser:
         )
         _add_launch_args(fit)
 
-    evaluate = sub.add_parser(
-        "evaluate", help="evaluate a run's checkpoint on its held-out set (writes nothing)"
-    )
-    _add_config_args(evaluate)
-    evaluate.add_argument(
-        "--checkpoint", help="checkpoint file to evaluate (default: the run's latest)"
-    )
-    _add_weights_arg(evaluate)
-    evaluate.add_argument(
-        "--task",
-        dest="tasks",
-        action="append",
-        metavar="FILE.jsonl",
-        help="score a multiple-choice task file instead of the held-out set (repeatable; "
-        "docs/evaluation.md)",
-    )
-    evaluate.add_argument(
-        "--shots", type=int, default=0, help="examples asked before each --task row"
-    )
-    _add_generate_parser(sub)
-
-    export = sub.add_parser(
-        "export", help="write a run's checkpoint as a Hugging Face model directory"
-    )
-    _add_config_args(export)
-    export.add_argument(
-        "--checkpoint", help="checkpoint file or .dcp directory (default: the run's latest)"
-    )
-    export.add_argument("--output", required=True, help="the directory to write")
-    export.add_argument(
-        "--overwrite", action="store_true", help="replace an earlier export in --output"
-    )
-    export.add_argument(
-        "--allow-nonfinite",
-        action="store_true",
-        help="write weights that hold NaN or infinite values (refused by default)",
-    )
-    _add_weights_arg(export)
-    lora = export.add_mutually_exclusive_group()
-    lora.add_argument(
-        "--adapter", action="store_true", help="a LoRA run: write its adapters for peft"
-    )
-    lora.add_argument(
-        "--merge",
-        action="store_true",
-        help="a LoRA run: write the weights with the adapters merged",
-    )
+    checkpoints.add_parsers(sub)
 
     validate = sub.add_parser("validate", help="check a config; print it and the callback plan")
-    _add_config_args(validate)
+    add_config_args(validate)
     _add_max_steps(validate)
-    _add_max_time(validate)
+    add_max_time(validate)
     validate.add_argument("--format", choices=("yaml", "json"), default="yaml")
 
     schema = sub.add_parser("schema", help="print the composed JSON Schema of run.yaml")
@@ -153,24 +110,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    generate = sub.add_parser(
-        "generate", help="print what a run's checkpoint writes after a prompt"
-    )
-    _add_config_args(generate)
-    generate.add_argument(
-        "--checkpoint", help="checkpoint file to load (default: the run's latest)"
-    )
-    _add_weights_arg(generate)
-    generate.add_argument("--prompt", required=True, help="the text to continue")
-    generate.add_argument("--max-new-tokens", type=int, default=100, help="default 100")
-    generate.add_argument(
-        "--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)"
-    )
-    generate.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
-    generate.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-
-
 def _add_common_args(parsers: Iterable[argparse.ArgumentParser]) -> None:
     """What every subcommand takes (one that declares it itself keeps its own)."""
     for parser in parsers:
@@ -180,20 +119,6 @@ def _add_common_args(parsers: Iterable[argparse.ArgumentParser]) -> None:
                 action="store_true",
                 help="show the full traceback of an error (user mistakes included)",
             )
-
-
-def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML or JSON config file")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set optimizer.lr=1e-3 (repeatable)",
-    )
-    parser.add_argument("--output-dir", help="run directory (overrides run.output_dir)")
-    parser.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps")
 
 
 def _add_launch_args(parser: argparse.ArgumentParser) -> None:
@@ -210,64 +135,10 @@ def _add_max_steps(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=int, help="absolute step to stop at")
 
 
-def _add_max_time(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--max-time",
-        metavar="DURATION",
-        help="wall-clock budget (overrides run.max_time): stop after the step during which "
-        "it runs out, save, exit 75 for requeue; e.g. 3h50m, 45m, 90s, 1d2h, 03:50:00",
-    )
-
-
-def _add_weights_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--weights",
-        default="model",
-        metavar="{model,ema,...}",
-        help="which weights: the model's own (default), or those a callback kept in the "
-        "checkpoint under its state key, e.g. ema (docs/ema-and-profiling.md)",
-    )
-
-
-def _weights_note(weights: str) -> str:
-    return "" if weights == "model" else f" weights={weights}"
-
-
 def _version() -> str:
     from speedtronic._version import __version__
 
     return f"speedtronic {__version__}"
-
-
-def _load(args: argparse.Namespace) -> object:
-    """The config of ``--config`` with the ``--set`` overrides, and ``--output-dir``."""
-    from speedtronic.config import load_config
-
-    path = Path(args.config)
-    if not path.is_file():
-        raise UserError(f"config file not found: {path}")
-    extra = [f"run.output_dir={json.dumps(args.output_dir)}"] if args.output_dir else []
-    extra += _max_time_override(args)
-    return load_config(path, overrides=[*args.overrides, *extra])
-
-
-def _max_time_override(args: argparse.Namespace) -> list[str]:
-    """``--max-time`` as the ``run.max_time`` override; exit 2 when it is not a duration."""
-    value = getattr(args, "max_time", None)
-    if value is None:
-        return []
-    from speedtronic.state.time_budget import MIN_TIME_BUDGET_S, DurationError, parse_duration
-
-    try:
-        seconds = parse_duration(value)
-    except DurationError as exc:
-        raise UserError(f"--max-time {exc}") from None
-    if seconds < MIN_TIME_BUDGET_S:
-        raise UserError(
-            f"--max-time {value!r} is shorter than one second: a time budget must leave room "
-            "for at least one step"
-        )
-    return [f"run.max_time={json.dumps(value)}"]
 
 
 def _preflight(config: object, *, device: str | None = None, max_steps: int | None = None) -> None:
@@ -320,7 +191,7 @@ def _fit(args: argparse.Namespace) -> int:
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.runtime import prepared_fit
 
-    config = _load(args)
+    config = load(args)
     if args.nproc_per_node is not None:
         from speedtronic.systems.launch import LaunchError, LaunchOptions, launch_fit
 
@@ -395,156 +266,12 @@ def _callback_failures() -> Iterator[list[str]]:
         warnings.showwarning = show
 
 
-def _loaded_config(args: argparse.Namespace) -> SpeedtronicConfig:
-    """The config, and its device usable on this machine (exit 2 otherwise)."""
-    from speedtronic.config import SpeedtronicConfig
-    from speedtronic.config.preflight import device_error
-
-    config = _load(args)
-    assert isinstance(config, SpeedtronicConfig)
-    problem = device_error(args.device or config.run.device)
-    if problem is not None:
-        raise UserError(problem)
-    return config
-
-
-def _evaluate(args: argparse.Namespace) -> int:
-    """``speedtronic evaluate``: one line with the held-out metrics of a checkpoint (or its
-    ``--task`` scores). Reads the config, the checkpoint and the held-out data; writes
-    nothing (no lock, no metrics)."""
-    from speedtronic.data import DataSourceError
-    from speedtronic.engine.evaluation import EVAL_LOSS, EVAL_PPL, EvaluationError
-    from speedtronic.runtime import evaluate_checkpoint
-
-    config = _loaded_config(args)
-    if args.tasks:
-        return _evaluate_tasks(args, config)
-    try:
-        loaded, outcome = evaluate_checkpoint(
-            config, checkpoint=args.checkpoint, device=args.device, weights=args.weights
-        )
-    except (EvaluationError, DataSourceError) as exc:
-        raise UserError(str(exc)) from None
-    metrics = outcome.metrics
-    parts = "".join(  # a mixture's eval/<source>/loss
-        f"{key}={value!r} " for key, value in metrics.items() if key not in (EVAL_LOSS, EVAL_PPL)
-    )
-    print(
-        f"{EVAL_LOSS}={metrics[EVAL_LOSS]!r} {EVAL_PPL}={metrics[EVAL_PPL]!r} {parts}"
-        f"step={loaded.step} batches={outcome.batches} checkpoint={loaded.path}"
-        f"{_weights_note(args.weights)}"
-    )
-    return EXIT_OK
-
-
-def _evaluate_tasks(args: argparse.Namespace, config: SpeedtronicConfig) -> int:
-    """``speedtronic evaluate --task``: one line per task file."""
-    from speedtronic.config.sections import EvalTaskSource
-    from speedtronic.runtime import checkpoint_model, eval_tasks
-    from speedtronic.systems.precision import resolve_precision
-
-    if args.shots < 0:
-        raise UserError(f"--shots must be >= 0, got {args.shots}")
-    loaded, net = checkpoint_model(
-        config, checkpoint=args.checkpoint, device=args.device, weights=args.weights
-    )
-    device = next(net.parameters()).device
-    config.eval.tasks = [EvalTaskSource(path=path, shots=args.shots) for path in args.tasks]
-    for task in eval_tasks(config, net):
-        score = task.score(
-            net, device=device, precision=resolve_precision(config.precision, device)
-        )
-        values = " ".join(f"{key}={value!r}" for key, value in task.metrics(score).items())
-        print(
-            f"{values} rows={int(score.rows)} step={loaded.step} checkpoint={loaded.path}"
-            f"{_weights_note(args.weights)}"
-        )
-    return EXIT_OK
-
-
-def _generate(args: argparse.Namespace) -> int:
-    """``speedtronic generate``: the prompt's continuation, decoded with the run's tokenizer."""
-    from speedtronic.evaluation.text import TextError, run_text
-    from speedtronic.models.generation import GenerationError, Sampling, generate_ids
-    from speedtronic.runtime import checkpoint_model
-
-    config = _loaded_config(args)
-    try:
-        text = run_text(config.data.to_dict())
-        sampling = Sampling(
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            seed=args.seed,
-            stop_ids=text.stop_ids,
-        )
-    except (TextError, GenerationError) as exc:
-        raise UserError(_option_named(str(exc))) from None
-    _, net = checkpoint_model(
-        config,
-        checkpoint=args.checkpoint,
-        device=args.device,
-        weights=args.weights,
-        doing="generate from",
-    )
-    try:
-        ids = generate_ids(
-            net, text.encode(args.prompt), sampling, context=config.model.max_seq_len
-        )
-    except GenerationError as exc:
-        raise UserError(_option_named(str(exc))) from None
-    print(args.prompt + text.decode(ids))
-    return EXIT_OK
-
-
-def _option_named(message: str) -> str:
-    """A generation error prefixed by the option the user can change."""
-    for words, option in (
-        ("the prompt (", "--max-new-tokens"),
-        ("prompt", "--prompt"),
-        ("max_new_tokens", "--max-new-tokens"),
-        ("temperature", "--temperature"),
-        ("top_k", "--top-k"),
-    ):
-        if words in message:
-            return f"{option}: {message}"
-    return message
-
-
-def _export(args: argparse.Namespace) -> int:
-    """``speedtronic export``: one line naming what was written, and from which checkpoint."""
-    from speedtronic.config import SpeedtronicConfig
-    from speedtronic.models.export import ExportError
-    from speedtronic.runtime import export_checkpoint
-
-    config = _load(args)
-    assert isinstance(config, SpeedtronicConfig)
-    try:
-        loaded, result = export_checkpoint(
-            config,
-            Path(args.output),
-            checkpoint=args.checkpoint,
-            overwrite=args.overwrite,
-            weights=args.weights,
-            allow_nonfinite=args.allow_nonfinite,
-            adapter=args.adapter,
-            merge=args.merge,
-        )
-    except ExportError as exc:
-        raise UserError(str(exc)) from None
-    print(
-        f"wrote {result.output} ({result.architecture}: {', '.join(result.files)}) "
-        f"step={loaded.step} checkpoint={loaded.path}{_weights_note(args.weights)}"
-    )
-    return EXIT_OK
-
-
 def _validate(args: argparse.Namespace) -> int:
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.engine.dispatch import describe_classes, format_plan
     from speedtronic.runtime import callback_classes
 
-    config = _load(args)
+    config = load(args)
     assert isinstance(config, SpeedtronicConfig)
     _preflight(config, device=args.device, max_steps=_checked_max_steps(args))
     # Everything that can still refuse the run comes before the first line is printed.
@@ -739,9 +466,9 @@ def _plot(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "fit": _fit,
     "train": _fit,
-    "evaluate": _evaluate,
-    "generate": _generate,
-    "export": _export,
+    "evaluate": checkpoints.evaluate_command,
+    "generate": checkpoints.generate_command,
+    "export": checkpoints.export_command,
     "validate": _validate,
     "schema": _schema,
     "plugins": _plugins,

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Generic, Literal, TypeVar, cast, overload
 import torch
 
 from speedtronic.user_imports import import_user_module
+from speedtronic.util import options as declaration
 
 if TYPE_CHECKING:
     from speedtronic.config import SpeedtronicConfig
@@ -205,6 +206,17 @@ def section_of(sections: SectionData, key: str) -> Mapping[str, object]:
     return cast("Mapping[str, object]", value) if isinstance(value, Mapping) else {}
 
 
+def keys_of(sections: SectionData, key: str, declaring: type[T]) -> T:
+    """The keys the dataclass ``declaring`` declares under the top-level ``key``, typed
+    (``keys_of(sections, "logging", ConsoleLoggingKeys).console``): built from the validated
+    sections without checking them again; a key left out takes its declared default."""
+    section = section_of(sections, key)
+    names = {item.name for item in declaration.declared(declaring)}
+    return declaration.build(
+        declaring, {name: value for name, value in section.items() if name in names}
+    )
+
+
 def _no_rewrite(data: dict[str, object]) -> None:
     del data
 
@@ -254,6 +266,21 @@ class Sections:
     errors: Callable[[SectionData], Iterator[str]] = _no_section_errors
     """Cross-field rules of the sections (defaults filled in), run after the schema pass of
     every config; each message starts with its path (``distributed.hub_dir: ...``)."""
+    declared: Mapping[str, type] = field(default_factory=dict)
+    """The options dataclass that declares what the plugin adds under a key, by key: each
+    field one key with its type, default and ``Opt`` (``speedtronic.util.options``), the
+    only declaration of that key. The key's ``schema`` is derived from it (where ``schema``
+    does not give one), and the plugin reads the keys typed: ``keys_of(sections, key,
+    declaring)`` from validated data, ``section.keys_of(declaring)`` on a built config."""
+
+    def __post_init__(self) -> None:
+        derived = {
+            key: declaration.object_schema(declaring)
+            for key, declaring in self.declared.items()
+            if key not in self.schema
+        }
+        if derived:
+            object.__setattr__(self, "schema", {**self.schema, **derived})
 
 
 @dataclass(frozen=True)

@@ -15,22 +15,29 @@ the ``DistributedContext`` (``trainer.distributed``). The group is destroyed by
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol, cast, runtime_checkable
+from typing import cast
 
 import torch
 from torch.utils.data import Dataset
 
 from speedtronic.compat.metric_logger import MetricLogger
 from speedtronic.compat.trainer import Trainer
-from speedtronic.config import CallbackSpec, ConfigError, ConfigSource, JSONValue, SpeedtronicConfig
+
+# The names that moved to composition.run_callbacks keep their speedtronic.runtime paths.
+from speedtronic.composition.run_callbacks import ShardsData as ShardsData
+from speedtronic.composition.run_callbacks import build_callbacks as build_callbacks
+from speedtronic.composition.run_callbacks import callback_classes as callback_classes
+from speedtronic.composition.run_callbacks import callback_specs as callback_specs
+from speedtronic.composition.run_callbacks import data_shard as data_shard
+from speedtronic.composition.run_callbacks import optimizer_section as optimizer_section
+from speedtronic.composition.run_callbacks import resume_source
+from speedtronic.config import ConfigError, ConfigSource, SpeedtronicConfig
 from speedtronic.config.preflight import Preflight, check
-from speedtronic.config.sections import OptimizerConfig
 from speedtronic.data import DataSourceError, build_dataloader
 from speedtronic.data.held_out import (
     build_eval_loader,
@@ -62,17 +69,11 @@ from speedtronic.models.registry import build_model
 from speedtronic.models.summary import parameter_count
 from speedtronic.optimizers import build_optimizer as build_optimizer  # 2.0's import path
 from speedtronic.optimizers import build_scheduler as build_scheduler
-from speedtronic.plugins import (
-    PluginContext,
-    build_callback,
-    configurable_specs,
-    plugin_spec,
-    sections_of,
-)
+from speedtronic.plugins import PluginContext
 from speedtronic.state.checkpoint import CheckpointError, CheckpointManager, LoadedCheckpoint
 from speedtronic.state.model_fit import model_mismatch, tensor_shapes
 from speedtronic.state.published_weights import MODEL_WEIGHTS, apply_weights, published_weights
-from speedtronic.state.resume import ResumeSource, resume_from
+from speedtronic.state.resume import resume_from
 from speedtronic.state.rng import seed_everything
 from speedtronic.state.run_identity import new_run_id, read_run_id, write_run_id
 from speedtronic.state.run_lock import (
@@ -111,98 +112,6 @@ def as_config(config: ConfigSource) -> SpeedtronicConfig:
     if isinstance(config, SpeedtronicConfig):
         return config.ensure_valid()
     return SpeedtronicConfig.load(config)
-
-
-def callback_specs(config: SpeedtronicConfig) -> list[CallbackSpec]:
-    """The callbacks a run uses, in order: the plugins the config turns on without naming
-    them (on by default, or through a section they read) with a negative ``implied_order``,
-    the configured list, then the other implied plugins. Each plugin rewrites its own
-    sections into its options (``Sections.to_options``); the runtime knows no plugin by
-    name."""
-    data = config.to_dict()
-    configured = [_with_sections(entry, data) for entry in config.callbacks]
-    named = {entry.name for entry in config.callbacks}
-    implied: list[tuple[int, str, CallbackSpec]] = []
-    for plugin in configurable_specs():
-        if plugin.name in named or named.intersection(plugin.default_replaced_by):
-            continue
-        options = plugin.options_for(sections_of(plugin, data), None)
-        if options is not None:
-            implied.append((plugin.implied_order, plugin.name, _spec(plugin.name, options)))
-    implied.sort(key=lambda item: (item[0], item[1]))
-    before = [entry for order, _, entry in implied if order < 0]
-    after = [entry for order, _, entry in implied if order >= 0]
-    return before + configured + after
-
-
-def _with_sections(entry: CallbackSpec, data: Mapping[str, object]) -> CallbackSpec:
-    """A configured entry with what its plugin takes from the sections it reads."""
-    plugin = plugin_spec(entry.name)
-    if not plugin.sections.keys:
-        return entry
-    options = plugin.options_for(sections_of(plugin, data), entry.options)
-    return entry if options is None else _spec(entry.name, options)
-
-
-def _spec(name: str, options: Mapping[str, object]) -> CallbackSpec:
-    return CallbackSpec(name=name, options=cast("dict[str, JSONValue]", dict(options)))
-
-
-def build_callbacks(config: SpeedtronicConfig, context: PluginContext) -> list[Callback]:
-    """Instantiate every callback of ``callback_specs`` (options already validated)."""
-    return [build_callback(spec.name, spec.options, context) for spec in callback_specs(config)]
-
-
-def callback_classes(config: SpeedtronicConfig) -> list[tuple[str, type[Callback]]]:
-    """The callback classes of a run, without building them (for ``validate``)."""
-    return [(entry.name, plugin_spec(entry.name).callback) for entry in callback_specs(config)]
-
-
-@runtime_checkable
-class ShardsData(Protocol):
-    """A callback that trains on one shard of the data (a node of a hub-synchronised run, say)."""
-
-    @property
-    def data_shard(self) -> tuple[int, int] | None: ...
-
-
-def data_shard(
-    callbacks: Sequence[Callback], distributed: DistributedContext | None, tensor: int = 1
-) -> tuple[int, int]:
-    """``(index, count)`` of the data this process reads: the shard a callback (a node of a
-    hub-synchronised run) asks for, split once more by the torch.distributed rank when the
-    node itself has several ranks; else the rank's share, or all of it. The ``tensor``
-    ranks of one tensor-parallel group read the same share (their data rank's)."""
-    ranks = (
-        data_parallel_share(distributed.rank, distributed.world_size, tensor)
-        if distributed is not None and distributed.world_size > 1
-        else (0, 1)
-    )
-    for callback in callbacks:
-        if isinstance(callback, ShardsData) and callback.data_shard is not None:
-            index, count = callback.data_shard
-            return index * ranks[1] + ranks[0], count * ranks[1]
-    return ranks
-
-
-def optimizer_section(section: OptimizerConfig, callbacks: Sequence[Callback]) -> OptimizerConfig:
-    """``section`` with ``decay_norms_and_biases: null`` resolved: the first callback's
-    proposal (``Callback.optimizer_decay_norms_and_biases``), else left null (= true)."""
-    if section.decay_norms_and_biases is not None:
-        return section
-    for callback in callbacks:
-        proposal = callback.optimizer_decay_norms_and_biases
-        if proposal is not None:
-            return dataclasses.replace(section, decay_norms_and_biases=proposal)
-    return section
-
-
-def _resume_source(callbacks: Sequence[Callback]) -> ResumeSource | None:
-    """The first callback that knows the run's checkpoints (the checkpoint plugin)."""
-    for callback in callbacks:
-        if isinstance(callback, ResumeSource):
-            return callback
-    return None
 
 
 AUTO_THREADS_MAX_PARAMETERS = 20_000_000
@@ -335,7 +244,7 @@ def build_runtime(
     tasks = eval_tasks(cfg, net) if cfg.eval.every_steps is not None else []
     optimizer = build_optimizer(net, optimizer_section(cfg.optimizer, callbacks), resolved_device)
     scheduler = build_scheduler(optimizer, cfg.scheduler, horizon)
-    source = _resume_source(callbacks)
+    source = resume_source(callbacks)
     manager = (
         source.checkpoint_manager
         if source is not None
@@ -649,7 +558,7 @@ def _checkpoint_to_evaluate(
         step = counters.get("step") if isinstance(counters, Mapping) else None
         return LoadedCheckpoint(path, step if isinstance(step, int) else -1, state)
     context = PluginContext(config=cfg, output_dir=output_dir, device=device)
-    source = _resume_source(build_callbacks(cfg, context))
+    source = resume_source(build_callbacks(cfg, context))
     directory = (
         source.checkpoint_manager.directory
         if source is not None

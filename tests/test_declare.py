@@ -3,6 +3,7 @@ typed object and the docs row all come from one annotated dataclass field."""
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -110,3 +111,38 @@ def test_an_undeclarable_type_is_refused() -> None:
 
     with pytest.raises(TypeError, match="no JSON Schema"):
         declare.object_schema(Odd)
+
+
+def test_the_built_in_models_declare_their_options_the_same_way() -> None:
+    """``model.options`` of ``hf_causal_lm`` and of the reference transformer come from
+    options dataclasses (declared below the config package, in ``speedtronic.util.options``):
+    the registry's schema is the derived one, and each factory's keywords repeat the
+    declared defaults."""
+    from speedtronic.models import hf
+    from speedtronic.models.document_attention import KERNELS, ReferenceTransformerOptions
+    from speedtronic.models.registry import registry
+    from speedtronic.models.transformer import ReferenceTransformer
+
+    cases = (
+        ("hf_causal_lm", hf.HFCausalLMOptions, hf.build_hf_causal_lm),
+        ("reference_transformer", ReferenceTransformerOptions, ReferenceTransformer),
+        ("gpt", ReferenceTransformerOptions, ReferenceTransformer),
+    )
+    for name, options, factory in cases:
+        schema = registry.options_schema(name)
+        assert schema is not None
+        derived = declare.object_schema(options)
+        assert schema["properties"] == derived["properties"], name
+        assert schema["additionalProperties"] is False
+        Draft202012Validator.check_schema(dict(schema))
+        assert declare.signature_mismatches(factory, options) == [], name
+    dtype = declare.field_of(hf.HFCausalLMOptions, "dtype").hint
+    assert sorted(typing.get_args(dtype)) == sorted(hf.DTYPES)
+    assert KERNELS == ("auto", "sdpa", "flex")
+    hf_schema = hf.HF_OPTIONS_SCHEMA
+    validator = Draft202012Validator(dict(hf_schema))
+    assert not list(validator.iter_errors({"config": {"model_type": "llama"}, "dtype": "bfloat16"}))
+    assert list(validator.iter_errors({"config": {}}))  # model_type is required
+    assert list(validator.iter_errors({"extra_config_keys": ["a", "a"]}))  # unique
+    assert list(validator.iter_errors({"pretrained": ""}))
+    assert list(validator.iter_errors({"dtype": "float16"}))

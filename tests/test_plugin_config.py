@@ -35,6 +35,7 @@ CORE_FILES = (
         REPO / "speedtronic" / f"{name}.py"
         for name in (
             "runtime",
+            "composition/run_callbacks",
             "engine/trainer",
             "engine/loop",
             "engine/dispatch",
@@ -358,6 +359,39 @@ def test_diloco_options_are_declared_once_each_dataclass_mirrors_its_schema(mode
     assert list(fields) == list(properties)
     for name, default in fields.items():
         assert properties[name].get("default", properties[name].get("const")) == default, name
+
+
+def test_keys_a_plugin_adds_to_a_section_are_declared_once_and_read_typed() -> None:
+    """``logging:``'s sink switches are fields of the sink plugins' dataclasses
+    (``Sections.declared``): the composed schema is derived from them, and plugins read them
+    typed -- ``keys_of`` from the validated sections, ``section.keys_of`` on a built config."""
+    from speedtronic.config import declare
+    from speedtronic.config.schema import base
+    from speedtronic.plugins import keys_of, plugin_spec
+    from speedtronic_callbacks.console import ConsoleLoggingKeys
+    from speedtronic_callbacks.jsonl import JsonlLoggingKeys
+
+    logging = base()["properties"]["logging"]["properties"]  # type: ignore[index]  # JSON
+    for name, declaring in (("console", ConsoleLoggingKeys), ("jsonl", JsonlLoggingKeys)):
+        sections = plugin_spec(name).sections
+        assert sections.declared == {"logging": declaring}
+        assert sections.schema["logging"] == declare.object_schema(declaring)
+        for key, schema in declare.object_schema(declaring)["properties"].items():  # type: ignore[attr-defined]  # JSON
+            assert logging[key] == schema, key
+    from speedtronic_callbacks.time_budget import RunKeys
+
+    run_keys = base()["properties"]["run"]["properties"]  # type: ignore[index]  # JSON
+    assert plugin_spec("time_budget").sections.declared == {"run": RunKeys}
+    assert run_keys["max_time"] == declare.object_schema(RunKeys)["properties"]["max_time"]  # type: ignore[index]  # JSON
+    assert keys_of({"run": {"max_time": "3h"}}, "run", RunKeys) == RunKeys(max_time="3h")
+    config = SpeedtronicConfig.load({"logging": {"jsonl": False, "json_file": "m.jsonl"}})
+    typed = config.logging.keys_of(JsonlLoggingKeys)
+    assert typed == JsonlLoggingKeys(json_file="m.jsonl", jsonl=False)
+    assert config.logging.keys_of(ConsoleLoggingKeys) == ConsoleLoggingKeys(console=True)
+    data = {"logging": config.logging.to_dict()}
+    assert keys_of(data, "logging", JsonlLoggingKeys) == typed
+    assert keys_of({}, "logging", ConsoleLoggingKeys) == ConsoleLoggingKeys()  # the defaults
+    assert [spec.name for spec in callback_specs(config)].count("jsonl") == 0
 
 
 def test_2_0_keys_stay_readable_and_count_for_equality() -> None:

@@ -27,10 +27,11 @@ from typing import IO, TYPE_CHECKING, Annotated, Literal
 import torch
 from tqdm import tqdm
 
-from speedtronic.config.declare import Opt, object_schema, plugin
+from speedtronic.config.declare import Opt, plugin
+from speedtronic.config.system_sections import LoggingConfig
 from speedtronic.engine.contexts import ExceptionContext, FitContext, FitEndContext, TeardownContext
 from speedtronic.models.summary import format_model_summary, summarize_model
-from speedtronic.plugins import PluginOptions, SectionData, Sections, section_of
+from speedtronic.plugins import PluginOptions, SectionData, Sections, keys_of
 from speedtronic.state.append_io import open_to_append
 from speedtronic.state.run_lock import RunPaths
 from speedtronic_callbacks.sink import (
@@ -206,12 +207,12 @@ def options_from_logging(
 ) -> PluginOptions | None:
     """2.0 ``logging.console: false`` leaves the default sink out; ``logging.file`` is the
     default of ``file``."""
-    logging = section_of(sections, "logging")
-    if options is None and logging.get("console", True) is False:
+    if options is None and not keys_of(sections, "logging", ConsoleLoggingKeys).console:
         return None
     merged: PluginOptions = dict(options or {})
-    if "file" not in merged and logging.get("file") is not None:
-        merged["file"] = logging["file"]
+    log_file = keys_of(sections, "logging", LoggingConfig).file
+    if "file" not in merged and log_file is not None:
+        merged["file"] = log_file
     return merged
 
 
@@ -221,7 +222,7 @@ def options_from_logging(
     build=under_output_dir("file"),
     sections=Sections(
         keys=("logging",),
-        schema={"logging": {"properties": object_schema(ConsoleLoggingKeys)["properties"]}},
+        declared={"logging": ConsoleLoggingKeys},
         to_options=options_from_logging,
     ),
     enabled_by_default=True,

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from speedtronic.config.declare import Opt, plugin
+from speedtronic.config.declare import Opt, field_of, plugin, property_schema
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import FitContext, TeardownContext
 from speedtronic.plugins import PluginOptions, SectionData, Sections
@@ -69,6 +69,28 @@ class GradientCheckpointingOptions:
     )
 
 
+@dataclass(frozen=True)
+class RootFlag:
+    """The 2.0 root key this plugin reads."""
+
+    gradient_checkpointing: Annotated[
+        bool, Opt("Enable gradient checkpointing (same as model.gradient_checkpointing).")
+    ] = False
+
+
+@dataclass(frozen=True)
+class ModelFlag:
+    """The key this plugin adds to the ``model:`` section."""
+
+    gradient_checkpointing: Annotated[
+        bool,
+        Opt(
+            "Recompute activations in backward; kept in sync with the root "
+            "gradient_checkpointing flag."
+        ),
+    ] = False
+
+
 def normalise_flags(data: dict[str, object]) -> None:
     """The root flag and ``model.gradient_checkpointing`` are one setting (2.0): when either
     is true both become true."""
@@ -99,23 +121,9 @@ def options_from_flag(
     sections=Sections(
         keys=("gradient_checkpointing", "model"),
         schema={
-            "gradient_checkpointing": {
-                "type": "boolean",
-                "default": False,
-                "description": "Enable gradient checkpointing (same as "
-                "model.gradient_checkpointing).",
-            },
-            "model": {
-                "properties": {
-                    "gradient_checkpointing": {
-                        "type": "boolean",
-                        "default": False,
-                        "description": "Recompute activations in backward; kept in sync with "
-                        "the root gradient_checkpointing flag.",
-                    },
-                },
-            },
+            "gradient_checkpointing": property_schema(field_of(RootFlag, "gradient_checkpointing"))
         },
+        declared={"model": ModelFlag},
         to_options=options_from_flag,
         normalise=normalise_flags,
     ),

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Annotated
 
-from speedtronic.config.declare import Opt, object_schema, plugin
+from speedtronic.config.declare import Opt, plugin
 from speedtronic.engine.contexts import FitContext, TeardownContext
-from speedtronic.plugins import PluginContext, PluginOptions, SectionData, Sections, section_of
+from speedtronic.plugins import PluginContext, PluginOptions, SectionData, Sections, keys_of
 from speedtronic.state.append_io import open_to_append, refuse_planted_link
 from speedtronic.state.atomic_io import atomic_write_text
 from speedtronic.state.run_lock import RunPaths
@@ -125,11 +125,10 @@ def options_from_logging(
     path of the default sink (a configured entry keeps its own ``path``)."""
     if options is not None:
         return dict(options)
-    logging = section_of(sections, "logging")
-    if logging.get("jsonl", True) is False:
+    keys = keys_of(sections, "logging", JsonlLoggingKeys)
+    if not keys.jsonl:
         return None
-    json_file = logging.get("json_file")
-    return {} if json_file is None else {"path": json_file}
+    return {} if keys.json_file is None else {"path": keys.json_file}
 
 
 def _build(
@@ -137,7 +136,7 @@ def _build(
 ) -> JsonlCallback:
     event_key = options.event_key
     if event_key is None:  # the 2.0 logging.json_file: lines as 2.0 wrote them
-        json_file = context.config.logging.extensions.get("json_file")
+        json_file = context.config.logging.keys_of(JsonlLoggingKeys).json_file
         event_key = json_file is not None and json_file == options.path
     return cls(resolve_path(options.path, context.output_dir), event_key=event_key)
 
@@ -148,7 +147,7 @@ def _build(
     build=_build,
     sections=Sections(
         keys=("logging",),
-        schema={"logging": {"properties": object_schema(JsonlLoggingKeys)["properties"]}},
+        declared={"logging": JsonlLoggingKeys},
         to_options=options_from_logging,
     ),
     enabled_by_default=True,

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Annotated
 from speedtronic.config.declare import Opt, plugin
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import FitContext, StepContext
-from speedtronic.plugins import JSONSchema, PluginOptions, SectionData, Sections, section_of
+from speedtronic.plugins import JSONSchema, PluginOptions, SectionData, Sections, keys_of
 from speedtronic.state.time_budget import (
     MIN_TIME_BUDGET_S,
     DurationError,
@@ -60,15 +60,20 @@ logger = logging.getLogger("speedtronic.time_budget")
 
 _DURATION: JSONSchema = {"type": ["string", "number"], "minLength": 1, "exclusiveMinimum": 0}
 
-MAX_TIME_SCHEMA: JSONSchema = {
-    **_DURATION,
-    "type": ["string", "number", "null"],
-    "default": None,
-    "description": "Wall-clock budget of the job: stop cleanly after the step during which "
-    "it runs out, save, exit 75 (requeue). 90s, 45m, 3h50m, 1d2h, 03:50:00 or seconds; "
-    "null: no budget.",
-}
-"""``run.max_time``, which this plugin adds to the core ``run:`` section."""
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The key this plugin adds to the core ``run:`` section."""
+
+    max_time: Annotated[
+        str | float | None,
+        Opt(
+            "Wall-clock budget of the job: stop cleanly after the step during which it runs "
+            "out, save, exit 75 (requeue). 90s, 45m, 3h50m, 1d2h, 03:50:00 or seconds; null: "
+            "no budget.",
+            schema={**_DURATION, "type": ["string", "number", "null"]},
+        ),
+    ] = None
 
 
 def check_max_time(value: object) -> float:
@@ -103,7 +108,7 @@ def options_from_section(
 ) -> PluginOptions | None:
     """``run.max_time`` adds the plugin (and is the default of a named entry's
     ``max_time``); without it the plugin is left out."""
-    max_time = section_of(sections, "run").get("max_time")
+    max_time = keys_of(sections, "run", RunKeys).max_time
     merged: PluginOptions = {} if max_time is None else {"max_time": max_time}
     if options is None:
         return merged or None
@@ -112,7 +117,7 @@ def options_from_section(
 
 
 def section_errors(sections: SectionData) -> Iterator[str]:
-    max_time = section_of(sections, "run").get("max_time")
+    max_time = keys_of(sections, "run", RunKeys).max_time
     if max_time is not None:
         yield from _duration_errors("run.max_time", max_time)
 
@@ -130,7 +135,7 @@ def options_errors(
     options=TimeBudgetOptions,
     sections=Sections(
         keys=("run",),
-        schema={"run": {"properties": {"max_time": MAX_TIME_SCHEMA}}},
+        declared={"run": RunKeys},
         to_options=options_from_section,
         errors=section_errors,
     ),

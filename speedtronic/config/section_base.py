@@ -7,7 +7,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, TypeAlias, cast
+from typing import TYPE_CHECKING, ClassVar, TypeAlias, TypeVar, cast
 
 from typing_extensions import Self
 
@@ -23,6 +23,8 @@ from speedtronic.errors import ConfigError
 
 JSONValue: TypeAlias = None | bool | int | float | str | list["JSONValue"] | dict[str, "JSONValue"]
 """A value that JSON (and YAML) can represent."""
+
+T = TypeVar("T")
 
 SECRET_KEYS = frozenset({"token", "secret", "password", "hmac_key", "api_key"})
 """Keys whose values are secrets wherever they appear (case-insensitive)."""
@@ -134,6 +136,14 @@ class Section:
             (key, cast(JSONValue, value)) for key, value in values.items() if key not in names
         )
         return section
+
+    def keys_of(self, declaring: type[T]) -> T:
+        """This section's keys that the dataclass ``declaring`` declares, typed: the keys a
+        plugin adds (``config.logging.keys_of(JsonlLoggingKeys).json_file``), built from the
+        validated values without checking them again."""
+        values = self.to_dict()
+        names = {item.name for item in declare.declared(declaring)}
+        return declare.build(declaring, {key: values[key] for key in names if key in values})
 
     def _stated(self) -> dict[str, JSONValue]:
         """What this section states: ``to_dict()`` without the fields that hold their

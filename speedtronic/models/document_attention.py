@@ -22,13 +22,16 @@ Both kernels compute the same attention: the outputs agree to float tolerance
 from __future__ import annotations
 
 import functools
+import typing
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Literal, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Literal, cast
 
 import torch
 
 from speedtronic.errors import ConfigError
+from speedtronic.util.options import Opt, object_schema
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -37,6 +40,7 @@ __all__ = [
     "KERNELS",
     "OPTIONS_SCHEMA",
     "DocumentAttention",
+    "ReferenceTransformerOptions",
     "check_kernel",
     "flex_attend",
     "flex_block_mask",
@@ -44,23 +48,29 @@ __all__ = [
 ]
 
 DocumentAttention = Literal["auto", "sdpa", "flex"]
-KERNELS: tuple[DocumentAttention, ...] = ("auto", "sdpa", "flex")
+KERNELS: tuple[DocumentAttention, ...] = typing.get_args(DocumentAttention)
 
-OPTIONS_SCHEMA: Mapping[str, object] = {
-    "type": "object",
-    "additionalProperties": False,
-    "description": "The reference transformer's options.",
-    "properties": {
-        "document_attention": {
-            "enum": list(KERNELS),
-            "default": "auto",
-            "description": "the kernel of the block-causal mask of packed documents "
-            "(data.document_mask): sdpa (a boolean mask), flex (flex_attention: CUDA for "
-            "training, no dropout) or auto (flex on CUDA without dropout, else sdpa)",
-        }
-    },
-}
-"""The ``model.options`` of the reference transformer (``speedtronic.models.registry``)."""
+
+@dataclass(frozen=True)
+class ReferenceTransformerOptions:
+    """The ``model.options`` of the reference transformer (``ReferenceTransformer``'s keyword
+    beside the standard fields)."""
+
+    document_attention: Annotated[
+        DocumentAttention,
+        Opt(
+            "the kernel of the block-causal mask of packed documents (data.document_mask): "
+            "sdpa (a boolean mask), flex (flex_attention: CUDA for training, no dropout) or "
+            "auto (flex on CUDA without dropout, else sdpa)"
+        ),
+    ] = "auto"
+
+
+OPTIONS_SCHEMA: Mapping[str, object] = object_schema(
+    ReferenceTransformerOptions, extra={"description": "The reference transformer's options."}
+)
+"""The ``model.options`` of the reference transformer (``speedtronic.models.registry``),
+derived from ``ReferenceTransformerOptions``."""
 
 
 def flex_available() -> bool:

@@ -31,9 +31,10 @@ import json
 import stat
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Protocol, cast
+from typing import Annotated, Literal, Protocol, cast
 
 import torch
 from torch import nn
@@ -42,11 +43,13 @@ from speedtronic.data.tokenizer import HF_EXTRA
 from speedtronic.errors import ConfigError
 from speedtronic.models.loss import loss_from_logits
 from speedtronic.optimizers.routing import ROLE_ATTRIBUTE
+from speedtronic.util.options import Opt, object_schema
 
 __all__ = [
     "HF_INSTALL_HINT",
     "HF_OPTIONS_SCHEMA",
     "HFCausalLM",
+    "HFCausalLMOptions",
     "HFModelError",
     "adapt_model",
     "build_hf_causal_lm",
@@ -66,55 +69,73 @@ MAX_CONFIG_BYTES = 4 * 1024 * 1024
 """A ``config.json`` (or safetensors index) larger than this is refused unread."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-HF_OPTIONS_SCHEMA: Mapping[str, object] = {
-    "type": "object",
-    "additionalProperties": False,
-    "description": "A transformers causal LM built from a config (never downloaded).",
-    "properties": {
-        "config": {
-            "type": ["object", "string"],
-            "required": ["model_type"],
-            "properties": {"model_type": {"type": "string", "minLength": 1}},
-            "description": "the transformers config: a mapping with model_type (and any "
-            "config field, e.g. hidden_size), or the path of a local config.json or of a "
-            "directory holding one; default: init_weights_from's config.json",
-        },
-        "pretrained": {
-            "type": "string",
-            "minLength": 1,
-            "description": "a local directory to fine-tune from: a transformers checkpoint "
-            "(config.json and model.safetensors) or a speedtronic export; the config and the "
-            "weights both come from it (not with config or init_weights_from)",
-        },
-        "init_weights_from": {
-            "type": "string",
-            "minLength": 1,
-            "description": "a local directory with model.safetensors (or its sharded index) "
-            "to start from; pickle-format weights are refused",
-        },
-        "attn_implementation": {
-            "enum": ["sdpa", "eager", "flash_attention_2"],
-            "default": "sdpa",
-            "description": "transformers' attention kernel",
-        },
-        "extra_config_keys": {
-            "type": "array",
-            "items": {"type": "string", "minLength": 1},
-            "uniqueItems": True,
-            "default": [],
-            "description": "config keys that are not fields of the config class but that a "
-            "custom config class reads; any other unknown key is an error (a typo such as "
-            "hiden_size would build the model without it)",
-        },
-        "dtype": {
-            "enum": sorted(DTYPES),
-            "default": "float32",
-            "description": "the parameters' dtype (a config.json's own dtype is not used; "
-            "mixed precision is the precision: section)",
-        },
-    },
+_CONFIG_SCHEMA: Mapping[str, object] = {
+    "type": ["object", "string"],
+    "required": ["model_type"],
+    "properties": {"model_type": {"type": "string", "minLength": 1}},
 }
-"""The ``model.options`` of ``hf_causal_lm``."""
+"""A mapping with ``model_type`` or a path: more than one type per field can say."""
+
+
+@dataclass(frozen=True)
+class HFCausalLMOptions:
+    """The ``model.options`` of ``hf_causal_lm`` (``build_hf_causal_lm``'s keywords)."""
+
+    config: Annotated[
+        Mapping[str, object] | str | None,
+        Opt(
+            "the transformers config: a mapping with model_type (and any config field, e.g. "
+            "hidden_size), or the path of a local config.json or of a directory holding one; "
+            "default: init_weights_from's config.json",
+            schema=_CONFIG_SCHEMA,
+        ),
+    ] = None
+    pretrained: Annotated[
+        str | None,
+        Opt(
+            "a local directory to fine-tune from: a transformers checkpoint (config.json and "
+            "model.safetensors) or a speedtronic export; the config and the weights both come "
+            "from it (not with config or init_weights_from)",
+            schema={"type": "string"},
+            min_length=1,
+        ),
+    ] = None
+    init_weights_from: Annotated[
+        str | None,
+        Opt(
+            "a local directory with model.safetensors (or its sharded index) to start from; "
+            "pickle-format weights are refused",
+            schema={"type": "string"},
+            min_length=1,
+        ),
+    ] = None
+    attn_implementation: Annotated[
+        Literal["sdpa", "eager", "flash_attention_2"], Opt("transformers' attention kernel")
+    ] = "sdpa"
+    extra_config_keys: Annotated[
+        tuple[str, ...],
+        Opt(
+            "config keys that are not fields of the config class but that a custom config "
+            "class reads; any other unknown key is an error (a typo such as hiden_size would "
+            "build the model without it)",
+            items={"minLength": 1},
+            extra={"uniqueItems": True},
+        ),
+    ] = ()
+    dtype: Annotated[
+        Literal["bfloat16", "float32"],
+        Opt(
+            "the parameters' dtype (a config.json's own dtype is not used; mixed precision is "
+            "the precision: section)"
+        ),
+    ] = "float32"
+
+
+HF_OPTIONS_SCHEMA: Mapping[str, object] = object_schema(
+    HFCausalLMOptions,
+    extra={"description": "A transformers causal LM built from a config (never downloaded)."},
+)
+"""The ``model.options`` of ``hf_causal_lm``, derived from ``HFCausalLMOptions``."""
 
 
 class HFModelError(ConfigError):
@@ -575,9 +596,9 @@ def build_hf_causal_lm(
     config: Mapping[str, object] | str | None = None,
     init_weights_from: str | None = None,
     pretrained: str | None = None,
-    attn_implementation: str = "sdpa",
-    dtype: str = "float32",
-    extra_config_keys: Sequence[str] = (),
+    attn_implementation: str = HFCausalLMOptions.attn_implementation,
+    dtype: str = HFCausalLMOptions.dtype,
+    extra_config_keys: Sequence[str] = HFCausalLMOptions.extra_config_keys,
     vocab_size: object = None,
     block_size: object = None,
     **reference_fields: object,

@@ -39,6 +39,7 @@ from torch import nn
 
 from speedtronic.models.document_attention import (
     OPTIONS_SCHEMA,
+    ReferenceTransformerOptions,
     check_kernel,
     flex_attend,
     flex_block_mask,
@@ -457,7 +458,7 @@ class ReferenceTransformer(nn.Module):
         dropout: float = GPTConfig.dropout,
         tie_weights: bool = GPTConfig.tie_weights,
         rope_base: float = GPTConfig.rope_base,
-        document_attention: str = "auto",
+        document_attention: str = ReferenceTransformerOptions.document_attention,
     ) -> None:
         super().__init__()
         if block_size is not None and max_seq_len is not None and block_size != max_seq_len:

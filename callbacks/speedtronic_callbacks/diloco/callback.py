@@ -61,6 +61,7 @@ from torch import nn
 from typing_extensions import Self
 
 from speedtronic.config.declare import attach, build
+from speedtronic.config.system_sections import DistributedConfig
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import (
     CoordinateContext,
@@ -76,6 +77,7 @@ from speedtronic.plugins import (
     PluginSpec,
     SectionData,
     Sections,
+    keys_of,
     section_of,
 )
 from speedtronic.systems.distributed import DistributedContext, SameOnEveryRankError
@@ -84,6 +86,7 @@ from speedtronic_callbacks.diloco.directory_transport import DirectoryTransport
 from speedtronic_callbacks.diloco.distributed_section import (
     DISTRIBUTED_SECTION_SCHEMA,
     DistributedSection,
+    DistributedSectionKeys,
     distributed_section_problems,
     normalise_distributed_section,
     options_from_distributed_section,
@@ -167,7 +170,7 @@ def options_from_section(
     """An enabled 2.0 ``distributed:`` section adds the plugin in hub mode; under a
     configured hub-mode entry its keys are defaults (explicit options win)."""
     section = section_of(sections, "distributed")
-    enabled = section.get("enabled") is True
+    enabled = keys_of(sections, "distributed", DistributedSectionKeys).enabled is True
     if options is None:
         return options_from_distributed_section(section) if enabled else None
     if not enabled or options.get("mode") == "collective":
@@ -191,7 +194,7 @@ def options_errors(
     """The cross-field rules of a ``callbacks:`` entry (after the schema pass, the one check
     of its options): the collective timeout and encoding rules, or hub mode's rules on the
     entry as it will be built, with the 2.0 section's keys beneath it."""
-    step_timeout = section_of(sections, "distributed").get("timeout_s")
+    step_timeout = keys_of(sections, "distributed", DistributedConfig).timeout_s
     if options.get("mode") == "collective":
         yield from _collective_timeout_problems(entry, options, step_timeout)
         yield from (f"{entry}.{problem}" for problem in encoding_problems(options))
@@ -586,6 +589,7 @@ DILOCO = PluginSpec(
     sections=Sections(
         keys=("distributed",),
         schema={"distributed": DISTRIBUTED_SECTION_SCHEMA},
+        declared={"distributed": DistributedSectionKeys},
         aliases={"hub": "distributed", "diloco": "distributed"},
         to_options=options_from_section,
         normalise=_normalise_section,
