@@ -42,12 +42,15 @@ def run(
     *,
     limit: int = 1 << 20,
     failing: int = -1,
+    after: int = 0,
     resume: bool = False,
 ) -> list[dict[str, object]]:
     port = free_port()
     envs = [rank_env(rank, world, port) for rank in range(world)] if world > 1 else [NO_RANK]
     children = [
-        forked.start(oom_rank, str(root), tag, json.dumps(cfg), resume, limit, failing, env=env)
+        forked.start(
+            oom_rank, str(root), tag, json.dumps(cfg), resume, limit, failing, after, env=env
+        )
         for env in envs
     ]
     for rank, child in enumerate(children):
@@ -69,6 +72,33 @@ def test_an_oom_halves_the_micro_batch_and_keeps_the_weights_bitwise(
     auto = run(forked, tmp_path, "auto", config(tmp_path, "auto", "auto", 8, 4), 1, limit=2)
     assert auto[0]["raised"] == [8, 4]  # 8 -> 4 -> 2, at the first step only
     assert auto[0]["layout"] == [2, 4] == direct[0]["layout"]
+    assert_same_weights(auto[0], direct[0])
+
+
+def test_an_oom_mid_run_repeats_the_step_over_the_same_samples(
+    forked: Forked, tmp_path: Path
+) -> None:
+    """Steps 1-2 fit at 8, step 3 runs out of memory: from then on 4 x 2, through the end of
+    the epoch (8 steps) and into the next. Against a run at 4 x 2 throughout the weights agree
+    to float tolerance, not bitwise: steps 1-2 summed one microbatch of 8 there and two of 4
+    here (the same samples, the additions in another order)."""
+    direct = run(forked, tmp_path, "direct", config(tmp_path, "direct", 4, 8, 10), 1)
+    auto = run(
+        forked, tmp_path, "auto", config(tmp_path, "auto", "auto", 8, 10), 1, limit=4, after=2
+    )
+    assert auto[0]["raised"] == [8] and auto[0]["layout"] == [4, 2] == direct[0]["layout"]
+    wa, wd = auto[0]["weights"], direct[0]["weights"]
+    assert isinstance(wa, dict) and isinstance(wd, dict)
+    for key in wa:
+        torch.testing.assert_close(wa[key], wd[key], rtol=1e-5, atol=1e-6)
+
+
+def test_without_an_oom_auto_trains_bitwise_as_the_integer_size(
+    forked: Forked, tmp_path: Path
+) -> None:
+    direct = run(forked, tmp_path, "direct", config(tmp_path, "direct", 8, 8, 3), 1)
+    auto = run(forked, tmp_path, "auto", config(tmp_path, "auto", "auto", 8, 3), 1)
+    assert auto[0]["raised"] == [] and auto[0]["layout"] == [8, 1]
     assert_same_weights(auto[0], direct[0])
 
 
@@ -100,7 +130,9 @@ def test_a_resume_reuses_the_chosen_micro_batch(forked: Forked, tmp_path: Path) 
 def test_an_integer_micro_batch_is_unchanged(forked: Forked, tmp_path: Path) -> None:
     """No recovery without ``auto``: the same OOM ends the run."""
     cfg = config(tmp_path, "int", 4, 8, 1)
-    child = forked.start(oom_rank, str(tmp_path), "int", json.dumps(cfg), False, 2, -1, env=NO_RANK)
+    child = forked.start(
+        oom_rank, str(tmp_path), "int", json.dumps(cfg), False, 2, -1, 0, env=NO_RANK
+    )
     assert child.wait(timeout=120) != 0
     assert "OutOfMemoryError" in child.output
 
