@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 from elastic_worker import elastic_config
@@ -137,24 +138,42 @@ def test_an_integer_micro_batch_is_unchanged(forked: Forked, tmp_path: Path) -> 
     assert "OutOfMemoryError" in child.output
 
 
+OOM_PLUGIN = (
+    "import os, torch\n"
+    "from speedtronic import Callback, register_callback\n"
+    "def refuse(module, args):\n"
+    "    raise torch.OutOfMemoryError('CUDA out of memory (injected)')\n"
+    "@register_callback('always_oom')\n"
+    "class AlwaysOom(Callback):\n"
+    "    def on_setup(self, trainer, ctx):\n"
+    "        if os.environ.get('RANK', '0') == '0':\n"
+    "            trainer.model.register_forward_pre_hook(refuse)\n"
+)
+
+
+@pytest.mark.parametrize("world", [1, 2])
 def test_a_micro_batch_of_one_that_does_not_fit_exits_2_naming_the_memory(
-    forked: Forked, tmp_path: Path
+    forked: Forked, tmp_path: Path, world: int
 ) -> None:
-    (tmp_path / "oom_plugin.py").write_text(
-        "import torch\n"
-        "from speedtronic import Callback, register_callback\n"
-        "@register_callback('always_oom')\n"
-        "class AlwaysOom(Callback):\n"
-        "    def on_microbatch_start(self, trainer, ctx):\n"
-        "        raise torch.OutOfMemoryError('CUDA out of memory (injected)')\n"
-    )
+    """Rank 0 cannot fit one sample: every rank stops with exit 2 and one message, rank 0's
+    naming its device's memory and the OOM, the other's pointing at it."""
+    (tmp_path / "oom_plugin.py").write_text(OOM_PLUGIN)
     cfg = config(tmp_path, "cli", "auto", 4, 2)
     cfg["imports"] = ["oom_plugin"]
     cfg["callbacks"] = [{"name": "always_oom"}]
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    child = forked.start(cli_main, "fit", "--config", str(path), env=NO_RANK, cwd=str(tmp_path))
-    assert child.wait(timeout=120) == 2, child.output
-    assert "Traceback" not in child.output
-    assert "a micro-batch of 1 sample does not fit in the memory of cpu" in child.output
-    assert "CUDA out of memory (injected)" in child.output
+    port = free_port()
+    envs = [rank_env(rank, world, port) for rank in range(world)] if world > 1 else [NO_RANK]
+    children = [
+        forked.start(cli_main, "fit", "--config", str(path), env=env, cwd=str(tmp_path))
+        for env in envs
+    ]
+    codes = [child.wait(timeout=120) for child in children]
+    assert codes == [2] * world, children[0].output
+    assert all("Traceback" not in child.output for child in children)
+    first = children[0].output
+    assert "a micro-batch of 1 sample does not fit in the memory of cpu" in first
+    assert "CUDA out of memory (injected)" in first
+    if world == 2:
+        assert "does not fit in the memory of another rank" in children[1].output
