@@ -22,6 +22,11 @@ callback does not exist, so the ``0`` case is the loop of a run without ``max_ti
 ``spike_guard`` is the Trainer with the ``spike_guard`` callback on a loss that never spikes
 (past its warm-up in both markers): what the guard costs per step when nothing happens.
 
+``loader`` and ``auto`` run the scalar model's batches through a ``DataLoader`` (what
+``micro_batch_size: auto`` needs: a batch size it can change); ``auto`` adds the
+out-of-memory recovery, on a model that never runs out: their difference is what the
+recovery costs per step when nothing happens.
+
 ``--baseline`` counts the Trainer of an earlier commit too (unpacked with ``git archive``;
 the benchmark's own scripts stay today's), so a timing taken on another machine at that
 commit converts into µs per instruction there.
@@ -46,8 +51,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CASES = ("hand", "0", "20")
-EXTRA_CASES = ("budget", "spike_guard")
-LABELS = {"budget": "time budget set", "spike_guard": "spike_guard on (nothing spikes)"}
+EXTRA_CASES = ("budget", "spike_guard", "loader", "auto")
+LABELS = {
+    "budget": "time budget set",
+    "spike_guard": "spike_guard on (nothing spikes)",
+    "loader": "0 callbacks, a DataLoader",
+    "auto": "0 callbacks, a DataLoader, micro_batch_size auto (no OOM)",
+}
 MARKERS = ("functools_reduce", "builtin_sorted")
 
 
@@ -59,7 +69,9 @@ def child(case: str) -> None:
     from loop_cost import hand_loop, trainer_loop
 
     torch.set_num_threads(1)
-    if case in EXTRA_CASES:
+    if case in ("loader", "auto"):
+        run = loader_loop(auto=case == "auto")
+    elif case in EXTRA_CASES:
         run = extra_loop(case)
     else:
         run = hand_loop if case == "hand" else trainer_loop(int(case))
@@ -86,6 +98,38 @@ def extra_loop(case: str) -> Callable[[int], None]:
         return [TimeBudget("1d")] if case == "budget" else [SpikeGuard()]
 
     return trainer_loop(0, callbacks)
+
+
+def loader_loop(*, auto: bool) -> Callable[[int], None]:
+    """The ``0`` case's Trainer over a ``DataLoader`` of the scalar batches, with or
+    without ``micro_batch_size: auto``."""
+    import dataclasses
+
+    import torch
+    from overhead import SCALAR_CASE
+
+    from speedtronic import Trainer
+
+    generator = torch.Generator().manual_seed(2)
+    items = [(torch.randn(4, generator=generator), torch.randn((), generator=generator))] * 32
+
+    def run(steps: int) -> None:
+        model = SCALAR_CASE.make_model()
+        loader = torch.utils.data.DataLoader(items, batch_size=1)
+        with tempfile.TemporaryDirectory() as out:
+            trainer = Trainer(
+                model,
+                SCALAR_CASE.make_optimizer(model),
+                loader,
+                device="cpu",
+                max_steps=steps,
+                metrics_every=100,
+                output_dir=Path(out),
+            )
+            trainer.settings = dataclasses.replace(trainer.settings, auto_micro_batch=auto)
+            trainer.fit()
+
+    return run
 
 
 def inclusive_counts(out_file: Path, markers: Sequence[str] = MARKERS) -> dict[str, int]:

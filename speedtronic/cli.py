@@ -484,6 +484,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from speedtronic.config import ConfigError
     from speedtronic.data import DataSourceError
     from speedtronic.engine.dispatch import DuplicateStateKeyError, FilterError, UnknownHookError
+    from speedtronic.engine.oom_retry import MicroBatchError
     from speedtronic.engine.trainer import TrainingStateError
     from speedtronic.plotting import PlotError
     from speedtronic.plugins import PluginError
@@ -501,6 +502,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         CheckpointError,
         RunDirectoryError,
         TrainingStateError,
+        MicroBatchError,
         ShardingError,
         UnknownHookError,  # a user's callback: a typo'd hook, a shared state_key, a bad filter
         DuplicateStateKeyError,

@@ -283,8 +283,12 @@ def test_quoted_false_is_a_type_error_not_truthy() -> None:
 
 def test_string_where_an_int_is_expected_is_a_config_error() -> None:
     # The original compared "2" with an int and crashed with TypeError.
+    assert errors_of({"data": {"micro_batch_size": 2, "target_batch_size": "4"}}) == [
+        "data.target_batch_size: '4' is not of type 'integer', 'null'"
+    ]
+    # micro_batch_size takes an int or "auto": any other string is refused.
     assert errors_of({"data": {"micro_batch_size": "2", "target_batch_size": 4}}) == [
-        "data.micro_batch_size: '2' is not of type 'integer'"
+        "data.micro_batch_size: '2' is not valid under any of the given schemas"
     ]
     with pytest.raises(ConfigError):
         RunConfig(max_steps="5")  # type: ignore[arg-type]  # the point of the test

@@ -59,6 +59,10 @@ class Settings:
     drop_last: bool = True
     seed: int | None = 7
 
+    @property
+    def micro_batch(self) -> int:
+        return self.micro_batch_size
+
 
 def write(tmp_path: Path, text: str | bytes, name: str = "data.txt") -> Path:
     path = tmp_path / name

@@ -34,6 +34,10 @@ class Data:
     target_batch_size: int = 8
     block_size: int | None = 5
 
+    @property
+    def micro_batch(self) -> int:
+        return self.micro_batch_size
+
 
 @dataclass(frozen=True)
 class Model:

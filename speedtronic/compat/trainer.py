@@ -246,6 +246,7 @@ def _resolve_settings(
         device=resolved_device,
         precision=precision or resolve_precision(cfg.precision if cfg else None, resolved_device),
         accumulation_steps=_pick(accumulation_steps, cfg.accumulation_steps if cfg else None, 1),
+        auto_micro_batch=cfg is not None and cfg.data.micro_batch_size == "auto",
         grad_clip=grad_clip,
         metrics_every=_pick(metrics_every, cfg.logging.every_steps if cfg else None, 1),
         # 2.0's ``distributed.reset_inner_optimizer`` (a DiLoCo key, read here only for the

@@ -204,7 +204,17 @@ class DataConfig(Section):
         ),
     ] = None
     micro_batch_size: Annotated[
-        int, Opt("samples per forward/backward", minimum=1, maximum=2**20)
+        int | Literal["auto"],
+        Opt(
+            "samples per forward/backward; `auto`: start at `target_batch_size` (no "
+            "accumulation) and, on running out of device memory, halve it and double the "
+            "accumulation, keeping the global batch (see "
+            "[out-of-memory recovery](scale-out.md#out-of-memory-recovery))",
+            schema={
+                "anyOf": [{"const": "auto"}, {"type": "integer", "minimum": 1, "maximum": 2**20}]
+            },
+            type_text="int ≥ 1 or `auto`",
+        ),
     ] = 1
     target_batch_size: Annotated[
         int | None,
@@ -262,11 +272,19 @@ class DataConfig(Section):
     ] = None
 
     @property
+    def micro_batch(self) -> int:
+        """The micro-batch the run starts with: ``micro_batch_size``, or with ``auto`` the
+        whole ``target_batch_size`` (1 while it is unset)."""
+        if self.micro_batch_size == "auto":
+            return self.target_batch_size or 1
+        return self.micro_batch_size
+
+    @property
     def accumulation_steps(self) -> int:
         """Microbatches per optimizer step (1 while ``target_batch_size`` is unset)."""
         if self.target_batch_size is None:
             return 1
-        return self.target_batch_size // self.micro_batch_size
+        return self.target_batch_size // self.micro_batch
 
     def __repr__(self) -> str:
         return redacted_repr(self)

@@ -295,7 +295,7 @@ class SpeedtronicConfig:
         if self.data.block_size is None:
             self.data.block_size = self.model.max_seq_len
         if self.data.target_batch_size is None:
-            self.data.target_batch_size = self.data.micro_batch_size
+            self.data.target_batch_size = self.data.micro_batch
         if self.data.vocab_size is None:
             self.data.vocab_size = self.model.vocab_size
         if self.data.seed is None:

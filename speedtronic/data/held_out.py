@@ -172,13 +172,13 @@ def build_eval_loader(
     if isinstance(source, Interleave):  # a mixture's: source by source (module docstring)
         batches = SourceBatches(
             source,
-            batch_size=data.micro_batch_size,
+            batch_size=data.micro_batch,
             max_batches=settings.max_batches,
             rank=rank,
             world_size=world_size,
         )
         return DataLoader(source, batch_sampler=batches, num_workers=0, collate_fn=collate_batch)
-    limit = None if settings.max_batches is None else settings.max_batches * data.micro_batch_size
+    limit = None if settings.max_batches is None else settings.max_batches * data.micro_batch
     if isinstance(source, IterableDataset):
         if world_size > 1 or limit is not None:
             source = _HeldOutShare(source, rank=rank, world_size=world_size, limit=limit)
@@ -187,7 +187,7 @@ def build_eval_loader(
         source = Subset(source, range(rank, end, world_size))
     return DataLoader(
         source,
-        batch_size=data.micro_batch_size,
+        batch_size=data.micro_batch,
         shuffle=False,
         num_workers=0,
         collate_fn=collate_batch,

@@ -119,7 +119,7 @@ class DataSettings(Protocol):
     @property
     def block_size(self) -> int | None: ...
     @property
-    def micro_batch_size(self) -> int: ...
+    def micro_batch(self) -> int: ...
     @property
     def num_workers(self) -> int: ...
     @property
@@ -612,7 +612,7 @@ def build_dataloader(
         )
     return DataLoader(
         source,
-        batch_size=config.micro_batch_size,
+        batch_size=config.micro_batch,
         sampler=sampler,
         num_workers=workers,
         collate_fn=collate,

@@ -45,6 +45,7 @@ __all__ = [
     "apply_layout",
     "current_layout",
     "resume_layout",
+    "saved_layout",
     "set_micro_batch",
 ]
 
@@ -118,7 +119,8 @@ def apply_layout(trainer: Trainer, layout: BatchLayout) -> None:
         )
 
 
-def _saved_layout(state: Mapping[str, object]) -> BatchLayout | None:
+def saved_layout(state: Mapping[str, object]) -> BatchLayout | None:
+    """The layout a training state records (None when it records none)."""
     saved = state.get(LAYOUT_KEY)
     if not isinstance(saved, Mapping):
         return None  # written before layouts were recorded
@@ -138,7 +140,7 @@ def resume_layout(trainer: Trainer, state: Mapping[str, object]) -> BatchLayout 
     """The layout that resuming from ``state`` needs, when it differs from the trainer's
     (module docstring); None to keep the trainer's. ``ElasticResumeError`` when the
     checkpoint's global batch cannot be kept on this run's ranks."""
-    saved = _saved_layout(state)
+    saved = saved_layout(state)
     current = current_layout(trainer)
     if saved is None or current is None or saved.ranks == current.ranks:
         return None

@@ -30,6 +30,9 @@ class TrainerSettings:
     """``None``: the device's ``auto`` plan (``resolve_precision``; fp32 on the CPU)."""
     accumulation_steps: int = 1
     """Microbatches per global step (K)."""
+    auto_micro_batch: bool = False
+    """``data.micro_batch_size: auto``: shrink the micro-batch on running out of memory
+    (``speedtronic.engine.oom_retry``)."""
     grad_clip: float | None = None
     """Clip the gradients' total norm to this before each optimizer step."""
     metrics_every: int = 1

@@ -60,6 +60,7 @@ from speedtronic.engine.events import On
 from speedtronic.engine.forward_path import ForwardPath
 from speedtronic.engine.loop import run_global_step
 from speedtronic.engine.notes import Notes
+from speedtronic.engine.oom_retry import OomRecovery, auto_resume_layout
 from speedtronic.engine.rank_metrics import RankMetricReducer
 from speedtronic.engine.result import TrainResult
 from speedtronic.engine.settings import TrainerSettings
@@ -489,6 +490,12 @@ class Trainer:
             self._in_loop = True
             try:
                 requests, multi_rank = state.requests, state.multi_rank
+                # ``micro_batch_size: auto`` wraps each step; otherwise the loop runs bare.
+                run_step = (
+                    OomRecovery(self, state).run_step
+                    if self.settings.auto_micro_batch
+                    else run_global_step
+                )
                 # One process: the target and a stop request decide (spelled out, no call
                 # per step); ranks agree first.
                 while state.step < state.target_step and (
@@ -496,7 +503,7 @@ class Trainer:
                     if multi_rank
                     else requests.stop_reason is None
                 ):
-                    run_global_step(self, state, state.step + 1)
+                    run_step(self, state, state.step + 1)
             except EpochLimitReached:
                 # The data ran out mid-step (or before it): drop the unfinished step.
                 state.optimizer.zero_grad(set_to_none=True)
@@ -579,6 +586,8 @@ class Trainer:
         On another number of data-parallel ranks the saved global batch is kept
         (``speedtronic.engine.batch_layout``)."""
         layout, before = resume_layout(self, state), current_layout(self)
+        if layout is None and self.settings.auto_micro_batch:
+            layout = auto_resume_layout(self, state)  # the size an OOM chose
         if layout is not None:
             apply_layout(self, layout)
         try:

@@ -69,7 +69,7 @@ class ShapeDataSettings(Protocol):
     """The ``data`` fields the checks read."""
 
     @property
-    def micro_batch_size(self) -> int: ...
+    def micro_batch(self) -> int: ...
 
     @property
     def target_batch_size(self) -> int | None: ...
@@ -205,7 +205,7 @@ def _micro_batch_suggestion(micro: int, target: int, alignment: int) -> int | No
 
 
 def _batch_warnings(data: ShapeDataSettings, alignment: int) -> Iterator[ShapeWarning]:
-    micro, target = data.micro_batch_size, data.target_batch_size
+    micro, target = data.micro_batch, data.target_batch_size
     # Without a target batch (no accumulation) any aligned micro batch works.
     suggestion = (
         _micro_batch_suggestion(micro, target, alignment)
@@ -233,7 +233,7 @@ def _sequence_warnings(data: ShapeDataSettings, alignment: int) -> Iterator[Shap
         _round_up(block, alignment) if block else None,
     )
     if block:
-        tokens = data.micro_batch_size * block
+        tokens = data.micro_batch * block
         yield from _check(
             "token_alignment",
             "micro_batch_size*block_size",

@@ -1,0 +1,241 @@
+"""Out-of-memory recovery: ``data.micro_batch_size: auto``.
+
+The run starts with the whole per-rank step as one micro-batch (``target_batch_size``, no
+accumulation). When a microbatch's forward or backward raises ``torch.OutOfMemoryError``,
+the partial step is dropped (gradients set to None, the failed step's references released,
+the CUDA cache emptied), the micro-batch becomes its largest divisor no larger than half of
+it and the accumulation grows to match, so the global batch -- and the gradient, a mean over
+the same samples -- stay the same. The step then runs again from its start over the same
+samples: the data stream is put back where the step began, re-sliced at the new size.
+
+Several ranks agree before the first step: each tries the step's first microbatch with the
+bare model (no DDP hook, no collective), shrinking until it fits, and one ``all_reduce``
+(MIN) of the sizes picks the run's. A rank that alone runs out of memory therefore never
+leaves the others waiting in DDP's gradient all-reduce. The choice is logged and, as the
+batch layout (``engine.batch_layout``), written into every checkpoint; a resume on the same
+ranks reuses it (``auto_resume_layout``).
+
+Nothing here runs per step but a ``try`` and four reads of the step's start (the data
+position and the sample/token counters) -- see docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from speedtronic.engine.batch import move_to_device, resolve_loss, run_model
+from speedtronic.engine.batch_layout import (
+    BatchLayout,
+    apply_layout,
+    current_layout,
+    saved_layout,
+)
+from speedtronic.engine.loop import _accumulate_microbatches, run_global_step
+
+if TYPE_CHECKING:
+    from speedtronic.engine.state import TrainingState
+    from speedtronic.engine.trainer import Trainer
+
+__all__ = ["MicroBatchError", "OomRecovery", "auto_resume_layout"]
+
+logger = logging.getLogger(__name__)
+
+_MICROBATCH_CODE = _accumulate_microbatches.__code__
+
+
+class MicroBatchError(RuntimeError):
+    """``micro_batch_size: auto`` cannot run: not even one sample fits, or the data or the
+    parallel layout gives it nothing to adjust."""
+
+
+def _smaller(micro: int) -> int:
+    """The largest divisor of ``micro`` no larger than half of it (``micro`` > 1)."""
+    return max(d for d in range(1, micro // 2 + 1) if micro % d == 0)
+
+
+def _head(batch: object, n: int) -> object:
+    """The first ``n`` samples of a batch (tensors sliced on their first dimension)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:n]
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_head(value, n) for value in batch)
+    if isinstance(batch, Mapping):
+        return {key: _head(value, n) for key, value in batch.items()}
+    return batch
+
+
+def _in_microbatches(error: BaseException) -> bool:
+    """Whether ``error`` rose from a microbatch's forward/backward (not the optimizer)."""
+    frame = error.__traceback__
+    while frame is not None:
+        if frame.tb_frame.f_code is _MICROBATCH_CODE:
+            return True
+        frame = frame.tb_next
+    return False
+
+
+def _memory_text(device: torch.device, error: str) -> str:
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return f"{device} has {total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free): {error}"
+    return f"{device}: {error}"
+
+
+class OomRecovery:
+    """Runs global steps for a fit with ``micro_batch_size: auto`` (module docstring)."""
+
+    def __init__(self, trainer: Trainer, state: TrainingState) -> None:
+        layout = current_layout(trainer)
+        if layout is None:
+            raise MicroBatchError(
+                "data.micro_batch_size: auto needs a data loader whose batch size can change "
+                "(a DataLoader with a BatchSampler, as build_dataloader makes); this data has "
+                "fixed batches"
+            )
+        if state.multi_rank and trainer.settings.parallel != "ddp":
+            raise MicroBatchError(
+                "data.micro_batch_size: auto works with parallel.strategy ddp; set an integer "
+                f"micro_batch_size with {trainer.settings.parallel}"
+            )
+        self._agree_first = state.multi_rank
+
+    def run_step(self, t: Trainer, s: TrainingState, step: int) -> bool:
+        """``loop.run_global_step``, run again at a smaller micro-batch after an OOM."""
+        if self._agree_first:
+            self._agree_first = False
+            self._agree(t, s)
+        while True:
+            stream = s.stream
+            start = (stream.epoch, stream.batches_in_epoch, s.samples, s.tokens)
+            try:
+                return run_global_step(t, s, step)
+            except torch.OutOfMemoryError as exc:
+                if s.multi_rank or not _in_microbatches(exc):
+                    raise  # other ranks are in DDP's all-reduce: no agreement is possible
+                message = str(exc)
+            # Out of the except block: the traceback, and the activations its frames held,
+            # are gone.
+            s.optimizer.zero_grad(set_to_none=True)
+            if s.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._shrink(t, s, start, message)
+
+    def _shrink(
+        self, t: Trainer, s: TrainingState, start: tuple[int, int, int, int], error: str
+    ) -> None:
+        layout = current_layout(t)
+        assert layout is not None  # checked at construction
+        if layout.micro == 1:
+            raise MicroBatchError(
+                "data.micro_batch_size: auto: a micro-batch of 1 sample does not fit in the "
+                f"memory of {_memory_text(s.device, error)}"
+            )
+        self._switch(t, s, start, _smaller(layout.micro), f"out of memory ({error})")
+
+    def _switch(
+        self, t: Trainer, s: TrainingState, start: tuple[int, int, int, int], micro: int, why: str
+    ) -> None:
+        """Run with ``micro`` from the step that began at ``start``, over the same samples."""
+        layout = current_layout(t)
+        assert layout is not None
+        epoch, batches, s.samples, s.tokens = start
+        stream = s.stream
+        position = stream.state_dict()
+        position.pop("samples", None)  # the cursor of the failed step's end
+        position["epoch"] = epoch
+        position["batches_in_epoch"] = batches * layout.micro // micro
+        stream.abandon()
+        new = BatchLayout(micro, layout.micro * layout.accumulation // micro, layout.ranks)
+        apply_layout(t, new)
+        stream.load_state_dict(position)
+        logger.warning(
+            "data.micro_batch_size auto: micro-batch %d -> %d, accumulation %d -> %d "
+            "(global batch %s) after %s",
+            layout.micro,
+            new.micro,
+            layout.accumulation,
+            new.accumulation,
+            new.describe(),
+            why,
+        )
+
+    def _agree(self, t: Trainer, s: TrainingState) -> None:
+        """Before the first step of several ranks: the largest micro-batch every rank fits
+        (each tries alone, then one MIN all-reduce)."""
+        stream, layout = s.stream, current_layout(t)
+        assert layout is not None
+        start = (stream.epoch, stream.batches_in_epoch, s.samples, s.tokens)
+        batch = next(stream)
+        if s.device.type != "cpu":
+            batch = move_to_device(batch, s.device)
+        micro, error = layout.micro, ""
+        buffers = [buffer.detach().clone() for buffer in s.model.buffers()]
+        devices = [s.device] if s.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            for micro, error in self._tries(t, s, batch, layout.micro):  # noqa: B007  # the last try is the answer
+                pass
+        del batch
+        for buffer, saved in zip(s.model.buffers(), buffers, strict=True):
+            buffer.copy_(saved)
+        fits = torch.tensor([micro if not error else 0], device=s.device)
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+        agreed = int(fits.item())
+        if agreed == 0:
+            if error:
+                raise MicroBatchError(
+                    "data.micro_batch_size: auto: a micro-batch of 1 sample does not fit in "
+                    f"the memory of {_memory_text(s.device, error)}"
+                )
+            raise MicroBatchError(
+                "data.micro_batch_size: auto: a micro-batch of 1 sample does not fit in the "
+                "memory of another rank (its log names the device)"
+            )
+        if agreed == layout.micro:
+            stream.abandon()
+            position = stream.state_dict()
+            position.pop("samples", None)
+            position["epoch"], position["batches_in_epoch"] = start[0], start[1]
+            stream.load_state_dict(position)
+            return
+        self._switch(t, s, start, agreed, "the ranks agreed on the largest size they all fit")
+
+    def _tries(
+        self, t: Trainer, s: TrainingState, batch: object, micro: int
+    ) -> Iterator[tuple[int, str]]:
+        """Forward/backward of the first ``micro`` samples with the bare model, halving on
+        OOM; yields each size and its error ("" when it fit)."""
+        path = t.forward_path
+        while True:
+            error = ""
+            try:
+                with path.autocast():
+                    head = _head(batch, micro)
+                    loss = resolve_loss(run_model(s.model, head), head)
+                loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+                del loss, head
+            except torch.OutOfMemoryError as exc:
+                error = str(exc)
+            s.optimizer.zero_grad(set_to_none=True)
+            if error and s.device.type == "cuda":
+                torch.cuda.empty_cache()
+            yield micro, error
+            if not error or micro == 1:
+                return
+            micro = _smaller(micro)
+
+
+def auto_resume_layout(trainer: Trainer, state: Mapping[str, object]) -> BatchLayout | None:
+    """The layout a checkpoint of an ``auto`` run chose, to resume with on the same ranks
+    (None when it keeps the trainer's, or changes the global batch)."""
+    saved, current = saved_layout(state), current_layout(trainer)
+    if saved is None or current is None or saved == current:
+        return None
+    if saved.ranks != current.ranks or saved.global_batch != current.global_batch:
+        return None
+    logger.info("data.micro_batch_size auto: resumed with the checkpoint's %s", saved.describe())
+    return saved

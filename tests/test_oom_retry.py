@@ -1,0 +1,179 @@
+"""``data.micro_batch_size: auto``: on out-of-memory the micro-batch halves and the
+accumulation doubles, over the same samples, so the weights after training equal those of a
+run configured with the final layout from the start.
+
+The OOM comes from a forward pre-hook (``tests/oom_worker.py``). The comparison is bitwise:
+the recovered step runs the same microbatches, in the same order, with the same loss divisors
+as the directly configured run (the failed attempt is dropped before it changes anything but
+the gradients, which are set to None), and the model has no dropout whose masks the failed
+attempt would have drawn. Ranks are real gloo processes forked from the fork server.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from elastic_worker import elastic_config
+from forked import Forked, cli_main
+from oom_worker import oom_rank
+from rank_env import free_port, rank_env
+from sequential_shards import write_sequential_shards
+
+NO_RANK = {key: None for key in rank_env(0, 1, 0)}
+
+
+def config(root: Path, tag: str, micro: int | str, target: int, steps: int) -> dict[str, object]:
+    data = {"tokens": str(write_sequential_shards(root / "shards", [(0, 129), (1000, 129)]))}
+    out = root / tag
+    cfg = elastic_config(out, data, micro=2, target=target, steps=steps)
+    cfg["data"]["micro_batch_size"] = micro  # type: ignore[index]  # a dict
+    return cfg
+
+
+def run(
+    forked: Forked,
+    root: Path,
+    tag: str,
+    cfg: dict[str, object],
+    world: int,
+    *,
+    limit: int = 1 << 20,
+    failing: int = -1,
+    after: int = 0,
+    resume: bool = False,
+) -> list[dict[str, object]]:
+    port = free_port()
+    envs = [rank_env(rank, world, port) for rank in range(world)] if world > 1 else [NO_RANK]
+    children = [
+        forked.start(
+            oom_rank, str(root), tag, json.dumps(cfg), resume, limit, failing, after, env=env
+        )
+        for env in envs
+    ]
+    for rank, child in enumerate(children):
+        assert child.wait(timeout=120) == 0, f"rank {rank}:\n{child.output[-3000:]}"
+    return [torch.load(root / f"{tag}-rank{rank}.pt") for rank in range(world)]
+
+
+def assert_same_weights(a: dict[str, object], b: dict[str, object]) -> None:
+    wa, wb = a["weights"], b["weights"]
+    assert isinstance(wa, dict) and isinstance(wb, dict) and wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+
+
+def test_an_oom_halves_the_micro_batch_and_keeps_the_weights_bitwise(
+    forked: Forked, tmp_path: Path
+) -> None:
+    direct = run(forked, tmp_path, "direct", config(tmp_path, "direct", 2, 8, 4), 1)
+    auto = run(forked, tmp_path, "auto", config(tmp_path, "auto", "auto", 8, 4), 1, limit=2)
+    assert auto[0]["raised"] == [8, 4]  # 8 -> 4 -> 2, at the first step only
+    assert auto[0]["layout"] == [2, 4] == direct[0]["layout"]
+    assert_same_weights(auto[0], direct[0])
+
+
+def test_an_oom_mid_run_repeats_the_step_over_the_same_samples(
+    forked: Forked, tmp_path: Path
+) -> None:
+    """Steps 1-2 fit at 8, step 3 runs out of memory: from then on 4 x 2, through the end of
+    the epoch (8 steps) and into the next. Against a run at 4 x 2 throughout the weights agree
+    to float tolerance, not bitwise: steps 1-2 summed one microbatch of 8 there and two of 4
+    here (the same samples, the additions in another order)."""
+    direct = run(forked, tmp_path, "direct", config(tmp_path, "direct", 4, 8, 10), 1)
+    auto = run(
+        forked, tmp_path, "auto", config(tmp_path, "auto", "auto", 8, 10), 1, limit=4, after=2
+    )
+    assert auto[0]["raised"] == [8] and auto[0]["layout"] == [4, 2] == direct[0]["layout"]
+    wa, wd = auto[0]["weights"], direct[0]["weights"]
+    assert isinstance(wa, dict) and isinstance(wd, dict)
+    for key in wa:
+        torch.testing.assert_close(wa[key], wd[key], rtol=1e-5, atol=1e-6)
+
+
+def test_without_an_oom_auto_trains_bitwise_as_the_integer_size(
+    forked: Forked, tmp_path: Path
+) -> None:
+    direct = run(forked, tmp_path, "direct", config(tmp_path, "direct", 8, 8, 3), 1)
+    auto = run(forked, tmp_path, "auto", config(tmp_path, "auto", "auto", 8, 3), 1)
+    assert auto[0]["raised"] == [] and auto[0]["layout"] == [8, 1]
+    assert_same_weights(auto[0], direct[0])
+
+
+def test_one_rank_out_of_memory_all_ranks_agree_and_keep_the_weights_bitwise(
+    forked: Forked, tmp_path: Path
+) -> None:
+    direct = run(forked, tmp_path, "direct", config(tmp_path, "direct", 2, 4, 3), 2)
+    auto = run(
+        forked, tmp_path, "auto", config(tmp_path, "auto", "auto", 4, 3), 2, limit=2, failing=0
+    )
+    assert auto[0]["raised"] == [4] and auto[1]["raised"] == []
+    for rank in (0, 1):
+        assert auto[rank]["layout"] == [2, 2] == direct[rank]["layout"]
+        assert_same_weights(auto[rank], direct[rank])
+
+
+def test_a_resume_reuses_the_chosen_micro_batch(forked: Forked, tmp_path: Path) -> None:
+    first = run(forked, tmp_path, "run", config(tmp_path, "run", "auto", 8, 2), 1, limit=2)
+    assert first[0]["layout"] == [2, 4]
+    resumed = run(
+        forked, tmp_path, "run", config(tmp_path, "run", "auto", 8, 4), 1, limit=2, resume=True
+    )
+    assert resumed[0]["raised"] == []  # started at the checkpoint's micro-batch of 2
+    assert resumed[0]["layout"] == [2, 4]
+    direct = run(forked, tmp_path, "direct", config(tmp_path, "direct", 2, 8, 4), 1)
+    assert_same_weights(resumed[0], direct[0])
+
+
+def test_an_integer_micro_batch_is_unchanged(forked: Forked, tmp_path: Path) -> None:
+    """No recovery without ``auto``: the same OOM ends the run."""
+    cfg = config(tmp_path, "int", 4, 8, 1)
+    child = forked.start(
+        oom_rank, str(tmp_path), "int", json.dumps(cfg), False, 2, -1, 0, env=NO_RANK
+    )
+    assert child.wait(timeout=120) != 0
+    assert "OutOfMemoryError" in child.output
+
+
+OOM_PLUGIN = (
+    "import os, torch\n"
+    "from speedtronic import Callback, register_callback\n"
+    "def refuse(module, args):\n"
+    "    raise torch.OutOfMemoryError('CUDA out of memory (injected)')\n"
+    "@register_callback('always_oom')\n"
+    "class AlwaysOom(Callback):\n"
+    "    def on_setup(self, trainer, ctx):\n"
+    "        if os.environ.get('RANK', '0') == '0':\n"
+    "            trainer.model.register_forward_pre_hook(refuse)\n"
+)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_micro_batch_of_one_that_does_not_fit_exits_2_naming_the_memory(
+    forked: Forked, tmp_path: Path, world: int
+) -> None:
+    """Rank 0 cannot fit one sample: every rank stops with exit 2 and one message, rank 0's
+    naming its device's memory and the OOM, the other's pointing at it."""
+    (tmp_path / "oom_plugin.py").write_text(OOM_PLUGIN)
+    cfg = config(tmp_path, "cli", "auto", 4, 2)
+    cfg["imports"] = ["oom_plugin"]
+    cfg["callbacks"] = [{"name": "always_oom"}]
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    envs = [rank_env(rank, world, port) for rank in range(world)] if world > 1 else [NO_RANK]
+    children = [
+        forked.start(cli_main, "fit", "--config", str(path), env=env, cwd=str(tmp_path))
+        for env in envs
+    ]
+    codes = [child.wait(timeout=120) for child in children]
+    assert codes == [2] * world, children[0].output
+    assert all("Traceback" not in child.output for child in children)
+    first = children[0].output
+    assert "a micro-batch of 1 sample does not fit in the memory of cpu" in first
+    assert "CUDA out of memory (injected)" in first
+    if world == 2:
+        assert "does not fit in the memory of another rank" in children[1].output
