@@ -73,3 +73,13 @@ def test_a_tensor_record_torch_did_not_read_whole_is_still_checked(tmp_path: Pat
         reader.seek(located[0].start)
         reader.read(16)  # a partial read checks nothing
         assert reader.unchecked == located and reader.failed == []
+
+
+def test_the_crc32_is_zlibs_checksum_and_chains() -> None:
+    import zlib
+
+    from speedtronic.state.record_check import crc32
+
+    data = bytes(range(256)) * 1000
+    assert crc32(data) == zlib.crc32(data)
+    assert crc32(memoryview(data)[1000:], crc32(data[:1000])) == zlib.crc32(data)

@@ -12,19 +12,35 @@ checked afterwards (``unchecked``) by the caller.
 
 from __future__ import annotations
 
+import functools
 import io
 import struct
 import zipfile
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
 
-try:  # ISA-L's CRC-32 (carry-less multiply): ~3x zlib's speed, the same checksum
-    from isal.isal_zlib import crc32
-except ImportError:  # a platform without isal wheels
-    from zlib import crc32
+
+def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """The CRC-32 of ``data`` continuing from ``value`` (zlib's checksum): ISA-L's
+    (carry-less multiply, ~3x zlib's speed) where ``isal`` is installed, else zlib's."""
+    return _crc32_function()(data, value)
+
+
+@functools.cache
+def _crc32_function() -> Callable[[bytes | bytearray | memoryview, int], int]:
+    # Imported at the first check, not with the module: isal's import takes milliseconds
+    # that ``import speedtronic`` should not pay.
+    try:
+        from isal.isal_zlib import crc32 as isal_crc32
+    except ImportError:  # a platform without isal wheels
+        return zlib.crc32
+    return isal_crc32
+
 
 __all__ = ["CheckingReader", "StoredRecord", "crc32", "locate_records"]
 
@@ -68,9 +84,10 @@ def locate_records(
 
 
 class CheckingReader(io.RawIOBase):
-    """A read-only view of an open archive that checks each record in ``records`` against
-    its CRC-32 when a read returns exactly that record's bytes (positioned at the start). ``failed``: the records
-    whose bytes did not match; ``unchecked``: those not read that way (yet)."""
+    """A read-only view of an open archive (positioned at its start) that checks each
+    record in ``records`` against its CRC-32 when a read returns exactly that record's
+    bytes. ``failed``: the records whose bytes did not match; ``unchecked``: those not read
+    that way (yet)."""
 
     def __init__(self, handle: io.FileIO, records: list[StoredRecord]) -> None:
         super().__init__()
