@@ -149,10 +149,17 @@ def run(directory: Path, repeats: int, device: str) -> list[Row]:
     # no case pays for freeing another's blocks; pruning is timed on its own.
     manager = CheckpointManager(directory / "ours", keep_last=None)
     times: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}  # this process's CPU time: less moved by other jobs
 
     def record(name: str, action: Callable[[], object]) -> None:
         os.sync()  # start every case with no dirty pages left by the previous one
+        started = time.process_time()
         times.setdefault(name, []).append(timed(action))
+        cpu.setdefault(name, []).append(time.process_time() - started)
+
+    def cpu_ratio(ours: str, base: str) -> str:
+        pairs = zip(cpu[ours][1:], cpu[base][1:], strict=True)
+        return f"CPU-time ratio {statistics.median(b / o for o, b in pairs):.2f} (paired)"
 
     def cases(step: int) -> list[tuple[str, Callable[[], object]]]:
         raw, raw_fsync = directory / f"raw_{step}.pt", directory / f"raw_fsync_{step}.pt"
@@ -188,7 +195,8 @@ def run(directory: Path, repeats: int, device: str) -> list[Row]:
             "save vs torch.save + fsync",
             times["save"],
             times["raw_fsync"],
-            f"raw+fsync {med['raw_fsync']:.3f} s (same durability); {busy}",
+            f"raw+fsync {med['raw_fsync']:.3f} s (same durability); "
+            f"{cpu_ratio('save', 'raw_fsync')}; {busy}",
         ),
         compare(
             "save vs torch.save (no fsync)",
@@ -200,7 +208,8 @@ def run(directory: Path, repeats: int, device: str) -> list[Row]:
             "load vs torch.load",
             times["load"],
             times["load_raw"],
-            f"torch.load(weights_only=True) {med['load_raw']:.3f} s; {busy}",
+            f"torch.load(weights_only=True) {med['load_raw']:.3f} s; "
+            f"{cpu_ratio('load', 'load_raw')}; {busy}",
         ),
         (
             "prune one old checkpoint",
