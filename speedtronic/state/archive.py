@@ -6,7 +6,8 @@ CRC-32s) -- the checksum the pointer keeps for the file -- and a load
 (``load_checkpoint_file``) checks the index against it and every record's bytes against
 their CRC-32 before ``torch.load``. A mismatch is damage (``CorruptCheckpointError``: the
 manager falls back to an older checkpoint). This costs no second pass over the data at save
-time, and the check at load time reads the records in place through a memory map.
+time, and the check at load time runs on the bytes ``torch.load`` reads
+(``speedtronic.state.record_check``): the data is read once.
 
 The load itself goes through ``speedtronic.state.safe_load.restricted_load``, the one
 unpickling path of the storage layer: a file that holds pickled Python objects is refused
@@ -17,19 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
-import mmap
-import struct
+import os
+import re
 import zipfile
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import torch
 
 from speedtronic.state.errors import CheckpointError, CorruptCheckpointError, first_line
 from speedtronic.state.layout import PathLike, write_atomically
+from speedtronic.state.record_check import CheckingReader, StoredRecord, crc32, locate_records
 from speedtronic.state.safe_load import restricted_load
 
 __all__ = ["archive_checksum", "atomic_torch_save", "load_checkpoint_file"]
@@ -90,16 +92,28 @@ def load_checkpoint_file(path: PathLike, *, checksum: str | None = None) -> dict
     integrity: every record against its CRC-32 and, when given, the record index against
     ``checksum`` (what ``atomic_torch_save`` returned).
 
-    Raises ``UnsafeCheckpointError`` when it holds pickled objects, ``CorruptCheckpointError``
-    when it is truncated, damaged or fails a check, ``CheckpointError`` when it is missing,
-    cannot be read at all or is not a dict.
+    The index and the small records (the pickle among them) are checked before anything is
+    unpickled; the tensor records as ``torch.load`` reads them (``record_check``), so the
+    data is read once. Raises ``UnsafeCheckpointError`` when it holds pickled objects,
+    ``CorruptCheckpointError`` when it is truncated, damaged or fails a check,
+    ``CheckpointError`` when it is missing, cannot be read at all or is not a dict.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist or is not a file")
-    _check_readable(path)
-    _verify_archive(path, checksum)
-    state = restricted_load(path, name=str(path))
+    try:
+        handle = open(path, "rb", buffering=0)  # noqa: SIM115 -- closed below
+        handle.read(1)
+    except OSError as exc:
+        # Permissions or an I/O error: an environment problem, not a damaged checkpoint
+        # to step over.
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+    with handle:
+        tensors = _verify_archive(path, handle, checksum)
+        if tensors is None:  # not a zip archive, and no checksum recorded: torch decides
+            state = restricted_load(path, name=str(path))
+        else:
+            state = _load_checked(path, handle, tensors)
     if not isinstance(state, dict):
         raise CheckpointError(
             f"{path} is not a speedtronic checkpoint: it holds a {type(state).__name__}, "
@@ -108,28 +122,62 @@ def load_checkpoint_file(path: PathLike, *, checksum: str | None = None) -> dict
     return state
 
 
-def _check_readable(path: Path) -> None:
-    """``CheckpointError`` when ``path`` cannot be opened and read at all (permissions, an
-    I/O error): that is not a damaged checkpoint to step over, it is an environment problem."""
+def _load_checked(path: Path, handle: io.FileIO, tensors: list[StoredRecord]) -> object:
+    """``restricted_load`` of the open archive, checking the ``tensors`` records' CRC-32s
+    as torch reads them, and afterwards any it did not read in one piece."""
+    reader = CheckingReader(handle, tensors)
     try:
-        with open(path, "rb") as handle:
-            handle.read(1)
-    except OSError as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+        state = restricted_load(cast(BinaryIO, reader), name=str(path))
+    except CheckpointError as exc:
+        if reader.failed:  # damage found on the way explains the failure
+            raise _bad_record(path, reader.failed[0]) from exc
+        raise
+    for record in reader.unchecked:
+        if _crc_of(handle, record) != record.crc:
+            reader.failed.append(record.name)
+    if reader.failed:
+        raise _bad_record(path, reader.failed[0])
+    return state
+
+
+def _bad_record(path: Path, name: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"checkpoint {path} is unreadable (record {name} fails its integrity check: "
+        "Bad CRC-32 (its bytes changed after it was saved))"
+    )
 
 
 _VERIFY_CHUNK = 16 * 1024 * 1024
+_TENSOR_RECORD = re.compile(r"[^/]+/data/\d+")
+"""The name of a tensor storage record in a ``torch.save`` archive (``<archive>/data/<key>``)."""
 
 
-def _verify_archive(path: Path, checksum: str | None) -> None:
-    """``CorruptCheckpointError`` when the archive's index differs from ``checksum`` or a
-    record's bytes fail their CRC-32. A file that is not a zip archive at all is left to
-    ``torch.load`` when no checksum was recorded (an older or foreign format)."""
+def _crc_of(handle: io.FileIO, record: StoredRecord) -> int:
+    crc = 0
+    handle.seek(record.start)
+    left = record.size
+    while left > 0:
+        chunk = handle.read(min(left, _VERIFY_CHUNK))
+        if not chunk:
+            break  # cut short: the CRC cannot match
+        crc = crc32(chunk, crc)
+        left -= len(chunk)
+    return crc
+
+
+def _verify_archive(
+    path: Path, handle: io.FileIO, checksum: str | None
+) -> list[StoredRecord] | None:
+    """Check the archive's index against ``checksum`` and every record but the tensor
+    storages against its CRC-32; return the tensor records, for ``torch.load`` to check as
+    it reads them. ``CorruptCheckpointError`` on a mismatch. ``None`` for a file that is not
+    a zip archive at all when no checksum was recorded (an older or foreign format: left to
+    ``torch.load``)."""
     try:
-        archive = zipfile.ZipFile(path)
+        archive = zipfile.ZipFile(handle)
     except zipfile.BadZipFile as exc:
         if checksum is None:
-            return
+            return None
         raise CorruptCheckpointError(
             f"checkpoint {path} is unreadable (not an intact zip archive although a checksum "
             f"was recorded for it: {first_line(exc)})"
@@ -139,61 +187,46 @@ def _verify_archive(path: Path, checksum: str | None) -> None:
             f"checkpoint {path} is unreadable (damaged zip directory): "
             f"{type(exc).__name__}: {first_line(exc)}"
         ) from exc
-    with archive:
-        actual = _index_checksum(archive)
-        if checksum is not None and actual != checksum:
-            raise CorruptCheckpointError(
-                f"checkpoint {path} is unreadable (checksum mismatch: the pointer recorded "
-                f"{checksum[:16]}..., the file has {actual[:16]}...; it was changed or "
-                "replaced after it was saved)"
-            )
-        with (
-            open(path, "rb") as handle,
-            mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
-        ):
-            view = memoryview(mapped)
-            try:
-                for info in archive.infolist():
-                    problem = _record_problem(archive, view, info)
-                    if problem is not None:
-                        raise CorruptCheckpointError(
-                            f"checkpoint {path} is unreadable (record {info.filename} fails "
-                            f"its integrity check: {problem})"
-                        )
-            finally:
-                view.release()
-
-
-_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature, ..., name length, extra length
-_LOCAL_SIGNATURE = b"PK\x03\x04"
-
-
-def _record_problem(
-    archive: zipfile.ZipFile, view: memoryview, info: zipfile.ZipInfo
-) -> str | None:
-    """Why a record's bytes do not match its CRC-32, or ``None``. Stored records (all that
-    ``torch.save`` writes) are checked in place through the memory map, without copying;
-    anything else through ``zipfile``."""
-    if info.compress_type != zipfile.ZIP_STORED:
-        try:
-            with archive.open(info) as record:
-                while record.read(_VERIFY_CHUNK):
-                    pass
-        except Exception as exc:  # BadZipFile "Bad CRC-32", EOFError, zlib.error, ...
-            return f"{type(exc).__name__}: {first_line(exc)}"
-        return None
-    header_end = info.header_offset + _LOCAL_HEADER.size
-    if header_end > len(view):
-        return "its header lies beyond the end of the file"
-    signature, name_length, extra_length = _LOCAL_HEADER.unpack(
-        view[info.header_offset : header_end]
+    actual = _index_checksum(archive)
+    if checksum is not None and actual != checksum:
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is unreadable (checksum mismatch: the pointer recorded "
+            f"{checksum[:16]}..., the file has {actual[:16]}...; it was changed or "
+            "replaced after it was saved)"
+        )
+    infos = archive.infolist()
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:  # torch.save stores; others: zipfile
+            problem = _compressed_problem(archive, info)
+            if problem is not None:
+                raise _failed(path, info.filename, problem)
+    stored = [info for info in infos if info.compress_type == zipfile.ZIP_STORED]
+    located, broken = locate_records(
+        cast(BinaryIO, handle), stored, os.fstat(handle.fileno()).st_size
     )
-    if signature != _LOCAL_SIGNATURE:
-        return "no local header where the directory says"
-    start = header_end + name_length + extra_length
-    end = start + info.compress_size
-    if end > len(view):
-        return "the file is cut short"
-    if zlib.crc32(view[start:end]) != info.CRC:
-        return "Bad CRC-32 (its bytes changed after it was saved)"
+    if broken:
+        raise _failed(path, broken[0][0].filename, broken[0][1])
+    tensors = []
+    for record in located:
+        if _TENSOR_RECORD.fullmatch(record.name):
+            tensors.append(record)
+        elif _crc_of(handle, record) != record.crc:
+            raise _bad_record(path, record.name)
+    return tensors
+
+
+def _failed(path: Path, name: str, problem: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"checkpoint {path} is unreadable (record {name} fails its integrity check: {problem})"
+    )
+
+
+def _compressed_problem(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> str | None:
+    """Why a compressed record does not read back intact (``zipfile`` checks its CRC-32)."""
+    try:
+        with archive.open(info) as record:
+            while record.read(_VERIFY_CHUNK):
+                pass
+    except Exception as exc:  # BadZipFile "Bad CRC-32", EOFError, zlib.error, ...
+        return f"{type(exc).__name__}: {first_line(exc)}"
     return None
