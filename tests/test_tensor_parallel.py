@@ -30,6 +30,7 @@ from forked import Forked
 from rank_env import free_port, rank_env
 from tensor_parallel_worker import (
     ACCUMULATION_STEPS,
+    GLOBAL_BATCH,
     STEPS,
     TIED_STEPS,
     cli_rank,
@@ -153,7 +154,8 @@ def test_checkpoints_resume_across_layouts(
 ) -> None:
     """tensor 2 x data 1 <-> data 2: weights and AdamW moments restored bit for bit, and --
     the global batch being the same in both layouts -- the next losses are the one-process
-    run's."""
+    run's. The sample and token counters continue as the one-process run's: logged and in
+    the fit's totals, each batch counted once, not once per tensor rank."""
     out, reports = two_ranks
     states = torch.load(out / "w2.pt")[key]
     assert sorted(states["saved"]) == sorted(states["loaded"])
@@ -169,6 +171,12 @@ def test_checkpoints_resume_across_layouts(
             torch.tensor(one_process[family]["loss"][5:7]),
             **TOLERANCE,
         )
+        counted = resumed["counted"]
+        assert isinstance(counted, dict)
+        one = one_process[family]
+        assert counted["samples"] == one["samples"][5:7] == [6 * GLOBAL_BATCH, 7 * GLOBAL_BATCH]
+        assert counted["tokens"] == one["tokens"][5:7]
+        assert counted["totals"] == [one["samples"][6], one["tokens"][6]]
 
 
 def test_a_cli_run_under_tensor_parallelism_evaluates_exports_and_generates(
