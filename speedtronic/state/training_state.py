@@ -78,6 +78,14 @@ def capture_training_state(training: TrainingState) -> dict[str, object]:
             sharded_leaves = {CALLBACK_SHARDS: shards, CALLBACK_SHARD_PATHS: paths}
     else:
         model, optimizer = training.model.state_dict(), training.optimizer.state_dict()
+    counters: dict[str, int] = {
+        "step": training.step,
+        "samples": training.samples,
+        "tokens": training.tokens,
+        "world_size": _world(training)[1],  # the counters above are this rank's share
+    }
+    if training.tensor > 1:  # of its data rank's batches, which its tensor peers count too
+        counters["tensor"] = training.tensor
     state: dict[str, object] = {
         "format_version": STATE_FORMAT_VERSION,
         "versions": {"speedtronic": __version__, "torch": str(torch.__version__)},
@@ -85,13 +93,7 @@ def capture_training_state(training: TrainingState) -> dict[str, object]:
         "optimizer": optimizer,
         "scheduler": training.scheduler.state_dict() if training.scheduler is not None else None,
         "scaler": training.scaler.state_dict() if training.scaler is not None else None,
-        "counters": {
-            "step": training.step,
-            "samples": training.samples,
-            "tokens": training.tokens,
-            "world_size": _world(training)[1],  # the counters above are this rank's share
-            "tensor": training.tensor,  # of the batches of its data rank (tensor peers: same)
-        },
+        "counters": counters,
         "rng": capture_rng_state(),
         "data": training.stream.state_dict(),
         "callbacks": callbacks,
@@ -189,7 +191,7 @@ def _rank_share(training: TrainingState, counters: Mapping[str, int]) -> tuple[i
     degree, ``world_size / T``) are split over the new data ranks, the remainder to the
     lowest, each share counted by all ``T`` ranks of the data rank: the new run's totals
     continue from the old run's. States written before ``world_size`` was recorded carry
-    over as they are; before ``tensor`` was, ``T`` was 1."""
+    over as they are; ``tensor`` is recorded when above 1 (absent: 1)."""
     samples, tokens = int(counters["samples"]), int(counters["tokens"])
     saved_world = int(counters.get("world_size", 0))
     saved_tensor = max(int(counters.get("tensor", 1)), 1)
