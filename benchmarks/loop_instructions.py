@@ -27,12 +27,18 @@ callback does not exist, so the ``0`` case is the loop of a run without ``max_ti
 out-of-memory recovery, on a model that never runs out: their difference is what the
 recovery costs per step when nothing happens.
 
+``transformer`` and ``transformer_spike_guard`` are the same two Trainers (no callback; the
+guard) on a realistic small step: the smoke-sized reference transformer of ``overhead.py``
+(2 layers, d_model 64, 2 microbatches of 8 x 32 tokens per step, AdamW), 2 and 6 steps in
+the markers (its per-step count is large and steady; 4 steps are enough).
+
 ``--baseline`` counts the Trainer of an earlier commit too (unpacked with ``git archive``;
 the benchmark's own scripts stay today's), so a timing taken on another machine at that
 commit converts into µs per instruction there.
 
-Needs ``valgrind``; each case takes about six CPU-minutes (mostly ``import torch`` under
-valgrind), the three cases run side by side.
+Needs ``valgrind`` and a C compiler: the imports run uninstrumented (a tiny helper built
+with ``cc`` against ``valgrind/callgrind.h`` turns instrumentation on once they are done),
+which takes ``import torch`` from minutes to seconds; the cases run side by side.
 """
 
 from __future__ import annotations
@@ -51,13 +57,22 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CASES = ("hand", "0", "20")
-EXTRA_CASES = ("budget", "spike_guard", "loader", "auto")
+EXTRA_CASES = ("budget", "spike_guard", "loader", "auto", "transformer", "transformer_spike_guard")
 LABELS = {
     "budget": "time budget set",
     "spike_guard": "spike_guard on (nothing spikes)",
     "loader": "0 callbacks, a DataLoader",
     "auto": "0 callbacks, a DataLoader, micro_batch_size auto (no OOM)",
+    "transformer": "smoke transformer, no callbacks",
+    "transformer_spike_guard": "smoke transformer, spike_guard on (nothing spikes)",
 }
+# Steps in the two markers: (first, second); the per-step count is their difference over
+# ``second - first`` steps.
+MARKER_STEPS = {"transformer": (2, 6), "transformer_spike_guard": (2, 6)}
+DEFAULT_MARKER_STEPS = (100, 300)
+HELPER_C = """#include <valgrind/callgrind.h>
+void start_instrumentation(void) { CALLGRIND_START_INSTRUMENTATION; }
+"""
 MARKERS = ("functools_reduce", "builtin_sorted")
 
 
@@ -71,18 +86,58 @@ def child(case: str) -> None:
     torch.set_num_threads(1)
     if case in ("loader", "auto"):
         run = loader_loop(auto=case == "auto")
+    elif case.startswith("transformer"):
+        run = transformer_loop(case)
     elif case in EXTRA_CASES:
         run = extra_loop(case)
     else:
         run = hand_loop if case == "hand" else trainer_loop(int(case))
-    run(20)
+    helper = os.environ.get("LOOP_INSTRUCTIONS_HELPER")
+    if helper:  # the imports are done: count from here (the markers still select)
+        import ctypes
+
+        ctypes.CDLL(helper).start_instrumentation()
+    first, second = MARKER_STEPS.get(case, DEFAULT_MARKER_STEPS)
+    run(2 if case.startswith("transformer") else 20)
     # Without this, whether a full (generation 2) collection of torch's ~10^5 objects falls
     # into one marker or the other moved the count by up to ±30,000 instructions per step.
     # Frozen objects are never collected again; young ones still are, as in a real run.
     gc.collect()
     gc.freeze()
-    functools.reduce(lambda _a, _b: run(100), [0, 0])
-    sorted([0, 1], key=lambda a: (run(300) or 0) if a else 0)  # keys must compare
+    functools.reduce(lambda _a, _b: run(first), [0, 0])
+    sorted([0, 1], key=lambda a: (run(second) or 0) if a else 0)  # keys must compare
+
+
+def transformer_loop(case: str) -> Callable[[int], None]:
+    """The Trainer on the smoke-sized reference transformer (``overhead.py``'s model,
+    batches and AdamW; 2 microbatches a step), with the spike guard or no callback."""
+    from overhead import K, make_batches, make_model, optimizer_for
+
+    from speedtronic import Trainer
+    from speedtronic.engine.callback import Callback
+    from speedtronic_callbacks.spike_guard import SpikeGuard
+
+    batches = make_batches()
+
+    def run(steps: int) -> None:
+        model = make_model()
+        optimizer, scheduler = optimizer_for(model)
+        guard: list[Callback] = [SpikeGuard(warmup_steps=2)] if "spike" in case else []
+        with tempfile.TemporaryDirectory() as out:
+            Trainer(
+                model,
+                optimizer,
+                batches,
+                device="cpu",
+                scheduler=scheduler,
+                callbacks=guard,
+                accumulation_steps=K,
+                max_steps=steps,
+                metrics_every=100,
+                output_dir=Path(out),
+            ).fit()
+
+    return run
 
 
 def extra_loop(case: str) -> Callable[[int], None]:
@@ -159,17 +214,31 @@ def export_revision(revision: str, into: Path) -> Path:
     return tree
 
 
+def build_helper(into: Path) -> Path:
+    """The shared library whose one function turns callgrind's instrumentation on."""
+    source = into / "start_instrumentation.c"
+    source.write_text(HELPER_C, encoding="utf-8")
+    library = into / "start_instrumentation.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", str(library), str(source)], check=True)
+    return library
+
+
 def start_callgrind(
     script: str, child_args: Sequence[str], markers: Sequence[str], out: Path, source: Path
 ) -> subprocess.Popen[bytes]:
     """``script --child *child_args`` under callgrind, collecting only inside ``markers``
-    and importing speedtronic from ``source``."""
+    and importing speedtronic from ``source``; uninstrumented until the child calls the
+    helper (``build_helper``, next to ``out``)."""
     path = os.pathsep.join([str(source), str(source / "callbacks")])
+    helper = out.parent / "start_instrumentation.so"
+    if not helper.exists():
+        build_helper(out.parent)
     return subprocess.Popen(
         [
             "valgrind",
             "--tool=callgrind",
             "--collect-atstart=no",
+            "--instr-atstart=no",
             *(f"--toggle-collect={marker}" for marker in markers),
             f"--callgrind-out-file={out}",
             sys.executable,
@@ -177,7 +246,12 @@ def start_callgrind(
             "--child",
             *child_args,
         ],
-        env=dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=path),
+        env=dict(
+            os.environ,
+            PYTHONHASHSEED="0",
+            PYTHONPATH=path,
+            LOOP_INSTRUCTIONS_HELPER=str(helper),
+        ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -223,7 +297,9 @@ def main() -> None:
         per_step = {}
         for case, out in outs.items():
             counts = inclusive_counts(out)
-            per_step[case] = (counts["builtin_sorted"] - counts["functools_reduce"]) / 200
+            first, second = MARKER_STEPS.get(case, DEFAULT_MARKER_STEPS)
+            extra_steps = second - first
+            per_step[case] = (counts["builtin_sorted"] - counts["functools_reduce"]) / extra_steps
     hand = per_step["hand"]
     print(f"hand-written loop: {hand:,.0f} instructions per step")
     print("| Trainer | instructions/step | extra over the hand loop | extra |")
@@ -232,8 +308,16 @@ def main() -> None:
     if args.baseline:
         rows.append((f"{args.baseline}, no callbacks", "baseline"))
     for label, case in rows:
+        if case.startswith("transformer"):
+            continue
         extra = per_step[case] - hand
         print(f"| {label} | {per_step[case]:,.0f} | {extra:,.0f} | {extra / hand:.1%} |")
+    if "transformer" in per_step:
+        step = per_step["transformer"]
+        print(f"smoke transformer step, no callbacks: {step:,.0f} instructions per step")
+        if "transformer_spike_guard" in per_step:
+            extra = per_step["transformer_spike_guard"] - step
+            print(f"spike_guard on it: {extra:+,.0f} instructions per step ({extra / step:.2%})")
 
 
 if __name__ == "__main__":

@@ -118,10 +118,12 @@ def full_state(trainer: object) -> dict[str, torch.Tensor]:
 
 
 def fit(trainer: object, steps: int) -> dict[str, list[float]]:
-    """The logged (global) losses, grad norms and sample counts of each step."""
+    """The logged (global) losses, grad norms, sample and token counts of each step, and
+    the fit's run totals (``totals``: samples, tokens)."""
     result = trainer.fit(steps)  # type: ignore[attr-defined]
-    keys = ("loss", "grad_norm", "samples")
-    return {key: [float(record[key]) for record in result.metrics] for key in keys}
+    keys = ("loss", "grad_norm", "samples", "tokens")
+    logged = {key: [float(record[key]) for record in result.metrics] for key in keys}
+    return {**logged, "totals": [float(result.samples), float(result.tokens)]}
 
 
 def resume(trainer: object) -> str:
@@ -144,7 +146,9 @@ def relayout(
     second = make_trainer(family, tensor=new, **place)  # type: ignore[arg-type]
     report: dict[str, object] = {"from": resume(second), "step": second.step}  # type: ignore[attr-defined]
     loaded = full_state(second)
-    report["after"] = fit(second, 7)["loss"]
+    after = fit(second, 7)
+    report["after"] = after["loss"]
+    report["counted"] = {key: after[key] for key in ("samples", "tokens", "totals")}
     return report, {"saved": saved, "loaded": loaded}
 
 

@@ -353,7 +353,10 @@ def test_a_changed_world_size_splits_the_saved_run_totals_over_the_new_ranks(
         counters["world_size"] = saved_world
     shares = [
         _rank_share(
-            cast(Trainer, SimpleNamespace(distributed=SimpleNamespace(rank=r, world_size=world))),
+            cast(
+                Trainer,
+                SimpleNamespace(distributed=SimpleNamespace(rank=r, world_size=world), tensor=1),
+            ),
             counters,
         )
         for r in range(world)
@@ -364,3 +367,33 @@ def test_a_changed_world_size_splits_the_saved_run_totals_over_the_new_ranks(
         assert sum(s for s, _ in shares) == 7 * saved_world
         assert sum(t for _, t in shares) == 301 * saved_world
         assert max(s for s, _ in shares) - min(s for s, _ in shares) <= 1
+
+
+@pytest.mark.parametrize(
+    ("saved_world", "saved_tensor", "world", "tensor"),
+    [(2, 2, 2, 1), (2, 1, 2, 2), (4, 2, 2, 1), (2, 2, 4, 2), (4, 2, 2, 2), (3, 1, 4, 2)],
+)
+def test_a_changed_tensor_layout_keeps_the_run_totals(
+    saved_world: int, saved_tensor: int, world: int, tensor: int
+) -> None:
+    """The ranks of a tensor-parallel group train (and count) the same batches: the saved
+    run's totals are rank 0's counts times its data-parallel degree, and the new ranks'
+    shares make the same totals (sum over ranks / tensor degree), tensor peers alike."""
+    counters = {"step": 9, "samples": 7, "tokens": 301, "world_size": saved_world}
+    counters["tensor"] = saved_tensor
+    shares = [
+        _rank_share(
+            cast(
+                Trainer,
+                SimpleNamespace(
+                    distributed=SimpleNamespace(rank=r, world_size=world), tensor=tensor
+                ),
+            ),
+            counters,
+        )
+        for r in range(world)
+    ]
+    data_ranks = saved_world // saved_tensor
+    assert sum(s for s, _ in shares) == 7 * data_ranks * tensor
+    assert sum(t for _, t in shares) == 301 * data_ranks * tensor
+    assert all(len(set(shares[d * tensor : (d + 1) * tensor])) == 1 for d in range(world // tensor))

@@ -30,6 +30,7 @@ from forked import Forked
 from rank_env import free_port, rank_env
 from tensor_parallel_worker import (
     ACCUMULATION_STEPS,
+    GLOBAL_BATCH,
     STEPS,
     TIED_STEPS,
     cli_rank,
@@ -153,7 +154,8 @@ def test_checkpoints_resume_across_layouts(
 ) -> None:
     """tensor 2 x data 1 <-> data 2: weights and AdamW moments restored bit for bit, and --
     the global batch being the same in both layouts -- the next losses are the one-process
-    run's."""
+    run's. The sample and token counters continue as the one-process run's: logged and in
+    the fit's totals, each batch counted once, not once per tensor rank."""
     out, reports = two_ranks
     states = torch.load(out / "w2.pt")[key]
     assert sorted(states["saved"]) == sorted(states["loaded"])
@@ -169,6 +171,12 @@ def test_checkpoints_resume_across_layouts(
             torch.tensor(one_process[family]["loss"][5:7]),
             **TOLERANCE,
         )
+        counted = resumed["counted"]
+        assert isinstance(counted, dict)
+        one = one_process[family]
+        assert counted["samples"] == one["samples"][5:7] == [6 * GLOBAL_BATCH, 7 * GLOBAL_BATCH]
+        assert counted["tokens"] == one["tokens"][5:7]
+        assert counted["totals"] == [one["samples"][6], one["tokens"][6]]
 
 
 def test_a_cli_run_under_tensor_parallelism_evaluates_exports_and_generates(
@@ -305,6 +313,13 @@ REFERENCE = {"n_layer": 1, "n_head": 4, "n_kv_head": 2, "d_model": 32}
             {"strategy": "ddp", "tensor": 2},
             "parallel.tensor: 2 needs parallel.strategy 'fsdp'",
         ),
+        (
+            {**REFERENCE, "max_seq_len": 15},
+            {"strategy": "fsdp", "tensor": 2},
+            "parallel.tensor: 2 does not divide the sequence length (data.block_size, by "
+            "default model.max_seq_len) (15): the reference transformer's sequence "
+            "parallelism splits each sequence evenly over the tensor ranks",
+        ),
     ],
 )
 def test_validate_refuses_what_does_not_split(
@@ -333,6 +348,37 @@ def test_a_degree_that_does_not_divide_the_world_exits_2(
     assert result.returncode == 2
     assert "parallel.tensor: 2 does not divide the world size (1 rank(s))" in result.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_sequence_length_the_degree_does_not_divide_exits_2_before_anything_runs(
+    tmp_path: Path,
+) -> None:
+    """Sequence parallelism splits each sequence over the tensor ranks: ``validate`` and
+    ``fit`` (on any number of processes) refuse a block size it cannot split, naming both."""
+    config = write(
+        tmp_path,
+        REFERENCE,
+        data={
+            "synthetic_kind": "learnable",
+            "num_tokens": 256,
+            "micro_batch_size": 2,
+            "block_size": 6,
+        },
+        parallel={"strategy": "fsdp", "tensor": 4},
+    )
+    message = (
+        "parallel.tensor: 4 does not divide data.block_size (6): the reference transformer's "
+        "sequence parallelism splits each sequence evenly over the tensor ranks; use a "
+        "sequence length that is a multiple of 4"
+    )
+    for command in ("validate", "fit"):
+        result = run_cli(command, "--config", str(config), cwd=tmp_path)
+        assert result.returncode == 2, result.stdout
+        assert message in result.stderr
+        assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+    fits = write(tmp_path, REFERENCE, parallel={"strategy": "fsdp", "tensor": 2})  # 16 tokens
+    assert run_cli("validate", "--config", str(fits), cwd=tmp_path).returncode == 0
 
 
 def test_muon_is_refused_under_tensor_parallelism(tmp_path: Path) -> None:

@@ -28,10 +28,14 @@ cleanly after the step (``fit_end`` runs; the checkpoint callback saves the last
 weights) with a stop reason the CLI turns into exit status 2: data or a learning rate that
 keeps the loss spiking is the user's to fix, not something to train through.
 
-Cost: each step's check brings one or two numbers to the host -- one device sync per step
-(nothing on the CPU; on a GPU the overlap of one step) -- and is the guard's only hook on the
-hot path (figures in docs/performance.md). With several ranks the numbers are
-averaged over the world first (one all-reduce of two floats), so every rank skips alike.
+Cost: each step's check brings one or two numbers to the host -- one device sync per step,
+which the guard cannot avoid: whether the update is applied must be known on the host
+before the optimizer step (nothing on the CPU; on a GPU the overlap of one step). It is the
+guard's only hook on the hot path; watching the loss on one rank it reads the loss tensor
+once, compares it with the band's mean (the deviation only for values above it) and updates
+running sums, with no per-step allocation beyond the float (figures in docs/performance.md).
+With several ranks the numbers are averaged over the world first (one all-reduce of two
+floats), so every rank skips alike.
 """
 
 from __future__ import annotations
@@ -121,32 +125,39 @@ class SkippedStep:
 class RunningBand:
     """Mean and standard deviation of the last ``window`` accepted values, in constant time
     per value: running sums, recomputed exactly once per ``window`` values so that rounding
-    never accumulates."""
+    never accumulates. An append allocates nothing beyond the float itself (the deque's
+    ring buffer is preallocated in blocks; the count is kept, not measured)."""
 
     def __init__(self, window: int) -> None:
         self.values: deque[float] = deque(maxlen=window)
+        self.window = window
+        self.count = 0
         self._sum = 0.0
         self._squares = 0.0
         self._since_exact = 0
 
     def __len__(self) -> int:
-        return len(self.values)
+        return self.count
 
     def append(self, value: float) -> None:
-        if len(self.values) == self.values.maxlen:
-            oldest = self.values[0]
-            self._sum -= oldest
-            self._squares -= oldest * oldest
-        self.values.append(value)
-        self._sum += value
-        self._squares += value * value
+        values = self.values
+        if self.count == self.window:
+            oldest = values[0]
+            self._sum += value - oldest
+            self._squares += value * value - oldest * oldest
+        else:
+            self.count += 1
+            self._sum += value
+            self._squares += value * value
+        values.append(value)
         self._since_exact += 1
-        if self._since_exact >= len(self.values):
+        if self._since_exact >= self.count:
             self.recompute()
 
     def extend(self, values: Iterable[float]) -> None:
         self.values.clear()
         self.values.extend(values)
+        self.count = len(self.values)
         self.recompute()
 
     def sums(self) -> list[float]:
@@ -166,10 +177,15 @@ class RunningBand:
         self._since_exact = 0
 
     def mean_std(self) -> tuple[float, float]:
-        count = len(self.values)
+        count = self.count
         mean = self._sum / count
         variance = max(self._squares - count * mean * mean, 0.0) / max(count - 1, 1)
         return mean, math.sqrt(variance)
+
+    def below_mean(self, value: float) -> bool:
+        """Whether ``value`` is finite and at most the mean: it cannot spike, and the
+        deviation need not be computed (about half of the steps of a steady run)."""
+        return self._sum / self.count >= value > -math.inf
 
     def spikes(self, value: float, threshold: float) -> tuple[bool, float, float]:
         """Whether ``value`` lies more than ``threshold`` deviations above the mean (a
@@ -216,11 +232,14 @@ class SpikeGuard(Callback):
         self.skipped: list[SkippedStep] = []
         self.skipped_steps = 0
         self.multi_rank = False
+        self._loss_band: RunningBand | None = None  # set when the lean path applies
         self.due_when = {Event.METRICS: logging_steps()}
 
     def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         context = trainer.distributed
         self.multi_rank = context is not None and context.world_size > 1
+        lean = self.watch == "loss" and not self.multi_rank
+        self._loss_band = self.bands["loss"] if lean else None
 
     # -- state ----------------------------------------------------------------------------
 
@@ -255,6 +274,20 @@ class SpikeGuard(Callback):
     # -- hooks ----------------------------------------------------------------------------
 
     def on_before_optimizer_step(self, trainer: TrainerView, ctx: OptimizerStepContext) -> None:
+        band = self._loss_band
+        if band is not None:  # the common case -- the loss, one rank -- kept lean
+            loss = ctx.loss
+            if loss is None:
+                return
+            value = loss.item()  # the one host read (the decision precedes the update)
+            if band.count >= self.warmup_steps and not band.below_mean(value):
+                spiked, mean, std = band.spikes(value, self.threshold)
+                if spiked:
+                    position = dict(trainer.data_position())
+                    self._skip(trainer, SkippedStep(ctx.step, "loss", value, mean, std, position))
+                    return
+            band.append(value)
+            return
         values = self._watched_values(trainer, ctx)
         if values is None:
             return
@@ -276,8 +309,6 @@ class SpikeGuard(Callback):
         """This step's watched numbers on the host, in ``names`` order (one transfer;
         averaged over the ranks)."""
         loss = ctx.loss
-        if self.watch == "loss" and not self.multi_rank:  # the common case: one number
-            return None if loss is None else [loss.item()]
         watched: list[torch.Tensor] = []
         if self.watch != "grad_norm":
             if loss is None:

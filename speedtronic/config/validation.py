@@ -385,6 +385,7 @@ def _model_rules(values: _Values) -> Iterator[str]:
         yield from sorted(set(found))
     if _is_reference_transformer(factory):
         yield from _reference_transformer_rules(values)
+        yield from _sequence_parallel_rules(values)
 
 
 def _is_reference_transformer(factory: object) -> bool:
@@ -410,6 +411,28 @@ def _reference_transformer_rules(values: _Values) -> Iterator[str]:
     d_model = values.positive_int("model", "d_model")
     if d_model is not None and d_model % n_head:
         yield f"model.d_model: {d_model} is not divisible by model.n_head ({n_head})"
+
+
+def _sequence_parallel_rules(values: _Values) -> Iterator[str]:
+    """Under tensor parallelism the reference transformer's plan splits each sequence
+    evenly over the tensor ranks between sub-layers (``SequenceParallel``): the sequence
+    length (``data.block_size``, by default ``model.max_seq_len``) must be a multiple of
+    the tensor degree. (A tensor degree without ``strategy: fsdp`` is refused by
+    ``_parallel_rules``.)"""
+    tensor = values.positive_int("parallel", "tensor")
+    if tensor is None or tensor < 2 or values.text("parallel", "strategy") != "fsdp":
+        return
+    where = "data.block_size"
+    block = values.positive_int("data", "block_size")
+    if values.get("data", "block_size") is None:
+        where = "the sequence length (data.block_size, by default model.max_seq_len)"
+        block = values.positive_int("model", "max_seq_len")
+    if block is not None and block % tensor:
+        yield (
+            f"parallel.tensor: {tensor} does not divide {where} ({block}): the reference "
+            "transformer's sequence parallelism splits each sequence evenly over the tensor "
+            f"ranks; use a sequence length that is a multiple of {tensor}"
+        )
 
 
 def _optimizer_rules(values: _Values) -> Iterator[str]:

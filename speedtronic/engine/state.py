@@ -107,6 +107,9 @@ class TrainingState:
     distributed: DistributedContext | None = None
     sharded: bool = False
     """Whether the model and optimizer are FSDP shards (``parallel.strategy: fsdp``)."""
+    tensor: int = 1
+    """Ranks that train each batch together (``parallel.tensor``): each counts it, so the
+    run's totals are the ranks' sums divided by it."""
 
     # -- the counters ---------------------------------------------------------------------
     step: int = 0

@@ -220,6 +220,7 @@ class Trainer:
             run_config=run_config,
             distributed=distributed,
             sharded=settings.parallel == "fsdp",
+            tensor=settings.tensor,
             step=start_step,
             target_step=max_steps or 0,
             fit_clock=FitClock(time.perf_counter(), start_step, 0, 0),

@@ -78,6 +78,14 @@ def capture_training_state(training: TrainingState) -> dict[str, object]:
             sharded_leaves = {CALLBACK_SHARDS: shards, CALLBACK_SHARD_PATHS: paths}
     else:
         model, optimizer = training.model.state_dict(), training.optimizer.state_dict()
+    counters: dict[str, int] = {
+        "step": training.step,
+        "samples": training.samples,
+        "tokens": training.tokens,
+        "world_size": _world(training)[1],  # the counters above are this rank's share
+    }
+    if training.tensor > 1:  # of its data rank's batches, which its tensor peers count too
+        counters["tensor"] = training.tensor
     state: dict[str, object] = {
         "format_version": STATE_FORMAT_VERSION,
         "versions": {"speedtronic": __version__, "torch": str(torch.__version__)},
@@ -85,12 +93,7 @@ def capture_training_state(training: TrainingState) -> dict[str, object]:
         "optimizer": optimizer,
         "scheduler": training.scheduler.state_dict() if training.scheduler is not None else None,
         "scaler": training.scaler.state_dict() if training.scaler is not None else None,
-        "counters": {
-            "step": training.step,
-            "samples": training.samples,
-            "tokens": training.tokens,
-            "world_size": _world(training)[1],  # the counters above are this rank's share
-        },
+        "counters": counters,
         "rng": capture_rng_state(),
         "data": training.stream.state_dict(),
         "callbacks": callbacks,
@@ -179,21 +182,29 @@ def _world(training: TrainingState) -> tuple[int, int]:
 def _rank_share(training: TrainingState, counters: Mapping[str, int]) -> tuple[int, int]:
     """This rank's share of the saved sample and token counters.
 
-    Each rank counts what it trained, and the run's totals are the sum over ranks; a
-    checkpoint holds rank 0's counts. In the same world size every rank saw as many samples
-    as rank 0, so the counts carry over as they are. In another world size the saved run's
-    totals (rank 0's counts times its world size) are split over the new ranks, the remainder
-    to the lowest ranks, so the new run's totals continue from the old run's. States written
-    before ``world_size`` was recorded carry over as they are."""
+    Each rank counts what it trained; the ranks of a tensor-parallel group (``tensor``, the
+    ranks ``d * T .. d * T + T - 1`` of data rank ``d``) train the same batches and count
+    them alike, so the run's totals are the sum over ranks divided by ``T``. A checkpoint
+    holds rank 0's counts, the world size and ``T``. In the same layout every rank's counts
+    equal rank 0's (every data rank sees as many samples), so they carry over as they are.
+    In another layout the saved run's totals (rank 0's counts times its data-parallel
+    degree, ``world_size / T``) are split over the new data ranks, the remainder to the
+    lowest, each share counted by all ``T`` ranks of the data rank: the new run's totals
+    continue from the old run's. States written before ``world_size`` was recorded carry
+    over as they are; ``tensor`` is recorded when above 1 (absent: 1)."""
     samples, tokens = int(counters["samples"]), int(counters["tokens"])
     saved_world = int(counters.get("world_size", 0))
+    saved_tensor = max(int(counters.get("tensor", 1)), 1)
     rank, world = _world(training)
-    if saved_world in (0, world):
+    tensor = training.tensor if training.tensor > 0 and world % training.tensor == 0 else 1
+    if saved_world == 0 or (saved_world, saved_tensor) == (world, tensor):
         return samples, tokens
+    saved_data_ranks = max(saved_world // saved_tensor, 1)
+    data_rank, data_ranks = rank // tensor, world // tensor
 
     def share(count: int) -> int:
-        total = count * saved_world
-        return total // world + (1 if rank < total % world else 0)
+        total = count * saved_data_ranks
+        return total // data_ranks + (1 if data_rank < total % data_ranks else 0)
 
     return share(samples), share(tokens)
 
