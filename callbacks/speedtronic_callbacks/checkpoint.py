@@ -31,17 +31,7 @@ When a save happens:
   (``state_key: checkpoint``), so it survives a resume. An ``eval/*`` key is read on
   evaluation steps only; a key that is missing where it should be is an error.
 
-Signals: with ``save_on_signal`` the first SIGTERM or SIGINT asks the trainer to stop after
-the current step (``trainer.request_stop("signal SIGTERM")``); the fit then ends normally,
-the final checkpoint is written, and ``TrainResult.stop_reason`` says which signal it was
-(``speedtronic.state.checkpoint.requeue_exit_code`` maps it to the exit status 128 + signal
-number). A second signal is handled the way it was before the fit (Ctrl-C twice interrupts
-at once) -- except while a checkpoint is being written (or waited for): cut short there,
-torch's archive writer turned the interrupt into a "could not write" error. Then the save
-goes on, and the signal is handed over as soon as the checkpoint is on disk (it is the
-resume point); a third signal abandons the save at once (its temp file removed, the
-previous checkpoint stays the resume point), and the run ends as interrupted either way,
-never with a checkpoint error. The previous handlers are restored at ``teardown``.
+Signals (``save_on_signal``): ``speedtronic_callbacks.checkpoint_signals``.
 
 Async save (``async_save``): the state is snapshotted into reused CPU buffers and written by
 one background thread while training goes on. Buffers, RNG, counters and callback state are
@@ -74,21 +64,17 @@ local directory holds is downloaded first -- a fresh machine resumes from the st
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import logging
 import math
 import signal
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
-from types import FrameType, MappingProxyType
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal, cast
+from typing import TYPE_CHECKING, ClassVar, Literal, cast
 
-from speedtronic.config.declare import Opt, keyword_build, object_schema, plugin
+from speedtronic.config.declare import keyword_build, plugin
 from speedtronic.engine.callback import Callback
 from speedtronic.engine.contexts import (
     CheckpointContext,
@@ -102,12 +88,8 @@ from speedtronic.engine.contexts import (
 from speedtronic.engine.events import Event
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS, never
 from speedtronic.plugins import (
-    JSONSchema,
     PluginContext,
-    PluginOptions,
-    SectionData,
     Sections,
-    section_of,
 )
 from speedtronic.state.checkpoint import (
     CheckpointError,
@@ -122,13 +104,21 @@ from speedtronic.state.resume import FetchedCheckpoint
 from speedtronic.state.rng import capture_rng_state
 from speedtronic.state.run_lock import RunPaths, resolve_run_path
 from speedtronic.state.time_budget import is_time_budget_stop
+from speedtronic_callbacks.checkpoint_options import (
+    CHECKPOINT_SECTION_SCHEMA,
+    DEFAULT_DIRECTORY,
+    NO_REMOTE_OPTIONS,
+    CheckpointOptions,
+    options_errors,
+    options_from_section,
+    section_errors,
+)
 from speedtronic_callbacks.checkpoint_remote import (
-    credential_errors,
     fetch,
     start_mirror,
-    url_credential_errors,
     wait_for_uploads,
 )
+from speedtronic_callbacks.checkpoint_signals import SaveSignals
 from speedtronic_callbacks.monitor import Mode, check_monitor, improves, read_monitored
 from speedtronic_callbacks.wall_clock import Deadline
 
@@ -138,182 +128,6 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointCallback", "CheckpointOptions"]
 
 logger = logging.getLogger("speedtronic.checkpoint")
-
-HANDLED_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
-SignalHandler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
-"""What ``signal.signal`` returns: the handler that was installed before."""
-
-
-DEFAULT_DIRECTORY = "checkpoints"
-"""The checkpoint directory, under the run's output directory, when none is given."""
-
-_MANAGER = inspect.signature(CheckpointManager).parameters
-"""``CheckpointManager``'s own defaults (its 2.0 signature, ``every_steps=500,
-keep_last=3``): the options of the same names take them, so each value is written once."""
-
-
-@dataclass(frozen=True)
-class CheckpointOptions:
-    """The ``checkpoint`` plugin's options, one field each. The ``checkpoint:`` section holds
-    the same keys (all but ``save_final``); its values are the defaults of a ``callbacks:``
-    entry's options."""
-
-    directory: Annotated[
-        str,
-        Opt("where checkpoints go; a relative path is under `run.output_dir`", min_length=1),
-    ] = DEFAULT_DIRECTORY
-    every_steps: Annotated[
-        int,
-        Opt(
-            "save after every step that is a multiple of this (and at the end of a successful fit)",
-            minimum=1,
-        ),
-    ] = _MANAGER["every_steps"].default
-    keep_last: Annotated[
-        int | None, Opt("keep the newest N checkpoints; `null` keeps all", minimum=1)
-    ] = _MANAGER["keep_last"].default
-    enabled: Annotated[
-        bool,
-        Opt(
-            "`false` saves nothing (the callback stays inert); in the `checkpoint:` section "
-            "it also leaves the plugin out unless `callbacks:` names it"
-        ),
-    ] = _MANAGER["enabled"].default
-    save_final: Annotated[
-        bool,
-        Opt(
-            "save at the end of a successful fit unless the last step was just saved "
-            "(an option only, not a key of the `checkpoint:` section)"
-        ),
-    ] = True
-    save_on_exception: Annotated[bool, Opt("best-effort save when the fit fails (see below)")] = (
-        False
-    )
-    save_on_signal: Annotated[
-        bool,
-        Opt("SIGTERM/SIGINT: stop after the current step, save, exit for requeue"),
-    ] = True
-    async_save: Annotated[
-        bool,
-        Opt("snapshot to CPU memory, write on a background thread (see below)"),
-    ] = False
-    resume: Annotated[
-        bool,
-        Opt(
-            "resume from the newest checkpoint before the fit, like `--resume`; warns and "
-            "starts fresh when there is none"
-        ),
-    ] = False
-    load_callback_state: Annotated[bool, Opt("on resume, restore every callback's saved state")] = (
-        True
-    )
-    monitor: Annotated[
-        str | None,
-        Opt(
-            "a metric key (`eval/loss`, `loss`, ...): save a checkpoint whenever it improves "
-            "and name the best in `best.json` (see "
-            "[evaluation](evaluation.md#the-best-checkpoint)); an `eval/*` key needs "
-            "`eval.every_steps`",
-            min_length=1,
-        ),
-    ] = None
-    mode: Annotated[
-        Mode, Opt("whether lower (`min`) or higher (`max`) monitored values are better")
-    ] = "min"
-    every_minutes: Annotated[
-        float | None,
-        Opt(
-            "also save when this many minutes passed since the last save (wall clock; see "
-            "[cluster runs](cluster-runs.md)); `null`: by steps only",
-            exclusive_minimum=0,
-            maximum=527040,
-        ),
-    ] = None
-    remote: Annotated[
-        str | None,
-        Opt(
-            "fsspec URL (`s3://bucket/run1`, `gs://...`, `file://...`) every committed "
-            "checkpoint is uploaded to in the background; `--resume` downloads a newer one "
-            "from it; needs the `remote` extra; `null`: local only",
-            min_length=1,
-        ),
-    ] = None
-    remote_options: Annotated[
-        dict[str, object],
-        Opt(
-            "fsspec storage options for `remote` (s3fs: `endpoint_url`, `client_kwargs`, "
-            "`config_kwargs`, ...); credentials come from the environment, never from here",
-            schema={"type": "object"},
-        ),
-    ] = field(default_factory=dict)
-    remote_attempts: Annotated[
-        int,
-        Opt(
-            "tries per store operation (exponential backoff with jitter: up to 1 s, 2 s, "
-            "4 s, ... at most 30 s apart) before an upload counts as failed",
-            minimum=1,
-            maximum=100,
-        ),
-    ] = 5
-    remote_final_wait_s: Annotated[
-        float,
-        Opt(
-            "seconds the end of a fit waits for the last uploads to `remote` before it "
-            "gives up (the checkpoints stay local); a SIGTERM ends the wait at once",
-            minimum=0,
-            maximum=86400,
-        ),
-    ] = 600.0
-
-
-OPTIONS_ONLY = ("save_final",)
-"""Options that are not keys of the ``checkpoint:`` section."""
-
-CHECKPOINT_SECTION_SCHEMA: JSONSchema = {
-    "title": "checkpoint",
-    "description": "Checkpointing (read by the checkpoint plugin: the defaults of its options).",
-    **object_schema(CheckpointOptions, exclude=OPTIONS_ONLY),
-}
-"""The ``checkpoint:`` section, which this plugin reads (``options_from_section``)."""
-
-SECTION_KEYS = tuple(
-    key for key in CheckpointOptions.__dataclass_fields__ if key not in OPTIONS_ONLY
-)
-"""Keys of the ``checkpoint:`` section (each an option of this plugin too)."""
-
-
-def options_from_section(
-    sections: SectionData, options: Mapping[str, object] | None
-) -> PluginOptions | None:
-    """The ``checkpoint:`` section's keys are the defaults of the options; a disabled
-    section leaves the plugin out unless ``callbacks:`` names it."""
-    values = section_of(sections, "checkpoint")
-    if options is None and values.get("enabled", True) is False:
-        return None
-    merged: PluginOptions = {key: values[key] for key in SECTION_KEYS if key in values}
-    merged.update(options or {})
-    return merged
-
-
-def section_errors(sections: SectionData) -> Iterator[str]:
-    """No credentials in ``checkpoint.remote_options`` or ``checkpoint.remote``'s URL
-    (``checkpoint_remote.credential_errors``, ``url_credential_errors``)."""
-    section = section_of(sections, "checkpoint")
-    yield from url_credential_errors("checkpoint.remote", section.get("remote"))
-    yield from credential_errors("checkpoint.remote_options", section.get("remote_options"))
-
-
-def options_errors(
-    entry: str, options: Mapping[str, object], sections: SectionData
-) -> Iterator[str]:
-    """No credentials in a ``callbacks:`` entry's ``remote_options`` or ``remote`` URL."""
-    del sections
-    yield from url_credential_errors(f"{entry}.remote", options.get("remote"))
-    yield from credential_errors(f"{entry}.remote_options", options.get("remote_options"))
-
-
-_NO_REMOTE_OPTIONS: Mapping[str, object] = MappingProxyType({})
-"""The constructor's default ``remote_options`` (read-only: a default is shared)."""
 
 
 def _build(
@@ -371,7 +185,7 @@ class CheckpointCallback(Callback):
         mode: Mode = CheckpointOptions.mode,
         every_minutes: float | None = CheckpointOptions.every_minutes,
         remote: str | None = CheckpointOptions.remote,
-        remote_options: Mapping[str, object] = _NO_REMOTE_OPTIONS,
+        remote_options: Mapping[str, object] = NO_REMOTE_OPTIONS,
         remote_attempts: int = CheckpointOptions.remote_attempts,
         remote_retry: RetryPolicy | None = None,
         remote_final_wait_s: float = CheckpointOptions.remote_final_wait_s,
@@ -400,12 +214,8 @@ class CheckpointCallback(Callback):
         self.async_save = async_save
         self.last_saved_step: int | None = None
         self.last_path: Path | None = None
-        self.signal_received: signal.Signals | None = None
+        self.signals = SaveSignals()
         self._writer: AsyncCheckpointWriter | None = None
-        self._previous_handlers: dict[signal.Signals, SignalHandler] = {}
-        self._writing = False  # the main thread writes (or waits for) a checkpoint
-        self._deferred: signal.Signals | None = None  # a second signal, held until written
-        self._abandoned = False  # a third signal cut the write short
         # (counters, RNG, data position) at the end of the last step, for save_on_exception.
         self._step_end_state: tuple[dict[str, int], dict[str, object], Mapping[str, int]] | None = (
             None
@@ -434,6 +244,11 @@ class CheckpointCallback(Callback):
         self.remote_final_wait_s = remote_final_wait_s
         self._take_over = False  # resumed with allow_other_run: the prefix becomes this run's
         self._abandoned_upload = False  # the final wait for uploads ended early
+
+    @property
+    def signal_received(self) -> signal.Signals | None:
+        """The first SIGTERM/SIGINT of the fit (``save_on_signal``), if one came."""
+        return self.signals.received
 
     # -- ResumeSource ---------------------------------------------------------------------
 
@@ -503,8 +318,7 @@ class CheckpointCallback(Callback):
         if self.monitor is not None:
             check_monitor("checkpoint", self.monitor, trainer)
         self._best_pending = None
-        self.signal_received = None
-        self._deferred, self._abandoned = None, False
+        self.signals.reset()
         self._step_end_state = None
         self._abandoned_upload = False
         self.wall_clock = None
@@ -519,7 +333,7 @@ class CheckpointCallback(Callback):
                 "rank writes its shard of a sharded checkpoint, synchronously); set "
                 "async_save: false"
             )
-        self._warn_about_foreign_checkpoints(ctx.start_step, trainer)
+        warn_about_foreign_checkpoints(self.manager, ctx.start_step, trainer)
         main = trainer.distributed is None or trainer.distributed.is_main
         if self._store is not None and main:
             self.mirror = start_mirror(
@@ -538,7 +352,7 @@ class CheckpointCallback(Callback):
             on_commit = self.mirror.submit if self.mirror is not None else None
             self._writer = AsyncCheckpointWriter(self.manager, on_commit=on_commit)
         if self.save_on_signal:
-            self._install_signal_handlers(trainer)
+            self.signals.install(trainer)
 
     def on_checkpoint(self, trainer: TrainerView, ctx: CheckpointContext) -> None:
         if self._writer is not None:
@@ -572,7 +386,7 @@ class CheckpointCallback(Callback):
         if self.manager.enabled and wanted and step > 0 and step != self.last_saved_step:
             self._save(trainer, step, trainer.state_dict())
         if self._writer is not None:
-            with self._writing_checkpoint():
+            with self.signals.writing_checkpoint():
                 self._writer.wait()  # the run is only over when its checkpoint is on disk
             _barrier(trainer)
         if self.mirror is not None:
@@ -586,7 +400,7 @@ class CheckpointCallback(Callback):
             )
 
     def on_exception(self, trainer: TrainerView, ctx: ExceptionContext) -> None:
-        if not (self.manager.enabled and self.save_on_exception) or self._abandoned:
+        if not (self.manager.enabled and self.save_on_exception) or self.signals.abandoned:
             return  # (a save abandoned by a signal is not retried)
         if trainer.sharded_state:
             warnings.warn(
@@ -613,7 +427,7 @@ class CheckpointCallback(Callback):
             )
 
     def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
-        self._restore_signal_handlers()
+        self.signals.restore()
         writer, self._writer = self._writer, None
         try:
             if writer is not None:
@@ -648,7 +462,7 @@ class CheckpointCallback(Callback):
             self.manager.note_loss(step, loss)
             if best and self.monitor is not None and self.best_value is not None:
                 self.manager.note_best(step, self.monitor, self.mode, self.best_value)
-        with self._writing_checkpoint():
+        with self.signals.writing_checkpoint():
             if self._writer is not None and main:
                 self._writer.submit(step, state, defer=_changed_only_by_optimizer_step(trainer))
             elif main or trainer.sharded_state:  # sharded: every rank writes its shard
@@ -722,118 +536,39 @@ class CheckpointCallback(Callback):
             state["rng"], state["data"] = rng, dict(data)
         return state
 
-    def _warn_about_foreign_checkpoints(self, start_step: int, trainer: TrainerView) -> None:
-        """A checkpoint newer than the fit's start would count as newer than what this fit
-        saves: say what it is. After a resume that fell back past it, it is this run's own
-        unreadable checkpoint; otherwise it was never committed or another run wrote it."""
-        newest = self.manager.newest_step()
-        if newest is None or newest <= start_step:
-            return
-        where = (
-            f"checkpoint directory {self.manager.directory} already holds a checkpoint of "
-            f"step {newest}, beyond this fit's start step {start_step}"
+
+def warn_about_foreign_checkpoints(
+    manager: CheckpointManager, start_step: int, trainer: TrainerView
+) -> None:
+    """A checkpoint newer than the fit's start would count as newer than what this fit
+    saves: say what it is. After a resume that fell back past it, it is this run's own
+    unreadable checkpoint; otherwise it was never committed or another run wrote it."""
+    newest = manager.newest_step()
+    if newest is None or newest <= start_step:
+        return
+    where = (
+        f"checkpoint directory {manager.directory} already holds a checkpoint of "
+        f"step {newest}, beyond this fit's start step {start_step}"
+    )
+    resumed = trainer.resumed_from
+    if resumed is None:
+        message = (
+            f"{where}: it is from another run and counts as newer than this run's "
+            "checkpoints. Resume it (--resume) or use a fresh checkpoint directory."
         )
-        resumed = trainer.resumed_from
-        if resumed is None:
-            message = (
-                f"{where}: it is from another run and counts as newer than this run's "
-                "checkpoints. Resume it (--resume) or use a fresh checkpoint directory."
-            )
-        elif newest in {checkpoint_step(item.path.name) for item in resumed.skipped}:
-            message = (
-                f"{where}: it is this run's newest checkpoint, which could not be read (see "
-                f"above), so the fit resumed from {resumed.path.name}; it stays until this "
-                "run saves that step again or retention removes it"
-            )
-        else:
-            message = (
-                f"{where}: newer than the one the resume loaded ({resumed.path.name}), so it was "
-                "never committed (a save cut short) or another run wrote it; it stays until "
-                "this run saves that step again or retention removes it"
-            )
-        warnings.warn(message, UserWarning, stacklevel=2)
-
-    # -- signals ------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _writing_checkpoint(self) -> Iterator[None]:
-        """Around a checkpoint write (or a wait for one) on the main thread: a second signal
-        meanwhile is held until the write is done, then handed over; a third abandons it,
-        and the error torch makes of the interrupt is the interrupt again."""
-        self._writing = True
-        try:
-            yield
-        except CheckpointError:
-            if self._abandoned:
-                raise KeyboardInterrupt from None  # what the abandoned save was cut by
-            raise
-        finally:
-            self._writing = False
-        deferred, self._deferred = self._deferred, None
-        if deferred is not None:
-            self._hand_over(deferred, None)
-
-    def _hand_over(self, received: signal.Signals, frame: FrameType | None) -> None:
-        """Give ``received`` to whoever handled it before the fit (restoring them all)."""
-        previous = self._previous_handlers.get(received)
-        self._restore_signal_handlers()
-        if callable(previous):
-            # Call it here, in this frame: re-raising the signal from inside a handler
-            # leaves *when* the old handler runs to the interpreter.
-            previous(int(received), frame)
-        elif previous != signal.SIG_IGN:
-            signal.raise_signal(received)  # the default action (terminate)
-
-    def _install_signal_handlers(self, trainer: TrainerView) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            logger.info("not in the main thread: SIGTERM/SIGINT handling left to the caller")
-            return
-
-        def handle(signum: int, frame: FrameType | None) -> None:
-            received = signal.Signals(signum)
-            if self.signal_received is not None:
-                if self._writing and self._deferred is None:
-                    self._deferred = received
-                    logger.warning(
-                        "received %s again while a checkpoint is being written: stopping as "
-                        "soon as it is on disk (send it once more to abandon the save)",
-                        received.name,
-                    )
-                    return
-                # Ctrl-C twice (or three times during a save): hand it over at once.
-                self._abandoned = self._writing
-                self._hand_over(received, frame)
-                return
-            self.signal_received = received
-            trainer.request_stop(signal_stop_reason(received))
-            logger.warning(
-                "received %s: stopping after step %d and saving a checkpoint "
-                "(send it again to stop immediately)",
-                received.name,
-                stop_step(trainer),
-            )
-
-        for sig in HANDLED_SIGNALS:
-            self._previous_handlers[sig] = signal.signal(sig, handle)
-
-    def _restore_signal_handlers(self) -> None:
-        previous, self._previous_handlers = self._previous_handlers, {}
-        for sig, handler in previous.items():
-            if handler is None:  # installed from C; we cannot put it back, use the default
-                handler = signal.SIG_DFL
-            signal.signal(sig, handler)
-
-
-def stop_step(trainer: TrainerView) -> int:
-    """The step a stop requested now ends after: the step in progress in one process; the
-    ranks of a multi-rank run agree on stopping at logging steps only (``Trainer.fit``), so
-    there the first logging step from it (a multiple of ``metrics_every`` or of
-    ``eval_every``, or the target step)."""
-    step = trainer.step_in_progress
-    if not trainer.multi_rank:
-        return step
-    cadences = [every for every in (trainer.metrics_every, trainer.eval_every) if every > 0]
-    return min([trainer.target_step, *(-(-step // every) * every for every in cadences)])
+    elif newest in {checkpoint_step(item.path.name) for item in resumed.skipped}:
+        message = (
+            f"{where}: it is this run's newest checkpoint, which could not be read (see "
+            f"above), so the fit resumed from {resumed.path.name}; it stays until this "
+            "run saves that step again or retention removes it"
+        )
+    else:
+        message = (
+            f"{where}: newer than the one the resume loaded ({resumed.path.name}), so it was "
+            "never committed (a save cut short) or another run wrote it; it stays until "
+            "this run saves that step again or retention removes it"
+        )
+    warnings.warn(message, UserWarning, stacklevel=2)
 
 
 def _changed_only_by_optimizer_step(trainer: TrainerView) -> frozenset[int]:

@@ -190,6 +190,11 @@ def _schema_errors(validator: Draft202012Validator, data: object) -> list[tuple[
 
 
 def _describe(error: ValidationError) -> Iterator[tuple[str, str]]:
+    branch = _the_branch_of_its_type(error)
+    if branch:  # say what the value broke there, not "not valid under any of the given schemas"
+        for sub_error in branch:
+            yield from _describe(sub_error)
+        return
     parts = list(error.absolute_path)
     if error.validator == "additionalProperties" and isinstance(error.instance, Mapping):
         allowed = tuple(mapping_or_empty(mapping_or_empty(error.schema).get("properties")))
@@ -200,6 +205,23 @@ def _describe(error: ValidationError) -> Iterator[tuple[str, str]]:
         return
     path = format_path(parts)
     yield path, f"{path}: {_shortened(error.message)}"
+
+
+def _the_branch_of_its_type(error: ValidationError) -> list[ValidationError]:
+    """For a value no branch of an ``anyOf``/``oneOf`` accepts (``int | "auto"``): the errors
+    of the one branch whose type or constant the value has, when exactly one has it (``1e11``
+    is an integer over the maximum, not a wrong ``"auto"``); else none."""
+    if error.validator not in ("anyOf", "oneOf") or not error.context:
+        return []
+    branches: dict[object, list[ValidationError]] = {}
+    for sub_error in error.context:
+        branches.setdefault(sub_error.relative_schema_path[0], []).append(sub_error)
+    of_its_type = [
+        errors
+        for errors in branches.values()
+        if not any(e.validator in ("type", "const", "enum") for e in errors)
+    ]
+    return of_its_type[0] if len(of_its_type) == 1 else []
 
 
 _MESSAGE_CHARS = 300
