@@ -204,7 +204,7 @@ def _describe(error: ValidationError) -> Iterator[tuple[str, str]]:
                 yield path, f"{path}: unknown key{_suggestion(key, allowed, parts)}"
         return
     path = format_path(parts)
-    yield path, f"{path}: {_shortened(error.message)}"
+    yield path, f"{path}: {_shortened(_alternatives(error) or error.message)}"
 
 
 def _the_branch_of_its_type(error: ValidationError) -> list[ValidationError]:
@@ -222,6 +222,25 @@ def _the_branch_of_its_type(error: ValidationError) -> list[ValidationError]:
         if not any(e.validator in ("type", "const", "enum") for e in errors)
     ]
     return of_its_type[0] if len(of_its_type) == 1 else []
+
+
+_TYPE_NAMES = {"integer": "an integer", "number": "a number", "string": "a string"}
+
+
+def _alternatives(error: ValidationError) -> str | None:
+    """``'x' is not 'auto' or an integer``, for an ``anyOf``/``oneOf`` of constants and
+    simple types that no branch accepts."""
+    if error.validator not in ("anyOf", "oneOf") or not isinstance(error.validator_value, list):
+        return None
+    names = []
+    for branch in error.validator_value:
+        if isinstance(branch, Mapping) and "const" in branch:
+            names.append(repr(branch["const"]))
+        elif isinstance(branch, Mapping) and branch.get("type") in _TYPE_NAMES:
+            names.append(_TYPE_NAMES[str(branch["type"])])
+        else:
+            return None
+    return f"{error.instance!r} is not {' or '.join(names)}"
 
 
 _MESSAGE_CHARS = 300
