@@ -164,6 +164,74 @@ def _fit_result(
     )
 
 
+def _new_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: Iterable[object],
+    scheduler: LRScheduler | None,
+    settings: TrainerSettings,
+    distributed: DistributedContext | None,
+    run_config: Mapping[str, object] | None,
+    start_step: int,
+) -> TrainingState:
+    """A new trainer's state at ``start_step``: its stream over ``data``, the precision
+    resolved for the device and a grad scaler where the precision needs one."""
+    precision = settings.precision or resolve_precision(None, settings.device)
+    stream = data if isinstance(data, BatchStream) else BatchStream(data)
+    if settings.max_epochs is not None:
+        stream.max_epochs = settings.max_epochs
+    return TrainingState(
+        model=model,
+        optimizer=optimizer,
+        stream=stream,
+        precision=precision,
+        device=settings.device,
+        scheduler=scheduler,
+        scaler=make_grad_scaler(precision),
+        output_dir=settings.output_dir,
+        run_config=run_config,
+        distributed=distributed,
+        sharded=settings.parallel == "fsdp",
+        tensor=settings.tensor,
+        step=start_step,
+        fit_clock=FitClock(time.perf_counter(), start_step, 0, 0),
+    )
+
+
+def _shard(
+    forward_path: ForwardPath,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    callbacks: Sequence[Callback],
+    settings: TrainerSettings,
+) -> None:
+    """FSDP2 over the ranks; on a single process the model stays one whole shard."""
+    if not forward_path.shard(
+        optimizer,
+        callbacks,
+        reshard_after_forward=settings.reshard_after_forward,
+        tensor=settings.tensor,
+    ):
+        find_shard_blocks(model)  # a model torchrun could not shard fails here too
+        warn(
+            "parallel.strategy fsdp on a single process: the model is one whole shard "
+            "(not sharded); checkpoints are still written sharded (DCP) and resume on "
+            "any number of ranks",
+            UserWarning,
+        )
+
+
+def _ranks_keep_going(state: TrainingState, start_step: int, logging_step: bool) -> bool:
+    """Whether the ranks of a multi-rank run go on: they agree on stopping at logging
+    steps only (one tiny all-reduce), so every rank stops at the same step."""
+    assert state.distributed is not None
+    requests = state.requests
+    if requests.agreed_stop is None and state.step > start_step and logging_step:
+        if agree_on_stop(state.distributed, requests.stop_reason is not None):
+            requests.agreed_stop = requests.stop_reason or "stop requested on another rank"
+    return requests.agreed_stop is None
+
+
 class Trainer:
     """Trains ``model`` with ``optimizer`` on batches from ``data`` (the module docstring
     says what it is made of).
@@ -203,28 +271,11 @@ class Trainer:
         self.resumed_from: ResumePoint | None = None
         """The checkpoint this trainer's state was restored from by ``resume_from`` (its
         path, step and the newer checkpoints that could not be read); ``None``: not resumed."""
-        device = settings.device
-        precision = settings.precision or resolve_precision(None, device)
-        stream = data if isinstance(data, BatchStream) else BatchStream(data)
-        if settings.max_epochs is not None:
-            stream.max_epochs = settings.max_epochs
-        self.state = TrainingState(
-            model=model,
-            optimizer=optimizer,
-            stream=stream,
-            precision=precision,
-            device=device,
-            scheduler=scheduler,
-            scaler=make_grad_scaler(precision),
-            output_dir=settings.output_dir,
-            run_config=run_config,
-            distributed=distributed,
-            sharded=settings.parallel == "fsdp",
-            tensor=settings.tensor,
-            step=start_step,
-            target_step=max_steps or 0,
-            fit_clock=FitClock(time.perf_counter(), start_step, 0, 0),
+        self.state = _new_state(
+            model, optimizer, data, scheduler, settings, distributed, run_config, start_step
         )
+        self.state.target_step = max_steps or 0
+        precision, device = self.state.precision, self.state.device
         # The engine's own callbacks come after the run's: the rank reducer is the last
         # contributor to the metric record.
         self._engine_callbacks: list[Callback] = (
@@ -239,19 +290,8 @@ class Trainer:
         self.forward_path = ForwardPath(
             model, precision, device, distributed, compile=settings.compile, notes=self._notes
         )
-        if self.state.sharded and not self.forward_path.shard(
-            optimizer,
-            self.callbacks,
-            reshard_after_forward=settings.reshard_after_forward,
-            tensor=settings.tensor,
-        ):
-            find_shard_blocks(model)  # a model torchrun could not shard fails here too
-            warn(
-                "parallel.strategy fsdp on a single process: the model is one whole shard "
-                "(not sharded); checkpoints are still written sharded (DCP) and resume on "
-                "any number of ranks",
-                UserWarning,
-            )
+        if self.state.sharded:
+            _shard(self.forward_path, model, optimizer, self.callbacks, settings)
         self.state.trainable_parameters = [p for p in model.parameters() if p.requires_grad]
 
     def _plan_for(self, callbacks: Sequence[Callback]) -> CallbackPlan:
@@ -450,18 +490,6 @@ class Trainer:
 
     # -- fit ---------------------------------------------------------------------------
 
-    def _ranks_keep_going(self, start_step: int) -> bool:
-        """Whether the ranks of a multi-rank run go on: they agree on stopping at logging
-        steps only (one tiny all-reduce), so every rank stops at the same step."""
-        state = self.state
-        assert state.distributed is not None
-        due = state.step > start_step and self.is_metric_due(state.step)
-        requests = state.requests
-        if requests.agreed_stop is None and due:
-            if agree_on_stop(state.distributed, requests.stop_reason is not None):
-                requests.agreed_stop = requests.stop_reason or "stop requested on another rank"
-        return requests.agreed_stop is None
-
     def fit(self, max_steps: int | None = None) -> TrainResult:
         """Train until the absolute step ``max_steps`` (or the configured target)."""
         state = self.state
@@ -500,7 +528,7 @@ class Trainer:
                 # One process: the target and a stop request decide (spelled out, no call
                 # per step); ranks agree first.
                 while state.step < state.target_step and (
-                    self._ranks_keep_going(start_step)
+                    _ranks_keep_going(state, start_step, self.is_metric_due(state.step))
                     if multi_rank
                     else requests.stop_reason is None
                 ):
