@@ -48,6 +48,16 @@ def prepared(
     return {name: tmp_path / name for name in sizes}
 
 
+def fit_on_two_ranks(forked: Forked, config: Path, cwd: Path) -> None:
+    """``speedtronic fit`` on two gloo ranks (forked processes), both exiting 0."""
+    port = free_port()
+    children = [
+        forked.start(cli_main, "fit", "--config", str(config), env=rank_env(r, 2, port), cwd=cwd)
+        for r in (0, 1)
+    ]
+    assert [child.wait(timeout=180) for child in children] == [0, 0], children[0].output[-3000:]
+
+
 def test_a_bounded_evaluation_of_a_mixture_sees_every_source(
     forked: Forked, tmp_path: Path
 ) -> None:
@@ -130,13 +140,7 @@ def test_each_source_has_its_held_out_loss_reduced_across_ranks(
         {"name": "early_stopping", "monitor": "eval/manual/loss", "patience": 50}
     ]
     config = write_config(tmp_path / "run.yaml", settings)
-    port = free_port()
-    children = [
-        forked.start(cli_main, "fit", "--config", str(config), env=rank_env(r, 2, port),
-                     cwd=tmp_path)
-        for r in (0, 1)
-    ]  # fmt: skip
-    assert [child.wait(timeout=180) for child in children] == [0, 0], children[0].output[-3000:]
+    fit_on_two_ranks(forked, config, tmp_path)
     records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").open()]
     logged = [r for r in records if "eval/loss" in r]
     assert [r["step"] for r in logged] == [20, 40]
@@ -170,13 +174,7 @@ def test_sharded_ranks_with_uneven_held_out_batches_stay_in_step(
         distributed={"timeout_s": 30.0},
     )
     config = write_config(tmp_path / "run.yaml", settings)
-    port = free_port()
-    children = [
-        forked.start(cli_main, "fit", "--config", str(config), env=rank_env(r, 2, port),
-                     cwd=tmp_path)
-        for r in (0, 1)
-    ]  # fmt: skip
-    assert [child.wait(timeout=180) for child in children] == [0, 0], children[0].output[-3000:]
+    fit_on_two_ranks(forked, config, tmp_path)
     records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").open()]
     logged = [r["eval/loss"] for r in records if "eval/loss" in r]
     assert len(logged) == 1
