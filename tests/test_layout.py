@@ -28,6 +28,7 @@ FACES = {
     "user_warnings",
     "testing",
     "plotting",
+    "lm_harness",
 }
 """The composition root and the faces users and tools touch (``user_warnings``: plugin
 packages raise their warnings through it, and every layer does)."""
@@ -266,3 +267,16 @@ def test_import_linter_catches_two_packages_importing_each_other(tmp_path: Path)
     assert code == 1
     assert "no import cycle between packages BROKEN" in report
     assert "- .data -> .models (1 import)" in report
+
+
+def test_import_linter_catches_a_building_block_importing_the_runtime(tmp_path: Path) -> None:
+    """The runtime reads evaluation tasks and texts, so an evaluation module that loads a run
+    through the runtime (as the lm-evaluation-harness adapter does, from its own module
+    ``lm_harness``) ties the two packages in a cycle: both the layers and the acyclic
+    contract refuse it, with no exception for it."""
+    copy = copy_with_imports(tmp_path, {"evaluation/likelihood.py": "import speedtronic.runtime"})
+    code, report = lint_imports(copy)
+    assert code == 1
+    assert "no import cycle between packages BROKEN" in report
+    assert "- .evaluation -> .runtime (1 import)" in report
+    assert "layers point down BROKEN" in report

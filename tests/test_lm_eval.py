@@ -17,9 +17,9 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from speedtronic.config import load_config  # noqa: E402
-from speedtronic.evaluation.harness import SpeedtronicLM  # noqa: E402
 from speedtronic.evaluation.tasks import MultipleChoiceTask, read_task  # noqa: E402
 from speedtronic.evaluation.text import run_text  # noqa: E402
+from speedtronic.lm_harness import SpeedtronicLM  # noqa: E402
 from speedtronic.runtime import checkpoint_model, train_from_config  # noqa: E402
 from tests.text_runs import text_run_config, write_rows  # noqa: E402
 

@@ -33,6 +33,7 @@ from torch import nn
 from speedtronic.evaluation.likelihood import Continuation, score_continuations
 from speedtronic.evaluation.text import RunText, run_text
 from speedtronic.models.generation import Sampling, context_length, generate_ids
+from speedtronic.runtime import as_config, checkpoint_model
 
 __all__ = ["SpeedtronicLM"]
 
@@ -83,8 +84,6 @@ class SpeedtronicLM(LM):
         device: str | None = None,
     ) -> SpeedtronicLM:
         """The checkpoint of a run (the latest, or ``checkpoint``) and its tokenizer."""
-        from speedtronic.runtime import as_config, checkpoint_model  # the composition root
-
         cfg = as_config(config)
         _, model = checkpoint_model(cfg, checkpoint=checkpoint, device=device)
         text = run_text(cfg.data.to_dict())
