@@ -13,9 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from speedtronic.config import core, loading
 from speedtronic.config.loading import (
-    OPTIMIZER_ALIASES,
-    RUN_ALIASES,
     RawConfig,
     apply_overrides,
     normalise,
@@ -52,6 +51,7 @@ from speedtronic.config.sections import (
     SectionView,
     ShapeValidationConfig,
     SpeedtronicConfig,
+    core_declarations,
     load_config,
     load_yaml_config,
     redact_secrets,
@@ -60,6 +60,11 @@ from speedtronic.config.validation import config_errors
 
 if TYPE_CHECKING:
     from speedtronic.compat.checkpoint_config import CheckpointConfig
+    from speedtronic.config.loading import OPTIMIZER_ALIASES, RUN_ALIASES
+
+# The machinery (schema, validation, loading) reads the core's declarations through
+# ``core``; they are handed down here, once, before anything can ask for them.
+core.bind(core_declarations())
 
 __all__ = [
     "OPTIMIZER_ALIASES",
@@ -105,9 +110,13 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    """2.0's ``CheckpointConfig`` is a 2.0 shim (``speedtronic.compat``): looked up by name at
-    first use, as the package root does for its kept names, so that the config layer imports
+    """Names looked up at first use. The root shorthands (``RUN_ALIASES``,
+    ``OPTIMIZER_ALIASES``) are read from the declarations, which exist once this module has
+    bound them. 2.0's ``CheckpointConfig`` is a 2.0 shim (``speedtronic.compat``), looked up
+    by name as the package root does for its kept names, so that the config layer imports
     nothing of the 2.0 layer."""
+    if name in ("RUN_ALIASES", "OPTIMIZER_ALIASES"):
+        return getattr(loading, name)
     if name == "CheckpointConfig":
         module = importlib.import_module("speedtronic.compat.checkpoint_config")
         return getattr(module, name)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import yaml
 
 from speedtronic import plugins
+from speedtronic.config import core
+from speedtronic.config.core import CoreKeys
 from speedtronic.config.declare import Fold
 from speedtronic.config.schema import (
     MAX_NUMBER_CHARS,
@@ -27,9 +29,6 @@ from speedtronic.config.schema import (
     section_aliases,
     section_names,
 )
-
-if TYPE_CHECKING:
-    from speedtronic.config.sections import CoreKeys
 
 RawConfig = dict[str, object]
 """A configuration as plain data, before validation."""
@@ -53,11 +52,9 @@ def __getattr__(name: str) -> tuple[str, ...]:
 
 def _core() -> CoreKeys:
     """What the core's declarations tell the loader (shorthands, case folds, keys that fill
-    others). The declarations (``speedtronic.config.sections``) build on this module, so
-    they are read when first needed."""
-    from speedtronic.config.sections import core_keys
-
-    return core_keys()
+    others). The declarations (``speedtronic.config.sections``) build on this module, so the
+    package hands them down (``speedtronic.config.core``)."""
+    return core.declarations().keys
 
 
 def fold_value(fold: Fold, value: str) -> str:

@@ -31,6 +31,7 @@ from urllib.parse import quote
 from jsonschema import Draft202012Validator, ValidationError, validators
 
 from speedtronic import plugins
+from speedtronic.config import core
 from speedtronic.errors import ConfigError as ConfigError
 from speedtronic.state.atomic_io import atomic_write_text
 
@@ -121,10 +122,8 @@ def format_path(parts: Iterable[str | int]) -> str:
 def _core() -> SchemaDict:
     """The core schema, derived once from the declarations; shared: never mutate it
     (``core_schema`` returns a copy). The declarations build on this module (they are
-    validated with it), so they are read when first needed."""
-    from speedtronic.config.sections import core_schema_document
-
-    return core_schema_document(dialect=DIALECT, schema_id=CORE_SCHEMA_ID)
+    validated with it), so the package hands them down (``speedtronic.config.core``)."""
+    return core.declarations().schema_document(dialect=DIALECT, schema_id=CORE_SCHEMA_ID)
 
 
 def packaged_core_schema() -> SchemaDict:

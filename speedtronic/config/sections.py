@@ -2,7 +2,7 @@
 root -- and the declaration of every core key.
 
 Each field is the one declaration of its key (``speedtronic.config.declare``): its type,
-default, bounds and doc. The core part of the run schema (``core_schema_document``), the
+default, bounds and doc. The core part of the run schema (``core_declarations``), the
 defaults, the case-insensitive keys and the root shorthands the loader rewrites, and the
 tables of ``docs/configuration.md`` are all derived from these fields.
 
@@ -34,6 +34,7 @@ from typing import Annotated, TypeAlias, TypeVar, cast
 import yaml
 
 from speedtronic.config import declare
+from speedtronic.config.core import CoreDeclarations, CoreKeys
 from speedtronic.config.data_section import DataConfig, MixtureSource
 from speedtronic.config.declare import Opt
 from speedtronic.config.eval_section import EvalConfig, EvalTaskSource
@@ -74,9 +75,7 @@ __all__ = [
     "CallbackSpec",
     "Config",
     "ConfigSource",
-    "core_keys",
-    "core_schema_document",
-    "CoreKeys",
+    "core_declarations",
     "DataConfig",
     "DistributedConfig",
     "EvalConfig",
@@ -520,27 +519,6 @@ def load_yaml_config(path: str | os.PathLike[str]) -> SpeedtronicConfig:
 # -- what the declarations give the loader and the schema ---------------------------------
 
 
-@dataclass(frozen=True)
-class CoreKeys:
-    """What the loader reads from the core's declarations (``Opt.shorthand``, ``Opt.fold``,
-    ``Opt.fills``)."""
-
-    shorthands: Mapping[str, str]
-    """Root key -> the section it is a shorthand of (``max_steps`` -> ``run``)."""
-    folds: Mapping[tuple[str, str], declare.Fold]
-    """``(section, key)`` of the case-insensitive enumerated strings, and how they fold."""
-    fills: Mapping[tuple[str, str], tuple[str, str]]
-    """``(section, key)`` -> the key it fills when that is not given (``run.log_every`` ->
-    ``logging.every_steps``)."""
-    bare_values: Mapping[str, str]
-    """Section -> the key a bare value means (``Section.bare_value``)."""
-
-
-def core_keys() -> CoreKeys:
-    """The loader's tables, from the section declarations."""
-    return _CORE_KEYS
-
-
 def _core_keys() -> CoreKeys:
     shorthands: dict[str, str] = {}
     folds: dict[tuple[str, str], declare.Fold] = {}
@@ -565,7 +543,7 @@ def _core_keys() -> CoreKeys:
 _CORE_KEYS = _core_keys()
 
 
-def core_schema_document(*, dialect: str, schema_id: str) -> dict[str, object]:
+def _core_schema_document(*, dialect: str, schema_id: str) -> dict[str, object]:
     """The core's part of the run schema, from the declarations: each section a closed
     object of its declared keys, then the root flags, ``callbacks`` and ``imports``."""
     properties: dict[str, object] = {
@@ -592,3 +570,8 @@ def core_schema_document(*, dialect: str, schema_id: str) -> dict[str, object]:
         "additionalProperties": False,
         "properties": properties,
     }
+
+
+def core_declarations() -> CoreDeclarations:
+    """What the declarations give the machinery (``speedtronic.config.core``)."""
+    return CoreDeclarations(keys=_CORE_KEYS, schema_document=_core_schema_document)
