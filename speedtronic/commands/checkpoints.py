@@ -5,6 +5,7 @@ checkpoint (its latest, or ``--checkpoint``; the model's weights or a callback's
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -21,13 +22,7 @@ Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 def add_parsers(sub: Subcommands) -> None:
     """The ``evaluate``, ``generate`` and ``export`` subcommands."""
-    evaluate = sub.add_parser(
-        "evaluate", help="evaluate a run's checkpoint on its held-out set (writes nothing)"
-    )
-    add_config_args(evaluate)
-    evaluate.add_argument(
-        "--checkpoint", help="checkpoint file to evaluate (default: the run's latest)"
-    )
+    evaluate = _checkpoint_parser(sub, "evaluate")
     _add_weights_arg(evaluate)
     evaluate.add_argument(
         "--task",
@@ -42,42 +37,28 @@ def add_parsers(sub: Subcommands) -> None:
     )
     _add_generate_parser(sub)
 
-    export = sub.add_parser(
-        "export", help="write a run's checkpoint as a Hugging Face model directory"
-    )
-    add_config_args(export)
-    export.add_argument(
-        "--checkpoint", help="checkpoint file or .dcp directory (default: the run's latest)"
-    )
+    export = _checkpoint_parser(sub, "export")
     export.add_argument("--output", required=True, help="the directory to write")
-    export.add_argument(
-        "--overwrite", action="store_true", help="replace an earlier export in --output"
-    )
-    export.add_argument(
-        "--allow-nonfinite",
-        action="store_true",
-        help="write weights that hold NaN or infinite values (refused by default)",
+    _add_flags(
+        export,
+        {
+            "--overwrite": "replace an earlier export in --output",
+            "--allow-nonfinite": "write weights that hold NaN or infinite values (refused by "
+            "default)",
+        },
     )
     _add_weights_arg(export)
-    lora = export.add_mutually_exclusive_group()
-    lora.add_argument(
-        "--adapter", action="store_true", help="a LoRA run: write its adapters for peft"
-    )
-    lora.add_argument(
-        "--merge",
-        action="store_true",
-        help="a LoRA run: write the weights with the adapters merged",
+    _add_flags(  # one or the other
+        export.add_mutually_exclusive_group(),
+        {
+            "--adapter": "a LoRA run: write its adapters for peft",
+            "--merge": "a LoRA run: write the weights with the adapters merged",
+        },
     )
 
 
-def _add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    generate = sub.add_parser(
-        "generate", help="print what a run's checkpoint writes after a prompt"
-    )
-    add_config_args(generate)
-    generate.add_argument(
-        "--checkpoint", help="checkpoint file to load (default: the run's latest)"
-    )
+def _add_generate_parser(sub: Subcommands) -> None:
+    generate = _checkpoint_parser(sub, "generate")
     _add_weights_arg(generate)
     generate.add_argument("--prompt", required=True, help="the text to continue")
     generate.add_argument("--max-new-tokens", type=int, default=100, help="default 100")
@@ -86,6 +67,36 @@ def _add_generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser
     )
     generate.add_argument("--top-k", type=int, help="sample from the k most likely tokens")
     generate.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+
+
+_READERS: dict[str, tuple[str, str]] = {
+    "evaluate": (
+        "evaluate a run's checkpoint on its held-out set (writes nothing)",
+        "checkpoint file to evaluate",
+    ),
+    "generate": ("print what a run's checkpoint writes after a prompt", "checkpoint file to load"),
+    "export": (
+        "write a run's checkpoint as a Hugging Face model directory",
+        "checkpoint file or .dcp directory",
+    ),
+}
+"""The subcommands that read a run's checkpoint: their help, and what ``--checkpoint`` names."""
+
+
+def _checkpoint_parser(sub: Subcommands, name: str) -> argparse.ArgumentParser:
+    """The subcommand ``name`` (one of ``_READERS``), with the config arguments and
+    ``--checkpoint`` (default: the run's latest)."""
+    description, checkpoint = _READERS[name]
+    parser = sub.add_parser(name, help=description)
+    add_config_args(parser)
+    parser.add_argument("--checkpoint", help=f"{checkpoint} (default: the run's latest)")
+    return parser
+
+
+def _add_flags(parser: argparse._ActionsContainer, flags: Mapping[str, str]) -> None:
+    """On/off options (``store_true``), each with its help."""
+    for flag, description in flags.items():
+        parser.add_argument(flag, action="store_true", help=description)
 
 
 def _add_weights_arg(parser: argparse.ArgumentParser) -> None:
