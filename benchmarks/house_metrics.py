@@ -9,8 +9,8 @@ used nowhere outside their own module.
   ``TYPE_CHECKING`` imports left out) with each module folded into its package
   (``speedtronic.engine.loop`` -> ``speedtronic.engine``; a top-level module such as
   ``speedtronic.runtime`` is its own node). Reported: the strongly connected groups of more
-  than one package, the pairs of packages that import each other, and the largest group of
-  *modules* that import each other in a cycle.
+  than one package, the pairs of packages that import each other, and every group of
+  *modules* that import each other in a cycle (largest first, each with its modules).
 * *unused public names*: a top-level ``def``/``class``/assignment without a leading ``_`` in
   ``speedtronic/`` or ``callbacks/speedtronic_callbacks/`` whose name appears (as a word)
   in no other file of the package, the plugins, tests, docs, examples, benchmarks, configs,
@@ -116,14 +116,17 @@ def import_cycles() -> dict[str, object]:
         for b in targets
         if a < b and a in package_edges.get(b, set())
     )
-    module_groups = [g for g in _components(modules, module_edges) if len(g) > 1]
-    largest = max(module_groups, key=len) if module_groups else set()
+    module_groups = sorted(
+        (sorted(g) for g in _components(modules, module_edges) if len(g) > 1),
+        key=lambda group: (-len(group), group),
+    )
     return {
         "package cycles (groups)": len(package_groups),
         "packages in cycles": sorted(p for g in package_groups for p in g),
         "package pairs importing each other": mutual,
         "module cycles (groups)": len(module_groups),
-        "modules in the largest cycle": len(largest),
+        "modules in the largest cycle": len(module_groups[0]) if module_groups else 0,
+        "module cycle groups": module_groups,
     }
 
 
@@ -188,6 +191,11 @@ def unused_public_names() -> tuple[list[str], int]:
 def main() -> None:
     print(f"names in speedtronic.__all__: {front_door()}")
     for key, value in import_cycles().items():
+        if key == "module cycle groups":
+            assert isinstance(value, list)
+            for number, group in enumerate(value, 1):
+                print(f"  module cycle {number} ({len(group)} modules): {', '.join(group)}")
+            continue
         print(f"{key}: {value}")
     unused, in_all = unused_public_names()
     dead = [entry for entry in unused if entry.endswith("(dead)")]
