@@ -77,16 +77,12 @@ from speedtronic.engine.contexts import (
 from speedtronic.engine.evaluation import EVAL_LOSS
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.systems.distributed import DistributedContext, ReplicaGroups, replica_groups
-from speedtronic_callbacks.diloco.aggregation import (
-    Screens,
-)
 from speedtronic_callbacks.diloco.codec import CastCodec
 from speedtronic_callbacks.diloco.collective_exchange import Exchange, baseline_copy
 from speedtronic_callbacks.diloco.collective_state import CollectiveCheckpoint
 from speedtronic_callbacks.diloco.eval_keys import global_eval_metrics
 from speedtronic_callbacks.diloco.fragments import FragmentPlan, layout_plan
 from speedtronic_callbacks.diloco.math import (
-    NesterovOuterOptimizer,
     carry,
     check_same_layout,
     flatten,
@@ -100,6 +96,7 @@ from speedtronic_callbacks.diloco.options import (
     delta_encoding,
     robust_settings,
 )
+from speedtronic_callbacks.diloco.outer_round import OuterRound, ReplicaAverage
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
@@ -136,8 +133,15 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
             self.encoding.dtype if isinstance(self.encoding, CastCodec) else torch.float32
         )
         self.robust = robust_settings(self.options)
-        self.screens = Screens(self.robust)
-        """The recent pseudo-gradient norms, per fragment (``norm_histories``)."""
+        self.round = OuterRound(
+            self.robust,
+            ReplicaAverage(),
+            lr=self.options.outer_lr,
+            momentum=self.options.outer_momentum,
+        )
+        """Judge, weights and the outer step of the baseline (its ``norms``: the recent
+        pseudo-gradient norms per fragment, ``norm_histories``; its ``optimizer``: the
+        outer momentum)."""
         self.residuals: list[torch.Tensor | None] = [None] * self.options.fragments
         """Per fragment: what int8/fp4 dropped from this replica's last pseudo-gradient of
         it (error feedback)."""
@@ -145,7 +149,6 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
         self._kept = True
         self.outliers = 0
         """Pseudo-gradients clipped or left out as outliers so far (all replicas)."""
-        self.outer = NesterovOuterOptimizer(self.options.outer_lr, self.options.outer_momentum)
         self.baseline: dict[str, torch.Tensor] = {}
         self.layout: ModelLayout | None = None
         self.outer_steps = 0
@@ -330,7 +333,7 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
         self.last_pseudo_grad_norm = float(averaged.norm())
         if self._kept:
             shapes = {key: self.layout.wire_shapes[key] for key in keys}
-            self.outer.step(self.baseline, unflatten(averaged, shapes))
+            self.round.step(self.baseline, unflatten(averaged, shapes))
         weights: Mapping[str, torch.Tensor] = self.baseline
         if exchange is not None:
             current = {key: baseline_copy(state[key]) for key in keys}

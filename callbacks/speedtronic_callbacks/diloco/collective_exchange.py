@@ -22,18 +22,13 @@ import torch
 import torch.distributed as dist
 
 from speedtronic.systems.distributed import DistributedContext, ReplicaGroups
-from speedtronic_callbacks.diloco.aggregation import (
-    NormHistory,
-    RobustSettings,
-    Screens,
-    replica_weights,
-)
+from speedtronic_callbacks.diloco.aggregation import NormHistory, RobustSettings
 from speedtronic_callbacks.diloco.codec import BLOCK_SIZE, BlockCodec, Codec, Packed
 from speedtronic_callbacks.diloco.codecs import registered_codecs
 from speedtronic_callbacks.diloco.fragments import FragmentPlan, fragment_name
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
 from speedtronic_callbacks.diloco.options import CollectiveDiLoCoOptions
-from speedtronic_callbacks.diloco.outer_round import judge_fragment
+from speedtronic_callbacks.diloco.outer_round import Contribution, OuterRound, share_by_work
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
@@ -94,7 +89,7 @@ class ReplicaExchange:
     encoding: Codec
     wire_dtype: torch.dtype
     robust: RobustSettings
-    screens: Screens
+    round: OuterRound
     residuals: list[torch.Tensor | None]
     outliers: int
     baseline: dict[str, torch.Tensor]
@@ -150,15 +145,15 @@ class ReplicaExchange:
         name = fragment_name(fragment, self.options.fragments)
         stats = self._gather_stats(flat, trainer)
         norms = [row[0] for row in stats]
+        contributions = [Contribution(norm) for norm in norms]
         keys = None if self.plan is None else self.plan.fragments[fragment]
-        screening = judge_fragment(self.screens, name, norms, self.baseline, keys)
-        coefficients = replica_weights(
-            screening,
-            [int(row[1]) for row in stats],
-            [int(row[2]) for row in stats],
-            weight_by_work=self.options.weight_by_work,
-        )
-        self.screens.record(name, screening.applied_norms(norms))
+        screening = self.round.judge(name, contributions, self.baseline, keys)
+        if self.options.weight_by_work:
+            share_by_work(
+                contributions, [int(row[1]) for row in stats], [int(row[2]) for row in stats]
+            )
+        coefficients = self.round.weights(contributions)
+        self.round.record(name, screening.applied_norms(norms))
         self._kept = screening.kept > 0
         self.outliers += len(screening.outliers)
         if screening.outliers:
@@ -314,4 +309,4 @@ class ReplicaExchange:
     def norm_histories(self) -> list[NormHistory]:
         """Per fragment (one without fragments): the recent pseudo-gradient norms."""
         count = self.options.fragments
-        return [self.screens.history(fragment_name(p, count)) for p in range(count)]
+        return [self.round.history(fragment_name(p, count)) for p in range(count)]

@@ -25,7 +25,6 @@ from speedtronic_callbacks.diloco.collective_exchange import (
     baseline_copy,
 )
 from speedtronic_callbacks.diloco.fragments import fragment_name
-from speedtronic_callbacks.diloco.math import NesterovOuterOptimizer
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
@@ -58,7 +57,6 @@ class CollectiveCheckpoint(ReplicaExchange):
     """The checkpoint half of ``CollectiveDiLoCo``: ``state_dict``, ``load_state_dict``
     and the restore that ``on_setup`` runs once every rank has loaded it."""
 
-    outer: NesterovOuterOptimizer
     outer_steps: int
     in_flight: list[Exchange]
     peak_sync_bytes: int
@@ -75,7 +73,7 @@ class CollectiveCheckpoint(ReplicaExchange):
             "outer_steps": self.outer_steps,
             "bytes_reduced": self.bytes_reduced,
             "baseline": dict(self.baseline),
-            "outer": self.outer.state_dict(),
+            "outer": self.round.optimizer.state_dict(),
             **self._robust_state(),
         }
         if self.streaming:
@@ -190,7 +188,7 @@ class CollectiveCheckpoint(ReplicaExchange):
         self.baseline = {key: baseline_copy(value) for key, value in baseline.items()}
         outer = state.get("outer")
         if isinstance(outer, Mapping):
-            self.outer.load_state_dict(outer)
+            self.round.optimizer.load_state_dict(outer)
         self.outer_steps = int(cast(int, state.get("outer_steps", 0)))
         self.bytes_reduced = int(cast(int, state.get("bytes_reduced", 0)))
         self._restore_robust(state)
@@ -224,7 +222,7 @@ class CollectiveCheckpoint(ReplicaExchange):
             else None
             for item in residuals
         ]
-        self.screens.histories = {
+        self.round.norms.histories = {
             fragment_name(p, count): NormHistory.from_state(self.robust.window, item)
             for p, item in enumerate(histories)
         }

@@ -6,17 +6,24 @@ audit log."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import threading
 from datetime import datetime, timezone
+from pathlib import Path
 
 from speedtronic.state.append_io import open_to_append
 from speedtronic_callbacks.diloco.hub_files import (
     OuterState,
 )
 from speedtronic_callbacks.diloco.hub_gc import delete_applied, stale_globals
-from speedtronic_callbacks.diloco.master_intake import DeltaIntake
-from speedtronic_callbacks.diloco.master_report import MasterConflictError, RoundReport
+from speedtronic_callbacks.diloco.master_report import (
+    MasterConflictError,
+    MasterSettings,
+    RoundReport,
+)
+from speedtronic_callbacks.diloco.model_layout import ModelLayout
 from speedtronic_callbacks.diloco.pointer import (
     POINTER_PATH,
     Pointer,
@@ -25,8 +32,10 @@ from speedtronic_callbacks.diloco.pointer import (
     model_file_name,
     outer_file_name,
 )
+from speedtronic_callbacks.diloco.recovery import HubVersions
 from speedtronic_callbacks.diloco.transport_base import (
     Replaced,
+    Transport,
     UnreadableFileError,
 )
 from speedtronic_callbacks.diloco.wire import (
@@ -39,9 +48,20 @@ from speedtronic_callbacks.diloco.wire import (
 logger = logging.getLogger("speedtronic.diloco")
 
 
-class HubPublication(DeltaIntake):
+class HubPublication:
     """The publication half of ``MasterLoop``: the pointer, the published versions, the
-    audit log."""
+    audit log (its attributes are set by ``MasterLoop``)."""
+
+    transport: Transport
+    layout: ModelLayout
+    settings: MasterSettings
+    audit_path: Path | None
+    halted: str | None
+    _lock: threading.Lock
+    _state: OuterState | None
+    _expected_pointer: tuple[int, str] | None
+    _paused: str | None
+    _versions: HubVersions
 
     @property
     def outer_step(self) -> int:
@@ -263,20 +283,7 @@ class HubPublication(DeltaIntake):
             "duplicates": report.duplicates,
             "latency_s": round(report.latency_s, 6),
             "applied": [
-                {
-                    "sha256": item.sha256,
-                    "node_id": item.node_id,
-                    "local_step": item.local_step,
-                    "base_outer_step": item.base_outer_step,
-                    "staleness": item.staleness,
-                    "weight": item.weight,
-                    "norm": item.norm,
-                    "clip": item.clip,
-                    "tokens": item.tokens,
-                    "samples": item.samples,
-                    "first_step": item.first_step,
-                    "work": item.work,
-                }
+                {key: value for key, value in dataclasses.asdict(item).items() if key != "path"}
                 for item in report.applied
             ],
             "work_unit": report.work_unit,
