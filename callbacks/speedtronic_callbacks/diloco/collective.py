@@ -78,6 +78,7 @@ from speedtronic.engine.evaluation import EVAL_LOSS
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.systems.distributed import DistributedContext, ReplicaGroups, replica_groups
 from speedtronic_callbacks.diloco.aggregation import NormHistory
+from speedtronic_callbacks.diloco.codec import Codec
 from speedtronic_callbacks.diloco.collective_exchange import (
     Exchange,
     ReplicaExchange,
@@ -132,7 +133,6 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
             raise TypeError("pass CollectiveDiLoCoOptions or keyword options, not both")
         self.options = options or CollectiveDiLoCoOptions.from_mapping(values)
         self.ranks_per_replica = self.options.ranks_per_replica  # speedtronic ReplicaSync
-        self.encoding = delta_encoding(self.options)
         self.robust = robust_settings(self.options)
         self.round = OuterRound(
             self.robust,
@@ -143,7 +143,7 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
         """Judge, weights and the outer step of the baseline (its ``norms``: the recent
         pseudo-gradient norms per fragment, ``norm_histories``; its ``optimizer``: the
         outer momentum)."""
-        self.replicas = ReplicaExchange(self.options, self.encoding, self.round)
+        self.replicas = ReplicaExchange(self.options, delta_encoding(self.options), self.round)
         """The transport of a round: the collectives between the replicas."""
         self.baseline: dict[str, torch.Tensor] = {}
         self.layout: ModelLayout | None = None
@@ -169,6 +169,16 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
     def streaming(self) -> bool:
         """Whether fragments or overlap are on (not plain DiLoCo)."""
         return self.replicas.streaming
+
+    @property
+    def encoding(self) -> Codec:
+        """The codec of the pseudo-gradients' exchange (``delta_dtype``; Python may set any
+        registered codec before the fit)."""
+        return self.replicas.encoding
+
+    @encoding.setter
+    def encoding(self, codec: Codec) -> None:
+        self.replicas.encoding = codec
 
     @property
     def bytes_reduced(self) -> int:

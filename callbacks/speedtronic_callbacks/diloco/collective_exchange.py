@@ -99,7 +99,6 @@ class ReplicaExchange:
     ) -> None:
         self.options = options
         self.encoding = encoding
-        self.wire_dtype = encoding.dtype if isinstance(encoding, CastCodec) else torch.float32
         self.round = round_
         self.residuals: list[torch.Tensor | None] = [None] * options.fragments
         """Per fragment: what int8/fp4 dropped from this replica's last pseudo-gradient of
@@ -118,6 +117,12 @@ class ReplicaExchange:
         many seconds after it started -- a slow link injected into the transport."""
         self.context: DistributedContext | None = None
         self.groups: ReplicaGroups | None = None
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """What the float all-reduce sends: a cast codec's dtype, else float32."""
+        encoding = self.encoding
+        return encoding.dtype if isinstance(encoding, CastCodec) else torch.float32
 
     @property
     def streaming(self) -> bool:

@@ -81,11 +81,7 @@ from speedtronic_callbacks.diloco.master_report import (
 from speedtronic_callbacks.diloco.math import StateDict
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
 from speedtronic_callbacks.diloco.outer_round import KeptAverage, OuterRound
-from speedtronic_callbacks.diloco.pointer import (
-    POINTER_PATH,
-    Pointer,
-    decode_pointer,
-)
+from speedtronic_callbacks.diloco.pointer import POINTER_PATH, Pointer, decode_pointer
 from speedtronic_callbacks.diloco.recovery import HubVersions
 from speedtronic_callbacks.diloco.transport_base import (
     Transport,

@@ -266,21 +266,33 @@ class DeltaIntake:
                 bounds[id(member)] = screening.bound
         kept: list[_Accepted] = []
         for item in accepted:
-            bound, norm, clip = bounds[id(item)], item.contribution.norm, item.contribution.clip
-            if clip == 0.0:
-                detail = f"pseudo-gradient norm {norm:.4g} exceeds the bound {bound}"
-                rejected.append(self._reject(item.entry, Rejected(RejectionReason.OUTLIER, detail)))
-                continue
-            if clip != 1.0:
-                logger.warning(
-                    "diloco master clipped %s: pseudo-gradient norm %.4g is above %.4g "
-                    "(outlier_factor x the recent median)",
-                    item.entry.path,
-                    norm,
-                    bound,
-                )
-            kept.append(item)
+            bound, norm = bounds[id(item)], item.contribution.norm
+            refusal = f"pseudo-gradient norm {norm:.4g} exceeds the bound {bound}"
+            clipped = "diloco master clipped %s: pseudo-gradient norm %.4g is above %.4g"
+            if self._keeps(item, item.contribution.clip, rejected, refusal, clipped, norm, bound):
+                kept.append(item)
         return kept
+
+    def _keeps(
+        self,
+        item: _Accepted,
+        factor: float,
+        rejected: list[DeltaRejection],
+        refusal: str,
+        clipped: str,
+        *figures: object,
+    ) -> bool:
+        """Whether an outlier verdict ``factor`` keeps ``item``: 0 makes it a logged
+        ``outlier`` rejection (``refusal``), a factor below 1 a WARNING (``clipped`` with the
+        path and ``figures``)."""
+        if factor == 0.0:
+            rejected.append(self._reject(item.entry, Rejected(RejectionReason.OUTLIER, refusal)))
+            return False
+        if factor != 1.0:
+            logger.warning(
+                clipped + " (outlier_factor x the recent median)", item.entry.path, *figures
+            )
+        return True
 
     def observe_step_work(self, tokens: int, samples: int) -> None:
         """The tokens and samples one optimizer step of this master's own training took
@@ -343,25 +355,18 @@ class DeltaIntake:
         rejected: list[DeltaRejection],
     ) -> list[_Accepted]:
         kept: list[_Accepted] = []
+        bound = screening.bound
+        clipped = "diloco master clipped the work of %s: %.6g %s is above %.6g"
         for item, figure, factor in zip(accepted, figures, screening.factors, strict=True):
-            if factor == 0.0:
-                detail = (
-                    f"claimed work of {figure:.6g} {unit} exceeds the bound "
-                    f"{screening.bound:.6g} (outlier_factor x the recent median)"
-                )
-                rejected.append(self._reject(item.entry, Rejected(RejectionReason.OUTLIER, detail)))
-                continue
-            if factor != 1.0:
-                logger.warning(
-                    "diloco master clipped the work of %s: %.6g %s is above %.6g "
-                    "(outlier_factor x the recent median)",
-                    item.entry.path,
-                    figure,
-                    unit,
-                    screening.bound,
-                )
-            item.contribution.work = figure * factor
-            kept.append(item)
+            refusal = (
+                ""
+                if factor
+                else f"claimed work of {figure:.6g} {unit} exceeds the bound "
+                f"{bound:.6g} (outlier_factor x the recent median)"
+            )
+            if self._keeps(item, factor, rejected, refusal, clipped, figure, unit, bound):
+                item.contribution.work = figure * factor
+                kept.append(item)
         return kept
 
     def _log_cap(self, path: str, info: DeltaInfo, claim: int, cap: int, unit: str) -> None:
