@@ -34,12 +34,14 @@ master's checkpoint is ahead of it. A master resumed from an older checkpoint ad
 newer published global, momentum and ledger instead of rolling the hub back, so nothing is
 applied twice.
 
-``MasterLoop`` holds two components: ``intake`` (``master_intake.DeltaIntake``: steps 1-3's
-listing, validation, quarantine and work claims) and ``round``
-(``outer_round.OuterRound``: the judge, the weights and the outer step, the component the
-collective exchange holds too -- the hub's files are the transport, the weighted mean by
-key, ``fragments.aggregate_by_key``, the combiner). Steps 0 and 4, the pointer and the
-publication, are ``master_publish``; the settings and a round's report ``master_report``.
+``MasterLoop`` runs the round and holds its parts: ``intake``
+(``master_intake.DeltaIntake``: steps 1-3's listing, validation, quarantine and work
+claims), ``round`` (``outer_round.OuterRound``: the judge, the weights and the outer step,
+the component the collective exchange holds too -- the hub's files are the transport, the
+weighted mean by key, ``fragments.aggregate_by_key``, the combiner) and ``publication``
+(``master_publish.HubPublication``: steps 0 and 4, the pointer and the publication), which
+shares the committed ``state`` (``master_publish.MasterState``) with the loop. The
+settings and a round's report are ``master_report``.
 
 Apart from these modules: reading the versions a hub offers at
 start-up (``recovery``); deleting applied deltas and old versions (``hub_gc``); the hub's
@@ -70,7 +72,7 @@ from speedtronic_callbacks.diloco.hub_files import (
 )
 from speedtronic_callbacks.diloco.legacy_hub import V2Pointer, read_v2_pointer
 from speedtronic_callbacks.diloco.master_intake import DeltaIntake
-from speedtronic_callbacks.diloco.master_publish import HubPublication
+from speedtronic_callbacks.diloco.master_publish import HubPublication, MasterState
 from speedtronic_callbacks.diloco.master_report import (
     AppliedDelta,
     DeltaRejection,
@@ -82,7 +84,6 @@ from speedtronic_callbacks.diloco.math import StateDict
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
 from speedtronic_callbacks.diloco.outer_round import KeptAverage, OuterRound
 from speedtronic_callbacks.diloco.pointer import POINTER_PATH, Pointer, decode_pointer
-from speedtronic_callbacks.diloco.recovery import HubVersions
 from speedtronic_callbacks.diloco.transport_base import (
     Transport,
     UnreadableFileError,
@@ -116,7 +117,7 @@ __all__ = [
 ]
 
 
-class MasterLoop(HubPublication):
+class MasterLoop:
     """The outer optimizer of one hub. Only one may be active per hub in a process."""
 
     _active: dict[str, MasterLoop] = {}
@@ -136,13 +137,10 @@ class MasterLoop(HubPublication):
         self.settings = settings
         self.audit_path = audit_path
         self._clock = clock
-        self._lock = threading.Lock()
         self._round_lock = threading.Lock()
-        self._state: OuterState | None = None
+        self.state = MasterState()
+        """The committed outer state (global, momentum, ledger)."""
         self._reconciled = False
-        self.halted: str | None = None
-        self._expected_pointer: tuple[int, str] | None = None
-        self._paused: str | None = None
         self.round = OuterRound(
             settings.robust,
             KeptAverage(settings.staleness_power),
@@ -152,7 +150,9 @@ class MasterLoop(HubPublication):
         """Judge, weights and outer step (its ``norms``: the outlier history per streaming
         fragment, ``""``: whole-model deltas)."""
         self.intake = DeltaIntake(transport, layout, settings, self.round)
-        self._versions = HubVersions(transport, layout, settings.node_id, settings.secret)
+        """Steps 1-3: the deltas a round takes in."""
+        self.publication = HubPublication(transport, layout, settings, self.state, audit_path)
+        """Steps 0 and 4: the pointer, the publication, the audit log."""
         transport.limit_file_size(settings.max_file_bytes or largest_file_bytes(layout))
 
     # -- single master per hub (per process) -------------------------------------------
@@ -179,6 +179,19 @@ class MasterLoop(HubPublication):
     @property
     def reconciled(self) -> bool:
         return self._reconciled
+
+    @property
+    def halted(self) -> str | None:
+        """Why this master stopped aggregating (another master serves the hub), or ``None``."""
+        return self.publication.halted
+
+    @property
+    def outer_step(self) -> int:
+        return self.state.outer_step
+
+    def snapshot(self) -> OuterState | None:
+        """A copy of the committed outer state (``None`` before ``reconcile``)."""
+        return self.state.snapshot()
 
     def state_dict(self) -> dict[str, object]:
         """Checkpoint form (tensors, numbers, strings, lists and dicts only)."""
@@ -250,9 +263,9 @@ class MasterLoop(HubPublication):
             {str(unit): NormHistory.from_state(window, value) for unit, value in works.items()},
             (int(step_work[0]), int(step_work[1])),
         )
-        with self._lock:
+        with self.state.lock:
             self.round.norms.histories = norms
-            self._state = OuterState(global_state, momentum, outer_step, ledger)
+            self.state.current = OuterState(global_state, momentum, outer_step, ledger)
             self._reconciled = False
 
     def observe_step_work(self, tokens: int, samples: int) -> None:
@@ -281,7 +294,7 @@ class MasterLoop(HubPublication):
             raw = self.transport.get(POINTER_PATH)
             if raw is None:
                 state = local or OuterState(clone_state(initial_global), {}, 0, Ledger())
-                self._publish(state, applied=(), judge=False)
+                self.publication.publish(state, applied=(), judge=False)
                 logger.info(
                     "diloco master %s published outer step %d to %s (bootstrap)",
                     self.settings.node_id,
@@ -302,14 +315,14 @@ class MasterLoop(HubPublication):
                         local.outer_step,
                     )
                     state = local
-                    self._publish(state, applied=(), judge=False)
+                    self.publication.publish(state, applied=(), judge=False)
                 elif local is not None and local.outer_step == pointer.outer_step:
                     state = local
-                    self._expected_pointer = (pointer.outer_step, pointer.master)
+                    self.publication.expected = (pointer.outer_step, pointer.master)
                 else:
                     state = self._adopt_newest(pointer)
-            with self._lock:
-                self._state = state
+            with self.state.lock:
+                self.state.current = state
                 self._reconciled = True
             return state
 
@@ -326,9 +339,9 @@ class MasterLoop(HubPublication):
         if local is not None and local.outer_step > legacy.outer_step:
             state = local
         else:
-            state = self._versions.read_v2(legacy)
-        leftover = self._versions.v2_deltas()
-        self._publish(state, applied=(), judge=False)
+            state = self.publication.versions.read_v2(legacy)
+        leftover = self.publication.versions.v2_deltas()
+        self.publication.publish(state, applied=(), judge=False)
         logger.warning(
             "diloco master %s continued a speedtronic 2.0 hub at %s from outer step %d "
             "(momentum restarts at zero; %d 2.0 delta file(s) under nodes/ are not applied "
@@ -344,10 +357,10 @@ class MasterLoop(HubPublication):
         """Adopt ``pointer``'s version, unless the hub holds a newer complete version that
         validates: then the pointer is an old one put back, and the newer version is
         adopted and republished (versions only move forward)."""
-        newest = self._versions.newest_complete_step()
+        newest = self.publication.versions.newest_complete_step()
         if newest > pointer.outer_step:
             try:
-                state = self._versions.read(newest)
+                state = self.publication.versions.read(newest)
             except (Rejected, UnreadableFileError) as exc:
                 logger.warning(
                     "diloco master: files of outer step %d are on the hub but unusable (%s)",
@@ -363,10 +376,12 @@ class MasterLoop(HubPublication):
                     newest,
                     newest,
                 )
-                self._publish(state, applied=(), deletes=self._stale_globals(newest), judge=False)
+                self.publication.publish(
+                    state, applied=(), deletes=self.publication.stale_globals(newest), judge=False
+                )
                 return state
-        state = self._adopt(pointer)
-        self._expected_pointer = (pointer.outer_step, pointer.master)
+        state = self.publication.adopt(pointer)
+        self.publication.expected = (pointer.outer_step, pointer.master)
         return state
 
     # -- one round ---------------------------------------------------------------------
@@ -379,18 +394,18 @@ class MasterLoop(HubPublication):
             raise MasterConflictError(self.halted)
         with self._round_lock:
             started = self._clock()
-            paused = self._check_pointer()
+            paused = self.publication.check_pointer()
             state = self.snapshot()
             assert state is not None  # set by reconcile
             if paused is not None:
                 return RoundReport(state.outer_step, published=False, found=0, paused=paused)
             report, new_state, cleanup = self._round(state, started)
             if new_state is None:
-                self._delete(cleanup)
+                self.publication.delete(cleanup)
                 if report.rejected:
-                    self._audit(report)
+                    self.publication.audit(report)
                 return report
-            paused = self._check_pointer()
+            paused = self.publication.check_pointer()
             if paused is not None or self.outer_step != state.outer_step:
                 # The pointer broke or moved during the round: these deltas wait for the next.
                 report = RoundReport(
@@ -403,16 +418,16 @@ class MasterLoop(HubPublication):
                     paused=paused,
                 )
                 if report.rejected:
-                    self._audit(report)
+                    self.publication.audit(report)
                 return report
             removable = cleanup if self.settings.delete_applied else []
-            self._publish(
+            self.publication.publish(
                 new_state,
                 applied=tuple(item.sha256 for item in report.applied),
-                deletes=removable + self._stale_globals(new_state.outer_step),
+                deletes=removable + self.publication.stale_globals(new_state.outer_step),
             )
-            with self._lock:
-                self._state = new_state
+            with self.state.lock:
+                self.state.current = new_state
                 for fragment in set(report.norm_fragments):
                     self.round.record(
                         fragment,
@@ -425,7 +440,7 @@ class MasterLoop(HubPublication):
                 if report.work_unit:
                     self.intake.works.record(report.work_unit, report.works)
             report = dataclasses.replace(report, published=True, latency_s=self._clock() - started)
-            self._audit(report)
+            self.publication.audit(report)
             return report
 
     def _round(
