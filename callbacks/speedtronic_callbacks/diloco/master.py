@@ -135,7 +135,6 @@ class MasterLoop:
         self.transport = transport
         self.layout = layout
         self.settings = settings
-        self.audit_path = audit_path
         self._clock = clock
         self._round_lock = threading.Lock()
         self.state = MasterState()
