@@ -22,7 +22,6 @@ from speedtronic_callbacks.diloco.aggregation import (
     NormHistory,
     RobustSettings,
     Screens,
-    replica_coefficients,
     screen,
     work_weights,
 )
@@ -33,6 +32,7 @@ from speedtronic_callbacks.diloco.master import MasterLoop, MasterSettings, delt
 from speedtronic_callbacks.diloco.model_layout import ModelLayout, build_layout
 from speedtronic_callbacks.diloco.node import DiLoCoNode, NodeSettings
 from speedtronic_callbacks.diloco.options import CollectiveDiLoCoOptions, DiLoCoOptions
+from speedtronic_callbacks.diloco.outer_round import replica_coefficients
 from speedtronic_callbacks.diloco.transport_base import RetryingTransport, RetryPolicy
 from speedtronic_callbacks.diloco.wire import (
     DeltaInfo,

@@ -7,7 +7,9 @@ Modules, one concept each (docs/distributed.md, "Where the code is"):
 
 * the algorithm, shared by every mode: ``math`` -- pseudo-gradients, the delta-carry
   rule, the outer Nesterov optimizer; ``aggregation`` -- outlier screening and work
-  weighting; ``outer_round`` -- a round's steps both modes share; ``fragments`` --
+  weighting; ``outer_round`` -- ``OuterRound``, the round both modes run (judge, weights
+  by a named policy, outer step), which the hub master and the collective exchange each
+  hold; ``fragments`` --
   streaming fragments; ``codec`` -- the ``Codec`` interface,
   ``codecs`` -- one class per ``delta_dtype`` and their registry (``encoding``: the
   codecs' earlier names, ``Encoding`` and ``Compression``);
@@ -21,7 +23,8 @@ Modules, one concept each (docs/distributed.md, "Where the code is"):
 * ``transport_base`` -- the ``Transport`` interface, its errors, retries and timeouts;
   ``directory_transport`` and ``hub_transport`` -- one store per kind;
 * ``lanes`` -- bounded background I/O;
-* ``master`` -- the outer loop (``master_intake``: validating and screening the deltas;
+* ``master`` -- the outer loop (``master_intake``: the ``DeltaIntake`` it holds,
+  validating and screening the deltas;
   ``master_publish``: the pointer and publication; ``master_report``: settings, reports),
   with ``recovery`` (start-up from the hub) and ``hub_gc`` (deleting applied deltas and
   old versions); ``node`` -- the per-step state machine (``node_pending``: unsent

@@ -44,8 +44,6 @@ __all__ = [
     "RobustSettings",
     "Screening",
     "Screens",
-    "replica_coefficients",
-    "replica_weights",
     "screen",
     "state_norm",
     "work_cap",
@@ -236,41 +234,3 @@ def state_norm(state: StateDict, keys: Iterable[str] | None = None) -> float:
         tensor = as_real_fp32(state[key].detach().cpu())
         total += float(torch.linalg.vector_norm(tensor, dtype=torch.float64)) ** 2
     return math.sqrt(total)
-
-
-def replica_coefficients(
-    norms: Sequence[float],
-    tokens: Sequence[int],
-    samples: Sequence[int],
-    history: NormHistory,
-    settings: RobustSettings,
-    *,
-    weight_by_work: bool,
-    model_norm: float | None = None,
-) -> tuple[list[float], Screening]:
-    """Collective mode: what each replica's pseudo-gradient is multiplied by before the
-    replicas' sum is divided by their count (``replica_weights`` of this round's
-    ``screen``). ``history`` is not changed."""
-    screening = screen(norms, history, settings, model_norm)
-    return replica_weights(screening, tokens, samples, weight_by_work=weight_by_work), screening
-
-
-def replica_weights(
-    screening: Screening, tokens: Sequence[int], samples: Sequence[int], *, weight_by_work: bool
-) -> list[float]:
-    """Screening factors times work weights (over the replicas kept), rescaled by
-    ``count / kept`` so that leaving one out averages the others; all zeros when none is
-    kept."""
-    count = len(screening.factors)
-    kept = [i for i, factor in enumerate(screening.factors) if factor > 0]
-    coefficients = [0.0] * count
-    if not kept:
-        return coefficients
-    work = [1.0] * len(kept)
-    if weight_by_work:
-        work = work_weights([tokens[i] for i in kept], [samples[i] for i in kept])
-    rescale = count / len(kept)
-    for index, share in zip(kept, work, strict=True):
-        coefficient = share * screening.factors[index]
-        coefficients[index] = coefficient * rescale if rescale != 1.0 else coefficient
-    return coefficients

@@ -77,16 +77,17 @@ from speedtronic.engine.contexts import (
 from speedtronic.engine.evaluation import EVAL_LOSS
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.systems.distributed import DistributedContext, ReplicaGroups, replica_groups
-from speedtronic_callbacks.diloco.aggregation import (
-    Screens,
+from speedtronic_callbacks.diloco.aggregation import NormHistory
+from speedtronic_callbacks.diloco.codec import Codec
+from speedtronic_callbacks.diloco.collective_exchange import (
+    Exchange,
+    ReplicaExchange,
+    baseline_copy,
 )
-from speedtronic_callbacks.diloco.codec import CastCodec
-from speedtronic_callbacks.diloco.collective_exchange import Exchange, baseline_copy
 from speedtronic_callbacks.diloco.collective_state import CollectiveCheckpoint
 from speedtronic_callbacks.diloco.eval_keys import global_eval_metrics
 from speedtronic_callbacks.diloco.fragments import FragmentPlan, layout_plan
 from speedtronic_callbacks.diloco.math import (
-    NesterovOuterOptimizer,
     carry,
     check_same_layout,
     flatten,
@@ -100,6 +101,7 @@ from speedtronic_callbacks.diloco.options import (
     delta_encoding,
     robust_settings,
 )
+from speedtronic_callbacks.diloco.outer_round import OuterRound, ReplicaAverage
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
@@ -131,28 +133,22 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
             raise TypeError("pass CollectiveDiLoCoOptions or keyword options, not both")
         self.options = options or CollectiveDiLoCoOptions.from_mapping(values)
         self.ranks_per_replica = self.options.ranks_per_replica  # speedtronic ReplicaSync
-        self.encoding = delta_encoding(self.options)
-        self.wire_dtype = (
-            self.encoding.dtype if isinstance(self.encoding, CastCodec) else torch.float32
-        )
         self.robust = robust_settings(self.options)
-        self.screens = Screens(self.robust)
-        """The recent pseudo-gradient norms, per fragment (``norm_histories``)."""
-        self.residuals: list[torch.Tensor | None] = [None] * self.options.fragments
-        """Per fragment: what int8/fp4 dropped from this replica's last pseudo-gradient of
-        it (error feedback)."""
-        self._work_mark: tuple[int, int] | None = None
-        self._kept = True
-        self.outliers = 0
-        """Pseudo-gradients clipped or left out as outliers so far (all replicas)."""
-        self.outer = NesterovOuterOptimizer(self.options.outer_lr, self.options.outer_momentum)
+        self.round = OuterRound(
+            self.robust,
+            ReplicaAverage(),
+            lr=self.options.outer_lr,
+            momentum=self.options.outer_momentum,
+        )
+        """Judge, weights and the outer step of the baseline (its ``norms``: the recent
+        pseudo-gradient norms per fragment, ``norm_histories``; its ``optimizer``: the
+        outer momentum)."""
+        self.replicas = ReplicaExchange(self.options, delta_encoding(self.options), self.round)
+        """The transport of a round: the collectives between the replicas."""
         self.baseline: dict[str, torch.Tensor] = {}
         self.layout: ModelLayout | None = None
         self.outer_steps = 0
-        self.bytes_reduced = 0
         self.last_pseudo_grad_norm: float | None = None
-        self._context: DistributedContext | None = None
-        self._groups: ReplicaGroups | None = None
         self._staged: Mapping[str, object] | None = None
         self.global_eval: dict[str, int | float] | None = None
         """This step's evaluation of the global model, until the metric record takes it."""
@@ -160,11 +156,6 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
         self.in_flight: list[Exchange] = []
         self.peak_sync_bytes = 0
         """The largest payload of one exchange (about 1/P of the model with P fragments)."""
-        self.stall_s = 0.0
-        """Seconds the training thread spent waiting for exchanges (the link's stall)."""
-        self.link_delay_s = 0.0
-        """Testing and benchmarking aid: an exchange's result is not available until this
-        many seconds after it started -- a slow link injected into the transport."""
         self._view: TrainerView | None = None
 
     @classmethod
@@ -172,25 +163,82 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
         del context
         return cls(CollectiveDiLoCoOptions.from_mapping(options))
 
+    # -- the exchange's figures and state, read through the callback -----------------
+
+    @property
+    def streaming(self) -> bool:
+        """Whether fragments or overlap are on (not plain DiLoCo)."""
+        return self.replicas.streaming
+
+    @property
+    def encoding(self) -> Codec:
+        """The codec of the pseudo-gradients' exchange (``delta_dtype``; Python may set any
+        registered codec before the fit)."""
+        return self.replicas.encoding
+
+    @encoding.setter
+    def encoding(self, codec: Codec) -> None:
+        self.replicas.encoding = codec
+
+    @property
+    def bytes_reduced(self) -> int:
+        return self.replicas.bytes_reduced
+
+    @property
+    def stall_s(self) -> float:
+        return self.replicas.stall_s
+
+    @property
+    def link_delay_s(self) -> float:
+        return self.replicas.link_delay_s
+
+    @link_delay_s.setter
+    def link_delay_s(self, seconds: float) -> None:
+        self.replicas.link_delay_s = seconds
+
+    @property
+    def outliers(self) -> int:
+        return self.replicas.outliers
+
+    @property
+    def residuals(self) -> list[torch.Tensor | None]:
+        return self.replicas.residuals
+
+    @property
+    def residual(self) -> torch.Tensor | None:
+        return self.replicas.residual
+
+    @property
+    def norm_history(self) -> NormHistory:
+        return self.replicas.norm_history
+
+    @property
+    def norm_histories(self) -> list[NormHistory]:
+        return self.replicas.norm_histories
+
+    def _keys(self, fragment: int) -> tuple[str, ...] | None:
+        """The global's entries of ``fragment`` (``None`` before ``on_setup``: all)."""
+        return None if self.plan is None else self.plan.fragments[fragment]
+
     def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
-        self._context = trainer.distributed
+        self.replicas.context = trainer.distributed
         self._view = trainer
-        self._groups = self._replica_groups(trainer.distributed)
+        self.replicas.groups = self._replica_groups(trainer.distributed)
         state = trainer.model.state_dict()
         self.layout = build_layout(state)
         self.plan = layout_plan(self.layout, self.options.fragments, self.options.inner_steps)
         staged, self._staged = self._staged, None
         if staged is not None:  # every rank loaded the same checkpoint: already in step
             self._restore(staged, ctx.start_step)
-            self._ensure_residuals()
+            self.replicas.ensure_residuals(self.plan, self.layout)
             if self.streaming or staged.get("replicas") is not None:
                 self._restore_streaming(trainer, staged, ctx.start_step)
         elif not self.baseline:  # a fresh start: every replica starts from rank 0's weights
             self._broadcast_from_rank_zero(state)
             self.baseline = {key: baseline_copy(state[key]) for key in self.layout.sync_keys}
-        self._ensure_residuals()
-        if self._work_mark is None:
-            self._work_mark = (trainer.tokens, trainer.samples)
+        self.replicas.ensure_residuals(self.plan, self.layout)
+        if self.replicas.work_mark is None:
+            self.replicas.work_mark = (trainer.tokens, trainer.samples)
         check_same_layout(
             {key: state[key] for key in self.layout.sync_keys},
             self.baseline,
@@ -211,7 +259,7 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
 
     def _broadcast_from_rank_zero(self, state: Mapping[str, torch.Tensor]) -> None:
         """Give every replica rank 0's weights (one broadcast)."""
-        context = self._context
+        context = self.replicas.context
         if context is None or context.world_size < 2 or self.layout is None:
             return
         keys = self.layout.sync_keys
@@ -259,9 +307,10 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
 
     def _stall(self, started: float) -> None:
         """Count a blocking exchange's time (with the injected link delay) as stall."""
-        if self.link_delay_s > 0:
-            time.sleep(max(0.0, started + self.link_delay_s - time.perf_counter()))
-        self.stall_s += time.perf_counter() - started
+        replicas = self.replicas
+        if replicas.link_delay_s > 0:
+            time.sleep(max(0.0, started + replicas.link_delay_s - time.perf_counter()))
+        replicas.stall_s += time.perf_counter() - started
 
     def outer_round(self, trainer: TrainerView) -> None:
         """Average the pseudo-gradients, step the global model, load it everywhere."""
@@ -273,9 +322,11 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
         average the replicas' pseudo-gradients, step their global, load it into the model."""
         state = trainer.model.state_dict()
         flat = flatten(pseudo_gradient(self.baseline, state, keys), keys)
-        before = self.bytes_reduced
-        averaged = self._exchange(flat, trainer, fragment)
-        self.peak_sync_bytes = max(self.peak_sync_bytes, self.bytes_reduced - before)
+        before = self.replicas.bytes_reduced
+        averaged = self.replicas.exchange(
+            flat, trainer, self.baseline, self._keys(fragment), fragment
+        )
+        self.peak_sync_bytes = max(self.peak_sync_bytes, self.replicas.bytes_reduced - before)
         self._outer_update(state, keys, averaged, None)
 
     def _start(self, trainer: TrainerView, fragment: int, step: int) -> Exchange:
@@ -287,7 +338,7 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
         state = trainer.model.state_dict()
         snapshot = {key: baseline_copy(state[key]) for key in keys}
         flat = flatten(pseudo_gradient(self.baseline, snapshot, keys), keys)
-        flat, coefficients = self._screen(flat, trainer, fragment)
+        flat, coefficients = self.replicas.screen(flat, trainer, self.baseline, keys, fragment)
         exchange = Exchange(
             fragment=fragment,
             started=step,
@@ -297,22 +348,22 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
             wire=None,
             result=None,
             started_at=time.perf_counter(),
-            kept=self._kept,
+            kept=self.replicas.kept,
         )
-        before = self.bytes_reduced
+        before = self.replicas.bytes_reduced
         if self.encoding.packed:
-            exchange.packed = self._start_packed(flat, coefficients, fragment)
+            exchange.packed = self.replicas.start_packed(flat, coefficients, fragment)
         else:
-            flat = self._scaled(flat, coefficients)
-            exchange.work, exchange.wire = self._start_average(flat)
+            flat = self.replicas.scaled(flat, coefficients)
+            exchange.work, exchange.wire = self.replicas.start_average(flat)
             exchange.result = flat if exchange.wire is None else None
-        self.peak_sync_bytes = max(self.peak_sync_bytes, self.bytes_reduced - before)
+        self.peak_sync_bytes = max(self.peak_sync_bytes, self.replicas.bytes_reduced - before)
         return exchange
 
     def _apply(self, trainer: TrainerView, exchange: Exchange) -> None:
         """Step the fragment's global and load it, keeping the progress since the start."""
-        averaged = self._wait(exchange)
-        self._kept = exchange.kept
+        averaged = self.replicas.wait(exchange)
+        self.replicas.kept = exchange.kept
         self._outer_update(trainer.model.state_dict(), tuple(exchange.snapshot), averaged, exchange)
 
     def _outer_update(
@@ -328,9 +379,9 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
         ``math.carry``: ``global - (snapshot - current)``)."""
         assert self.layout is not None
         self.last_pseudo_grad_norm = float(averaged.norm())
-        if self._kept:
+        if self.replicas.kept:
             shapes = {key: self.layout.wire_shapes[key] for key in keys}
-            self.outer.step(self.baseline, unflatten(averaged, shapes))
+            self.round.step(self.baseline, unflatten(averaged, shapes))
         weights: Mapping[str, torch.Tensor] = self.baseline
         if exchange is not None:
             current = {key: baseline_copy(state[key]) for key in keys}
@@ -345,7 +396,7 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
         """Every rank is here: finish the exchanges' communication (applied on schedule by
         the next fit, or kept in the checkpoint)."""
         for exchange in self.in_flight:
-            self._wait(exchange)
+            self.replicas.wait(exchange)
 
     def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         if ctx.error is not None:
@@ -359,7 +410,7 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
         if self.streaming or ctx.step % self.options.inner_steps or EVAL_LOSS not in ctx.metrics:
             return  # with fragments or overlap the model is never exactly the global one
         loss = ctx.metrics[EVAL_LOSS]
-        context = self._context
+        context = self.replicas.context
         if context is not None and context.world_size > 1:
             sums = torch.tensor([loss * ctx.weight, ctx.weight], dtype=torch.float64).to(
                 context.collective_device

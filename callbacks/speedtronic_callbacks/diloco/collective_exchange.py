@@ -5,9 +5,13 @@ A cast codec (fp32/bf16/fp16) averages with **one** ``all_reduce`` of one flat b
 its dtype; a block codec (int8/fp4) all-gathers every replica's packed codes and scales
 and decodes and combines them in float32, keeping the local quantisation residual for the
 next round (error feedback). Before either, one all-gather of a few numbers per replica
-(norm, tokens, samples, codec) screens outliers and weights the replicas by work
-(``aggregation``). With ``overlap_steps`` the exchange is started asynchronously
-(``Exchange``) and waited for when it is applied.
+(norm, tokens, samples, codec) screens outliers and weights the replicas by work through
+the ``OuterRound`` the exchange shares with its owner (policy ``ReplicaAverage``). With
+``overlap_steps`` the exchange is started asynchronously (``Exchange``) and waited for
+when it is applied.
+
+``ReplicaExchange`` is a component ``CollectiveDiLoCo`` holds (``replicas``): the
+transport of a round, as the hub's files are the master's.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,18 +27,14 @@ import torch
 import torch.distributed as dist
 
 from speedtronic.systems.distributed import DistributedContext, ReplicaGroups
-from speedtronic_callbacks.diloco.aggregation import (
-    NormHistory,
-    RobustSettings,
-    Screens,
-    replica_weights,
-)
-from speedtronic_callbacks.diloco.codec import BLOCK_SIZE, BlockCodec, Codec, Packed
+from speedtronic_callbacks.diloco.aggregation import NormHistory
+from speedtronic_callbacks.diloco.codec import BLOCK_SIZE, BlockCodec, CastCodec, Codec, Packed
 from speedtronic_callbacks.diloco.codecs import registered_codecs
 from speedtronic_callbacks.diloco.fragments import FragmentPlan, fragment_name
+from speedtronic_callbacks.diloco.math import StateDict
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
 from speedtronic_callbacks.diloco.options import CollectiveDiLoCoOptions
-from speedtronic_callbacks.diloco.outer_round import judge_fragment
+from speedtronic_callbacks.diloco.outer_round import Contribution, OuterRound, share_by_work
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
@@ -87,26 +88,41 @@ class PackedGather:
 
 
 class ReplicaExchange:
-    """The exchange half of ``CollectiveDiLoCo`` (its attributes are set by its
-    ``__init__`` and ``on_setup``)."""
+    """The replicas' exchange, held by ``CollectiveDiLoCo``: the collectives' transport of
+    one fragment's pseudo-gradients (screening numbers, the average or the packed
+    gathers) and what it keeps across rounds -- the error-feedback residuals, the work
+    counters at the last round, the bytes and stall it counted. The round itself (judge,
+    weights, outer step) is the ``OuterRound`` it shares with its owner."""
 
-    options: CollectiveDiLoCoOptions
-    encoding: Codec
-    wire_dtype: torch.dtype
-    robust: RobustSettings
-    screens: Screens
-    residuals: list[torch.Tensor | None]
-    outliers: int
-    baseline: dict[str, torch.Tensor]
-    layout: ModelLayout | None
-    plan: FragmentPlan | None
-    bytes_reduced: int
-    stall_s: float
-    link_delay_s: float
-    _work_mark: tuple[int, int] | None
-    _kept: bool
-    _context: DistributedContext | None
-    _groups: ReplicaGroups | None
+    def __init__(
+        self, options: CollectiveDiLoCoOptions, encoding: Codec, round_: OuterRound
+    ) -> None:
+        self.options = options
+        self.encoding = encoding
+        self.round = round_
+        self.residuals: list[torch.Tensor | None] = [None] * options.fragments
+        """Per fragment: what int8/fp4 dropped from this replica's last pseudo-gradient of
+        it (error feedback)."""
+        self.work_mark: tuple[int, int] | None = None
+        """The trainer's tokens and samples at the last round."""
+        self.kept = True
+        """Whether the last screening kept any replica (``False``: no outer step)."""
+        self.outliers = 0
+        """Pseudo-gradients clipped or left out as outliers so far (all replicas)."""
+        self.bytes_reduced = 0
+        self.stall_s = 0.0
+        """Seconds the training thread spent waiting for exchanges (the link's stall)."""
+        self.link_delay_s = 0.0
+        """Testing and benchmarking aid: an exchange's result is not available until this
+        many seconds after it started -- a slow link injected into the transport."""
+        self.context: DistributedContext | None = None
+        self.groups: ReplicaGroups | None = None
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """What the float all-reduce sends: a cast codec's dtype, else float32."""
+        encoding = self.encoding
+        return encoding.dtype if isinstance(encoding, CastCodec) else torch.float32
 
     @property
     def streaming(self) -> bool:
@@ -114,52 +130,62 @@ class ReplicaExchange:
         return self.options.fragments > 1 or self.options.overlap_steps > 0
 
     def _replica_index(self) -> int:
-        return 0 if self._groups is None else self._groups.replica_index
+        return 0 if self.groups is None else self.groups.replica_index
 
-    def _exchange(
-        self, flat: torch.Tensor, trainer: TrainerView, fragment: int = 0
+    def exchange(
+        self,
+        flat: torch.Tensor,
+        trainer: TrainerView,
+        baseline: StateDict,
+        keys: Sequence[str] | None,
+        fragment: int = 0,
     ) -> torch.Tensor:
         """The replicas' screened, work-weighted mean pseudo-gradient of ``fragment`` (0:
         the whole model without fragments), through the ``delta_dtype`` encoding. Every
         rank computes the same coefficients from the same gathered numbers; when every
-        replica was left out the mean is zero and ``_kept`` is false (no outer step: the
-        replicas return to the global model)."""
-        flat, coefficients = self._screen(flat, trainer, fragment)
+        replica was left out the mean is zero and ``kept`` is false (no outer step: the
+        replicas return to the global model). ``baseline`` is the global model, ``keys``
+        the fragment's entries of it (``None``: all)."""
+        flat, coefficients = self.screen(flat, trainer, baseline, keys, fragment)
         if self.encoding.packed:
-            return self._finish_packed(self._start_packed(flat, coefficients, fragment))
-        return self._average(self._scaled(flat, coefficients))
+            return self.finish_packed(self.start_packed(flat, coefficients, fragment))
+        return self.average(self.scaled(flat, coefficients))
 
-    def _scaled(self, flat: torch.Tensor, coefficients: list[float]) -> torch.Tensor:
+    def scaled(self, flat: torch.Tensor, coefficients: list[float]) -> torch.Tensor:
         """This replica's share of the float all-reduce: ``flat`` times its coefficient
         (``flat`` itself when every coefficient is 1: the plain mean, bit for bit)."""
         if all(value == 1.0 for value in coefficients):
             return flat
         return flat * coefficients[self._replica_index()]
 
-    def _screen(
-        self, flat: torch.Tensor, trainer: TrainerView, fragment: int
+    def screen(
+        self,
+        flat: torch.Tensor,
+        trainer: TrainerView,
+        baseline: StateDict,
+        keys: Sequence[str] | None,
+        fragment: int,
     ) -> tuple[torch.Tensor, list[float]]:
         """Add ``fragment``'s error-feedback residual (int8/fp4), gather every replica's
         numbers and judge them against ``fragment``'s own norm history (a fragment's norm
         is not comparable with another fragment's): the pseudo-gradient to send and every
-        replica's coefficient. Sets ``_kept``."""
+        replica's coefficient. Sets ``kept``."""
         residual = self.residuals[fragment]
         if self.encoding.packed and self.options.error_feedback and residual is not None:
             if residual.numel() == flat.numel():
                 flat = flat + residual
         name = fragment_name(fragment, self.options.fragments)
-        stats = self._gather_stats(flat, trainer)
+        stats = self.gather_stats(flat, trainer)
         norms = [row[0] for row in stats]
-        keys = None if self.plan is None else self.plan.fragments[fragment]
-        screening = judge_fragment(self.screens, name, norms, self.baseline, keys)
-        coefficients = replica_weights(
-            screening,
-            [int(row[1]) for row in stats],
-            [int(row[2]) for row in stats],
-            weight_by_work=self.options.weight_by_work,
-        )
-        self.screens.record(name, screening.applied_norms(norms))
-        self._kept = screening.kept > 0
+        contributions = [Contribution(norm) for norm in norms]
+        screening = self.round.judge(name, contributions, baseline, keys)
+        if self.options.weight_by_work:
+            share_by_work(
+                contributions, [int(row[1]) for row in stats], [int(row[2]) for row in stats]
+            )
+        coefficients = self.round.weights(contributions)
+        self.round.record(name, screening.applied_norms(norms))
+        self.kept = screening.kept > 0
         self.outliers += len(screening.outliers)
         if screening.outliers:
             logger.warning(
@@ -168,17 +194,17 @@ class ReplicaExchange:
                 list(screening.outliers),
                 [f"{norms[i]:.4g}" for i in screening.outliers],
                 screening.bound,
-                self.robust.policy,
+                self.round.norms.settings.policy,
             )
         return flat, coefficients
 
-    def _gather_stats(self, flat: torch.Tensor, trainer: TrainerView) -> list[list[float]]:
+    def gather_stats(self, flat: torch.Tensor, trainer: TrainerView) -> list[list[float]]:
         """Every replica's ``[norm, tokens, samples, encoding]`` since the last round (one
         all-gather of four float64 numbers); replicas with another ``delta_dtype`` are a
         clear error on every rank instead of a hang in the data exchange."""
-        mark = self._work_mark or (0, 0)
+        mark = self.work_mark or (0, 0)
         work = (trainer.tokens - mark[0], trainer.samples - mark[1])
-        self._work_mark = (trainer.tokens, trainer.samples)
+        self.work_mark = (trainer.tokens, trainer.samples)
         codes = list(registered_codecs())
         local = torch.tensor(
             [
@@ -188,7 +214,7 @@ class ReplicaExchange:
             ],
             dtype=torch.float64,
         )
-        groups, context = self._groups, self._context
+        groups, context = self.groups, self.context
         if groups is None or context is None or groups.num_replicas < 2:
             return [local.tolist()]
         device_local = local.to(context.collective_device)
@@ -203,11 +229,11 @@ class ReplicaExchange:
             )
         return stats
 
-    def _start_average(self, flat: torch.Tensor) -> tuple[dist.Work | None, torch.Tensor | None]:
+    def start_average(self, flat: torch.Tensor) -> tuple[dist.Work | None, torch.Tensor | None]:
         """``_average`` started asynchronously: the work handle and the buffer it reduces
         (``(None, None)`` with a single replica: the mean is ``flat`` itself)."""
-        groups = self._groups
-        context = self._context
+        groups = self.groups
+        context = self.context
         if groups is None or context is None or groups.num_replicas < 2:
             return None, None
         wire = flat.div(groups.num_replicas).to(context.collective_device, self.wire_dtype)
@@ -215,10 +241,10 @@ class ReplicaExchange:
         self.bytes_reduced += wire.numel() * wire.element_size()
         return work, wire
 
-    def _average(self, flat: torch.Tensor) -> torch.Tensor:
+    def average(self, flat: torch.Tensor) -> torch.Tensor:
         """The mean of ``flat`` over the replicas: one all-reduce of the wire dtype."""
-        groups = self._groups
-        context = self._context
+        groups = self.groups
+        context = self.context
         if groups is None or context is None or groups.num_replicas < 2:
             return flat
         count = groups.num_replicas
@@ -227,7 +253,7 @@ class ReplicaExchange:
         self.bytes_reduced += wire.numel() * wire.element_size()
         return wire.to("cpu", torch.float32)
 
-    def _start_packed(
+    def start_packed(
         self, flat: torch.Tensor, coefficients: list[float], fragment: int
     ) -> PackedGather:
         """int8/fp4: pack ``flat`` (keeping what the packing dropped as ``fragment``'s
@@ -238,7 +264,7 @@ class ReplicaExchange:
             self.residuals[fragment] = (
                 flat - packed.codec.unpack(packed) if kept else torch.zeros_like(flat)
             )
-        groups, context = self._groups, self._context
+        groups, context = self.groups, self.context
         gather = PackedGather([], [], [packed.codes], [packed.scales], coefficients, flat.numel())
         if groups is None or context is None or groups.num_replicas < 2:
             return gather
@@ -251,7 +277,7 @@ class ReplicaExchange:
             self.bytes_reduced += local.numel() * local.element_size()
         return gather
 
-    def _finish_packed(self, gather: PackedGather) -> torch.Tensor:
+    def finish_packed(self, gather: PackedGather) -> torch.Tensor:
         """Wait for ``_start_packed``'s all-gathers; decode every replica's pseudo-gradient
         and combine them as ``sum(c_i * delta_i) / replicas`` in float32, in replica order."""
         for handle in gather.handles:
@@ -266,14 +292,14 @@ class ReplicaExchange:
                 total.add_(codec.unpack(packed), alpha=coefficient)
         return total.div_(len(gather.coefficients))
 
-    def _wait(self, exchange: Exchange) -> torch.Tensor:
+    def wait(self, exchange: Exchange) -> torch.Tensor:
         """The exchange's mean pseudo-gradient, waiting for it if needed (stall)."""
         if exchange.result is None:
             started = time.perf_counter()
             if self.link_delay_s > 0:
                 time.sleep(max(0.0, exchange.started_at + self.link_delay_s - started))
             if exchange.packed is not None:
-                exchange.result = self._finish_packed(exchange.packed)
+                exchange.result = self.finish_packed(exchange.packed)
                 exchange.packed = None
             else:
                 assert exchange.work is not None and exchange.wire is not None
@@ -287,15 +313,14 @@ class ReplicaExchange:
         assert isinstance(self.encoding, BlockCodec), "a packed exchange needs a block codec"
         return self.encoding
 
-    def _ensure_residuals(self) -> None:
+    def ensure_residuals(self, plan: FragmentPlan, layout: ModelLayout) -> None:
         """With fragments or overlap and int8/fp4 error feedback, every fragment's residual
         exists from the start (zeros): it is per-replica state, part of the replicas'
         checkpoint blob, which needs fixed sizes."""
         if not (self.streaming and self.encoding.packed and self.options.error_feedback):
             return
-        assert self.plan is not None and self.layout is not None
-        for fragment, keys in enumerate(self.plan.fragments):
-            count = sum(math.prod(self.layout.wire_shapes[key]) for key in keys)
+        for fragment, keys in enumerate(plan.fragments):
+            count = sum(math.prod(layout.wire_shapes[key]) for key in keys)
             residual = self.residuals[fragment]
             if residual is None or residual.numel() != count:
                 self.residuals[fragment] = torch.zeros(count, dtype=torch.float32)
@@ -314,4 +339,4 @@ class ReplicaExchange:
     def norm_histories(self) -> list[NormHistory]:
         """Per fragment (one without fragments): the recent pseudo-gradient norms."""
         count = self.options.fragments
-        return [self.screens.history(fragment_name(p, count)) for p in range(count)]
+        return [self.round.history(fragment_name(p, count)) for p in range(count)]

@@ -18,14 +18,16 @@ import torch
 import torch.distributed as dist
 
 from speedtronic.systems.distributed import ReplicaGroups
-from speedtronic_callbacks.diloco.aggregation import NormHistory
+from speedtronic_callbacks.diloco.aggregation import NormHistory, RobustSettings
 from speedtronic_callbacks.diloco.collective_exchange import (
     Exchange,
     ReplicaExchange,
     baseline_copy,
 )
-from speedtronic_callbacks.diloco.fragments import fragment_name
-from speedtronic_callbacks.diloco.math import NesterovOuterOptimizer
+from speedtronic_callbacks.diloco.fragments import FragmentPlan, fragment_name
+from speedtronic_callbacks.diloco.model_layout import ModelLayout
+from speedtronic_callbacks.diloco.options import CollectiveDiLoCoOptions
+from speedtronic_callbacks.diloco.outer_round import OuterRound
 
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
@@ -54,11 +56,17 @@ def _bytes_into(blob: torch.Tensor, offset: int, target: torch.Tensor) -> int:
     return offset + size
 
 
-class CollectiveCheckpoint(ReplicaExchange):
+class CollectiveCheckpoint:
     """The checkpoint half of ``CollectiveDiLoCo``: ``state_dict``, ``load_state_dict``
     and the restore that ``on_setup`` runs once every rank has loaded it."""
 
-    outer: NesterovOuterOptimizer
+    options: CollectiveDiLoCoOptions
+    round: OuterRound
+    replicas: ReplicaExchange
+    robust: RobustSettings
+    baseline: dict[str, torch.Tensor]
+    layout: ModelLayout | None
+    plan: FragmentPlan | None
     outer_steps: int
     in_flight: list[Exchange]
     peak_sync_bytes: int
@@ -73,12 +81,12 @@ class CollectiveCheckpoint(ReplicaExchange):
             "mode": "collective",
             "inner_steps": self.options.inner_steps,
             "outer_steps": self.outer_steps,
-            "bytes_reduced": self.bytes_reduced,
+            "bytes_reduced": self.replicas.bytes_reduced,
             "baseline": dict(self.baseline),
-            "outer": self.outer.state_dict(),
+            "outer": self.round.optimizer.state_dict(),
             **self._robust_state(),
         }
-        if self.streaming:
+        if self.replicas.streaming:
             state.update(self._streaming_state())
         return state
 
@@ -87,14 +95,14 @@ class CollectiveCheckpoint(ReplicaExchange):
         the recent norms and the work counters at the last round; with fragments, those
         of every fragment too (``fragment_residuals``, ``fragment_norm_history``)."""
         state: dict[str, object] = {
-            "residual": self.residual,
-            "norm_history": self.norm_history.to_list(),
-            "work_mark": None if self._work_mark is None else list(self._work_mark),
-            "outliers": self.outliers,
+            "residual": self.replicas.residual,
+            "norm_history": self.replicas.norm_history.to_list(),
+            "work_mark": None if self.replicas.work_mark is None else list(self.replicas.work_mark),
+            "outliers": self.replicas.outliers,
         }
         if self.options.fragments > 1:
-            state["fragment_residuals"] = list(self.residuals)
-            state["fragment_norm_history"] = [h.to_list() for h in self.norm_histories]
+            state["fragment_residuals"] = list(self.replicas.residuals)
+            state["fragment_norm_history"] = [h.to_list() for h in self.replicas.norm_histories]
         return state
 
     def _streaming_state(self) -> dict[str, object]:
@@ -103,12 +111,12 @@ class CollectiveCheckpoint(ReplicaExchange):
         state (``replicas``, gathered to every rank; ``None`` when the replicas cannot meet,
         i.e. while the fit is failing)."""
         for exchange in self.in_flight:
-            self._wait(exchange)
+            self.replicas.wait(exchange)
         replicas: list[torch.Tensor] | None = None
         if self._view is not None:
             blob = self._replica_blob(self._view)
             failing = sys.exc_info()[0] is not None  # called from an exception hook
-            groups = self._groups
+            groups = self.replicas.groups
             if groups is None or groups.num_replicas < 2:
                 replicas = [blob]
             elif not failing:
@@ -117,7 +125,7 @@ class CollectiveCheckpoint(ReplicaExchange):
             "fragments": self.options.fragments,
             "overlap_steps": self.options.overlap_steps,
             "peak_sync_bytes": self.peak_sync_bytes,
-            "stall_s": self.stall_s,
+            "stall_s": self.replicas.stall_s,
             "in_flight": [
                 {
                     "fragment": e.fragment,
@@ -139,7 +147,7 @@ class CollectiveCheckpoint(ReplicaExchange):
         tensors = [state[key] for key in self.layout.sync_keys]
         for exchange in self.in_flight:
             tensors.extend(exchange.snapshot.values())
-        tensors.extend(residual for residual in self.residuals if residual is not None)
+        tensors.extend(residual for residual in self.replicas.residuals if residual is not None)
         tensors.extend(trainer.optimizer_state_tensors())
         return tensors
 
@@ -149,8 +157,8 @@ class CollectiveCheckpoint(ReplicaExchange):
     def _gather(self, blob: torch.Tensor, groups: ReplicaGroups) -> list[torch.Tensor] | None:
         """Every replica's ``blob``; ``None`` (with a warning) when their sizes differ (an
         optimizer that holds state for different parameters on different replicas)."""
-        assert self._context is not None
-        device = self._context.collective_device
+        assert self.replicas.context is not None
+        device = self.replicas.context.collective_device
         sizes = [
             torch.zeros(1, dtype=torch.int64, device=device) for _ in range(groups.num_replicas)
         ]
@@ -190,13 +198,13 @@ class CollectiveCheckpoint(ReplicaExchange):
         self.baseline = {key: baseline_copy(value) for key, value in baseline.items()}
         outer = state.get("outer")
         if isinstance(outer, Mapping):
-            self.outer.load_state_dict(outer)
+            self.round.optimizer.load_state_dict(outer)
         self.outer_steps = int(cast(int, state.get("outer_steps", 0)))
-        self.bytes_reduced = int(cast(int, state.get("bytes_reduced", 0)))
+        self.replicas.bytes_reduced = int(cast(int, state.get("bytes_reduced", 0)))
         self._restore_robust(state)
         saved_h = int(cast(int, state.get("inner_steps", self.options.inner_steps)))
         horizon = self.options.inner_steps
-        if start_step % horizon and not self.streaming:
+        if start_step % horizon and not self.replicas.streaming:
             changed = f", saved with inner_steps {saved_h}" if saved_h != horizon else ""
             warnings.warn(
                 f"diloco: resuming at step {start_step}, which is not the end of an outer "
@@ -218,20 +226,20 @@ class CollectiveCheckpoint(ReplicaExchange):
             raise ValueError("diloco state: fragment residuals and norm histories must be lists")
         if len(residuals) != count or len(histories) != count:
             residuals, histories = [None] * count, [None] * count
-        self.residuals = [
+        self.replicas.residuals = [
             item.detach().to("cpu", torch.float32).clone()
             if isinstance(item, torch.Tensor)
             else None
             for item in residuals
         ]
-        self.screens.histories = {
+        self.round.norms.histories = {
             fragment_name(p, count): NormHistory.from_state(self.robust.window, item)
             for p, item in enumerate(histories)
         }
         mark = state.get("work_mark")
         if isinstance(mark, list) and len(mark) == 2:
-            self._work_mark = (int(mark[0]), int(mark[1]))
-        self.outliers = int(cast(int, state.get("outliers", 0)))
+            self.replicas.work_mark = (int(mark[0]), int(mark[1]))
+        self.replicas.outliers = int(cast(int, state.get("outliers", 0)))
 
     def _restore_streaming(
         self, trainer: TrainerView, state: Mapping[str, object], start_step: int
@@ -241,7 +249,7 @@ class CollectiveCheckpoint(ReplicaExchange):
         saved = (state.get("fragments", 1), state.get("overlap_steps", 0), state.get("inner_steps"))
         current = (self.options.fragments, self.options.overlap_steps, self.options.inner_steps)
         self.peak_sync_bytes = int(cast(int, state.get("peak_sync_bytes", 0)))
-        self.stall_s = float(cast(float, state.get("stall_s", 0.0)))
+        self.replicas.stall_s = float(cast(float, state.get("stall_s", 0.0)))
         entries = state.get("in_flight") or []
         assert isinstance(entries, list) and self.plan is not None
         if entries and saved != current:
@@ -285,7 +293,7 @@ class CollectiveCheckpoint(ReplicaExchange):
     def _restore_replica(self, trainer: TrainerView, replicas: object) -> bool:
         """Load this replica's blob into the model, the snapshots and the optimizer state;
         ``False`` when there is none for it or its size does not fit."""
-        groups = self._groups
+        groups = self.replicas.groups
         count = 1 if groups is None else groups.num_replicas
         index = 0 if groups is None else groups.replica_index
         if not isinstance(replicas, list) or len(replicas) != count:

@@ -14,12 +14,13 @@ One round (``sync_once``):
    staleness is checked, and its step range must not reach back into steps already
    applied from its node incarnation (``overlap``). Every failure is a logged rejection:
    the file is quarantined -- it stays on the hub and is not examined again until it
-   changes (``_rejected``, checkpointed) -- and the round goes on without it;
-3. screen the deltas' norms for outliers (``aggregation.screen``: clip, or reject as a
+   changes (``DeltaIntake.rejected``, checkpointed) -- and the round goes on without it;
+3. judge the deltas' norms per fragment (``OuterRound.judge``: clip, or reject as a
    logged ``outlier`` rejection), cap the work each claims at what its node could have
-   trained and screen those figures the same way (``_work_shares``), weight each delta by
-   its staleness times its share of the round's work, aggregate, and apply the outer
-   Nesterov step to a *copy* of the global state;
+   trained and screen those figures the same way (``DeltaIntake.work_shares``), weight each
+   delta by its staleness times its share of the round's work (``OuterRound.weights``,
+   policy ``KeptAverage``), aggregate, and apply the outer Nesterov step to a *copy* of
+   the global state (``OuterRound.stepped``);
 4. publish model file, outer-state file, then the pointer (last, so readers never follow
    it to a missing file; on the Hub all three are one atomic commit), removing the applied
    deltas and old global versions in the same commit. The pointer is swapped in
@@ -33,13 +34,16 @@ master's checkpoint is ahead of it. A master resumed from an older checkpoint ad
 newer published global, momentum and ledger instead of rolling the hub back, so nothing is
 applied twice.
 
-The round's steps live beside this module: 1-3, the intake of deltas (``master_intake``:
-validation, screening, work shares), 0 and 4, the pointer and the publication
-(``master_publish``); the settings and a round's report are in ``master_report``.
+``MasterLoop`` runs the round and holds its parts: ``intake``
+(``master_intake.DeltaIntake``: steps 1-3's listing, validation, quarantine and work
+claims), ``round`` (``outer_round.OuterRound``: the judge, the weights and the outer step,
+the component the collective exchange holds too -- the hub's files are the transport, the
+weighted mean by key, ``fragments.aggregate_by_key``, the combiner) and ``publication``
+(``master_publish.HubPublication``: steps 0 and 4, the pointer and the publication), which
+shares the committed ``state`` (``master_publish.MasterState``) with the loop. The
+settings and a round's report are ``master_report``.
 
-Apart from these modules: the algorithm of a round -- screening (``aggregation.Screens``),
-work shares, the weighted mean (``fragments.aggregate_by_key``) and the outer Nesterov step
-(``math``) -- which the collective exchange shares; reading the versions a hub offers at
+Apart from these modules: reading the versions a hub offers at
 start-up (``recovery``); deleting applied deltas and old versions (``hub_gc``); the hub's
 file names and ``OuterState`` (``hub_files``); and the files' codecs (``wire``, ``pointer``).
 """
@@ -55,10 +59,7 @@ from pathlib import Path
 
 import torch
 
-from speedtronic_callbacks.diloco.aggregation import (
-    NormHistory,
-    Screens,
-)
+from speedtronic_callbacks.diloco.aggregation import NormHistory
 from speedtronic_callbacks.diloco.fields import NODE_ID_PATTERN
 from speedtronic_callbacks.diloco.fragments import aggregate_by_key
 from speedtronic_callbacks.diloco.hub_files import (
@@ -70,7 +71,8 @@ from speedtronic_callbacks.diloco.hub_files import (
     parse_delta_path,
 )
 from speedtronic_callbacks.diloco.legacy_hub import V2Pointer, read_v2_pointer
-from speedtronic_callbacks.diloco.master_publish import HubPublication
+from speedtronic_callbacks.diloco.master_intake import DeltaIntake
+from speedtronic_callbacks.diloco.master_publish import HubPublication, MasterState
 from speedtronic_callbacks.diloco.master_report import (
     AppliedDelta,
     DeltaRejection,
@@ -78,18 +80,10 @@ from speedtronic_callbacks.diloco.master_report import (
     MasterSettings,
     RoundReport,
 )
-from speedtronic_callbacks.diloco.math import (
-    NesterovOuterOptimizer,
-    StateDict,
-    staleness_weight,
-)
+from speedtronic_callbacks.diloco.math import StateDict
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
-from speedtronic_callbacks.diloco.pointer import (
-    POINTER_PATH,
-    Pointer,
-    decode_pointer,
-)
-from speedtronic_callbacks.diloco.recovery import HubVersions
+from speedtronic_callbacks.diloco.outer_round import KeptAverage, OuterRound
+from speedtronic_callbacks.diloco.pointer import POINTER_PATH, Pointer, decode_pointer
 from speedtronic_callbacks.diloco.transport_base import (
     Transport,
     UnreadableFileError,
@@ -123,7 +117,7 @@ __all__ = [
 ]
 
 
-class MasterLoop(HubPublication):
+class MasterLoop:
     """The outer optimizer of one hub. Only one may be active per hub in a process."""
 
     _active: dict[str, MasterLoop] = {}
@@ -141,27 +135,23 @@ class MasterLoop(HubPublication):
         self.transport = transport
         self.layout = layout
         self.settings = settings
-        self.audit_path = audit_path
         self._clock = clock
-        self._lock = threading.Lock()
         self._round_lock = threading.Lock()
-        self._state: OuterState | None = None
+        self.state = MasterState()
+        """The committed outer state (global, momentum, ledger)."""
         self._reconciled = False
-        self._rejected: dict[str, str] = {}
-        self.halted: str | None = None
-        self._expected_pointer: tuple[int, str] | None = None
-        self._known_applied: dict[str, str] = {}
-        self._paused: str | None = None
-        self._norms = Screens(settings.robust)
-        """Outlier history per streaming fragment (``""``: whole-model deltas)."""
-        self._works = Screens(settings.robust)
-        """Recent applied work figures per unit (``tokens``, ``samples``)."""
-        self._step_work = (0, 0)
-        """The most tokens and samples one step of this master's own training took (0:
-        not measured yet), the default per-step work cap."""
-        self._capped: set[str] = set()
-        """Nodes whose claimed work was capped (logged once per node)."""
-        self._versions = HubVersions(transport, layout, settings.node_id, settings.secret)
+        self.round = OuterRound(
+            settings.robust,
+            KeptAverage(settings.staleness_power),
+            lr=settings.outer_lr,
+            momentum=settings.outer_momentum,
+        )
+        """Judge, weights and outer step (its ``norms``: the outlier history per streaming
+        fragment, ``""``: whole-model deltas)."""
+        self.intake = DeltaIntake(transport, layout, settings, self.round)
+        """Steps 1-3: the deltas a round takes in."""
+        self.publication = HubPublication(transport, layout, settings, self.state, audit_path)
+        """Steps 0 and 4: the pointer, the publication, the audit log."""
         transport.limit_file_size(settings.max_file_bytes or largest_file_bytes(layout))
 
     # -- single master per hub (per process) -------------------------------------------
@@ -189,11 +179,23 @@ class MasterLoop(HubPublication):
     def reconciled(self) -> bool:
         return self._reconciled
 
+    @property
+    def halted(self) -> str | None:
+        """Why this master stopped aggregating (another master serves the hub), or ``None``."""
+        return self.publication.halted
+
+    @property
+    def outer_step(self) -> int:
+        return self.state.outer_step
+
+    def snapshot(self) -> OuterState | None:
+        """A copy of the committed outer state (``None`` before ``reconcile``)."""
+        return self.state.snapshot()
+
     def state_dict(self) -> dict[str, object]:
         """Checkpoint form (tensors, numbers, strings, lists and dicts only)."""
         snapshot = self.snapshot()
-        with self._lock:
-            rejected = dict(self._rejected)
+        rejected = self.intake.quarantine()
         if snapshot is None:
             return {}
         return {
@@ -204,16 +206,17 @@ class MasterLoop(HubPublication):
             "progress": progress_to_json(snapshot.ledger.progress),
             "covered": covered_to_json(snapshot.ledger.covered),
             "rejected": rejected,
-            "norm_history": self._norms.history("").to_list(),
+            "norm_history": self.round.history("").to_list(),
             "fragment_norm_history": {
                 fragment: history.to_list()
-                for fragment, history in sorted(self._norms.histories.items())
+                for fragment, history in sorted(self.round.norms.histories.items())
                 if fragment
             },
             "work_history": {
-                unit: history.to_list() for unit, history in sorted(self._works.histories.items())
+                unit: history.to_list()
+                for unit, history in sorted(self.intake.works.histories.items())
             },
-            "step_work": list(self._step_work),
+            "step_work": list(self.intake.step_work),
         }
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
@@ -252,16 +255,22 @@ class MasterLoop(HubPublication):
             and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in step_work)
         ):
             raise ValueError("diloco master state: 'step_work' must be [tokens, samples]")
-        with self._lock:
-            self._works.histories = {
-                str(unit): NormHistory.from_state(window, value) for unit, value in works.items()
-            }
-            self._step_work = (int(step_work[0]), int(step_work[1]))
-            self._norms.histories = norms
-            self._state = OuterState(global_state, momentum, outer_step, ledger)
+        self.intake.restore(
+            {str(k): str(v) for k, v in rejected.items()}
+            if isinstance(rejected, Mapping)
+            else None,
+            {str(unit): NormHistory.from_state(window, value) for unit, value in works.items()},
+            (int(step_work[0]), int(step_work[1])),
+        )
+        with self.state.lock:
+            self.round.norms.histories = norms
+            self.state.current = OuterState(global_state, momentum, outer_step, ledger)
             self._reconciled = False
-            if isinstance(rejected, Mapping):
-                self._rejected = {str(k): str(v) for k, v in rejected.items()}
+
+    def observe_step_work(self, tokens: int, samples: int) -> None:
+        """The tokens and samples one optimizer step of this master's own training took
+        (``DeltaIntake.observe_step_work``: the default per-step work cap)."""
+        self.intake.observe_step_work(tokens, samples)
 
     # -- start-up ----------------------------------------------------------------------
 
@@ -284,7 +293,7 @@ class MasterLoop(HubPublication):
             raw = self.transport.get(POINTER_PATH)
             if raw is None:
                 state = local or OuterState(clone_state(initial_global), {}, 0, Ledger())
-                self._publish(state, applied=(), judge=False)
+                self.publication.publish(state, applied=(), judge=False)
                 logger.info(
                     "diloco master %s published outer step %d to %s (bootstrap)",
                     self.settings.node_id,
@@ -305,14 +314,14 @@ class MasterLoop(HubPublication):
                         local.outer_step,
                     )
                     state = local
-                    self._publish(state, applied=(), judge=False)
+                    self.publication.publish(state, applied=(), judge=False)
                 elif local is not None and local.outer_step == pointer.outer_step:
                     state = local
-                    self._expected_pointer = (pointer.outer_step, pointer.master)
+                    self.publication.expected = (pointer.outer_step, pointer.master)
                 else:
                     state = self._adopt_newest(pointer)
-            with self._lock:
-                self._state = state
+            with self.state.lock:
+                self.state.current = state
                 self._reconciled = True
             return state
 
@@ -329,9 +338,9 @@ class MasterLoop(HubPublication):
         if local is not None and local.outer_step > legacy.outer_step:
             state = local
         else:
-            state = self._versions.read_v2(legacy)
-        leftover = self._versions.v2_deltas()
-        self._publish(state, applied=(), judge=False)
+            state = self.publication.versions.read_v2(legacy)
+        leftover = self.publication.versions.v2_deltas()
+        self.publication.publish(state, applied=(), judge=False)
         logger.warning(
             "diloco master %s continued a speedtronic 2.0 hub at %s from outer step %d "
             "(momentum restarts at zero; %d 2.0 delta file(s) under nodes/ are not applied "
@@ -347,10 +356,10 @@ class MasterLoop(HubPublication):
         """Adopt ``pointer``'s version, unless the hub holds a newer complete version that
         validates: then the pointer is an old one put back, and the newer version is
         adopted and republished (versions only move forward)."""
-        newest = self._versions.newest_complete_step()
+        newest = self.publication.versions.newest_complete_step()
         if newest > pointer.outer_step:
             try:
-                state = self._versions.read(newest)
+                state = self.publication.versions.read(newest)
             except (Rejected, UnreadableFileError) as exc:
                 logger.warning(
                     "diloco master: files of outer step %d are on the hub but unusable (%s)",
@@ -366,10 +375,12 @@ class MasterLoop(HubPublication):
                     newest,
                     newest,
                 )
-                self._publish(state, applied=(), deletes=self._stale_globals(newest), judge=False)
+                self.publication.publish(
+                    state, applied=(), deletes=self.publication.stale_globals(newest), judge=False
+                )
                 return state
-        state = self._adopt(pointer)
-        self._expected_pointer = (pointer.outer_step, pointer.master)
+        state = self.publication.adopt(pointer)
+        self.publication.expected = (pointer.outer_step, pointer.master)
         return state
 
     # -- one round ---------------------------------------------------------------------
@@ -382,18 +393,18 @@ class MasterLoop(HubPublication):
             raise MasterConflictError(self.halted)
         with self._round_lock:
             started = self._clock()
-            paused = self._check_pointer()
+            paused = self.publication.check_pointer()
             state = self.snapshot()
             assert state is not None  # set by reconcile
             if paused is not None:
                 return RoundReport(state.outer_step, published=False, found=0, paused=paused)
             report, new_state, cleanup = self._round(state, started)
             if new_state is None:
-                self._delete(cleanup)
+                self.publication.delete(cleanup)
                 if report.rejected:
-                    self._audit(report)
+                    self.publication.audit(report)
                 return report
-            paused = self._check_pointer()
+            paused = self.publication.check_pointer()
             if paused is not None or self.outer_step != state.outer_step:
                 # The pointer broke or moved during the round: these deltas wait for the next.
                 report = RoundReport(
@@ -406,18 +417,18 @@ class MasterLoop(HubPublication):
                     paused=paused,
                 )
                 if report.rejected:
-                    self._audit(report)
+                    self.publication.audit(report)
                 return report
             removable = cleanup if self.settings.delete_applied else []
-            self._publish(
+            self.publication.publish(
                 new_state,
                 applied=tuple(item.sha256 for item in report.applied),
-                deletes=removable + self._stale_globals(new_state.outer_step),
+                deletes=removable + self.publication.stale_globals(new_state.outer_step),
             )
-            with self._lock:
-                self._state = new_state
+            with self.state.lock:
+                self.state.current = new_state
                 for fragment in set(report.norm_fragments):
-                    self._norms.record(
+                    self.round.record(
                         fragment,
                         (
                             norm
@@ -426,19 +437,20 @@ class MasterLoop(HubPublication):
                         ),
                     )
                 if report.work_unit:
-                    self._works.record(report.work_unit, report.works)
+                    self.intake.works.record(report.work_unit, report.works)
             report = dataclasses.replace(report, published=True, latency_s=self._clock() - started)
-            self._audit(report)
+            self.publication.audit(report)
             return report
 
     def _round(
         self, state: OuterState, started: float
     ) -> tuple[RoundReport, OuterState | None, list[str]]:
         cleanup: list[str] = []
-        candidates = self._candidates(cleanup)
-        accepted, rejected, duplicates = self._validate(state, candidates, cleanup)
-        accepted = self._screen(state, accepted, rejected)
-        accepted, unit = self._work_shares(accepted, rejected)
+        intake = self.intake
+        candidates = intake.candidates(cleanup)
+        accepted, rejected, duplicates = intake.validate(state, candidates, cleanup)
+        accepted = intake.screen(state, accepted, rejected)
+        accepted, unit = intake.work_shares(accepted, rejected)
         if not accepted:
             report = RoundReport(
                 outer_step=state.outer_step,
@@ -449,45 +461,20 @@ class MasterLoop(HubPublication):
                 latency_s=self._clock() - started,
             )
             return report, None, cleanup
-        power = self.settings.staleness_power
-        weights = [
-            staleness_weight(item.staleness, power) * item.share * item.clip for item in accepted
-        ]
+        weights = self.round.weights([item.contribution for item in accepted])
         # Deltas of streaming fragments hold only their keys: each key is averaged over
         # the deltas that hold it, and the outer step moves only those keys.
         aggregated = aggregate_by_key([item.decoded.tensors for item in accepted], weights)
-        new_global = dict(state.global_state)
-        for key in aggregated:
-            new_global[key] = state.global_state[key].clone()
-        optimizer = NesterovOuterOptimizer(self.settings.outer_lr, self.settings.outer_momentum)
-        optimizer.buffers = {key: value.clone() for key, value in state.momentum.items()}
-        optimizer.step(new_global, aggregated)
+        new_global, momentum = self.round.stepped(state.global_state, state.momentum, aggregated)
 
         ledger = state.ledger.copy()
         applied: list[AppliedDelta] = []
         for item, weight in zip(accepted, weights, strict=True):
-            info = item.decoded.info
             ledger.applied.add(item.decoded.sha256)
-            ledger.record(info)
-            applied.append(
-                AppliedDelta(
-                    path=item.entry.path,
-                    sha256=item.decoded.sha256,
-                    node_id=info.node_id,
-                    local_step=info.local_step,
-                    base_outer_step=info.base_outer_step,
-                    staleness=item.staleness,
-                    weight=weight,
-                    norm=item.norm,
-                    clip=item.clip,
-                    tokens=info.tokens,
-                    samples=info.samples,
-                    first_step=info.first_step,
-                    work=item.work,
-                )
-            )
+            ledger.record(item.decoded.info)
+            applied.append(item.applied(weight))
             cleanup.append(item.entry.path)
-        new_state = OuterState(new_global, optimizer.buffers, state.outer_step + 1, ledger)
+        new_state = OuterState(new_global, momentum, state.outer_step + 1, ledger)
         report = RoundReport(
             outer_step=new_state.outer_step,
             published=False,
@@ -495,9 +482,9 @@ class MasterLoop(HubPublication):
             applied=tuple(applied),
             rejected=tuple(rejected),
             duplicates=duplicates,
-            norms=tuple(item.norm * item.clip for item in accepted),
+            norms=tuple(item.contribution.norm * item.contribution.clip for item in accepted),
             norm_fragments=tuple(item.decoded.info.fragment for item in accepted),
-            works=tuple(item.work for item in accepted),
+            works=tuple(item.contribution.work for item in accepted),
             work_unit=unit,
         )
         return report, new_state, cleanup

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from pathlib import Path
 
 from speedtronic_callbacks.diloco.aggregation import (
+    NormHistory,
     Screening,
     Screens,
     state_norm,
@@ -30,8 +29,7 @@ from speedtronic_callbacks.diloco.master_report import (
     _Accepted,
 )
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
-from speedtronic_callbacks.diloco.outer_round import judge_fragment
-from speedtronic_callbacks.diloco.recovery import HubVersions
+from speedtronic_callbacks.diloco.outer_round import Contribution, OuterRound
 from speedtronic_callbacks.diloco.transport_base import (
     RemoteFile,
     Transport,
@@ -57,30 +55,53 @@ def _is_applied(sha256: str, applied: set[str]) -> bool:
 
 
 class DeltaIntake:
-    """The intake half of ``MasterLoop`` (its attributes are set by ``MasterLoop``)."""
+    """The intake of a master round (steps 1-3 of ``master``), held by ``MasterLoop``: it
+    owns what it needs across rounds -- the quarantine of rejected files, the applied files
+    seen, the work claims' history and the measured per-step work -- and judges norms
+    through the master's ``OuterRound``."""
 
-    transport: Transport
-    layout: ModelLayout
-    settings: MasterSettings
-    audit_path: Path | None
-    halted: str | None
-    _clock: Callable[[], float]
-    _lock: threading.Lock
-    _round_lock: threading.Lock
-    _state: OuterState | None
-    _reconciled: bool
-    _rejected: dict[str, str]
-    """Quarantined files: path -> the version examined (reported once)."""
-    _expected_pointer: tuple[int, str] | None
-    _known_applied: dict[str, str]
-    _paused: str | None
-    _norms: Screens
-    _works: Screens
-    _step_work: tuple[int, int]
-    _capped: set[str]
-    _versions: HubVersions
+    def __init__(
+        self,
+        transport: Transport,
+        layout: ModelLayout,
+        settings: MasterSettings,
+        round_: OuterRound,
+    ) -> None:
+        self.transport = transport
+        self.layout = layout
+        self.settings = settings
+        self.round = round_
+        self._lock = threading.Lock()
+        self.rejected: dict[str, str] = {}
+        """Quarantined files: path -> the version examined (reported once; checkpointed)."""
+        self.known_applied: dict[str, str] = {}
+        self.works = Screens(settings.robust)
+        """Recent applied work figures per unit (``tokens``, ``samples``)."""
+        self.step_work = (0, 0)
+        """The most tokens and samples one step of this master's own training took (0:
+        not measured yet), the default per-step work cap."""
+        self._capped: set[str] = set()
+        """Nodes whose claimed work was capped (logged once per node)."""
 
-    def _candidates(self, cleanup: list[str]) -> list[tuple[RemoteFile, DeltaName]]:
+    def quarantine(self) -> dict[str, str]:
+        """A copy of the quarantined files (for the master's checkpoint)."""
+        with self._lock:
+            return dict(self.rejected)
+
+    def restore(
+        self,
+        rejected: dict[str, str] | None,
+        works: dict[str, NormHistory],
+        step_work: tuple[int, int],
+    ) -> None:
+        """Install a checkpoint's quarantine (``None``: keep it), work history and step work."""
+        with self._lock:
+            self.works.histories = works
+            self.step_work = step_work
+            if rejected is not None:
+                self.rejected = rejected
+
+    def candidates(self, cleanup: list[str]) -> list[tuple[RemoteFile, DeltaName]]:
         """The delta files under ``nodes/`` to examine this round, by node and step. An
         applied one seen before joins ``cleanup``; a quarantined one (rejected before and
         unchanged) is skipped. Records of files no longer listed are forgotten, so the
@@ -88,23 +109,23 @@ class DeltaIntake:
         listed = self.transport.list_files("nodes")
         paths = {entry.path for entry in listed}
         with self._lock:
-            self._rejected = {p: v for p, v in self._rejected.items() if p in paths}
-            self._known_applied = {p: v for p, v in self._known_applied.items() if p in paths}
+            self.rejected = {p: v for p, v in self.rejected.items() if p in paths}
+            self.known_applied = {p: v for p, v in self.known_applied.items() if p in paths}
         candidates: list[tuple[RemoteFile, DeltaName]] = []
         for entry in listed:
             name = parse_delta_path(entry.path)
             if name is None:
                 continue
-            if self._known_applied.get(entry.path) == entry.version:
+            if self.known_applied.get(entry.path) == entry.version:
                 cleanup.append(entry.path)  # checked before: an applied delta, unchanged
                 continue
-            if self._rejected.get(entry.path) == entry.version:
+            if self.rejected.get(entry.path) == entry.version:
                 continue  # quarantined: examined before, unchanged, reported once already
             candidates.append((entry, name))
         candidates.sort(key=lambda item: (item[1].node_id, item[1].local_step, item[0].path))
         return candidates
 
-    def _validate(
+    def validate(
         self,
         state: OuterState,
         candidates: list[tuple[RemoteFile, DeltaName]],
@@ -126,7 +147,7 @@ class DeltaIntake:
                     duplicates += 1
                     cleanup.append(entry.path)
                     with self._lock:
-                        self._known_applied[entry.path] = entry.version
+                        self.known_applied[entry.path] = entry.version
                     continue
                 staleness = self._staleness(decoded, state.outer_step)
                 if decoded.sha256 in seen:
@@ -146,7 +167,7 @@ class DeltaIntake:
                 continue
             seen.add(decoded.sha256)
             ranges.record(decoded.info)
-            accepted.append(_Accepted(entry, decoded, staleness))
+            accepted.append(_Accepted(entry, decoded, Contribution(0.0, staleness)))
         return accepted, rejected, duplicates
 
     @staticmethod
@@ -217,13 +238,13 @@ class DeltaIntake:
         """Record and log a rejected file. It stays on the hub for inspection; it is not
         examined again until it changes."""
         with self._lock:
-            self._rejected[entry.path] = entry.version
+            self.rejected[entry.path] = entry.version
         logger.warning(
             "diloco master rejected %s (%s): %s", entry.path, exc.reason.value, exc.detail
         )
         return DeltaRejection(entry.path, exc.reason, exc.detail)
 
-    def _screen(
+    def screen(
         self, state: OuterState, accepted: list[_Accepted], rejected: list[DeltaRejection]
     ) -> list[_Accepted]:
         """Outlier screening of the round's deltas (``aggregation.screen``): returns the
@@ -232,41 +253,53 @@ class DeltaIntake:
         fragment's history (a fragment's norm is not comparable with another's or the
         model's)."""
         for item in accepted:
-            item.norm = state_norm(item.decoded.tensors)
+            item.contribution.norm = state_norm(item.decoded.tensors)
         groups: dict[str, list[_Accepted]] = {}
         for item in accepted:
             groups.setdefault(item.decoded.info.fragment, []).append(item)
         bounds: dict[int, float | None] = {}
         for fragment, members in groups.items():
             keys = (list(members[0].decoded.tensors) if fragment else None) or self.layout.sync_keys
-            norms = [m.norm for m in members]
-            screening = judge_fragment(self._norms, fragment, norms, state.global_state, keys)
-            for member, factor in zip(members, screening.factors, strict=True):
-                member.clip, bounds[id(member)] = factor, screening.bound
+            contributions = [m.contribution for m in members]
+            screening = self.round.judge(fragment, contributions, state.global_state, keys)
+            for member in members:
+                bounds[id(member)] = screening.bound
         kept: list[_Accepted] = []
         for item in accepted:
-            bound = bounds[id(item)]
-            if item.clip == 0.0:
-                detail = f"pseudo-gradient norm {item.norm:.4g} exceeds the bound {bound}"
-                rejected.append(self._reject(item.entry, Rejected(RejectionReason.OUTLIER, detail)))
-                continue
-            if item.clip != 1.0:
-                logger.warning(
-                    "diloco master clipped %s: pseudo-gradient norm %.4g is above %.4g "
-                    "(outlier_factor x the recent median)",
-                    item.entry.path,
-                    item.norm,
-                    bound,
-                )
-            kept.append(item)
+            bound, norm = bounds[id(item)], item.contribution.norm
+            refusal = f"pseudo-gradient norm {norm:.4g} exceeds the bound {bound}"
+            clipped = "diloco master clipped %s: pseudo-gradient norm %.4g is above %.4g"
+            if self._keeps(item, item.contribution.clip, rejected, refusal, clipped, norm, bound):
+                kept.append(item)
         return kept
+
+    def _keeps(
+        self,
+        item: _Accepted,
+        factor: float,
+        rejected: list[DeltaRejection],
+        refusal: str,
+        clipped: str,
+        *figures: object,
+    ) -> bool:
+        """Whether an outlier verdict ``factor`` keeps ``item``: 0 makes it a logged
+        ``outlier`` rejection (``refusal``), a factor below 1 a WARNING (``clipped`` with the
+        path and ``figures``)."""
+        if factor == 0.0:
+            rejected.append(self._reject(item.entry, Rejected(RejectionReason.OUTLIER, refusal)))
+            return False
+        if factor != 1.0:
+            logger.warning(
+                clipped + " (outlier_factor x the recent median)", item.entry.path, *figures
+            )
+        return True
 
     def observe_step_work(self, tokens: int, samples: int) -> None:
         """The tokens and samples one optimizer step of this master's own training took
         (its node reports them at each capture); the largest seen is the default per-step
         cap of a delta's claimed work (``max_step_tokens`` / ``max_step_samples``)."""
         with self._lock:
-            self._step_work = (max(self._step_work[0], tokens), max(self._step_work[1], samples))
+            self.step_work = (max(self.step_work[0], tokens), max(self.step_work[1], samples))
 
     def _per_step(self, unit: str) -> int | None:
         """The most ``unit`` one optimizer step of any node may claim (``None``: unknown)."""
@@ -275,10 +308,10 @@ class DeltaIntake:
         if configured is not None:
             return configured
         with self._lock:
-            measured = self._step_work[0 if unit == "tokens" else 1]
+            measured = self.step_work[0 if unit == "tokens" else 1]
         return measured or None
 
-    def _work_shares(
+    def work_shares(
         self, accepted: list[_Accepted], rejected: list[DeltaRejection]
     ) -> tuple[list[_Accepted], str]:
         """Each delta's share of the round's work (``weight_by_work``), and the unit:
@@ -305,11 +338,12 @@ class DeltaIntake:
                     self._log_cap(item.entry.path, info, claim, cap, unit)
                 claim = cap
             figures.append(float(claim))
-        screening = self._works.judge(unit, figures)
+        screening = self.works.judge(unit, figures)
         kept = self._apply_work_screening(accepted, figures, screening, unit, rejected)
         if kept:
-            for item, share in zip(kept, work_shares([item.work for item in kept]), strict=True):
-                item.share = share
+            figures = [item.contribution.work for item in kept]
+            for item, share in zip(kept, work_shares(figures), strict=True):
+                item.contribution.share = share
         return kept, unit
 
     def _apply_work_screening(
@@ -321,25 +355,18 @@ class DeltaIntake:
         rejected: list[DeltaRejection],
     ) -> list[_Accepted]:
         kept: list[_Accepted] = []
+        bound = screening.bound
+        clipped = "diloco master clipped the work of %s: %.6g %s is above %.6g"
         for item, figure, factor in zip(accepted, figures, screening.factors, strict=True):
-            if factor == 0.0:
-                detail = (
-                    f"claimed work of {figure:.6g} {unit} exceeds the bound "
-                    f"{screening.bound:.6g} (outlier_factor x the recent median)"
-                )
-                rejected.append(self._reject(item.entry, Rejected(RejectionReason.OUTLIER, detail)))
-                continue
-            if factor != 1.0:
-                logger.warning(
-                    "diloco master clipped the work of %s: %.6g %s is above %.6g "
-                    "(outlier_factor x the recent median)",
-                    item.entry.path,
-                    figure,
-                    unit,
-                    screening.bound,
-                )
-            item.work = figure * factor
-            kept.append(item)
+            refusal = (
+                ""
+                if factor
+                else f"claimed work of {figure:.6g} {unit} exceeds the bound "
+                f"{bound:.6g} (outlier_factor x the recent median)"
+            )
+            if self._keeps(item, factor, rejected, refusal, clipped, figure, unit, bound):
+                item.contribution.work = figure * factor
+                kept.append(item)
         return kept
 
     def _log_cap(self, path: str, info: DeltaInfo, claim: int, cap: int, unit: str) -> None:

@@ -6,17 +6,24 @@ audit log."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import threading
 from datetime import datetime, timezone
+from pathlib import Path
 
 from speedtronic.state.append_io import open_to_append
 from speedtronic_callbacks.diloco.hub_files import (
     OuterState,
 )
 from speedtronic_callbacks.diloco.hub_gc import delete_applied, stale_globals
-from speedtronic_callbacks.diloco.master_intake import DeltaIntake
-from speedtronic_callbacks.diloco.master_report import MasterConflictError, RoundReport
+from speedtronic_callbacks.diloco.master_report import (
+    MasterConflictError,
+    MasterSettings,
+    RoundReport,
+)
+from speedtronic_callbacks.diloco.model_layout import ModelLayout
 from speedtronic_callbacks.diloco.pointer import (
     POINTER_PATH,
     Pointer,
@@ -25,8 +32,10 @@ from speedtronic_callbacks.diloco.pointer import (
     model_file_name,
     outer_file_name,
 )
+from speedtronic_callbacks.diloco.recovery import HubVersions
 from speedtronic_callbacks.diloco.transport_base import (
     Replaced,
+    Transport,
     UnreadableFileError,
 )
 from speedtronic_callbacks.diloco.wire import (
@@ -39,20 +48,25 @@ from speedtronic_callbacks.diloco.wire import (
 logger = logging.getLogger("speedtronic.diloco")
 
 
-class HubPublication(DeltaIntake):
-    """The publication half of ``MasterLoop``: the pointer, the published versions, the
-    audit log."""
+class MasterState:
+    """The master's committed outer state behind one lock: the round's lane moves it, the
+    training thread (checkpoints, metrics) reads it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.current: OuterState | None = None
 
     @property
     def outer_step(self) -> int:
-        with self._lock:
-            return -1 if self._state is None else self._state.outer_step
+        with self.lock:
+            return -1 if self.current is None else self.current.outer_step
 
     def snapshot(self) -> OuterState | None:
-        with self._lock:
-            if self._state is None:
+        """A copy to work on (tensors shared: a round replaces entries, never edits them)."""
+        with self.lock:
+            if self.current is None:
                 return None
-            state = self._state
+            state = self.current
             return OuterState(
                 global_state=dict(state.global_state),
                 momentum=dict(state.momentum),
@@ -60,11 +74,39 @@ class HubPublication(DeltaIntake):
                 ledger=state.ledger.copy(),
             )
 
-    def _adopt(self, pointer: Pointer) -> OuterState:
-        """Load the published global and outer state of ``pointer``."""
-        return self._versions.read(pointer.outer_step, pointer.model_sha256, pointer.outer_sha256)
+    def commit(self, state: OuterState) -> None:
+        with self.lock:
+            self.current = state
 
-    def _check_pointer(self) -> str | None:
+
+class HubPublication:
+    """The publication of a master's rounds, held by ``MasterLoop`` (``publication``): the
+    hub pointer it guards (``expected``: the pointer it last saw or wrote; ``halted``: why it
+    stopped), the published versions, the deletions and the audit log."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        layout: ModelLayout,
+        settings: MasterSettings,
+        state: MasterState,
+        audit_path: Path | None,
+    ) -> None:
+        self.transport = transport
+        self.layout = layout
+        self.settings = settings
+        self.state = state
+        self.audit_path = audit_path
+        self.versions = HubVersions(transport, layout, settings.node_id, settings.secret)
+        self.halted: str | None = None
+        self.expected: tuple[int, str] | None = None
+        self._paused: str | None = None
+
+    def adopt(self, pointer: Pointer) -> OuterState:
+        """Load the published global and outer state of ``pointer``."""
+        return self.versions.read(pointer.outer_step, pointer.model_sha256, pointer.outer_sha256)
+
+    def check_pointer(self) -> str | None:
         """Compare the hub pointer with what this master last saw or wrote, before a round
         and again before publishing. Returns why the round must pause, or ``None``.
 
@@ -86,10 +128,10 @@ class HubPublication(DeltaIntake):
         if pointer is None:
             self._halt("the hub pointer disappeared; refusing to publish over a reset hub")
             return None
-        expected = self._expected_pointer
+        expected = self.expected
         if expected is None or (pointer.outer_step, pointer.master) == expected:
             return None
-        current = self.outer_step
+        current = self.state.outer_step
         if pointer.outer_step < current:
             self._reject_replay(pointer, current)
         elif pointer.master == self.settings.node_id and pointer.outer_step > expected[0]:
@@ -128,10 +170,10 @@ class HubPublication(DeltaIntake):
             current,
             current,
         )
-        state = self.snapshot()
+        state = self.state.snapshot()
         assert state is not None  # reconciled
-        self._expected_pointer = (pointer.outer_step, pointer.master)  # knowingly replaced
-        self._publish(state, applied=(), deletes=self._stale_globals(state.outer_step))
+        self.expected = (pointer.outer_step, pointer.master)  # knowingly replaced
+        self.publish(state, applied=(), deletes=self.stale_globals(state.outer_step))
 
     def _adopt_own(self, pointer: Pointer) -> None:
         """Our own publication that we counted as failed (a timed-out request that
@@ -141,17 +183,15 @@ class HubPublication(DeltaIntake):
             self.settings.node_id,
             pointer.outer_step,
         )
-        state = self._adopt(pointer)
-        with self._lock:
-            self._state = state
-        self._expected_pointer = (pointer.outer_step, pointer.master)
+        self.state.commit(self.adopt(pointer))
+        self.expected = (pointer.outer_step, pointer.master)
 
     def _halt(self, reason: str) -> None:
         self.halted = reason
         logger.error("diloco master stops aggregating: %s", reason)
         raise MasterConflictError(reason)
 
-    def _publish(
+    def publish(
         self,
         state: OuterState,
         applied: tuple[str, ...],
@@ -184,14 +224,14 @@ class HubPublication(DeltaIntake):
         pointer_bytes = encode_pointer(pointer, secret=secret)
         files = [(pointer.model_file, model_bytes), (pointer.outer_file, outer_bytes)]
         removals = sorted(set(deletes or []))
-        expected = self._expected_pointer
+        expected = self.expected
         if self.transport.atomic_commit:
             self.transport.commit([*files, (POINTER_PATH, pointer_bytes)], removals)
-            self._expected_pointer = (step, self.settings.node_id)
+            self.expected = (step, self.settings.node_id)
             return pointer
         self.transport.commit(files)
         replaced = self.transport.replace(POINTER_PATH, pointer_bytes)
-        self._expected_pointer = (step, self.settings.node_id)
+        self.expected = (step, self.settings.node_id)
         self.transport.commit([], removals)
         if judge:
             self._judge_replaced(replaced, expected, pointer_bytes, step)
@@ -244,15 +284,15 @@ class HubPublication(DeltaIntake):
         )
         logger.error("diloco master stops aggregating: %s", self.halted)
 
-    def _delete(self, paths: list[str]) -> None:
+    def delete(self, paths: list[str]) -> None:
         if self.settings.delete_applied:
             delete_applied(self.transport, paths)
 
-    def _stale_globals(self, outer_step: int) -> list[str]:
+    def stale_globals(self, outer_step: int) -> list[str]:
         """Global files this master no longer keeps (``hub_gc.stale_globals``)."""
         return stale_globals(self.transport, outer_step, self.settings.keep_global_versions)
 
-    def _audit(self, report: RoundReport) -> None:
+    def audit(self, report: RoundReport) -> None:
         """Append the round to a local JSON-lines log (who was applied, with what weight)."""
         if self.audit_path is None:
             return
@@ -263,20 +303,7 @@ class HubPublication(DeltaIntake):
             "duplicates": report.duplicates,
             "latency_s": round(report.latency_s, 6),
             "applied": [
-                {
-                    "sha256": item.sha256,
-                    "node_id": item.node_id,
-                    "local_step": item.local_step,
-                    "base_outer_step": item.base_outer_step,
-                    "staleness": item.staleness,
-                    "weight": item.weight,
-                    "norm": item.norm,
-                    "clip": item.clip,
-                    "tokens": item.tokens,
-                    "samples": item.samples,
-                    "first_step": item.first_step,
-                    "work": item.work,
-                }
+                {key: value for key, value in dataclasses.asdict(item).items() if key != "path"}
                 for item in report.applied
             ],
             "work_unit": report.work_unit,

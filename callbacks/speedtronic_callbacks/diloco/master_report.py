@@ -5,16 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from speedtronic_callbacks.diloco.aggregation import (
-    RobustSettings,
-)
-from speedtronic_callbacks.diloco.transport_base import (
-    RemoteFile,
-)
-from speedtronic_callbacks.diloco.wire import (
-    DecodedDelta,
-    RejectionReason,
-)
+from speedtronic_callbacks.diloco.aggregation import RobustSettings
+from speedtronic_callbacks.diloco.outer_round import Contribution
+from speedtronic_callbacks.diloco.transport_base import RemoteFile
+from speedtronic_callbacks.diloco.wire import DecodedDelta, RejectionReason
 
 
 @dataclass(frozen=True)
@@ -74,17 +68,31 @@ class AppliedDelta:
 
 @dataclass
 class _Accepted:
-    """A delta that passed validation, on its way through one round's screening."""
+    """A delta that passed validation, on its way through one round (its figures are the
+    round's ``Contribution``)."""
 
     entry: RemoteFile
     decoded: DecodedDelta
-    staleness: int
-    norm: float = 0.0
-    clip: float = 1.0
-    work: float = 0.0
-    """The work figure its weight comes from (0: the round is not weighted by work)."""
-    share: float = 1.0
-    """``work / mean(work)`` of the round (1: not weighted by work)."""
+    contribution: Contribution
+
+    def applied(self, weight: float) -> AppliedDelta:
+        """What the round's report says of this delta once applied with ``weight``."""
+        info, figures = self.decoded.info, self.contribution
+        return AppliedDelta(
+            path=self.entry.path,
+            sha256=self.decoded.sha256,
+            node_id=info.node_id,
+            local_step=info.local_step,
+            base_outer_step=info.base_outer_step,
+            staleness=figures.staleness,
+            weight=weight,
+            norm=figures.norm,
+            clip=figures.clip,
+            tokens=info.tokens,
+            samples=info.samples,
+            first_step=info.first_step,
+            work=figures.work,
+        )
 
 
 @dataclass(frozen=True)
