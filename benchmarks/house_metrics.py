@@ -2,7 +2,8 @@
 (``speedtronic.__all__``), the import cycles between packages, and the public top-level names
 used nowhere outside their own module.
 
-    python benchmarks/house_metrics.py
+    python benchmarks/house_metrics.py        # the figures
+    python benchmarks/house_metrics.py -v     # and every unused public name, path:name
 
 * *front door*: ``len(speedtronic.__all__)``.
 * *import cycles*: the import graph of ``speedtronic`` (grimp, as import-linter builds it,

@@ -8,10 +8,10 @@ from torch import nn
 
 __all__ = ["set_gradient_checkpointing"]
 
-ModuleT = TypeVar("ModuleT", bound=nn.Module)
+_ModuleT = TypeVar("_ModuleT", bound=nn.Module)
 
 
-def set_gradient_checkpointing(module: ModuleT, enabled: bool = True) -> ModuleT:
+def set_gradient_checkpointing(module: _ModuleT, enabled: bool = True) -> _ModuleT:
     """Call ``module.set_gradient_checkpointing(enabled)`` and return ``module``.
 
     Raises ``AttributeError`` when the module has no such hook, as the original documented.

@@ -28,25 +28,15 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = [
-    "METRICS_FILENAME",
-    "Panel",
-    "PlotError",
-    "RunSeries",
-    "default_panels",
-    "draw_run",
-    "load_series",
-    "plot_run",
-    "requested_panels",
-]
+__all__ = ["PlotError", "draw_run", "load_series", "plot_run"]
 
-METRICS_FILENAME = "metrics.jsonl"
-PLOT_FILENAME = "metrics.png"
+_METRICS_FILENAME = "metrics.jsonl"
+_PLOT_FILENAME = "metrics.png"
 
-LOSS_KEYS = ("loss", "eval/loss")
+_LOSS_KEYS = ("loss", "eval/loss")
 """Drawn together on one log-scale panel: the training loss and the held-out loss."""
 
-COUNTER_KEYS = frozenset(
+_COUNTER_KEYS = frozenset(
     {
         "samples",
         "tokens",
@@ -64,7 +54,7 @@ cumulative counters and the throughput rates besides the one drawn."""
 MAX_EXTRA_PANELS = 9
 """Other keys drawn by default, one panel each; more are named in the title (use ``keys``)."""
 
-COLUMNS = 3
+_COLUMNS = 3
 """Panels per row of the figure."""
 
 
@@ -74,7 +64,7 @@ class PlotError(RuntimeError):
 
 
 @dataclass
-class RunSeries:
+class _RunSeries:
     """Numeric series of a metrics file, keyed by record key, each as (steps, values)."""
 
     series: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
@@ -90,7 +80,7 @@ class RunSeries:
 
 
 @dataclass(frozen=True)
-class Panel:
+class _Panel:
     """One axes of the figure: the keys it draws, its title and whether its y axis may be
     logarithmic (it is when the values span a decade)."""
 
@@ -121,14 +111,14 @@ def _number(value: object) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def load_series(path: Path) -> RunSeries:
+def load_series(path: Path) -> _RunSeries:
     """Every numeric key of a metrics JSONL file as a series ordered by step."""
     if not path.is_file():
         raise PlotError(f"no metrics file at {path} (the jsonl sink writes it during a fit)")
     records = _read_records(path)
     if not records:
         raise PlotError(f"{path} holds no metric records")
-    result = RunSeries()
+    result = _RunSeries()
     previous: tuple[int, float] | None = None  # (step, elapsed_s) of the record before
     for step in sorted(records):
         for key, value in records[step].items():
@@ -158,22 +148,22 @@ def _resumed_step(record: Mapping[str, object], step: int, last_logged: int) -> 
     return start if 0 <= start < step else last_logged
 
 
-def default_panels(series: RunSeries) -> list[Panel]:
+def _default_panels(series: _RunSeries) -> list[_Panel]:
     """The panels drawn without ``keys``: the core metrics, then every other logged key."""
     throughput = "tokens_per_sec" if series.get("tokens_per_sec") else "steps_per_sec"
-    panels = [Panel("loss", LOSS_KEYS, log_y=True)]
+    panels = [_Panel("loss", _LOSS_KEYS, log_y=True)]
     if series.get("grad_norm"):
-        panels.append(Panel("gradient norm (before clipping)", ("grad_norm",)))
-    panels.append(Panel("learning rate", tuple(series.keys_starting("lr"))))
-    panels.append(Panel(throughput.replace("_per_sec", "/s"), (throughput,)))
+        panels.append(_Panel("gradient norm (before clipping)", ("grad_norm",)))
+    panels.append(_Panel("learning rate", tuple(series.keys_starting("lr"))))
+    panels.append(_Panel(throughput.replace("_per_sec", "/s"), (throughput,)))
     if series.get("memory_bytes"):
-        panels.append(Panel("device memory (bytes)", ("memory_bytes", "memory_peak_bytes")))
-    drawn = {key for panel in panels for key in panel.keys} | COUNTER_KEYS
+        panels.append(_Panel("device memory (bytes)", ("memory_bytes", "memory_peak_bytes")))
+    drawn = {key for panel in panels for key in panel.keys} | _COUNTER_KEYS
     others = [key for key in sorted(series.series) if key not in drawn]
-    return panels + [Panel(key, (key,)) for key in others[:MAX_EXTRA_PANELS]]
+    return panels + [_Panel(key, (key,)) for key in others[:MAX_EXTRA_PANELS]]
 
 
-def requested_panels(series: RunSeries, requested: Sequence[str | Sequence[str]]) -> list[Panel]:
+def _requested_panels(series: _RunSeries, requested: Sequence[str | Sequence[str]]) -> list[_Panel]:
     """One panel per item of ``requested``: a key, or several (``"loss,eval/loss"`` or a
     list) that share the panel. A key names itself and every key under it (``lr`` is ``lr``
     and ``lr/group1``). ``PlotError`` for a key the run did not log."""
@@ -186,14 +176,14 @@ def requested_panels(series: RunSeries, requested: Sequence[str | Sequence[str]]
             if not found:
                 raise PlotError(_not_logged(series, name))
             keys.extend(key for key in found if key not in keys)
-        log_y = any(key in LOSS_KEYS for key in keys)
-        panels.append(Panel(", ".join(names), tuple(keys), log_y=log_y))
+        log_y = any(key in _LOSS_KEYS for key in keys)
+        panels.append(_Panel(", ".join(names), tuple(keys), log_y=log_y))
     if not panels:
         raise PlotError("no keys to draw were given")
     return panels
 
 
-def _not_logged(series: RunSeries, name: str) -> str:
+def _not_logged(series: _RunSeries, name: str) -> str:
     close = difflib.get_close_matches(name, sorted(series.series), n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
     return (
@@ -202,11 +192,11 @@ def _not_logged(series: RunSeries, name: str) -> str:
     )
 
 
-def _values(series: RunSeries, keys: Sequence[str]) -> list[float]:
+def _values(series: _RunSeries, keys: Sequence[str]) -> list[float]:
     return [value for key in keys for value in (series.get(key) or ([], []))[1]]
 
 
-def _spans_a_decade(series: RunSeries, keys: Sequence[str]) -> bool:
+def _spans_a_decade(series: _RunSeries, keys: Sequence[str]) -> bool:
     """Positive values over a factor of 10 or more: a log scale shows them better (within
     one decade a linear scale reads the same and labels more ticks)."""
     values = _values(series, keys)
@@ -246,7 +236,7 @@ def _style_ticks(axes: Axes, values: Sequence[float], log_y: bool) -> None:
         axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:.4g}"))
 
 
-def _draw(axes: Axes, series: RunSeries, panel: Panel) -> None:
+def _draw(axes: Axes, series: _RunSeries, panel: _Panel) -> None:
     drawn = False
     for key in panel.keys:
         data = series.get(key)
@@ -273,18 +263,18 @@ def _draw(axes: Axes, series: RunSeries, panel: Panel) -> None:
 def draw_run(
     output_dir: Path | str, *, keys: Sequence[str | Sequence[str]] | None = None
 ) -> Figure:
-    """The figure of ``<output_dir>/metrics.jsonl``: ``default_panels``, or with ``keys``
-    the panels they name (``requested_panels``). Not saved (``plot_run`` saves it)."""
+    """The figure of ``<output_dir>/metrics.jsonl``: ``_default_panels``, or with ``keys``
+    the panels they name (``_requested_panels``). Not saved (``plot_run`` saves it)."""
     run_dir = Path(output_dir)
-    series = load_series(run_dir / METRICS_FILENAME)
-    panels = default_panels(series) if keys is None else requested_panels(series, keys)
+    series = load_series(run_dir / _METRICS_FILENAME)
+    panels = _default_panels(series) if keys is None else _requested_panels(series, keys)
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
         raise PlotError("plotting needs matplotlib: pip install 'speedtronic[plot]'") from exc
 
-    columns = min(len(panels), COLUMNS)
+    columns = min(len(panels), _COLUMNS)
     rows = math.ceil(len(panels) / columns)
     figure = Figure(figsize=(5.5 * columns, 3.8 * rows), layout="constrained")
     FigureCanvasAgg(figure)
@@ -301,9 +291,9 @@ def draw_run(
     return figure
 
 
-def _skipped_keys(series: RunSeries) -> int:
+def _skipped_keys(series: _RunSeries) -> int:
     """How many logged keys the default panels leave out beyond ``MAX_EXTRA_PANELS``."""
-    shown = {key for panel in default_panels(series) for key in panel.keys} | COUNTER_KEYS
+    shown = {key for panel in _default_panels(series) for key in panel.keys} | _COUNTER_KEYS
     return sum(1 for key in series.series if key not in shown)
 
 
@@ -320,7 +310,7 @@ def plot_run(
     a requested key was not logged. Returns the path written.
     """
     figure = draw_run(output_dir, keys=keys)
-    target = Path(out) if out is not None else Path(output_dir) / PLOT_FILENAME
+    target = Path(out) if out is not None else Path(output_dir) / _PLOT_FILENAME
     target.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(target, format="png", dpi=100)
     return target

@@ -32,7 +32,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["UserImportError", "check_module_name", "import_user_module", "search_dirs"]
+__all__ = ["UserImportError", "import_user_module", "search_dirs"]
 
 _SEARCH_DIRS: ContextVar[tuple[Path, ...]] = ContextVar("speedtronic_import_dirs", default=())
 
@@ -53,7 +53,7 @@ class UserImportError(ImportError):
     being imported (an exception or ``sys.exit()`` in its top-level code)."""
 
 
-def check_module_name(name: str) -> None:
+def _check_module_name(name: str) -> None:
     """Raise ``UserImportError`` unless ``name`` is a dotted module name (not a path). The
     messages complete ``cannot import 'NAME': ...``."""
     if name.endswith(".py") and all(part.isidentifier() for part in name[:-3].split(".")):
@@ -98,7 +98,7 @@ def import_user_module(name: str) -> ModuleType:
     Raises ``UserImportError`` for a name that is not a module name and for a module that
     raises or calls ``sys.exit()`` while being imported; a missing module is the usual
     ``ModuleNotFoundError``."""
-    check_module_name(name)
+    _check_module_name(name)
     added = [str(path) for path in _SEARCH_DIRS.get() if str(path) not in sys.path]
     sys.path.extend(added)
     try:

@@ -333,7 +333,7 @@ class CheckpointCallback(Callback):
                 "rank writes its shard of a sharded checkpoint, synchronously); set "
                 "async_save: false"
             )
-        warn_about_foreign_checkpoints(self.manager, ctx.start_step, trainer)
+        _warn_about_foreign_checkpoints(self.manager, ctx.start_step, trainer)
         main = trainer.distributed is None or trainer.distributed.is_main
         if self._store is not None and main:
             self.mirror = start_mirror(
@@ -537,7 +537,7 @@ class CheckpointCallback(Callback):
         return state
 
 
-def warn_about_foreign_checkpoints(
+def _warn_about_foreign_checkpoints(
     manager: CheckpointManager, start_step: int, trainer: TrainerView
 ) -> None:
     """A checkpoint newer than the fit's start would count as newer than what this fit

@@ -140,18 +140,18 @@ class CheckpointOptions:
     ] = 600.0
 
 
-OPTIONS_ONLY = ("save_final",)
+_OPTIONS_ONLY = ("save_final",)
 """Options that are not keys of the ``checkpoint:`` section."""
 
 CHECKPOINT_SECTION_SCHEMA: JSONSchema = {
     "title": "checkpoint",
     "description": "Checkpointing (read by the checkpoint plugin: the defaults of its options).",
-    **object_schema(CheckpointOptions, exclude=OPTIONS_ONLY),
+    **object_schema(CheckpointOptions, exclude=_OPTIONS_ONLY),
 }
 """The ``checkpoint:`` section, which this plugin reads (``options_from_section``)."""
 
 SECTION_KEYS = tuple(
-    key for key in CheckpointOptions.__dataclass_fields__ if key not in OPTIONS_ONLY
+    key for key in CheckpointOptions.__dataclass_fields__ if key not in _OPTIONS_ONLY
 )
 """Keys of the ``checkpoint:`` section (each an option of this plugin too)."""
 

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
 
 __all__ = [
-    "CREDENTIAL_KEYS",
     "credential_errors",
     "fetch",
     "start_mirror",
@@ -38,10 +37,10 @@ __all__ = [
 
 logger = logging.getLogger("speedtronic.checkpoint")
 
-CLAIM_WAIT_S = 5.0
+_CLAIM_WAIT_S = 5.0
 """How long the start of a fit waits for the claim of its remote prefix (then it trains on
 while the claim completes; a refusal stops it at the next step)."""
-TELL_AFTER_S = 3.0
+_TELL_AFTER_S = 3.0
 """The final wait for uploads says what it waits for once it lasted this long."""
 _POLL_S = 0.25
 """The final wait checks for a signal this often."""
@@ -58,7 +57,7 @@ def start_mirror(
     wait_s: float,
 ) -> RemoteMirror:
     """Rank 0's uploader for this fit, its claim of the prefix started on the upload
-    thread: a store that answers within ``CLAIM_WAIT_S`` (at most ``wait_s``) refuses
+    thread: a store that answers within ``_CLAIM_WAIT_S`` (at most ``wait_s``) refuses
     another run's prefix here (``RemoteOwnerError``), before the first step; a slower one
     at the next step after it answers (``RemoteMirror.refusal``)."""
     mirror = RemoteMirror(
@@ -70,7 +69,7 @@ def start_mirror(
         take_over=take_over,
     )
     mirror.start()
-    mirror.flush(timeout=min(CLAIM_WAIT_S, wait_s))
+    mirror.flush(timeout=min(_CLAIM_WAIT_S, wait_s))
     if mirror.refusal is not None:
         mirror.close(0.0)
         raise mirror.refusal
@@ -86,7 +85,7 @@ def wait_for_uploads(
     interrupted: Callable[[], signal.Signals | None],
 ) -> bool:
     """Wait until every upload submitted to ``mirror`` is done, at most ``seconds``;
-    after ``TELL_AFTER_S`` say what it waits for, and stop at once when ``interrupted()``
+    after ``_TELL_AFTER_S`` say what it waits for, and stop at once when ``interrupted()``
     names a signal. ``True`` when the uploads finished (a warning when ``newest``, the
     fit's last checkpoint, is not in the store); ``False`` when the wait ended early (a
     warning naming the checkpoint that stays only in ``directory``). Raises the mirror's
@@ -98,7 +97,7 @@ def wait_for_uploads(
         now = time.monotonic()
         if interrupted() is not None or now >= deadline:
             break
-        if not told and now - started >= TELL_AFTER_S:
+        if not told and now - started >= _TELL_AFTER_S:
             told = True
             logger.warning(
                 "checkpoint.remote: waiting up to %s more (checkpoint.remote_final_wait_s) "
@@ -184,7 +183,7 @@ def fetch(
     return FetchedCheckpoint(path, owner)
 
 
-CREDENTIAL_KEYS = frozenset(
+_CREDENTIAL_KEYS = frozenset(
     {"key", "secret", "token", "password", "session_token", "access_key", "secret_key"}
     | {"aws_access_key_id", "aws_secret_access_key", "aws_session_token", "account_key"}
     | {"sas_token", "client_secret", "api_key", "hmac_key"}
@@ -193,7 +192,7 @@ CREDENTIAL_KEYS = frozenset(
 saved with the run and inside every checkpoint); they come from the environment."""
 
 
-NO_CREDENTIALS = (
+_NO_CREDENTIALS = (
     "credentials do not belong in the config (it is saved with the run and in every "
     "checkpoint); set them in the environment instead (AWS_ACCESS_KEY_ID, "
     "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_PROFILE)"
@@ -211,7 +210,7 @@ def url_credential_errors(path: str, url: object) -> Iterator[str]:
         except ValueError:  # a malformed URL is the store's to refuse, with its own words
             continue
         if password is not None:
-            yield f"{path}: the URL holds a password (user:password@host); {NO_CREDENTIALS}"
+            yield f"{path}: the URL holds a password (user:password@host); {_NO_CREDENTIALS}"
             return
 
 
@@ -219,8 +218,8 @@ def credential_errors(path: str, options: object, depth: int = 0) -> Iterator[st
     if not isinstance(options, Mapping) or depth > 8:
         return
     for key, value in options.items():
-        if isinstance(key, str) and key.lower() in CREDENTIAL_KEYS:
-            yield f"{path}.{key}: {NO_CREDENTIALS}"
+        if isinstance(key, str) and key.lower() in _CREDENTIAL_KEYS:
+            yield f"{path}.{key}: {_NO_CREDENTIALS}"
         elif isinstance(value, str):  # endpoint_url and any other URL-valued option
             yield from url_credential_errors(f"{path}.{key}", value)
         else:

@@ -28,12 +28,12 @@ from speedtronic.state.checkpoint import CheckpointError, signal_stop_reason
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
 
-__all__ = ["HANDLED_SIGNALS", "SaveSignals", "stop_step"]
+__all__ = ["SaveSignals"]
 
 logger = logging.getLogger("speedtronic.checkpoint")
 
-HANDLED_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
-SignalHandler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
+_HANDLED_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+_SignalHandler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
 """What ``signal.signal`` returns: the handler that was installed before."""
 
 
@@ -46,7 +46,7 @@ class SaveSignals:
         """The first SIGTERM/SIGINT of the fit (it asked the trainer to stop)."""
         self.abandoned = False
         """A third signal cut a checkpoint write short."""
-        self._previous: dict[signal.Signals, SignalHandler] = {}
+        self._previous: dict[signal.Signals, _SignalHandler] = {}
         self._writing = False  # the main thread writes (or waits for) a checkpoint
         self._deferred: signal.Signals | None = None  # a second signal, held until written
 
@@ -110,10 +110,10 @@ class SaveSignals:
                 "received %s: stopping after step %d and saving a checkpoint "
                 "(send it again to stop immediately)",
                 received.name,
-                stop_step(trainer),
+                _stop_step(trainer),
             )
 
-        for sig in HANDLED_SIGNALS:
+        for sig in _HANDLED_SIGNALS:
             self._previous[sig] = signal.signal(sig, handle)
 
     def restore(self) -> None:
@@ -124,7 +124,7 @@ class SaveSignals:
             signal.signal(sig, handler)
 
 
-def stop_step(trainer: TrainerView) -> int:
+def _stop_step(trainer: TrainerView) -> int:
     """The step a stop requested now ends after: the step in progress in one process; the
     ranks of a multi-rank run agree on stopping at logging steps only (``Trainer.fit``), so
     there the first logging step from it (a multiple of ``metrics_every`` or of

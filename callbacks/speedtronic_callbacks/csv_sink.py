@@ -65,7 +65,7 @@ def _row_step(row: Sequence[str], column: int) -> int | None:
         return None
 
 
-def load_table(path: Path) -> tuple[list[str], list[list[str]]]:
+def _load_table(path: Path) -> tuple[list[str], list[list[str]]]:
     """The header and rows (lists of cells) of a metrics CSV (empty when the file is)."""
     with path.open(encoding="utf-8", newline="") as handle:
         reader = csv.reader(handle)
@@ -123,7 +123,7 @@ class CsvCallback(MetricSink):
             path.parent.mkdir(parents=True, exist_ok=True)
             keep_earlier_run(path, ctx.start_step)
             if path.is_file() and path.stat().st_size > 0:
-                columns, rows = load_table(path)
+                columns, rows = _load_table(path)
                 column = columns.index("step") if "step" in columns else len(columns)
                 kept = [row for row in rows if (_row_step(row, column) or 0) <= ctx.start_step]
                 if kept:
@@ -148,7 +148,7 @@ class CsvCallback(MetricSink):
         if self._handle is not None:
             self._handle.close()
             self._handle = None
-        _, rows = load_table(self._file)
+        _, rows = _load_table(self._file)
         width, waiting = len(self._columns), self._waiting
         padding = [""] * len(waiting)
         wide: list[list[object]] = [[*row, *padding] for row in rows]

@@ -61,14 +61,14 @@ from speedtronic.state.training_state import TrainingStateError
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
 
-__all__ = ["EMA", "EMA_EVAL_LOSS", "EMA_EVAL_PPL", "ema_key"]
+__all__ = ["EMA", "EMA_EVAL_LOSS", "EMA_EVAL_PPL"]
 
 EMA_EVAL_LOSS = "eval/ema/loss"
 EMA_EVAL_PPL = "eval/ema/ppl"
 _EMA_KEYS = {EVAL_LOSS: EMA_EVAL_LOSS, EVAL_PPL: EMA_EVAL_PPL}
 
 
-def ema_key(key: str) -> str:
+def _ema_key(key: str) -> str:
     """The record key of the shadow's evaluation metric ``key`` (``eval/loss`` ->
     ``eval/ema/loss``)."""
     return _EMA_KEYS.get(key) or key.replace("eval/", "eval/ema/", 1)
@@ -253,11 +253,11 @@ class EMA(Callback):
         if not self.evaluate:
             return
         if not self.live:  # the average is the weights: their numbers are its numbers
-            self._eval_metrics = {ema_key(key): value for key, value in ctx.metrics.items()}
+            self._eval_metrics = {_ema_key(key): value for key, value in ctx.metrics.items()}
             return
         with self._shadow_in_model():
             metrics = trainer.evaluate()
-        self._eval_metrics = {ema_key(key): value for key, value in metrics.items()}
+        self._eval_metrics = {_ema_key(key): value for key, value in metrics.items()}
 
     @contextmanager
     def _shadow_in_model(self) -> Iterator[None]:

@@ -70,7 +70,7 @@ class GradientCheckpointingOptions:
 
 
 @dataclass(frozen=True)
-class RootFlag:
+class _RootFlag:
     """The 2.0 root key this plugin reads."""
 
     gradient_checkpointing: Annotated[
@@ -79,7 +79,7 @@ class RootFlag:
 
 
 @dataclass(frozen=True)
-class ModelFlag:
+class _ModelFlag:
     """The key this plugin adds to the ``model:`` section."""
 
     gradient_checkpointing: Annotated[
@@ -91,7 +91,7 @@ class ModelFlag:
     ] = False
 
 
-def normalise_flags(data: dict[str, object]) -> None:
+def _normalise_flags(data: dict[str, object]) -> None:
     """The root flag and ``model.gradient_checkpointing`` are one setting (2.0): when either
     is true both become true."""
     model = data.get("model")
@@ -105,7 +105,7 @@ def normalise_flags(data: dict[str, object]) -> None:
             data["model"] = {"gradient_checkpointing": True}
 
 
-def options_from_flag(
+def _options_from_flag(
     sections: SectionData, options: Mapping[str, object] | None
 ) -> PluginOptions | None:
     """The 2.0 root flag ``gradient_checkpointing: true`` (or ``model.gradient_checkpointing``,
@@ -121,11 +121,11 @@ def options_from_flag(
     sections=Sections(
         keys=("gradient_checkpointing", "model"),
         schema={
-            "gradient_checkpointing": property_schema(field_of(RootFlag, "gradient_checkpointing"))
+            "gradient_checkpointing": property_schema(field_of(_RootFlag, "gradient_checkpointing"))
         },
-        declared={"model": ModelFlag},
-        to_options=options_from_flag,
-        normalise=normalise_flags,
+        declared={"model": _ModelFlag},
+        to_options=_options_from_flag,
+        normalise=_normalise_flags,
     ),
     implied_order=10,
 )

@@ -18,11 +18,11 @@ from speedtronic.engine.contexts import MetricsContext
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
 
-__all__ = ["EVAL_PREFIX", "Mode", "MonitorError", "check_monitor", "improves", "read_monitored"]
+__all__ = ["Mode", "MonitorError", "check_monitor", "improves", "read_monitored"]
 
 Mode = Literal["min", "max"]
 
-EVAL_PREFIX = "eval/"
+_EVAL_PREFIX = "eval/"
 """Keys with this prefix come from the evaluation of the held-out set."""
 
 
@@ -32,7 +32,7 @@ class MonitorError(ValueError):
 
 def check_monitor(owner: str, key: str, trainer: TrainerView) -> None:
     """``MonitorError`` when ``key`` is an evaluation metric and evaluation is off."""
-    if key.startswith(EVAL_PREFIX) and trainer.eval_every <= 0:
+    if key.startswith(_EVAL_PREFIX) and trainer.eval_every <= 0:
         raise MonitorError(
             f"{owner} monitors {key!r}, an evaluation metric, but evaluation is off: set "
             "eval.every_steps (or Trainer(eval_data=..., eval_every=...))"
@@ -43,7 +43,7 @@ def read_monitored(owner: str, key: str, ctx: MetricsContext) -> float | None:
     """The value of ``key`` in this step's record; ``None`` on a step that does not measure
     it (an ``eval/*`` key off an evaluation step). ``MonitorError`` when it should be there
     and is not, or is not a number."""
-    if key.startswith(EVAL_PREFIX) and not ctx.evaluated:
+    if key.startswith(_EVAL_PREFIX) and not ctx.evaluated:
         return None
     if key not in ctx.record:
         keys = ", ".join(sorted(ctx.record.keys()))

@@ -53,7 +53,7 @@ from speedtronic.user_warnings import warn
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
 
-Action = Literal["stop", "raise", "skip"]
+_Action = Literal["stop", "raise", "skip"]
 SKIPPED_KEY = "nan_guard/skipped_steps"
 
 
@@ -76,7 +76,7 @@ def total_grad_norm(parameters: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return result
 
 
-def describe_problem(loss: float, grad_norm: float | None) -> str:
+def _describe_problem(loss: float, grad_norm: float | None) -> str:
     problems = []
     if not math.isfinite(loss):
         problems.append(f"loss is {loss}")
@@ -90,7 +90,7 @@ class NanGuardOptions:
     """The ``nan_guard`` plugin's options."""
 
     action: Annotated[
-        Action,
+        _Action,
         Opt(
             "`stop`: clean stop without applying the bad update; `raise`: fail with "
             "`NonFiniteLossError`; `skip`: drop the update and go on"
@@ -119,7 +119,7 @@ class NanGuard(Callback):
 
     def __init__(
         self,
-        action: Action = NanGuardOptions.action,
+        action: _Action = NanGuardOptions.action,
         *,
         check_every: int = NanGuardOptions.check_every,
         check_grads: bool = NanGuardOptions.check_grads,
@@ -131,7 +131,7 @@ class NanGuard(Callback):
             raise ValueError(f"check_every must be >= 1, got {check_every}")
         if max_consecutive_skips < 1:
             raise ValueError(f"max_consecutive_skips must be >= 1, got {max_consecutive_skips}")
-        self.action: Action = action
+        self.action: _Action = action
         self.check_every = check_every
         self.check_grads = check_grads
         self.max_consecutive_skips = max_consecutive_skips
@@ -182,7 +182,7 @@ class NanGuard(Callback):
         if math.isfinite(loss_value) and (grad_value is None or math.isfinite(grad_value)):
             self.consecutive = 0
             return
-        self._handle(trainer, ctx.step, describe_problem(loss_value, grad_value))
+        self._handle(trainer, ctx.step, _describe_problem(loss_value, grad_value))
 
     def _handle(self, trainer: TrainerView, step: int, problem: str) -> None:
         message = f"nan_guard: {problem} at step {step}"

@@ -61,8 +61,8 @@ __all__ = ["OperatorTime", "Profiler", "top_operators"]
 
 logger = logging.getLogger("speedtronic.profiler")
 
-DEFAULT_DIR = "profiler"
-TRACE_SUFFIX = ".pt.trace.json"
+_DEFAULT_DIR = "profiler"
+_TRACE_SUFFIX = ".pt.trace.json"
 Ranks = Literal["all"] | Sequence[int]
 
 
@@ -112,7 +112,7 @@ class ProfilerOptions:
         ),
     ] = field(default_factory=lambda: [0])
     dir: Annotated[str, Opt("trace directory, relative to the output directory", min_length=1)] = (
-        DEFAULT_DIR
+        _DEFAULT_DIR
     )
     record_shapes: Annotated[
         bool, Opt("record operator input shapes (`torch.profiler.profile`)")
@@ -279,7 +279,7 @@ class Profiler(Callback):
     def _write_and_summarise(self, prof: profile) -> None:
         cycle = len(self.traces)
         self._resolved.mkdir(parents=True, exist_ok=True)
-        path = self._resolved / f"rank{self._rank}.{time.time_ns()}{TRACE_SUFFIX}"
+        path = self._resolved / f"rank{self._rank}.{time.time_ns()}{_TRACE_SUFFIX}"
         prof.export_chrome_trace(str(path))
         self.traces.append(path)
         first, last = self.active_steps(cycle)

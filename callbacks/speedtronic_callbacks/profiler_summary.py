@@ -30,8 +30,8 @@ from pathlib import Path
 
 __all__ = ["OperatorTime", "read_trace_events", "top_operators"]
 
-TraceEvent = Mapping[str, object]
-DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+_TraceEvent = Mapping[str, object]
+_DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 """Trace categories of work on the device."""
 
 
@@ -43,7 +43,7 @@ class OperatorTime:
     self_us: float
 
 
-def read_trace_events(path: Path) -> list[TraceEvent]:
+def read_trace_events(path: Path) -> list[_TraceEvent]:
     """The ``traceEvents`` of a Chrome trace file (bytes that are not UTF-8 replaced)."""
     trace = json.loads(path.read_bytes().decode("utf-8", errors="replace"))
     events = trace.get("traceEvents") if isinstance(trace, dict) else None
@@ -56,19 +56,19 @@ def _number(value: object) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
-def _spans(events: Iterable[TraceEvent], categories: frozenset[str]) -> list[TraceEvent]:
+def _spans(events: Iterable[_TraceEvent], categories: frozenset[str]) -> list[_TraceEvent]:
     return [e for e in events if e.get("ph") == "X" and e.get("cat") in categories]
 
 
-def _external_id(event: TraceEvent) -> object:
+def _external_id(event: _TraceEvent) -> object:
     args = event.get("args")
     return args.get("External id") if isinstance(args, Mapping) else None
 
 
-def _cpu_self_times(operators: list[TraceEvent]) -> list[tuple[str, float]]:
+def _cpu_self_times(operators: list[_TraceEvent]) -> list[tuple[str, float]]:
     """(name, self time) of each CPU operator: its duration less those of the operators
     directly inside it on its thread."""
-    by_thread: dict[tuple[object, object], list[TraceEvent]] = defaultdict(list)
+    by_thread: dict[tuple[object, object], list[_TraceEvent]] = defaultdict(list)
     for event in operators:
         by_thread[(event.get("pid"), event.get("tid"))].append(event)
     found: list[tuple[str, float]] = []
@@ -89,7 +89,7 @@ def _cpu_self_times(operators: list[TraceEvent]) -> list[tuple[str, float]]:
     return found
 
 
-def _device_times(events: list[TraceEvent]) -> list[tuple[str, float]]:
+def _device_times(events: list[_TraceEvent]) -> list[tuple[str, float]]:
     """(name, duration) of each device span, named after the operator that launched it."""
     launcher = {
         _external_id(e): str(e.get("name"))
@@ -98,12 +98,12 @@ def _device_times(events: list[TraceEvent]) -> list[tuple[str, float]]:
     }
     return [
         (launcher.get(_external_id(e), str(e.get("name"))), _number(e.get("dur")))
-        for e in _spans(events, DEVICE_CATEGORIES)
+        for e in _spans(events, _DEVICE_CATEGORIES)
     ]
 
 
 def top_operators(
-    events: list[TraceEvent], *, device: bool, count: int
+    events: list[_TraceEvent], *, device: bool, count: int
 ) -> tuple[list[OperatorTime], float]:
     """The ``count`` operators with the most self time in a trace's ``events`` (device
     time with ``device``, else CPU time) and the total self time of all operators (µs)."""

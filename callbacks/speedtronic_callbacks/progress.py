@@ -49,7 +49,7 @@ Mode = Literal["auto", "bar", "lines"]
 StreamName = Literal["stdout", "stderr"]
 
 
-POSTFIX_KEYS = frozenset({"loss", "eval/loss", "lr", "tokens_per_sec"})
+_POSTFIX_KEYS = frozenset({"loss", "eval/loss", "lr", "tokens_per_sec"})
 
 
 def _postfix(record: Record, other: bool = True) -> str:
@@ -67,12 +67,12 @@ def _postfix(record: Record, other: bool = True) -> str:
     if isinstance(tokens_per_sec, (int, float)):
         parts.append(f"tok/s={format_si(float(tokens_per_sec))}")
     if other:
-        shown = POSTFIX_KEYS | LINE_KEYS  # the bar shows rates and time itself
+        shown = _POSTFIX_KEYS | _LINE_KEYS  # the bar shows rates and time itself
         parts += [f"{key}={format_value(key, record[key])}" for key in other_keys(record, shown)]
     return ", ".join(parts)
 
 
-PROGRESS_LINE_FIELDS: tuple[NumberFormat, ...] = (
+_PROGRESS_LINE_FIELDS: tuple[NumberFormat, ...] = (
     ("loss", lambda v: f"loss {format_float(v)}"),
     ("eval/loss", lambda v: f"eval/loss {format_float(v)}"),
     ("lr", lambda v: f"lr {v:.2e}"),
@@ -81,7 +81,7 @@ PROGRESS_LINE_FIELDS: tuple[NumberFormat, ...] = (
 )
 
 
-LINE_KEYS = frozenset(key for key, _ in PROGRESS_LINE_FIELDS) | {
+_LINE_KEYS = frozenset(key for key, _ in _PROGRESS_LINE_FIELDS) | {
     "steps_per_sec",
     "grad_norm",
     "eval/ppl",
@@ -96,13 +96,13 @@ def progress_line(record: Record, start_step: int, target_step: int, other: bool
     step = int(record["step"])
     percent = 100.0 * step / target_step if target_step else 100.0
     parts = [f"step {step}/{target_step} ({percent:.0f}%)"]
-    parts += formatted_numbers(record, PROGRESS_LINE_FIELDS)
+    parts += formatted_numbers(record, _PROGRESS_LINE_FIELDS)
     rate = record.get("steps_per_sec")
     if isinstance(rate, (int, float)) and rate > 0 and step > start_step:
         parts.append(f"eta {format_duration((target_step - step) / float(rate))}")
     if other:
         parts += [
-            f"{key} {format_value(key, record[key])}" for key in other_keys(record, LINE_KEYS)
+            f"{key} {format_value(key, record[key])}" for key in other_keys(record, _LINE_KEYS)
         ]
     return " | ".join(parts)
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
     from speedtronic.plugins import PluginContext
 
-SAMPLES_PREFIX = "text_samples/"
+_SAMPLES_PREFIX = "text_samples/"
 """The record keys' prefix (``samples`` alone is the trainer's sample counter)."""
 
 
@@ -138,7 +138,7 @@ class SamplesCallback(Callback):
 
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         for index, sample in enumerate(self.generate(trainer)):
-            ctx.record.set(f"{SAMPLES_PREFIX}{index}", sample)
+            ctx.record.set(f"{_SAMPLES_PREFIX}{index}", sample)
 
     def generate(self, trainer: TrainerView) -> list[str]:
         """Each prompt followed by the model's continuation; the random state and the

@@ -148,7 +148,7 @@ def formatted_numbers(record: Record, fields: Sequence[NumberFormat]) -> list[st
     return parts
 
 
-TRAINER_COUNTERS = frozenset(
+_TRAINER_COUNTERS = frozenset(
     {"step", "samples", "tokens", "micro_batches", "elapsed_s", "samples_per_sec"}
 )
 """Keys the trainer puts in every record that the text sinks do not repeat on each line
@@ -163,7 +163,7 @@ def other_keys(record: Record, shown: Collection[str]) -> list[str]:
     return sorted(
         key
         for key in record
-        if key not in shown and key not in TRAINER_COUNTERS and not key.startswith("lr/")
+        if key not in shown and key not in _TRAINER_COUNTERS and not key.startswith("lr/")
     )
 
 

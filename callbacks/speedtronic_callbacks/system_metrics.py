@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 # Dense (no sparsity) bf16/fp16 tensor-core peaks from the vendors' data sheets, FLOP/s.
 # Matched against torch.cuda.get_device_name() in order, first hit wins.
-KNOWN_16BIT_PEAK_FLOPS: tuple[tuple[str, float], ...] = (
+_KNOWN_16BIT_PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("H200", 989.4e12),
     ("H100 PCIe", 756.0e12),
     ("H100", 989.4e12),
@@ -67,12 +67,12 @@ class CountsFlops(Protocol):
     def flops_per_token(self, seq_len: int | None = None) -> int: ...
 
 
-def known_peak_flops(device: torch.device, precision_mode: str) -> float | None:
+def _known_peak_flops(device: torch.device, precision_mode: str) -> float | None:
     """The dense 16-bit peak of a known CUDA GPU, when training in bf16/fp16."""
     if device.type != "cuda" or precision_mode not in ("bf16", "fp16"):
         return None
     name = torch.cuda.get_device_name(device)
-    for pattern, peak in KNOWN_16BIT_PEAK_FLOPS:
+    for pattern, peak in _KNOWN_16BIT_PEAK_FLOPS:
         if pattern in name:
             return peak
     return None
@@ -87,7 +87,7 @@ def _statm_rss() -> int | None:
         return None
 
 
-def resident_memory_probe() -> Callable[[], int | None] | None:
+def _resident_memory_probe() -> Callable[[], int | None] | None:
     """A function reading this process's resident memory in bytes: psutil's when it is
     installed, else Linux's ``/proc``; None when the host offers neither."""
     try:
@@ -155,12 +155,12 @@ class SystemMetricsCallback(Callback):
     def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         self._window = (time.perf_counter(), trainer.samples, trainer.tokens)
         self._flops_cache.clear()
-        self._resolved_peak = self.peak_flops or known_peak_flops(
+        self._resolved_peak = self.peak_flops or _known_peak_flops(
             trainer.device, trainer.precision_mode
         )
         if self.memory and trainer.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(trainer.device)
-        self._rss = resident_memory_probe() if self.host else None
+        self._rss = _resident_memory_probe() if self.host else None
         self._cpu_window = (time.perf_counter(), time.process_time())
         missing = self._unavailable(trainer)
         if missing:

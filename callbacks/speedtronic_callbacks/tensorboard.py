@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
     from speedtronic.engine.view import TrainerView
 
-DEFAULT_LOG_DIR = "tensorboard"
+_DEFAULT_LOG_DIR = "tensorboard"
 _INSTALL_HINT = "the tensorboard sink needs tensorboard: pip install 'speedtronic[logging]'"
 
 
@@ -54,12 +54,12 @@ Scalars = tuple[int, list[tuple[str, float]], list[tuple[str, str]]]
 """One record's ``(step, scalars, texts)``."""
 """One record for the writer thread: ``(step, [(tag, value), ...])``."""
 
-SummaryBuilder = Callable[[list[tuple[str, float]]], object]
+_SummaryBuilder = Callable[[list[tuple[str, float]]], object]
 """Builds one ``Summary`` protobuf holding ``(tag, value)`` scalars."""
 
 
-def summary_builder() -> SummaryBuilder:
-    """A ``SummaryBuilder`` bound to tensorboard's protobuf classes (imported on first use)."""
+def _summary_builder() -> _SummaryBuilder:
+    """A ``_SummaryBuilder`` bound to tensorboard's protobuf classes (imported on first use)."""
     from tensorboard.compat.proto.summary_pb2 import Summary  # typed by typings/tensorboard
 
     def build(scalars: list[tuple[str, float]]) -> object:
@@ -68,7 +68,7 @@ def summary_builder() -> SummaryBuilder:
     return build
 
 
-def require_tensorboard() -> None:
+def _require_tensorboard() -> None:
     """Raise ``ImportError`` with the install hint when tensorboard is missing."""
     if importlib.util.find_spec("tensorboard") is None:
         raise ImportError(_INSTALL_HINT)
@@ -80,7 +80,7 @@ class TensorBoardOptions:
 
     log_dir: Annotated[
         str, Opt("event file directory, relative to the output directory", min_length=1)
-    ] = DEFAULT_LOG_DIR
+    ] = _DEFAULT_LOG_DIR
     prefix: Annotated[str, Opt("prepended to every tag, e.g. `train/`")] = ""
     flush_secs: Annotated[
         int,
@@ -103,14 +103,14 @@ class TensorBoardCallback(MetricSink):
         flush_secs: int = TensorBoardOptions.flush_secs,
         log_config: bool = TensorBoardOptions.log_config,
     ) -> None:
-        require_tensorboard()
+        _require_tensorboard()
         self.log_dir = Path(log_dir)
         self.prefix = prefix
         self.flush_secs = flush_secs
         self.log_config = log_config
         self.writer: SummaryWriter | None = None
         self._resolved = self.log_dir  # the resolved log_dir, once set up
-        self._build_summary: SummaryBuilder | None = None
+        self._build_summary: _SummaryBuilder | None = None
         self._worker: BackgroundWorker[Scalars] | None = None
 
     def run_paths(self, output_dir: Path) -> RunPaths:
@@ -127,7 +127,7 @@ class TensorBoardCallback(MetricSink):
 
         log_dir = self._resolved = resolve_path(self.log_dir, trainer.output_dir)
         self.write_failure = None
-        self._build_summary = summary_builder()
+        self._build_summary = _summary_builder()
         try:
             self.writer = SummaryWriter(
                 log_dir=str(log_dir),

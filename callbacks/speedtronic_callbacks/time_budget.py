@@ -54,7 +54,7 @@ from speedtronic_callbacks.wall_clock import Deadline
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
 
-__all__ = ["TimeBudget", "TimeBudgetOptions", "check_max_time"]
+__all__ = ["TimeBudget", "TimeBudgetOptions"]
 
 logger = logging.getLogger("speedtronic.time_budget")
 
@@ -76,7 +76,7 @@ class RunKeys:
     ] = None
 
 
-def check_max_time(value: object) -> float:
+def _check_max_time(value: object) -> float:
     """Seconds of a ``max_time`` value; ``DurationError`` for one that is not a duration or
     is shorter than ``MIN_TIME_BUDGET_S`` (no step fits in it)."""
     seconds = parse_duration(value)
@@ -146,7 +146,7 @@ class TimeBudget(Callback):
     """Stops the fit after the step during which ``max_time`` (a duration) is spent."""
 
     def __init__(self, max_time: str | float, *, started_at: float | None = None) -> None:
-        self.budget_s = check_max_time(max_time)
+        self.budget_s = _check_max_time(max_time)
         self.started_at = time.monotonic() if started_at is None else started_at
         self.stopped_at_step: int | None = None
         """The step after which the budget stopped the fit (``None``: it did not)."""
@@ -191,6 +191,6 @@ class TimeBudget(Callback):
 
 def _duration_errors(path: str, value: object) -> Iterator[str]:
     try:
-        check_max_time(value)
+        _check_max_time(value)
     except DurationError as exc:
         yield f"{path}: {exc}"

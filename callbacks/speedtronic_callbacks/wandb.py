@@ -39,11 +39,11 @@ if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
     from speedtronic.plugins import PluginContext
 
-WandbMode = Literal["online", "offline", "disabled"]
+_WandbMode = Literal["online", "offline", "disabled"]
 _INSTALL_HINT = "the wandb sink needs wandb: pip install 'speedtronic[logging]'"
 
 
-def import_wandb() -> ModuleType:
+def _import_wandb() -> ModuleType:
     """``import wandb`` with an install hint when it is missing."""
     try:
         import wandb
@@ -77,7 +77,7 @@ class WandbOptions:
     tags: Annotated[list[str], Opt("run tags")] = field(default_factory=list)
     notes: Annotated[str | None, Opt("notes of the run")] = None
     mode: Annotated[
-        WandbMode | None,
+        _WandbMode | None,
         Opt(
             "`online`, `offline` or `disabled`; `null` leaves it to W&B (`WANDB_MODE` is respected)"
         ),
@@ -129,20 +129,20 @@ class WandbCallback(MetricSink):
         group: str | None = WandbOptions.group,
         tags: Sequence[str] = (),
         notes: str | None = WandbOptions.notes,
-        mode: WandbMode | None = WandbOptions.mode,
+        mode: _WandbMode | None = WandbOptions.mode,
         directory: str | Path = WandbOptions.dir,
         run_id: str | None = WandbOptions.id,
         log_config: bool = WandbOptions.log_config,
         background: bool = WandbOptions.background,
     ) -> None:
-        import_wandb()  # fail at construction, with the install hint, not mid-setup
+        _import_wandb()  # fail at construction, with the install hint, not mid-setup
         self.project = project
         self.entity = entity
         self.name = name
         self.group = group
         self.tags = tuple(tags)
         self.notes = notes
-        self.mode: WandbMode | None = mode
+        self.mode: _WandbMode | None = mode
         self.directory = Path(directory)
         self.run_id = run_id
         self.log_config = log_config
@@ -233,7 +233,7 @@ class WandbCallback(MetricSink):
             else:
                 values[key] = value
         for group, rows in texts.items():
-            values[group] = import_wandb().Table(columns=["step", "key", "text"], data=rows)
+            values[group] = _import_wandb().Table(columns=["step", "key", "text"], data=rows)
         run.log(values, step=step)
 
     def write_record(self, trainer: TrainerView, record: Record) -> None:

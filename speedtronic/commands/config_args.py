@@ -15,7 +15,7 @@ from speedtronic.commands import UserError
 if TYPE_CHECKING:
     from speedtronic.config import SpeedtronicConfig
 
-__all__ = ["add_config_args", "add_max_time", "load", "loaded_config", "max_time_override"]
+__all__ = ["add_config_args", "add_max_time", "load", "loaded_config"]
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -49,11 +49,11 @@ def load(args: argparse.Namespace) -> object:
     if not path.is_file():
         raise UserError(f"config file not found: {path}")
     extra = [f"run.output_dir={json.dumps(args.output_dir)}"] if args.output_dir else []
-    extra += max_time_override(args)
+    extra += _max_time_override(args)
     return load_config(path, overrides=[*args.overrides, *extra])
 
 
-def max_time_override(args: argparse.Namespace) -> list[str]:
+def _max_time_override(args: argparse.Namespace) -> list[str]:
     """``--max-time`` as the ``run.max_time`` override; exit 2 when it is not a duration."""
     value = getattr(args, "max_time", None)
     if value is None:

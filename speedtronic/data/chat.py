@@ -34,19 +34,12 @@ from typing import Literal, NoReturn, Protocol
 from speedtronic.data.text import DataSourceError
 from speedtronic.data.tokenizer import require_module
 
-__all__ = [
-    "ChatTemplate",
-    "Example",
-    "RowError",
-    "RowFormat",
-    "load_chat_template",
-    "render_row",
-]
+__all__ = ["ChatTemplate", "Example", "RowError", "RowFormat", "load_chat_template", "render_row"]
 
 RowFormat = Literal["chat", "prompt-completion"]
 Span = tuple[int, int]
-MAX_TEMPLATE_BYTES = 1 << 20
-TRAINED_ROLE = "assistant"
+_MAX_TEMPLATE_BYTES = 1 << 20
+_TRAINED_ROLE = "assistant"
 
 
 class RowError(DataSourceError):
@@ -120,7 +113,7 @@ def load_chat_template(tokenizer: str, template_file: str | None) -> ChatTemplat
         path = Path(template_file)
         if not path.is_file():
             raise DataSourceError(f"--chat-template {template_file}: no such file")
-        if path.stat().st_size > MAX_TEMPLATE_BYTES:
+        if path.stat().st_size > _MAX_TEMPLATE_BYTES:
             raise DataSourceError(f"--chat-template {template_file}: larger than 1 MiB")
         try:
             source = path.read_text(encoding="utf-8")
@@ -139,7 +132,7 @@ def load_chat_template(tokenizer: str, template_file: str | None) -> ChatTemplat
 
 
 def _read_config(path: Path) -> dict[str, object]:
-    if path.stat().st_size > 16 * MAX_TEMPLATE_BYTES:
+    if path.stat().st_size > 16 * _MAX_TEMPLATE_BYTES:
         raise DataSourceError(f"{path}: larger than 16 MiB, not a tokenizer config")
     try:
         values = json.loads(path.read_bytes().decode("utf-8"))
@@ -208,8 +201,8 @@ def _messages(row: Mapping[str, object], where: str) -> list[dict[str, object]]:
         if not isinstance(content, str):
             raise RowError(f"{where}: messages[{index}] ({role}) has no text 'content'")
         checked.append(message)
-    if not any(message["role"] == TRAINED_ROLE for message in checked):
-        raise RowError(f"{where}: no {TRAINED_ROLE!r} message: the example has no token to learn")
+    if not any(message["role"] == _TRAINED_ROLE for message in checked):
+        raise RowError(f"{where}: no {_TRAINED_ROLE!r} message: the example has no token to learn")
     return checked
 
 
@@ -220,21 +213,21 @@ def _chat(row: Mapping[str, object], where: str, template: ChatTemplate) -> Exam
     _check_every_message_shows(messages, text, where)
     spans: list[Span] = []
     for index, message in enumerate(messages):
-        if message["role"] != TRAINED_ROLE:
+        if message["role"] != _TRAINED_ROLE:
             continue
         before = render(messages[:index], True)
         last = index == len(messages) - 1
         through = text if last else render(messages[: index + 1], False)
         if not (through.startswith(before) and text.startswith(through)):
             raise RowError(
-                f"{where}: {template.where} renders messages[{index}] ({TRAINED_ROLE}) so that "
+                f"{where}: {template.where} renders messages[{index}] ({_TRAINED_ROLE}) so that "
                 "the conversation's text does not extend its beginning's: the answer's tokens "
                 "cannot be told apart"
             )
         if len(through) > len(before):
             spans.append((len(before), len(through)))
     if not spans:
-        raise RowError(f"{where}: every {TRAINED_ROLE!r} message renders empty: nothing to learn")
+        raise RowError(f"{where}: every {_TRAINED_ROLE!r} message renders empty: nothing to learn")
     return Example(text, tuple(spans))
 
 

@@ -26,7 +26,7 @@ so its size is bounded: ``max_bytes`` (``--max-document-bytes``, default
 ``DEFAULT_MAX_DOCUMENT_BYTES``). A longer one is refused, naming its file and line (row),
 or, with ``long="split"`` (``--long-documents split``), tokenized in pieces of about
 ``TEXT_CHUNK_BYTES`` cut at whitespace, as a ``.txt`` file is (it stays one document); in
-that mode a JSONL line of up to ``SPLIT_LINE_CEILING`` bytes is read. A line is read with
+that mode a JSONL line of up to ``_SPLIT_LINE_CEILING`` bytes is read. A line is read with
 that bound, never whole first. A ``.txt`` file streams whatever its size.
 
 Each segment carries ``where`` its document is (``file:line``, ``file row N``, ``file``)
@@ -55,24 +55,21 @@ from speedtronic.data.tokenizer import require_module
 
 __all__ = [
     "DEFAULT_MAX_DOCUMENT_BYTES",
-    "SPLIT_LINE_CEILING",
-    "SUFFIXES",
     "CorpusError",
     "DocumentLimit",
     "InputFormat",
     "LongDocuments",
     "Segment",
     "expand_inputs",
-    "file_format",
     "read_segments",
 ]
 
-SUFFIXES = (".txt", ".jsonl", ".parquet")
+_SUFFIXES = (".txt", ".jsonl", ".parquet")
 TEXT_CHUNK_BYTES = 1 << 20
-PARQUET_BATCH_ROWS = 1024
+_PARQUET_BATCH_ROWS = 1024
 DEFAULT_MAX_DOCUMENT_BYTES = 64 << 20
 """The longest JSONL line / parquet value ``prepare`` takes by default (64 MiB)."""
-SPLIT_LINE_CEILING = 1 << 30
+_SPLIT_LINE_CEILING = 1 << 30
 """The longest JSONL line read (whole) with ``--long-documents split`` (1 GiB)."""
 _SNIFF_BYTES = 1 << 16
 _MAX_BLANK_CHUNKS = 64
@@ -110,20 +107,20 @@ class DocumentLimit:
     @property
     def line_bytes(self) -> int:
         """The longest JSONL line read."""
-        return max(self.max_bytes, SPLIT_LINE_CEILING) if self.long == "split" else self.max_bytes
+        return max(self.max_bytes, _SPLIT_LINE_CEILING) if self.long == "split" else self.max_bytes
 
 
 def _suffix(path: Path) -> str:
     return path.suffix.lower()
 
 
-def file_format(path: Path, given: InputFormat | None = None) -> InputFormat | None:
+def _file_format(path: Path, given: InputFormat | None = None) -> InputFormat | None:
     """How a file is read: ``given`` (``--input-format``), else by its suffix (None: not a
     corpus file)."""
     if given is not None:
         return given
     suffix = _suffix(path)
-    return cast(InputFormat, suffix[1:]) if suffix in SUFFIXES else None
+    return cast(InputFormat, suffix[1:]) if suffix in _SUFFIXES else None
 
 
 def _directory_files(directory: Path, given: InputFormat | None) -> list[Path]:
@@ -136,11 +133,11 @@ def _directory_files(directory: Path, given: InputFormat | None) -> list[Path]:
             if not any(part.startswith(".") for part in name.parts)
         ]
     else:
-        usable = [path for path in files if _suffix(path) in SUFFIXES]
+        usable = [path for path in files if _suffix(path) in _SUFFIXES]
     if not usable:
         others = ", ".join(path.name for path in files[:3]) or "none"
         raise CorpusError(
-            f"--input {directory}: a directory with no {', '.join(SUFFIXES)} files in it "
+            f"--input {directory}: a directory with no {', '.join(_SUFFIXES)} files in it "
             f"({len(files)} other files: {others}{', ...' if len(files) > 3 else ''})"
         )
     return usable
@@ -162,10 +159,10 @@ def _one_input(pattern: str, given: InputFormat | None) -> list[Path]:
     for file in found:
         if not file.is_file():
             raise CorpusError(f"--input {file}: not a regular file")
-        if file_format(file, given) is None:
+        if _file_format(file, given) is None:
             matched = f" (matched by {pattern!r})" if str(file) != pattern else ""
             raise CorpusError(
-                f"--input {file}{matched}: not a {', '.join(SUFFIXES)} file; rename it, name "
+                f"--input {file}{matched}: not a {', '.join(_SUFFIXES)} file; rename it, name "
                 "its format with --input-format, or leave it out"
             )
     return found
@@ -198,10 +195,10 @@ def read_segments(
     """The documents of one input file as segments (module docstring): ``given`` is the
     format of every file (``--input-format``; default: by suffix), ``separator`` the line
     that separates the documents of a text file (``--doc-separator``)."""
-    kind = file_format(path, given) or "txt"
+    kind = _file_format(path, given) or "txt"
     limit = DocumentLimit() if limit is None else limit
     if kind == "txt":
-        return _text_file(path) if separator is None else separated_documents(path, separator)
+        return _text_file(path) if separator is None else _separated_documents(path, separator)
     if kind == "jsonl":
         return _jsonl_file(path, text_key, limit)
     return _parquet_file(path, text_key, limit)
@@ -226,10 +223,10 @@ def _text_chunks(path: Path) -> Iterator[Segment]:
     except CorpusError:
         raise
     except DataSourceError as exc:  # invalid UTF-8 (with its byte offset), not a file
-        raise binary_or(path, CorpusError(str(exc))) from None
+        raise _binary_or(path, CorpusError(str(exc))) from None
 
 
-def binary_or(path: Path, error: CorpusError) -> CorpusError:
+def _binary_or(path: Path, error: CorpusError) -> CorpusError:
     """``error`` (invalid UTF-8), or the plainer news that the file is binary when a NUL byte
     comes first in its first ``_SNIFF_BYTES`` (a binary file's first invalid byte may come
     after its first NUL)."""
@@ -260,7 +257,7 @@ def _text_file(path: Path) -> Iterator[Segment]:
 
 
 class _Document:
-    """The document being read from a separated text file (``separated_documents``)."""
+    """The document being read from a separated text file (``_separated_documents``)."""
 
     def __init__(self, where: str) -> None:
         self.where = where
@@ -292,7 +289,7 @@ def _is_separator(line: str, separator: str) -> bool:
     return not line.strip() if separator == "" else line == separator
 
 
-def separated_documents(path: Path, separator: str) -> Iterator[Segment]:
+def _separated_documents(path: Path, separator: str) -> Iterator[Segment]:
     """A text file whose documents are separated by lines equal to ``separator`` (``""``:
     blank lines), e.g. fortune's ``%``: each run of lines between them is a document, read
     line by line in bounded pieces (module docstring)."""
@@ -470,7 +467,7 @@ def _parquet_rows(
     size = path.stat().st_size
     row = 0
     try:
-        for batch in reader.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_key]):
+        for batch in reader.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[text_key]):
             values = batch.column(0).to_pylist()
             share = size * len(values) // rows
             for text in values:

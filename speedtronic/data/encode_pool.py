@@ -7,13 +7,13 @@ processes do (one included), each with its own task and result queue. Batch ``i`
 worker ``i % workers``, which handles its batches in order, so the results are read back
 in submission order. The parent watches while it waits:
 
-* a worker that dies (killed, crashed, out of memory) is an error (``WorkerDied``) naming
+* a worker that dies (killed, crashed, out of memory) is an error (``_WorkerDied``) naming
   it, its pid and how it ended -- never a wait for a result that cannot come;
 * a tokenizer failure in a worker comes back as a message; the worker then encodes the
   batch's documents one by one to name the one that fails (``TokenizerFailure``);
 * a batch not done ``timeout`` seconds after it became the next one due (when it was
   submitted, or when the batch before it came back, whichever is later) is an error
-  (``TokenizeTimeout``) naming its documents.
+  (``_TokenizeTimeout``) naming its documents.
 
 On any error the workers are killed before the error propagates; on success each gets an
 end-of-work marker and exits.
@@ -49,20 +49,20 @@ from speedtronic.data.tokenizer import (
     TokenizerFailure,
 )
 
-__all__ = ["EncodePool", "EncodeTask", "TokenizeTimeout", "WorkerDied"]
+__all__ = ["EncodePool", "EncodeTask"]
 
 _POLL_SECONDS = 0.1
 _STOP_SECONDS = 10.0
 
-Ids = npt.NDArray[np.unsignedinteger]
+_Ids = npt.NDArray[np.unsignedinteger]
 _Reply = tuple[str, object, str]  # ("ids", array, "") | ("failed", index, reason) | ("error", ...)
 
 
-class WorkerDied(RuntimeError):
+class _WorkerDied(RuntimeError):
     """A tokenizing worker process ended while it had work (exit 1, not the user's input)."""
 
 
-class TokenizeTimeout(DataSourceError):
+class _TokenizeTimeout(DataSourceError):
     """A batch the tokenizer did not finish within the time bound."""
 
 
@@ -76,7 +76,7 @@ class EncodeTask:
     dtype: str
 
 
-def spec_of(tokenizer: CorpusTokenizer) -> tuple[str, bytes]:
+def _spec_of(tokenizer: CorpusTokenizer) -> tuple[str, bytes]:
     """What a worker needs to build the same tokenizer: its name and file bytes."""
     if isinstance(tokenizer, FileTokenizer):
         return tokenizer.name, tokenizer.data
@@ -155,7 +155,7 @@ class EncodePool:
         self._submitted: deque[float] = deque()  # submission times of the batches not read
         self._sent = self._read = 0
         self._last_done = time.monotonic()
-        spec = spec_of(tokenizer)
+        spec = _spec_of(tokenizer)
         for tasks, results in zip(self._tasks, self._results, strict=True):
             process = context.Process(target=_worker_main, args=(spec, tasks, results), daemon=True)
             process.start()
@@ -180,7 +180,7 @@ class EncodePool:
         self._sent += 1
         self._submitted.append(time.monotonic())
 
-    def result(self, wheres: Sequence[str]) -> Ids:
+    def result(self, wheres: Sequence[str]) -> _Ids:
         """The ids of the oldest batch not read yet (``wheres``: its documents, for errors)."""
         index = self._read % len(self._results)
         deadline = max(self._submitted.popleft(), self._last_done) + self.timeout
@@ -188,7 +188,7 @@ class EncodePool:
             self._check_alive()
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TokenizeTimeout(
+                raise _TokenizeTimeout(
                     f"{self.name}: the tokenizer did not finish within {self.timeout:g} s "
                     f"(--tokenize-timeout) on {_documents(wheres)}: a pre-tokenizer regex "
                     "that backtracks, or a very long document?"
@@ -215,7 +215,7 @@ class EncodePool:
         for number, process in enumerate(self._processes, start=1):
             code = process.exitcode
             if code is not None and (code != 0 or self._sent > self._read):
-                raise WorkerDied(
+                raise _WorkerDied(
                     f"tokenizing worker {number} of {len(self._processes)} (pid {process.pid}) "
                     f"{_how_it_ended(code)}; nothing was written"
                 )

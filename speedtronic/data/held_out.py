@@ -56,16 +56,10 @@ from speedtronic.data.loader import (
 )
 from speedtronic.data.text import DataSourceError, TextFileTokenDataset
 
-__all__ = [
-    "EvalSettings",
-    "build_eval_loader",
-    "held_out_dataset",
-    "known_empty",
-    "training_excludes_tail",
-]
+__all__ = ["build_eval_loader", "held_out_dataset", "known_empty", "training_excludes_tail"]
 
 
-class EvalSettings(Protocol):
+class _EvalSettings(Protocol):
     """The ``eval`` config attributes the held-out loader reads (read-only)."""
 
     @property
@@ -82,11 +76,11 @@ class EvalSettings(Protocol):
     def max_batches(self) -> int | None: ...
 
 
-def _own_source(settings: EvalSettings) -> bool:
+def _own_source(settings: _EvalSettings) -> bool:
     return not settings.text_path and not settings.dataset
 
 
-def training_excludes_tail(settings: EvalSettings) -> float | None:
+def training_excludes_tail(settings: _EvalSettings) -> float | None:
     """The ``held_out_fraction`` for ``build_dataloader``: ``eval.fraction`` when evaluation
     is on and takes its held-out set from the training source, else ``None`` (training
     reads all of it)."""
@@ -96,7 +90,7 @@ def training_excludes_tail(settings: EvalSettings) -> float | None:
 
 
 def held_out_dataset(
-    data: DataSettings, settings: EvalSettings, *, vocab_size: int | None = None
+    data: DataSettings, settings: _EvalSettings, *, vocab_size: int | None = None
 ) -> Dataset[object]:
     """The held-out dataset (source order in the module docstring)."""
     vocab = vocab_size if vocab_size is not None else data.vocab_size
@@ -156,7 +150,7 @@ class _HeldOutShare(IterableDataset[object]):
 
 def build_eval_loader(
     data: DataSettings,
-    settings: EvalSettings,
+    settings: _EvalSettings,
     *,
     vocab_size: int | None = None,
     rank: int = 0,

@@ -19,14 +19,14 @@ from torch.utils.data import Dataset
 
 __all__ = ["Interleave"]
 
-ItemT = TypeVar("ItemT")
+_ItemT = TypeVar("_ItemT")
 
 
-class Interleave(Dataset[ItemT], Generic[ItemT]):
+class Interleave(Dataset[_ItemT], Generic[_ItemT]):
     """Every item of ``datasets`` once, dealt in proportion to their sizes (module
     docstring). ``source(index)`` names the dataset position ``index`` reads from."""
 
-    def __init__(self, datasets: Sequence[Dataset[ItemT]], *, seed: int) -> None:
+    def __init__(self, datasets: Sequence[Dataset[_ItemT]], *, seed: int) -> None:
         self.datasets = list(datasets)
         sizes = np.array([len(d) if isinstance(d, Sized) else 0 for d in self.datasets])
         if any(not isinstance(d, Sized) for d in self.datasets):
@@ -45,6 +45,6 @@ class Interleave(Dataset[ItemT], Generic[ItemT]):
         """The position in ``datasets`` of the dataset item ``index`` comes from."""
         return int(np.searchsorted(self.starts, self.order[index], side="right")) - 1
 
-    def __getitem__(self, index: int) -> ItemT:
+    def __getitem__(self, index: int) -> _ItemT:
         source = self.source(index)
         return self.datasets[source][int(self.order[index] - self.starts[source])]

@@ -37,7 +37,7 @@ declares, else ``collate_batch``.
 
 Worker processes (``data.num_workers``) exit on their own when the training process is gone
 (killed by SIGKILL, or by a SIGTERM nobody handles), even while the dataset's code hangs:
-each worker watches its parent from a thread (``exit_with_parent``). torch's own check only
+each worker watches its parent from a thread (``_exit_with_parent``). torch's own check only
 runs between samples, so a worker stuck in ``__getitem__`` would otherwise live forever.
 """
 
@@ -515,18 +515,18 @@ def resolve_dataset(
     )
 
 
-PARENT_POLL_S = 0.5
+_PARENT_POLL_S = 0.5
 """How often a DataLoader worker checks that the training process still exists."""
 
 
-def exit_with_parent(worker_id: int) -> None:
+def _exit_with_parent(worker_id: int) -> None:
     """``worker_init_fn``: exit this worker (at once) once its parent process is gone."""
     del worker_id
     parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
-            time.sleep(PARENT_POLL_S)
+            time.sleep(_PARENT_POLL_S)
         os._exit(0)
 
     threading.Thread(target=watch, name="speedtronic-parent-watch", daemon=True).start()
@@ -621,5 +621,5 @@ def build_dataloader(
         generator=torch.Generator().manual_seed(seed & ((1 << 64) - 1)),
         prefetch_factor=(config.prefetch_factor or 2) if workers > 0 else None,
         persistent_workers=workers > 0,
-        worker_init_fn=exit_with_parent if workers > 0 else None,
+        worker_init_fn=_exit_with_parent if workers > 0 else None,
     )

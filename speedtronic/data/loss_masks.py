@@ -31,16 +31,9 @@ from speedtronic.data.shards import (
 )
 from speedtronic.data.tokenizer import sha256_of_file
 
-__all__ = [
-    "MASK_SUFFIX",
-    "SFTRecord",
-    "listed_mask_files",
-    "mask_file",
-    "read_loss_masks",
-    "sft_fields",
-]
+__all__ = ["SFTRecord", "listed_mask_files", "mask_file", "read_loss_masks", "sft_fields"]
 
-MASK_SUFFIX = ".mask"
+_MASK_SUFFIX = ".mask"
 MAX_MANIFEST_BYTES = 64 << 20
 _PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -66,7 +59,7 @@ class SFTRecord:
 
 def mask_file(shard_file: str) -> str:
     """The mask shard's name for a token shard's (``train-00000.bin`` -> ``.mask``)."""
-    return shard_file.rsplit(".", 1)[0] + MASK_SUFFIX
+    return shard_file.rsplit(".", 1)[0] + _MASK_SUFFIX
 
 
 def sft_fields(sft: SFTRecord, masks: Sequence[tuple[str, str]]) -> dict[str, object]:

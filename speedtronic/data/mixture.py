@@ -4,7 +4,7 @@ An epoch of the mixture has as many samples as all its sources have windows toge
 (``N = n_1 + ... + n_S``), and source ``s`` contributes exactly ``N_s`` of them: ``N * w_s``
 for the normalised weight ``w_s``, rounded by largest remainder so the quotas sum to ``N``.
 The proportions hold exactly per epoch, and within one sample per source in every round of
-it: the ``N`` positions of epoch ``e`` are cut into ``K`` rounds of about ``MIX_ROUND``
+it: the ``N`` positions of epoch ``e`` are cut into ``K`` rounds of about ``_MIX_ROUND``
 positions (more rounds where a source's share of one would pass half its working set), round
 ``g`` holds source ``s``'s draws ``floor(g N_s / K) .. floor((g + 1) N_s / K) - 1`` of the
 epoch, and its positions are dealt to them by a seeded permutation of the round
@@ -55,9 +55,9 @@ from speedtronic.data.windows import (
     source_manifest,
 )
 
-__all__ = ["MIX_ROUND", "MixtureDataset", "MixtureSampler", "apportion", "open_mixture"]
+__all__ = ["MixtureDataset", "MixtureSampler", "apportion", "open_mixture"]
 
-MIX_ROUND = 4096
+_MIX_ROUND = 4096
 """Positions of a round of the mixture's deal (about; each round holds every source's share)."""
 
 _MIX_STREAM = 0x6D1C_7E00
@@ -171,11 +171,11 @@ class MixtureSampler(WindowSampler):
     def __init__(self, mixture: MixtureDataset, *, seed: int, rank: int, world_size: int) -> None:
         super().__init__(len(mixture), shuffle=True, seed=seed, rank=rank, world_size=world_size)
         self.mixture = mixture
-        # K rounds: about MIX_ROUND positions, fewer where a source's share of a round would
+        # K rounds: about _MIX_ROUND positions, fewer where a source's share of a round would
         # exceed half its working set (its reads would then spread over several). Quota N_s =
         # whole_s * K + rest_s, so floor(g N_s / K) needs no product beyond rest_s * g < K * K
         # (int64 for any K below 2^31).
-        rounds = len(mixture) // MIX_ROUND
+        rounds = len(mixture) // _MIX_ROUND
         for source, quota in zip(mixture.sources, mixture.quotas.tolist(), strict=True):
             if source.chunk_windows > 1:
                 working_set = source.chunk_windows * source.group_chunks

@@ -40,7 +40,7 @@ __all__ = ["Encoded", "PackMode", "TooLong", "encode_examples", "pack"]
 
 PackMode = Literal["concatenate", "first-fit"]
 TooLong = Literal["split", "refuse"]
-OPEN_BINS = 64
+_OPEN_BINS = 64
 """Bins first-fit keeps open (the earliest is closed beyond this): linear time."""
 
 
@@ -187,7 +187,7 @@ def pack(
                 open_bins[index] = (free - size, contents)
                 break
         else:
-            if len(open_bins) >= OPEN_BINS:
+            if len(open_bins) >= _OPEN_BINS:
                 closed.append(open_bins.pop(0)[1])
             open_bins.append((window - size, [piece]))
     closed.extend(contents for _, contents in open_bins)

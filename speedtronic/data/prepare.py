@@ -80,25 +80,22 @@ from speedtronic.data.tokenizer import CorpusTokenizer, FileTokenizer, load_toke
 from speedtronic.state.atomic_io import atomic_write, atomic_write_bytes, atomic_write_text
 
 __all__ = [
-    "DEFAULT_EVAL_FRACTION",
     "DEFAULT_MAX_DOCUMENT_BYTES",
-    "DEFAULT_SHARD_TOKENS",
-    "DEFAULT_TOKENIZE_TIMEOUT",
     "PrepareError",
     "PrepareOptions",
     "PrepareResult",
     "prepare",
 ]
 
-DEFAULT_SHARD_TOKENS = 100_000_000
+_DEFAULT_SHARD_TOKENS = 100_000_000
 """Tokens per shard: 200 MB files at uint16."""
-DEFAULT_EVAL_FRACTION = 0.01
-DEFAULT_TOKENIZE_TIMEOUT = 600.0
+_DEFAULT_EVAL_FRACTION = 0.01
+_DEFAULT_TOKENIZE_TIMEOUT = 600.0
 """Seconds a worker may take for one batch (about ``BATCH_CHARS`` characters, or one
 document of up to ``max_document_bytes``) before ``prepare`` gives up on the tokenizer."""
 BATCH_CHARS = 1 << 20
-BATCH_SEGMENTS = 4096
-MAX_WORKERS = 1024
+_BATCH_SEGMENTS = 4096
+_MAX_WORKERS = 1024
 _SCAN_TOKENS = 1 << 20
 _IN_FLIGHT_PER_WORKER = 2
 
@@ -116,13 +113,13 @@ class PrepareOptions:
     output: str | Path
     text_key: str = "text"
     eos_token: str | None = None
-    eval_fraction: float = DEFAULT_EVAL_FRACTION
-    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    eval_fraction: float = _DEFAULT_EVAL_FRACTION
+    shard_tokens: int = _DEFAULT_SHARD_TOKENS
     workers: int = 1
     overwrite: bool = False
     max_document_bytes: int = DEFAULT_MAX_DOCUMENT_BYTES
     long_documents: LongDocuments = "refuse"
-    tokenize_timeout: float = DEFAULT_TOKENIZE_TIMEOUT
+    tokenize_timeout: float = _DEFAULT_TOKENIZE_TIMEOUT
     input_format: InputFormat | None = None
     """Read every input file as this format, whatever its name (default: by suffix)."""
     doc_separator: str | None = None
@@ -166,8 +163,8 @@ def _check_options(options: PrepareOptions) -> None:
         raise PrepareError(
             f"--shard-tokens must be in [1, {MAX_SHARD_TOKENS}], got {options.shard_tokens}"
         )
-    if not 1 <= options.workers <= MAX_WORKERS:
-        raise PrepareError(f"--workers must be in [1, {MAX_WORKERS}], got {options.workers}")
+    if not 1 <= options.workers <= _MAX_WORKERS:
+        raise PrepareError(f"--workers must be in [1, {_MAX_WORKERS}], got {options.workers}")
     if not options.text_key:
         raise PrepareError("--text-key must not be empty")
     if options.max_document_bytes < 1:
@@ -231,7 +228,7 @@ def _batches(files: Sequence[Path], options: PrepareOptions, count: _Count) -> I
             batch.wheres.append(segment.where)
             count.documents += segment.ends_document
             chars += len(segment.text)
-            if chars >= BATCH_CHARS or len(batch.texts) >= BATCH_SEGMENTS:
+            if chars >= BATCH_CHARS or len(batch.texts) >= _BATCH_SEGMENTS:
                 yield batch
                 batch, chars = _Batch([], [], 0), 0
     if batch.texts or batch.nbytes:
@@ -383,7 +380,7 @@ class _Tokens:
         return None
 
 
-def held_out_start(tokens: _Tokens, eos_id: int, fraction: float) -> int:
+def _held_out_start(tokens: _Tokens, eos_id: int, fraction: float) -> int:
     """The token offset where the held-out split begins (``tokens.total``: none)."""
     total = tokens.total
     if fraction == 0:
@@ -515,7 +512,7 @@ def _manifest(
     """Split, name, copy the tokenizer, and write the manifest (last)."""
     numpy_dtype = DTYPES[dtype]
     tokens = _Tokens(parts, numpy_dtype)
-    cut = held_out_start(tokens, eos_id, options.eval_fraction)
+    cut = _held_out_start(tokens, eos_id, options.eval_fraction)
     shards = _name_shards(staging, parts, cut, numpy_dtype)
     if isinstance(tokenizer, FileTokenizer):
         atomic_write_bytes(staging / TOKENIZER_NAME, tokenizer.data)

@@ -56,18 +56,12 @@ from speedtronic.data.windows import (
 if TYPE_CHECKING:
     from fsspec.spec import AbstractFileSystem
 
-__all__ = [
-    "RemoteShardOptions",
-    "RemoteShardSet",
-    "RemoteTokenWindowDataset",
-    "is_url",
-    "open_remote_token_dataset",
-]
+__all__ = ["RemoteShardOptions", "is_url", "open_remote_token_dataset"]
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-COPY_CHUNK = 8 << 20
+_COPY_CHUNK = 8 << 20
 """Bytes read from the store per call while downloading a shard."""
 
 
@@ -89,7 +83,7 @@ class RemoteShardOptions:
     backoff_s: float = 0.5
 
 
-class RemoteShardSet:
+class _RemoteShardSet:
     """The shard set at ``url``: its manifest, and its shards through a ``ShardCache``."""
 
     def __init__(self, url: str, options: RemoteShardOptions, *, key: str = "data.tokens") -> None:
@@ -178,8 +172,8 @@ class RemoteShardSet:
         where = f"{self.key}: {self.url}/{shard.file}"
 
         def download(out: BinaryIO) -> None:
-            with self.fs.open(f"{self.root}/{shard.file}", "rb", block_size=COPY_CHUNK) as source:
-                while chunk := source.read(COPY_CHUNK):
+            with self.fs.open(f"{self.root}/{shard.file}", "rb", block_size=_COPY_CHUNK) as source:
+                while chunk := source.read(_COPY_CHUNK):
                     out.write(chunk)
 
         def fetch() -> Path:
@@ -205,7 +199,7 @@ class _CachedPaths(Sequence[Path]):
     """The local paths of a dataset's shards, each fetched into the cache when first asked
     for (``_Maps`` asks when it maps a shard)."""
 
-    def __init__(self, dataset: RemoteTokenWindowDataset) -> None:
+    def __init__(self, dataset: _RemoteTokenWindowDataset) -> None:
         self.dataset = dataset
 
     def __len__(self) -> int:
@@ -225,7 +219,7 @@ class _CachedPaths(Sequence[Path]):
 class _Prefetcher:
     """Downloads the shards it is asked for, in order, on one daemon thread."""
 
-    def __init__(self, dataset: RemoteTokenWindowDataset) -> None:
+    def __init__(self, dataset: _RemoteTokenWindowDataset) -> None:
         self.dataset = dataset
         self._wanted: list[int] = []
         self._condition = threading.Condition()
@@ -257,8 +251,8 @@ class _Prefetcher:
 class _PrefetchingSampler(WindowSampler):
     """The shard set's ``WindowSampler`` that tells the prefetcher what its next blocks read."""
 
-    dataset: RemoteTokenWindowDataset | None = None
-    """Set by ``RemoteTokenWindowDataset.make_sampler``."""
+    dataset: _RemoteTokenWindowDataset | None = None
+    """Set by ``_RemoteTokenWindowDataset.make_sampler``."""
 
     def __iter__(self) -> Iterator[int]:
         dataset = self.dataset
@@ -281,14 +275,14 @@ class _PrefetchingSampler(WindowSampler):
         return self._indices(positions % self.dataset_len)
 
 
-class RemoteTokenWindowDataset(TokenWindowDataset):
+class _RemoteTokenWindowDataset(TokenWindowDataset):
     """``TokenWindowDataset`` over shards at a URL, read through the cache (module docstring)."""
 
     sampler_type = _PrefetchingSampler
 
     def __init__(
         self,
-        remote: RemoteShardSet,
+        remote: _RemoteShardSet,
         manifest: TokenManifest,
         shards: Sequence[ShardEntry],
         block_size: int,
@@ -362,16 +356,16 @@ def open_remote_token_dataset(
     tokenizer: str | None = None,
     key: str = "data.tokens",
     document_mask: bool = False,
-) -> RemoteTokenWindowDataset:
+) -> _RemoteTokenWindowDataset:
     """The windows of the shard set at ``url`` (as ``open_token_dataset`` for a local one):
     the manifest is read and checked now; each shard is downloaded and verified when it is
     first read (or prefetched)."""
-    remote = RemoteShardSet(url, options, key=key)
+    remote = _RemoteShardSet(url, options, key=key)
     manifest = remote.read_manifest()
     where = f"{key}: {url}"
     split: Split = "eval" if part == "held_out" else "train"
     shards = checked_split(manifest, url, where, split, vocab_size, tokenizer)
-    dataset = RemoteTokenWindowDataset(
+    dataset = _RemoteTokenWindowDataset(
         remote, manifest, shards, block_size, document_mask=document_mask
     )
     if len(dataset) == 0:

@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SFTOptions", "prepare_examples"]
 
-ENCODE_BATCH = 512
+_ENCODE_BATCH = 512
 """Rows rendered and then encoded together (one call of the tokenizer)."""
 
 
@@ -141,7 +141,7 @@ def _encoded(
     batch: list[tuple[Example, str]] = []
     for row, where in _rows(files):
         batch.append((render_row(options.format, row, where, template), where))
-        if len(batch) >= ENCODE_BATCH:
+        if len(batch) >= _ENCODE_BATCH:
             yield from encode_examples(batch, tokenizer, eos_id, byte_lengths)
             batch = []
     if batch:

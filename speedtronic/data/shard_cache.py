@@ -32,9 +32,9 @@ from filelock import FileLock
 
 from speedtronic.data.shards import ShardEntry, ShardError, shard_digest
 
-__all__ = ["ShardCache", "ShardCacheFull", "ShardDamaged", "default_cache_directory"]
+__all__ = ["ShardCache", "ShardCacheFull", "default_cache_directory"]
 
-LOCK_TIMEOUT_S = 3600.0
+_LOCK_TIMEOUT_S = 3600.0
 """How long a process waits for another one's download of the same shard."""
 _FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
@@ -43,7 +43,7 @@ class ShardCacheFull(ShardError):
     """The cache directory has no room for a shard (a full disk, a quota, a file-size limit)."""
 
 
-class ShardDamaged(ShardError):
+class _ShardDamaged(ShardError):
     """A downloaded shard whose bytes are not those the manifest records."""
 
 
@@ -94,12 +94,12 @@ class ShardCache:
         where: str,
     ) -> Path:
         """The cached shard, downloaded by ``download(out)`` when it is not there yet:
-        verified against ``shard`` (``ShardDamaged``), renamed into place. ``where`` names
+        verified against ``shard`` (``_ShardDamaged``), renamed into place. ``where`` names
         the shard in errors."""
         found = self.lookup(shard, size)
         if found is not None:
             return found
-        with FileLock(str(self.directory / f"{shard.sha256}.lock"), timeout=LOCK_TIMEOUT_S):
+        with FileLock(str(self.directory / f"{shard.sha256}.lock"), timeout=_LOCK_TIMEOUT_S):
             found = self.lookup(shard, size)
             if found is not None:
                 return found  # another process downloaded it while this one waited
@@ -111,7 +111,7 @@ class ShardCache:
                 self._download(part, download, size, where)
                 digest, largest = shard_digest(part, dtype)
                 if digest != shard.sha256 or (shard.max_id is not None and largest != shard.max_id):
-                    raise ShardDamaged(
+                    raise _ShardDamaged(
                         f"{where}: the downloaded bytes have sha256 {digest[:16]}..., the "
                         f"manifest records {shard.sha256[:16]}...: the stored shard is damaged "
                         "or was replaced; prepare and upload the shards again"
@@ -138,7 +138,7 @@ class ShardCache:
                 ) from None
             raise
         if written != size:
-            raise ShardDamaged(
+            raise _ShardDamaged(
                 f"{where}: {written:,} bytes downloaded, the manifest records {size:,}: the "
                 "stored shard is truncated or was replaced; prepare and upload the shards again"
             )
@@ -150,7 +150,7 @@ class ShardCache:
                 f"data.shard_cache_bytes: {self.max_bytes:,} bytes cannot hold {where} "
                 f"({size:,} bytes): raise it to a few shards at least"
             )
-        with FileLock(str(self.directory / "cache.lock"), timeout=LOCK_TIMEOUT_S):
+        with FileLock(str(self.directory / "cache.lock"), timeout=_LOCK_TIMEOUT_S):
             entries = []
             for path in self.directory.glob("*.bin"):
                 try:

@@ -31,9 +31,9 @@ try:
 except ImportError:  # pragma: no cover - Windows: no flock
     fcntl = None  # type: ignore[assignment]  # optional module
 
-__all__ = ["SHARED_WAIT_SECONDS", "ShardsInUse", "ShardsInUseError", "hold_exclusive"]
+__all__ = ["ShardsInUse", "ShardsInUseError", "hold_exclusive"]
 
-SHARED_WAIT_SECONDS = 60.0
+_SHARED_WAIT_SECONDS = 60.0
 """How long a reader waits for a ``prepare`` that is swapping the set in (a rename or two)."""
 _POLL_SECONDS = 0.05
 _NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS})
@@ -78,7 +78,7 @@ class ShardsInUse:
     def _acquire(self) -> BinaryIO | None:
         if fcntl is None:  # pragma: no cover - Windows
             return None
-        deadline = time.monotonic() + SHARED_WAIT_SECONDS
+        deadline = time.monotonic() + _SHARED_WAIT_SECONDS
         while True:
             handle = open_data_file(self.path)
             if _try_lock(handle, fcntl.LOCK_SH) and _same_file(handle, self.path):
@@ -87,7 +87,7 @@ class ShardsInUse:
             if time.monotonic() > deadline:
                 raise ShardsInUseError(
                     f"{self.path}: held by a prepare --overwrite replacing the shard set for "
-                    f"over {SHARED_WAIT_SECONDS:.0f} s"
+                    f"over {_SHARED_WAIT_SECONDS:.0f} s"
                 )
             time.sleep(_POLL_SECONDS)
 

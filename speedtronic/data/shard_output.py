@@ -30,39 +30,32 @@ from speedtronic.data.text import DataSourceError
 from speedtronic.state.atomic_io import fsync_directory
 from speedtronic.state.directory_swap import swap_in
 
-__all__ = [
-    "OutputError",
-    "check_output",
-    "discard",
-    "missing_parent",
-    "publish",
-    "staging_directory",
-]
+__all__ = ["check_output", "discard", "missing_parent", "publish", "staging_directory"]
 
 _SHOWN = 5
 
 
-class OutputError(DataSourceError):
+class _OutputError(DataSourceError):
     """An ``--output`` that ``prepare`` may not write (or replace)."""
 
 
 def _refuse_path(output: Path) -> None:
     """A path that cannot name a new shard directory: ``.``, a link, below a file."""
     if output.name in ("", ".", ".."):
-        raise OutputError(
+        raise _OutputError(
             f"--output {output}: name the shard directory itself (a new or empty directory, "
             "or a shard set with --overwrite), not . or .."
         )
     if output.is_symlink():
         target = os.readlink(output)
         dangling = "" if output.exists() else ", which does not exist"
-        raise OutputError(
+        raise _OutputError(
             f"--output {output}: a symbolic link (to {target}{dangling}); name the directory itself"
         )
     for parent in output.parents:
         if parent.exists() or parent.is_symlink():
             if not parent.is_dir():
-                raise OutputError(f"--output {output}: {parent} is not a directory")
+                raise _OutputError(f"--output {output}: {parent} is not a directory")
             break
 
 
@@ -81,7 +74,7 @@ def _check_replaceable(output: Path) -> None:
     try:
         manifest = read_manifest(output)
     except ManifestError as exc:
-        raise OutputError(
+        raise _OutputError(
             f"--output {output}: --overwrite replaces only a directory of token shards "
             f"written by prepare (one with {MANIFEST_NAME}), and this one is not ({exc}): "
             "choose another --output"
@@ -93,7 +86,7 @@ def _check_replaceable(output: Path) -> None:
     extra = _unlisted(output, listed)
     if extra:
         shown = ", ".join(extra[:_SHOWN]) + (", ..." if len(extra) > _SHOWN else "")
-        raise OutputError(
+        raise _OutputError(
             f"--output {output}: --overwrite would delete {len(extra)} entr"
             f"{'y' if len(extra) == 1 else 'ies'} that its {MANIFEST_NAME} does not list "
             f"({shown}); it replaces only a shard set written by prepare: move them out or "
@@ -105,20 +98,20 @@ def _check_replaceable(output: Path) -> None:
 
 
 def check_output(output: Path, overwrite: bool) -> bool:
-    """Whether an existing shard set is to be replaced; an ``OutputError`` when the output
+    """Whether an existing shard set is to be replaced; an ``_OutputError`` when the output
     may not be written (module docstring)."""
     _refuse_path(output)
     if output.exists() and not output.is_dir():
-        raise OutputError(f"--output {output}: exists and is not a directory")
+        raise _OutputError(f"--output {output}: exists and is not a directory")
     if not output.is_dir() or not any(output.iterdir()):
         return False
     if not overwrite:
-        raise OutputError(
+        raise _OutputError(
             f"--output {output}: the directory is not empty; pass --overwrite to replace the "
             "shards in it (the old shards stay until the new set is complete)"
         )
     if not os.path.lexists(output / MANIFEST_NAME):
-        raise OutputError(
+        raise _OutputError(
             f"--output {output}: --overwrite replaces only a directory of token shards (one "
             f"with {MANIFEST_NAME}), and this one is not: choose another --output"
         )
@@ -134,7 +127,7 @@ def staging_directory(output: Path) -> Path:
         output.parent.mkdir(parents=True, exist_ok=True)
         staging.mkdir()
     except OSError as exc:
-        raise OutputError(
+        raise _OutputError(
             f"--output {output}: cannot create {staging} ({exc.strerror or exc})"
         ) from None
     return staging

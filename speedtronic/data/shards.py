@@ -44,7 +44,6 @@ from speedtronic.data.tokenizer import BYTE_TOKENIZER_SHA256, BYTES, read_tokeni
 
 __all__ = [
     "FORMAT",
-    "FORMAT_VERSION",
     "MANIFEST_NAME",
     "MAX_MANIFEST_BYTES",
     "TOKENIZER_NAME",
@@ -61,18 +60,18 @@ __all__ = [
 ]
 
 FORMAT = "speedtronic-token-shards"
-FORMAT_VERSION = 1
+_FORMAT_VERSION = 1
 MANIFEST_NAME = "index.json"
 TOKENIZER_NAME = "tokenizer.json"
 MAX_MANIFEST_BYTES = 64 << 20
 """A manifest larger than this is refused unread (a million shards take about 150 MB less)."""
-MAX_SHARDS = 1_000_000
-MAX_VOCAB = 1 << 32
+_MAX_SHARDS = 1_000_000
+_MAX_VOCAB = 1 << 32
 """Token ids must fit ``uint32``."""
 MAX_SHARD_TOKENS = 1 << 50
 
 Split = Literal["train", "eval"]
-SPLITS: tuple[Split, ...] = ("train", "eval")
+_SPLITS: tuple[Split, ...] = ("train", "eval")
 DTYPES: dict[str, np.dtype[np.unsignedinteger]] = {
     "uint16": np.dtype(np.uint16).newbyteorder("<"),
     "uint32": np.dtype(np.uint32).newbyteorder("<"),
@@ -94,10 +93,10 @@ class ShardError(DataSourceError):
 
 def token_dtype(vocab_size: int) -> Literal["uint16", "uint32"]:
     """The shard dtype for a vocabulary of ``vocab_size`` ids (largest id + 1)."""
-    if vocab_size > MAX_VOCAB:
+    if vocab_size > _MAX_VOCAB:
         raise DataSourceError(
             f"a vocabulary of {vocab_size:,} token ids does not fit token shards (at most "
-            f"2^32 = {MAX_VOCAB:,} ids, uint32)"
+            f"2^32 = {_MAX_VOCAB:,} ids, uint32)"
         )
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
@@ -180,7 +179,7 @@ class TokenManifest:
         """The manifest as written: fixed key order, so the same shards give the same bytes."""
         values = {
             "format": FORMAT,
-            "version": FORMAT_VERSION,
+            "version": _FORMAT_VERSION,
             "dtype": self.dtype,
             "vocab_size": self.vocab_size,
             "eos_id": self.eos_id,
@@ -263,7 +262,7 @@ def _shard(where: str, index: int, values: object, vocab: int) -> ShardEntry:
     has_max = "max_id" in fields.values  # absent from manifests written before it existed
     return ShardEntry(
         file=_file_name(fields, "file"),
-        split=cast(Split, fields.choice("split", SPLITS)),
+        split=cast(Split, fields.choice("split", _SPLITS)),
         tokens=fields.integer("tokens", 1, MAX_SHARD_TOKENS),
         sha256=fields.text("sha256", _SHA256, "a sha256 (64 lower-case hex digits)"),
         max_id=fields.integer("max_id", 0, vocab - 1) if has_max else None,
@@ -294,14 +293,14 @@ def parse_manifest(data: bytes, where: str) -> TokenManifest:
     if fields.get("format") != FORMAT:
         raise fields.error(f"{_short(fields.get('format'))} is not {FORMAT!r}", "format")
     version = fields.integer("version", 1, 1 << 31)
-    if version != FORMAT_VERSION:
+    if version != _FORMAT_VERSION:
         raise fields.error(
-            f"{version} is newer than this speedtronic reads ({FORMAT_VERSION}): upgrade "
+            f"{version} is newer than this speedtronic reads ({_FORMAT_VERSION}): upgrade "
             "speedtronic or prepare the shards again",
             "version",
         )
     dtype = cast(Literal["uint16", "uint32"], fields.choice("dtype", tuple(DTYPES)))
-    vocab = fields.integer("vocab_size", 1, MAX_VOCAB)
+    vocab = fields.integer("vocab_size", 1, _MAX_VOCAB)
     if DTYPES[dtype].itemsize < DTYPES[token_dtype(vocab)].itemsize:
         raise fields.error(f"{dtype} cannot hold a vocabulary of {vocab} ids", "dtype")
     eos = fields.integer("eos_id", 0, vocab - 1)
@@ -313,8 +312,8 @@ def parse_manifest(data: bytes, where: str) -> TokenManifest:
     raw_shards = fields.get("shards")
     if not isinstance(raw_shards, list) or not raw_shards:
         raise fields.error("must be a non-empty list", "shards")
-    if len(raw_shards) > MAX_SHARDS:
-        raise fields.error(f"{len(raw_shards):,} shards, more than {MAX_SHARDS:,}", "shards")
+    if len(raw_shards) > _MAX_SHARDS:
+        raise fields.error(f"{len(raw_shards):,} shards, more than {_MAX_SHARDS:,}", "shards")
     shards = tuple(_shard(where, index, item, vocab) for index, item in enumerate(raw_shards))
     seen: set[str] = set()
     for index, shard in enumerate(shards):
@@ -331,7 +330,7 @@ def parse_manifest(data: bytes, where: str) -> TokenManifest:
         shard_tokens=fields.integer("shard_tokens", 1, MAX_SHARD_TOKENS),
         shards=shards,
     )
-    total = fields.integer("tokens", 1, MAX_SHARD_TOKENS * MAX_SHARDS)
+    total = fields.integer("tokens", 1, MAX_SHARD_TOKENS * _MAX_SHARDS)
     if total != manifest.tokens:
         raise fields.error(f"{total} is not the sum of the shards' tokens", "tokens")
     if manifest.tokenizer.file in seen:

@@ -53,7 +53,7 @@ __all__ = [
     "infinite_batches",
 ]
 
-BatchT = TypeVar("BatchT")
+_BatchT = TypeVar("_BatchT")
 
 EMPTY_SOURCE_MESSAGE = "data loader produced no batches"
 
@@ -192,7 +192,7 @@ class ResumableSampler(Sampler[int]):
         self.set_start(int(state.get("start", 0)))
 
 
-class RankShardedIterable(IterableDataset[BatchT], Generic[BatchT]):
+class RankShardedIterable(IterableDataset[_BatchT], Generic[_BatchT]):
     """One rank's share of an iterable dataset.
 
     The source's items are dealt out in rounds of ``world_size``: item ``i`` of each
@@ -204,7 +204,7 @@ class RankShardedIterable(IterableDataset[BatchT], Generic[BatchT]):
     every item once.
     """
 
-    def __init__(self, source: Iterable[BatchT], *, rank: int, world_size: int) -> None:
+    def __init__(self, source: Iterable[_BatchT], *, rank: int, world_size: int) -> None:
         super().__init__()
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -214,15 +214,15 @@ class RankShardedIterable(IterableDataset[BatchT], Generic[BatchT]):
         self.rank = rank
         self.world_size = world_size
 
-    def __iter__(self) -> Iterator[BatchT]:
+    def __iter__(self) -> Iterator[_BatchT]:
         last_slot = self.world_size - 1
-        held: BatchT | None = None
+        held: _BatchT | None = None
         for position, item in enumerate(self.source):
             slot = position % self.world_size
             if slot == self.rank:
                 held = item
             if slot == last_slot:  # the round is complete: hand out this rank's item
-                yield cast(BatchT, held)
+                yield cast(_BatchT, held)
 
 
 def data_shards(source: object) -> int:
@@ -234,7 +234,7 @@ def data_shards(source: object) -> int:
     return position.sampler.world_size if position is not None else 1
 
 
-def data_order_version(source: object) -> int:
+def _data_order_version(source: object) -> int:
     """The ``order_version`` of ``source``'s ``ResumableSampler`` (1 without one)."""
     position = _resumable_sampler(source)
     return position.sampler.order_version if position is not None else 1
@@ -329,7 +329,7 @@ class EpochLimitReached(Exception):
         self.max_epochs = max_epochs
 
 
-class BatchStream(Iterator[BatchT], Generic[BatchT]):
+class BatchStream(Iterator[_BatchT], Generic[_BatchT]):
     """Yields batches from ``source`` forever, one epoch (pass over ``source``) after another.
 
     ``source`` is any re-iterable of batches: a ``DataLoader``, a list, an object whose
@@ -342,18 +342,18 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
     epoch runs out, so it costs nothing per batch).
     """
 
-    def __init__(self, source: Iterable[BatchT], *, max_epochs: int | None = None) -> None:
+    def __init__(self, source: Iterable[_BatchT], *, max_epochs: int | None = None) -> None:
         self.source = source
         self.max_epochs = max_epochs
         self.epoch = 0
         self.batches_in_epoch = 0
-        self._iterator: Iterator[BatchT] | None = None
+        self._iterator: Iterator[_BatchT] | None = None
         self._pulled = False
 
-    def __iter__(self) -> BatchStream[BatchT]:
+    def __iter__(self) -> BatchStream[_BatchT]:
         return self
 
-    def __next__(self) -> BatchT:
+    def __next__(self) -> _BatchT:
         if self._iterator is None:
             self._iterator = self._open_epoch(skip=self.batches_in_epoch)
         try:
@@ -364,7 +364,7 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
         self.batches_in_epoch += 1
         return batch
 
-    def _first_of_next_epoch(self) -> BatchT:
+    def _first_of_next_epoch(self) -> _BatchT:
         if self.batches_in_epoch == 0:
             raise RuntimeError(self._empty_message())
         if self.max_epochs is not None and self.epoch + 1 >= self.max_epochs:
@@ -385,7 +385,7 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
             )
         return EMPTY_SOURCE_MESSAGE
 
-    def _open_epoch(self, *, skip: int) -> Iterator[BatchT]:
+    def _open_epoch(self, *, skip: int) -> Iterator[_BatchT]:
         """An iterator over epoch ``self.epoch`` positioned after its first ``skip`` batches."""
         position = _resumable_sampler(self.source)
         if position is not None:
@@ -412,7 +412,7 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
             f"only {available} batches (did the data or the batch size change?)"
         )
 
-    def _new_iterator(self) -> Iterator[BatchT]:
+    def _new_iterator(self) -> Iterator[_BatchT]:
         source = self.source
         if isinstance(source, DataLoader) and not _draws_order_from_global_rng(source):
             with _rng_preserved():
@@ -437,7 +437,7 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
         shards = data_shards(self.source)
         if shards > 1:
             state["shards"] = shards
-        order = data_order_version(self.source)
+        order = _data_order_version(self.source)
         if order != 1:
             state["order"] = order
         position = _resumable_sampler(self.source)
@@ -470,7 +470,7 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
                 "skip samples (the world size changed)",
                 UserWarning,
             )
-        saved_order, order = int(state.get("order", 1)), data_order_version(self.source)
+        saved_order, order = int(state.get("order", 1)), _data_order_version(self.source)
         if saved_order != order:
             warn(
                 f"the data position was saved in data order version {saved_order} and this "
@@ -484,21 +484,21 @@ class BatchStream(Iterator[BatchT], Generic[BatchT]):
         self._iterator = None
 
 
-class DataPass(Iterator[BatchT], Generic[BatchT]):
+class DataPass(Iterator[_BatchT], Generic[_BatchT]):
     """One pass over ``source`` (a held-out set, say) that counts the batches it handed out
     (``batches``) and can be dropped at once (``abandon``), as ``BatchStream`` can: the stop
     watch (``speedtronic.engine.stop_watch``) bounds a wait in its ``__next__`` like a wait
     for a training batch. Nothing per batch beyond the count."""
 
-    def __init__(self, source: Iterable[BatchT]) -> None:
+    def __init__(self, source: Iterable[_BatchT]) -> None:
         self.source = source
         self.batches = 0
-        self._iterator: Iterator[BatchT] | None = iter(source)
+        self._iterator: Iterator[_BatchT] | None = iter(source)
 
-    def __iter__(self) -> DataPass[BatchT]:
+    def __iter__(self) -> DataPass[_BatchT]:
         return self
 
-    def __next__(self) -> BatchT:
+    def __next__(self) -> _BatchT:
         if self._iterator is None:
             raise StopIteration
         batch = next(self._iterator)
@@ -537,6 +537,6 @@ def _draws_order_from_global_rng(loader: DataLoader[object]) -> bool:
     return isinstance(sampler, RandomSampler) and sampler.generator is None
 
 
-def infinite_batches(loader: Iterable[BatchT]) -> Iterator[BatchT]:
+def infinite_batches(loader: Iterable[_BatchT]) -> Iterator[_BatchT]:
     """Re-iterate ``loader`` forever (``RuntimeError`` when a whole pass yields nothing)."""
     return BatchStream(loader)

@@ -6,7 +6,7 @@ that reads it: shuffling, worker processes and resumed runs all see the same sam
 
 ``held_out=True`` gives the held-out set of the same source: the same language (the Markov
 table depends on ``seed`` only) but items drawn from another stream -- item ``i``'s generator
-is seeded from a ``SeedSequence`` of ``(seed, i, HELD_OUT_STREAM)``, never ``seed + j`` for
+is seeded from a ``SeedSequence`` of ``(seed, i, _HELD_OUT_STREAM)``, never ``seed + j`` for
 any ``j`` -- so no training sequence is evaluated on.
 """
 
@@ -27,7 +27,7 @@ __all__ = ["LearnableLanguageDataset", "SyntheticTokenDataset"]
 _UINT64 = (1 << 64) - 1
 _TABLE_STREAM = 0x7AB1E
 """Mixed into the seed of the transition table so it is independent of every item's stream."""
-HELD_OUT_STREAM = 0xE7A1
+_HELD_OUT_STREAM = 0xE7A1
 """Mixed into the seed of every held-out item, so held-out items never repeat training ones."""
 
 
@@ -39,7 +39,7 @@ def _check_positive(name: str, value: object) -> int:
 
 def _item_generator(seed: int, index: int, held_out: bool = False) -> torch.Generator:
     if held_out:
-        sequence = np.random.SeedSequence([seed & _UINT64, index, HELD_OUT_STREAM])
+        sequence = np.random.SeedSequence([seed & _UINT64, index, _HELD_OUT_STREAM])
         return torch.Generator().manual_seed(int(sequence.generate_state(1, np.uint64)[0]))
     # torch accepts any value in [-2**63, 2**64); masking keeps huge seeds + index valid.
     return torch.Generator().manual_seed((seed + index) & _UINT64)

@@ -26,7 +26,7 @@ __all__ = [
     "read_text_chunks",
 ]
 
-DEFAULT_CHUNK_BYTES = 1 << 20
+_DEFAULT_CHUNK_BYTES = 1 << 20
 """Bytes read from the file per chunk by ``TextFileTokenDataset``."""
 
 _CUT_CHARACTERS = (" ", "\n", "\t", "\r")
@@ -154,7 +154,7 @@ class TextFileTokenDataset(IterableDataset[dict[str, torch.Tensor]]):
         tokenizer: Tokenizer | None = None,
         vocab_size: int = 256,
         *,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int = _DEFAULT_CHUNK_BYTES,
         part: TextPart = "all",
         held_out_fraction: float = 0.05,
     ) -> None:

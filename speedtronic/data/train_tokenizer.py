@@ -20,18 +20,12 @@ from speedtronic.data.corpus import CorpusError, InputFormat, expand_inputs, rea
 from speedtronic.data.tokenizer import require_module
 from speedtronic.state.atomic_io import atomic_write_text
 
-__all__ = [
-    "END_OF_TEXT",
-    "MIN_VOCAB_SIZE",
-    "TokenizerOptions",
-    "TrainedTokenizer",
-    "train_tokenizer",
-]
+__all__ = ["TokenizerOptions", "train_tokenizer"]
 
-END_OF_TEXT = "<|endoftext|>"
+_END_OF_TEXT = "<|endoftext|>"
 """The end-of-text special token (id 0): what ``prepare`` puts after each document."""
-BYTE_ALPHABET = 256
-MIN_VOCAB_SIZE = BYTE_ALPHABET + 1
+_BYTE_ALPHABET = 256
+_MIN_VOCAB_SIZE = _BYTE_ALPHABET + 1
 """Every byte and the end-of-text token; the merges come on top."""
 
 
@@ -53,7 +47,7 @@ class TokenizerOptions:
 
 
 @dataclass(frozen=True)
-class TrainedTokenizer:
+class _TrainedTokenizer:
     """What training made: the file, its vocabulary and what it was trained on."""
 
     path: Path
@@ -63,16 +57,16 @@ class TrainedTokenizer:
 
     def summary(self) -> str:
         return (
-            f"wrote {self.path}: byte-level BPE of {self.vocab_size:,} ids ({END_OF_TEXT} is "
+            f"wrote {self.path}: byte-level BPE of {self.vocab_size:,} ids ({_END_OF_TEXT} is "
             f"id 0), trained on {self.documents:,} documents from {self.files} file(s)"
         )
 
 
 def _check(options: TokenizerOptions) -> None:
-    if options.vocab_size < MIN_VOCAB_SIZE:
+    if options.vocab_size < _MIN_VOCAB_SIZE:
         raise CorpusError(
-            f"--vocab-size: {options.vocab_size} is below {MIN_VOCAB_SIZE} (the {BYTE_ALPHABET} "
-            f"bytes and {END_OF_TEXT})"
+            f"--vocab-size: {options.vocab_size} is below {_MIN_VOCAB_SIZE} (the {_BYTE_ALPHABET} "
+            f"bytes and {_END_OF_TEXT})"
         )
     if options.min_frequency < 1:
         raise CorpusError(f"--min-frequency: {options.min_frequency} is below 1")
@@ -105,7 +99,7 @@ class _Corpus:
                 yield segment.text
 
 
-def train_tokenizer(options: TokenizerOptions) -> TrainedTokenizer:
+def train_tokenizer(options: TokenizerOptions) -> _TrainedTokenizer:
     """Train and write the tokenizer (module docstring); ``CorpusError`` (a
     ``DataSourceError``) for an input or an option that cannot be used."""
     _check(options)
@@ -117,7 +111,7 @@ def train_tokenizer(options: TokenizerOptions) -> TrainedTokenizer:
     trainer = library.trainers.BpeTrainer(
         vocab_size=options.vocab_size,
         min_frequency=options.min_frequency,
-        special_tokens=[END_OF_TEXT],
+        special_tokens=[_END_OF_TEXT],
         initial_alphabet=library.pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -128,4 +122,4 @@ def train_tokenizer(options: TokenizerOptions) -> TrainedTokenizer:
     output = Path(options.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(output, tokenizer.to_str(pretty=True) + "\n")
-    return TrainedTokenizer(output, int(tokenizer.get_vocab_size()), len(files), corpus.documents)
+    return _TrainedTokenizer(output, int(tokenizer.get_vocab_size()), len(files), corpus.documents)

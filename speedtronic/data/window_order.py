@@ -28,10 +28,10 @@ from speedtronic.data.stream import ResumableSampler, _epoch_seed
 
 __all__ = ["ChunkedPermutation", "ORDER_BLOCK", "Permutation", "WindowSampler"]
 
-FEISTEL_ROUNDS = 6
+_FEISTEL_ROUNDS = 6
 ORDER_BLOCK = 8192
 """Positions of the order computed per NumPy call."""
-TABLE_LIMIT = 1 << 16
+_TABLE_LIMIT = 1 << 16
 """A ``Permutation`` of at most this many values is a lookup table once used."""
 
 _TAIL_STREAM = 0x7A11_C4A0
@@ -53,7 +53,7 @@ class Permutation:
     """A keyed bijection of ``[0, n)``: a balanced Feistel network on the smallest even
     number of bits that covers ``n``, with cycle walking (re-encrypt until the value is
     below ``n``; the domain is under ``4 n``, so a few rounds on average). One of at most
-    ``TABLE_LIMIT`` values is tabulated on its first use (one encryption of the domain, and
+    ``_TABLE_LIMIT`` values is tabulated on its first use (one encryption of the domain, and
     the walks are lookups): the same bijection, without a dozen walking rounds per call."""
 
     def __init__(self, n: int, key: int) -> None:
@@ -64,7 +64,7 @@ class Permutation:
         self._domain = 1 << bits
         self._half = np.uint64(bits // 2)
         self._mask = np.uint64((1 << (bits // 2)) - 1)
-        keys = [_epoch_seed(key, round_) for round_ in range(FEISTEL_ROUNDS)]
+        keys = [_epoch_seed(key, round_) for round_ in range(_FEISTEL_ROUNDS)]
         self._keys = [np.uint64(k & _UINT64) for k in keys]
         self._table: npt.NDArray[np.int64] | None = None
 
@@ -88,7 +88,7 @@ class Permutation:
     def __call__(self, positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         if self.n <= 1:
             return positions.copy()
-        if self.n <= TABLE_LIMIT:
+        if self.n <= _TABLE_LIMIT:
             return self._tabulated()[positions]
         values = self._encrypt(positions.astype(np.uint64))
         outside = values >= np.uint64(self.n)

@@ -46,7 +46,6 @@ __all__ = [
     "current_layout",
     "resume_layout",
     "saved_layout",
-    "set_micro_batch",
 ]
 
 LAYOUT_KEY = "batch"
@@ -98,7 +97,7 @@ def current_layout(trainer: Trainer) -> BatchLayout | None:
     return BatchLayout(sampler.batch_size, trainer.settings.accumulation_steps, data_shards(source))
 
 
-def set_micro_batch(source: object, micro: int) -> None:
+def _set_micro_batch(source: object, micro: int) -> None:
     """Make ``source`` (a loader with a ``BatchSampler``) hand out batches of ``micro``."""
     sampler = _batch_sampler(source)
     if sampler is None:
@@ -112,7 +111,7 @@ def set_micro_batch(source: object, micro: int) -> None:
 def apply_layout(trainer: Trainer, layout: BatchLayout) -> None:
     """Run ``trainer`` with ``layout``'s micro-batch and accumulation (its ranks are the
     run's); takes effect when the data stream next opens its pass."""
-    set_micro_batch(trainer.state.stream.source, layout.micro)
+    _set_micro_batch(trainer.state.stream.source, layout.micro)
     if layout.accumulation != trainer.settings.accumulation_steps:
         trainer.settings = dataclasses.replace(
             trainer.settings, accumulation_steps=layout.accumulation

@@ -104,7 +104,7 @@ class OptimizerResetContext(NamedTuple):
     requested_by: tuple[str, ...]
 
 
-NO_METRICS: Mapping[str, float] = MappingProxyType({})
+_NO_METRICS: Mapping[str, float] = MappingProxyType({})
 """An empty, read-only metrics mapping (shared: it cannot be changed)."""
 
 
@@ -125,7 +125,7 @@ class EvalEndContext(NamedTuple):
     (this rank's share)."""
 
     step: int
-    metrics: Mapping[str, float] = NO_METRICS
+    metrics: Mapping[str, float] = _NO_METRICS
     batches: int = 0
     weight: float = 0.0
 
@@ -169,7 +169,7 @@ class TeardownContext(NamedTuple):
     error: BaseException | None
 
 
-ContextT = TypeVar("ContextT", bound=tuple[object, ...])
+_ContextT = TypeVar("_ContextT", bound=tuple[object, ...])
 
 
 class NewContext(Protocol):
@@ -207,7 +207,7 @@ class NewContext(Protocol):
     def __call__(
         self, cls: type[CheckpointContext], fields: tuple[int], /
     ) -> CheckpointContext: ...
-    def __call__(self, cls: type[ContextT], fields: tuple[object, ...], /) -> ContextT: ...
+    def __call__(self, cls: type[_ContextT], fields: tuple[object, ...], /) -> _ContextT: ...
 
 
 new_context: NewContext = tuple.__new__

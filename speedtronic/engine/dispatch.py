@@ -26,7 +26,7 @@ from speedtronic.user_warnings import warn_at_failure
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
 
-BoundHook = Callable[["TrainerView", object], None]
+_BoundHook = Callable[["TrainerView", object], None]
 """A callback's hook method bound to its instance, as the dispatch plan calls it
 (not ``speedtronic.hooks``, the 2.0 metric-logger hooks)."""
 CtxT = TypeVar("CtxT")
@@ -48,10 +48,10 @@ class HookTable(Protocol):
     def __getitem__(self, key: EventSpec[CtxT], /) -> EventHooks[CtxT]: ...
 
 
-HOOK_NAMES: frozenset[str] = frozenset(event.hook_name for event in Event)
+_HOOK_NAMES: frozenset[str] = frozenset(event.hook_name for event in Event)
 
 _IN_ORDER = list(Event)
-STEP_HOOK_KEYS: tuple[EventKey, ...] = tuple(
+_STEP_HOOK_KEYS: tuple[EventKey, ...] = tuple(
     EVENT_KEYS[event]
     for event in _IN_ORDER[_IN_ORDER.index(Event.STEP_START) : _IN_ORDER.index(Event.STEP_END) + 1]
     if event not in (Event.OPTIMIZER_RESET, Event.EVAL_START, Event.EVAL_END)
@@ -60,8 +60,8 @@ STEP_HOOK_KEYS: tuple[EventKey, ...] = tuple(
 events go through ``emit``, on the steps that have them)."""
 
 
-def _idle(table: dict[EventKey, tuple[BoundHook, ...]]) -> bool:
-    return not any(table[key] for key in STEP_HOOK_KEYS)
+def _idle(table: dict[EventKey, tuple[_BoundHook, ...]]) -> bool:
+    return not any(table[key] for key in _STEP_HOOK_KEYS)
 
 
 class CallbackWarning(UserWarning):
@@ -76,7 +76,7 @@ class FilterError(ValueError):
     """A callback's ``due_when`` names an event it cannot filter or does not listen to."""
 
 
-def check_filters(callback: Callback) -> None:
+def _check_filters(callback: Callback) -> None:
     """Raise ``FilterError`` for a filter on a fit-level event or on a hook not overridden."""
     for event in callback.due_when:
         if event in FIT_EVENTS:
@@ -96,7 +96,7 @@ class UnknownHookError(TypeError):
     otherwise never be called)."""
 
 
-def unknown_hooks(cls: type[Callback]) -> list[str]:
+def _unknown_hooks(cls: type[Callback]) -> list[str]:
     """``on_*`` methods of ``cls`` (and its bases below ``Callback``) that are no event's hook."""
     names: set[str] = set()
     for klass in cls.__mro__:
@@ -105,19 +105,19 @@ def unknown_hooks(cls: type[Callback]) -> list[str]:
         names.update(
             name
             for name, value in vars(klass).items()
-            if name.startswith("on_") and name not in HOOK_NAMES and callable(value)
+            if name.startswith("on_") and name not in _HOOK_NAMES and callable(value)
         )
     return sorted(names)
 
 
-def check_hook_names(cls: type[Callback], display_name: str | None = None) -> None:
+def _check_hook_names(cls: type[Callback], display_name: str | None = None) -> None:
     """Raise ``UnknownHookError`` naming the first ``on_*`` method of ``cls`` that is not an
     event hook, with the nearest event hook as a suggestion."""
-    unknown = unknown_hooks(cls)
+    unknown = _unknown_hooks(cls)
     if not unknown:
         return
     name = unknown[0]
-    close = difflib.get_close_matches(name, sorted(HOOK_NAMES), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(name, sorted(_HOOK_NAMES), n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
     code = getattr(getattr(cls, name), "__code__", None)
     where = (
@@ -166,7 +166,7 @@ class _GuardedHook:
 
     __slots__ = ("_hook", "_callback", "_event", "_reported")
 
-    def __init__(self, hook: BoundHook, callback: Callback, event: Event) -> None:
+    def __init__(self, hook: _BoundHook, callback: Callback, event: Event) -> None:
         self._hook = hook
         self._callback = callback
         self._event = event
@@ -227,18 +227,18 @@ class CallbackPlan:
         self, callbacks: Sequence[Callback], *, rank: int = 0, local_rank: int = 0
     ) -> None:
         for callback in callbacks:
-            check_hook_names(type(callback), callback.display_name)
-            check_filters(callback)
+            _check_hook_names(type(callback), callback.display_name)
+            _check_filters(callback)
         check_state_keys(callbacks)
         self.callbacks: tuple[Callback, ...] = tuple(callbacks)
         self.rank = rank
         self.local_rank = local_rank
         active = [cb for cb in callbacks if runs_on_rank(cb.rank_policy, rank, local_rank)]
         self._order: dict[Event, tuple[Callback, ...]] = {}
-        self._hooks: dict[Event, tuple[BoundHook, ...]] = {}
-        self._by_key: dict[EventKey, tuple[BoundHook, ...]] = {}
+        self._hooks: dict[Event, tuple[_BoundHook, ...]] = {}
+        self._by_key: dict[EventKey, tuple[_BoundHook, ...]] = {}
         # Events with at least one filtered hook: (filter or None, hook), in order.
-        self._filtered: dict[EventKey, tuple[tuple[StepFilter | None, BoundHook], ...]] = {}
+        self._filtered: dict[EventKey, tuple[tuple[StepFilter | None, _BoundHook], ...]] = {}
         for event in Event:
             ordered = _ordered_for(event, active)
             self._order[event] = tuple(ordered)
@@ -251,25 +251,25 @@ class CallbackPlan:
                 )
         # The hooks due in the current step, per event key (``begin_step``); the loop reads
         # it to skip events nobody is due to hear. The full lists until a step begins.
-        self._due: dict[EventKey, tuple[BoundHook, ...]] = self._by_key
+        self._due: dict[EventKey, tuple[_BoundHook, ...]] = self._by_key
         # A step where no filtered hook is due gets the unfiltered hooks only; steps in
         # [_quiet_from, _quiet_until) for one (target, cadences) are such steps (begin_step).
-        self._quiet_hooks: dict[EventKey, tuple[BoundHook, ...]] = dict(self._by_key)
+        self._quiet_hooks: dict[EventKey, tuple[_BoundHook, ...]] = dict(self._by_key)
         for key, entries in self._filtered.items():
             self._quiet_hooks[key] = tuple(hook for when, hook in entries if when is None)
         self._quiet_from = self._quiet_until = self._quiet_target = self._quiet_every = 0
         self._quiet_eval_every = 0
         self._quiet_idle = _idle(self._quiet_hooks)
         self.step_idle = _idle(self._by_key)
-        """No hook of an in-step event (``STEP_HOOK_KEYS``) is due in the current step
+        """No hook of an in-step event (``_STEP_HOOK_KEYS``) is due in the current step
         (``begin_step``): the loop then runs the step without consulting the table."""
 
     @staticmethod
-    def _bind(callback: Callback, event: Event) -> BoundHook:
-        hook: BoundHook = getattr(callback, event.hook_name)
+    def _bind(callback: Callback, event: Event) -> _BoundHook:
+        hook: _BoundHook = getattr(callback, event.hook_name)
         return _GuardedHook(hook, callback, event) if callback.is_observer else hook
 
-    def hooks(self, event: Event) -> tuple[BoundHook, ...]:
+    def hooks(self, event: Event) -> tuple[_BoundHook, ...]:
         """The hooks to call for ``event``, in order (empty when nobody listens)."""
         return self._hooks[event]
 
@@ -382,7 +382,7 @@ def describe_classes(named: Sequence[tuple[str, type[Callback]]]) -> list[tuple[
         names = [_with_filter(name, cls.due_when.get(event)) for name, cls in listening]
         rows.append((event, names))
     for name, cls in named:
-        check_hook_names(cls, name)
+        _check_hook_names(cls, name)
     return rows
 
 

@@ -160,7 +160,7 @@ assert set(EVENT_KEYS) == set(Event), "every Event needs a row in the table On"
 
 
 #: Events emitted once per microbatch, K times per global step.
-MICROBATCH_EVENTS: tuple[Event, ...] = (
+_MICROBATCH_EVENTS: tuple[Event, ...] = (
     Event.MICROBATCH_START,
     Event.BEFORE_BACKWARD,
     Event.AFTER_BACKWARD,
@@ -184,7 +184,7 @@ STEP_TAIL_EVENTS: tuple[Event, ...] = (
     Event.STEP_END,
 )
 
-EVAL_EVENTS: tuple[Event, ...] = (Event.EVAL_START, Event.EVAL_END)
+_EVAL_EVENTS: tuple[Event, ...] = (Event.EVAL_START, Event.EVAL_END)
 """Events emitted only on evaluation steps, in order."""
 
 
@@ -194,11 +194,11 @@ def expected_step_trace(
     """The exact event sequence of one global step with K = ``accumulation_steps``
     (``evaluation``: the step evaluates the held-out set)."""
     trace = [Event.STEP_START]
-    trace += list(MICROBATCH_EVENTS) * accumulation_steps
+    trace += list(_MICROBATCH_EVENTS) * accumulation_steps
     for event in STEP_TAIL_EVENTS:
         if event is Event.OPTIMIZER_RESET and not optimizer_reset:
             continue
-        if event in EVAL_EVENTS and not evaluation:
+        if event in _EVAL_EVENTS and not evaluation:
             continue
         trace.append(event)
     return trace

@@ -33,16 +33,16 @@ from speedtronic.systems.sharding import ShardingError, gradient_sync_on_final, 
 from speedtronic.systems.tensor_parallel import TensorParallelError, apply_tensor_parallel
 from speedtronic.user_warnings import warn
 
-__all__ = ["ForwardPath", "is_compile_failure"]
+__all__ = ["ForwardPath"]
 
-GradSyncContext = Callable[[bool], contextlib.AbstractContextManager[object]]
+_GradSyncContext = Callable[[bool], contextlib.AbstractContextManager[object]]
 
 
 def _no_grad_sync_context(final: bool) -> contextlib.AbstractContextManager[object]:
     return contextlib.nullcontext()
 
 
-def is_compile_failure(exc: BaseException) -> bool:
+def _is_compile_failure(exc: BaseException) -> bool:
     """True for failures of the compiler itself, not errors raised by the model's code."""
     try:
         from torch._dynamo import exc as dynamo_exc
@@ -75,7 +75,7 @@ class ForwardPath:
         self.sharded: nn.Module | None = None
         """The FSDP root (the model itself, sharded in place) after ``shard``, else ``None``."""
         self.compiled: nn.Module | None = None
-        self.grad_sync_context: GradSyncContext = _no_grad_sync_context
+        self.grad_sync_context: _GradSyncContext = _no_grad_sync_context
         self.plain = False
         """No DDP and no autocast: the loop calls ``forward`` without entering contexts."""
         self.notes = notes or Notes()
@@ -163,7 +163,7 @@ class ForwardPath:
         try:
             return run_model(self.compiled, batch)
         except Exception as exc:
-            if not is_compile_failure(exc):
+            if not _is_compile_failure(exc):
                 raise
             reason = f"torch.compile failed ({type(exc).__name__}: {exc})"
             warn(f"{reason}; continuing in eager mode", RuntimeWarning)

@@ -44,7 +44,7 @@ __all__ = [
     "step_weights",
 ]
 
-CountReducer = Callable[[int], torch.Tensor]
+_CountReducer = Callable[[int], torch.Tensor]
 """Sums a rank's count over the ranks that average gradients with it, as a tensor on the
 collective device: never read on the host, so the step does not wait for the device."""
 
@@ -88,7 +88,7 @@ class StepWeights:
 
 
 def step_weights(
-    batches: Sequence[object], ranks: int, reduce: CountReducer | None
+    batches: Sequence[object], ranks: int, reduce: _CountReducer | None
 ) -> StepWeights | None:
     """The step's weights (module docstring), or None when a batch has no labels to count
     (the loop then divides by ``K``). ``reduce`` sums over the ``ranks`` ranks (None: one)."""

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from speedtronic.data.stream import BatchStream
     from speedtronic.systems.distributed import DistributedContext
 
-__all__ = ["FitClock", "LRScheduler", "StepRequests", "TrainingState"]
+__all__ = ["FitClock", "LRScheduler", "TrainingState"]
 
 LRScheduler = torch.optim.lr_scheduler.LRScheduler
 
@@ -47,7 +47,7 @@ class FitClock:
     start_tokens: int
 
 
-class StepRequests:
+class _StepRequests:
     """Requests callbacks made: a stop (the first reason wins; in a multi-rank run the
     ranks agree on it, ``agreed_stop``) and optimizer resets for the current step."""
 
@@ -131,7 +131,7 @@ class TrainingState:
     """The fit's metric records of logging steps (``TrainResult.metrics``)."""
     pending_eval: Mapping[str, float] | None = None
     """This step's evaluation results until the metric record takes them."""
-    requests: StepRequests = field(default_factory=StepRequests)
+    requests: _StepRequests = field(default_factory=_StepRequests)
     plain_step: bool = False
     """This fit's step needs no grad scaler, no gradient-rank bookkeeping and no context
     around the forward pass (set at fit start): with K = 1, no clipping and no hook due, the

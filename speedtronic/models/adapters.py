@@ -36,11 +36,8 @@ from speedtronic.models.hf import HFCausalLM, HFModelError, require_module
 from speedtronic.state.training_state import TrainingStateError
 
 __all__ = [
-    "ADAPTER_CONFIG",
-    "ADAPTER_WEIGHTS",
     "FINGERPRINT",
     "AdapterError",
-    "LoraSettings",
     "apply_lora",
     "has_lora",
     "lora_state",
@@ -50,8 +47,8 @@ __all__ = [
 
 FINGERPRINT = "adapter_base_sha256"
 """The buffer (and state-dict key) holding the sha256 of the frozen base weights."""
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_ADAPTER_CONFIG = "adapter_config.json"
+_ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _MARK = "_speedtronic_lora"
 _HANDLES = "_speedtronic_lora_hooks"
 _BASE = "_speedtronic_lora_base"
@@ -62,7 +59,7 @@ class AdapterError(HFModelError):
     """Adapters cannot be applied as configured (exit 2)."""
 
 
-class LoraOptions(Protocol):
+class _LoraOptions(Protocol):
     """The ``model.adapters.lora`` fields."""
 
     r: int
@@ -72,7 +69,7 @@ class LoraOptions(Protocol):
 
 
 @dataclass(frozen=True)
-class LoraSettings:
+class _LoraSettings:
     """LoRA's settings, as ``apply_lora`` records them on the model."""
 
     r: int
@@ -81,7 +78,7 @@ class LoraSettings:
     targets: tuple[str, ...]
 
     @classmethod
-    def of(cls, options: LoraOptions) -> LoraSettings:
+    def of(cls, options: _LoraOptions) -> _LoraSettings:
         return cls(options.r, float(options.alpha), float(options.dropout), tuple(options.targets))
 
 
@@ -118,7 +115,7 @@ def _fingerprint(model: nn.Module) -> torch.Tensor:
 
 def has_lora(model: nn.Module) -> bool:
     """Whether ``apply_lora`` adapted ``model``."""
-    return isinstance(getattr(model, _MARK, None), LoraSettings)
+    return isinstance(getattr(model, _MARK, None), _LoraSettings)
 
 
 def _frozen_keys(model: nn.Module) -> set[str]:
@@ -176,10 +173,10 @@ def _install_state_hooks(model: nn.Module, frozen: set[str]) -> None:
     setattr(model, _HANDLES, handles)
 
 
-def apply_lora(model: nn.Module, options: LoraOptions) -> nn.Module:
+def apply_lora(model: nn.Module, options: _LoraOptions) -> nn.Module:
     """``model`` with LoRA layers on its ``targets`` (module docstring); ``AdapterError``
     for targets that match no ``Linear`` module (naming those that exist)."""
-    settings = LoraSettings.of(options)
+    settings = _LoraSettings.of(options)
     _check_targets(model, settings.targets)
     peft = require_module("peft", _WHERE)
     config = peft.LoraConfig(
@@ -229,9 +226,9 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
-def _settings(model: nn.Module) -> LoraSettings:
+def _settings(model: nn.Module) -> _LoraSettings:
     settings = getattr(model, _MARK, None)
-    if not isinstance(settings, LoraSettings):
+    if not isinstance(settings, _LoraSettings):
         raise AdapterError("the model has no LoRA adapters (model.adapters.lora)")
     return settings
 
@@ -264,9 +261,9 @@ def write_adapter(
         task_type="CAUSAL_LM",
     )
     config.save_pretrained(str(directory))
-    safetensors_torch.save_file(tensors, str(directory / ADAPTER_WEIGHTS))
-    json.loads((directory / ADAPTER_CONFIG).read_text(encoding="utf-8"))  # written whole
-    return [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
+    safetensors_torch.save_file(tensors, str(directory / _ADAPTER_WEIGHTS))
+    json.loads((directory / _ADAPTER_CONFIG).read_text(encoding="utf-8"))  # written whole
+    return [_ADAPTER_CONFIG, _ADAPTER_WEIGHTS]
 
 
 def hf_module_name(model: nn.Module) -> Callable[[str], str]:

@@ -3,7 +3,7 @@
 After the prompt (``ReferenceTransformer.forward_cached``), ``generate`` runs one position
 per new token. At that size the step's time is the framework's, not the arithmetic's:
 module calls, attribute look-ups, the RoPE table rebuilt per call, K/V heads repeated
-for grouped-query attention. ``LeanDecoder`` runs the same computation from weights it
+for grouped-query attention. ``_LeanDecoder`` runs the same computation from weights it
 looked up once:
 
 * q, k and v in one matrix product (their weights concatenated once), gate and up too;
@@ -34,7 +34,7 @@ from torch import nn
 
 from speedtronic.models.transformer import KVCache, ReferenceTransformer, RMSNorm
 
-__all__ = ["ROTATION_BUDGET", "LeanDecoder", "lean_decoder"]
+__all__ = ["ROTATION_BUDGET", "lean_decoder"]
 
 ROTATION_BUDGET = 1 << 22
 """Elements of the per-position rotation matrices (capacity x head_dim^2) at most."""
@@ -61,7 +61,7 @@ def _norm(module: nn.Module) -> torch.Tensor | None:
     return module.weight if type(module) is RMSNorm else None
 
 
-class LeanDecoder:
+class _LeanDecoder:
     """One-token steps of ``model`` through ``cache`` (module docstring)."""
 
     def __init__(self, model: ReferenceTransformer, layers: list[_Layer], cache: KVCache) -> None:
@@ -135,8 +135,8 @@ class LeanDecoder:
         return F.linear(x[:, -1], self.head)
 
 
-def lean_decoder(model: ReferenceTransformer, cache: KVCache) -> LeanDecoder | None:
-    """A ``LeanDecoder`` of ``model`` when every module it reads is the plain one, else
+def lean_decoder(model: ReferenceTransformer, cache: KVCache) -> _LeanDecoder | None:
+    """A ``_LeanDecoder`` of ``model`` when every module it reads is the plain one, else
     ``None`` (the caller keeps ``forward_cached``)."""
     if type(model.transformer["ln_f"]) is not RMSNorm or _plain(model.lm_head) is None:
         return None
@@ -155,4 +155,4 @@ def lean_decoder(model: ReferenceTransformer, cache: KVCache) -> LeanDecoder | N
             return None
         q, k, v, o, gate, up, down = (w for w in weights if w is not None)
         layers.append(_Layer(norm1, torch.cat((q, k, v)), o, norm2, torch.cat((gate, up)), down))
-    return LeanDecoder(model, layers, cache)
+    return _LeanDecoder(model, layers, cache)

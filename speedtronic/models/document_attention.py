@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 __all__ = [
     "KERNELS",
     "OPTIONS_SCHEMA",
-    "DocumentAttention",
     "ReferenceTransformerOptions",
     "check_kernel",
     "flex_attend",
@@ -47,8 +46,8 @@ __all__ = [
     "uses_flex",
 ]
 
-DocumentAttention = Literal["auto", "sdpa", "flex"]
-KERNELS: tuple[DocumentAttention, ...] = typing.get_args(DocumentAttention)
+_DocumentAttention = Literal["auto", "sdpa", "flex"]
+KERNELS: tuple[_DocumentAttention, ...] = typing.get_args(_DocumentAttention)
 
 
 @dataclass(frozen=True)
@@ -57,7 +56,7 @@ class ReferenceTransformerOptions:
     beside the standard fields)."""
 
     document_attention: Annotated[
-        DocumentAttention,
+        _DocumentAttention,
         Opt(
             "the kernel of the block-causal mask of packed documents (data.document_mask): "
             "sdpa (a boolean mask), flex (flex_attention: CUDA for training, no dropout) or "
@@ -81,7 +80,7 @@ def flex_available() -> bool:
     return True
 
 
-def check_kernel(choice: str, dropout: float) -> DocumentAttention:
+def check_kernel(choice: str, dropout: float) -> _DocumentAttention:
     """The model's choice, checked when it is built."""
     if choice not in KERNELS:
         raise ConfigError(
@@ -100,7 +99,7 @@ def check_kernel(choice: str, dropout: float) -> DocumentAttention:
     return choice
 
 
-def uses_flex(choice: DocumentAttention, device: torch.device, dropout: float) -> bool:
+def uses_flex(choice: _DocumentAttention, device: torch.device, dropout: float) -> bool:
     """Whether this forward's document mask goes through flex_attention."""
     if choice == "auto":
         return device.type == "cuda" and dropout == 0 and flex_available()

@@ -19,7 +19,7 @@ With the run's tokens (``speedtronic.models.export_tokens``): its ``tokenizer.js
 end-of-document id (beginning-of-text when known) in ``config.json`` and
 ``generation_config.json``, checked against the model's ``vocab_size``.
 
-Weights holding a NaN or an infinity are refused, naming the tensor (``check_finite``),
+Weights holding a NaN or an infinity are refused, naming the tensor (``_check_finite``),
 unless ``allow_nonfinite``: a diverged run's export would load and generate garbage.
 
 The directory is written as a unit, with a record of its files, and only where
@@ -75,15 +75,12 @@ __all__ = [
     "ExportError",
     "ExportResult",
     "check_export_target",
-    "check_finite",
     "export_model",
     "export_tokens",
-    "llama_weights",
-    "reference_llama_config",
     "tokenizer_file",
 ]
 
-LLAMA_ARCHITECTURE = "LlamaForCausalLM"
+_LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 
 
 @dataclass(frozen=True)
@@ -98,7 +95,7 @@ class ExportResult:
 # -- the weights' values ------------------------------------------------------------------
 
 
-def check_finite(tensors: Mapping[str, torch.Tensor], *, allow_nonfinite: bool) -> None:
+def _check_finite(tensors: Mapping[str, torch.Tensor], *, allow_nonfinite: bool) -> None:
     """``ExportError`` naming the first floating-point tensor that holds a NaN or an
     infinity (and how many more do), unless ``allow_nonfinite``."""
     if allow_nonfinite:
@@ -123,7 +120,7 @@ def check_finite(tensors: Mapping[str, torch.Tensor], *, allow_nonfinite: bool) 
 
 def _refuse(where: str, what: str) -> ExportError:
     return ExportError(
-        f"cannot export the reference transformer as {LLAMA_ARCHITECTURE}: {where} {what}, "
+        f"cannot export the reference transformer as {_LLAMA_ARCHITECTURE}: {where} {what}, "
         "which LlamaForCausalLM has no equivalent for"
     )
 
@@ -174,7 +171,7 @@ def _check_reference(model: ReferenceTransformer) -> None:
         raise _refuse("lm_head.weight", f"is {'' if tied else 'not '}tied against tie_weights")
 
 
-def llama_weights(model: ReferenceTransformer) -> dict[str, torch.Tensor]:
+def _llama_weights(model: ReferenceTransformer) -> dict[str, torch.Tensor]:
     """The reference transformer's weights under ``LlamaForCausalLM``'s names (a tied head
     once, as ``model.embed_tokens.weight``); ``ExportError`` naming any weight or module
     that has no Llama place."""
@@ -188,7 +185,7 @@ def llama_weights(model: ReferenceTransformer) -> dict[str, torch.Tensor]:
     return {llama: state[name].detach().to("cpu").contiguous() for name, llama in names.items()}
 
 
-def reference_llama_config(model: ReferenceTransformer) -> dict[str, object]:
+def _reference_llama_config(model: ReferenceTransformer) -> dict[str, object]:
     """The ``LlamaConfig`` fields of the reference transformer's architecture."""
     config = model.config
     if config.dropout > 0:
@@ -200,7 +197,7 @@ def reference_llama_config(model: ReferenceTransformer) -> dict[str, object]:
             stacklevel=3,
         )
     return {
-        "architectures": [LLAMA_ARCHITECTURE],
+        "architectures": [_LLAMA_ARCHITECTURE],
         "vocab_size": config.vocab_size,
         "hidden_size": config.d_model,
         "intermediate_size": config.swiglu_hidden,
@@ -225,16 +222,16 @@ def reference_llama_config(model: ReferenceTransformer) -> dict[str, object]:
 
 
 def _write_llama(model: ReferenceTransformer, directory: Path, *, allow_nonfinite: bool) -> str:
-    weights = llama_weights(model)
-    check_finite(weights, allow_nonfinite=allow_nonfinite)
-    fields = reference_llama_config(model)
+    weights = _llama_weights(model)
+    _check_finite(weights, allow_nonfinite=allow_nonfinite)
+    fields = _reference_llama_config(model)
     transformers = require_module("transformers", "speedtronic export")
     safetensors_torch = require_module("safetensors.torch", "speedtronic export")
     transformers.LlamaConfig(**fields).save_pretrained(str(directory))
     safetensors_torch.save_file(
         weights, str(directory / "model.safetensors"), metadata={"format": "pt"}
     )
-    return LLAMA_ARCHITECTURE
+    return _LLAMA_ARCHITECTURE
 
 
 # -- transformers models ------------------------------------------------------------------------
@@ -242,7 +239,7 @@ def _write_llama(model: ReferenceTransformer, directory: Path, *, allow_nonfinit
 
 def _write_transformers(model: nn.Module, directory: Path, *, allow_nonfinite: bool) -> str:
     transformers = require_module("transformers", "speedtronic export")
-    check_finite(model.state_dict(), allow_nonfinite=allow_nonfinite)
+    _check_finite(model.state_dict(), allow_nonfinite=allow_nonfinite)
     major = int(str(transformers.__version__).split(".")[0])
     # safetensors is the only format of transformers 5; 4.x is asked for it explicitly.
     options = {} if major >= 5 else {"safe_serialization": True}

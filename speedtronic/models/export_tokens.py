@@ -16,8 +16,8 @@ Where the facts come from:
 * the byte tokenizer: no file; token shards made with it end documents with id 256.
 
 A beginning-of-text id is the tokenizer's own special token of that name
-(``BOS_CANDIDATES``), when it has one; speedtronic's data never adds it, so it is there for
-the tools that read ``bos_token_id``. A padding id is likewise its own ``PAD_CANDIDATES``
+(``_BOS_CANDIDATES``), when it has one; speedtronic's data never adds it, so it is there for
+the tools that read ``bos_token_id``. A padding id is likewise its own ``_PAD_CANDIDATES``
 token. An id the run's tokenizer does not have is written as ``null`` in place of the config
 class's default (``LlamaConfig``'s ``bos_token_id`` 1 is an ordinary token of another
 tokenizer); an id the model's config set itself is kept, or replaced with a warning.
@@ -44,9 +44,6 @@ from speedtronic.data.text import DataSourceError
 from speedtronic.data.tokenizer import BYTES, FileTokenizer, sha256_of_file
 
 __all__ = [
-    "BOS_CANDIDATES",
-    "PAD_CANDIDATES",
-    "TOKENIZER_CONFIG_NAME",
     "TOKENIZER_NAME",
     "RunTokens",
     "TokenIdError",
@@ -56,10 +53,10 @@ __all__ = [
 ]
 
 TOKENIZER_NAME = "tokenizer.json"
-TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
-BOS_CANDIDATES = ("<|begin_of_text|>", "<|startoftext|>", "<s>", "<bos>", "[BOS]")
+_TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
+_BOS_CANDIDATES = ("<|begin_of_text|>", "<|startoftext|>", "<s>", "<bos>", "[BOS]")
 """Special tokens taken as the beginning-of-text token, in this order of preference."""
-PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
+_PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
 """Special tokens taken as the padding token, in this order of preference."""
 _ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _CONFIG_FILES = ("config.json", "generation_config.json")
@@ -119,10 +116,10 @@ def run_tokens(data: Mapping[str, object]) -> RunTokens:
         return RunTokens(
             file=tokenizer,
             eos_ids=_own_eos(loaded),
-            bos_id=_special(loaded, BOS_CANDIDATES),
+            bos_id=_special(loaded, _BOS_CANDIDATES),
             vocab_size=loaded.vocab_size,
             source="data.tokenizer",
-            pad_id=_special(loaded, PAD_CANDIDATES),
+            pad_id=_special(loaded, _PAD_CANDIDATES),
         )
     return RunTokens()
 
@@ -170,8 +167,8 @@ def _from_shards(directories: Sequence[tuple[str, Path]], named: Path | None) ->
         )
     file = next(iter(files.values()), None)
     loaded = FileTokenizer(file) if file is not None else None
-    bos = _special(loaded, BOS_CANDIDATES) if loaded is not None else None
-    pad = _special(loaded, PAD_CANDIDATES) if loaded is not None else None
+    bos = _special(loaded, _BOS_CANDIDATES) if loaded is not None else None
+    pad = _special(loaded, _PAD_CANDIDATES) if loaded is not None else None
     source = directories[0][0] if len(directories) == 1 else "data.mixture"
     return RunTokens(file, tuple(sorted(eos)), bos, vocab, source, pad)
 
@@ -290,4 +287,4 @@ def write_tokenizer(directory: Path, tokens: RunTokens, *, max_length: int | Non
         fields["model_max_length"] = max_length
     fields["clean_up_tokenization_spaces"] = False
     text = json.dumps({key: value for key, value in fields.items() if value is not None}, indent=2)
-    (directory / TOKENIZER_CONFIG_NAME).write_text(text + "\n", encoding="utf-8")
+    (directory / _TOKENIZER_CONFIG_NAME).write_text(text + "\n", encoding="utf-8")

@@ -46,26 +46,24 @@ from speedtronic.optimizers.routing import ROLE_ATTRIBUTE
 from speedtronic.util.options import Opt, object_schema
 
 __all__ = [
-    "HF_INSTALL_HINT",
     "HF_OPTIONS_SCHEMA",
     "HFCausalLM",
     "HFCausalLMOptions",
     "HFModelError",
     "adapt_model",
     "build_hf_causal_lm",
-    "is_transformers_causal_lm",
     "is_transformers_model",
     "require_module",
 ]
 
-HF_INSTALL_HINT = HF_EXTRA
+_HF_INSTALL_HINT = HF_EXTRA
 """The install line of the ``hf`` extra (one declaration, in ``speedtronic.data.tokenizer``)."""
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+_CONFIG_NAME = "config.json"
+_WEIGHTS_NAME = "model.safetensors"
+_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+_PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 """Weight files that ``torch.load`` would unpickle: refused, never opened."""
-MAX_CONFIG_BYTES = 4 * 1024 * 1024
+_MAX_CONFIG_BYTES = 4 * 1024 * 1024
 """A ``config.json`` (or safetensors index) larger than this is refused unread."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -149,7 +147,8 @@ def require_module(name: str, purpose: str) -> ModuleType:
         return __import__(name, fromlist=["_"])
     except ImportError as exc:
         raise HFModelError(
-            f"{purpose} needs {name.split('.')[0]}, part of the hf extra: {HF_INSTALL_HINT} ({exc})"
+            f"{purpose} needs {name.split('.')[0]}, part of the hf extra: "
+            f"{_HF_INSTALL_HINT} ({exc})"
         ) from None
 
 
@@ -166,7 +165,7 @@ def is_transformers_model(model: object) -> bool:
     return ("transformers", "PreTrainedModel") in _mro_names(model)
 
 
-def is_transformers_causal_lm(model: object) -> bool:
+def _is_transformers_causal_lm(model: object) -> bool:
     """Whether ``model`` is one of the causal LMs ``AutoModelForCausalLM`` builds: a model
     whose ``labels`` are shifted inside its forward."""
     if not is_transformers_model(model):
@@ -183,7 +182,7 @@ def is_transformers_causal_lm(model: object) -> bool:
 # -- the adapter ----------------------------------------------------------------------------
 
 
-class TransformersModel(Protocol):
+class _TransformersModel(Protocol):
     """The part of ``transformers.PreTrainedModel`` speedtronic calls (typed here: the
     ``hf`` extra ships no stubs speedtronic's own type check could rely on)."""
 
@@ -193,9 +192,9 @@ class TransformersModel(Protocol):
     def save_pretrained(self, save_directory: str, **options: object) -> None: ...
 
 
-def transformers_api(model: nn.Module) -> TransformersModel:
+def transformers_api(model: nn.Module) -> _TransformersModel:
     """``model`` (a ``transformers`` model, ``is_transformers_model``) as its typed API."""
-    return cast(TransformersModel, model)
+    return cast(_TransformersModel, model)
 
 
 class HFCausalLM(nn.Module):
@@ -279,7 +278,7 @@ def adapt_model(model: nn.Module) -> nn.Module:
     """``model`` as the loop should train it on speedtronic batches: a ``transformers``
     causal LM wrapped in ``HFCausalLM`` (so its labels are shifted once), anything else
     as it is."""
-    if isinstance(model, HFCausalLM) or not is_transformers_causal_lm(model):
+    if isinstance(model, HFCausalLM) or not _is_transformers_causal_lm(model):
         return model
     return HFCausalLM(model)
 
@@ -293,7 +292,7 @@ def _read_json(path: Path, what: str) -> dict[str, object]:
         if not stat.S_ISREG(found.st_mode):  # a FIFO would block the read forever
             raise HFModelError(f"{what}: {path} is not a regular file")
         size = found.st_size
-        if size > MAX_CONFIG_BYTES:
+        if size > _MAX_CONFIG_BYTES:
             raise HFModelError(f"{what}: {path} is {size} bytes, more than a config holds")
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -318,9 +317,9 @@ def _local_path(value: str, what: str) -> Path:
 def _config_file(value: str, what: str) -> Path:
     path = _local_path(value, what)
     if path.is_dir():
-        path = path / CONFIG_NAME
+        path = path / _CONFIG_NAME
         if not path.is_file():
-            raise HFModelError(f"{what}: {value!r} is a directory without {CONFIG_NAME}")
+            raise HFModelError(f"{what}: {value!r} is a directory without {_CONFIG_NAME}")
     return path
 
 
@@ -337,7 +336,7 @@ def _config_fields(
     if init_weights_from is not None:
         where = "model.options.init_weights_from"
         return _read_json(_config_file(init_weights_from, where), where), (
-            f"{where} ({init_weights_from}/{CONFIG_NAME})"
+            f"{where} ({init_weights_from}/{_CONFIG_NAME})"
         )
     raise HFModelError(
         "model.options.config: hf_causal_lm needs a config (a mapping with model_type, or a "
@@ -487,8 +486,8 @@ def _weight_files(directory: Path) -> list[Path]:
     """The safetensors files of ``directory`` (one file or a sharded index), or
     ``HFModelError``; pickle-format weights are refused without being opened."""
     where = "model.options.init_weights_from"
-    single = directory / WEIGHTS_NAME
-    index = directory / WEIGHTS_INDEX_NAME
+    single = directory / _WEIGHTS_NAME
+    index = directory / _WEIGHTS_INDEX_NAME
     if single.is_file():
         return [single]
     if index.is_file():
@@ -501,14 +500,14 @@ def _weight_files(directory: Path) -> list[Path]:
             if file.parent != directory or not file.is_file():
                 raise HFModelError(f"{where}: {index} names {file.name}, which is not there")
         return files
-    pickled = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_WEIGHT_SUFFIXES)
+    pickled = sorted(p.name for p in directory.iterdir() if p.suffix in _PICKLE_WEIGHT_SUFFIXES)
     if pickled:
         raise HFModelError(
             f"{where}: {directory} holds only pickle-format weights ({', '.join(pickled)}), "
             "which are never loaded (unpickling can run code); convert them to "
-            f"{WEIGHTS_NAME} first"
+            f"{_WEIGHTS_NAME} first"
         )
-    raise HFModelError(f"{where}: {directory} has no {WEIGHTS_NAME}")
+    raise HFModelError(f"{where}: {directory} has no {_WEIGHTS_NAME}")
 
 
 def _tied_aliases(model: nn.Module) -> dict[str, str]:
@@ -523,7 +522,7 @@ def _tied_aliases(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def load_safetensors_weights(
+def _load_safetensors_weights(
     model: nn.Module, directory: Path, where: str = "model.options.init_weights_from"
 ) -> None:
     """Load ``directory``'s safetensors weights into ``model`` (keys as ``save_pretrained``
@@ -639,7 +638,7 @@ def build_hf_causal_lm(
         files = _weight_files(weights)  # checked even on meta (speedtronic validate)
         if not _on_meta(model) and files:
             where = "model.options." + ("pretrained" if pretrained else "init_weights_from")
-            load_safetensors_weights(model, weights, where)
+            _load_safetensors_weights(model, weights, where)
     return HFCausalLM(model)
 
 

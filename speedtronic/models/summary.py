@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["ModuleSummary", "format_model_summary", "parameter_count", "summarize_model"]
+__all__ = ["format_model_summary", "parameter_count", "summarize_model"]
 
 
 @dataclass(frozen=True)
-class ModuleSummary:
+class _ModuleSummary:
     """One row: a top-level child (or the model's own direct parameters, ``name`` "(own)")."""
 
     name: str
@@ -27,10 +27,10 @@ class ModuleSummary:
     dtypes: tuple[str, ...]
 
 
-def _row(name: str, kind: str, params: Iterable[nn.Parameter]) -> ModuleSummary:
+def _row(name: str, kind: str, params: Iterable[nn.Parameter]) -> _ModuleSummary:
     listed = list(params)
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in listed})
-    return ModuleSummary(
+    return _ModuleSummary(
         name=name,
         kind=kind,
         parameters=sum(p.numel() for p in listed),
@@ -39,7 +39,7 @@ def _row(name: str, kind: str, params: Iterable[nn.Parameter]) -> ModuleSummary:
     )
 
 
-def summarize_model(model: nn.Module) -> list[ModuleSummary]:
+def summarize_model(model: nn.Module) -> list[_ModuleSummary]:
     """One row per top-level child in definition order, then a ``total`` row."""
     seen: set[int] = set()
 
@@ -67,7 +67,7 @@ def _dtype_text(dtypes: Sequence[str]) -> str:
     return "+".join(dtypes) if dtypes else "-"
 
 
-def format_model_summary(rows: Sequence[ModuleSummary]) -> str:
+def format_model_summary(rows: Sequence[_ModuleSummary]) -> str:
     """A plain text table (no trailing newline)."""
     header = ("module", "type", "params", "trainable", "dtype")
     table = [header] + [

@@ -67,7 +67,7 @@ __all__ = [
     "build_reference_transformer",
 ]
 
-INIT_STD = 0.02
+_INIT_STD = 0.02
 """Standard deviation of the normal init of every Linear and Embedding weight."""
 
 
@@ -506,7 +506,7 @@ class ReferenceTransformer(nn.Module):
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+            nn.init.normal_(module.weight, mean=0.0, std=_INIT_STD)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 

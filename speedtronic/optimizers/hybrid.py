@@ -15,7 +15,7 @@ from speedtronic.optimizers.orthogonalize import DEFAULT_NS_COEFFICIENTS, NsDtyp
 from speedtronic.optimizers.routing import NamedParameter
 from speedtronic.optimizers.stepping import reject_sparse_gradients, run_closure
 
-__all__ = ["HybridOptimizer", "MuonOptions", "make_muon"]
+__all__ = ["HybridOptimizer", "MuonOptions"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class MuonOptions:
     norm_eps: float = 1e-8
 
 
-def make_muon(params: Sequence[NamedParameter], options: MuonOptions) -> Muon:
+def _make_muon(params: Sequence[NamedParameter], options: MuonOptions) -> Muon:
     """A ``Muon`` over ``params`` with ``options``."""
     return Muon(
         list(params),
@@ -76,7 +76,7 @@ class HybridOptimizer(torch.optim.Optimizer):
     ) -> None:
         if not muon_params and not adamw_params:
             raise ValueError("HybridOptimizer needs at least one parameter")
-        self._muon = make_muon(muon_params, muon or MuonOptions()) if muon_params else None
+        self._muon = _make_muon(muon_params, muon or MuonOptions()) if muon_params else None
         self._adamw = make_adamw(adamw_params, adamw or AdamWOptions()) if adamw_params else None
         groups = [g for child in self._children() for g in child.param_groups]
         super().__init__(groups, {"algorithm": "hybrid"})

@@ -16,10 +16,8 @@ __all__ = [
     "POST_POLAR_MODES",
     "NsDtype",
     "PostPolarMode",
-    "as_wide",
     "check_coefficients",
     "is_low_precision",
-    "is_tall",
     "newton_schulz",
     "ns_work_dtype",
     "orthogonalize_many",
@@ -110,14 +108,14 @@ def _work_dtype(tensor: torch.Tensor, requested: torch.dtype | None) -> torch.dt
 # -- the iteration --------------------------------------------------------------------------
 
 
-def is_tall(matrix: torch.Tensor) -> bool:
+def _is_tall(matrix: torch.Tensor) -> bool:
     """More rows than columns (in the last two dims)."""
     return matrix.size(-2) > matrix.size(-1)
 
 
-def as_wide(matrix: torch.Tensor) -> torch.Tensor:
+def _as_wide(matrix: torch.Tensor) -> torch.Tensor:
     """``matrix`` transposed if it is tall, so its Gram matrix ``XXᵀ`` is the small side."""
-    return matrix.mT if is_tall(matrix) else matrix
+    return matrix.mT if _is_tall(matrix) else matrix
 
 
 def check_coefficients(coefficients: Sequence[float]) -> None:
@@ -155,7 +153,7 @@ def _newton_schulz_unchecked(
     dtype: torch.dtype | None,
 ) -> torch.Tensor:
     work = _work_dtype(matrix, dtype)
-    wide = as_wide(matrix).detach()
+    wide = _as_wide(matrix).detach()
     try:
         x = _orthogonalize_wide(wide.to(work), steps, coefficients, eps)
     except torch.cuda.OutOfMemoryError:
@@ -165,7 +163,7 @@ def _newton_schulz_unchecked(
         if work == torch.float32:
             raise
         x = _orthogonalize_wide(wide.float(), steps, coefficients, eps)
-    return x.mT if is_tall(matrix) else x
+    return x.mT if _is_tall(matrix) else x
 
 
 def newton_schulz(
@@ -219,12 +217,12 @@ def orthogonalize_many(
         batches.setdefault(_batch_key(index, matrix), []).append(index)
     results: list[torch.Tensor | None] = [None] * len(matrices)
     for indices in batches.values():
-        wide = [as_wide(matrices[i]) for i in indices]
+        wide = [_as_wide(matrices[i]) for i in indices]
         batch = wide[0] if len(wide) == 1 else torch.stack(wide)
         ortho = _newton_schulz_unchecked(batch, steps, coefficients, eps, dtype)
         outputs = [ortho] if len(wide) == 1 else list(ortho.unbind(0))
         for i, out in zip(indices, outputs, strict=True):
-            results[i] = out.mT if is_tall(matrices[i]) else out
+            results[i] = out.mT if _is_tall(matrices[i]) else out
     return [r for r in results if r is not None]
 
 

@@ -10,9 +10,9 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from speedtronic.optimizers.settings import RunSettings, SchedulerSettings
 
-__all__ = ["SCHEDULES", "build_scheduler", "lr_multiplier"]
+__all__ = ["build_scheduler", "lr_multiplier"]
 
-SCHEDULES = ("cosine", "constant")
+_SCHEDULES = ("cosine", "constant")
 
 
 def lr_multiplier(
@@ -34,7 +34,7 @@ def lr_multiplier(
 
 def _checked_schedule(settings: SchedulerSettings, max_steps: int) -> str:
     schedule = settings.name.strip().lower()
-    if schedule not in SCHEDULES:
+    if schedule not in _SCHEDULES:
         raise ValueError(f"scheduler.name must be 'cosine' or 'constant', got {settings.name!r}")
     if settings.warmup_steps < 0 or max_steps <= 0:
         raise ValueError("scheduler warmup_steps must be >= 0 and max_steps > 0")

@@ -37,19 +37,15 @@ from speedtronic.state.sharded_checkpoint import (
     saved_tensor_entries,
 )
 
-__all__ = [
-    "CALLBACK_SHARD_PATHS",
-    "split_callback_shards",
-    "with_callback_shards",
-]
+__all__ = ["CALLBACK_SHARD_PATHS", "split_callback_shards", "with_callback_shards"]
 
 CALLBACK_SHARD_PATHS = "callback_shard_paths"
 """The ``state.pt`` entry listing where each sharded leaf sat in the callback states: entry
 ``i`` is ``[state_key, key, ...]`` of the DCP tensor ``callback_shards.<i>``."""
 
-CallbackStates = dict[str, dict[str, object]]
-ShardPath = tuple[str, ...]
-KeyPath = tuple[object, ...]
+_CallbackStates = dict[str, dict[str, object]]
+_ShardPath = tuple[str, ...]
+_KeyPath = tuple[object, ...]
 
 
 def _is_dtensor(value: object) -> bool:
@@ -59,7 +55,7 @@ def _is_dtensor(value: object) -> bool:
 
 
 def _take_shards(
-    tree: Mapping[object, object], path: KeyPath, found: list[tuple[ShardPath, torch.Tensor]]
+    tree: Mapping[object, object], path: _KeyPath, found: list[tuple[_ShardPath, torch.Tensor]]
 ) -> dict[object, object]:
     """``tree`` without its ``DTensor`` leaves, which are appended to ``found``.
     ``CheckpointError`` for a leaf in a list or below a key that is not a string."""
@@ -73,7 +69,7 @@ def _take_shards(
                     "(DTensor) must sit in dicts with string keys"
                 )
             assert isinstance(value, torch.Tensor)
-            found.append((cast(ShardPath, where), value))
+            found.append((cast(_ShardPath, where), value))
         elif isinstance(value, Mapping):
             kept[key] = _take_shards(value, where, found)
         elif isinstance(value, (list, tuple)) and any(_is_dtensor(item) for item in value):
@@ -86,17 +82,17 @@ def _take_shards(
     return kept
 
 
-def _describe(path: KeyPath) -> str:
+def _describe(path: _KeyPath) -> str:
     return "state['callbacks']" + "".join(f"[{key!r}]" for key in path)
 
 
 def split_callback_shards(
     states: Mapping[str, Mapping[str, object]],
-) -> tuple[CallbackStates, dict[str, torch.Tensor], list[list[str]]]:
+) -> tuple[_CallbackStates, dict[str, torch.Tensor], list[list[str]]]:
     """``states`` (``Trainer.callback_states()``) without their ``DTensor`` leaves; the
     leaves by DCP key (``"0"``, ``"1"``, ...); and where each sat (``CALLBACK_SHARD_PATHS``).
     ``CheckpointError`` for a sharded leaf inside a list."""
-    found: list[tuple[ShardPath, torch.Tensor]] = []
+    found: list[tuple[_ShardPath, torch.Tensor]] = []
     plain = {
         key: cast(
             dict[str, object],
@@ -108,7 +104,7 @@ def split_callback_shards(
     return plain, shards, [list(path) for path, _ in found]
 
 
-def _shard_paths(value: object) -> list[ShardPath]:
+def _shard_paths(value: object) -> list[_ShardPath]:
     if value is None:
         return []
     if not isinstance(value, list) or not all(
@@ -147,7 +143,7 @@ def _template(size: Sequence[int], dtype: torch.dtype, layout: object) -> torch.
     return empty(*size, dtype=dtype, device_mesh=mesh, placements=placements)  # type: ignore[arg-type]  # mesh and placements of the model's own DTensor
 
 
-def _insert(states: CallbackStates, path: ShardPath, tensor: torch.Tensor) -> None:
+def _insert(states: _CallbackStates, path: _ShardPath, tensor: torch.Tensor) -> None:
     node = cast(dict[str, object], states)
     for key in path[:-1]:
         child = node.get(key, {})
@@ -165,14 +161,14 @@ def _insert(states: CallbackStates, path: ShardPath, tensor: torch.Tensor) -> No
 
 def with_callback_shards(
     state: Mapping[str, object], like: nn.Module | None = None
-) -> CallbackStates:
+) -> _CallbackStates:
     """The callback states of a loaded training state, whole: for a sharded checkpoint
     written by several ranks the ``DTensor`` leaves are loaded from its directory (on every
     rank of a distributed job: a collective) and put back where they were -- as ``DTensor``
     laid out like ``like``'s parameters when it is sharded, else as whole CPU tensors.
     Any other state's callback states are returned as they are."""
     callbacks = state.get("callbacks")
-    states: CallbackStates = {
+    states: _CallbackStates = {
         str(key): dict(value)
         for key, value in (callbacks.items() if isinstance(callbacks, Mapping) else ())
         if isinstance(value, Mapping)

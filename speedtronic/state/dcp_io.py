@@ -7,8 +7,8 @@ module is the DCP plumbing underneath it, which closes two holes DCP leaves open
   ``.distcp`` shard (``BytesStorageMetadata``: optimizer settings and the like) with
   ``torch.load(weights_only=False)``, and its file-system reader unpickles ``.metadata`` with
   ``pickle.load``: a record replaced by a pickle that calls ``os.system`` would run on
-  resume. ``load`` therefore runs ``dcp.load`` with ``RestrictedReader`` and
-  ``RestrictedLoadPlanner``: every record -- tensor or bytes -- and ``.metadata`` go through
+  resume. ``load`` therefore runs ``dcp.load`` with ``_RestrictedReader`` and
+  ``_RestrictedLoadPlanner``: every record -- tensor or bytes -- and ``.metadata`` go through
   ``speedtronic.state.safe_load.restricted_load`` (``.metadata`` allowing DCP's own metadata
   dataclasses and nothing else), and ``.metadata`` is then checked field by field
   (``read_metadata``): every record must lie in a shard file named the way DCP names them
@@ -73,11 +73,8 @@ from speedtronic.state.safe_load import SafeGlobal, restricted_load
 
 __all__ = [
     "METADATA_NAME",
-    "SHARD_FILE",
     "BoundDirectory",
     "BoundWriter",
-    "RestrictedLoadPlanner",
-    "RestrictedReader",
     "check_bytes_records",
     "describe_failures",
     "load",
@@ -87,7 +84,7 @@ __all__ = [
 ]
 
 METADATA_NAME = ".metadata"
-SHARD_FILE = re.compile(r"__\d{1,9}_\d{1,9}\.distcp")
+_SHARD_FILE = re.compile(r"__\d{1,9}_\d{1,9}\.distcp")
 """The name of a rank's shard file, as DCP writes them (rank, then file number)."""
 _NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NON_BLOCKING = getattr(os, "O_NONBLOCK", 0)  # only so that opening a FIFO cannot hang
@@ -389,7 +386,7 @@ def _storage_info_ok(info: object) -> bool:
     return (
         isinstance(info, filesystem._StorageInfo)
         and isinstance(info.relative_path, str)
-        and SHARD_FILE.fullmatch(info.relative_path) is not None
+        and _SHARD_FILE.fullmatch(info.relative_path) is not None
         and _natural(info.offset)
         and _natural(info.length)
         and not info.transform_descriptors
@@ -414,7 +411,7 @@ def check_bytes_records(directory: Path, metadata: Metadata) -> None:
                 restricted_load(value, name=f"{shard} (record {index.fqn!r})")
 
 
-class RestrictedLoadPlanner(DefaultLoadPlanner):
+class _RestrictedLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, except that a bytes record is unpickled by the
     restricted loader (the default calls ``torch.load(weights_only=False)`` on it)."""
 
@@ -442,9 +439,9 @@ def _relative_path(metadata: Metadata | None, item: ReadItem) -> str:
     return str(info.relative_path)
 
 
-class RestrictedReader(FileSystemReader):
+class _RestrictedReader(FileSystemReader):
     """DCP's ``FileSystemReader``, except that ``.metadata`` is read by ``read_metadata``
-    and every record of a shard by the restricted loader (with ``RestrictedLoadPlanner``,
+    and every record of a shard by the restricted loader (with ``_RestrictedLoadPlanner``,
     which it insists on), shard files opened without following symlinks."""
 
     def __init__(self, path: Path) -> None:
@@ -455,8 +452,8 @@ class RestrictedReader(FileSystemReader):
         return read_metadata(self.directory, self.load_id)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if not isinstance(planner, RestrictedLoadPlanner):
-            raise TypeError("RestrictedReader reads with a RestrictedLoadPlanner only")
+        if not isinstance(planner, _RestrictedLoadPlanner):
+            raise TypeError("_RestrictedReader reads with a _RestrictedLoadPlanner only")
         try:
             self._read(plan, planner)
         except CheckpointError:
@@ -470,7 +467,7 @@ class RestrictedReader(FileSystemReader):
         done.set_result(None)
         return done
 
-    def _read(self, plan: LoadPlan, planner: RestrictedLoadPlanner) -> None:
+    def _read(self, plan: LoadPlan, planner: _RestrictedLoadPlanner) -> None:
         by_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             by_file.setdefault(_relative_path(planner.metadata, item), []).append(item)
@@ -511,8 +508,8 @@ def load(state: dict[str, object], directory: Path, *, no_dist: bool) -> None:
         with _single_process_quietly():
             dcp_load(
                 state,
-                storage_reader=RestrictedReader(directory),
-                planner=RestrictedLoadPlanner(directory),
+                storage_reader=_RestrictedReader(directory),
+                planner=_RestrictedLoadPlanner(directory),
                 no_dist=no_dist,
             )
     except CheckpointException as exc:  # a BaseException: make it the error it is

@@ -45,7 +45,6 @@ __all__ = [
     "MAX_STEP",
     "POINTER_NAME",
     "SHARDED_SUFFIX",
-    "STEP_DIGITS",
     "checkpoint_name",
     "checkpoint_step",
     "is_checkpoint_entry",
@@ -64,10 +63,10 @@ BEST_POINTER_NAME = "best.json"
 SHARDED_SUFFIX = ".dcp"
 """The suffix of a sharded checkpoint's directory (``speedtronic.state.sharded_checkpoint``)."""
 
-STEP_DIGITS = 12
-MAX_STEP = 10**STEP_DIGITS - 1
+_STEP_DIGITS = 12
+MAX_STEP = 10**_STEP_DIGITS - 1
 """The highest step a checkpoint file name can carry (12 digits: 31 years at 1 step/ms)."""
-_CHECKPOINT_NAME = re.compile(rf"step_(\d{{{STEP_DIGITS}}})\.(?:pt|dcp)")
+_CHECKPOINT_NAME = re.compile(rf"step_(\d{{{_STEP_DIGITS}}})\.(?:pt|dcp)")
 _TEMP_NAME = re.compile(
     r"\.(?:step_\d+\.(?:pt|dcp)|latest\.json|best\.json)\.(?:tmp|old)-(\d{1,10})(?:-[0-9a-f]{16})?"
 )
@@ -94,7 +93,7 @@ def checkpoint_name(step: int) -> str:
     """``step_<step, 12 digits>.pt``; ``ValueError`` for a step no name can carry."""
     if not 0 <= step <= MAX_STEP:
         raise ValueError(f"step must be in 0..{MAX_STEP}, got {step}")
-    return f"step_{step:0{STEP_DIGITS}d}.pt"
+    return f"step_{step:0{_STEP_DIGITS}d}.pt"
 
 
 def is_checkpoint_entry(path: Path) -> bool:

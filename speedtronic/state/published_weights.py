@@ -32,7 +32,6 @@ __all__ = [
     "PublishedWeightsError",
     "apply_weights",
     "published_weights",
-    "weight_sources",
 ]
 
 WEIGHTS_ENTRY = "weights"
@@ -46,7 +45,7 @@ class PublishedWeightsError(CheckpointError):
     (a user mistake: the CLI reports it with exit 2)."""
 
 
-def weight_sources(callbacks: Mapping[str, object]) -> list[str]:
+def _weight_sources(callbacks: Mapping[str, object]) -> list[str]:
     """The state keys of the callbacks in ``callbacks`` that publish weights, sorted."""
     return sorted(
         key
@@ -63,7 +62,7 @@ def published_weights(loaded: LoadedCheckpoint, source: str) -> dict[str, torch.
     entry = callbacks.get(source)
     weights = entry.get(WEIGHTS_ENTRY) if isinstance(entry, Mapping) else None
     if not isinstance(weights, Mapping):
-        others = ", ".join([MODEL_WEIGHTS, *weight_sources(callbacks)])
+        others = ", ".join([MODEL_WEIGHTS, *_weight_sources(callbacks)])
         reason = (
             f"it has no state for a callback with state_key {source!r}"
             if entry is None

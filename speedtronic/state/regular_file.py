@@ -8,7 +8,7 @@ therefore opened with ``O_NONBLOCK``, which makes opening a FIFO return at once,
 have been replaced since a ``stat``) before a byte is read. ``O_NONBLOCK`` changes nothing
 for reads of a regular file, so the handle is used as it is.
 
-``check_regular`` is the same check by name, for the few readers that must hand a path to a
+``_check_regular`` is the same check by name, for the few readers that must hand a path to a
 library (it follows links, as opening does).
 """
 
@@ -19,7 +19,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["NotRegularFileError", "check_regular", "file_kind", "open_regular"]
+__all__ = ["NotRegularFileError", "open_regular"]
 
 _NON_BLOCKING = getattr(os, "O_NONBLOCK", 0)  # POSIX; Windows has no FIFOs to open by name
 _BINARY = getattr(os, "O_BINARY", 0)  # Windows: no newline translation
@@ -35,7 +35,7 @@ class NotRegularFileError(OSError):
         self.kind = kind
 
 
-def file_kind(mode: int) -> str:
+def _file_kind(mode: int) -> str:
     """What a ``st_mode`` that is not a regular file's is, in words."""
     for test, kind in (
         (stat.S_ISFIFO, "a FIFO (named pipe)"),
@@ -64,16 +64,16 @@ def open_regular(path: str | os.PathLike[str], *, follow_links: bool = True) -> 
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise NotRegularFileError(path, file_kind(mode))
+            raise NotRegularFileError(path, _file_kind(mode))
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
         raise
 
 
-def check_regular(path: str | os.PathLike[str]) -> None:
+def _check_regular(path: str | os.PathLike[str]) -> None:
     """Refuse a path that is not a regular file (``NotRegularFileError``), following links;
     ``FileNotFoundError`` when it does not exist."""
     mode = os.stat(path).st_mode
     if not stat.S_ISREG(mode):
-        raise NotRegularFileError(path, file_kind(mode))
+        raise NotRegularFileError(path, _file_kind(mode))

@@ -61,13 +61,13 @@ from speedtronic.state.remote_store import (
 from speedtronic.state.run_identity import OTHER_RUN_FLAG, saved_run
 from speedtronic.state.sharded_checkpoint import SHARDED_SUFFIX, STATE_NAME
 
-__all__ = ["Fetched", "fetch_newer"]
+__all__ = ["fetch_newer"]
 
 logger = logging.getLogger("speedtronic.checkpoint")
 
 
 @dataclass(frozen=True)
-class Fetched:
+class _Fetched:
     """What ``fetch_newer`` did: the checkpoint it brought into the directory (``None``:
     none), and the id of the run the prefix belongs to (``None``: no ownership record)."""
 
@@ -121,7 +121,7 @@ def fetch_newer(
     retry: RetryPolicy | None = None,
     run_id: str | None = None,
     allow_other_run: bool = False,
-) -> Fetched:
+) -> _Fetched:
     """Download the newest intact remote checkpoint into ``manager``'s directory when it is
     newer than what the directory holds, and point the local ``latest.json`` at it
     (module docstring). ``run_id``: this run's id (``None``: a run directory without one).
@@ -143,20 +143,20 @@ def fetch_newer(
             f"cannot read {store.where(POINTER_NAME)} ({describe_failure(exc)}); resuming "
             f"from the local directory {manager.directory}"
         )
-        return Fetched()
+        return _Fetched()
     expected = _expected(store, owner, run_id, allow_other_run)
     owner_id = None if owner is None else owner.run_id
     if data is None:
         logger.info("checkpoint.remote: %s holds no checkpoint yet", store.url)
-        return Fetched(owner=owner_id)
+        return _Fetched(owner=owner_id)
     pointer, problem = parse_remote_pointer(data)
     if pointer is None:
         _warn(
             f"ignoring {store.where(POINTER_NAME)}: {problem}; resuming from the local "
             f"directory {manager.directory}"
         )
-        return Fetched(owner=owner_id)
-    return Fetched(_fetch_from(store, manager, pointer, expected, run), owner_id)
+        return _Fetched(owner=owner_id)
+    return _Fetched(_fetch_from(store, manager, pointer, expected, run), owner_id)
 
 
 def _expected(

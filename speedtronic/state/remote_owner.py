@@ -34,7 +34,6 @@ from speedtronic.state.remote_store import RemoteError, RemoteStore, Retry
 from speedtronic.state.run_identity import OTHER_RUN_FLAG, is_run_id
 
 __all__ = [
-    "MAX_OWNER_BYTES",
     "OWNER_NAME",
     "RemoteOwner",
     "RemoteOwnerError",
@@ -48,7 +47,7 @@ __all__ = [
 logger = logging.getLogger("speedtronic.checkpoint")
 
 OWNER_NAME = "owner.json"
-MAX_OWNER_BYTES = 64 * 1024
+_MAX_OWNER_BYTES = 64 * 1024
 """An ownership record is a few hundred bytes; anything larger is not one (read no more)."""
 
 
@@ -77,8 +76,8 @@ class RemoteOwner:
 def parse_owner(data: bytes) -> tuple[RemoteOwner | None, str | None]:
     """Decode ``owner.json`` bytes: ``(owner, None)`` or ``(None, problem)``. Never raises
     for any input (size-capped, bounded nesting)."""
-    if len(data) > MAX_OWNER_BYTES:
-        return None, f"it is more than {MAX_OWNER_BYTES} bytes"
+    if len(data) > _MAX_OWNER_BYTES:
+        return None, f"it is more than {_MAX_OWNER_BYTES} bytes"
     content, problem = decode_pointer_bytes(data)
     if problem is not None:
         return None, problem
@@ -94,7 +93,7 @@ def parse_owner(data: bytes) -> tuple[RemoteOwner | None, str | None]:
 def read_owner(store: RemoteStore, run: Retry) -> RemoteOwner | None:
     """The prefix's owner (``None``: no record). ``RemoteOwnerError`` for a record that is
     not one; store errors (after ``run``'s retries) as they are."""
-    data = run(lambda: store.read_small(OWNER_NAME, MAX_OWNER_BYTES))
+    data = run(lambda: store.read_small(OWNER_NAME, _MAX_OWNER_BYTES))
     if data is None:
         return None
     owner, problem = parse_owner(data)

@@ -14,14 +14,14 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-RNGState = dict[str, object]
+_RNGState = dict[str, object]
 
 
-def capture_rng_state() -> RNGState:
+def capture_rng_state() -> _RNGState:
     """Python ``random``, NumPy, torch CPU and every CUDA device."""
     version, internal, gauss = random.getstate()
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
-    state: RNGState = {
+    state: _RNGState = {
         "python": {"version": version, "state": list(internal), "gauss": gauss},
         "numpy": {
             "kind": str(np_kind),

@@ -30,14 +30,7 @@ import torch
 from speedtronic.state.errors import CheckpointError, CorruptCheckpointError, first_line
 from speedtronic.state.pickle_scan import classify_refusal, pickled_globals
 
-__all__ = [
-    "MAX_STATE_DEPTH",
-    "TENSOR_TYPES",
-    "SafeGlobal",
-    "pickled_globals",
-    "plain_state",
-    "restricted_load",
-]
+__all__ = ["TENSOR_TYPES", "SafeGlobal", "pickled_globals", "plain_state", "restricted_load"]
 
 SafeGlobal = Callable[..., object] | tuple[Callable[..., object], str]
 """A class (or ``(class, "module.Name")``) a weights-only load may build, as torch takes them."""
@@ -111,7 +104,7 @@ def plain_state(state: Mapping[str, object]) -> dict[str, object]:
     return plain
 
 
-MAX_STATE_DEPTH = 100
+_MAX_STATE_DEPTH = 100
 """Deepest nesting of containers a checkpointed state may have (a model's state is ~5)."""
 
 
@@ -145,8 +138,8 @@ class _PlainWalk:
         key = id(value)
         if key in self.ancestors:
             raise _NotPlain(f"{where} refers back to {self.ancestors[key]} (a cycle)")
-        if len(self.ancestors) >= MAX_STATE_DEPTH:
-            raise _NotPlain(f"{where} is nested more than {MAX_STATE_DEPTH} containers deep")
+        if len(self.ancestors) >= _MAX_STATE_DEPTH:
+            raise _NotPlain(f"{where} is nested more than {_MAX_STATE_DEPTH} containers deep")
         self.ancestors[key] = where
         try:
             return self.rebuild(value, where)

@@ -75,7 +75,6 @@ __all__ = [
     "MANIFEST_NAME",
     "SHARDED_SUFFIX",
     "STATE_NAME",
-    "TENSOR_KEYS",
     "agree_corrupt",
     "copy_sharded",
     "is_sharded_state",
@@ -90,11 +89,11 @@ __all__ = [
 
 STATE_NAME = "state.pt"
 MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = 1
+_MANIFEST_FORMAT = 1
 CALLBACK_SHARDS = "callback_shards"
 """The entry of a training state holding the callbacks' ``DTensor`` leaves by index
 (``speedtronic.state.callback_shards``); present only when some callback has them."""
-TENSOR_KEYS = ("model", "optimizer", CALLBACK_SHARDS)
+_TENSOR_KEYS = ("model", "optimizer", CALLBACK_SHARDS)
 """The entries of a training state that DCP writes shard by shard."""
 SHARDED_MARKER = "sharded"
 """A training state holding this key (True) is written as a sharded checkpoint; a loaded
@@ -170,13 +169,13 @@ def write_sharded(path: Path, state: Mapping[str, object]) -> str:
     from speedtronic.state import dcp_io
 
     rest = plain_state(
-        {key: value for key, value in state.items() if key not in (*TENSOR_KEYS, SHARDED_MARKER)}
+        {key: value for key, value in state.items() if key not in (*_TENSOR_KEYS, SHARDED_MARKER)}
     )
     temp, identity = _temp_directory(path)
     writer = dcp_io.BoundWriter(temp, identity)
     try:
         dcp_io.save(
-            {key: state[key] for key in TENSOR_KEYS if key in state},
+            {key: state[key] for key in _TENSOR_KEYS if key in state},
             writer,
             no_dist=not _multi_process(),
         )
@@ -212,7 +211,7 @@ def _manifest(directory: dcp_io.BoundDirectory) -> dict[str, object]:
             size, digest = directory.size_and_sha256(name)
             files[name] = {"size": size, "sha256": digest}
     world = dist.get_world_size() if _multi_process() else 1
-    return {"format": MANIFEST_FORMAT, "world_size": world, "files": files}
+    return {"format": _MANIFEST_FORMAT, "world_size": world, "files": files}
 
 
 def _replace_directory(temp: Path, path: Path) -> None:

@@ -12,18 +12,12 @@ import signal
 
 from speedtronic.state.time_budget import TIME_BUDGET_EXIT_CODE, is_time_budget_stop
 
-__all__ = [
-    "BAD_INPUT_EXIT_CODE",
-    "bad_input_stop_reason",
-    "requeue_exit_code",
-    "signal_stop_reason",
-    "stop_exit_code",
-]
+__all__ = ["bad_input_stop_reason", "requeue_exit_code", "signal_stop_reason", "stop_exit_code"]
 
 _SIGNAL_REASON_PREFIX = "signal "
 _BAD_INPUT_PREFIX = "bad input: "
 
-BAD_INPUT_EXIT_CODE = 2
+_BAD_INPUT_EXIT_CODE = 2
 """The exit status of a run a plugin stopped because its input is bad (a loss that keeps
 spiking, say): the status of every other user mistake, so a wrapper does not requeue it."""
 
@@ -57,13 +51,13 @@ def requeue_exit_code(stop_reason: str | None) -> int | None:
 def bad_input_stop_reason(message: str) -> str:
     """The stop reason of a fit a plugin stopped cleanly (after the step, so the checkpoint
     callback keeps the last good weights) because its data or settings are at fault; the
-    CLI exits ``BAD_INPUT_EXIT_CODE`` after it (``stop_exit_code``)."""
+    CLI exits ``_BAD_INPUT_EXIT_CODE`` after it (``stop_exit_code``)."""
     return f"{_BAD_INPUT_PREFIX}{message}"
 
 
 def stop_exit_code(stop_reason: str | None) -> int | None:
     """The exit status a fit's stop reason asks for: a requeue status (signal, time budget,
-    ``requeue_exit_code``), ``BAD_INPUT_EXIT_CODE`` after a bad-input stop, else ``None``."""
+    ``requeue_exit_code``), ``_BAD_INPUT_EXIT_CODE`` after a bad-input stop, else ``None``."""
     if stop_reason and stop_reason.startswith(_BAD_INPUT_PREFIX):
-        return BAD_INPUT_EXIT_CODE
+        return _BAD_INPUT_EXIT_CODE
     return requeue_exit_code(stop_reason)

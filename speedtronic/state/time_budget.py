@@ -26,7 +26,6 @@ import math
 import re
 
 __all__ = [
-    "MAX_DURATION_S",
     "MIN_TIME_BUDGET_S",
     "TIME_BUDGET_EXIT_CODE",
     "DurationError",
@@ -45,7 +44,7 @@ both mean "requeue me and resume"."""
 MIN_TIME_BUDGET_S = 1.0
 """A shorter ``run.max_time`` is refused when the config is validated: no step fits in it."""
 
-MAX_DURATION_S = 366 * 86400.0
+_MAX_DURATION_S = 366 * 86400.0
 """A longer duration is a typo (and large numbers would overflow the clock arithmetic)."""
 
 _NUMBER = r"\d+(?:\.\d+)?"
@@ -76,7 +75,7 @@ def _problem(value: object, why: str = "is not a duration") -> DurationError:
 def parse_duration(value: object) -> float:
     """Seconds in ``value``: a positive number of seconds, or a string in one of the forms
     of the module docstring. ``DurationError`` for anything else (also zero, negative, or
-    more than ``MAX_DURATION_S``). Bounded work for any input."""
+    more than ``_MAX_DURATION_S``). Bounded work for any input."""
     if isinstance(value, bool):
         raise _problem(value)
     if isinstance(value, (int, float)):
@@ -87,8 +86,8 @@ def parse_duration(value: object) -> float:
         raise _problem(value)
     if not math.isfinite(seconds) or seconds <= 0:
         raise _problem(value, "is not a positive duration")
-    if seconds > MAX_DURATION_S:
-        raise _problem(value, f"is longer than {MAX_DURATION_S / 86400:.0f} days")
+    if seconds > _MAX_DURATION_S:
+        raise _problem(value, f"is longer than {_MAX_DURATION_S / 86400:.0f} days")
     return seconds
 
 

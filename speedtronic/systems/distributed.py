@@ -184,7 +184,7 @@ def choose_backend(device: torch.device) -> Backend:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def device_for_local_rank(requested: str | torch.device, local_rank: int) -> torch.device:
+def _device_for_local_rank(requested: str | torch.device, local_rank: int) -> torch.device:
     """The requested device, with CUDA pinned to GPU ``local_rank`` (one GPU per process)."""
     device = resolve_device(requested)
     if device.type != "cuda":
@@ -220,7 +220,7 @@ def setup_distributed(
         return None
     if not dist.is_available():
         raise DistributedSetupError("this PyTorch build has no torch.distributed support")
-    resolved = device_for_local_rank(device, launch.local_rank)
+    resolved = _device_for_local_rank(device, launch.local_rank)
     backend = choose_backend(resolved)
     options: dict[str, object] = {}
     if backend == "nccl":
@@ -263,7 +263,7 @@ def _context_of_existing_group(
     env = os.environ if environ is None else environ
     local_rank = int(env.get("LOCAL_RANK", "0") or 0)
     backend = dist.get_backend()
-    resolved = device_for_local_rank(device, local_rank)
+    resolved = _device_for_local_rank(device, local_rank)
     return DistributedContext(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),

@@ -33,7 +33,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
-    "LAUNCH_FLAGS",
     "SHUTDOWN_TIMEOUT_S",
     "LaunchError",
     "LaunchOptions",
@@ -42,7 +41,7 @@ __all__ = [
     "run_exit_code",
 ]
 
-LAUNCH_FLAGS = ("--nproc-per-node", "--nnodes", "--rdzv-endpoint")
+_LAUNCH_FLAGS = ("--nproc-per-node", "--nnodes", "--rdzv-endpoint")
 """The launcher's own flags (each takes a value); the ranks get the other arguments."""
 SHUTDOWN_TIMEOUT_S = 3600
 """How long a signalled launcher waits for the ranks to reach their stop step, save and
@@ -82,9 +81,9 @@ def rank_arguments(argv: Sequence[str]) -> list[str]:
     for argument in argv:
         if skip:
             skip = False
-        elif argument in LAUNCH_FLAGS:
+        elif argument in _LAUNCH_FLAGS:
             skip = True
-        elif not argument.startswith(tuple(f"{flag}=" for flag in LAUNCH_FLAGS)):
+        elif not argument.startswith(tuple(f"{flag}=" for flag in _LAUNCH_FLAGS)):
             kept.append(argument)
     return kept
 

@@ -45,7 +45,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "SHARD_BLOCKS_METHOD",
     "ShardingError",
     "find_shard_blocks",
     "global_grad_norm",
@@ -57,7 +56,7 @@ __all__ = [
 
 logger = logging.getLogger("speedtronic.sharding")
 
-SHARD_BLOCKS_METHOD = "shard_blocks"
+_SHARD_BLOCKS_METHOD = "shard_blocks"
 """The method by which a model names its FSDP units (returns an iterable of modules)."""
 
 
@@ -72,14 +71,14 @@ def find_shard_blocks(model: nn.Module) -> list[nn.Module]:
     ``ShardingError`` when the model declares something that is not one of its submodules,
     or has no blocks at all."""
     name = type(model).__name__
-    declared = getattr(model, SHARD_BLOCKS_METHOD, None)
+    declared = getattr(model, _SHARD_BLOCKS_METHOD, None)
     if callable(declared):
         own = {id(module) for module in model.modules() if module is not model}
         blocks = []
         for index, block in enumerate(cast(Callable[[], Iterable[object]], declared)()):
             if not isinstance(block, nn.Module) or id(block) not in own:
                 raise ShardingError(
-                    f"parallel.strategy fsdp: {name}.{SHARD_BLOCKS_METHOD}() item {index} is "
+                    f"parallel.strategy fsdp: {name}.{_SHARD_BLOCKS_METHOD}() item {index} is "
                     f"not a submodule of the model ({type(block).__name__})"
                 )
             blocks.append(block)
@@ -88,7 +87,7 @@ def find_shard_blocks(model: nn.Module) -> list[nn.Module]:
     if not blocks:
         raise ShardingError(
             f"parallel.strategy fsdp: model {name} has no shardable blocks. Hold its "
-            f"repeated layers in an nn.ModuleList, or give it a {SHARD_BLOCKS_METHOD}() "
+            f"repeated layers in an nn.ModuleList, or give it a {_SHARD_BLOCKS_METHOD}() "
             "method returning the modules to shard one by one; or use parallel.strategy ddp"
         )
     return blocks

@@ -23,14 +23,9 @@ from torch.utils.hooks import RemovableHandle
 
 from speedtronic.systems.shapes import WarningLogger
 
-__all__ = [
-    "MAX_STREAMS",
-    "StageInfo",
-    "StageStreamScheduler",
-    "WarningLogger",
-]
+__all__ = ["StageInfo", "StageStreamScheduler", "WarningLogger"]
 
-MAX_STREAMS = 8
+_MAX_STREAMS = 8
 
 _LOGGER = logging.getLogger("speedtronic.stage_streams")
 
@@ -103,7 +98,7 @@ class StageStreamScheduler:
     ) -> None:
         self.model = model
         self.device = torch.device(device)
-        self.requested_streams = max(1, min(MAX_STREAMS, int(num_streams)))
+        self.requested_streams = max(1, min(_MAX_STREAMS, int(num_streams)))
         self.stages: list[StageInfo] = []
         self.enabled = False
         self.reason = ""

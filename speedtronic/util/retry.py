@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Literal, NoReturn, TypeVar
 if TYPE_CHECKING:  # imported when an operation first runs: importing a store stays cheap
     from tenacity import RetryCallState
 
-__all__ = ["Backoff", "Jitter", "retry"]
+__all__ = ["Backoff", "retry"]
 
-Jitter = Literal["full", "equal"]
+_Jitter = Literal["full", "equal"]
 _Result = TypeVar("_Result")
 
 
@@ -39,7 +39,7 @@ class Backoff:
     attempts: int
     initial_s: float
     max_s: float
-    jitter: Jitter = "full"
+    jitter: _Jitter = "full"
 
     def delay(self, retry_index: int, draw: float) -> float:
         """Seconds to wait before retry number ``retry_index`` (1-based), for a uniform

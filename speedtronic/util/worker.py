@@ -32,10 +32,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, Literal, TypeVar
 
-__all__ = ["BackgroundWorker", "WhenFull", "run_job"]
+__all__ = ["BackgroundWorker", "run_job"]
 
 T = TypeVar("T")
-WhenFull = Literal["wait", "replace", "refuse"]
+_WhenFull = Literal["wait", "replace", "refuse"]
 
 _POLL_S = 0.1
 """How often a waiting caller checks that the worker thread is still alive."""
@@ -56,7 +56,7 @@ class BackgroundWorker(Generic[T]):
         handle: Callable[[T], None],
         *,
         max_pending: int = 10_000,
-        when_full: WhenFull = "wait",
+        when_full: _WhenFull = "wait",
         interval_s: float | None = None,
         on_error: Callable[[BaseException], None] | None = None,
     ) -> None:
@@ -65,7 +65,7 @@ class BackgroundWorker(Generic[T]):
         self.name = name
         self._handle = handle
         self._max_pending = max_pending
-        self._when_full: WhenFull = when_full
+        self._when_full: _WhenFull = when_full
         self._interval_s = interval_s
         self._on_error = on_error
         self._pending: deque[T] = deque()
