@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from speedtronic.systems.tensor_parallel import (
+from speedtronic.systems.tensor_parallel_registry import (
     TensorParallelPlan,
     register_tensor_parallel_plan,
     require_divisible,
