@@ -1,12 +1,20 @@
 """FSDP x TP (data 2 x tensor 2) against FSDP x 4, on 4 CPU processes (gloo).
 
-Every rank builds the reference transformer through speedtronic's ``Trainer`` twice:
+Two models, each its own row: ``small`` (3.7M parameters, sequences of 64: per-op overhead
+and collective latency dominate) and ``large`` (d_model 512, sequences of 256, a global
+batch of 2,048 tokens: the matrix products dominate). Every rank builds the reference
+transformer through speedtronic's ``Trainer`` twice:
 ``parallel: {strategy: fsdp}`` (FSDP over 4 data ranks) and ``{strategy: fsdp, tensor: 2}``
 (FSDP over 2 data ranks x tensor parallelism over 2), on the same global batch per step
 (4 x ``MICRO`` sequences: FSDP x 4 reads ``MICRO`` per rank, FSDP x TP ``2 MICRO`` per data
 rank). The two are timed in interleaved rounds of ``STEPS`` steps after a warm-up (a barrier
 before and after each round, so a round is the slowest rank's time); tokens/s is the global
-tokens of a round over its time. Reported: best-of-N and median, and the ratio.
+tokens of a round over its time. Reported: best-of-N and median, and the ratio. Because 4
+ranks on a shared 2-core machine make wall time depend on the load, each round's CPU time
+(``time.process_time``, summed over the ranks: work, not waiting) is reported too; on a
+machine with a core per rank and no other load, tokens/s follows the wall figures, on an
+oversubscribed one it follows the CPU figures (the "CPU-bound rate": FSDP x 4's CPU
+seconds per step over FSDP x TP's).
 
 Memory: the bytes of parameters each rank holds (``DTensor.to_local()``), at rest and the
 largest block a rank gathers whole for its forward (FSDP's unit: what sits in memory besides
@@ -17,7 +25,9 @@ layout: computed from the same model, half the shards).
 Targets (issue 34): FSDP x TP tokens/s >= 0.8 x FSDP x 4; per-rank parameter memory at
 tensor 2 <= 0.55 x without tensor parallelism.
 
-    python benchmarks/tensor_parallel.py [--rounds 5] [--steps 4] [--markdown]
+    python benchmarks/tensor_parallel.py [--model small|large|both] [--rounds 5] [--steps 4]
+
+``--steps`` applies to the small model; the large one runs ``max(1, steps // 2)`` per round.
 
 CPU-bound and sensitive to load: the script prints the load average before and after.
 """
@@ -41,8 +51,15 @@ for entry in (ROOT, ROOT / "callbacks"):
     if str(entry) not in sys.path:
         sys.path.insert(0, str(entry))
 
-MODEL = {"vocab_size": 2048, "block_size": 64, "n_layer": 4, "n_head": 8, "d_model": 256}
-MICRO = 2
+MODELS: dict[str, tuple[dict[str, int], int]] = {
+    "small": ({"vocab_size": 2048, "block_size": 64, "n_layer": 4, "n_head": 8, "d_model": 256}, 2),
+    "large": (
+        {"vocab_size": 2048, "block_size": 256, "n_layer": 4, "n_head": 8, "d_model": 512},
+        2,
+    ),
+}
+"""name -> (reference transformer options, sequences per rank under FSDP x 4)."""
+MODEL, MICRO = MODELS["small"]
 WORLD = 4
 WARMUP = 2
 
@@ -73,7 +90,9 @@ def block_bytes(model: object, tensor: int) -> int:
     return largest
 
 
-def rank_main(rank: int, port: int, rounds: int, steps: int, out: str) -> None:
+def rank_main(rank: int, port: int, rounds: int, steps: int, out: str, model_name: str) -> None:
+    global MODEL, MICRO  # noqa: PLW0603  # this rank process measures one model
+    MODEL, MICRO = MODELS[model_name]
     from speedtronic.systems.distributed import TORCHRUN_VARIABLES
 
     values = (str(rank), str(WORLD), str(rank), "127.0.0.1", str(port))
@@ -120,14 +139,21 @@ def rank_main(rank: int, port: int, rounds: int, steps: int, out: str) -> None:
         report[f"{name}/block"] = block_bytes(trainer.model, 2 if "tp" in name else 1)
         trainer.fit(WARMUP)
     times: dict[str, list[float]] = {name: [] for name in trainers}
+    cpu: dict[str, list[float]] = {name: [] for name in trainers}
     for index in range(rounds):
         for name, trainer in trainers.items():
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             trainer.fit(WARMUP + (index + 1) * steps)
+            cpu[name].append(time.process_time() - start_cpu)  # this rank's work, no waiting
             dist.barrier()
             times[name].append(time.perf_counter() - start)
+    every_rank: list[dict[str, list[float]] | None] = [None] * WORLD
+    dist.all_gather_object(every_rank, cpu)
     report["times"] = times
+    report["cpu"] = {  # per round, summed over the ranks
+        name: [sum(r[name][i] for r in every_rank if r) for i in range(rounds)] for name in cpu
+    }
     teardown_distributed(context)
     if rank == 0:
         Path(out).write_text(json.dumps(report))
@@ -142,10 +168,22 @@ def free_port() -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=[*MODELS, "both"], default="both")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
+    for name in MODELS if args.model == "both" else [args.model]:
+        steps = args.steps if name == "small" else max(1, args.steps // 2)
+        if measure(name, args.rounds, steps):
+            return 1
+        print()
+    return 0
+
+
+def measure(model_name: str, rounds: int, steps: int) -> int:
+    """Run and print one model's rows; 1 when a rank failed."""
+    global MODEL, MICRO  # noqa: PLW0603  # the tables below describe this model
+    MODEL, MICRO = MODELS[model_name]
     load_before = os.getloadavg()
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(
@@ -155,7 +193,7 @@ def main() -> int:
         out = str(Path(tmp) / "report.json")
         port = free_port()
         ranks = [
-            context.Process(target=rank_main, args=(r, port, args.rounds, args.steps, out))
+            context.Process(target=rank_main, args=(r, port, rounds, steps, out, model_name))
             for r in range(WORLD)
         ]
         for process in ranks:
@@ -167,14 +205,26 @@ def main() -> int:
             return 1
         report = json.loads(Path(out).read_text())
     load_after = os.getloadavg()
-    tokens = WORLD * MICRO * MODEL["block_size"] * args.steps  # global tokens per round
+    tokens = WORLD * MICRO * MODEL["block_size"] * steps  # global tokens per round
     rows = []
     rates: dict[str, tuple[float, float]] = {}
     for name, series in report["times"].items():
         best, median = tokens / min(series), tokens / statistics.median(series)
         rates[name] = (best, median)
+    cpu = {name: statistics.median(series) / steps for name, series in report["cpu"].items()}
     fsdp, tp = rates["fsdp x 4"], rates["fsdp 2 x tp 2"]
-    rows.append(("FSDP x 4", f"{fsdp[0]:,.0f}", f"{fsdp[1]:,.0f}", "1.00x", "1.00x"))
+    fsdp_cpu, tp_cpu = cpu["fsdp x 4"], cpu["fsdp 2 x tp 2"]
+    rows.append(
+        (
+            "FSDP x 4",
+            f"{fsdp[0]:,.0f}",
+            f"{fsdp[1]:,.0f}",
+            "1.00x",
+            "1.00x",
+            f"{fsdp_cpu:.3f}",
+            "1.00x",
+        )
+    )
     rows.append(
         (
             "FSDP 2 x TP 2",
@@ -182,6 +232,8 @@ def main() -> int:
             f"{tp[1]:,.0f}",
             f"{tp[0] / fsdp[0]:.2f}x",
             f"{tp[1] / fsdp[1]:.2f}x",
+            f"{tp_cpu:.3f}",
+            f"{fsdp_cpu / tp_cpu:.2f}x",
         )
     )
     whole = int(report["whole"])
@@ -189,14 +241,17 @@ def main() -> int:
     fsdp2 = 2 * fsdp4  # FSDP over 2 data ranks holds twice FSDP x 4's shards
     block4, block22 = int(report["fsdp x 4/block"]), int(report["fsdp 2 x tp 2/block"])
     print(
-        f"model: reference transformer {MODEL}, {whole // 4:,} parameters; global batch "
-        f"{WORLD * MICRO} x {MODEL['block_size']} tokens; {args.rounds} rounds x {args.steps} "
+        f"{model_name} model: reference transformer {MODEL}, {whole // 4:,} parameters; "
+        f"global batch {WORLD * MICRO} x {MODEL['block_size']} tokens; {rounds} rounds x {steps} "
         f"steps; load average before {load_before[0]:.1f}, after {load_after[0]:.1f} "
         f"({os.cpu_count()} CPUs)"
     )
     print()
-    print("| layout (4 ranks) | tokens/s best | tokens/s median | vs FSDP x 4 best | median |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "| layout (4 ranks) | tokens/s best | tokens/s median | vs FSDP x 4 best | median "
+        "| CPU s per step (4 ranks, median) | CPU-bound rate vs FSDP x 4 |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     print()

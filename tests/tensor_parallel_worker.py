@@ -226,3 +226,46 @@ def cli_rank(argv: list[str]) -> int:
     from speedtronic.cli import main
 
     return main(argv)
+
+
+def local_parameter_styles_rank() -> int:
+    """One gloo rank (a tensor mesh of 1): a norm under ``ReplicateParallel`` and under
+    ``LocalSequenceParallel`` computes what the plain norm does, on plain tensors, and its
+    parameters are the same DTensor objects again after a forward -- also after one that
+    raised -- with the gradient on them in the style's placement. Exit code 0 when all hold."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from speedtronic.models.transformer import RMSNorm
+    from speedtronic.systems.tensor_parallel_plans import LocalSequenceParallel, ReplicateParallel
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (1,))
+    x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(0))
+    for style, placement in ((ReplicateParallel, Replicate()), (LocalSequenceParallel, Partial())):
+        torch.manual_seed(0)
+        plain, split = RMSNorm(8), RMSNorm(8)
+        with torch.no_grad():
+            plain.weight.uniform_(0.5, 1.5)
+            split.weight.copy_(plain.weight)
+        parallelize_module(split, mesh, style())
+        weight = split.weight
+        assert isinstance(weight, DTensor) and weight.placements == (Replicate(),)
+        out = split(x)
+        assert not isinstance(out, DTensor) and split.weight is weight
+        torch.testing.assert_close(out, plain(x), rtol=0, atol=0)
+        out.square().sum().backward()
+        plain(x).square().sum().backward()
+        grad = weight.grad
+        assert isinstance(grad, DTensor) and grad.placements == (placement,), grad
+        assert plain.weight.grad is not None
+        torch.testing.assert_close(grad.to_local(), plain.weight.grad, rtol=0, atol=0)
+        try:
+            split(torch.randn(2, 3))  # the wrong width: the norm's multiply raises
+        except RuntimeError:
+            pass
+        assert split.weight is weight and isinstance(split._parameters["weight"], DTensor)
+    dist.destroy_process_group()
+    return 0

@@ -35,6 +35,7 @@ from tensor_parallel_worker import (
     TIED_STEPS,
     cli_rank,
     fit,
+    local_parameter_styles_rank,
     make_trainer,
     rank_main,
 )
@@ -427,3 +428,10 @@ def test_muon_built_in_python_is_refused_before_anything_is_split() -> None:
     with pytest.raises(TensorParallelError, match="Muon's Newton-Schulz step needs each whole"):
         apply_tensor_parallel(model, Muon(matrices, lr=0.02), torch.device("cpu"), 2)
     assert all(torch.equal(p, q) for p, q in zip(matrices, before, strict=True))
+
+
+def test_norm_styles_run_on_plain_tensors_and_put_their_dtensor_parameters_back(
+    forked: Forked,
+) -> None:
+    child = forked.start(local_parameter_styles_rank, env=rank_env(0, 1, free_port()))
+    assert child.wait(timeout=300) == 0, child.output

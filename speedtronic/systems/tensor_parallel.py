@@ -11,7 +11,9 @@ dimension. Every parameter ends up a ``DTensor`` on the whole mesh, so one
 *Plans belong to model families.* ``register_tensor_parallel_plan(family, plan)`` fills the
 registry; a model's family is its ``tensor_parallel_family`` attribute when it has one, the
 ``model_type`` of a wrapped ``transformers`` model (``"llama"``), else its class name. The
-built-in plans (``speedtronic.systems.tensor_parallel_plans``) cover the reference
+registry and its types live in ``speedtronic.systems.tensor_parallel_registry`` (re-exported
+here); the built-in plans (``speedtronic.systems.tensor_parallel_plans``, which register
+themselves there when imported, as this module does) cover the reference
 transformer and Llama-family ``hf_causal_lm`` models. A family without a plan, a degree
 that does not divide the world size, the heads or the hidden size is a
 ``TensorParallelError`` (exit 2 from the CLI) naming the numbers.
@@ -23,15 +25,23 @@ The ranks of one tensor group hold the same batch: data is sharded by *data* ran
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from speedtronic.systems.sharding import ShardingError, replace_optimizer_parameters
+from speedtronic.systems import tensor_parallel_plans  # noqa: F401  # registers the built-ins
+from speedtronic.systems.sharding import replace_optimizer_parameters
+from speedtronic.systems.tensor_parallel_registry import (
+    TensorParallelError,
+    TensorParallelPlan,
+    model_family,
+    register_tensor_parallel_plan,
+    registered_families,
+    registered_plan,
+    require_divisible,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -51,73 +61,19 @@ __all__ = [
 
 logger = logging.getLogger("speedtronic.tensor_parallel")
 
-FAMILY_ATTRIBUTE = "tensor_parallel_family"
-"""A model (class) attribute naming its family in the plan registry."""
-
-
-class TensorParallelError(ShardingError):
-    """``parallel.tensor`` cannot be applied to this model or world (the message says why);
-    every rank raises it alike, the CLI prints it once and exits 2."""
-
-
-@dataclass(frozen=True)
-class TensorParallelPlan:
-    """How one model family is split over the ``tensor`` mesh dimension.
-
-    ``check(model, degree)`` raises ``TensorParallelError`` when ``degree`` does not fit
-    the model's shapes (heads, hidden sizes); it runs at ``validate`` on a meta-device model
-    and again before the split. ``apply(model, mesh)`` parallelizes ``model`` in place over
-    the one-dimensional tensor ``mesh`` (``parallelize_module``), leaving every parameter a
-    ``DTensor`` on it (a parameter left plain is refused: it would have no place on the
-    two-dimensional mesh that FSDP and gradient clipping work on)."""
-
-    apply: Callable[[nn.Module, DeviceMesh], None]
-    check: Callable[[nn.Module, int], None]
-
-
-_PLANS: dict[str, TensorParallelPlan] = {}
-
-
-def register_tensor_parallel_plan(family: str, plan: TensorParallelPlan) -> None:
-    """Make ``plan`` the tensor-parallel plan of models of ``family`` (replacing any)."""
-    _PLANS[family] = plan
-
-
-def model_family(model: nn.Module) -> str:
-    """The registry key of ``model`` (see the module docstring)."""
-    declared = getattr(model, FAMILY_ATTRIBUTE, None)
-    if isinstance(declared, str):
-        return declared
-    wrapped = getattr(model, "hf", None)  # an hf_causal_lm model: the transformers model_type
-    model_type = getattr(getattr(wrapped, "config", None), "model_type", None)
-    if isinstance(wrapped, nn.Module) and isinstance(model_type, str):
-        return model_type
-    return type(model).__name__
-
 
 def tensor_parallel_plan(model: nn.Module) -> TensorParallelPlan:
     """The registered plan of ``model``'s family; ``TensorParallelError`` naming it if none."""
-    from speedtronic.systems import tensor_parallel_plans  # noqa: F401  # registers built-ins
-
     family = model_family(model)
-    plan = _PLANS.get(family)
+    plan = registered_plan(family)
     if plan is None:
-        known = ", ".join(sorted(_PLANS))
+        known = ", ".join(registered_families())
         raise TensorParallelError(
             f"parallel.tensor: model family {family!r} has no tensor-parallel plan (plans "
             f"exist for: {known}); register one with speedtronic.systems.tensor_parallel."
             "register_tensor_parallel_plan, or set parallel.tensor: 1"
         )
     return plan
-
-
-def require_divisible(what: str, size: int, degree: int) -> None:
-    """``TensorParallelError`` unless ``degree`` divides ``size`` (``what`` names it)."""
-    if size % degree:
-        raise TensorParallelError(
-            f"parallel.tensor: {degree} does not divide {what} ({size}); choose a tensor "
-            f"degree that divides {size}"
-        )
 
 
 def check_tensor_parallel(model: nn.Module, degree: int, world_size: int | None = None) -> None:

@@ -8,13 +8,21 @@ reduce-scatter per sub-layer). The embedding is split by vocabulary rows and the
 by vocabulary columns, gathered back to whole logits so the loss is the usual one.
 
 * **Reference transformer** (family ``ReferenceTransformer``): with sequence parallelism.
-  Between sub-layers the residual stream is split along the sequence (``SequenceParallel``
-  norms), gathered for attention and the MLP and reduce-scattered after them, so the norms'
-  activations cost ``1/T`` per rank. Each attention module is told its local head counts.
-  Tied input and output embeddings stay tied (both are split by vocabulary rows).
+  Between sub-layers the residual stream is split along the sequence
+  (``LocalSequenceParallel`` norms), gathered for attention and the MLP and
+  reduce-scattered after them, so the norms' activations cost ``1/T`` per rank. Each
+  attention module is told its local head counts. Tied input and output embeddings stay
+  tied (both are split by vocabulary rows).
 * **Llama family** (``hf_causal_lm``, ``model_type: llama``): plain tensor parallelism; the
   norms are replicated (``ReplicateParallel``), because transformers derives positions and
   the causal mask from the embedding output's length, which must stay whole.
+
+Collectives: the attention and MLP modules get their input as one replicated ``DTensor``
+(``PrepareModuleInput`` without ``use_local_output``), so the gradients of the q/k/v (or
+gate/up) projections' shared input are summed as ``Partial`` DTensors and reduced once per
+sub-layer in backward, not once per projection. Norms run on plain local tensors (see
+``ReplicateParallel``): in eager mode each DTensor op pays a dispatch that costs more than
+a norm's arithmetic on small activations.
 
 Register either for another family with the same structure::
 
@@ -29,7 +37,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from speedtronic.systems.tensor_parallel import (
+from speedtronic.systems.tensor_parallel_registry import (
     TensorParallelPlan,
     register_tensor_parallel_plan,
     require_divisible,
@@ -37,12 +45,14 @@ from speedtronic.systems.tensor_parallel import (
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Placement
     from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["LLAMA_PLAN", "REFERENCE_PLAN", "ReplicateParallel"]
+__all__ = ["LLAMA_PLAN", "REFERENCE_PLAN", "LocalSequenceParallel", "ReplicateParallel"]
 
 
-def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+def _replicate_parameters(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Each parameter of ``module`` itself a ``Replicate`` DTensor on ``mesh``."""
     from torch.distributed.tensor import DTensor, Replicate
 
     for param_name, param in list(module.named_parameters(recurse=False)):
@@ -50,46 +60,65 @@ def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> Non
         module.register_parameter(param_name, nn.Parameter(replicated, param.requires_grad))
 
 
-def _replicated_inputs(module: nn.Module, inputs: tuple[object, ...], mesh: DeviceMesh) -> object:
-    from torch.distributed.tensor import DTensor, Replicate
-
-    return tuple(
-        DTensor.from_local(item, mesh, [Replicate()], run_check=False)
-        if isinstance(item, torch.Tensor) and not isinstance(item, DTensor)
-        else item
-        for item in inputs
-    )
-
-
-def _local_output(module: nn.Module, output: object, mesh: DeviceMesh) -> object:
+def _swap_in_local(
+    grad_placement: Placement, stash: dict[str, torch.Tensor], module: nn.Module, args: object
+) -> None:
+    """Forward pre-hook: the module's DTensor parameters replaced by their local tensors
+    (differentiable: the gradient flows back to the DTensor as ``grad_placement``)."""
     from torch.distributed.tensor import DTensor
 
-    return output.to_local() if isinstance(output, DTensor) else output
+    for name, param in module._parameters.items():
+        if isinstance(param, DTensor):
+            stash[name] = param
+            local = param.to_local(grad_placements=(grad_placement,))
+            module._parameters[name] = local  # restored by _swap_back
 
 
-def _replicate_style() -> type[ParallelStyle]:
-    from torch.distributed.tensor import distribute_module
+def _swap_back(
+    stash: dict[str, torch.Tensor], module: nn.Module, args: object, output: object
+) -> None:
+    """Forward hook (also after an exception): the DTensor parameters back in place."""
+    for name, param in stash.items():
+        module._parameters[name] = cast(nn.Parameter, param)
+    stash.clear()
+
+
+def _local_style(grad_placement: Placement) -> ParallelStyle:
     from torch.distributed.tensor.parallel import ParallelStyle
 
-    class _ReplicateParallel(ParallelStyle):
+    class _LocalParameters(ParallelStyle):
         def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-            return distribute_module(
-                module,
-                device_mesh,
-                _replicate_parameters,
-                _replicated_inputs,  # type: ignore[arg-type]  # torch types it loosely
-                _local_output,  # type: ignore[arg-type]  # torch types it loosely
-            )
+            _replicate_parameters(module, device_mesh)
+            stash: dict[str, torch.Tensor] = {}
+            module.register_forward_pre_hook(partial(_swap_in_local, grad_placement, stash))
+            module.register_forward_hook(partial(_swap_back, stash), always_call=True)
+            return module
 
-    return _ReplicateParallel
+    return _LocalParameters()
 
 
 def ReplicateParallel() -> ParallelStyle:  # noqa: N802  # reads as the torch styles it sits among
-    """A parallel style that splits nothing: the module's parameters become ``Replicate``
-    DTensors on the tensor mesh (every rank holds them whole and computes the same), its
-    tensor inputs are taken as replicated and its output handed back as a plain tensor. For
-    the modules of a plan that are not split (norms), so every parameter lives on the mesh."""
-    return _replicate_style()()
+    """A parallel style that splits nothing, for the modules of a plan that are not split
+    (norms) and see whole activations: the module's parameters become ``Replicate``
+    DTensors on the tensor mesh (every rank holds them whole, so every parameter lives on
+    the mesh for FSDP, clipping and checkpoints), while its forward runs on plain tensors
+    -- plain inputs, the parameters' local tensors, a plain output -- without DTensor's
+    per-op dispatch. Every rank computes the same, so the gradient is ``Replicate``."""
+    from torch.distributed.tensor import Replicate
+
+    return _local_style(Replicate())
+
+
+def LocalSequenceParallel() -> ParallelStyle:  # noqa: N802  # reads as the torch styles
+    """Sequence parallelism for an elementwise-over-positions module (a norm) whose input is
+    already this rank's plain shard of the sequence: the parameters become ``Replicate``
+    DTensors and the forward runs on plain tensors, as with ``ReplicateParallel``, but each
+    rank's parameter gradient covers only its positions, so it is ``Partial`` (summed over
+    the tensor ranks when FSDP reduces it). Same math as torch's ``SequenceParallel``
+    without a DTensor dispatch per op of the norm."""
+    from torch.distributed.tensor import Partial
+
+    return _local_style(Partial())
 
 
 # -- the reference transformer -----------------------------------------------------------
@@ -122,7 +151,6 @@ def _reference_apply(model: nn.Module, mesh: DeviceMesh) -> None:
         ColwiseParallel,
         PrepareModuleInput,
         RowwiseParallel,
-        SequenceParallel,
         parallelize_module,
     )
 
@@ -139,21 +167,18 @@ def _reference_apply(model: nn.Module, mesh: DeviceMesh) -> None:
             block,
             mesh,
             {
-                "norm1": SequenceParallel(use_local_output=True),
-                "attn": PrepareModuleInput(
+                "norm1": LocalSequenceParallel(),
+                "attn": PrepareModuleInput(  # one all-gather in, one reduce-scatter back
                     input_layouts=(Shard(1), None, None, None),
                     desired_input_layouts=(Replicate(), None, None, None),
-                    use_local_output=True,
                 ),
                 "attn.q_proj": ColwiseParallel(),
                 "attn.k_proj": ColwiseParallel(),
                 "attn.v_proj": ColwiseParallel(),
                 "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-                "norm2": SequenceParallel(use_local_output=True),
+                "norm2": LocalSequenceParallel(),
                 "mlp": PrepareModuleInput(
-                    input_layouts=(Shard(1),),
-                    desired_input_layouts=(Replicate(),),
-                    use_local_output=True,
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
                 ),
                 "mlp.gate_proj": ColwiseParallel(),
                 "mlp.up_proj": ColwiseParallel(),
@@ -165,7 +190,7 @@ def _reference_apply(model: nn.Module, mesh: DeviceMesh) -> None:
         mesh,
         {
             "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "transformer.ln_f": SequenceParallel(use_local_output=True),
+            "transformer.ln_f": LocalSequenceParallel(),
             "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
         },
     )
@@ -211,6 +236,7 @@ def _llama_apply(model: nn.Module, mesh: DeviceMesh) -> None:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
         RowwiseParallel,
         parallelize_module,
     )
@@ -226,11 +252,18 @@ def _llama_apply(model: nn.Module, mesh: DeviceMesh) -> None:
             mesh,
             {
                 "input_layernorm": ReplicateParallel(),
+                "self_attn": PrepareModuleInput(  # q, k, v share one all-reduce back
+                    input_kwarg_layouts={"hidden_states": Replicate()},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                ),
                 "self_attn.q_proj": ColwiseParallel(),
                 "self_attn.k_proj": ColwiseParallel(),
                 "self_attn.v_proj": ColwiseParallel(),
                 "self_attn.o_proj": RowwiseParallel(),
                 "post_attention_layernorm": ReplicateParallel(),
+                "mlp": PrepareModuleInput(  # gate and up share one all-reduce back
+                    input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+                ),
                 "mlp.gate_proj": ColwiseParallel(),
                 "mlp.up_proj": ColwiseParallel(),
                 "mlp.down_proj": RowwiseParallel(),
