@@ -104,13 +104,17 @@ def test_an_oom_mid_run_repeats_the_step_over_the_same_samples(
         torch.testing.assert_close(wa[key], wd[key], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("world", [1, 2])
 def test_without_an_oom_auto_trains_bitwise_as_the_integer_size(
-    forked: Forked, tmp_path: Path
+    forked: Forked, tmp_path: Path, world: int
 ) -> None:
-    direct = run(forked, tmp_path, "direct", config(tmp_path, "direct", 8, 8, 3), 1)
-    auto = run(forked, tmp_path, "auto", config(tmp_path, "auto", "auto", 8, 3), 1)
-    assert auto[0]["raised"] == [] and auto[0]["layout"] == [8, 1]
-    assert_same_weights(auto[0], direct[0])
+    """On 2 ranks every forward of ``auto`` runs under ``no_sync`` and the agreement arms
+    DDP's reducer for the last backward: the same all-reduce, the same weights."""
+    direct = run(forked, tmp_path, "direct", config(tmp_path, "direct", 8, 8, 3), world)
+    auto = run(forked, tmp_path, "auto", config(tmp_path, "auto", "auto", 8, 3), world)
+    for rank in range(world):
+        assert auto[rank]["raised"] == [] and auto[rank]["layout"] == [8, 1]
+        assert_same_weights(auto[rank], direct[rank])
 
 
 def test_one_rank_out_of_memory_all_ranks_agree_and_keep_the_weights_bitwise(

@@ -98,8 +98,9 @@ def _in_flight_text(layout: BatchLayout | None, error: str) -> str:
     smaller = f" ({_smaller(layout.micro)} or less)" if layout and layout.micro > 1 else ""
     return (
         "data.micro_batch_size: auto: out of memory in the backward pass of the step's last "
-        "microbatch, after the ranks agreed on its size: DDP's gradient all-reduce is in "
-        "flight on the other ranks there, so the step cannot be run again at a smaller size; "
+        "microbatch (or its loss), after the ranks agreed on its size: DDP's gradient "
+        "all-reduce is in flight on the other ranks there, so the step cannot be run again "
+        "at a smaller size; "
         f"resume from the last checkpoint with a smaller integer data.micro_batch_size{smaller} "
         f"and the same target_batch_size ({error})"
     )
