@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -37,11 +36,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from distributed import _free_port as free_port  # noqa: E402  # the scale-out benchmark's
+
 from speedtronic import Trainer  # noqa: E402
 from speedtronic.data import LearnableLanguageDataset, ResumableSampler, collate_batch  # noqa: E402
 from speedtronic.engine.callback import Callback  # noqa: E402
 from speedtronic.engine.contexts import StepContext  # noqa: E402
 from speedtronic.engine.oom_agreement import step_agreement  # noqa: E402
+from speedtronic.engine.view import TrainerView  # noqa: E402
 from speedtronic.models.transformer import ReferenceTransformer  # noqa: E402
 from speedtronic.systems.distributed import (  # noqa: E402
     DistributedContext,
@@ -61,7 +63,7 @@ class _StepClock(Callback):
     def __init__(self) -> None:
         self.ends: list[float] = []
 
-    def on_step_end(self, trainer: Trainer, ctx: StepContext) -> None:
+    def on_step_end(self, trainer: TrainerView, ctx: StepContext) -> None:
         self.ends.append(time.perf_counter())
 
 
@@ -98,6 +100,7 @@ def _run_rank(rank: int, port: int, steps: int, repeats: int, calls: int, out: s
         MASTER_PORT=str(port),
     )
     context = setup_distributed("cpu", timeout_s=120.0)
+    assert context is not None  # RANK and WORLD_SIZE are set
     ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
     agreement = step_agreement(ddp, torch.device("cpu"))
     agreement.agree(1)
@@ -123,13 +126,6 @@ def _run_rank(rank: int, port: int, steps: int, repeats: int, calls: int, out: s
     teardown_distributed(context)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -140,7 +136,7 @@ def main() -> int:
         out = str(Path(tmp) / "result.json")
         start_processes(  # type: ignore[no-untyped-call]  # torch leaves it unannotated
             _run_rank,
-            args=(_free_port(), args.steps, args.repeats, args.calls, out),
+            args=(free_port(), args.steps, args.repeats, args.calls, out),
             nprocs=2,
             join=True,
             start_method="spawn",

@@ -106,6 +106,15 @@ def _in_flight_text(layout: BatchLayout | None, error: str) -> str:
     )
 
 
+def _none_fits(device: torch.device, error: str) -> MicroBatchError:
+    """The ranks agreed on 0: this rank (``error``) or another cannot fit 1 sample."""
+    where = _memory_text(device, error) if error else "another rank (its log names the device)"
+    return MicroBatchError(
+        f"data.micro_batch_size: auto: a micro-batch of 1 sample does not fit in the memory of "
+        f"{where}"
+    )
+
+
 class OomRecovery:
     """Runs global steps for a fit with ``micro_batch_size: auto`` (module docstring)."""
 
@@ -189,15 +198,7 @@ class OomRecovery:
     ) -> None:
         """Run the step again at the size the ranks ``agreed`` on after a mid-run OOM."""
         if agreed == 0:
-            if error:
-                raise MicroBatchError(
-                    "data.micro_batch_size: auto: a micro-batch of 1 sample does not fit in "
-                    f"the memory of {_memory_text(s.device, error)}"
-                )
-            raise MicroBatchError(
-                "data.micro_batch_size: auto: a micro-batch of 1 sample does not fit in the "
-                "memory of another rank (its log names the device)"
-            )
+            raise _none_fits(s.device, error)
         why = f"out of memory ({error})" if error else "another rank ran out of memory"
         self._switch(t, s, start, agreed, why)
 
@@ -252,15 +253,7 @@ class OomRecovery:
         dist.all_reduce(fits, op=dist.ReduceOp.MIN)
         agreed = int(fits.item())
         if agreed == 0:
-            if error:
-                raise MicroBatchError(
-                    "data.micro_batch_size: auto: a micro-batch of 1 sample does not fit in "
-                    f"the memory of {_memory_text(s.device, error)}"
-                )
-            raise MicroBatchError(
-                "data.micro_batch_size: auto: a micro-batch of 1 sample does not fit in the "
-                "memory of another rank (its log names the device)"
-            )
+            raise _none_fits(s.device, error)
         if agreed == layout.micro:
             stream.abandon()
             position = stream.state_dict()
