@@ -167,6 +167,34 @@ def test_one_rank_out_of_memory_mid_run_every_rank_shrinks_and_the_weights_agree
     assert [report["layout"] for report in resumed] == [[2, 2], [2, 2]]
 
 
+def test_an_oom_in_an_earlier_microbatch_waits_for_the_other_rank_in_the_agreement(
+    forked: Forked, tmp_path: Path
+) -> None:
+    """Rank 0 runs out of memory at step 5 with 8 samples, then again in the first of the
+    repeated step's two microbatches of 4 (under ``no_sync``, while rank 1 runs on to its last
+    forward); both end at 2 x 4 with the weights of a run at 2 x 4 (float tolerance, as
+    above) and bitwise equal to each other."""
+    direct = run(forked, tmp_path, "direct", config(tmp_path, "direct", 2, 8, 7), 2)
+    auto = run(
+        forked,
+        tmp_path,
+        "auto",
+        config(tmp_path, "auto", "auto", 8, 7),
+        2,
+        limit=2,
+        failing=0,
+        after=5,
+    )
+    assert auto[0]["raised"] == [8, 4] and auto[1]["raised"] == []
+    for rank in (0, 1):
+        assert auto[rank]["layout"] == [2, 4] == direct[rank]["layout"]
+        wa, wd = auto[rank]["weights"], direct[rank]["weights"]
+        assert isinstance(wa, dict) and isinstance(wd, dict)
+        for key in wa:
+            torch.testing.assert_close(wa[key], wd[key], rtol=1e-5, atol=1e-6)
+    assert_same_weights(auto[0], auto[1])
+
+
 def test_an_oom_in_the_synchronising_backward_ends_the_run_naming_it(
     forked: Forked, tmp_path: Path
 ) -> None:
