@@ -39,15 +39,40 @@ def inject_oom(model: nn.Module, limit: int, raised: list[int], after: int = 0) 
     model.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
 
+def inject_backward_oom(model: nn.Module, raised: list[int], after: int) -> None:
+    """Make ``model``'s backward pass number ``after + 1`` raise ``torch.OutOfMemoryError``
+    (from a gradient hook on its first parameter)."""
+    calls = [0]
+    weight = next(model.parameters())
+
+    def hook(grad: torch.Tensor) -> None:
+        calls[0] += 1
+        if calls[0] == after + 1:
+            raised.append(calls[0])
+            raise torch.OutOfMemoryError("injected in the backward pass")
+
+    weight.register_hook(hook)
+
+
 def oom_rank(
-    out: str, tag: str, raw_config: str, resume: bool, limit: int, failing: int, after: int = 0
+    out: str,
+    tag: str,
+    raw_config: str,
+    resume: bool,
+    limit: int,
+    failing: int,
+    after: int = 0,
+    backward: bool = False,
 ) -> int:
-    """Train ``raw_config`` (JSON) on this rank with an OOM above ``limit`` samples."""
+    """Train ``raw_config`` (JSON) on this rank with an OOM above ``limit`` samples (in the
+    backward pass number ``after + 1`` instead when ``backward``)."""
     torch.set_num_threads(1)
     rank = int(os.environ.get("RANK", "0"))
     trainer, _ = build_runtime(json.loads(raw_config), resume=resume)
     raised: list[int] = []
-    if failing in (-1, rank):
+    if failing in (-1, rank) and backward:
+        inject_backward_oom(trainer.state.model, raised, after)
+    elif failing in (-1, rank):
         inject_oom(trainer.state.model, limit, raised, after)
     trainer.fit()
     source = trainer.state.stream.source

@@ -23,6 +23,8 @@ from oom_worker import oom_rank
 from rank_env import free_port, rank_env
 from sequential_shards import write_sequential_shards
 
+from speedtronic.engine.batch_layout import LAYOUT_KEY
+
 NO_RANK = {key: None for key in rank_env(0, 1, 0)}
 
 
@@ -46,6 +48,7 @@ def run(
     after: int = 0,
     resume: bool = False,
 ) -> list[dict[str, object]]:
+    """Each rank's report (``oom_worker.oom_rank``), with its console output as ``output``."""
     port = free_port()
     envs = [rank_env(rank, world, port) for rank in range(world)] if world > 1 else [NO_RANK]
     children = [
@@ -54,9 +57,16 @@ def run(
         )
         for env in envs
     ]
+    reports = []
     for rank, child in enumerate(children):
         assert child.wait(timeout=120) == 0, f"rank {rank}:\n{child.output[-3000:]}"
-    return [torch.load(root / f"{tag}-rank{rank}.pt") for rank in range(world)]
+        reports.append({**torch.load(root / f"{tag}-rank{rank}.pt"), "output": child.output})
+    return reports
+
+
+def last_training_state(output_dir: Path) -> Path:
+    """The latest step's checkpoint file under a run's output directory."""
+    return max(output_dir.rglob("step_*.pt"))
 
 
 def assert_same_weights(a: dict[str, object], b: dict[str, object]) -> None:
@@ -94,13 +104,17 @@ def test_an_oom_mid_run_repeats_the_step_over_the_same_samples(
         torch.testing.assert_close(wa[key], wd[key], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("world", [1, 2])
 def test_without_an_oom_auto_trains_bitwise_as_the_integer_size(
-    forked: Forked, tmp_path: Path
+    forked: Forked, tmp_path: Path, world: int
 ) -> None:
-    direct = run(forked, tmp_path, "direct", config(tmp_path, "direct", 8, 8, 3), 1)
-    auto = run(forked, tmp_path, "auto", config(tmp_path, "auto", "auto", 8, 3), 1)
-    assert auto[0]["raised"] == [] and auto[0]["layout"] == [8, 1]
-    assert_same_weights(auto[0], direct[0])
+    """On 2 ranks every forward of ``auto`` runs under ``no_sync`` and the agreement arms
+    DDP's reducer for the last backward: the same all-reduce, the same weights."""
+    direct = run(forked, tmp_path, "direct", config(tmp_path, "direct", 8, 8, 3), world)
+    auto = run(forked, tmp_path, "auto", config(tmp_path, "auto", "auto", 8, 3), world)
+    for rank in range(world):
+        assert auto[rank]["raised"] == [] and auto[rank]["layout"] == [8, 1]
+        assert_same_weights(auto[rank], direct[rank])
 
 
 def test_one_rank_out_of_memory_all_ranks_agree_and_keep_the_weights_bitwise(
@@ -114,6 +128,101 @@ def test_one_rank_out_of_memory_all_ranks_agree_and_keep_the_weights_bitwise(
     for rank in (0, 1):
         assert auto[rank]["layout"] == [2, 2] == direct[rank]["layout"]
         assert_same_weights(auto[rank], direct[rank])
+
+
+def test_one_rank_out_of_memory_mid_run_every_rank_shrinks_and_the_weights_agree(
+    forked: Forked, tmp_path: Path
+) -> None:
+    """2 gloo ranks, 4 samples each a step. Rank 0 runs out of memory at step 3 (its forward
+    calls: the first step's probe, steps 1-2, then step 3's); rank 1 is already past its
+    last forward, waiting in the agreement. Both drop the step and run it again at 2 x 2
+    through the end. Against a run at 2 x 2 from the start the weights agree to float
+    tolerance (steps 1-2 summed one microbatch of 4 here, two of 2 there); the two ranks'
+    weights are bitwise the same (DDP's all-reduce ran once per step, on both)."""
+    direct = run(forked, tmp_path, "direct", config(tmp_path, "direct", 2, 4, 8), 2)
+    auto = run(
+        forked,
+        tmp_path,
+        "auto",
+        config(tmp_path, "auto", "auto", 4, 8),
+        2,
+        limit=2,
+        failing=0,
+        after=3,
+    )
+    assert auto[0]["raised"] == [4] and auto[1]["raised"] == []
+    for rank in (0, 1):
+        assert auto[rank]["layout"] == [2, 2] == direct[rank]["layout"]
+        wa, wd = auto[rank]["weights"], direct[rank]["weights"]
+        assert isinstance(wa, dict) and isinstance(wd, dict)
+        for key in wa:
+            torch.testing.assert_close(wa[key], wd[key], rtol=1e-5, atol=1e-6)
+    assert_same_weights(auto[0], auto[1])
+    assert "micro-batch 4 -> 2, accumulation 1 -> 2" in str(auto[0]["output"])
+    assert "another rank ran out of memory" in str(auto[1]["output"])
+    # Every checkpoint from step 3 on records the agreed layout; a resume starts with it.
+    state = torch.load(last_training_state(tmp_path / "auto"), weights_only=True)
+    assert state[LAYOUT_KEY] == {"micro": 2, "accumulation": 2, "ranks": 2}
+    resumed = run(forked, tmp_path, "auto", config(tmp_path, "auto", "auto", 4, 10), 2, resume=True)
+    assert [report["layout"] for report in resumed] == [[2, 2], [2, 2]]
+
+
+def test_an_oom_in_an_earlier_microbatch_waits_for_the_other_rank_in_the_agreement(
+    forked: Forked, tmp_path: Path
+) -> None:
+    """Rank 0 runs out of memory at step 5 with 8 samples, then again in the first of the
+    repeated step's two microbatches of 4 (under ``no_sync``, while rank 1 runs on to its last
+    forward); both end at 2 x 4 with the weights of a run at 2 x 4 (float tolerance, as
+    above) and bitwise equal to each other."""
+    direct = run(forked, tmp_path, "direct", config(tmp_path, "direct", 2, 8, 7), 2)
+    auto = run(
+        forked,
+        tmp_path,
+        "auto",
+        config(tmp_path, "auto", "auto", 8, 7),
+        2,
+        limit=2,
+        failing=0,
+        after=5,
+    )
+    assert auto[0]["raised"] == [8, 4] and auto[1]["raised"] == []
+    for rank in (0, 1):
+        assert auto[rank]["layout"] == [2, 4] == direct[rank]["layout"]
+        wa, wd = auto[rank]["weights"], direct[rank]["weights"]
+        assert isinstance(wa, dict) and isinstance(wd, dict)
+        for key in wa:
+            torch.testing.assert_close(wa[key], wd[key], rtol=1e-5, atol=1e-6)
+    assert_same_weights(auto[0], auto[1])
+
+
+def test_an_oom_in_the_synchronising_backward_ends_the_run_naming_it(
+    forked: Forked, tmp_path: Path
+) -> None:
+    """Past the agreement the last backward's all-reduce is in flight on the other rank:
+    rank 0 stops with the reason and what to do, rank 1 with the collective's failure."""
+    cfg = config(tmp_path, "bw", "auto", 4, 4)
+    port = free_port()
+    children = [
+        forked.start(
+            oom_rank,
+            str(tmp_path),
+            "bw",
+            json.dumps(cfg),
+            False,
+            1 << 20,
+            0,
+            2,
+            True,
+            env=rank_env(rank, 2, port),
+        )
+        for rank in range(2)
+    ]
+    codes = [child.wait(timeout=120) for child in children]
+    assert codes[0] != 0 and codes[1] != 0
+    assert "a collective operation failed" in children[1].output
+    first = children[0].output
+    assert "out of memory in the backward pass of the step's last microbatch" in first
+    assert "data.micro_batch_size (2 or less)" in first
 
 
 def test_a_resume_reuses_the_chosen_micro_batch(forked: Forked, tmp_path: Path) -> None:
@@ -177,3 +286,23 @@ def test_a_micro_batch_of_one_that_does_not_fit_exits_2_naming_the_memory(
     assert "CUDA out of memory (injected)" in first
     if world == 2:
         assert "does not fit in the memory of another rank" in children[1].output
+
+
+def test_auto_under_fsdp_on_two_ranks_exits_2_saying_why(forked: Forked, tmp_path: Path) -> None:
+    """FSDP's collectives run inside forward and backward: no rank can drop a step alone."""
+    cfg = config(tmp_path, "fsdp", "auto", 4, 2)
+    cfg["parallel"] = {"strategy": "fsdp"}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    children = [
+        forked.start(
+            cli_main, "fit", "--config", str(path), env=rank_env(rank, 2, port), cwd=str(tmp_path)
+        )
+        for rank in range(2)
+    ]
+    assert [child.wait(timeout=120) for child in children] == [2, 2], children[0].output
+    for child in children:
+        assert "Traceback" not in child.output
+        assert "auto cannot run with parallel.strategy fsdp on 2 ranks" in child.output
+        assert "set an integer data.micro_batch_size" in child.output

@@ -8,15 +8,21 @@ it and the accumulation grows to match, so the global batch -- and the gradient,
 the same samples -- stay the same. The step then runs again from its start over the same
 samples: the data stream is put back where the step began, re-sliced at the new size.
 
-Several ranks agree before the first step: each tries the step's first microbatch with the
-bare model (no DDP hook, no collective), shrinking until it fits, and one ``all_reduce``
-(MIN) of the sizes picks the run's. A rank that alone runs out of memory therefore never
-leaves the others waiting in DDP's gradient all-reduce. The choice is logged and, as the
-batch layout (``engine.batch_layout``), written into every checkpoint; a resume on the same
-ranks reuses it (``auto_resume_layout``).
+Several DDP ranks agree before the first step: each tries the step's first microbatch with
+the bare model (no DDP hook, no collective), shrinking until it fits, and one ``all_reduce``
+(MIN) of the sizes picks the run's. Mid-run, each step ends its microbatches' forwards with
+one more MIN all-reduce of the size each rank wants (``engine.oom_agreement``), before the
+backward that all-reduces the gradients: a rank that ran out of memory joins it from here
+with the smaller size, the others from the last forward, and all of them run the step again
+at the agreed size. An OOM in that last backward cannot be recovered (the gradient
+all-reduce is in flight) and ends the run saying so. FSDP on several ranks is refused: its
+collectives run inside every forward and backward. The choice is logged and, as the batch
+layout (``engine.batch_layout``), written into every checkpoint; a resume on the same ranks
+reuses it (``auto_resume_layout``).
 
-Nothing here runs per step but a ``try`` and four reads of the step's start (the data
-position and the sample/token counters) -- see docs/performance.md.
+On one process nothing here runs per step but a ``try`` and four reads of the step's start
+(the data position and the sample/token counters); several ranks add the agreement -- see
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from speedtronic.engine.batch_layout import (
     saved_layout,
 )
 from speedtronic.engine.loop import _accumulate_microbatches, run_global_step
+from speedtronic.engine.oom_agreement import RanksShrink, StepAgreement, step_agreement
 
 if TYPE_CHECKING:
     from speedtronic.engine.state import TrainingState
@@ -86,6 +93,28 @@ def _memory_text(device: torch.device, error: str) -> str:
     return f"{device}: {error}"
 
 
+def _in_flight_text(layout: BatchLayout | None, error: str) -> str:
+    """Why an OOM in the synchronising backward ends a run of several ranks."""
+    smaller = f" ({_smaller(layout.micro)} or less)" if layout and layout.micro > 1 else ""
+    return (
+        "data.micro_batch_size: auto: out of memory in the backward pass of the step's last "
+        "microbatch (or its loss), after the ranks agreed on its size: DDP's gradient "
+        "all-reduce is in flight on the other ranks there, so the step cannot be run again "
+        "at a smaller size; "
+        f"resume from the last checkpoint with a smaller integer data.micro_batch_size{smaller} "
+        f"and the same target_batch_size ({error})"
+    )
+
+
+def _none_fits(device: torch.device, error: str) -> MicroBatchError:
+    """The ranks agreed on 0: this rank (``error``) or another cannot fit 1 sample."""
+    where = _memory_text(device, error) if error else "another rank (its log names the device)"
+    return MicroBatchError(
+        f"data.micro_batch_size: auto: a micro-batch of 1 sample does not fit in the memory of "
+        f"{where}"
+    )
+
+
 class OomRecovery:
     """Runs global steps for a fit with ``micro_batch_size: auto`` (module docstring)."""
 
@@ -98,11 +127,23 @@ class OomRecovery:
                 "fixed batches"
             )
         if state.multi_rank and trainer.settings.parallel != "ddp":
+            world = state.distributed.world_size if state.distributed is not None else 1
             raise MicroBatchError(
-                "data.micro_batch_size: auto works with parallel.strategy ddp; set an integer "
-                f"micro_batch_size with {trainer.settings.parallel}"
+                "data.micro_batch_size: auto cannot run with parallel.strategy "
+                f"{trainer.settings.parallel} on {world} ranks: FSDP gathers parameters "
+                "inside every forward and reduces gradients inside every backward, so a rank "
+                "that runs out of memory leaves the others waiting in a collective and the "
+                "ranks cannot agree on a smaller size; set an integer data.micro_batch_size "
+                "(auto on one process finds one), or use parallel.strategy ddp"
             )
         self._agree_first = state.multi_rank
+        self._agreement: StepAgreement | None = None
+        ddp = trainer.forward_path.ddp
+        if state.multi_rank and ddp is not None:
+            assert state.distributed is not None  # multi_rank
+            self._agreement = step_agreement(ddp, state.distributed.collective_device)
+            self._agreement.micro = layout.micro
+            trainer.forward_path.grad_sync_context = self._agreement.grad_sync_context
 
     def run_step(self, t: Trainer, s: TrainingState, step: int) -> bool:
         """``loop.run_global_step``, run again at a smaller micro-batch after an OOM."""
@@ -114,16 +155,26 @@ class OomRecovery:
             start = (stream.epoch, stream.batches_in_epoch, s.samples, s.tokens)
             try:
                 return run_global_step(t, s, step)
+            except RanksShrink as exc:  # this rank fitted; another did not
+                agreed, message = exc.micro, ""
             except torch.OutOfMemoryError as exc:
-                if s.multi_rank or not _in_microbatches(exc):
-                    raise  # other ranks are in DDP's all-reduce: no agreement is possible
-                message = str(exc)
+                if not _in_microbatches(exc) or (s.multi_rank and self._agreement is None):
+                    raise  # the optimizer's, or ranks without an agreement (a replica of 1)
+                agreed, message = None, str(exc)
+                if self._agreement is not None and self._agreement.armed:
+                    raise MicroBatchError(_in_flight_text(current_layout(t), message)) from None
             # Out of the except block: the traceback, and the activations its frames held,
             # are gone.
             s.optimizer.zero_grad(set_to_none=True)
             if s.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self._shrink(t, s, start, message)
+            if self._agreement is None:
+                self._shrink(t, s, start, message)
+                continue
+            if agreed is None:  # this rank ran out of memory: the others wait in the agreement
+                micro = self._agreement.micro
+                agreed = self._agreement.agree(_smaller(micro) if micro > 1 else 0)
+            self._adopt(t, s, start, agreed, message)
 
     def _shrink(
         self, t: Trainer, s: TrainingState, start: tuple[int, int, int, int], error: str
@@ -136,6 +187,20 @@ class OomRecovery:
                 f"memory of {_memory_text(s.device, error)}"
             )
         self._switch(t, s, start, _smaller(layout.micro), f"out of memory ({error})")
+
+    def _adopt(
+        self,
+        t: Trainer,
+        s: TrainingState,
+        start: tuple[int, int, int, int],
+        agreed: int,
+        error: str,
+    ) -> None:
+        """Run the step again at the size the ranks ``agreed`` on after a mid-run OOM."""
+        if agreed == 0:
+            raise _none_fits(s.device, error)
+        why = f"out of memory ({error})" if error else "another rank ran out of memory"
+        self._switch(t, s, start, agreed, why)
 
     def _switch(
         self, t: Trainer, s: TrainingState, start: tuple[int, int, int, int], micro: int, why: str
@@ -152,6 +217,8 @@ class OomRecovery:
         stream.abandon()
         new = BatchLayout(micro, layout.micro * layout.accumulation // micro, layout.ranks)
         apply_layout(t, new)
+        if self._agreement is not None:
+            self._agreement.micro = micro
         stream.load_state_dict(position)
         logger.warning(
             "data.micro_batch_size auto: micro-batch %d -> %d, accumulation %d -> %d "
@@ -186,15 +253,7 @@ class OomRecovery:
         dist.all_reduce(fits, op=dist.ReduceOp.MIN)
         agreed = int(fits.item())
         if agreed == 0:
-            if error:
-                raise MicroBatchError(
-                    "data.micro_batch_size: auto: a micro-batch of 1 sample does not fit in "
-                    f"the memory of {_memory_text(s.device, error)}"
-                )
-            raise MicroBatchError(
-                "data.micro_batch_size: auto: a micro-batch of 1 sample does not fit in the "
-                "memory of another rank (its log names the device)"
-            )
+            raise _none_fits(s.device, error)
         if agreed == layout.micro:
             stream.abandon()
             position = stream.state_dict()

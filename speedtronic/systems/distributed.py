@@ -50,6 +50,7 @@ __all__ = [
     "ReplicaGroups",
     "ReplicaSync",
     "agree_on_stop",
+    "arm_gradient_sync",
     "choose_backend",
     "collective_failure",
     "read_launch_environment",
@@ -402,6 +403,17 @@ def no_sync_on_non_final(
         return contextlib.nullcontext() if final else ddp.no_sync()
 
     return context
+
+
+def arm_gradient_sync(ddp: DistributedDataParallel) -> None:
+    """Make the next backward all-reduce ``ddp``'s gradients although its forward ran under
+    ``no_sync()``: the two reducer calls DDP's own forward makes when it syncs, for a caller
+    that decides only after the forward whether to sync (``engine.oom_agreement``). Valid
+    for the DDP ``wrap_data_parallel`` builds: no unused-parameter search, no static graph,
+    so the forward's output needs no marking."""
+    ddp.require_forward_param_sync = True
+    ddp.reducer.prepare_for_forward()
+    ddp.reducer.prepare_for_backward([])
 
 
 # -- collectives used by the trainer --------------------------------------------------------
