@@ -27,7 +27,7 @@ class _PlainIterator(_SingleProcessDataLoaderIter):
     def __next__(self) -> object:
         if self._sampler_iter is None:
             self._reset()  # type: ignore[call-arg]  # torch's own call, untyped there
-        data = self._next_data()
+        data = self._next_data()  # type: ignore[no-untyped-call]  # torch leaves it untyped
         self._num_yielded += 1
         return data
 

@@ -275,7 +275,9 @@ class TokenWindowDataset(WindowSource):
         counts = [max(0, (shard.tokens - 1) // block_size) for shard in self.shards]
         self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
         self._start_list: list[int] = self._starts.tolist()
-        self._count = self._start_list[-1]  # len(self), a Python int (no NumPy scalar per call)
+        self._count = int(
+            self._start_list[-1]
+        )  # len(self), a Python int (no NumPy scalar per call)
         self._resident_bytes = resident_bytes
         self.in_use: ShardsInUse | None = None
         """The shared lock that keeps ``prepare --overwrite`` off these shards while this
