@@ -139,7 +139,7 @@ def describe_record(
     parts += formatted_numbers(record, STEP_LINE_FIELDS)
     keys = list(extra_keys)
     if other:
-        keys += other_keys(record, STEP_LINE_KEYS.union(extra_keys))
+        keys += other_keys(record, STEP_LINE_KEYS.union(extra_keys) if keys else STEP_LINE_KEYS)
     for key in keys:
         value = record.get(key)
         if value is not None:
