@@ -18,6 +18,7 @@ full disk, ``/dev/full``, a directory in the way) is reported once, naming the p
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -125,6 +126,13 @@ STEP_LINE_FIELDS: tuple[NumberFormat, ...] = (
 STEP_LINE_KEYS = frozenset(key for key, _ in STEP_LINE_FIELDS) | {"steps_per_sec"}
 
 
+@functools.lru_cache(maxsize=64)
+def _other_keys(record_keys: tuple[str, ...], extra_keys: frozenset[str]) -> tuple[str, ...]:
+    """``sink.other_keys`` of a record with these keys, kept: a run's records have the same
+    keys step after step, so the sorted selection is made once, not once per line."""
+    return tuple(other_keys(record_keys, STEP_LINE_KEYS | extra_keys))
+
+
 def describe_record(
     record: Record,
     target_step: int,
@@ -139,7 +147,7 @@ def describe_record(
     parts += formatted_numbers(record, STEP_LINE_FIELDS)
     keys = list(extra_keys)
     if other:
-        keys += other_keys(record, STEP_LINE_KEYS.union(extra_keys) if keys else STEP_LINE_KEYS)
+        keys += _other_keys(tuple(record), frozenset(extra_keys) if keys else frozenset())
     for key in keys:
         value = record.get(key)
         if value is not None:
