@@ -19,6 +19,13 @@ batches of 8, the first WINDOWS windows of the loader's shuffled order) into ``i
   os.preadv       not a memmap, for reference: each window read from the file into the
                   batch (nothing is mapped, so nothing faults and the RSS stays flat)
 
+Against the strongest bare baseline (``gather_lines``, also alone with ``--gather-only``):
+the default loader and ``gather_loop`` -- one memmap per shard kept open, a batch fetched by
+one fancy index of ``starts[:, None] + np.arange(block + 1)`` (one slice per window when the
+batch spans shards, the cheaper way there), one ``astype(int64)``, no DataLoader, no memory
+bound -- over the same windows in the loader's order, at block 128 and 1024, rotated rounds,
+tokens/s and the reading thread's CPU time per batch, paired by round.
+
 The windows are read in two orders, every case in both:
 
   local           the loader's order: 2 MiB chunks of windows in a seeded order, the
