@@ -21,7 +21,12 @@ The figure is the logging cost per step: ``trainer, logged - trainer, silent`` a
 difference of the best rounds), with the load average before and after. Target: the
 trainer's logging cost at most 1.5x the hand-written line's.
 
-    python benchmarks/logged_step.py [--rounds 9] [--steps 2000]
+On a loaded machine a step's CPU time moves more between rounds than the logging costs, so
+``--record-path`` times the record path alone (``record_path``: the record the loop builds,
+its ``values()`` and the two sinks' ``write_record``) against the hand loop's logging alone
+(``hand_line``), alternating rounds, thread CPU time per record.
+
+    python benchmarks/logged_step.py [--rounds 9] [--steps 2000] [--record-path]
 """
 
 from __future__ import annotations
@@ -123,6 +128,114 @@ def trainer_run(steps: int, out: Path, logged: bool) -> float:
     return time.process_time() - start
 
 
+RECORDS = 5000
+
+
+class _View:
+    """What the two sinks read of the trainer: the target step and the output directory."""
+
+    target_step = 100_000
+
+    def __init__(self, output_dir: Path) -> None:
+        self.output_dir = output_dir
+
+
+class _Start:
+    start_step = 0
+
+
+def record_path(out: Path) -> Callable[[], float]:
+    """The record path alone, as the loop runs it on a logged step: a ``MetricRecord`` with
+    a tensor loss and the eight numbers the loop sets, its ``values()`` for each sink and
+    for the loop's own list, the ``jsonl`` and ``console`` sinks' ``write_record``. Returns
+    a function giving thread CPU us per record over RECORDS records."""
+    from speedtronic.engine.metrics import MetricRecord
+    from speedtronic_callbacks.console import ConsoleCallback
+    from speedtronic_callbacks.jsonl import JsonlCallback
+
+    view = _View(out)
+    console = ConsoleCallback(file=out / "record-path.log")
+    jsonl = JsonlCallback(out / "record-path.jsonl")
+    console.on_setup(view, _Start())  # type: ignore[arg-type]  # the two fields they read
+    jsonl.on_setup(view, _Start())  # type: ignore[arg-type]
+    loss = torch.tensor(1.2345)
+
+    def run() -> float:
+        start = time.thread_time()
+        for step in range(1, RECORDS + 1):
+            record = MetricRecord(step)
+            record.set("loss", loss)
+            record.set("lr", LR)
+            for key in ("steps_per_sec", "samples_per_sec", "tokens_per_sec"):
+                record.set(key, 1234.5)
+            record.set("samples", step)
+            record.set("tokens", step)
+            record.set("micro_batches", 1)
+            record.set("elapsed_s", 0.5)
+            jsonl.write_record(view, record.values())  # type: ignore[arg-type]
+            console.write_record(view, record.values())  # type: ignore[arg-type]
+            record.values()  # the loop keeps the due record too
+        return (time.thread_time() - start) / RECORDS * 1e6
+
+    return run
+
+
+def hand_line(out: Path) -> Callable[[], float]:
+    """The hand loop's logging alone: the same JSON line (dict, ``json.dumps``, write,
+    flush) and console line per record; thread CPU us per record over RECORDS records."""
+    jsonl = (out / "hand-line.jsonl").open("a", encoding="utf-8")
+    console = (out / "hand-line.log").open("a", buffering=1)
+    loss = torch.tensor(1.2345)
+
+    def run() -> float:
+        start = time.thread_time()
+        for step in range(1, RECORDS + 1):
+            value, elapsed = loss.item(), 0.5
+            record = {
+                "step": step,
+                "lr": LR,
+                "steps_per_sec": 1234.5,
+                "samples_per_sec": 1234.5,
+                "tokens_per_sec": 1234.5,
+                "samples": step,
+                "tokens": step,
+                "micro_batches": 1,
+                "elapsed_s": elapsed,
+                "loss": value,
+            }
+            jsonl.write(json.dumps(record, separators=(",", ":")) + "\n")
+            jsonl.flush()
+            console.write(
+                f"step {step}/100000 | loss {value:.4f} | lr {LR:.2e} | "
+                f"{step / elapsed:.1f} steps/s | {step / elapsed / 1e3:.1f}k tok/s\n"
+            )
+        return (time.thread_time() - start) / RECORDS * 1e6
+
+    return run
+
+
+def record_path_lines(out: Path, rounds: int) -> list[str]:
+    """The record path against the hand line, alternating, ``rounds`` rounds."""
+    ours, hand = record_path(out), hand_line(out)
+    times: dict[str, list[float]] = {"record path": [], "hand line": []}
+    for round_ in range(rounds):
+        order = (("record path", ours), ("hand line", hand))
+        for name, run in order if round_ % 2 == 0 else order[::-1]:
+            times[name].append(run())
+    ratios = [a / b for a, b in zip(times["record path"], times["hand line"], strict=True)]
+    best = min(times["record path"]) / min(times["hand line"])
+    lines = [f"record path alone: {RECORDS} records a round, {rounds} rounds, thread CPU us"]
+    for name, values in times.items():
+        lines.append(
+            f"  {name:<12} best {min(values):6.1f}  median {statistics.median(values):6.1f}"
+        )
+    lines.append(
+        f"  record path / hand line: paired median {statistics.median(ratios):.2f}x, best "
+        f"{best:.2f}x (target <= 1.5x)"
+    )
+    return lines
+
+
 CASES: dict[str, Callable[[int, Path], float]] = {
     "hand, silent": lambda steps, out: hand_loop(steps, None),
     "hand, logged": lambda steps, out: hand_loop(steps, Path(tempfile.mkdtemp(dir=out))),
@@ -135,7 +248,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument(
+        "--record-path", action="store_true", help="only the record path against the hand line"
+    )
     args = parser.parse_args()
+    if args.record_path:
+        torch.set_num_threads(1)
+        load_before = os.getloadavg()
+        with tempfile.TemporaryDirectory(prefix="speedtronic-logged-step-") as folder:
+            lines = record_path_lines(Path(folder), args.rounds)
+        print(f"machine: {os.cpu_count()} CPUs; load before {load_before}, after {os.getloadavg()}")
+        print("\n".join(lines))
+        return
     torch.set_num_threads(1)
     load_before = os.getloadavg()
     per_step: dict[str, list[float]] = {name: [] for name in CASES}

@@ -127,10 +127,15 @@ STEP_LINE_KEYS = frozenset(key for key, _ in STEP_LINE_FIELDS) | {"steps_per_sec
 
 
 @functools.lru_cache(maxsize=64)
-def _other_keys(record_keys: tuple[str, ...], extra_keys: frozenset[str]) -> tuple[str, ...]:
-    """``sink.other_keys`` of a record with these keys, kept: a run's records have the same
-    keys step after step, so the sorted selection is made once, not once per line."""
-    return tuple(other_keys(record_keys, STEP_LINE_KEYS | extra_keys))
+def _line_plan(
+    record_keys: tuple[str, ...], extra_keys: tuple[str, ...]
+) -> tuple[tuple[NumberFormat, ...], tuple[str, ...]]:
+    """The standard fields a record with these keys has, and its other keys
+    (``sink.other_keys``): a run's records have the same keys step after step, so both are
+    worked out once per shape, not once per line."""
+    present = frozenset(record_keys)
+    fields = tuple(field for field in STEP_LINE_FIELDS if field[0] in present)
+    return fields, tuple(other_keys(record_keys, STEP_LINE_KEYS.union(extra_keys)))
 
 
 def describe_record(
@@ -143,11 +148,12 @@ def describe_record(
     """One step line from a finished record: the standard fields, then ``extra_keys``, then
     (``other``) every other key a callback logged (``sink.other_keys``); keys that are
     absent are left out."""
+    fields, others = _line_plan(tuple(record), tuple(extra_keys))
     parts = [f"step {record['step']}/{target_step}"]
-    parts += formatted_numbers(record, STEP_LINE_FIELDS)
+    parts += formatted_numbers(record, fields)
     keys = list(extra_keys)
     if other:
-        keys += _other_keys(tuple(record), frozenset(extra_keys) if keys else frozenset())
+        keys += others
     for key in keys:
         value = record.get(key)
         if value is not None:
