@@ -19,6 +19,13 @@ batches of 8, the first WINDOWS windows of the loader's shuffled order) into ``i
   os.preadv       not a memmap, for reference: each window read from the file into the
                   batch (nothing is mapped, so nothing faults and the RSS stays flat)
 
+Against the strongest bare baseline (``gather_lines``, also alone with ``--gather-only``):
+the default loader and ``gather_loop`` -- one memmap per shard kept open, a batch fetched by
+one fancy index of ``starts[:, None] + np.arange(block + 1)`` (one slice per window when the
+batch spans shards, the cheaper way there), one ``astype(int64)``, no DataLoader, no memory
+bound -- over the same windows in the loader's order, at block 128 and 1024, rotated rounds,
+tokens/s and the reading thread's CPU time per batch, paired by round.
+
 The windows are read in two orders, every case in both:
 
   local           the loader's order: 2 MiB chunks of windows in a seeded order, the
@@ -161,11 +168,11 @@ Plan = list[tuple[int, int]]
 """``(shard, token offset)`` of each window read, in order."""
 
 
-def window_plan(directory: Path, count: int, *, local: bool = True) -> Plan:
+def window_plan(directory: Path, count: int, *, local: bool = True, block: int = BLOCK) -> Plan:
     """The first ``count`` windows of the loader's order (``local``), or of one seeded
     permutation of all windows (the loader's order before chunks: ``WindowSampler`` with
     ``chunk=1``), as ``(shard, token offset)``."""
-    loader = build_dataloader(data_config(directory))  # type: ignore[arg-type]
+    loader = build_dataloader(data_config(directory, block=block))  # type: ignore[arg-type]
     dataset = loader.dataset
     assert isinstance(dataset, TokenWindowDataset)
     sampler = loader.sampler if local else global_sampler(dataset)
@@ -173,7 +180,7 @@ def window_plan(directory: Path, count: int, *, local: bool = True) -> Plan:
     order = list(sampler)[:count]
     starts = dataset._starts
     shards = np.searchsorted(starts, order, side="right") - 1
-    return [(int(s), int((w - starts[s]) * BLOCK)) for s, w in zip(shards, order, strict=True)]
+    return [(int(s), int((w - starts[s]) * block)) for s, w in zip(shards, order, strict=True)]
 
 
 def global_sampler(dataset: TokenWindowDataset) -> WindowSampler:
@@ -250,13 +257,18 @@ def pread_loop(directory: Path, plan: Plan) -> int:
 
 
 def speedtronic_loader(
-    directory: Path, count: int, resident: int | None = None, *, local: bool = True
+    directory: Path,
+    count: int,
+    resident: int | None = None,
+    *,
+    local: bool = True,
+    block: int = BLOCK,
 ) -> Callable[[], int]:
     """A fresh ``data.tokens`` loader (new maps, like the bare loops' new memmaps), built
     now; the returned function reads its first ``count`` windows (what is timed: building
     validates a config and reads the manifest, a once-per-run cost). Without ``local``, the
     same dataset in the global order (``global_sampler``)."""
-    loader = build_dataloader(data_config(directory))  # type: ignore[arg-type]
+    loader = build_dataloader(data_config(directory, block=block))  # type: ignore[arg-type]
     dataset = loader.dataset
     assert isinstance(dataset, TokenWindowDataset)
     if resident is not None:
@@ -278,6 +290,100 @@ def speedtronic_loader(
         return tokens
 
     return run
+
+
+def gather_loop(directory: Path, plan: Plan, block: int) -> int:
+    """The strongest bare baseline (``GATHER``): one ``np.memmap`` per shard kept open for
+    the run; a batch whose windows lie in one shard fetched by one fancy index of its tokens
+    with ``starts[:, None] + np.arange(block + 1)``, one that spans shards (the loader's order
+    deals the chunks of a working set, which come from any shard) by one slice per window
+    into the batch array, the cheaper of the ways to gather from several maps (a fancy index
+    per shard, grouping rows with ``np.unique`` or a dict, costs several times more); then
+    one ``astype(int64)`` of the batch, ``input_ids``/``labels`` views of it. No
+    ``DataLoader``, no collate, no memory bound, no resume: what a user writes for speed
+    alone. The memmaps are indexed through their ``ndarray`` views (indexing an ``np.memmap``
+    object makes a ``memmap`` instance of every result, a few us more per batch)."""
+    views = [
+        np.memmap(path, dtype=np.uint16, mode="r").view(np.ndarray)
+        for path in shard_paths(directory)
+    ]
+    span = np.arange(block + 1)
+    tokens = 0
+    for begin in range(0, len(plan), BATCH):
+        rows = plan[begin : begin + BATCH]
+        shards = [shard for shard, _ in rows]
+        if shards.count(shards[0]) == len(shards):
+            starts = np.array([offset for _, offset in rows])
+            windows = views[shards[0]][starts[:, None] + span]
+        else:
+            windows = np.empty((len(rows), block + 1), dtype=np.uint16)
+            for row, (shard, offset) in enumerate(rows):
+                windows[row] = views[shard][offset : offset + block + 1]
+        both = torch.from_numpy(windows.astype(np.int64))
+        x, y = both[:, :-1], both[:, 1:]
+        tokens += x.numel()
+        del y
+    return tokens
+
+
+GATHER = "bare np.memmap gather (one fancy index per batch)"
+GATHER_BLOCKS = (128, 1024)
+
+
+def gather_rounds(
+    directory: Path, rounds: int
+) -> tuple[dict[int, dict[str, list[float]]], dict[int, dict[str, list[float]]]]:
+    """``block -> case -> tokens/s`` and ``block -> case -> CPU us per batch`` of each round:
+    the loader against ``gather_loop`` over the same windows in the same order, at each of
+    ``GATHER_BLOCKS``, cases in rotated order (round ``r`` starts at case ``r mod n``)."""
+    cases: dict[tuple[int, str], Callable[[], Callable[[], int]]] = {}
+    for block in GATHER_BLOCKS:
+        plan = window_plan(directory, WINDOWS, block=block)
+        cases[(block, GATHER)] = lambda plan=plan, block=block: (  # type: ignore[misc]
+            lambda: gather_loop(directory, plan, block)
+        )
+        cases[(block, LOADER)] = lambda block=block: speedtronic_loader(  # type: ignore[misc]
+            directory, WINDOWS, block=block
+        )
+    speed: dict[int, dict[str, list[float]]] = {block: {} for block in GATHER_BLOCKS}
+    cpu: dict[int, dict[str, list[float]]] = {block: {} for block in GATHER_BLOCKS}
+    keys = list(cases)
+    for round_ in range(rounds):
+        shift = round_ % len(keys)
+        for block, name in keys[shift:] + keys[:shift]:
+            run = cases[(block, name)]()
+            gc.collect()
+            own, start = time.thread_time(), time.perf_counter()
+            tokens = run()
+            elapsed, used = time.perf_counter() - start, time.thread_time() - own
+            speed[block].setdefault(name, []).append(tokens / elapsed)
+            cpu[block].setdefault(name, []).append(used / (WINDOWS / BATCH) * 1e6)
+    return speed, cpu
+
+
+def gather_lines(directory: Path, rounds: int) -> Iterator[str]:
+    """The loader against the strongest bare baseline, at block 128 and 1024."""
+    speed, cpu = gather_rounds(directory, rounds)
+    yield (
+        f"\nloader vs {GATHER}: {WINDOWS} windows, batches of {BATCH}, local order, "
+        f"{rounds} rotated rounds, load {os.getloadavg()[0]:.2f}"
+    )
+    for block in GATHER_BLOCKS:
+        ratios = paired(speed[block][LOADER], speed[block][GATHER])
+        cpu_ratios = paired(cpu[block][GATHER], cpu[block][LOADER])
+        for name in (GATHER, LOADER):
+            values = speed[block][name]
+            yield (
+                f"  block {block:>4} {name:<50} best {max(values) / 1e6:7.2f} M  median "
+                f"{statistics.median(values) / 1e6:7.2f} M tokens/s  CPU "
+                f"{min(cpu[block][name]):6.1f} / {statistics.median(cpu[block][name]):6.1f} "
+                "us per batch (best / median)"
+            )
+        yield (
+            f"  block {block:>4} loader / baseline tokens/s, paired: median "
+            f"{statistics.median(ratios):.2f}x, best {max(ratios):.2f}x; by CPU time: median "
+            f"{statistics.median(cpu_ratios):.2f}x, best {max(cpu_ratios):.2f}x"
+        )
 
 
 def timed(run: Callable[[], int], cpu: dict[str, list[float]] | None = None) -> float:
@@ -529,13 +635,25 @@ def main() -> None:
     parser.add_argument("--skip-prepare", action="store_true")
     parser.add_argument("--skip-loader", action="store_true")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="loader rounds (ABBA order)")
+    parser.add_argument(
+        "--gather-only",
+        action="store_true",
+        help="only the loader against the bare memmap gather (block 128 and 1024)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="speedtronic-data-bench-") as folder:
         work = Path(folder)
         lines: list[str] = [f"machine: {os.cpu_count()} CPUs, load {os.getloadavg()}"]
+        if args.gather_only:
+            shards = make_token_set(work / "shards")
+            lines += gather_lines(shards, args.rounds)
+            lines.append(f"load after: {os.getloadavg()}")
+            print("\n".join(lines))
+            return
         if not args.skip_loader:
             shards = make_token_set(work / "shards")
+            lines += gather_lines(shards, args.rounds)
             orders = loader_rounds(shards, args.rounds)
             for order in (LOCAL, GLOBAL):
                 lines += table(

@@ -101,3 +101,25 @@ def test_lines_show_other_keys_in_name_order_with_their_units() -> None:
         "host/rss_bytes=3.00GiB, mine/grad_max=0.1250, note=warm"
     )
     assert _postfix(RECORD, other=False) == "loss=2.5000, lr=1.00e-03, tok/s=3.2k"
+
+
+def test_a_line_follows_its_records_keys_as_they_appear_change_type_and_go() -> None:
+    """The console plans a line once per record shape: a record with a new key, the same
+    keys with another value type, or a key gone again each get the line of their own."""
+    base = {"step": 1, "loss": 2.5, "lr": 1e-3}
+    assert describe_record(base, 10) == "step 1/10 | loss 2.5000 | lr 1.00e-03"
+    grown = {**base, "step": 2, "eval/loss": 2.25, "mine/x": 1.5}
+    assert describe_record(grown, 10) == (
+        "step 2/10 | loss 2.5000 | eval/loss 2.2500 | lr 1.00e-03 | mine/x 1.5000"
+    )
+    texts = {**grown, "step": 3, "loss": "nan?", "mine/x": "warm"}  # same keys, other types
+    assert describe_record(texts, 10) == (
+        "step 3/10 | eval/loss 2.2500 | lr 1.00e-03 | mine/x warm"
+    )
+    assert describe_record({**base, "step": 4}, 10) == "step 4/10 | loss 2.5000 | lr 1.00e-03"
+    assert describe_record(grown, 10, ["mine/x"]) == (
+        "step 2/10 | loss 2.5000 | eval/loss 2.2500 | lr 1.00e-03 | mine/x 1.5000"
+    )
+    assert describe_record({**grown, "extra": 7}, 10, ["extra"]).endswith(
+        "| extra 7 | mine/x 1.5000"
+    )

@@ -644,3 +644,26 @@ def test_a_fresh_trainer_keeps_an_earlier_runs_metrics_file(tmp_path: Path, sink
     with pytest.warns(UserWarning, match=r"kept them as metrics\.2\."):
         fresh_run()
     assert kept.read_text() == first
+
+
+def test_a_record_reads_host_tensors_as_float32_values_like_device_ones() -> None:
+    """Host tensors are read one by one, device ones stacked: either way a value is its
+    tensor's float32 value as a Python float, whatever the tensor's dtype or shape."""
+    record = MetricRecord(4)
+    record.set("loss", torch.tensor(1.1, dtype=torch.float32))
+    record.set("wide", torch.tensor([1 / 3], dtype=torch.float64))
+    record.set("count", torch.tensor((1 << 24) + 1))
+    record.set("lr", 0.5)
+    values = record.values()
+    assert values == {
+        "step": 4,
+        "lr": 0.5,
+        "loss": float(torch.tensor(1.1).item()),
+        "wide": float(torch.tensor(1 / 3, dtype=torch.float32).item()),
+        "count": float(1 << 24),  # float32 rounds 2**24 + 1 down, as the stacked read does
+    }
+    assert all(type(values[key]) is float for key in ("loss", "wide", "count"))
+    stacked = torch.stack([torch.tensor(v).reshape(()).float() for v in (1.1, 1 / 3)]).tolist()
+    assert [values["loss"], values["wide"]] == stacked
+    record.set("loss", 2.0)  # a plain value replaces a tensor under the same key
+    assert record.values()["loss"] == 2.0

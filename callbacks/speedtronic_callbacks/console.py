@@ -18,6 +18,7 @@ full disk, ``/dev/full``, a directory in the way) is reported once, naming the p
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -125,6 +126,18 @@ STEP_LINE_FIELDS: tuple[NumberFormat, ...] = (
 STEP_LINE_KEYS = frozenset(key for key, _ in STEP_LINE_FIELDS) | {"steps_per_sec"}
 
 
+@functools.lru_cache(maxsize=64)
+def _line_plan(
+    record_keys: tuple[str, ...], extra_keys: tuple[str, ...]
+) -> tuple[tuple[NumberFormat, ...], tuple[str, ...]]:
+    """The standard fields a record with these keys has, and its other keys
+    (``sink.other_keys``): a run's records have the same keys step after step, so both are
+    worked out once per shape, not once per line."""
+    present = frozenset(record_keys)
+    fields = tuple(field for field in STEP_LINE_FIELDS if field[0] in present)
+    return fields, tuple(other_keys(record_keys, STEP_LINE_KEYS.union(extra_keys)))
+
+
 def describe_record(
     record: Record,
     target_step: int,
@@ -135,11 +148,12 @@ def describe_record(
     """One step line from a finished record: the standard fields, then ``extra_keys``, then
     (``other``) every other key a callback logged (``sink.other_keys``); keys that are
     absent are left out."""
+    fields, others = _line_plan(tuple(record), tuple(extra_keys))
     parts = [f"step {record['step']}/{target_step}"]
-    parts += formatted_numbers(record, STEP_LINE_FIELDS)
+    parts += formatted_numbers(record, fields)
     keys = list(extra_keys)
     if other:
-        keys += other_keys(record, STEP_LINE_KEYS.union(extra_keys))
+        keys += others
     for key in keys:
         value = record.get(key)
         if value is not None:

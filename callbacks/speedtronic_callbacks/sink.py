@@ -19,7 +19,7 @@ import abc
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
@@ -143,7 +143,10 @@ def formatted_numbers(record: Record, fields: Sequence[NumberFormat]) -> list[st
     parts = []
     for key, show in fields:
         value = record.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value is None:  # most fields are absent from most records: the cheap test first
+            continue
+        kind = type(value)
+        if kind is float or kind is int or (isinstance(value, (int, float)) and kind is not bool):
             parts.append(show(float(value)))
     return parts
 
@@ -155,7 +158,7 @@ _TRAINER_COUNTERS = frozenset(
 (their standard fields show the step, loss, rates and learning rate instead)."""
 
 
-def other_keys(record: Record, shown: Collection[str]) -> list[str]:
+def other_keys(record: Iterable[str], shown: Collection[str]) -> list[str]:
     """The keys of ``record`` a text line does not show yet, in name order (so a callback's
     ``prefix/...`` keys stand together): every key a callback logged (``mine/grad_max``,
     ``host/rss_bytes``, ``diloco/...``), not the trainer's counters or its per-group

@@ -33,7 +33,8 @@ rank a strided share of the same epoch order); iterable data (the text stream) i
 ``data`` batch sizes are per rank: the global batch is ``world_size`` times larger.
 
 Batches are made by ``data.collate`` (``resolve_collate``): by default the collate the dataset
-declares, else ``collate_batch``.
+declares, else ``collate_batch``. The loader is a ``FastLoader`` (``speedtronic.data.fast_loader``):
+a ``DataLoader`` whose single-process iterator skips torch's per-batch profiler span.
 
 Worker processes (``data.num_workers``) exit on their own when the training process is gone
 (killed by SIGKILL, or by a SIGTERM nobody handles), even while the dataset's code hangs:
@@ -55,6 +56,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from speedtronic.data.collate import CollateFn, collate_registry
+from speedtronic.data.fast_loader import FastLoader
 from speedtronic.data.mixture import open_mixture
 from speedtronic.data.remote_shards import (
     RemoteShardOptions,
@@ -610,7 +612,7 @@ def build_dataloader(
         raise TypeError(
             f"map-style dataset {type(source).__name__} needs __len__ (for its sampler)"
         )
-    return DataLoader(
+    return FastLoader(
         source,
         batch_size=config.micro_batch,
         sampler=sampler,

@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 import mmap
 from abc import ABC, abstractmethod
+from bisect import bisect_right
 from collections.abc import Sequence
 from pathlib import Path
 from typing import overload
@@ -155,18 +156,17 @@ class _Maps:
         return view
 
     def read(
-        self,
-        shards: npt.NDArray[np.int64],
-        offsets: npt.NDArray[np.int64],
-        out: npt.NDArray[np.unsignedinteger],
-    ) -> None:
-        """Copy the ``out.shape[1]`` tokens at ``offsets[i]`` of shard ``shards[i]`` into
-        ``out[i]``, releasing what is mapped whenever the blocks read reach the budget."""
-        span = out.shape[1]
+        self, shards: Sequence[int], offsets: Sequence[int], span: int
+    ) -> npt.NDArray[np.unsignedinteger]:
+        """The ``span`` tokens at ``offsets[i]`` of shard ``shards[i]``, as row ``i`` of a new
+        ``[len, span]`` array, releasing what is mapped whenever the blocks read reach the
+        budget. Python ints and a slice per window: a batch is a few windows, where each
+        NumPy call costs more than this loop (and as much as one fancy index of them all)."""
+        out = np.empty((len(shards), span), dtype=self.dtype)
         itemsize = self.dtype.itemsize
         limit = max(1, self.resident_bytes // FAULT_BYTES)  # blocks mapped at most
         blocks, views = self._blocks, self._views  # release clears them
-        for row, (shard, offset) in enumerate(zip(shards.tolist(), offsets.tolist(), strict=True)):
+        for row, (shard, offset) in enumerate(zip(shards, offsets, strict=True)):
             first = offset * itemsize // FAULT_BYTES
             last = ((offset + span) * itemsize - 1) // FAULT_BYTES
             if first == last:  # the usual case: a window within one block
@@ -185,6 +185,7 @@ class _Maps:
             if view is None:
                 view = self.get(shard)
             out[row] = view[offset : offset + span]
+        return out
 
     def release(self) -> None:
         """Unmap the blocks read since the last release; the maps stay usable."""
@@ -273,6 +274,10 @@ class TokenWindowDataset(WindowSource):
         self.tokens = sum(shard.tokens for shard in self.shards)
         counts = [max(0, (shard.tokens - 1) // block_size) for shard in self.shards]
         self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+        self._start_list: list[int] = self._starts.tolist()
+        self._count = int(
+            self._start_list[-1]
+        )  # len(self), a Python int (no NumPy scalar per call)
         self._resident_bytes = resident_bytes
         self.in_use: ShardsInUse | None = None
         """The shared lock that keeps ``prepare --overwrite`` off these shards while this
@@ -315,7 +320,7 @@ class TokenWindowDataset(WindowSource):
         self._mask_maps = self._new_mask_maps()
 
     def __len__(self) -> int:
-        return int(self._starts[-1])
+        return self._count
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return super().__getitem__(index + len(self) if index < 0 else index)
@@ -338,25 +343,37 @@ class TokenWindowDataset(WindowSource):
             group=self.group_chunks,
         )
 
+    def _locate(
+        self, indices: Sequence[int] | npt.NDArray[np.int64]
+    ) -> tuple[list[int], list[int]]:
+        """The shard and token offset of each window of ``indices`` (``IndexError`` for one
+        out of range). Python ints: a batch is a few windows, and each NumPy call on a few
+        values costs more than this loop."""
+        wanted = indices.tolist() if isinstance(indices, np.ndarray) else indices
+        starts, count, block = self._start_list, self._count, self.block_size
+        shards: list[int] = []
+        offsets: list[int] = []
+        for window in wanted:
+            index = int(window)
+            if not 0 <= index < count:
+                raise IndexError(f"window {index} out of range for {count} windows")
+            shard = bisect_right(starts, index) - 1
+            shards.append(shard)
+            offsets.append((index - starts[shard]) * block)
+        return shards, offsets
+
     def gather(
         self, indices: Sequence[int] | npt.NDArray[np.int64]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, labels)`` of the windows ``indices``: two ``[len, block_size]``
         ``int64`` tensors, copied straight out of the memmaps."""
-        wanted = np.asarray(indices, dtype=np.int64)
-        if wanted.size and (wanted.view(np.uint64) >= len(self)).any():  # negatives wrap
-            bad = int(wanted.min()) if wanted.min() < 0 else int(wanted.max())
-            raise IndexError(f"window {bad} out of range for {len(self)} windows")
-        shards = np.searchsorted(self._starts, wanted, side="right") - 1
-        offsets = (wanted - self._starts[shards]) * self.block_size
+        shards, offsets = self._locate(indices)
         # One copy of each window's block_size + 1 tokens, then one conversion per tensor.
-        windows = np.empty((wanted.size, self.block_size + 1), dtype=self.manifest.numpy_dtype)
-        self._maps.read(shards, offsets, windows)
+        windows = self._maps.read(shards, offsets, self.block_size + 1)
         inputs = windows[:, :-1].astype(np.int64, order="C")
         labels = windows[:, 1:].astype(np.int64, order="C")
         if self._mask_maps is not None:  # fine-tuning data: the loss on the answers only
-            masks = np.empty((wanted.size, self.block_size + 1), dtype=np.uint8)
-            self._mask_maps.read(shards, offsets, masks)
+            masks = self._mask_maps.read(shards, offsets, self.block_size + 1)
             labels[masks[:, 1:] == 0] = IGNORE_INDEX
         return torch.from_numpy(inputs), torch.from_numpy(labels)
 

@@ -31,7 +31,8 @@ class MetricRecord:
             self._values.pop(key, None)
             self._pending[key] = value.detach()
         else:
-            self._pending.pop(key, None)
+            if self._pending:  # a plain value replaces a tensor under the same key
+                self._pending.pop(key, None)
             self._values[key] = value
 
     def setdefault(self, key: str, value: MetricValue | torch.Tensor) -> None:
@@ -48,15 +49,23 @@ class MetricRecord:
     def values(self) -> dict[str, MetricValue]:
         """The record as plain Python numbers (one host transfer for all tensor values)."""
         if self._pending:
-            keys = list(self._pending)
-            tensors = [self._pending[k].reshape(()).float() for k in keys]
-            if len({t.device for t in tensors}) == 1:
-                numbers = torch.stack(tensors).cpu().tolist()  # one transfer, one sync
+            pending = self._pending
+            if all(tensor.device.type == "cpu" for tensor in pending.values()):
+                # Host tensors: no transfer to batch up, and one read each costs less than
+                # stacking them (the same float32 value either way).
+                for key, tensor in pending.items():
+                    single = tensor if tensor.dtype == torch.float32 else tensor.float()
+                    self._values[key] = float(single.item())
             else:
-                numbers = [t.item() for t in tensors]
-            for key, number in zip(keys, numbers, strict=True):
-                self._values[key] = float(number)
-            self._pending.clear()
+                keys = list(pending)
+                tensors = [pending[k].reshape(()).float() for k in keys]
+                if len({t.device for t in tensors}) == 1:
+                    numbers = torch.stack(tensors).cpu().tolist()  # one transfer, one sync
+                else:
+                    numbers = [t.item() for t in tensors]
+                for key, number in zip(keys, numbers, strict=True):
+                    self._values[key] = float(number)
+            pending.clear()
         return dict(self._values)
 
     def get(self, key: str) -> MetricValue | None:

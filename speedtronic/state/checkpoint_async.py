@@ -46,11 +46,21 @@ class Snapshot:
     ready: torch.cuda.Event | None
 
     def complete(self) -> None:
-        for destination, source in self.deferred:
-            _copy_bytes(destination, source, non_blocking=False)
+        if self.deferred:
+            # One call for all the copies: the GIL is released once for the whole state,
+            # not once per storage (each release would wait up to the switch interval to
+            # get it back from a training thread running Python meanwhile).
+            into = [_bytes_of(destination) for destination, _ in self.deferred]
+            out_of = [_bytes_of(source) for _, source in self.deferred]
+            torch._foreach_copy_(into, out_of)
         self.deferred = []
         if self.ready is not None:
             self.ready.synchronize()
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A CPU storage as a ``uint8`` tensor over all of its bytes."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 def _copy_bytes(

@@ -1,0 +1,298 @@
+"""The cost of a logged step (issue 35): the default sinks against a hand-written log line.
+
+Model: ``overhead.py``'s scalar model (four weights, SGD), so a step is almost only loop
+overhead and the logging cost stands out. Four cases, each STEPS steps, in rotated rounds
+in one process, timed in CPU seconds of this process (``time.process_time``: what the
+logging costs, whatever else the shared machine runs):
+
+  hand, silent     a hand loop (forward, backward, step, zero_grad) that writes nothing
+  hand, logged     the same loop writing, every step, the same JSON line the ``jsonl`` sink
+                   writes (the same keys: ``json.dumps`` of a dict built per step, written
+                   and flushed) and the same console line (formatted with f-strings, written
+                   to a line-buffered file): the strongest baseline -- what a user writes
+                   to log the same things
+  trainer, silent  ``Trainer`` with no callbacks and no due metrics (``metrics_every`` past
+                   the run)
+  trainer, logged  ``Trainer`` with the default sinks (``console`` to a file, ``jsonl``),
+                   a record every step
+
+The figure is the logging cost per step: ``trainer, logged - trainer, silent`` against
+``hand, logged - hand, silent``, round by round (paired medians) and best-of-N (the
+difference of the best rounds), with the load average before and after. Target: the
+trainer's logging cost at most 1.5x the hand-written line's.
+
+On a loaded machine a step's CPU time moves more between rounds than the logging costs, so
+``--record-path`` times the record path alone (``record_path``: the record the loop builds,
+its ``values()`` and the two sinks' ``write_record``) against the hand loop's logging alone
+(``hand_line``), alternating rounds, thread CPU time per record.
+
+    python benchmarks/logged_step.py [--rounds 9] [--steps 2000] [--record-path]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from overhead import ScalarModel, scalar_batches  # noqa: E402
+
+from speedtronic import Trainer  # noqa: E402
+
+STEPS = 2000
+LR = 1e-3
+
+
+def hand_loop(steps: int, out: Path | None) -> float:
+    """CPU seconds of ``steps`` hand-written steps; with ``out``, each step writes the JSON
+    line and the console line the default sinks write (module docstring)."""
+    torch.manual_seed(0)
+    model = ScalarModel()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    batches = scalar_batches()
+    jsonl = None if out is None else (out / "hand.jsonl").open("a", encoding="utf-8")
+    console = None if out is None else (out / "hand.log").open("a", buffering=1)
+    start_wall = time.perf_counter()
+    start = time.process_time()
+    for step in range(1, steps + 1):
+        x, y = batches[(step - 1) % len(batches)]
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if jsonl is not None and console is not None:
+            elapsed = time.perf_counter() - start_wall
+            value = loss.item()
+            record = {  # the keys and order of the trainer's record
+                "step": step,
+                "lr": LR,
+                "steps_per_sec": step / elapsed,
+                "samples_per_sec": step / elapsed,
+                "tokens_per_sec": step / elapsed,
+                "samples": step,
+                "tokens": step,
+                "micro_batches": 1,
+                "elapsed_s": elapsed,
+                "loss": value,
+            }
+            jsonl.write(json.dumps(record, separators=(",", ":")) + "\n")
+            jsonl.flush()
+            console.write(
+                f"step {step}/{steps} | loss {value:.4f} | lr {LR:.2e} | "
+                f"{step / elapsed:.1f} steps/s | {step / elapsed / 1e3:.1f}k tok/s\n"
+            )
+    used = time.process_time() - start
+    for handle in (jsonl, console):
+        if handle is not None:
+            handle.close()
+    return used
+
+
+def trainer_run(steps: int, out: Path, logged: bool) -> float:
+    """CPU seconds of ``Trainer.fit`` over ``steps`` steps of the scalar model, with the
+    default sinks and a record every step (``logged``) or no callbacks and no record."""
+    from speedtronic_callbacks.console import ConsoleCallback
+    from speedtronic_callbacks.jsonl import JsonlCallback
+
+    torch.manual_seed(0)
+    model = ScalarModel()
+    run_dir = Path(tempfile.mkdtemp(dir=out))
+    callbacks = (
+        [ConsoleCallback(file=run_dir / "console.log"), JsonlCallback(run_dir / "metrics.jsonl")]
+        if logged
+        else []
+    )
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=LR),
+        scalar_batches(),
+        device="cpu",
+        callbacks=callbacks,
+        max_steps=steps,
+        metrics_every=1 if logged else steps + 1,
+        output_dir=run_dir,
+    )
+    start = time.process_time()
+    trainer.fit()
+    return time.process_time() - start
+
+
+RECORDS = 5000
+
+
+class _View:
+    """What the two sinks read of the trainer: the target step and the output directory."""
+
+    target_step = 100_000
+
+    def __init__(self, output_dir: Path) -> None:
+        self.output_dir = output_dir
+
+
+class _Start:
+    start_step = 0
+
+
+def record_path(out: Path) -> Callable[[], float]:
+    """The record path alone, as the loop runs it on a logged step: a ``MetricRecord`` with
+    a tensor loss and the eight numbers the loop sets, its ``values()`` for each sink and
+    for the loop's own list, the ``jsonl`` and ``console`` sinks' ``write_record``. Returns
+    a function giving thread CPU us per record over RECORDS records."""
+    from speedtronic.engine.metrics import MetricRecord
+    from speedtronic_callbacks.console import ConsoleCallback
+    from speedtronic_callbacks.jsonl import JsonlCallback
+
+    view = _View(out)
+    console = ConsoleCallback(file=out / "record-path.log")
+    jsonl = JsonlCallback(out / "record-path.jsonl")
+    console.on_setup(view, _Start())  # type: ignore[arg-type]  # the two fields they read
+    jsonl.on_setup(view, _Start())  # type: ignore[arg-type]
+    loss = torch.tensor(1.2345)
+
+    def run() -> float:
+        start = time.thread_time()
+        for step in range(1, RECORDS + 1):
+            record = MetricRecord(step)
+            record.set("loss", loss)
+            record.set("lr", LR)
+            for key in ("steps_per_sec", "samples_per_sec", "tokens_per_sec"):
+                record.set(key, 1234.5)
+            record.set("samples", step)
+            record.set("tokens", step)
+            record.set("micro_batches", 1)
+            record.set("elapsed_s", 0.5)
+            jsonl.write_record(view, record.values())  # type: ignore[arg-type]
+            console.write_record(view, record.values())  # type: ignore[arg-type]
+            record.values()  # the loop keeps the due record too
+        return (time.thread_time() - start) / RECORDS * 1e6
+
+    return run
+
+
+def hand_line(out: Path) -> Callable[[], float]:
+    """The hand loop's logging alone: the same JSON line (dict, ``json.dumps``, write,
+    flush) and console line per record; thread CPU us per record over RECORDS records."""
+    jsonl = (out / "hand-line.jsonl").open("a", encoding="utf-8")
+    console = (out / "hand-line.log").open("a", buffering=1)
+    loss = torch.tensor(1.2345)
+
+    def run() -> float:
+        start = time.thread_time()
+        for step in range(1, RECORDS + 1):
+            value, elapsed = loss.item(), 0.5
+            record = {
+                "step": step,
+                "lr": LR,
+                "steps_per_sec": 1234.5,
+                "samples_per_sec": 1234.5,
+                "tokens_per_sec": 1234.5,
+                "samples": step,
+                "tokens": step,
+                "micro_batches": 1,
+                "elapsed_s": elapsed,
+                "loss": value,
+            }
+            jsonl.write(json.dumps(record, separators=(",", ":")) + "\n")
+            jsonl.flush()
+            console.write(
+                f"step {step}/100000 | loss {value:.4f} | lr {LR:.2e} | "
+                f"{step / elapsed:.1f} steps/s | {step / elapsed / 1e3:.1f}k tok/s\n"
+            )
+        return (time.thread_time() - start) / RECORDS * 1e6
+
+    return run
+
+
+def record_path_lines(out: Path, rounds: int) -> list[str]:
+    """The record path against the hand line, alternating, ``rounds`` rounds."""
+    ours, hand = record_path(out), hand_line(out)
+    times: dict[str, list[float]] = {"record path": [], "hand line": []}
+    for round_ in range(rounds):
+        order = (("record path", ours), ("hand line", hand))
+        for name, run in order if round_ % 2 == 0 else order[::-1]:
+            times[name].append(run())
+    ratios = [a / b for a, b in zip(times["record path"], times["hand line"], strict=True)]
+    best = min(times["record path"]) / min(times["hand line"])
+    lines = [f"record path alone: {RECORDS} records a round, {rounds} rounds, thread CPU us"]
+    for name, values in times.items():
+        lines.append(
+            f"  {name:<12} best {min(values):6.1f}  median {statistics.median(values):6.1f}"
+        )
+    lines.append(
+        f"  record path / hand line: paired median {statistics.median(ratios):.2f}x, best "
+        f"{best:.2f}x (target <= 1.5x)"
+    )
+    return lines
+
+
+CASES: dict[str, Callable[[int, Path], float]] = {
+    "hand, silent": lambda steps, out: hand_loop(steps, None),
+    "hand, logged": lambda steps, out: hand_loop(steps, Path(tempfile.mkdtemp(dir=out))),
+    "trainer, silent": lambda steps, out: trainer_run(steps, out, logged=False),
+    "trainer, logged": lambda steps, out: trainer_run(steps, out, logged=True),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument(
+        "--record-path", action="store_true", help="only the record path against the hand line"
+    )
+    args = parser.parse_args()
+    if args.record_path:
+        torch.set_num_threads(1)
+        load_before = os.getloadavg()
+        with tempfile.TemporaryDirectory(prefix="speedtronic-logged-step-") as folder:
+            lines = record_path_lines(Path(folder), args.rounds)
+        print(f"machine: {os.cpu_count()} CPUs; load before {load_before}, after {os.getloadavg()}")
+        print("\n".join(lines))
+        return
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()
+    per_step: dict[str, list[float]] = {name: [] for name in CASES}
+    names = list(CASES)
+    with tempfile.TemporaryDirectory(prefix="speedtronic-logged-step-") as folder:
+        out = Path(folder)
+        CASES["trainer, logged"](50, out)  # imports and first-use costs out of the rounds
+        CASES["hand, logged"](50, out)
+        for round_ in range(args.rounds):
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
+                per_step[name].append(CASES[name](args.steps, out) / args.steps * 1e6)
+    print(f"machine: {os.cpu_count()} CPUs; load before {load_before}, after {os.getloadavg()}")
+    print(f"{args.steps} steps per run, {args.rounds} rotated rounds, CPU us per step")
+    for name, values in per_step.items():
+        print(f"  {name:<16} best {min(values):7.1f}  median {statistics.median(values):7.1f}")
+    ours = [
+        a - b for a, b in zip(per_step["trainer, logged"], per_step["trainer, silent"], strict=True)
+    ]
+    hand = [a - b for a, b in zip(per_step["hand, logged"], per_step["hand, silent"], strict=True)]
+    ratios = [a / b for a, b in zip(ours, hand, strict=True) if b > 0]
+    best_ours = min(per_step["trainer, logged"]) - min(per_step["trainer, silent"])
+    best_hand = min(per_step["hand, logged"]) - min(per_step["hand, silent"])
+    print(
+        f"  logging cost per step: trainer {statistics.median(ours):.1f} us (paired median), "
+        f"{best_ours:.1f} us (best rounds); hand {statistics.median(hand):.1f} / "
+        f"{best_hand:.1f} us"
+    )
+    print(
+        f"  trainer / hand: paired median {statistics.median(ratios):.2f}x, best rounds "
+        f"{best_ours / best_hand:.2f}x (target <= 1.5x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
