@@ -47,7 +47,6 @@ from __future__ import annotations
 import logging
 import math as pymath
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -59,10 +58,11 @@ from torch import nn
 from speedtronic_callbacks.diloco.codec import Codec
 from speedtronic_callbacks.diloco.codecs import FP32
 from speedtronic_callbacks.diloco.fragments import layout_plan
-from speedtronic_callbacks.diloco.lanes import ErrorReporter, Inbox, Lane
+from speedtronic_callbacks.diloco.lanes import ErrorReporter, Lane
 from speedtronic_callbacks.diloco.master import MasterLoop
 from speedtronic_callbacks.diloco.math import carry, pseudo_gradient
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
+from speedtronic_callbacks.diloco.node_jobs import NodeJobs
 from speedtronic_callbacks.diloco.node_messages import (
     GlobalCandidate,
     MasterEvent,
@@ -164,7 +164,6 @@ class DiLoCoNode(NodeCheckpoint):
         self._clock = clock
         self._publish = publish or _ignore
         """Where the 2.0 events go (``outer_step``, ``delta_upload_*``): the trainer's notes."""
-        self.incarnation = uuid.uuid4().hex[:12]
         self.installed_step = -1
         self.installed_global: Mapping[str, torch.Tensor] | None = None
         """The global model last installed (the weights hold it plus unsent progress)."""
@@ -202,15 +201,10 @@ class DiLoCoNode(NodeCheckpoint):
         self._last_step = 0
         self._last_poll = -pymath.inf
         self._last_round = -pymath.inf
-        self.upload_lane = Lane("upload")
-        self.poll_lane = Lane("poll")
-        self.master_lane = Lane("master")
-        self._uploads: Inbox[UploadResult] = Inbox()
-        self._polls: Inbox[PollResult] = Inbox()
-        self._rounds: Inbox[MasterEvent] = Inbox()
+        self.jobs = NodeJobs(transport, layout, settings, master, self.reporter, clock)
+        """The lanes and the background jobs they run (upload, poll, master rounds)."""
         self.stats = NodeStats()
         self._started = False
-        self._replays_logged: set[tuple[int, int]] = set()
         transport.limit_file_size(settings.max_file_bytes or largest_file_bytes(layout))
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -219,15 +213,22 @@ class DiLoCoNode(NodeCheckpoint):
     def started(self) -> bool:
         return self._started
 
+    @property
+    def incarnation(self) -> str:
+        """This node life's name on the hub (renewed when another process sends as it)."""
+        return self.jobs.incarnation
+
+    @property
+    def master_lane(self) -> Lane:
+        return self.jobs.master_lane
+
     def start(self, step: int) -> None:
         """Open the lanes and schedule the start-up work (master reconcile, first poll)."""
         if self._started:
             return
         if self.master is not None:
             self.master.claim()
-        self.transport.cancel.clear()
-        for lane in (self.upload_lane, self.poll_lane, self.master_lane):
-            lane.open()
+        self.jobs.open()
         self._last_step = step
         if self.baseline is None:
             self.baseline = snapshot_weights(self.model, self.layout.sync_keys)
@@ -244,11 +245,7 @@ class DiLoCoNode(NodeCheckpoint):
         retry wait and stop the lanes. Never raises."""
         if not self._started:
             return
-        timeout = self.settings.shutdown_timeout
-        self.upload_lane.close(timeout)
-        self.transport.cancel.set()
-        master_idle = self.master_lane.close(timeout)
-        self.poll_lane.close(timeout)
+        master_idle = self.jobs.close(self.settings.shutdown_timeout)
         self._drain()
         if self.master is not None and master_idle:
             self.master.release()
@@ -257,11 +254,7 @@ class DiLoCoNode(NodeCheckpoint):
     def wait_idle(self, timeout: float) -> bool:
         """Block until every lane is idle, then process their results (for tests and
         benchmarks that need a settled state; training never calls it)."""
-        deadline = time.monotonic() + timeout
-        idle = all(
-            lane.wait_idle(max(0.0, deadline - time.monotonic()))
-            for lane in (self.upload_lane, self.poll_lane, self.master_lane)
-        )
+        idle = self.jobs.wait_idle(timeout)
         self._drain()
         return idle
 
@@ -307,7 +300,7 @@ class DiLoCoNode(NodeCheckpoint):
         share of the pending delta to the upload lane."""
         if self.installed_step < 0 or self._resync or not self._startup_done:
             return False  # no global yet, or start-up reconciliation still open
-        if self.upload_lane.busy:
+        if self.jobs.upload_lane.busy:
             self.stats.boundaries_skipped += 1
             self._publish("delta_upload_skipped", {"step": step, "reason": "upload_in_flight"})
             return False  # the next boundary sends a cumulative delta
@@ -338,7 +331,7 @@ class DiLoCoNode(NodeCheckpoint):
             self._range_starts[fragment] = step
             self._dispatched_through = max(self._dispatched_through, step)
             self.unconfirmed = job
-        submitted = self.upload_lane.try_submit(lambda: self._upload(job))
+        submitted = self.jobs.submit_upload(job)
         if not submitted:
             self.stats.boundaries_skipped += 1
             self._publish("delta_upload_skipped", {"step": step, "reason": "queue_full"})

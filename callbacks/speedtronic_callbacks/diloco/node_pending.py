@@ -11,16 +11,13 @@ import torch
 from torch import nn
 
 from speedtronic_callbacks.diloco.fragments import FragmentPlan
-from speedtronic_callbacks.diloco.lanes import ErrorReporter, Inbox, Lane
+from speedtronic_callbacks.diloco.lanes import ErrorReporter
 from speedtronic_callbacks.diloco.master import MasterLoop
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
 from speedtronic_callbacks.diloco.node_messages import (
     GlobalCandidate,
-    MasterEvent,
     NodeStats,
-    PollResult,
     UploadJob,
-    UploadResult,
 )
 from speedtronic_callbacks.diloco.transport_base import (
     RetryingTransport,
@@ -28,6 +25,7 @@ from speedtronic_callbacks.diloco.transport_base import (
 
 if TYPE_CHECKING:
     from speedtronic_callbacks.diloco.node import NodeSettings
+    from speedtronic_callbacks.diloco.node_jobs import NodeJobs
 
 
 def snapshot_weights(model: nn.Module, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -64,7 +62,7 @@ class PendingWork:
     plan: FragmentPlan
     master: MasterLoop | None
     reporter: ErrorReporter
-    incarnation: str
+    jobs: NodeJobs
     installed_step: int
     installed_global: Mapping[str, torch.Tensor] | None
     baseline: dict[str, torch.Tensor] | None
@@ -72,9 +70,6 @@ class PendingWork:
     pending_base: int
     pending_work: tuple[int, int]
     unconfirmed: UploadJob | None
-    upload_lane: Lane
-    poll_lane: Lane
-    master_lane: Lane
     stats: NodeStats
     _clock: Callable[[], float]
     _publish: Callable[[str, Mapping[str, object]], None]
@@ -98,11 +93,7 @@ class PendingWork:
     _last_step: int
     _last_poll: float
     _last_round: float
-    _uploads: Inbox[UploadResult]
-    _polls: Inbox[PollResult]
-    _rounds: Inbox[MasterEvent]
     _started: bool
-    _replays_logged: set[tuple[int, int]]
 
     @property
     def acts_as_master(self) -> bool:

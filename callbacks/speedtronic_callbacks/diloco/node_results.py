@@ -12,9 +12,8 @@ from collections.abc import Mapping
 import torch
 
 from speedtronic_callbacks.diloco.master import RoundReport
-from speedtronic_callbacks.diloco.node_jobs import BackgroundJobs
 from speedtronic_callbacks.diloco.node_messages import GlobalCandidate
-from speedtronic_callbacks.diloco.node_pending import all_zero, merge_held
+from speedtronic_callbacks.diloco.node_pending import PendingWork, all_zero, merge_held
 from speedtronic_callbacks.diloco.wire import (
     global_tensors,
 )
@@ -22,11 +21,11 @@ from speedtronic_callbacks.diloco.wire import (
 logger = logging.getLogger("speedtronic.diloco")
 
 
-class LaneResults(BackgroundJobs):
+class LaneResults(PendingWork):
     """The results-and-scheduling part of ``DiLoCoNode``."""
 
     def _drain(self) -> None:
-        for result in self._uploads.drain():
+        for result in self.jobs.uploads.drain():
             if result.error is None:
                 if self.unconfirmed is result.job:
                     self.unconfirmed = None
@@ -40,7 +39,7 @@ class LaneResults(BackgroundJobs):
                 self._publish(
                     "delta_upload_failed", {"step": result.job.local_step, "error": result.error}
                 )
-        for poll in self._polls.drain():
+        for poll in self.jobs.polls.drain():
             if not poll.ok:
                 continue
             if poll.pointer_step is not None:
@@ -50,7 +49,7 @@ class LaneResults(BackgroundJobs):
             if poll.progress is not None and self._startup_done:
                 self._check_own_progress(*poll.progress)
             self._offer(poll.candidate)
-        for event in self._rounds.drain():
+        for event in self.jobs.rounds.drain():
             self._offer(event.candidate)
             if event.report is None:
                 self._last_round = -pymath.inf  # reconciled: the first round may run now
@@ -138,7 +137,7 @@ class LaneResults(BackgroundJobs):
         second process with the same id, or a holder of the signing secret). Its deltas
         would make the master refuse this node's next ones as overlapping, so the node
         continues under a new incarnation, and says so once."""
-        if incarnation != self.incarnation or step <= self._dispatched_through:
+        if incarnation != self.jobs.incarnation or step <= self._dispatched_through:
             return
         if not self._foreign_logged:
             logger.error(
@@ -153,24 +152,26 @@ class LaneResults(BackgroundJobs):
                 self.settings.node_id,
             )
             self._foreign_logged = True
-        self.incarnation = uuid.uuid4().hex[:12]
+        self.jobs.incarnation = uuid.uuid4().hex[:12]
 
     def _schedule(self, step: int, boundary: bool) -> None:
         now = self._clock()
         master = self.master
-        if master is not None and self.acts_as_master and not self.master_lane.busy:
+        jobs = self.jobs
+        if master is not None and self.acts_as_master and not jobs.master_lane.busy:
             if now - self._last_round >= self.settings.poll_interval:
                 self._last_round = now
                 if master.reconciled:
-                    self.master_lane.try_submit(self._master_round)
+                    jobs.submit_round()
                 else:
                     initial = global_tensors(self.model.state_dict(), self.layout)
-                    snapshot = {k: v.detach().to("cpu", copy=True) for k, v in initial.items()}
-                    self.master_lane.try_submit(lambda: self._master_reconcile(snapshot))
+                    jobs.submit_reconcile(
+                        {k: v.detach().to("cpu", copy=True) for k, v in initial.items()}
+                    )
         fetch = not self.acts_as_master
         if not fetch and self._startup_done:
             return  # a master gets its globals in-process
-        if self.poll_lane.busy or not (
+        if jobs.poll_lane.busy or not (
             boundary or now - self._last_poll >= self.settings.poll_interval
         ):
             return
@@ -178,4 +179,4 @@ class LaneResults(BackgroundJobs):
         installed = self.installed_step
         seen = max(installed, self.stats.hub_outer_step)
         checkpoint_step = None if self._startup_done else self._checkpoint_step
-        self.poll_lane.try_submit(lambda: self._poll(installed, seen, fetch, checkpoint_step))
+        jobs.submit_poll(installed, seen, fetch, checkpoint_step)

@@ -95,7 +95,7 @@ class NodeCheckpoint(LaneResults):
             "format": STATE_FORMAT,
             "node_id": self.settings.node_id,
             "role": self.settings.role,
-            "incarnation": self.incarnation,
+            "incarnation": self.jobs.incarnation,
             "installed_outer_step": self.installed_step,
             "checkpoint_step": self._last_step,
             "baseline": self.baseline,
@@ -140,7 +140,7 @@ class NodeCheckpoint(LaneResults):
                 self.settings.node_id,
             )
             return
-        self.incarnation = _text(state, "incarnation")
+        self.jobs.incarnation = _text(state, "incarnation")
         self.installed_step = _integer(state, "installed_outer_step")
         self.baseline = _optional_tensors(state, "baseline", self.layout)
         self.pending = None
