@@ -37,8 +37,8 @@ incarnation that the master applied (the pointer's ``covered``) or that still wa
 ``nodes/<id>/`` (read from those files' signed headers). Training then recomputes steps
 ``c + 1 ..`` from the checkpoint; the progress of every step up to what was sent is
 already on the hub, so the node drops it -- its checkpointed unsent work, and the progress
-and the tokens of the recomputed steps up to that step (``_drop_sent``) -- and uploads only
-what comes after. The recomputed progress leaves the weights at the next install (the
+and the tokens of the recomputed steps up to that step (``PendingWork.drop_sent``) -- and
+uploads only what comes after. The recomputed progress leaves the weights at the next install (the
 delta-carry rule carries only the pending delta).
 """
 
@@ -72,7 +72,7 @@ from speedtronic_callbacks.diloco.node_messages import (
     UploadJob,
     UploadResult,
 )
-from speedtronic_callbacks.diloco.node_pending import all_finite, snapshot_weights
+from speedtronic_callbacks.diloco.node_pending import PendingWork, all_finite, snapshot_weights
 from speedtronic_callbacks.diloco.node_state import STATE_FORMAT, NodeCheckpoint
 from speedtronic_callbacks.diloco.transport_base import (
     RetryingTransport,
@@ -168,31 +168,11 @@ class DiLoCoNode(NodeCheckpoint):
         self.installed_global: Mapping[str, torch.Tensor] | None = None
         """The global model last installed (the weights hold it plus unsent progress)."""
         self.baseline: dict[str, torch.Tensor] | None = None
-        self.pending: dict[str, torch.Tensor] | None = None
-        self.pending_base = -1
-        self.pending_work = (0, 0)
-        """Tokens and samples trained for ``pending`` (sent with it as upload metadata)."""
-        self._work_now = (0, 0)
-        self._work_mark = (0, 0)
-        self._held_work = (0, 0)
-        self.unconfirmed: UploadJob | None = None
-        self._held_pending: dict[str, torch.Tensor] | None = None
-        self._held_base = -1
-        self._checkpoint_step: int | None = None
-        self._range_starts: list[int] | None = None
-        """Per fragment, the step after which its pending progress begins (its next
-        delta's ``first_step``)."""
         self._baseline_step = 0
         """The step the baseline was taken at (the start of the segment being trained)."""
-        self._skip: dict[int, int] | None = None
-        """Per fragment, the local step through which an earlier life of this node sent
-        its progress (set on resume; ``_drop_sent``)."""
-        self._skip_work = -1
-        """The step through which that earlier life reported its tokens and samples."""
-        self._dispatched_through = -1
-        """The highest local step of a delta this incarnation handed to the upload lane."""
-        self._work_step: int | None = None
-        """The step ``_work_mark`` was taken at (the master measures its step's work)."""
+        self.unsent = PendingWork(layout, self.plan, master)
+        """The unsent work: the pending delta, held-back and unconfirmed work, ranges."""
+        self._checkpoint_step: int | None = None
         self._foreign_logged = False
         self._startup_done = True
         self._resync = False
@@ -214,6 +194,27 @@ class DiLoCoNode(NodeCheckpoint):
         return self._started
 
     @property
+    def pending(self) -> dict[str, torch.Tensor] | None:
+        """The progress not sent yet (every synchronised key; ``None``: nothing)."""
+        return self.unsent.pending
+
+    @property
+    def pending_base(self) -> int:
+        return self.unsent.pending_base
+
+    @property
+    def pending_work(self) -> tuple[int, int]:
+        return self.unsent.pending_work
+
+    @property
+    def unconfirmed(self) -> UploadJob | None:
+        return self.unsent.unconfirmed
+
+    def record_work(self, tokens: int, samples: int) -> None:
+        """The trainer's token and sample counters now (called before ``on_step``)."""
+        self.unsent.record_work(tokens, samples)
+
+    @property
     def incarnation(self) -> str:
         """This node life's name on the hub (renewed when another process sends as it)."""
         return self.jobs.incarnation
@@ -233,10 +234,10 @@ class DiLoCoNode(NodeCheckpoint):
         if self.baseline is None:
             self.baseline = snapshot_weights(self.model, self.layout.sync_keys)
             self._baseline_step = step
-        if self._range_starts is None:
-            self._range_starts = [step] * self.plan.count
-        if self._work_step is None:
-            self._work_step = step
+        if self.unsent.range_starts is None:
+            self.unsent.range_starts = [step] * self.plan.count
+        if self.unsent.work_step is None:
+            self.unsent.work_step = step
         self._started = True
         self._schedule(step, boundary=True)
 
@@ -287,10 +288,10 @@ class DiLoCoNode(NodeCheckpoint):
         assert self.baseline is not None  # set by start()
         current = snapshot_weights(self.model, self.layout.sync_keys)
         segment = pseudo_gradient(self.baseline, current, self.layout.sync_keys)
-        work = self._take_work(step)
-        if self._skip is not None:
-            segment, work = self._drop_sent(segment, work, step)
-        self._add_pending(segment, self.installed_step, work)
+        work = self.unsent.take_work(step)
+        if self.unsent.skip is not None:
+            segment, work = self.unsent.drop_sent(segment, work, step, self._baseline_step)
+        self.unsent.add(segment, self.installed_step, work)
         self.baseline = current
         self._baseline_step = step
         self._captured_step = step
@@ -304,9 +305,9 @@ class DiLoCoNode(NodeCheckpoint):
             self.stats.boundaries_skipped += 1
             self._publish("delta_upload_skipped", {"step": step, "reason": "upload_in_flight"})
             return False  # the next boundary sends a cumulative delta
-        job = self.unconfirmed
+        job = self.unsent.unconfirmed
         if job is None:
-            pending = self.pending
+            pending = self.unsent.pending
             if pending is None:
                 return False
             if not all_finite(pending):
@@ -316,21 +317,23 @@ class DiLoCoNode(NodeCheckpoint):
                     self.settings.node_id,
                     step,
                 )
-                self._drop_pending(step)
+                self.unsent.drop(step)
                 self._resync = True
                 self.stats.resyncs += 1
                 return False
-            base, work = self.pending_base, self.pending_work
-            taken = self._take_fragment(fragment)
+            base, work = self.unsent.pending_base, self.unsent.pending_work
+            taken = self.unsent.take_fragment(fragment)
             if taken is None:
                 return False
-            if self.pending is not None:  # a fragment: the work so far travels with it
-                self.pending_work = (0, 0)
-            assert self._range_starts is not None  # set by start()
-            job = UploadJob(taken[0], step, base, *work, taken[1], self._range_starts[fragment])
-            self._range_starts[fragment] = step
-            self._dispatched_through = max(self._dispatched_through, step)
-            self.unconfirmed = job
+            if self.unsent.pending is not None:  # a fragment: the work so far travels with it
+                self.unsent.pending_work = (0, 0)
+            assert self.unsent.range_starts is not None  # set by start()
+            job = UploadJob(
+                taken[0], step, base, *work, taken[1], self.unsent.range_starts[fragment]
+            )
+            self.unsent.range_starts[fragment] = step
+            self.unsent.dispatched_through = max(self.unsent.dispatched_through, step)
+            self.unsent.unconfirmed = job
         submitted = self.jobs.submit_upload(job)
         if not submitted:
             self.stats.boundaries_skipped += 1
@@ -349,22 +352,22 @@ class DiLoCoNode(NodeCheckpoint):
             return None
         if self._resync:
             # Our unsent progress is NaN/Inf: drop it.
-            self._drop_pending(step)
+            self.unsent.drop(step)
             self._resync = False
         else:
             self._capture(step)  # keep progress not yet sent: it goes out at the next boundary
             if self.installed_step < 0 and not self._started_from(candidate):
                 # First global, and it is not the weights this node started from (another
                 # seed): progress measured from those weights means nothing to the hub.
-                self._drop_pending(step)
+                self.unsent.drop(step)
         state = dict(candidate.state)
-        if self.pending is not None:
+        if self.unsent.pending is not None:
             # The delta-carry rule: the weights become the global plus the progress the hub
             # does not have yet, and that progress now stands on this global (its base).
             # Installing the bare global instead would throw the node's unsent work out of
             # its weights, to come back only at outer_lr x staleness weight a round later.
-            state.update(carry(candidate.state, self.pending))
-            self.pending_base = candidate.outer_step
+            state.update(carry(candidate.state, self.unsent.pending))
+            self.unsent.pending_base = candidate.outer_step
         full = expand_aliases(state, self.layout)
         with torch.no_grad():
             self.model.load_state_dict(full, strict=True)
@@ -409,8 +412,8 @@ class DiLoCoNode(NodeCheckpoint):
         assert self.baseline is not None
         for key in self.layout.sync_keys:
             origin = self.baseline[key].to(torch.float32)
-            if self.pending is not None:
-                origin = origin + self.pending[key]
+            if self.unsent.pending is not None:
+                origin = origin + self.unsent.pending[key]
             target = candidate.state[key].to(torch.float32)
             if not torch.allclose(origin, target, rtol=1e-5, atol=1e-6):
                 return False

@@ -7,30 +7,68 @@ from __future__ import annotations
 import logging
 import math as pymath
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from speedtronic_callbacks.diloco.master import RoundReport
-from speedtronic_callbacks.diloco.node_messages import GlobalCandidate
+from speedtronic_callbacks.diloco.fragments import FragmentPlan
+from speedtronic_callbacks.diloco.lanes import ErrorReporter
+from speedtronic_callbacks.diloco.master import MasterLoop, RoundReport
+from speedtronic_callbacks.diloco.model_layout import ModelLayout
+from speedtronic_callbacks.diloco.node_jobs import NodeJobs
+from speedtronic_callbacks.diloco.node_messages import GlobalCandidate, NodeStats
 from speedtronic_callbacks.diloco.node_pending import PendingWork, all_zero, merge_held
+from speedtronic_callbacks.diloco.transport_base import RetryingTransport
 from speedtronic_callbacks.diloco.wire import (
     global_tensors,
 )
 
+if TYPE_CHECKING:
+    from speedtronic_callbacks.diloco.node import NodeSettings
+
 logger = logging.getLogger("speedtronic.diloco")
 
 
-class LaneResults(PendingWork):
-    """The results-and-scheduling part of ``DiLoCoNode``."""
+class LaneResults:
+    """The results-and-scheduling part of ``DiLoCoNode`` (its attributes are set by
+    ``DiLoCoNode.__init__``)."""
+
+    model: nn.Module
+    transport: RetryingTransport
+    layout: ModelLayout
+    settings: NodeSettings
+    plan: FragmentPlan
+    master: MasterLoop | None
+    reporter: ErrorReporter
+    jobs: NodeJobs
+    unsent: PendingWork
+    installed_step: int
+    stats: NodeStats
+    _clock: Callable[[], float]
+    _publish: Callable[[str, Mapping[str, object]], None]
+    _checkpoint_step: int | None
+    _baseline_step: int
+    _foreign_logged: bool
+    _startup_done: bool
+    _candidate: GlobalCandidate | None
+    _captured_step: int | None
+    _last_step: int
+    _last_poll: float
+    _last_round: float
+
+    @property
+    def acts_as_master(self) -> bool:
+        return self.master is not None and self.master.halted is None
 
     def _drain(self) -> None:
         for result in self.jobs.uploads.drain():
             if result.error is None:
-                if self.unconfirmed is result.job:
-                    self.unconfirmed = None
+                if self.unsent.unconfirmed is result.job:
+                    self.unsent.unconfirmed = None
                 if result.residual is not None:
-                    self._add_pending(result.residual, result.job.base_outer_step)
+                    self.unsent.add(result.residual, result.job.base_outer_step)
                 self.stats.uploads += 1
                 self.stats.sync_latency_s = result.latency_s
                 self._publish("delta_uploaded", {"step": result.job.local_step})
@@ -84,12 +122,14 @@ class LaneResults(PendingWork):
         """Decide what to do with checkpointed, unsent work once the hub answered what this
         node had sent after its checkpoint (``_sent_after``): nothing -- the checkpointed
         work goes out at the next boundary; something -- that work, and the recomputed
-        progress up to what was sent, is dropped per fragment (``_skip``, ``_drop_sent``)."""
-        held, self._held_pending = self._held_pending, None
+        progress up to what was sent, is dropped per fragment (``PendingWork.skip``,
+        ``PendingWork.drop_sent``)."""
+        unsent = self.unsent
+        held, unsent.held_pending = unsent.held_pending, None
         skip = self._skip_plan(sent)
         if not skip:
             if held is not None:
-                self._add_pending(held, self._held_base, self._held_work)
+                unsent.add(held, unsent.held_base, unsent.held_work)
             self._startup_done = True
             return
         through = max(sent.values())
@@ -101,24 +141,27 @@ class LaneResults(PendingWork):
             through,
             self._checkpoint_step,
         )
-        merged = merge_held(held, self.pending)
+        merged = merge_held(held, unsent.pending)
         pending = None if merged is None else dict(merged)  # a checkpoint may share the old
-        assert self._range_starts is not None  # set by start()
+        assert unsent.range_starts is not None  # set by start()
         for fragment in skip:
             if pending is not None:
                 for key in self.plan.fragments[fragment]:
                     pending[key] = torch.zeros_like(pending[key])
-            self._range_starts[fragment] = self._last_step
+            unsent.range_starts[fragment] = self._last_step
         bases = [
             base
-            for base, part in ((self._held_base, held), (self.pending_base, self.pending))
+            for base, part in (
+                (unsent.held_base, held),
+                (unsent.pending_base, unsent.pending),
+            )
             if part is not None
         ]
-        self.pending = None if pending is None or all_zero(pending) else pending
-        self.pending_base = min(bases, default=self.pending_base)
-        self.pending_work = (0, 0)  # reported with what was sent
-        self._skip, self._skip_work = skip, through
-        self._dispatched_through = max(self._dispatched_through, through)
+        unsent.pending = None if pending is None or all_zero(pending) else pending
+        unsent.pending_base = min(bases, default=unsent.pending_base)
+        unsent.pending_work = (0, 0)  # reported with what was sent
+        unsent.skip, unsent.skip_work = skip, through
+        unsent.dispatched_through = max(unsent.dispatched_through, through)
         self.stats.resyncs += 1
         self._startup_done = True
 
@@ -137,7 +180,7 @@ class LaneResults(PendingWork):
         second process with the same id, or a holder of the signing secret). Its deltas
         would make the master refuse this node's next ones as overlapping, so the node
         continues under a new incarnation, and says so once."""
-        if incarnation != self.jobs.incarnation or step <= self._dispatched_through:
+        if incarnation != self.jobs.incarnation or step <= self.unsent.dispatched_through:
             return
         if not self._foreign_logged:
             logger.error(
@@ -148,7 +191,7 @@ class LaneResults(PendingWork):
                 self.settings.node_id,
                 incarnation,
                 step,
-                self._dispatched_through,
+                self.unsent.dispatched_through,
                 self.settings.node_id,
             )
             self._foreign_logged = True

@@ -90,7 +90,8 @@ class NodeCheckpoint(LaneResults):
 
     def state_dict(self) -> dict[str, object]:
         """Everything needed to resume (tensors, numbers, strings, lists, dicts, None)."""
-        job = self.unconfirmed
+        unsent = self.unsent
+        job = unsent.unconfirmed
         return {
             "format": STATE_FORMAT,
             "node_id": self.settings.node_id,
@@ -99,15 +100,15 @@ class NodeCheckpoint(LaneResults):
             "installed_outer_step": self.installed_step,
             "checkpoint_step": self._last_step,
             "baseline": self.baseline,
-            "pending": self.pending,
-            "pending_base": self.pending_base,
-            "held_pending": self._held_pending,
-            "held_base": self._held_base,
-            "pending_work": list(self.pending_work) if self.pending is not None else [0, 0],
-            "held_work": list(self._held_work),
-            "work_mark": list(self._work_mark),
-            "range_starts": list(self._range_starts or []),
-            "dispatched_through": self._dispatched_through,
+            "pending": unsent.pending,
+            "pending_base": unsent.pending_base,
+            "held_pending": unsent.held_pending,
+            "held_base": unsent.held_base,
+            "pending_work": list(unsent.pending_work) if unsent.pending is not None else [0, 0],
+            "held_work": list(unsent.held_work),
+            "work_mark": list(unsent.work_mark),
+            "range_starts": list(unsent.range_starts or []),
+            "dispatched_through": unsent.dispatched_through,
             "unconfirmed": None
             if job is None
             else {
@@ -128,6 +129,7 @@ class NodeCheckpoint(LaneResults):
         as is (the master dedupes it by content hash if it had arrived)."""
         if not state:
             return
+        unsent = self.unsent
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"diloco state format {state.get('format')!r} is not supported")
         master_state = state.get("master")
@@ -143,8 +145,8 @@ class NodeCheckpoint(LaneResults):
         self.jobs.incarnation = _text(state, "incarnation")
         self.installed_step = _integer(state, "installed_outer_step")
         self.baseline = _optional_tensors(state, "baseline", self.layout)
-        self.pending = None
-        self._held_pending = merge_held(
+        unsent.pending = None
+        unsent.held_pending = merge_held(
             _optional_tensors(state, "pending", self.layout),
             _optional_tensors(state, "held_pending", self.layout),
         )
@@ -153,10 +155,10 @@ class NodeCheckpoint(LaneResults):
             for base, tensors in (("pending_base", "pending"), ("held_base", "held_pending"))
             if state.get(tensors) is not None
         ]
-        self._held_base = min(bases, default=-1)
+        unsent.held_base = min(bases, default=-1)
         pending_work, held_work = _work(state, "pending_work"), _work(state, "held_work")
-        self._held_work = (pending_work[0] + held_work[0], pending_work[1] + held_work[1])
-        self._work_mark = self._work_now = _work(state, "work_mark")
+        unsent.held_work = (pending_work[0] + held_work[0], pending_work[1] + held_work[1])
+        unsent.work_mark = unsent.work_now = _work(state, "work_mark")
         unconfirmed = state.get("unconfirmed")
         if isinstance(unconfirmed, Mapping):
             fragment = unconfirmed.get("fragment", "")
@@ -169,7 +171,7 @@ class NodeCheckpoint(LaneResults):
             delta = _optional_tensors(unconfirmed, "delta", self.layout, keys)
             if delta is not None:
                 first = unconfirmed.get("first_step")
-                self.unconfirmed = UploadJob(
+                unsent.unconfirmed = UploadJob(
                     delta,
                     _integer(unconfirmed, "local_step"),
                     _integer(unconfirmed, "base_outer_step"),
@@ -180,12 +182,12 @@ class NodeCheckpoint(LaneResults):
         checkpoint_step = self._checkpoint_step = _integer(state, "checkpoint_step")
         # Checkpoints of earlier versions do not record these: every range then starts at
         # the checkpoint, and what the hub has of this node up to it is this node's.
-        self._range_starts = _steps(state, "range_starts", self.plan.count, checkpoint_step)
+        unsent.range_starts = _steps(state, "range_starts", self.plan.count, checkpoint_step)
         through = state.get("dispatched_through", checkpoint_step)
-        self._dispatched_through = _integer({"dispatched_through": through}, "dispatched_through")
+        unsent.dispatched_through = _integer({"dispatched_through": through}, "dispatched_through")
         self._baseline_step = checkpoint_step  # the baseline is from this step or before
-        self._work_step = None  # the work mark's step is not recorded: measure afresh
-        self._skip = None
+        unsent.work_step = None  # the work mark's step is not recorded: measure afresh
+        unsent.skip = None
         self._startup_done = False
         self._captured_step = None
 
