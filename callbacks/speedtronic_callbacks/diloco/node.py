@@ -45,7 +45,6 @@ delta-carry rule carries only the pending delta).
 from __future__ import annotations
 
 import logging
-import math as pymath
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -73,6 +72,7 @@ from speedtronic_callbacks.diloco.node_messages import (
     UploadResult,
 )
 from speedtronic_callbacks.diloco.node_pending import PendingWork, all_finite, snapshot_weights
+from speedtronic_callbacks.diloco.node_results import LaneResults
 from speedtronic_callbacks.diloco.node_state import STATE_FORMAT, NodeCheckpoint
 from speedtronic_callbacks.diloco.transport_base import (
     RetryingTransport,
@@ -172,18 +172,25 @@ class DiLoCoNode(NodeCheckpoint):
         """The step the baseline was taken at (the start of the segment being trained)."""
         self.unsent = PendingWork(layout, self.plan, master)
         """The unsent work: the pending delta, held-back and unconfirmed work, ranges."""
-        self._checkpoint_step: int | None = None
-        self._foreign_logged = False
-        self._startup_done = True
         self._resync = False
-        self._candidate: GlobalCandidate | None = None
         self._captured_step: int | None = None
         self._last_step = 0
-        self._last_poll = -pymath.inf
-        self._last_round = -pymath.inf
+        self.stats = NodeStats()
         self.jobs = NodeJobs(transport, layout, settings, master, self.reporter, clock)
         """The lanes and the background jobs they run (upload, poll, master rounds)."""
-        self.stats = NodeStats()
+        self.results = LaneResults(
+            model,
+            layout,
+            settings,
+            self.plan,
+            master,
+            self.jobs,
+            self.unsent,
+            self.stats,
+            clock,
+            self._publish,
+        )
+        """What the lanes delivered (the global to install) and what is due next."""
         self._started = False
         transport.limit_file_size(settings.max_file_bytes or largest_file_bytes(layout))
 
@@ -239,7 +246,7 @@ class DiLoCoNode(NodeCheckpoint):
         if self.unsent.work_step is None:
             self.unsent.work_step = step
         self._started = True
-        self._schedule(step, boundary=True)
+        self.results.schedule(step, True, self.installed_step)
 
     def stop(self) -> None:
         """Give the upload in flight ``shutdown_timeout`` s to finish, then cancel every
@@ -247,7 +254,7 @@ class DiLoCoNode(NodeCheckpoint):
         if not self._started:
             return
         master_idle = self.jobs.close(self.settings.shutdown_timeout)
-        self._drain()
+        self.results.drain(self._last_step)
         if self.master is not None and master_idle:
             self.master.release()
         self._started = False
@@ -256,7 +263,7 @@ class DiLoCoNode(NodeCheckpoint):
         """Block until every lane is idle, then process their results (for tests and
         benchmarks that need a settled state; training never calls it)."""
         idle = self.jobs.wait_idle(timeout)
-        self._drain()
+        self.results.drain(self._last_step)
         return idle
 
     # -- the per-step entry point ------------------------------------------------------
@@ -266,7 +273,7 @@ class DiLoCoNode(NodeCheckpoint):
         if not self._started:
             raise RuntimeError("DiLoCoNode.start must be called before on_step")
         self._last_step = step
-        self._drain()
+        self.results.drain(self._last_step)
         due = self.plan.due(step)
         boundary = bool(due)
         dispatched = False
@@ -275,7 +282,7 @@ class DiLoCoNode(NodeCheckpoint):
             for fragment in due:
                 dispatched = self._dispatch(step, fragment) or dispatched
         installed = self._install_candidate(step)
-        self._schedule(step, boundary)
+        self.results.schedule(step, boundary, self.installed_step)
         return SyncOutcome(dispatched=dispatched, installed=installed)
 
     # -- progress bookkeeping ----------------------------------------------------------
@@ -299,7 +306,7 @@ class DiLoCoNode(NodeCheckpoint):
     def _dispatch(self, step: int, fragment: int = 0) -> bool:
         """Hand the unconfirmed job (a resend, whatever its fragment) or ``fragment``'s
         share of the pending delta to the upload lane."""
-        if self.installed_step < 0 or self._resync or not self._startup_done:
+        if self.installed_step < 0 or self._resync or not self.results.startup_done:
             return False  # no global yet, or start-up reconciliation still open
         if self.jobs.upload_lane.busy:
             self.stats.boundaries_skipped += 1
@@ -346,8 +353,7 @@ class DiLoCoNode(NodeCheckpoint):
         return submitted
 
     def _install_candidate(self, step: int) -> int | None:
-        candidate = self._candidate
-        self._candidate = None
+        candidate = self.results.take_candidate()
         if candidate is None or candidate.outer_step <= self.installed_step:
             return None
         if self._resync:

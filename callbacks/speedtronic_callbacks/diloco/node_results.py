@@ -1,6 +1,7 @@
 """How a DiLoCo node takes in its lanes' results on the training thread (``node``, step
 1 and 4): confirmed or failed uploads, fetched globals, master rounds, the resume
-hand-shake with the hub (``_finish_startup``), and scheduling the next poll or round."""
+hand-shake with the hub (``_finish_startup``), and scheduling the next poll or round;
+a component the node holds (``DiLoCoNode.results``)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,11 @@ import torch
 from torch import nn
 
 from speedtronic_callbacks.diloco.fragments import FragmentPlan
-from speedtronic_callbacks.diloco.lanes import ErrorReporter
 from speedtronic_callbacks.diloco.master import MasterLoop, RoundReport
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
 from speedtronic_callbacks.diloco.node_jobs import NodeJobs
 from speedtronic_callbacks.diloco.node_messages import GlobalCandidate, NodeStats
 from speedtronic_callbacks.diloco.node_pending import PendingWork, all_zero, merge_held
-from speedtronic_callbacks.diloco.transport_base import RetryingTransport
 from speedtronic_callbacks.diloco.wire import (
     global_tensors,
 )
@@ -32,37 +31,61 @@ logger = logging.getLogger("speedtronic.diloco")
 
 
 class LaneResults:
-    """The results-and-scheduling part of ``DiLoCoNode`` (its attributes are set by
-    ``DiLoCoNode.__init__``)."""
+    """What a node takes in from its lanes and what it asks of them next, on the training
+    thread: confirmed or failed uploads, the newest global offered (``candidate``, taken
+    by the install), master rounds, the resume hand-shake (``startup_done``), and when
+    the next poll or master round is due (``schedule``)."""
 
-    model: nn.Module
-    transport: RetryingTransport
-    layout: ModelLayout
-    settings: NodeSettings
-    plan: FragmentPlan
-    master: MasterLoop | None
-    reporter: ErrorReporter
-    jobs: NodeJobs
-    unsent: PendingWork
-    installed_step: int
-    stats: NodeStats
-    _clock: Callable[[], float]
-    _publish: Callable[[str, Mapping[str, object]], None]
-    _checkpoint_step: int | None
-    _baseline_step: int
-    _foreign_logged: bool
-    _startup_done: bool
-    _candidate: GlobalCandidate | None
-    _captured_step: int | None
-    _last_step: int
-    _last_poll: float
-    _last_round: float
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: ModelLayout,
+        settings: NodeSettings,
+        plan: FragmentPlan,
+        master: MasterLoop | None,
+        jobs: NodeJobs,
+        unsent: PendingWork,
+        stats: NodeStats,
+        clock: Callable[[], float],
+        publish: Callable[[str, Mapping[str, object]], None],
+    ) -> None:
+        self.model = model
+        self.layout = layout
+        self.settings = settings
+        self.plan = plan
+        self.master = master
+        self.jobs = jobs
+        self.unsent = unsent
+        self.stats = stats
+        self._clock = clock
+        self._publish = publish
+        self.candidate: GlobalCandidate | None = None
+        """The newest global offered and not installed yet."""
+        self.startup_done = True
+        """Whether the hub answered what this node sent after its checkpoint (``resume``)."""
+        self.checkpoint_step: int | None = None
+        self._foreign_logged = False
+        self._last_step = 0
+        self._last_poll = -pymath.inf
+        self._last_round = -pymath.inf
 
     @property
     def acts_as_master(self) -> bool:
         return self.master is not None and self.master.halted is None
 
-    def _drain(self) -> None:
+    def resume(self, checkpoint_step: int) -> None:
+        """A checkpoint at ``checkpoint_step`` was restored: ask the hub what this node sent
+        after it before sending anything (``_finish_startup``)."""
+        self.checkpoint_step = checkpoint_step
+        self.startup_done = False
+
+    def take_candidate(self) -> GlobalCandidate | None:
+        candidate, self.candidate = self.candidate, None
+        return candidate
+
+    def drain(self, last_step: int) -> None:
+        """Take in every result delivered so far (``last_step``: the step trained last)."""
+        self._last_step = last_step
         for result in self.jobs.uploads.drain():
             if result.error is None:
                 if self.unsent.unconfirmed is result.job:
@@ -82,9 +105,9 @@ class LaneResults:
                 continue
             if poll.pointer_step is not None:
                 self.stats.hub_outer_step = max(self.stats.hub_outer_step, poll.pointer_step)
-            if poll.sent is not None and not self._startup_done:
+            if poll.sent is not None and not self.startup_done:
                 self._finish_startup(poll.sent)
-            if poll.progress is not None and self._startup_done:
+            if poll.progress is not None and self.startup_done:
                 self._check_own_progress(*poll.progress)
             self._offer(poll.candidate)
         for event in self.jobs.rounds.drain():
@@ -98,8 +121,8 @@ class LaneResults:
         if candidate is None:
             return
         self.stats.hub_outer_step = max(self.stats.hub_outer_step, candidate.outer_step)
-        if self._candidate is None or candidate.outer_step > self._candidate.outer_step:
-            self._candidate = candidate
+        if self.candidate is None or candidate.outer_step > self.candidate.outer_step:
+            self.candidate = candidate
 
     def _record_round(self, report: RoundReport) -> None:
         stats = self.stats
@@ -130,7 +153,7 @@ class LaneResults:
         if not skip:
             if held is not None:
                 unsent.add(held, unsent.held_base, unsent.held_work)
-            self._startup_done = True
+            self.startup_done = True
             return
         through = max(sent.values())
         logger.info(
@@ -139,7 +162,7 @@ class LaneResults:
             "sent again",
             self.settings.node_id,
             through,
-            self._checkpoint_step,
+            self.checkpoint_step,
         )
         merged = merge_held(held, unsent.pending)
         pending = None if merged is None else dict(merged)  # a checkpoint may share the old
@@ -163,7 +186,7 @@ class LaneResults:
         unsent.skip, unsent.skip_work = skip, through
         unsent.dispatched_through = max(unsent.dispatched_through, through)
         self.stats.resyncs += 1
-        self._startup_done = True
+        self.startup_done = True
 
     def _skip_plan(self, sent: Mapping[str, int]) -> dict[int, int]:
         """Per fragment of this node's plan, the local step through which its progress
@@ -197,7 +220,8 @@ class LaneResults:
             self._foreign_logged = True
         self.jobs.incarnation = uuid.uuid4().hex[:12]
 
-    def _schedule(self, step: int, boundary: bool) -> None:
+    def schedule(self, step: int, boundary: bool, installed_step: int) -> None:
+        """Submit the poll or master round that is due (a lane still busy: later)."""
         now = self._clock()
         master = self.master
         jobs = self.jobs
@@ -212,14 +236,14 @@ class LaneResults:
                         {k: v.detach().to("cpu", copy=True) for k, v in initial.items()}
                     )
         fetch = not self.acts_as_master
-        if not fetch and self._startup_done:
+        if not fetch and self.startup_done:
             return  # a master gets its globals in-process
         if jobs.poll_lane.busy or not (
             boundary or now - self._last_poll >= self.settings.poll_interval
         ):
             return
         self._last_poll = now
-        installed = self.installed_step
+        installed = installed_step
         seen = max(installed, self.stats.hub_outer_step)
-        checkpoint_step = None if self._startup_done else self._checkpoint_step
+        checkpoint_step = None if self.startup_done else self.checkpoint_step
         jobs.submit_poll(installed, seen, fetch, checkpoint_step)

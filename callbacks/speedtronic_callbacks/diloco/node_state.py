@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
+from speedtronic_callbacks.diloco.fragments import FragmentPlan
+from speedtronic_callbacks.diloco.lanes import ErrorReporter
+from speedtronic_callbacks.diloco.master import MasterLoop
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
-from speedtronic_callbacks.diloco.node_messages import UploadJob
-from speedtronic_callbacks.diloco.node_pending import merge_held
+from speedtronic_callbacks.diloco.node_jobs import NodeJobs
+from speedtronic_callbacks.diloco.node_messages import NodeStats, UploadJob
+from speedtronic_callbacks.diloco.node_pending import PendingWork, merge_held
 from speedtronic_callbacks.diloco.node_results import LaneResults
+from speedtronic_callbacks.diloco.transport_base import RetryingTransport
 from speedtronic_callbacks.diloco.wire import (
     Rejected,
     fragment_shapes,
 )
+
+if TYPE_CHECKING:
+    from speedtronic_callbacks.diloco.node import NodeSettings
 
 STATE_FORMAT = 1
 """Version of ``DiLoCoNode.state_dict``'s layout."""
@@ -85,8 +94,25 @@ def _optional_tensors(
     return tensors
 
 
-class NodeCheckpoint(LaneResults):
-    """The checkpoint and metrics part of ``DiLoCoNode``."""
+class NodeCheckpoint:
+    """The checkpoint and metrics part of ``DiLoCoNode`` (its attributes are set by
+    ``DiLoCoNode.__init__``)."""
+
+    settings: NodeSettings
+    layout: ModelLayout
+    plan: FragmentPlan
+    master: MasterLoop | None
+    transport: RetryingTransport
+    reporter: ErrorReporter
+    jobs: NodeJobs
+    unsent: PendingWork
+    results: LaneResults
+    stats: NodeStats
+    installed_step: int
+    baseline: dict[str, torch.Tensor] | None
+    _baseline_step: int
+    _captured_step: int | None
+    _last_step: int
 
     def state_dict(self) -> dict[str, object]:
         """Everything needed to resume (tensors, numbers, strings, lists, dicts, None)."""
@@ -179,7 +205,7 @@ class NodeCheckpoint(LaneResults):
                     fragment,
                     None if first is None else _integer(unconfirmed, "first_step"),
                 )
-        checkpoint_step = self._checkpoint_step = _integer(state, "checkpoint_step")
+        checkpoint_step = _integer(state, "checkpoint_step")
         # Checkpoints of earlier versions do not record these: every range then starts at
         # the checkpoint, and what the hub has of this node up to it is this node's.
         unsent.range_starts = _steps(state, "range_starts", self.plan.count, checkpoint_step)
@@ -188,7 +214,7 @@ class NodeCheckpoint(LaneResults):
         self._baseline_step = checkpoint_step  # the baseline is from this step or before
         unsent.work_step = None  # the work mark's step is not recorded: measure afresh
         unsent.skip = None
-        self._startup_done = False
+        self.results.resume(checkpoint_step)
         self._captured_step = None
 
     def metrics(self) -> dict[str, int | float]:
