@@ -73,7 +73,15 @@ from speedtronic_callbacks.diloco.node_messages import (
 )
 from speedtronic_callbacks.diloco.node_pending import PendingWork, all_finite, snapshot_weights
 from speedtronic_callbacks.diloco.node_results import LaneResults
-from speedtronic_callbacks.diloco.node_state import STATE_FORMAT, NodeCheckpoint
+from speedtronic_callbacks.diloco.node_state import (
+    STATE_FORMAT,
+    integer_field,
+    node_metrics,
+    optional_tensors,
+    restore_unsent,
+    text_field,
+    unsent_state,
+)
 from speedtronic_callbacks.diloco.transport_base import (
     RetryingTransport,
 )
@@ -134,7 +142,7 @@ def _ignore(event: str, payload: Mapping[str, object]) -> None:
     """The default event sink: nobody listens."""
 
 
-class DiLoCoNode(NodeCheckpoint):
+class DiLoCoNode:
     """Worker (or master) side of DiLoCo for one model. Not thread-safe by itself: every
     public method except the lane jobs runs on the training thread."""
 
@@ -265,6 +273,57 @@ class DiLoCoNode(NodeCheckpoint):
         idle = self.jobs.wait_idle(timeout)
         self.results.drain(self._last_step)
         return idle
+
+    # -- checkpoint and metrics --------------------------------------------------------
+
+    def state_dict(self) -> dict[str, object]:
+        """Everything needed to resume (tensors, numbers, strings, lists, dicts, None)."""
+        return {
+            "format": STATE_FORMAT,
+            "node_id": self.settings.node_id,
+            "role": self.settings.role,
+            "incarnation": self.jobs.incarnation,
+            "installed_outer_step": self.installed_step,
+            "checkpoint_step": self._last_step,
+            "baseline": self.baseline,
+            **unsent_state(self.unsent),
+            "master": {} if self.master is None else self.master.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Restore a checkpoint (before ``start``); the unsent work as ``restore_unsent``
+        says."""
+        if not state:
+            return
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"diloco state format {state.get('format')!r} is not supported")
+        master_state = state.get("master")
+        if self.master is not None and isinstance(master_state, Mapping):
+            self.master.load_state_dict(master_state)
+        if state.get("node_id") != self.settings.node_id:
+            logger.warning(
+                "diloco checkpoint belongs to node %r, this is %r: starting this node fresh",
+                state.get("node_id"),
+                self.settings.node_id,
+            )
+            return
+        self.jobs.incarnation = text_field(state, "incarnation")
+        self.installed_step = integer_field(state, "installed_outer_step")
+        self.baseline = optional_tensors(state, "baseline", self.layout)
+        checkpoint_step = restore_unsent(self.unsent, state, self.layout, self.plan.count)
+        self._baseline_step = checkpoint_step  # the baseline is from this step or before
+        self.results.resume(checkpoint_step)
+        self._captured_step = None
+
+    def metrics(self) -> dict[str, int | float]:
+        """Cumulative counters plus the last round's figures (``diloco/`` keys)."""
+        return node_metrics(
+            self.stats,
+            self.installed_step,
+            self.transport,
+            self.reporter.errors,
+            self.master is not None,
+        )
 
     # -- the per-step entry point ------------------------------------------------------
 
