@@ -35,7 +35,8 @@ Modules, one concept each (docs/distributed.md, "Where the code is"):
   ``distributed:`` section;
 * ``callback`` -- the ``Callback`` itself and the plugin's builder; ``collective`` -- the
   torch.distributed mode (``collective_exchange``: the replicas' exchange;
-  ``collective_state``: its checkpoint).
+  ``collective_state``: its checkpoint, ``CollectiveCheckpoint``, and the
+  ``CollectiveProgress`` it shares with the callback).
 
 ``original_api`` holds 2.0's Python API (``HubClient``, ``DumbDiLoCoCoordinator``, ...) and
 ``legacy_hub`` reads a hub written by 2.0.
