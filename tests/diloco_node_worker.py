@@ -102,7 +102,7 @@ class _HoldAfter(Callback):
         diloco = next(cb for cb in trainer.callbacks if isinstance(cb, DiLoCoCallback))
         node = diloco.node
         assert node is not None and node.wait_idle(30) and node.unconfirmed is None
-        self.marker.write_text(json.dumps({"sent_through": node._dispatched_through}))
+        self.marker.write_text(json.dumps({"sent_through": node.unsent.dispatched_through}))
         time.sleep(3600)
 
 

@@ -210,7 +210,8 @@ def test_upload_happens_before_install_so_no_zero_delta(tmp_path: Path) -> None:
     assert master.node.master is not None
     assert master.node.master.sync_once().outer_step == 1
     worker.train(1)  # uploads; its poll fetches outer step 1 into the candidate slot
-    assert worker.node._candidate is not None and worker.node._candidate.outer_step == 1
+    candidate = worker.node.results.candidate
+    assert candidate is not None and candidate.outer_step == 1
     before = worker.node.installed_step
     worker.train(1)  # boundary with a ready global: upload first, then install
 

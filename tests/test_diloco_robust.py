@@ -399,7 +399,7 @@ def test_collective_fp4_rounds_keep_a_residual_and_a_norm_history(tmp_path: Path
     assert len(state["norm_history"]) == 3  # type: ignore[arg-type]  # a list
     restored = CollectiveDiLoCo(inner_steps=2, delta_dtype="fp4", outer_momentum=0.5)
     restored.load_state_dict(state)
-    restored._restore(state, 6)
+    restored.checkpoint.restore(state, 6)
     assert torch.equal(restored.residual, residual)  # type: ignore[arg-type]  # set above
     assert restored.norm_history.to_list() == state["norm_history"]
 

@@ -12,10 +12,10 @@ import ast
 import dataclasses
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import pytest
 import torch
@@ -163,8 +163,12 @@ def _plain(value: object, root: Path) -> object:
     return value
 
 
-def _described(callback: Callback, root: Path) -> tuple[str, dict[str, object]]:
-    """Class name and public attributes, as the recording script saw them."""
+def _described(
+    callback: Callback, root: Path, recorded: Iterable[str] = ()
+) -> tuple[str, dict[str, object]]:
+    """Class name and public attributes, as the recording script saw them; a ``recorded``
+    attribute that the class now computes from a component it holds (a read-through
+    property) is read through it."""
     values: dict[str, object] = {}
     for key, value in vars(callback).items():
         if key.startswith("_"):
@@ -173,6 +177,9 @@ def _described(callback: Callback, root: Path) -> tuple[str, dict[str, object]]:
             values[key] = dataclasses.asdict(value)
         else:
             values[key] = _plain(value, root)
+    for key in recorded:
+        if key not in values and isinstance(getattr(type(callback), key, None), property):
+            values[key] = _plain(getattr(callback, key), root)
     manager = getattr(callback, "manager", None)
     if manager is not None:
         values["manager"] = {
@@ -193,7 +200,14 @@ def test_every_2_0_config_builds_the_recorded_callbacks(
     root = tmp_path.resolve()
     config.run.output_dir = str(root)
     context = PluginContext(config=config, output_dir=root, device=torch.device("cpu"))
-    built = [_described(callback, root) for callback in build_callbacks(config, context)]
+    callbacks = build_callbacks(config, context)
+    assert [type(callback).__name__ for callback in callbacks] == [
+        entry[0] for entry in RECORDED[name]
+    ]
+    built = [
+        _described(callback, root, cast(dict[str, object], entry[1]))
+        for callback, entry in zip(callbacks, RECORDED[name], strict=True)
+    ]
     assert [cls for cls, _ in built] == [entry[0] for entry in RECORDED[name]]
     for (cls, values), (_, recorded) in zip(built, RECORDED[name], strict=True):
         assert isinstance(recorded, dict)

@@ -27,14 +27,16 @@ Modules, one concept each (docs/distributed.md, "Where the code is"):
   validating and screening the deltas;
   ``master_publish``: the pointer and publication; ``master_report``: settings, reports),
   with ``recovery`` (start-up from the hub) and ``hub_gc`` (deleting applied deltas and
-  old versions); ``node`` -- the per-step state machine (``node_pending``: unsent
-  work; ``node_jobs``: the lane jobs; ``node_results``: taking in their results;
-  ``node_state``: checkpoint and metrics; ``node_messages``: what the lanes pass);
+  old versions); ``node`` -- the per-step state machine, holding its components
+  (``node_pending``: ``PendingWork``, the unsent work; ``node_jobs``: ``NodeJobs``, the
+  lanes and their jobs; ``node_results``: ``LaneResults``, taking in their results;
+  ``node_state``: checkpoint fields and metrics; ``node_messages``: what the lanes pass);
 * ``options`` -- the plugin's options; ``distributed_section`` -- its 2.0
   ``distributed:`` section;
 * ``callback`` -- the ``Callback`` itself and the plugin's builder; ``collective`` -- the
   torch.distributed mode (``collective_exchange``: the replicas' exchange;
-  ``collective_state``: its checkpoint).
+  ``collective_state``: its checkpoint, ``CollectiveCheckpoint``, and the
+  ``CollectiveProgress`` it shares with the callback).
 
 ``original_api`` holds 2.0's Python API (``HubClient``, ``DumbDiLoCoCoordinator``, ...) and
 ``legacy_hub`` reads a hub written by 2.0.

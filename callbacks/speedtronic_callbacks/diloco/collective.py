@@ -84,7 +84,7 @@ from speedtronic_callbacks.diloco.collective_exchange import (
     ReplicaExchange,
     baseline_copy,
 )
-from speedtronic_callbacks.diloco.collective_state import CollectiveCheckpoint
+from speedtronic_callbacks.diloco.collective_state import CollectiveCheckpoint, CollectiveProgress
 from speedtronic_callbacks.diloco.eval_keys import global_eval_metrics
 from speedtronic_callbacks.diloco.fragments import FragmentPlan, layout_plan
 from speedtronic_callbacks.diloco.math import (
@@ -114,7 +114,7 @@ __all__ = [
 ]
 
 
-class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
+class CollectiveDiLoCo(Callback):
     """Synchronous DiLoCo over collectives (see the module docstring).
 
     ``bytes_reduced`` counts the payload handed to the outer all-reduce so far (what a
@@ -145,18 +145,45 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
         outer momentum)."""
         self.replicas = ReplicaExchange(self.options, delta_encoding(self.options), self.round)
         """The transport of a round: the collectives between the replicas."""
-        self.baseline: dict[str, torch.Tensor] = {}
-        self.layout: ModelLayout | None = None
-        self.outer_steps = 0
+        self.progress = CollectiveProgress()
+        """The baseline, the rounds so far, the exchanges in flight, layout and plan."""
+        self.checkpoint = CollectiveCheckpoint(
+            self.options, self.round, self.replicas, self.robust, self.progress
+        )
+        """Saves and restores ``progress`` with the exchange's and the round's state."""
         self.last_pseudo_grad_norm: float | None = None
-        self._staged: Mapping[str, object] | None = None
         self.global_eval: dict[str, int | float] | None = None
         """This step's evaluation of the global model, until the metric record takes it."""
-        self.plan: FragmentPlan | None = None
-        self.in_flight: list[Exchange] = []
-        self.peak_sync_bytes = 0
-        """The largest payload of one exchange (about 1/P of the model with P fragments)."""
-        self._view: TrainerView | None = None
+
+    @property
+    def baseline(self) -> dict[str, torch.Tensor]:
+        return self.progress.baseline
+
+    @property
+    def outer_steps(self) -> int:
+        return self.progress.outer_steps
+
+    @property
+    def in_flight(self) -> list[Exchange]:
+        return self.progress.in_flight
+
+    @property
+    def peak_sync_bytes(self) -> int:
+        return self.progress.peak_sync_bytes
+
+    @property
+    def layout(self) -> ModelLayout | None:
+        return self.progress.layout
+
+    @property
+    def plan(self) -> FragmentPlan | None:
+        return self.progress.plan
+
+    def state_dict(self) -> dict[str, object]:
+        return self.checkpoint.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        self.checkpoint.load_state_dict(state)
 
     @classmethod
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
@@ -218,30 +245,31 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
 
     def _keys(self, fragment: int) -> tuple[str, ...] | None:
         """The global's entries of ``fragment`` (``None`` before ``on_setup``: all)."""
-        return None if self.plan is None else self.plan.fragments[fragment]
+        return None if self.progress.plan is None else self.progress.plan.fragments[fragment]
 
     def on_setup(self, trainer: TrainerView, ctx: FitContext) -> None:
         self.replicas.context = trainer.distributed
-        self._view = trainer
+        self.checkpoint.view = trainer
         self.replicas.groups = self._replica_groups(trainer.distributed)
         state = trainer.model.state_dict()
-        self.layout = build_layout(state)
-        self.plan = layout_plan(self.layout, self.options.fragments, self.options.inner_steps)
-        staged, self._staged = self._staged, None
+        progress = self.progress
+        progress.layout = layout = build_layout(state)
+        progress.plan = plan = layout_plan(layout, self.options.fragments, self.options.inner_steps)
+        staged = self.checkpoint.take_staged()
         if staged is not None:  # every rank loaded the same checkpoint: already in step
-            self._restore(staged, ctx.start_step)
-            self.replicas.ensure_residuals(self.plan, self.layout)
+            self.checkpoint.restore(staged, ctx.start_step)
+            self.replicas.ensure_residuals(plan, layout)
             if self.streaming or staged.get("replicas") is not None:
-                self._restore_streaming(trainer, staged, ctx.start_step)
-        elif not self.baseline:  # a fresh start: every replica starts from rank 0's weights
+                self.checkpoint.restore_streaming(trainer, staged, ctx.start_step)
+        elif not progress.baseline:  # a fresh start: every replica starts from rank 0's weights
             self._broadcast_from_rank_zero(state)
-            self.baseline = {key: baseline_copy(state[key]) for key in self.layout.sync_keys}
-        self.replicas.ensure_residuals(self.plan, self.layout)
+            progress.baseline = {key: baseline_copy(state[key]) for key in layout.sync_keys}
+        self.replicas.ensure_residuals(plan, layout)
         if self.replicas.work_mark is None:
             self.replicas.work_mark = (trainer.tokens, trainer.samples)
         check_same_layout(
-            {key: state[key] for key in self.layout.sync_keys},
-            self.baseline,
+            {key: state[key] for key in layout.sync_keys},
+            progress.baseline,
             what="diloco baseline",
         )
 
@@ -260,9 +288,9 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
     def _broadcast_from_rank_zero(self, state: Mapping[str, torch.Tensor]) -> None:
         """Give every replica rank 0's weights (one broadcast)."""
         context = self.replicas.context
-        if context is None or context.world_size < 2 or self.layout is None:
+        if context is None or context.world_size < 2 or self.progress.layout is None:
             return
-        keys = self.layout.sync_keys
+        keys = self.progress.layout.sync_keys
         flat = torch.cat([state[key].detach().reshape(-1).to(torch.float64) for key in keys])
         flat = flat.to(context.collective_device)
         dist.broadcast(flat, src=0)
@@ -284,24 +312,24 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
         """Apply the exchanges due at this step, then start the fragments due at it (with
         ``overlap_steps`` 0 they are applied at once; with one fragment that is the outer
         round at every multiple of ``inner_steps``)."""
-        assert self.plan is not None, "on_setup has not run"
+        assert self.progress.plan is not None, "on_setup has not run"
         step = ctx.step
         applied = False
-        for exchange in [e for e in self.in_flight if e.apply_at <= step]:
-            self.in_flight.remove(exchange)
+        for exchange in [e for e in self.progress.in_flight if e.apply_at <= step]:
+            self.progress.in_flight.remove(exchange)
             self._apply(trainer, exchange)
             applied = True
-        for fragment in self.plan.due(step):
+        for fragment in self.progress.plan.due(step):
             if self.options.overlap_steps == 0:
                 started = time.perf_counter()
-                if self.plan.count == 1:
+                if self.progress.plan.count == 1:
                     self.outer_round(trainer)  # the public hook of plain DiLoCo's round
                 else:
-                    self._round(trainer, self.plan.fragments[fragment], fragment)
+                    self._round(trainer, self.progress.plan.fragments[fragment], fragment)
                 self._stall(started)
                 applied = True
             else:
-                self.in_flight.append(self._start(trainer, fragment, step))
+                self.progress.in_flight.append(self._start(trainer, fragment, step))
         if applied and self.options.reset_optimizer:
             trainer.request_optimizer_reset("diloco")
 
@@ -314,31 +342,40 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
 
     def outer_round(self, trainer: TrainerView) -> None:
         """Average the pseudo-gradients, step the global model, load it everywhere."""
-        assert self.layout is not None, "on_setup has not run"
-        self._round(trainer, self.layout.sync_keys)
+        assert self.progress.layout is not None, "on_setup has not run"
+        self._round(trainer, self.progress.layout.sync_keys)
 
     def _round(self, trainer: TrainerView, keys: tuple[str, ...], fragment: int = 0) -> None:
         """A blocking exchange of ``keys`` (the whole model, or fragment ``fragment``):
         average the replicas' pseudo-gradients, step their global, load it into the model."""
         state = trainer.model.state_dict()
-        flat = flatten(pseudo_gradient(self.baseline, state, keys), keys)
+        flat = flatten(pseudo_gradient(self.progress.baseline, state, keys), keys)
         before = self.replicas.bytes_reduced
         averaged = self.replicas.exchange(
-            flat, trainer, self.baseline, self._keys(fragment), fragment
+            flat, trainer, self.progress.baseline, self._keys(fragment), fragment
         )
-        self.peak_sync_bytes = max(self.peak_sync_bytes, self.replicas.bytes_reduced - before)
+        self._note_payload(before)
         self._outer_update(state, keys, averaged, None)
+
+    def _note_payload(self, before: int) -> None:
+        """Count the payload reduced since ``bytes_reduced`` was ``before`` into the peak."""
+        progress = self.progress
+        progress.peak_sync_bytes = max(
+            progress.peak_sync_bytes, self.replicas.bytes_reduced - before
+        )
 
     def _start(self, trainer: TrainerView, fragment: int, step: int) -> Exchange:
         """Compute the fragment's pseudo-gradient, screen it (a blocking all-gather of a
         few numbers) and start its exchange (async): an all-reduce, or for int8/fp4 the
         all-gathers of the packed codes and scales."""
-        assert self.plan is not None
-        keys = self.plan.fragments[fragment]
+        assert self.progress.plan is not None
+        keys = self.progress.plan.fragments[fragment]
         state = trainer.model.state_dict()
         snapshot = {key: baseline_copy(state[key]) for key in keys}
-        flat = flatten(pseudo_gradient(self.baseline, snapshot, keys), keys)
-        flat, coefficients = self.replicas.screen(flat, trainer, self.baseline, keys, fragment)
+        flat = flatten(pseudo_gradient(self.progress.baseline, snapshot, keys), keys)
+        flat, coefficients = self.replicas.screen(
+            flat, trainer, self.progress.baseline, keys, fragment
+        )
         exchange = Exchange(
             fragment=fragment,
             started=step,
@@ -357,7 +394,7 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
             flat = self.replicas.scaled(flat, coefficients)
             exchange.work, exchange.wire = self.replicas.start_average(flat)
             exchange.result = flat if exchange.wire is None else None
-        self.peak_sync_bytes = max(self.peak_sync_bytes, self.replicas.bytes_reduced - before)
+        self._note_payload(before)
         return exchange
 
     def _apply(self, trainer: TrainerView, exchange: Exchange) -> None:
@@ -377,30 +414,32 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
         screening left every replica out: ``_kept``); the model gets the new global
         (``exchange`` given: plus the local progress since it started, the delta-carry rule
         ``math.carry``: ``global - (snapshot - current)``)."""
-        assert self.layout is not None
+        assert self.progress.layout is not None
         self.last_pseudo_grad_norm = float(averaged.norm())
         if self.replicas.kept:
-            shapes = {key: self.layout.wire_shapes[key] for key in keys}
-            self.round.step(self.baseline, unflatten(averaged, shapes))
-        weights: Mapping[str, torch.Tensor] = self.baseline
+            shapes = {key: self.progress.layout.wire_shapes[key] for key in keys}
+            self.round.step(self.progress.baseline, unflatten(averaged, shapes))
+        weights: Mapping[str, torch.Tensor] = self.progress.baseline
         if exchange is not None:
             current = {key: baseline_copy(state[key]) for key in keys}
-            weights = carry(self.baseline, pseudo_gradient(exchange.snapshot, current, keys))
+            weights = carry(
+                self.progress.baseline, pseudo_gradient(exchange.snapshot, current, keys)
+            )
         with torch.no_grad():
             for key in keys:
                 target = state[key]
                 target.copy_(weights[key].to(target.device, target.dtype))
-        self.outer_steps += 1
+        self.progress.outer_steps += 1
 
     def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
         """Every rank is here: finish the exchanges' communication (applied on schedule by
         the next fit, or kept in the checkpoint)."""
-        for exchange in self.in_flight:
+        for exchange in self.progress.in_flight:
             self.replicas.wait(exchange)
 
     def on_teardown(self, trainer: TrainerView, ctx: TeardownContext) -> None:
         if ctx.error is not None:
-            self.in_flight = []  # a failed run: the peers may be gone
+            self.progress.in_flight = []  # a failed run: the peers may be gone
 
     def on_eval_end(self, trainer: TrainerView, ctx: EvalEndContext) -> None:
         """An evaluation right after an outer round measured the global model (every
@@ -418,18 +457,18 @@ class CollectiveDiLoCo(CollectiveCheckpoint, Callback):
             dist.all_reduce(sums)
             loss_sum, weight_sum = (float(value) for value in sums.tolist())
             loss = loss_sum / weight_sum
-        self.global_eval = global_eval_metrics(loss, self.outer_steps)
+        self.global_eval = global_eval_metrics(loss, self.progress.outer_steps)
 
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         pending, self.global_eval = self.global_eval, None
         if pending is not None:
             for key, value in pending.items():
                 ctx.record.set(key, value)
-        ctx.record.set("diloco/outer_steps", self.outer_steps)
+        ctx.record.set("diloco/outer_steps", self.progress.outer_steps)
         ctx.record.set("diloco/bytes_reduced", self.bytes_reduced)
         ctx.record.set("diloco/outliers", self.outliers)
         if self.streaming:
-            ctx.record.set("diloco/peak_sync_bytes", self.peak_sync_bytes)
+            ctx.record.set("diloco/peak_sync_bytes", self.progress.peak_sync_bytes)
             ctx.record.set("diloco/stall_s", self.stall_s)
         if self.last_pseudo_grad_norm is not None:
             ctx.record.set("diloco/pseudo_grad_norm", self.last_pseudo_grad_norm)

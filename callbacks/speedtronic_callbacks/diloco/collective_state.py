@@ -12,6 +12,7 @@ import sys
 import time
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -32,7 +33,7 @@ from speedtronic_callbacks.diloco.outer_round import OuterRound
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
 
-__all__ = ["STATE_FORMAT", "CollectiveCheckpoint"]
+__all__ = ["STATE_FORMAT", "CollectiveCheckpoint", "CollectiveProgress"]
 
 STATE_FORMAT = 1
 """Version of ``CollectiveDiLoCo.state_dict``'s layout."""
@@ -56,33 +57,60 @@ def _bytes_into(blob: torch.Tensor, offset: int, target: torch.Tensor) -> int:
     return offset + size
 
 
-class CollectiveCheckpoint:
-    """The checkpoint half of ``CollectiveDiLoCo``: ``state_dict``, ``load_state_dict``
-    and the restore that ``on_setup`` runs once every rank has loaded it."""
+@dataclass
+class CollectiveProgress:
+    """The round state that ``CollectiveDiLoCo`` advances and its checkpoint saves and
+    restores: one object both hold (as ``progress``)."""
 
-    options: CollectiveDiLoCoOptions
-    round: OuterRound
-    replicas: ReplicaExchange
-    robust: RobustSettings
-    baseline: dict[str, torch.Tensor]
-    layout: ModelLayout | None
-    plan: FragmentPlan | None
-    outer_steps: int
-    in_flight: list[Exchange]
-    peak_sync_bytes: int
-    _staged: Mapping[str, object] | None
-    _view: TrainerView | None
+    baseline: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The global model's synchronised entries (empty before ``on_setup`` or while a
+    loaded checkpoint waits for it)."""
+    outer_steps: int = 0
+    in_flight: list[Exchange] = field(default_factory=list)
+    """Streaming: the exchanges started and not applied yet."""
+    peak_sync_bytes: int = 0
+    """The largest payload of one exchange (about 1/P of the model with P fragments)."""
+    layout: ModelLayout | None = None
+    plan: FragmentPlan | None = None
+
+
+class CollectiveCheckpoint:
+    """The checkpoint of ``CollectiveDiLoCo`` (held as its ``checkpoint``):
+    ``state_dict``, ``load_state_dict`` (which stages the state) and the restores that
+    ``on_setup`` runs once every rank has loaded it (``take_staged``, ``restore``,
+    ``restore_streaming``). ``view`` is the trainer a streaming state gathers from."""
+
+    def __init__(
+        self,
+        options: CollectiveDiLoCoOptions,
+        round: OuterRound,
+        replicas: ReplicaExchange,
+        robust: RobustSettings,
+        progress: CollectiveProgress,
+    ) -> None:
+        self.options = options
+        self.round = round
+        self.replicas = replicas
+        self.robust = robust
+        self.progress = progress
+        self.view: TrainerView | None = None
+        self._staged: Mapping[str, object] | None = None
+
+    def take_staged(self) -> Mapping[str, object] | None:
+        """The state ``load_state_dict`` staged (once; ``None``: nothing loaded)."""
+        staged, self._staged = self._staged, None
+        return staged
 
     def state_dict(self) -> dict[str, object]:
-        if self._staged is not None and not self.baseline:
+        if self._staged is not None and not self.progress.baseline:
             return dict(self._staged)
         state: dict[str, object] = {
             "format": STATE_FORMAT,
             "mode": "collective",
             "inner_steps": self.options.inner_steps,
-            "outer_steps": self.outer_steps,
+            "outer_steps": self.progress.outer_steps,
             "bytes_reduced": self.replicas.bytes_reduced,
-            "baseline": dict(self.baseline),
+            "baseline": dict(self.progress.baseline),
             "outer": self.round.optimizer.state_dict(),
             **self._robust_state(),
         }
@@ -110,11 +138,11 @@ class CollectiveCheckpoint:
         saving) and, per replica, its local weights, in-flight snapshots and inner-optimizer
         state (``replicas``, gathered to every rank; ``None`` when the replicas cannot meet,
         i.e. while the fit is failing)."""
-        for exchange in self.in_flight:
+        for exchange in self.progress.in_flight:
             self.replicas.wait(exchange)
         replicas: list[torch.Tensor] | None = None
-        if self._view is not None:
-            blob = self._replica_blob(self._view)
+        if self.view is not None:
+            blob = self._replica_blob(self.view)
             failing = sys.exc_info()[0] is not None  # called from an exception hook
             groups = self.replicas.groups
             if groups is None or groups.num_replicas < 2:
@@ -124,7 +152,7 @@ class CollectiveCheckpoint:
         return {
             "fragments": self.options.fragments,
             "overlap_steps": self.options.overlap_steps,
-            "peak_sync_bytes": self.peak_sync_bytes,
+            "peak_sync_bytes": self.progress.peak_sync_bytes,
             "stall_s": self.replicas.stall_s,
             "in_flight": [
                 {
@@ -134,7 +162,7 @@ class CollectiveCheckpoint:
                     "result": e.result,
                     "kept": e.kept,
                 }
-                for e in self.in_flight
+                for e in self.progress.in_flight
             ],
             "replicas": replicas,
         }
@@ -142,10 +170,10 @@ class CollectiveCheckpoint:
     def _replica_tensors(self, trainer: TrainerView) -> list[torch.Tensor]:
         """What differs between replicas: the synchronised weights, the in-flight
         exchanges' snapshots and the inner optimizer's state, in a fixed order."""
-        assert self.layout is not None
+        assert self.progress.layout is not None
         state = trainer.model.state_dict()
-        tensors = [state[key] for key in self.layout.sync_keys]
-        for exchange in self.in_flight:
+        tensors = [state[key] for key in self.progress.layout.sync_keys]
+        for exchange in self.progress.in_flight:
             tensors.extend(exchange.snapshot.values())
         tensors.extend(residual for residual in self.replicas.residuals if residual is not None)
         tensors.extend(trainer.optimizer_state_tensors())
@@ -191,15 +219,15 @@ class CollectiveCheckpoint:
         ):
             raise ValueError("diloco state: 'baseline' must map names to tensors")
         self._staged = state
-        self.baseline = {}
+        self.progress.baseline = {}
 
-    def _restore(self, state: Mapping[str, object], start_step: int) -> None:
+    def restore(self, state: Mapping[str, object], start_step: int) -> None:
         baseline = cast(Mapping[str, torch.Tensor], state["baseline"])
-        self.baseline = {key: baseline_copy(value) for key, value in baseline.items()}
+        self.progress.baseline = {key: baseline_copy(value) for key, value in baseline.items()}
         outer = state.get("outer")
         if isinstance(outer, Mapping):
             self.round.optimizer.load_state_dict(outer)
-        self.outer_steps = int(cast(int, state.get("outer_steps", 0)))
+        self.progress.outer_steps = int(cast(int, state.get("outer_steps", 0)))
         self.replicas.bytes_reduced = int(cast(int, state.get("bytes_reduced", 0)))
         self._restore_robust(state)
         saved_h = int(cast(int, state.get("inner_steps", self.options.inner_steps)))
@@ -241,17 +269,17 @@ class CollectiveCheckpoint:
             self.replicas.work_mark = (int(mark[0]), int(mark[1]))
         self.replicas.outliers = int(cast(int, state.get("outliers", 0)))
 
-    def _restore_streaming(
+    def restore_streaming(
         self, trainer: TrainerView, state: Mapping[str, object], start_step: int
     ) -> None:
         """Restore the exchanges in flight and this replica's own weights, snapshots and
         inner-optimizer state; warn when the checkpoint cannot give them back."""
         saved = (state.get("fragments", 1), state.get("overlap_steps", 0), state.get("inner_steps"))
         current = (self.options.fragments, self.options.overlap_steps, self.options.inner_steps)
-        self.peak_sync_bytes = int(cast(int, state.get("peak_sync_bytes", 0)))
+        self.progress.peak_sync_bytes = int(cast(int, state.get("peak_sync_bytes", 0)))
         self.replicas.stall_s = float(cast(float, state.get("stall_s", 0.0)))
         entries = state.get("in_flight") or []
-        assert isinstance(entries, list) and self.plan is not None
+        assert isinstance(entries, list) and self.progress.plan is not None
         if entries and saved != current:
             warnings.warn(
                 f"diloco: the checkpoint was saved with fragments/overlap_steps/inner_steps "
@@ -265,13 +293,13 @@ class CollectiveCheckpoint:
             fragment = int(entry["fragment"])
             result = entry["result"]
             assert isinstance(result, torch.Tensor)
-            keys = self.plan.fragments[fragment]
-            self.in_flight.append(
+            keys = self.progress.plan.fragments[fragment]
+            self.progress.in_flight.append(
                 Exchange(
                     fragment=fragment,
                     started=int(entry["started"]),
                     apply_at=int(entry["apply_at"]),
-                    snapshot={key: torch.empty_like(self.baseline[key]) for key in keys},
+                    snapshot={key: torch.empty_like(self.progress.baseline[key]) for key in keys},
                     work=None,
                     wire=None,
                     result=result.to("cpu", torch.float32),
@@ -280,7 +308,7 @@ class CollectiveCheckpoint:
                 )
             )
         if not self._restore_replica(trainer, state.get("replicas")):
-            self.in_flight = []
+            self.progress.in_flight = []
             warnings.warn(
                 f"diloco: the checkpoint of step {start_step} holds no per-replica state for "
                 "this run's replicas (saved while the fit was failing, or with another number "

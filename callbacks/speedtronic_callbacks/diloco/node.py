@@ -37,17 +37,15 @@ incarnation that the master applied (the pointer's ``covered``) or that still wa
 ``nodes/<id>/`` (read from those files' signed headers). Training then recomputes steps
 ``c + 1 ..`` from the checkpoint; the progress of every step up to what was sent is
 already on the hub, so the node drops it -- its checkpointed unsent work, and the progress
-and the tokens of the recomputed steps up to that step (``_drop_sent``) -- and uploads only
-what comes after. The recomputed progress leaves the weights at the next install (the
+and the tokens of the recomputed steps up to that step (``PendingWork.drop_sent``) -- and
+uploads only what comes after. The recomputed progress leaves the weights at the next install (the
 delta-carry rule carries only the pending delta).
 """
 
 from __future__ import annotations
 
 import logging
-import math as pymath
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -59,10 +57,11 @@ from torch import nn
 from speedtronic_callbacks.diloco.codec import Codec
 from speedtronic_callbacks.diloco.codecs import FP32
 from speedtronic_callbacks.diloco.fragments import layout_plan
-from speedtronic_callbacks.diloco.lanes import ErrorReporter, Inbox, Lane
+from speedtronic_callbacks.diloco.lanes import ErrorReporter, Lane
 from speedtronic_callbacks.diloco.master import MasterLoop
 from speedtronic_callbacks.diloco.math import carry, pseudo_gradient
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
+from speedtronic_callbacks.diloco.node_jobs import NodeJobs
 from speedtronic_callbacks.diloco.node_messages import (
     GlobalCandidate,
     MasterEvent,
@@ -72,8 +71,17 @@ from speedtronic_callbacks.diloco.node_messages import (
     UploadJob,
     UploadResult,
 )
-from speedtronic_callbacks.diloco.node_pending import all_finite, snapshot_weights
-from speedtronic_callbacks.diloco.node_state import STATE_FORMAT, NodeCheckpoint
+from speedtronic_callbacks.diloco.node_pending import PendingWork, all_finite, snapshot_weights
+from speedtronic_callbacks.diloco.node_results import LaneResults
+from speedtronic_callbacks.diloco.node_state import (
+    STATE_FORMAT,
+    integer_field,
+    node_metrics,
+    optional_tensors,
+    restore_unsent,
+    text_field,
+    unsent_state,
+)
 from speedtronic_callbacks.diloco.transport_base import (
     RetryingTransport,
 )
@@ -134,7 +142,7 @@ def _ignore(event: str, payload: Mapping[str, object]) -> None:
     """The default event sink: nobody listens."""
 
 
-class DiLoCoNode(NodeCheckpoint):
+class DiLoCoNode:
     """Worker (or master) side of DiLoCo for one model. Not thread-safe by itself: every
     public method except the lane jobs runs on the training thread."""
 
@@ -164,53 +172,34 @@ class DiLoCoNode(NodeCheckpoint):
         self._clock = clock
         self._publish = publish or _ignore
         """Where the 2.0 events go (``outer_step``, ``delta_upload_*``): the trainer's notes."""
-        self.incarnation = uuid.uuid4().hex[:12]
         self.installed_step = -1
         self.installed_global: Mapping[str, torch.Tensor] | None = None
         """The global model last installed (the weights hold it plus unsent progress)."""
         self.baseline: dict[str, torch.Tensor] | None = None
-        self.pending: dict[str, torch.Tensor] | None = None
-        self.pending_base = -1
-        self.pending_work = (0, 0)
-        """Tokens and samples trained for ``pending`` (sent with it as upload metadata)."""
-        self._work_now = (0, 0)
-        self._work_mark = (0, 0)
-        self._held_work = (0, 0)
-        self.unconfirmed: UploadJob | None = None
-        self._held_pending: dict[str, torch.Tensor] | None = None
-        self._held_base = -1
-        self._checkpoint_step: int | None = None
-        self._range_starts: list[int] | None = None
-        """Per fragment, the step after which its pending progress begins (its next
-        delta's ``first_step``)."""
         self._baseline_step = 0
         """The step the baseline was taken at (the start of the segment being trained)."""
-        self._skip: dict[int, int] | None = None
-        """Per fragment, the local step through which an earlier life of this node sent
-        its progress (set on resume; ``_drop_sent``)."""
-        self._skip_work = -1
-        """The step through which that earlier life reported its tokens and samples."""
-        self._dispatched_through = -1
-        """The highest local step of a delta this incarnation handed to the upload lane."""
-        self._work_step: int | None = None
-        """The step ``_work_mark`` was taken at (the master measures its step's work)."""
-        self._foreign_logged = False
-        self._startup_done = True
+        self.unsent = PendingWork(layout, self.plan, master)
+        """The unsent work: the pending delta, held-back and unconfirmed work, ranges."""
         self._resync = False
-        self._candidate: GlobalCandidate | None = None
         self._captured_step: int | None = None
         self._last_step = 0
-        self._last_poll = -pymath.inf
-        self._last_round = -pymath.inf
-        self.upload_lane = Lane("upload")
-        self.poll_lane = Lane("poll")
-        self.master_lane = Lane("master")
-        self._uploads: Inbox[UploadResult] = Inbox()
-        self._polls: Inbox[PollResult] = Inbox()
-        self._rounds: Inbox[MasterEvent] = Inbox()
         self.stats = NodeStats()
+        self.jobs = NodeJobs(transport, layout, settings, master, self.reporter, clock)
+        """The lanes and the background jobs they run (upload, poll, master rounds)."""
+        self.results = LaneResults(
+            model,
+            layout,
+            settings,
+            self.plan,
+            master,
+            self.jobs,
+            self.unsent,
+            self.stats,
+            clock,
+            self._publish,
+        )
+        """What the lanes delivered (the global to install) and what is due next."""
         self._started = False
-        self._replays_logged: set[tuple[int, int]] = set()
         transport.limit_file_size(settings.max_file_bytes or largest_file_bytes(layout))
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -219,37 +208,61 @@ class DiLoCoNode(NodeCheckpoint):
     def started(self) -> bool:
         return self._started
 
+    @property
+    def pending(self) -> dict[str, torch.Tensor] | None:
+        """The progress not sent yet (every synchronised key; ``None``: nothing)."""
+        return self.unsent.pending
+
+    @property
+    def pending_base(self) -> int:
+        return self.unsent.pending_base
+
+    @property
+    def pending_work(self) -> tuple[int, int]:
+        return self.unsent.pending_work
+
+    @property
+    def unconfirmed(self) -> UploadJob | None:
+        return self.unsent.unconfirmed
+
+    def record_work(self, tokens: int, samples: int) -> None:
+        """The trainer's token and sample counters now (called before ``on_step``)."""
+        self.unsent.record_work(tokens, samples)
+
+    @property
+    def incarnation(self) -> str:
+        """This node life's name on the hub (renewed when another process sends as it)."""
+        return self.jobs.incarnation
+
+    @property
+    def master_lane(self) -> Lane:
+        return self.jobs.master_lane
+
     def start(self, step: int) -> None:
         """Open the lanes and schedule the start-up work (master reconcile, first poll)."""
         if self._started:
             return
         if self.master is not None:
             self.master.claim()
-        self.transport.cancel.clear()
-        for lane in (self.upload_lane, self.poll_lane, self.master_lane):
-            lane.open()
+        self.jobs.open()
         self._last_step = step
         if self.baseline is None:
             self.baseline = snapshot_weights(self.model, self.layout.sync_keys)
             self._baseline_step = step
-        if self._range_starts is None:
-            self._range_starts = [step] * self.plan.count
-        if self._work_step is None:
-            self._work_step = step
+        if self.unsent.range_starts is None:
+            self.unsent.range_starts = [step] * self.plan.count
+        if self.unsent.work_step is None:
+            self.unsent.work_step = step
         self._started = True
-        self._schedule(step, boundary=True)
+        self.results.schedule(step, True, self.installed_step)
 
     def stop(self) -> None:
         """Give the upload in flight ``shutdown_timeout`` s to finish, then cancel every
         retry wait and stop the lanes. Never raises."""
         if not self._started:
             return
-        timeout = self.settings.shutdown_timeout
-        self.upload_lane.close(timeout)
-        self.transport.cancel.set()
-        master_idle = self.master_lane.close(timeout)
-        self.poll_lane.close(timeout)
-        self._drain()
+        master_idle = self.jobs.close(self.settings.shutdown_timeout)
+        self.results.drain(self._last_step)
         if self.master is not None and master_idle:
             self.master.release()
         self._started = False
@@ -257,13 +270,60 @@ class DiLoCoNode(NodeCheckpoint):
     def wait_idle(self, timeout: float) -> bool:
         """Block until every lane is idle, then process their results (for tests and
         benchmarks that need a settled state; training never calls it)."""
-        deadline = time.monotonic() + timeout
-        idle = all(
-            lane.wait_idle(max(0.0, deadline - time.monotonic()))
-            for lane in (self.upload_lane, self.poll_lane, self.master_lane)
-        )
-        self._drain()
+        idle = self.jobs.wait_idle(timeout)
+        self.results.drain(self._last_step)
         return idle
+
+    # -- checkpoint and metrics --------------------------------------------------------
+
+    def state_dict(self) -> dict[str, object]:
+        """Everything needed to resume (tensors, numbers, strings, lists, dicts, None)."""
+        return {
+            "format": STATE_FORMAT,
+            "node_id": self.settings.node_id,
+            "role": self.settings.role,
+            "incarnation": self.jobs.incarnation,
+            "installed_outer_step": self.installed_step,
+            "checkpoint_step": self._last_step,
+            "baseline": self.baseline,
+            **unsent_state(self.unsent),
+            "master": {} if self.master is None else self.master.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Restore a checkpoint (before ``start``); the unsent work as ``restore_unsent``
+        says."""
+        if not state:
+            return
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"diloco state format {state.get('format')!r} is not supported")
+        master_state = state.get("master")
+        if self.master is not None and isinstance(master_state, Mapping):
+            self.master.load_state_dict(master_state)
+        if state.get("node_id") != self.settings.node_id:
+            logger.warning(
+                "diloco checkpoint belongs to node %r, this is %r: starting this node fresh",
+                state.get("node_id"),
+                self.settings.node_id,
+            )
+            return
+        self.jobs.incarnation = text_field(state, "incarnation")
+        self.installed_step = integer_field(state, "installed_outer_step")
+        self.baseline = optional_tensors(state, "baseline", self.layout)
+        checkpoint_step = restore_unsent(self.unsent, state, self.layout, self.plan.count)
+        self._baseline_step = checkpoint_step  # the baseline is from this step or before
+        self.results.resume(checkpoint_step)
+        self._captured_step = None
+
+    def metrics(self) -> dict[str, int | float]:
+        """Cumulative counters plus the last round's figures (``diloco/`` keys)."""
+        return node_metrics(
+            self.stats,
+            self.installed_step,
+            self.transport,
+            self.reporter.errors,
+            self.master is not None,
+        )
 
     # -- the per-step entry point ------------------------------------------------------
 
@@ -272,7 +332,7 @@ class DiLoCoNode(NodeCheckpoint):
         if not self._started:
             raise RuntimeError("DiLoCoNode.start must be called before on_step")
         self._last_step = step
-        self._drain()
+        self.results.drain(self._last_step)
         due = self.plan.due(step)
         boundary = bool(due)
         dispatched = False
@@ -281,7 +341,7 @@ class DiLoCoNode(NodeCheckpoint):
             for fragment in due:
                 dispatched = self._dispatch(step, fragment) or dispatched
         installed = self._install_candidate(step)
-        self._schedule(step, boundary)
+        self.results.schedule(step, boundary, self.installed_step)
         return SyncOutcome(dispatched=dispatched, installed=installed)
 
     # -- progress bookkeeping ----------------------------------------------------------
@@ -294,10 +354,10 @@ class DiLoCoNode(NodeCheckpoint):
         assert self.baseline is not None  # set by start()
         current = snapshot_weights(self.model, self.layout.sync_keys)
         segment = pseudo_gradient(self.baseline, current, self.layout.sync_keys)
-        work = self._take_work(step)
-        if self._skip is not None:
-            segment, work = self._drop_sent(segment, work, step)
-        self._add_pending(segment, self.installed_step, work)
+        work = self.unsent.take_work(step)
+        if self.unsent.skip is not None:
+            segment, work = self.unsent.drop_sent(segment, work, step, self._baseline_step)
+        self.unsent.add(segment, self.installed_step, work)
         self.baseline = current
         self._baseline_step = step
         self._captured_step = step
@@ -305,15 +365,15 @@ class DiLoCoNode(NodeCheckpoint):
     def _dispatch(self, step: int, fragment: int = 0) -> bool:
         """Hand the unconfirmed job (a resend, whatever its fragment) or ``fragment``'s
         share of the pending delta to the upload lane."""
-        if self.installed_step < 0 or self._resync or not self._startup_done:
+        if self.installed_step < 0 or self._resync or not self.results.startup_done:
             return False  # no global yet, or start-up reconciliation still open
-        if self.upload_lane.busy:
+        if self.jobs.upload_lane.busy:
             self.stats.boundaries_skipped += 1
             self._publish("delta_upload_skipped", {"step": step, "reason": "upload_in_flight"})
             return False  # the next boundary sends a cumulative delta
-        job = self.unconfirmed
+        job = self.unsent.unconfirmed
         if job is None:
-            pending = self.pending
+            pending = self.unsent.pending
             if pending is None:
                 return False
             if not all_finite(pending):
@@ -323,22 +383,24 @@ class DiLoCoNode(NodeCheckpoint):
                     self.settings.node_id,
                     step,
                 )
-                self._drop_pending(step)
+                self.unsent.drop(step)
                 self._resync = True
                 self.stats.resyncs += 1
                 return False
-            base, work = self.pending_base, self.pending_work
-            taken = self._take_fragment(fragment)
+            base, work = self.unsent.pending_base, self.unsent.pending_work
+            taken = self.unsent.take_fragment(fragment)
             if taken is None:
                 return False
-            if self.pending is not None:  # a fragment: the work so far travels with it
-                self.pending_work = (0, 0)
-            assert self._range_starts is not None  # set by start()
-            job = UploadJob(taken[0], step, base, *work, taken[1], self._range_starts[fragment])
-            self._range_starts[fragment] = step
-            self._dispatched_through = max(self._dispatched_through, step)
-            self.unconfirmed = job
-        submitted = self.upload_lane.try_submit(lambda: self._upload(job))
+            if self.unsent.pending is not None:  # a fragment: the work so far travels with it
+                self.unsent.pending_work = (0, 0)
+            assert self.unsent.range_starts is not None  # set by start()
+            job = UploadJob(
+                taken[0], step, base, *work, taken[1], self.unsent.range_starts[fragment]
+            )
+            self.unsent.range_starts[fragment] = step
+            self.unsent.dispatched_through = max(self.unsent.dispatched_through, step)
+            self.unsent.unconfirmed = job
+        submitted = self.jobs.submit_upload(job)
         if not submitted:
             self.stats.boundaries_skipped += 1
             self._publish("delta_upload_skipped", {"step": step, "reason": "queue_full"})
@@ -350,28 +412,27 @@ class DiLoCoNode(NodeCheckpoint):
         return submitted
 
     def _install_candidate(self, step: int) -> int | None:
-        candidate = self._candidate
-        self._candidate = None
+        candidate = self.results.take_candidate()
         if candidate is None or candidate.outer_step <= self.installed_step:
             return None
         if self._resync:
             # Our unsent progress is NaN/Inf: drop it.
-            self._drop_pending(step)
+            self.unsent.drop(step)
             self._resync = False
         else:
             self._capture(step)  # keep progress not yet sent: it goes out at the next boundary
             if self.installed_step < 0 and not self._started_from(candidate):
                 # First global, and it is not the weights this node started from (another
                 # seed): progress measured from those weights means nothing to the hub.
-                self._drop_pending(step)
+                self.unsent.drop(step)
         state = dict(candidate.state)
-        if self.pending is not None:
+        if self.unsent.pending is not None:
             # The delta-carry rule: the weights become the global plus the progress the hub
             # does not have yet, and that progress now stands on this global (its base).
             # Installing the bare global instead would throw the node's unsent work out of
             # its weights, to come back only at outer_lr x staleness weight a round later.
-            state.update(carry(candidate.state, self.pending))
-            self.pending_base = candidate.outer_step
+            state.update(carry(candidate.state, self.unsent.pending))
+            self.unsent.pending_base = candidate.outer_step
         full = expand_aliases(state, self.layout)
         with torch.no_grad():
             self.model.load_state_dict(full, strict=True)
@@ -416,8 +477,8 @@ class DiLoCoNode(NodeCheckpoint):
         assert self.baseline is not None
         for key in self.layout.sync_keys:
             origin = self.baseline[key].to(torch.float32)
-            if self.pending is not None:
-                origin = origin + self.pending[key]
+            if self.unsent.pending is not None:
+                origin = origin + self.unsent.pending[key]
             target = candidate.state[key].to(torch.float32)
             if not torch.allclose(origin, target, rtol=1e-5, atol=1e-6):
                 return False

@@ -1,16 +1,23 @@
-"""The background jobs of a DiLoCo node (``node``), run on its lanes: upload a delta,
-poll the hub pointer and fetch a newer global, read what this node sent before a
+"""The background jobs of a DiLoCo node (``node``) and the lanes they run on: upload a
+delta, poll the hub pointer and fetch a newer global, read what this node sent before a
 resume, and -- on the master's node -- reconcile and run master rounds. They never touch
-the model; they report through the lanes' inboxes."""
+the model; they report through the inboxes (``uploads``, ``polls``, ``rounds``) that the
+training thread drains."""
 
 from __future__ import annotations
 
 import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from speedtronic_callbacks.diloco.hub_files import delta_path, parse_delta_path
-from speedtronic_callbacks.diloco.master import MasterConflictError
+from speedtronic_callbacks.diloco.lanes import ErrorReporter, Inbox, Lane
+from speedtronic_callbacks.diloco.master import MasterConflictError, MasterLoop
+from speedtronic_callbacks.diloco.model_layout import ModelLayout
 from speedtronic_callbacks.diloco.node_messages import (
     GlobalCandidate,
     MasterEvent,
@@ -18,9 +25,9 @@ from speedtronic_callbacks.diloco.node_messages import (
     UploadJob,
     UploadResult,
 )
-from speedtronic_callbacks.diloco.node_pending import PendingWork
 from speedtronic_callbacks.diloco.pointer import POINTER_PATH, Pointer, decode_pointer
 from speedtronic_callbacks.diloco.transport_base import (
+    RetryingTransport,
     TransportError,
     UnreadableFileError,
 )
@@ -37,11 +44,83 @@ from speedtronic_callbacks.diloco.wire import (
     to_wire,
 )
 
+if TYPE_CHECKING:
+    from speedtronic_callbacks.diloco.node import NodeSettings
+
 logger = logging.getLogger("speedtronic.diloco")
 
 
-class BackgroundJobs(PendingWork):
-    """The lane jobs of ``DiLoCoNode``."""
+class NodeJobs:
+    """A node's three lanes (upload, poll, master) and the jobs it hands them. The
+    training thread submits (``submit_*``; ``False``: the lane is busy) and drains the
+    inboxes; the jobs run on the lanes' threads and read only what is passed to them,
+    the transport, and ``incarnation`` (which the training thread may renew)."""
+
+    def __init__(
+        self,
+        transport: RetryingTransport,
+        layout: ModelLayout,
+        settings: NodeSettings,
+        master: MasterLoop | None,
+        reporter: ErrorReporter,
+        clock: Callable[[], float],
+    ) -> None:
+        self.transport = transport
+        self.layout = layout
+        self.settings = settings
+        self.master = master
+        self.reporter = reporter
+        self._clock = clock
+        self.incarnation = uuid.uuid4().hex[:12]
+        """This node life's name on the hub (signed into every delta it sends)."""
+        self.upload_lane = Lane("upload")
+        self.poll_lane = Lane("poll")
+        self.master_lane = Lane("master")
+        self.uploads: Inbox[UploadResult] = Inbox()
+        self.polls: Inbox[PollResult] = Inbox()
+        self.rounds: Inbox[MasterEvent] = Inbox()
+        self._replays_logged: set[tuple[int, int]] = set()
+
+    # -- the training thread's side ----------------------------------------------------
+
+    def open(self) -> None:
+        self.transport.cancel.clear()
+        for lane in (self.upload_lane, self.poll_lane, self.master_lane):
+            lane.open()
+
+    def close(self, timeout: float) -> bool:
+        """Give the upload in flight ``timeout`` s to finish, then cancel every retry wait
+        and stop the lanes; whether the master lane ended idle."""
+        self.upload_lane.close(timeout)
+        self.transport.cancel.set()
+        master_idle = self.master_lane.close(timeout)
+        self.poll_lane.close(timeout)
+        return master_idle
+
+    def wait_idle(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(
+            lane.wait_idle(max(0.0, deadline - time.monotonic()))
+            for lane in (self.upload_lane, self.poll_lane, self.master_lane)
+        )
+
+    def submit_upload(self, job: UploadJob) -> bool:
+        return self.upload_lane.try_submit(lambda: self._upload(job))
+
+    def submit_poll(
+        self, installed_step: int, seen_step: int, fetch: bool, checkpoint_step: int | None
+    ) -> bool:
+        return self.poll_lane.try_submit(
+            lambda: self._poll(installed_step, seen_step, fetch, checkpoint_step)
+        )
+
+    def submit_round(self) -> bool:
+        return self.master_lane.try_submit(self._master_round)
+
+    def submit_reconcile(self, initial: dict[str, torch.Tensor]) -> bool:
+        return self.master_lane.try_submit(lambda: self._master_reconcile(initial))
+
+    # -- the jobs (on the lanes' threads) ----------------------------------------------
 
     def _upload(self, job: UploadJob) -> None:
         started = self._clock()
@@ -70,11 +149,11 @@ class BackgroundJobs(PendingWork):
             self.transport.put(path, data)
         except TransportError as exc:
             self.reporter.failure("upload", exc, permanent=not exc.transient)
-            self._uploads.put(UploadResult(job, None, 0, self._clock() - started, str(exc)))
+            self.uploads.put(UploadResult(job, None, 0, self._clock() - started, str(exc)))
             return
         self.reporter.success("upload")
         latency = self._clock() - started
-        self._uploads.put(UploadResult(job, path, len(data), latency, None, residual))
+        self.uploads.put(UploadResult(job, path, len(data), latency, None, residual))
 
     def _poll(
         self, installed_step: int, seen_step: int, fetch: bool, checkpoint_step: int | None
@@ -93,14 +172,14 @@ class BackgroundJobs(PendingWork):
                 candidate = self._fetch_global(pointer)
         except TransportError as exc:
             self.reporter.failure("poll", exc, permanent=not exc.transient)
-            self._polls.put(PollResult(ok=False))
+            self.polls.put(PollResult(ok=False))
             return
         except Rejected as exc:
             self.reporter.failure("poll", exc, permanent=True)
-            self._polls.put(PollResult(ok=False))
+            self.polls.put(PollResult(ok=False))
             return
         self.reporter.success("poll")
-        self._polls.put(
+        self.polls.put(
             PollResult(
                 ok=True,
                 pointer_step=None if pointer is None else pointer.outer_step,
@@ -205,7 +284,7 @@ class BackgroundJobs(PendingWork):
             self.reporter.failure("master start", exc, permanent=True)
             return
         self.reporter.success("master start")
-        self._rounds.put(MasterEvent(GlobalCandidate(state.outer_step, state.global_state), None))
+        self.rounds.put(MasterEvent(GlobalCandidate(state.outer_step, state.global_state), None))
 
     def _master_round(self) -> None:
         assert self.master is not None
@@ -223,4 +302,4 @@ class BackgroundJobs(PendingWork):
             snapshot = self.master.snapshot()
             if snapshot is not None:
                 candidate = GlobalCandidate(snapshot.outer_step, snapshot.global_state)
-        self._rounds.put(MasterEvent(candidate, report))
+        self.rounds.put(MasterEvent(candidate, report))

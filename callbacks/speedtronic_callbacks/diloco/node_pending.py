@@ -4,30 +4,21 @@ sends. Everything here runs on the training thread."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from speedtronic_callbacks.diloco.fragments import FragmentPlan
-from speedtronic_callbacks.diloco.lanes import ErrorReporter, Inbox, Lane
 from speedtronic_callbacks.diloco.master import MasterLoop
 from speedtronic_callbacks.diloco.model_layout import ModelLayout
 from speedtronic_callbacks.diloco.node_messages import (
-    GlobalCandidate,
-    MasterEvent,
-    NodeStats,
-    PollResult,
     UploadJob,
-    UploadResult,
-)
-from speedtronic_callbacks.diloco.transport_base import (
-    RetryingTransport,
 )
 
 if TYPE_CHECKING:
-    from speedtronic_callbacks.diloco.node import NodeSettings
+    pass
 
 
 def snapshot_weights(model: nn.Module, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -54,100 +45,80 @@ def merge_held(
 
 
 class PendingWork:
-    """The pending-work part of ``DiLoCoNode`` (its attributes are set by
-    ``DiLoCoNode.__init__``)."""
+    """A node's unsent work: the pending delta (every synchronised key, float32) with the
+    global it stands on and the tokens and samples trained for it; the work held back
+    at a resume until the hub says what was sent; each fragment's range start; and what
+    an earlier life of this node already sent (``skip``)."""
 
-    model: nn.Module
-    transport: RetryingTransport
-    layout: ModelLayout
-    settings: NodeSettings
-    plan: FragmentPlan
-    master: MasterLoop | None
-    reporter: ErrorReporter
-    incarnation: str
-    installed_step: int
-    installed_global: Mapping[str, torch.Tensor] | None
-    baseline: dict[str, torch.Tensor] | None
-    pending: dict[str, torch.Tensor] | None
-    pending_base: int
-    pending_work: tuple[int, int]
-    unconfirmed: UploadJob | None
-    upload_lane: Lane
-    poll_lane: Lane
-    master_lane: Lane
-    stats: NodeStats
-    _clock: Callable[[], float]
-    _publish: Callable[[str, Mapping[str, object]], None]
-    _work_now: tuple[int, int]
-    _work_mark: tuple[int, int]
-    _held_work: tuple[int, int]
-    _held_pending: dict[str, torch.Tensor] | None
-    _held_base: int
-    _checkpoint_step: int | None
-    _range_starts: list[int] | None
-    _baseline_step: int
-    _skip: dict[int, int] | None
-    _skip_work: int
-    _dispatched_through: int
-    _work_step: int | None
-    _foreign_logged: bool
-    _startup_done: bool
-    _resync: bool
-    _candidate: GlobalCandidate | None
-    _captured_step: int | None
-    _last_step: int
-    _last_poll: float
-    _last_round: float
-    _uploads: Inbox[UploadResult]
-    _polls: Inbox[PollResult]
-    _rounds: Inbox[MasterEvent]
-    _started: bool
-    _replays_logged: set[tuple[int, int]]
-
-    @property
-    def acts_as_master(self) -> bool:
-        return self.master is not None and self.master.halted is None
+    def __init__(self, layout: ModelLayout, plan: FragmentPlan, master: MasterLoop | None) -> None:
+        self.layout = layout
+        self.plan = plan
+        self.master = master
+        """Told what one step trains (``take_work``) on the master's node."""
+        self.pending: dict[str, torch.Tensor] | None = None
+        self.pending_base = -1
+        self.pending_work = (0, 0)
+        """Tokens and samples trained for ``pending`` (sent with it as upload metadata)."""
+        self.work_now = (0, 0)
+        self.work_mark = (0, 0)
+        self.work_step: int | None = None
+        """The step ``work_mark`` was taken at (the master measures its step's work)."""
+        self.held_pending: dict[str, torch.Tensor] | None = None
+        """Checkpointed unsent work, held until the hub says it was not sent after it."""
+        self.held_base = -1
+        self.held_work = (0, 0)
+        self.range_starts: list[int] | None = None
+        """Per fragment, the step after which its pending progress begins (its next
+        delta's ``first_step``)."""
+        self.skip: dict[int, int] | None = None
+        """Per fragment, the local step through which an earlier life of this node sent
+        its progress (set on resume; ``drop_sent``)."""
+        self.skip_work = -1
+        """The step through which that earlier life reported its tokens and samples."""
+        self.dispatched_through = -1
+        """The highest local step of a delta this incarnation handed to the upload lane."""
+        self.unconfirmed: UploadJob | None = None
+        """The job handed to the upload lane and not confirmed yet (re-sent as is)."""
 
     def record_work(self, tokens: int, samples: int) -> None:
         """The trainer's token and sample counters now (called before ``on_step``); what
         they grew by since the last capture travels with the delta (``weight_by_work``)."""
-        self._work_now = (tokens, samples)
+        self.work_now = (tokens, samples)
 
-    def _take_work(self, step: int) -> tuple[int, int]:
+    def take_work(self, step: int) -> tuple[int, int]:
         """The tokens and samples trained since the last capture; a master also tells its
         loop what one of its steps trains (the default cap of a delta's claimed work)."""
-        now, mark = self._work_now, self._work_mark
-        self._work_mark = now
+        now, mark = self.work_now, self.work_mark
+        self.work_mark = now
         work = (max(0, now[0] - mark[0]), max(0, now[1] - mark[1]))
-        steps = 0 if self._work_step is None else step - self._work_step
-        self._work_step = step
+        steps = 0 if self.work_step is None else step - self.work_step
+        self.work_step = step
         if self.master is not None and steps > 0:
             self.master.observe_step_work(-(-work[0] // steps), -(-work[1] // steps))
         return work
 
-    def _drop_sent(
-        self, segment: dict[str, torch.Tensor], work: tuple[int, int], step: int
+    def drop_sent(
+        self, segment: dict[str, torch.Tensor], work: tuple[int, int], step: int, start: int
     ) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
-        """The part of ``segment`` (the progress since the baseline, to ``step``) that an
-        earlier life of this node has not sent: a fragment's progress trained from a
-        baseline before the step it was sent through is dropped (those samples are on the
-        hub already) and its range restarts here; so are the segment's tokens and samples
-        when it began before the step they were reported through. Skipping ends once
-        every such step is passed."""
-        assert self._skip is not None and self._range_starts is not None
-        start = self._baseline_step
-        for fragment, through in self._skip.items():
+        """The part of ``segment`` (the progress from the baseline taken at ``start`` to
+        ``step``) that an earlier life of this node has not sent: a fragment's progress
+        trained from a baseline before the step it was sent through is dropped (those
+        samples are on the hub already) and its range restarts here; so are the segment's
+        tokens and samples when it began before the step they were reported through.
+        Skipping ends once every such step is passed."""
+        assert self.skip is not None and self.range_starts is not None
+        for fragment, through in self.skip.items():
             if start < through:
                 for key in self.plan.fragments[fragment]:
                     segment[key] = torch.zeros_like(segment[key])
-                self._range_starts[fragment] = step
-        if start < self._skip_work:
+                self.range_starts[fragment] = step
+        if start < self.skip_work:
             work = (0, 0)
-        if step >= max(self._skip_work, *self._skip.values()):
-            self._skip = None
+        if step >= max(self.skip_work, *self.skip.values()):
+            self.skip = None
         return segment, work
 
-    def _add_pending(
+    def add(
         self, delta: Mapping[str, torch.Tensor], base: int, work: tuple[int, int] = (0, 0)
     ) -> None:
         """Add ``delta`` (made from global ``base`` by training ``work`` tokens and
@@ -169,16 +140,16 @@ class PendingWork:
             self.pending_base = min(self.pending_base, base)
             self.pending_work = (self.pending_work[0] + work[0], self.pending_work[1] + work[1])
 
-    def _drop_pending(self, step: int) -> None:
+    def drop(self, step: int) -> None:
         """Forget the pending delta (its work too); every fragment's range restarts here."""
         self.pending = None
         self.pending_work = (0, 0)
-        self._range_starts = [step] * self.plan.count
+        self.range_starts = [step] * self.plan.count
 
     def _zeros(self, key: str) -> torch.Tensor:
         return torch.zeros(self.layout.wire_shapes[key], dtype=torch.float32)
 
-    def _take_fragment(self, fragment: int) -> tuple[dict[str, torch.Tensor], str] | None:
+    def take_fragment(self, fragment: int) -> tuple[dict[str, torch.Tensor], str] | None:
         """The pending delta's keys of ``fragment`` (``None`` when they are all zero);
         they are removed from the pending delta (zeroed; all of it with one fragment)."""
         pending = self.pending

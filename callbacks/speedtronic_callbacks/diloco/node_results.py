@@ -1,37 +1,97 @@
 """How a DiLoCo node takes in its lanes' results on the training thread (``node``, step
 1 and 4): confirmed or failed uploads, fetched globals, master rounds, the resume
-hand-shake with the hub (``_finish_startup``), and scheduling the next poll or round."""
+hand-shake with the hub (``_finish_startup``), and scheduling the next poll or round;
+a component the node holds (``DiLoCoNode.results``)."""
 
 from __future__ import annotations
 
 import logging
 import math as pymath
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from speedtronic_callbacks.diloco.master import RoundReport
-from speedtronic_callbacks.diloco.node_jobs import BackgroundJobs
-from speedtronic_callbacks.diloco.node_messages import GlobalCandidate
-from speedtronic_callbacks.diloco.node_pending import all_zero, merge_held
+from speedtronic_callbacks.diloco.fragments import FragmentPlan
+from speedtronic_callbacks.diloco.master import MasterLoop, RoundReport
+from speedtronic_callbacks.diloco.model_layout import ModelLayout
+from speedtronic_callbacks.diloco.node_jobs import NodeJobs
+from speedtronic_callbacks.diloco.node_messages import GlobalCandidate, NodeStats
+from speedtronic_callbacks.diloco.node_pending import PendingWork, all_zero, merge_held
 from speedtronic_callbacks.diloco.wire import (
     global_tensors,
 )
 
+if TYPE_CHECKING:
+    from speedtronic_callbacks.diloco.node import NodeSettings
+
 logger = logging.getLogger("speedtronic.diloco")
 
 
-class LaneResults(BackgroundJobs):
-    """The results-and-scheduling part of ``DiLoCoNode``."""
+class LaneResults:
+    """What a node takes in from its lanes and what it asks of them next, on the training
+    thread: confirmed or failed uploads, the newest global offered (``candidate``, taken
+    by the install), master rounds, the resume hand-shake (``startup_done``), and when
+    the next poll or master round is due (``schedule``)."""
 
-    def _drain(self) -> None:
-        for result in self._uploads.drain():
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: ModelLayout,
+        settings: NodeSettings,
+        plan: FragmentPlan,
+        master: MasterLoop | None,
+        jobs: NodeJobs,
+        unsent: PendingWork,
+        stats: NodeStats,
+        clock: Callable[[], float],
+        publish: Callable[[str, Mapping[str, object]], None],
+    ) -> None:
+        self.model = model
+        self.layout = layout
+        self.settings = settings
+        self.plan = plan
+        self.master = master
+        self.jobs = jobs
+        self.unsent = unsent
+        self.stats = stats
+        self._clock = clock
+        self._publish = publish
+        self.candidate: GlobalCandidate | None = None
+        """The newest global offered and not installed yet."""
+        self.startup_done = True
+        """Whether the hub answered what this node sent after its checkpoint (``resume``)."""
+        self.checkpoint_step: int | None = None
+        self._foreign_logged = False
+        self._last_step = 0
+        self._last_poll = -pymath.inf
+        self._last_round = -pymath.inf
+
+    @property
+    def acts_as_master(self) -> bool:
+        return self.master is not None and self.master.halted is None
+
+    def resume(self, checkpoint_step: int) -> None:
+        """A checkpoint at ``checkpoint_step`` was restored: ask the hub what this node sent
+        after it before sending anything (``_finish_startup``)."""
+        self.checkpoint_step = checkpoint_step
+        self.startup_done = False
+
+    def take_candidate(self) -> GlobalCandidate | None:
+        candidate, self.candidate = self.candidate, None
+        return candidate
+
+    def drain(self, last_step: int) -> None:
+        """Take in every result delivered so far (``last_step``: the step trained last)."""
+        self._last_step = last_step
+        for result in self.jobs.uploads.drain():
             if result.error is None:
-                if self.unconfirmed is result.job:
-                    self.unconfirmed = None
+                if self.unsent.unconfirmed is result.job:
+                    self.unsent.unconfirmed = None
                 if result.residual is not None:
-                    self._add_pending(result.residual, result.job.base_outer_step)
+                    self.unsent.add(result.residual, result.job.base_outer_step)
                 self.stats.uploads += 1
                 self.stats.sync_latency_s = result.latency_s
                 self._publish("delta_uploaded", {"step": result.job.local_step})
@@ -40,17 +100,17 @@ class LaneResults(BackgroundJobs):
                 self._publish(
                     "delta_upload_failed", {"step": result.job.local_step, "error": result.error}
                 )
-        for poll in self._polls.drain():
+        for poll in self.jobs.polls.drain():
             if not poll.ok:
                 continue
             if poll.pointer_step is not None:
                 self.stats.hub_outer_step = max(self.stats.hub_outer_step, poll.pointer_step)
-            if poll.sent is not None and not self._startup_done:
+            if poll.sent is not None and not self.startup_done:
                 self._finish_startup(poll.sent)
-            if poll.progress is not None and self._startup_done:
+            if poll.progress is not None and self.startup_done:
                 self._check_own_progress(*poll.progress)
             self._offer(poll.candidate)
-        for event in self._rounds.drain():
+        for event in self.jobs.rounds.drain():
             self._offer(event.candidate)
             if event.report is None:
                 self._last_round = -pymath.inf  # reconciled: the first round may run now
@@ -61,8 +121,8 @@ class LaneResults(BackgroundJobs):
         if candidate is None:
             return
         self.stats.hub_outer_step = max(self.stats.hub_outer_step, candidate.outer_step)
-        if self._candidate is None or candidate.outer_step > self._candidate.outer_step:
-            self._candidate = candidate
+        if self.candidate is None or candidate.outer_step > self.candidate.outer_step:
+            self.candidate = candidate
 
     def _record_round(self, report: RoundReport) -> None:
         stats = self.stats
@@ -85,13 +145,15 @@ class LaneResults(BackgroundJobs):
         """Decide what to do with checkpointed, unsent work once the hub answered what this
         node had sent after its checkpoint (``_sent_after``): nothing -- the checkpointed
         work goes out at the next boundary; something -- that work, and the recomputed
-        progress up to what was sent, is dropped per fragment (``_skip``, ``_drop_sent``)."""
-        held, self._held_pending = self._held_pending, None
+        progress up to what was sent, is dropped per fragment (``PendingWork.skip``,
+        ``PendingWork.drop_sent``)."""
+        unsent = self.unsent
+        held, unsent.held_pending = unsent.held_pending, None
         skip = self._skip_plan(sent)
         if not skip:
             if held is not None:
-                self._add_pending(held, self._held_base, self._held_work)
-            self._startup_done = True
+                unsent.add(held, unsent.held_base, unsent.held_work)
+            self.startup_done = True
             return
         through = max(sent.values())
         logger.info(
@@ -100,28 +162,31 @@ class LaneResults(BackgroundJobs):
             "sent again",
             self.settings.node_id,
             through,
-            self._checkpoint_step,
+            self.checkpoint_step,
         )
-        merged = merge_held(held, self.pending)
+        merged = merge_held(held, unsent.pending)
         pending = None if merged is None else dict(merged)  # a checkpoint may share the old
-        assert self._range_starts is not None  # set by start()
+        assert unsent.range_starts is not None  # set by start()
         for fragment in skip:
             if pending is not None:
                 for key in self.plan.fragments[fragment]:
                     pending[key] = torch.zeros_like(pending[key])
-            self._range_starts[fragment] = self._last_step
+            unsent.range_starts[fragment] = self._last_step
         bases = [
             base
-            for base, part in ((self._held_base, held), (self.pending_base, self.pending))
+            for base, part in (
+                (unsent.held_base, held),
+                (unsent.pending_base, unsent.pending),
+            )
             if part is not None
         ]
-        self.pending = None if pending is None or all_zero(pending) else pending
-        self.pending_base = min(bases, default=self.pending_base)
-        self.pending_work = (0, 0)  # reported with what was sent
-        self._skip, self._skip_work = skip, through
-        self._dispatched_through = max(self._dispatched_through, through)
+        unsent.pending = None if pending is None or all_zero(pending) else pending
+        unsent.pending_base = min(bases, default=unsent.pending_base)
+        unsent.pending_work = (0, 0)  # reported with what was sent
+        unsent.skip, unsent.skip_work = skip, through
+        unsent.dispatched_through = max(unsent.dispatched_through, through)
         self.stats.resyncs += 1
-        self._startup_done = True
+        self.startup_done = True
 
     def _skip_plan(self, sent: Mapping[str, int]) -> dict[int, int]:
         """Per fragment of this node's plan, the local step through which its progress
@@ -138,7 +203,7 @@ class LaneResults(BackgroundJobs):
         second process with the same id, or a holder of the signing secret). Its deltas
         would make the master refuse this node's next ones as overlapping, so the node
         continues under a new incarnation, and says so once."""
-        if incarnation != self.incarnation or step <= self._dispatched_through:
+        if incarnation != self.jobs.incarnation or step <= self.unsent.dispatched_through:
             return
         if not self._foreign_logged:
             logger.error(
@@ -149,33 +214,36 @@ class LaneResults(BackgroundJobs):
                 self.settings.node_id,
                 incarnation,
                 step,
-                self._dispatched_through,
+                self.unsent.dispatched_through,
                 self.settings.node_id,
             )
             self._foreign_logged = True
-        self.incarnation = uuid.uuid4().hex[:12]
+        self.jobs.incarnation = uuid.uuid4().hex[:12]
 
-    def _schedule(self, step: int, boundary: bool) -> None:
+    def schedule(self, step: int, boundary: bool, installed_step: int) -> None:
+        """Submit the poll or master round that is due (a lane still busy: later)."""
         now = self._clock()
         master = self.master
-        if master is not None and self.acts_as_master and not self.master_lane.busy:
+        jobs = self.jobs
+        if master is not None and self.acts_as_master and not jobs.master_lane.busy:
             if now - self._last_round >= self.settings.poll_interval:
                 self._last_round = now
                 if master.reconciled:
-                    self.master_lane.try_submit(self._master_round)
+                    jobs.submit_round()
                 else:
                     initial = global_tensors(self.model.state_dict(), self.layout)
-                    snapshot = {k: v.detach().to("cpu", copy=True) for k, v in initial.items()}
-                    self.master_lane.try_submit(lambda: self._master_reconcile(snapshot))
+                    jobs.submit_reconcile(
+                        {k: v.detach().to("cpu", copy=True) for k, v in initial.items()}
+                    )
         fetch = not self.acts_as_master
-        if not fetch and self._startup_done:
+        if not fetch and self.startup_done:
             return  # a master gets its globals in-process
-        if self.poll_lane.busy or not (
+        if jobs.poll_lane.busy or not (
             boundary or now - self._last_poll >= self.settings.poll_interval
         ):
             return
         self._last_poll = now
-        installed = self.installed_step
+        installed = installed_step
         seen = max(installed, self.stats.hub_outer_step)
-        checkpoint_step = None if self._startup_done else self._checkpoint_step
-        self.poll_lane.try_submit(lambda: self._poll(installed, seen, fetch, checkpoint_step))
+        checkpoint_step = None if self.startup_done else self.checkpoint_step
+        jobs.submit_poll(installed, seen, fetch, checkpoint_step)
