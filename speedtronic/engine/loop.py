@@ -217,8 +217,8 @@ def _one_batch_step(
     step_ctx: StepContext | None = None
     if step_start:
         step_ctx = new_context(StepContext, (step, 1))
-        for hook in step_start:
-            hook(t, step_ctx)
+        for start_hook in step_start:
+            start_hook(t, step_ctx)
     batch = next(s.stream)
     samples, tokens = batch_size_and_tokens(batch)  # before the move: no device sync
     if s.moves_batches:
@@ -228,36 +228,36 @@ def _one_batch_step(
     mb_ctx: MicrobatchContext | None = None
     if mb_start or mb_end:
         mb_ctx = new_context(MicrobatchContext, (step, 0, 1, batch))
-        for hook in mb_start:
-            hook(t, mb_ctx)
+        for mb_start_hook in mb_start:
+            mb_start_hook(t, mb_ctx)
     path = t.forward_path
     output = run_model(path.model, batch) if path.compiled is None else path.forward(batch)
     loss = resolve_loss(output, batch)
     if before_bw or after_bw:
         backward_ctx = new_context(BackwardContext, (step, 0, 1, loss))
-        for hook in before_bw:
-            hook(t, backward_ctx)
+        for before_bw_hook in before_bw:
+            before_bw_hook(t, backward_ctx)
         loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-        for hook in after_bw:
-            hook(t, backward_ctx)
+        for after_bw_hook in after_bw:
+            after_bw_hook(t, backward_ctx)
     else:
         loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     if mb_ctx is not None:
-        for hook in mb_end:
-            hook(t, mb_ctx)
+        for mb_end_hook in mb_end:
+            mb_end_hook(t, mb_ctx)
     optimizer = s.optimizer
     optimizer_ctx: OptimizerStepContext | None = None
     if before_opt:
         optimizer_ctx = new_context(OptimizerStepContext, (step, False, None, loss))
-        for hook in before_opt:
-            hook(t, optimizer_ctx)
+        for before_hook in before_opt:
+            before_hook(t, optimizer_ctx)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if after_opt:
         # No scaler: never skipped, so "after" has the fields of "before": share it.
         after_ctx = optimizer_ctx or new_context(OptimizerStepContext, (step, False, None, loss))
-        for hook in after_opt:
-            hook(t, after_ctx)
+        for after_hook in after_opt:
+            after_hook(t, after_ctx)
     s.step = step
     s.step_loss = loss
     if s.scheduler is not None:
@@ -266,8 +266,8 @@ def _one_batch_step(
         _after_scheduler_step(t, step, after_scheduler, optimizer)
     if coordinate:
         coordinate_ctx = new_context(CoordinateContext, (step,))
-        for hook in coordinate:
-            hook(t, coordinate_ctx)
+        for coordinate_hook in coordinate:
+            coordinate_hook(t, coordinate_ctx)
     if s.requests.resets:
         _maybe_reset_optimizer(t, step)
     evaluated = eval_every != 0 and is_eval_step(step, eval_every, target_step)
@@ -277,12 +277,12 @@ def _one_batch_step(
         _emit_metrics(t, s, step, s.step_loss, None)
     if checkpoint:
         checkpoint_ctx = new_context(CheckpointContext, (step,))
-        for hook in checkpoint:
-            hook(t, checkpoint_ctx)
+        for checkpoint_hook in checkpoint:
+            checkpoint_hook(t, checkpoint_ctx)
     if step_end:
         end_ctx = step_ctx or new_context(StepContext, (step, 1))
-        for hook in step_end:
-            hook(t, end_ctx)
+        for end_hook in step_end:
+            end_hook(t, end_ctx)
 
 
 def _after_scheduler_step(
