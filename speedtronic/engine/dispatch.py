@@ -281,6 +281,9 @@ class CallbackPlan:
                 self._filtered[EVENT_KEYS[event]] = tuple(
                     zip(filters, self._hooks[event], strict=True)
                 )
+        self.filtered = bool(self._filtered)
+        """Some hook has a ``due_when`` filter: without one the due hooks are the same on
+        every step and ``begin_step`` need not be called."""
         # The hooks due in the current step, per event key (``begin_step``); the loop reads
         # it to skip events nobody is due to hear. The full lists until a step begins.
         self._due: dict[EventKey, tuple[BoundHook, ...]] = self._by_key

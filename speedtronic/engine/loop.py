@@ -67,7 +67,8 @@ def run_global_step(t: Trainer, s: TrainingState, step: int) -> bool:
         t.evaluation.every,
     )
     plan = t.plan
-    due = plan.begin_step(step, target_step, metrics_every, eval_every)
+    if plan.filtered:  # without filters every step has the same hooks due: no call
+        plan.begin_step(step, target_step, metrics_every, eval_every)
     k = settings.accumulation_steps
     if k == 1 and s.plain_step and settings.grad_clip is None:
         if plan.step_idle:
@@ -78,6 +79,7 @@ def run_global_step(t: Trainer, s: TrainingState, step: int) -> bool:
         if not settings.auto_micro_batch:
             _one_batch_step(t, s, step, plan.step_hooks, target_step, metrics_every, eval_every)
             return True
+    due = plan.due_hooks
     step_ctx: StepContext | None = None  # shared by step_start and step_end (immutable)
     if start_hooks := due[On.STEP_START]:
         step_ctx = new_context(StepContext, (step, k))
