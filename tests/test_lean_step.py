@@ -3,13 +3,22 @@ trains exactly as the full path with its hook tables does."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
 from sink_helpers import TinyRegressor, make_batches
 
 from speedtronic import Callback, Trainer
-from speedtronic.engine.contexts import StepContext
+from speedtronic.engine.contexts import (
+    BackwardContext,
+    CheckpointContext,
+    CoordinateContext,
+    MicrobatchContext,
+    OptimizerStepContext,
+    SchedulerContext,
+    StepContext,
+)
 from speedtronic.engine.view import TrainerView
 
 TIMING_KEYS = {"steps_per_sec", "samples_per_sec", "tokens_per_sec", "elapsed_s"}
@@ -25,7 +34,9 @@ class OnStepEnd(Callback):
         self.steps.append(ctx.step)
 
 
-def fit(tmp_path: Path, callbacks: list[Callback]) -> tuple[Trainer, list[dict[str, object]]]:
+def fit(
+    tmp_path: Path, callbacks: list[Callback], grad_clip: float | None = None
+) -> tuple[Trainer, list[dict[str, object]]]:
     torch.manual_seed(0)
     model = TinyRegressor()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
@@ -40,6 +51,7 @@ def fit(tmp_path: Path, callbacks: list[Callback]) -> tuple[Trainer, list[dict[s
         max_steps=9,
         metrics_every=2,
         output_dir=tmp_path,
+        grad_clip=grad_clip,
     )
     result = trainer.fit()
     records = [
@@ -64,3 +76,77 @@ def test_the_lean_path_trains_as_the_full_path(tmp_path: Path) -> None:
         full.state.tokens,
     )
     assert lean.optimizer.param_groups[0]["lr"] == full.optimizer.param_groups[0]["lr"]
+
+
+class ContextRecorder(Callback):
+    """Listens to every in-step event and keeps (event, context) with tensors as numbers and
+    the batch as its identity in the data (its first tensor's values)."""
+
+    def __init__(self) -> None:
+        self.trace: list[tuple[str, str, tuple[object, ...]]] = []
+        self.paths: set[str] = set()  # the loop functions that called step_start
+
+    def _add(self, name: str, ctx: tuple[object, ...]) -> None:
+        fields: list[object] = []
+        for value in ctx:
+            if isinstance(value, torch.Tensor):
+                value = value.detach().tolist()
+            elif isinstance(value, tuple) and value and isinstance(value[0], torch.Tensor):
+                value = value[0].tolist()  # the microbatch
+            fields.append(value)
+        self.trace.append((name, type(ctx).__name__, tuple(fields)))
+
+    def on_step_start(self, trainer: TrainerView, ctx: StepContext) -> None:
+        self.paths.add(sys._getframe(1).f_code.co_name)
+        self._add("step_start", ctx)
+
+    def on_microbatch_start(self, trainer: TrainerView, ctx: MicrobatchContext) -> None:
+        self._add("microbatch_start", ctx)
+
+    def on_before_backward(self, trainer: TrainerView, ctx: BackwardContext) -> None:
+        self._add("before_backward", ctx)
+
+    def on_after_backward(self, trainer: TrainerView, ctx: BackwardContext) -> None:
+        self._add("after_backward", ctx)
+
+    def on_microbatch_end(self, trainer: TrainerView, ctx: MicrobatchContext) -> None:
+        self._add("microbatch_end", ctx)
+
+    def on_before_optimizer_step(self, trainer: TrainerView, ctx: OptimizerStepContext) -> None:
+        self._add("before_optimizer_step", ctx._replace(grad_norm=None))
+
+    def on_after_optimizer_step(self, trainer: TrainerView, ctx: OptimizerStepContext) -> None:
+        self._add("after_optimizer_step", ctx._replace(grad_norm=None))
+
+    def on_after_scheduler_step(self, trainer: TrainerView, ctx: SchedulerContext) -> None:
+        self._add("after_scheduler_step", ctx)
+
+    def on_coordinate(self, trainer: TrainerView, ctx: CoordinateContext) -> None:
+        self._add("coordinate", ctx)
+
+    def on_checkpoint(self, trainer: TrainerView, ctx: CheckpointContext) -> None:
+        self._add("checkpoint", ctx)
+
+    def on_step_end(self, trainer: TrainerView, ctx: StepContext) -> None:
+        self._add("step_end", ctx)
+
+
+def test_the_one_batch_path_emits_what_the_k_microbatch_path_emits(tmp_path: Path) -> None:
+    """With hooks due, one plain microbatch takes ``loop._one_batch_step``; a clipping norm
+    too large to clip anything sends the same step through the K-microbatch path (clipping
+    scales the gradients by exactly 1.0). Both emit the same events with the same contexts
+    (the clipping norm aside) and train the same weights."""
+    one, general = ContextRecorder(), ContextRecorder()
+    one_batch, one_records = fit(tmp_path / "one", [one])
+    clipped, general_records = fit(tmp_path / "general", [general], grad_clip=1e30)
+    assert (one.paths, general.paths) == ({"_one_batch_step"}, {"run_global_step"})
+    assert len(one.trace) == 9 * 11 and one.trace[:3] == [
+        ("step_start", "StepContext", (1, 1)),
+        ("microbatch_start", "MicrobatchContext", (1, 0, 1, make_batches(5)[0][0].tolist())),
+        ("before_backward", "BackwardContext", (1, 0, 1, one.trace[2][2][3])),
+    ]
+    assert one.trace == general.trace
+    strip = [{k: v for k, v in r.items() if k != "grad_norm"} for r in general_records]
+    assert one_records == strip
+    for a, b in zip(one_batch.model.parameters(), clipped.model.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -128,6 +128,10 @@ class RunningBand:
     never accumulates. An append allocates nothing beyond the float itself (the deque's
     ring buffer is preallocated in blocks; the count is kept, not measured)."""
 
+    # Slots: an append reads and writes five attributes, each a slot access instead of a
+    # dictionary lookup (the guard runs every step).
+    __slots__ = ("values", "window", "count", "_sum", "_squares", "_since_exact")
+
     def __init__(self, window: int) -> None:
         self.values: deque[float] = deque(maxlen=window)
         self.window = window
@@ -141,18 +145,21 @@ class RunningBand:
 
     def append(self, value: float) -> None:
         values = self.values
-        if self.count == self.window:
+        count = self.count
+        if count == self.window:
             oldest = values[0]
             self._sum += value - oldest
             self._squares += value * value - oldest * oldest
         else:
-            self.count += 1
+            self.count = count = count + 1
             self._sum += value
             self._squares += value * value
         values.append(value)
-        self._since_exact += 1
-        if self._since_exact >= self.count:
+        since_exact = self._since_exact + 1
+        if since_exact >= count:
             self.recompute()
+        else:
+            self._since_exact = since_exact
 
     def extend(self, values: Iterable[float]) -> None:
         self.values.clear()

@@ -16,9 +16,19 @@ import difflib
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeVar
 
 from speedtronic.engine.callback import Callback, RankPolicy
+from speedtronic.engine.contexts import (
+    BackwardContext,
+    CheckpointContext,
+    CoordinateContext,
+    MetricsContext,
+    MicrobatchContext,
+    OptimizerStepContext,
+    SchedulerContext,
+    StepContext,
+)
 from speedtronic.engine.events import EVENT_KEYS, FIT_EVENTS, Event, EventKey, EventSpec
 from speedtronic.engine.filters import StepFilter
 from speedtronic.user_warnings import warn_at_failure
@@ -60,8 +70,30 @@ _STEP_HOOK_KEYS: tuple[EventKey, ...] = tuple(
 events go through ``emit``, on the steps that have them)."""
 
 
-def _idle(table: dict[EventKey, tuple[_BoundHook, ...]]) -> bool:
-    return not any(table[key] for key in _STEP_HOOK_KEYS)
+class StepHooks(NamedTuple):
+    """The hooks due in the current step of each in-step event (``_STEP_HOOK_KEYS``, in
+    order), typed by the event's context: the loop unpacks the whole step's hooks into
+    locals at once instead of looking each event up in the ``HookTable``."""
+
+    step_start: EventHooks[StepContext]
+    microbatch_start: EventHooks[MicrobatchContext]
+    before_backward: EventHooks[BackwardContext]
+    after_backward: EventHooks[BackwardContext]
+    microbatch_end: EventHooks[MicrobatchContext]
+    before_optimizer_step: EventHooks[OptimizerStepContext]
+    after_optimizer_step: EventHooks[OptimizerStepContext]
+    after_scheduler_step: EventHooks[SchedulerContext]
+    coordinate: EventHooks[CoordinateContext]
+    metrics: EventHooks[MetricsContext]
+    checkpoint: EventHooks[CheckpointContext]
+    step_end: EventHooks[StepContext]
+
+
+assert StepHooks._fields == tuple(key.event.value for key in _STEP_HOOK_KEYS), "one per key"
+
+
+def _step_hooks(table: dict[EventKey, tuple[_BoundHook, ...]]) -> StepHooks:
+    return StepHooks(*(table[key] for key in _STEP_HOOK_KEYS))
 
 
 class CallbackWarning(UserWarning):
@@ -249,6 +281,9 @@ class CallbackPlan:
                 self._filtered[EVENT_KEYS[event]] = tuple(
                     zip(filters, self._hooks[event], strict=True)
                 )
+        self.filtered = bool(self._filtered)
+        """Some hook has a ``due_when`` filter: without one the due hooks are the same on
+        every step and ``begin_step`` need not be called."""
         # The hooks due in the current step, per event key (``begin_step``); the loop reads
         # it to skip events nobody is due to hear. The full lists until a step begins.
         self._due: dict[EventKey, tuple[_BoundHook, ...]] = self._by_key
@@ -257,10 +292,14 @@ class CallbackPlan:
         self._quiet_hooks: dict[EventKey, tuple[_BoundHook, ...]] = dict(self._by_key)
         for key, entries in self._filtered.items():
             self._quiet_hooks[key] = tuple(hook for when, hook in entries if when is None)
-        self._quiet_from = self._quiet_until = self._quiet_target = self._quiet_every = 0
-        self._quiet_eval_every = 0
-        self._quiet_idle = _idle(self._quiet_hooks)
-        self.step_idle = _idle(self._by_key)
+        self._quiet_from = self._quiet_until = 0
+        self._quiet_for = (0, 0, 0)  # (target, metrics cadence, evaluation cadence)
+        self._quiet_step_hooks = _step_hooks(self._quiet_hooks)
+        self._quiet_idle = not any(self._quiet_step_hooks)
+        self.step_hooks = _step_hooks(self._by_key)
+        """The in-step events' hooks due in the current step (``begin_step``), as the loop
+        unpacks them."""
+        self.step_idle = not any(self.step_hooks)
         """No hook of an in-step event (``_STEP_HOOK_KEYS``) is due in the current step
         (``begin_step``): the loop then runs the step without consulting the table."""
 
@@ -292,12 +331,12 @@ class CallbackPlan:
             return self._due
         if (
             self._quiet_from <= step < self._quiet_until
-            and target_step == self._quiet_target
-            and metrics_every == self._quiet_every
-            and eval_every == self._quiet_eval_every
+            and (target_step, metrics_every, eval_every) == self._quiet_for
         ):
-            self.step_idle = self._quiet_idle
-            self._due = self._quiet_hooks
+            if self._due is not self._quiet_hooks:  # a step with filtered hooks due came between
+                self.step_idle = self._quiet_idle
+                self.step_hooks = self._quiet_step_hooks
+                self._due = self._quiet_hooks
             return self._due
         next_due = min(
             (
@@ -312,9 +351,9 @@ class CallbackPlan:
         )
         if next_due is None or next_due > step:
             self._quiet_from, self._quiet_until = step, next_due or sys.maxsize
-            self._quiet_target, self._quiet_every = target_step, metrics_every
-            self._quiet_eval_every = eval_every
+            self._quiet_for = (target_step, metrics_every, eval_every)
             self.step_idle = self._quiet_idle
+            self.step_hooks = self._quiet_step_hooks
             self._due = self._quiet_hooks
             return self._due
         current = dict(self._by_key)
@@ -324,7 +363,8 @@ class CallbackPlan:
                 for when, hook in entries
                 if when is None or when.due(step, target_step, metrics_every, eval_every)
             )
-        self.step_idle = _idle(current)
+        self.step_hooks = _step_hooks(current)
+        self.step_idle = not any(self.step_hooks)
         self._due = current
         return current
 

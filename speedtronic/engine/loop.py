@@ -46,7 +46,7 @@ from speedtronic.engine.metrics import MetricRecord
 from speedtronic.systems.sharding import global_grad_norm
 
 if TYPE_CHECKING:
-    from speedtronic.engine.dispatch import EventHooks, HookTable
+    from speedtronic.engine.dispatch import EventHooks, HookTable, StepHooks
     from speedtronic.engine.forward_path import ForwardPath
     from speedtronic.engine.state import TrainingState
     from speedtronic.engine.trainer import Trainer
@@ -67,11 +67,19 @@ def run_global_step(t: Trainer, s: TrainingState, step: int) -> bool:
         t.evaluation.every,
     )
     plan = t.plan
-    due = plan.begin_step(step, target_step, metrics_every, eval_every)
+    if plan.filtered:  # without filters every step has the same hooks due: no call
+        plan.begin_step(step, target_step, metrics_every, eval_every)
     k = settings.accumulation_steps
-    if plan.step_idle and k == 1 and s.plain_step and settings.grad_clip is None:
-        _lean_step(t, s, step, target_step, metrics_every, eval_every)
-        return True
+    if k == 1 and s.plain_step and settings.grad_clip is None:
+        if plan.step_idle:
+            _lean_step(t, s, step, target_step, metrics_every, eval_every)
+            return True
+        # ``micro_batch_size: auto`` recognises an out-of-memory error by the frame of
+        # ``_accumulate_microbatches`` (``oom_retry``): its steps stay on that path.
+        if not settings.auto_micro_batch:
+            _one_batch_step(t, s, step, plan.step_hooks, target_step, metrics_every, eval_every)
+            return True
+    due = plan.due_hooks
     step_ctx: StepContext | None = None  # shared by step_start and step_end (immutable)
     if start_hooks := due[On.STEP_START]:
         step_ctx = new_context(StepContext, (step, k))
@@ -115,16 +123,7 @@ def run_global_step(t: Trainer, s: TrainingState, step: int) -> bool:
     if s.scheduler is not None:
         s.scheduler.step()
     if scheduler_hooks := due[On.AFTER_SCHEDULER_STEP]:
-        groups = optimizer.param_groups
-        # One group is the common case: a list comprehension costs a function call.
-        lrs = (
-            (float(groups[0]["lr"]),)
-            if len(groups) == 1
-            else tuple([float(group["lr"]) for group in groups])
-        )
-        scheduler_ctx = new_context(SchedulerContext, (step, lrs))
-        for scheduler_hook in scheduler_hooks:
-            scheduler_hook(t, scheduler_ctx)
+        _after_scheduler_step(t, step, scheduler_hooks, optimizer)
 
     if coordinate_hooks := due[On.COORDINATE]:
         coordinate_ctx = new_context(CoordinateContext, (step,))
@@ -162,7 +161,7 @@ def _lean_step(
     bookkeeping: the loop's own cost on a run without per-step callbacks."""
     batch = next(s.stream)
     samples, tokens = batch_size_and_tokens(batch)  # before the move: no device sync
-    if s.device.type != "cpu":
+    if s.moves_batches:
         batch = move_to_device(batch, s.device)
     s.samples += samples
     s.tokens += tokens
@@ -187,6 +186,126 @@ def _lean_step(
         _emit_metrics(t, s, step, s.step_loss, None)
 
 
+def _one_batch_step(
+    t: Trainer,
+    s: TrainingState,
+    step: int,
+    hooks: StepHooks,
+    target_step: int,
+    metrics_every: int,
+    eval_every: int,
+) -> None:
+    """``run_global_step`` for a step of one plain microbatch on one rank with a plain
+    update (as ``_lean_step``) on which hooks are due: the same events with the same
+    contexts in the same order as the K-microbatch path, without its bookkeeping (the loss
+    divisors, the list of losses, the gradient-sync context, the scaler and clipping
+    branches). The step's hooks come unpacked from ``CallbackPlan.step_hooks``, one tuple
+    for all events; each listened event's context is built once and shared by its hooks
+    (and by the event that closes it: step, microbatch, optimizer step)."""
+    (
+        step_start,
+        mb_start,
+        before_bw,
+        after_bw,
+        mb_end,
+        before_opt,
+        after_opt,
+        after_scheduler,
+        coordinate,
+        metrics,
+        checkpoint,
+        step_end,
+    ) = hooks
+    step_ctx: StepContext | None = None
+    if step_start:
+        step_ctx = new_context(StepContext, (step, 1))
+        for start_hook in step_start:
+            start_hook(t, step_ctx)
+    batch = next(s.stream)
+    samples, tokens = batch_size_and_tokens(batch)  # before the move: no device sync
+    if s.moves_batches:
+        batch = move_to_device(batch, s.device)
+    s.samples += samples
+    s.tokens += tokens
+    mb_ctx: MicrobatchContext | None = None
+    if mb_start or mb_end:
+        mb_ctx = new_context(MicrobatchContext, (step, 0, 1, batch))
+        for mb_start_hook in mb_start:
+            mb_start_hook(t, mb_ctx)
+    path = t.forward_path
+    output = run_model(path.model, batch) if path.compiled is None else path.forward(batch)
+    loss = resolve_loss(output, batch)
+    if before_bw or after_bw:
+        backward_ctx = new_context(BackwardContext, (step, 0, 1, loss))
+        for before_bw_hook in before_bw:
+            before_bw_hook(t, backward_ctx)
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        for after_bw_hook in after_bw:
+            after_bw_hook(t, backward_ctx)
+    else:
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+    if mb_ctx is not None:
+        for mb_end_hook in mb_end:
+            mb_end_hook(t, mb_ctx)
+    optimizer = s.optimizer
+    optimizer_ctx: OptimizerStepContext | None = None
+    if before_opt:
+        optimizer_ctx = new_context(OptimizerStepContext, (step, False, None, loss))
+        for before_hook in before_opt:
+            before_hook(t, optimizer_ctx)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if after_opt:
+        # No scaler: never skipped, so "after" has the fields of "before": share it.
+        after_ctx = optimizer_ctx or new_context(OptimizerStepContext, (step, False, None, loss))
+        for after_hook in after_opt:
+            after_hook(t, after_ctx)
+    s.step = step
+    s.step_loss = loss
+    if s.scheduler is not None:
+        s.scheduler.step()
+    if after_scheduler:
+        _after_scheduler_step(t, step, after_scheduler, optimizer)
+    if coordinate:
+        coordinate_ctx = new_context(CoordinateContext, (step,))
+        for coordinate_hook in coordinate:
+            coordinate_hook(t, coordinate_ctx)
+    if s.requests.resets:
+        _maybe_reset_optimizer(t, step)
+    evaluated = eval_every != 0 and is_eval_step(step, eval_every, target_step)
+    if evaluated:
+        run_step_evaluation(t, step)  # eval_start, the pass, eval_end
+    if metrics or evaluated or step % metrics_every == 0 or step == target_step:
+        _emit_metrics(t, s, step, s.step_loss, None)
+    if checkpoint:
+        checkpoint_ctx = new_context(CheckpointContext, (step,))
+        for checkpoint_hook in checkpoint:
+            checkpoint_hook(t, checkpoint_ctx)
+    if step_end:
+        end_ctx = step_ctx or new_context(StepContext, (step, 1))
+        for end_hook in step_end:
+            end_hook(t, end_ctx)
+
+
+def _after_scheduler_step(
+    t: Trainer,
+    step: int,
+    hooks: EventHooks[SchedulerContext],
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    """``after_scheduler_step`` with each param group's learning rate."""
+    groups = optimizer.param_groups
+    # One group is the common case: a list comprehension costs a function call.
+    lrs = (
+        (float(groups[0]["lr"]),)
+        if len(groups) == 1
+        else tuple([float(group["lr"]) for group in groups])
+    )
+    scheduler_ctx = new_context(SchedulerContext, (step, lrs))
+    for hook in hooks:
+        hook(t, scheduler_ctx)
+
+
 def _accumulate_microbatches(
     t: Trainer, s: TrainingState, due: HookTable, step: int, k: int
 ) -> torch.Tensor:
@@ -200,7 +319,7 @@ def _accumulate_microbatches(
     before_bw, after_bw = due[On.BEFORE_BACKWARD], due[On.AFTER_BACKWARD]
     stream, device, path, scaler = s.stream, s.device, t.forward_path, s.scaler
     # On the CPU there is nowhere to move a batch to: skip walking it tensor by tensor.
-    moves = device.type != "cpu"
+    moves = s.moves_batches
     batches: list[object] | None = None
     weights: StepWeights | None = None
     if k > 1 or path.gradient_ranks > 1:  # one microbatch on one rank: its mean is the step's

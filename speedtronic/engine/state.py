@@ -136,6 +136,9 @@ class TrainingState:
     """This fit's step needs no grad scaler, no gradient-rank bookkeeping and no context
     around the forward pass (set at fit start): with K = 1, no clipping and no hook due, the
     loop takes its lean path (``loop._lean_step``)."""
+    moves_batches: bool = True
+    """Batches go to another device than the CPU they come from (set at fit start: a
+    ``device.type`` read costs more than the check it makes)."""
 
     @property
     def multi_rank(self) -> bool:

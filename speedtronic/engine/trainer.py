@@ -507,6 +507,7 @@ class Trainer:
         self.forward_path.prepare(state.model, state.callbacks)
         path = self.forward_path
         state.plain_step = path.plain and path.gradient_ranks == 1 and state.scaler is None
+        state.moves_batches = state.device.type != "cpu"
         state.optimizer.zero_grad(set_to_none=True)
         state.step_loss = None
         error: BaseException | None = None
