@@ -3,12 +3,13 @@
 ``fit`` emits ``setup -> fit_start -> [global steps] -> fit_end -> teardown`` (on error
 ``exception`` then ``teardown``); each global step is ``loop.run_global_step``.
 
-The Trainer is built from resolved values: the model, the optimizer and the data, the
-callbacks, a ``TrainerSettings`` (``speedtronic.engine.settings``) and an ``Evaluation``. It
-knows no config and no 2.0 argument; ``speedtronic.Trainer`` (``speedtronic.compat.trainer``)
-is this class behind the flat keywords users write (``Trainer(model, opt, data,
-metrics_every=10)``) and 2.0's ``config=``, ``logger=``, ``coordinator=`` and
-``checkpoint_manager=``.
+This class is ``speedtronic.Trainer``. It runs on resolved values: the model, the optimizer
+and the data, the callbacks, a ``TrainerSettings`` (``speedtronic.engine.settings``) and an
+``Evaluation``; the keywords users write (``Trainer(model, opt, data, metrics_every=10)``)
+replace values of the settings (``speedtronic.engine.keywords``). It knows no config: the run's
+config is held as an object that turns itself into plain data (``config``), for checkpoints
+and sinks. 2.0's constructor arguments and members live in ``speedtronic.compat``, reached
+through ``speedtronic.engine.compat_route`` only when they are used.
 
 Its parts: ``state`` (``speedtronic.engine.state.TrainingState``: model, optimizer,
 scheduler, scaler, data stream, callbacks, counters, requests -- what the loop changes and a
@@ -34,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from operator import attrgetter
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Generic, TypeVar, overload
+from typing import TYPE_CHECKING, Generic, Self, TypeVar, Unpack, cast, overload
 
 import torch
 from torch import nn
@@ -48,6 +49,7 @@ from speedtronic.engine.batch_layout import (
     resume_layout,
 )
 from speedtronic.engine.callback import Callback
+from speedtronic.engine.compat_route import V2_KEYWORDS, V2_MEMBERS, v2_layer
 from speedtronic.engine.contexts import (
     ExceptionContext,
     FitContext,
@@ -58,12 +60,13 @@ from speedtronic.engine.dispatch import CallbackPlan, HookFailure, attach_failur
 from speedtronic.engine.evaluation import EvalOutcome, Evaluation, EvaluationError, evaluate_state
 from speedtronic.engine.events import On
 from speedtronic.engine.forward_path import ForwardPath
+from speedtronic.engine.keywords import TrainerKeywords, resolve_evaluation, resolve_settings
 from speedtronic.engine.loop import run_global_step
 from speedtronic.engine.notes import Notes
 from speedtronic.engine.oom_retry import OomRecovery, auto_resume_layout
 from speedtronic.engine.rank_metrics import RankMetricReducer
 from speedtronic.engine.result import TrainResult
-from speedtronic.engine.settings import TrainerSettings
+from speedtronic.engine.settings import RunConfigSource, TrainerSettings
 from speedtronic.engine.state import FitClock, LRScheduler, TrainingState
 from speedtronic.engine.stop_watch import STOP_GRACE_S, StopWatch
 from speedtronic.state.training_state import STATE_FORMAT_VERSION as STATE_FORMAT_VERSION
@@ -80,6 +83,7 @@ from speedtronic.systems.distributed import (
     reduce_run_totals,
 )
 from speedtronic.systems.precision import PrecisionPlan, make_grad_scaler, resolve_precision
+from speedtronic.systems.shapes import ShapeReport
 from speedtronic.systems.sharding import find_shard_blocks
 from speedtronic.user_warnings import warn
 
@@ -239,14 +243,27 @@ class Trainer:
     ``data`` is any iterable of batches (a ``DataLoader``, a list); it is re-iterated
     forever and its position is part of the training state, so resume is exact.
     ``max_steps`` is an absolute target: a resumed trainer continues up to it.
-    ``settings.max_epochs`` also ends the fit when the data stream would start that epoch; a
-    global step the last epoch cannot fill is not taken. ``run_config`` is the run's config
-    as plain data, secrets redacted (checkpoints record it; sinks log it).
-    ``stop_grace_s`` bounds how long a requested stop waits for a batch that does not come
-    (``speedtronic.engine.stop_watch``; set it on an instance or on the class).
+    ``max_epochs`` also ends the fit when the data stream would start that epoch; a global
+    step the last epoch cannot fill is not taken. The other keywords (``device``,
+    ``precision``, ``accumulation_steps``, ``grad_clip``, ``compile``, ``metrics_every``,
+    ``allow_optimizer_reset``, ``output_dir``, ``parallel``) replace values of ``settings``;
+    ``eval_data``, ``eval_every`` and ``eval_max_batches`` describe the ``evaluation``.
+    ``run_config`` is the run's config as plain data, secrets redacted (checkpoints record
+    it; sinks log it), or set ``config``. ``stop_grace_s`` bounds how long a requested stop
+    waits for a batch that does not come (``speedtronic.engine.stop_watch``; set it on an
+    instance or on the class).
     """
 
     stop_grace_s: float = STOP_GRACE_S
+    shape_report: ShapeReport | None = None
+    """The run's startup shape check (``validate_startup_shapes``), where the runtime made one."""
+
+    def __new__(cls, *args: object, **keywords: object) -> Self:
+        """Given one of 2.0's constructor arguments, ``Trainer(...)`` is 2.0's trainer (a
+        subclass, ``speedtronic.engine.compat_route``); its ``__init__`` then runs once."""
+        if cls is Trainer and not V2_KEYWORDS.isdisjoint(keywords):
+            return cast("Self", object.__new__(v2_layer().trainer_class))
+        return object.__new__(cls)
 
     def __init__(
         self,
@@ -258,13 +275,18 @@ class Trainer:
         max_steps: int | None = None,
         start_step: int = 0,
         scheduler: LRScheduler | None = None,
-        settings: TrainerSettings = TrainerSettings(),
+        settings: TrainerSettings | None = None,
         evaluation: Evaluation | None = None,
         distributed: DistributedContext | None = None,
         run_config: Mapping[str, object] | None = None,
+        **keywords: Unpack[TrainerKeywords],
     ) -> None:
-        self.settings = settings
-        self.evaluation = evaluation or Evaluation()
+        if not V2_KEYWORDS.isdisjoint(keywords):
+            name = min(V2_KEYWORDS.intersection(keywords))
+            raise TypeError(f"{name}= is 2.0's, taken by speedtronic.Trainer, not by a subclass")
+        self.settings = settings = resolve_settings(settings, distributed, keywords)
+        self.evaluation = resolve_evaluation(evaluation, keywords)
+        self._config: RunConfigSource | None = None
         self.max_steps = max_steps
         """The target ``fit()`` trains up to when it is given none."""
         self._notes = Notes()
@@ -465,6 +487,25 @@ class Trainer:
     @property
     def uses_grad_scaler(self) -> bool:
         return self.state.scaler is not None
+
+    @property
+    def config(self) -> RunConfigSource | None:
+        """The run's config (the runtime's ``SpeedtronicConfig``), else ``None``. Setting one
+        also sets what checkpoints and sinks record as the run's config (``run_config``)."""
+        return self._config
+
+    @config.setter
+    def config(self, config: RunConfigSource | None) -> None:
+        self._config = config
+        self.state.run_config = config.to_dict(redact_secrets=True) if config is not None else None
+
+    if not TYPE_CHECKING:  # type checkers flag any other unknown member
+
+        def __getattr__(self, name: str) -> object:
+            """2.0's members (``compat_route.V2_MEMBERS``), from the 2.0 layer."""
+            if name in V2_MEMBERS:
+                return v2_layer().member(self, name)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def run_config(self) -> Mapping[str, object] | None:
