@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def parts() -> tuple[nn.Module, torch.optim.Optimizer, list[tuple[torch.Tensor, ...]]]:
     torch.manual_seed(0)
     model = nn.Linear(2, 1)
-    batches = [(torch.randn(4, 2),) for _ in range(3)]
+    batches: list[tuple[torch.Tensor, ...]] = [(torch.randn(4, 2),) for _ in range(3)]
     return model, torch.optim.SGD(model.parameters(), lr=0.1), batches
 
 
@@ -114,7 +114,7 @@ def test_a_bad_parallel_keyword_is_named(parallel: dict[str, object], message: s
 def test_a_misspelt_keyword_or_member_is_an_error_as_on_any_class() -> None:
     model, optimizer, data = parts()
     with pytest.raises(TypeError, match="unexpected keyword argument 'metrics_evry'"):
-        Trainer(model, optimizer, data, metrics_evry=3)  # type: ignore[call-arg]
+        Trainer(model, optimizer, data, metrics_evry=3)  # type: ignore[call-overload]
     trainer = Trainer(model, optimizer, data)
     with pytest.raises(AttributeError, match="has no attribute 'loger'"):
         trainer.loger  # type: ignore[attr-defined]  # noqa: B018
@@ -138,7 +138,7 @@ def test_a_2_0_argument_builds_the_2_0_trainer_once() -> None:
         pass
 
     with pytest.raises(TypeError, match="logger= is 2.0's"):
-        Mine(model, optimizer, data, logger=logger)  # type: ignore[call-arg]
+        Mine(model, optimizer, data, logger=logger)
 
 
 def test_2_0_members_of_a_trainer_built_without_2_0_arguments(tmp_path: Path) -> None:

@@ -1,5 +1,9 @@
 """The keywords ``Trainer(model, optimizer, data, ...)`` takes beside its parts, resolved.
 
+Calling the Trainer class resolves them (its metaclass, ``TrainerType``); its ``__init__``
+then runs on resolved values only (``settings=``, ``evaluation=``). Given one of 2.0's
+arguments (``compat_route.V2_KEYWORDS``), the call builds 2.0's trainer instead.
+
 A user writes ``Trainer(model, opt, data, metrics_every=10, grad_clip=1.0, eval_data=held_out)``
 as a Lightning user would; the Trainer itself runs on a ``TrainerSettings`` and an
 ``Evaluation``. This module turns the one into the other: a keyword given replaces the value
@@ -17,6 +21,7 @@ from typing import TypedDict, cast, get_args
 
 import torch
 
+from speedtronic.engine.compat_route import V2_KEYWORDS, v2_layer
 from speedtronic.engine.evaluation import Evaluation, check_eval_settings
 from speedtronic.engine.settings import ParallelStrategy, TrainerSettings
 from speedtronic.systems.distributed import DistributedContext
@@ -25,6 +30,7 @@ from speedtronic.systems.precision import PrecisionPlan, resolve_device
 __all__ = [
     "SettingKeywords",
     "TrainerKeywords",
+    "TrainerType",
     "V2Keywords",
     "parallel_fields",
     "resolve_evaluation",
@@ -67,7 +73,8 @@ class TrainerKeywords(SettingKeywords, V2Keywords, total=False):
 
 
 _EVALUATION = ("eval_data", "eval_every", "eval_max_batches")
-_SETTINGS = frozenset(SettingKeywords.__annotations__) - set(_EVALUATION)
+_KEYWORDS = frozenset(SettingKeywords.__annotations__)
+_SETTINGS = _KEYWORDS - set(_EVALUATION)
 _COERCED: dict[str, type] = {
     "accumulation_steps": int,
     "metrics_every": int,
@@ -83,10 +90,7 @@ def resolve_settings(
     keywords: Mapping[str, object],
 ) -> TrainerSettings:
     """``settings`` (default: a distributed run's device, else the CPU) with the setting
-    ``keywords`` given in place of its values. ``TypeError`` for a keyword no Trainer takes."""
-    unknown = sorted(set(keywords) - _SETTINGS - set(_EVALUATION))
-    if unknown:
-        raise TypeError(f"Trainer() got an unexpected keyword argument {unknown[0]!r}")
+    ``keywords`` given in place of its values (other keywords are not read)."""
     if settings is None:
         device = distributed.device if distributed is not None else torch.device("cpu")
         settings = TrainerSettings(device=device)
@@ -143,3 +147,27 @@ def parallel_fields(parallel: Mapping[str, object] | object) -> tuple[ParallelSt
     if isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1:
         raise ValueError(f"parallel.tensor must be a positive integer, got {tensor!r}")
     return cast("ParallelStrategy", strategy), reshard, tensor
+
+
+class TrainerType(type):
+    """The Trainer's metaclass: calling a Trainer class whose ``__init__`` is the engine's
+    resolves the keywords into ``settings=`` and ``evaluation=`` first, and builds 2.0's
+    trainer when given 2.0's arguments. A subclass with an ``__init__`` of its own is called
+    as any class is (2.0's trainer takes its keywords itself)."""
+
+    def __call__(cls, *args: object, **keywords: object) -> object:
+        engine = next(kind for kind in reversed(cls.__mro__) if isinstance(kind, TrainerType))
+        if cls.__init__ is engine.__init__:  # type: ignore[misc]  # compared, not called
+            v2 = sorted(V2_KEYWORDS.intersection(keywords))
+            if v2 and cls is engine:
+                return v2_layer().trainer_class(*args, **keywords)
+            if v2:
+                raise TypeError(f"{v2[0]}= is 2.0's, taken by speedtronic.Trainer itself only")
+            given = {name: keywords.pop(name) for name in _KEYWORDS.intersection(keywords)}
+            if given:
+                distributed = cast("DistributedContext | None", keywords.get("distributed"))
+                settings = cast("TrainerSettings | None", keywords.get("settings"))
+                evaluation = cast("Evaluation | None", keywords.get("evaluation"))
+                keywords["settings"] = resolve_settings(settings, distributed, given)
+                keywords["evaluation"] = resolve_evaluation(evaluation, given)
+        return super().__call__(*args, **keywords)

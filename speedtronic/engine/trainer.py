@@ -27,15 +27,12 @@ step.
 
 from __future__ import annotations
 
-import copy
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from operator import attrgetter
-from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Generic, Self, TypeVar, Unpack, cast, overload
+from typing import TYPE_CHECKING, TypeVar, Unpack, overload
 
 import torch
 from torch import nn
@@ -49,7 +46,6 @@ from speedtronic.engine.batch_layout import (
     resume_layout,
 )
 from speedtronic.engine.callback import Callback
-from speedtronic.engine.compat_route import V2_KEYWORDS, V2_MEMBERS, v2_layer
 from speedtronic.engine.contexts import (
     ExceptionContext,
     FitContext,
@@ -60,13 +56,14 @@ from speedtronic.engine.dispatch import CallbackPlan, HookFailure, attach_failur
 from speedtronic.engine.evaluation import EvalOutcome, Evaluation, EvaluationError, evaluate_state
 from speedtronic.engine.events import On
 from speedtronic.engine.forward_path import ForwardPath
-from speedtronic.engine.keywords import TrainerKeywords, resolve_evaluation, resolve_settings
+from speedtronic.engine.keywords import TrainerKeywords, TrainerType, resolve_settings
 from speedtronic.engine.loop import run_global_step
+from speedtronic.engine.members import TrainerMembers
 from speedtronic.engine.notes import Notes
 from speedtronic.engine.oom_retry import OomRecovery, auto_resume_layout
 from speedtronic.engine.rank_metrics import RankMetricReducer
 from speedtronic.engine.result import TrainResult
-from speedtronic.engine.settings import RunConfigSource, TrainerSettings
+from speedtronic.engine.settings import TrainerSettings
 from speedtronic.engine.state import FitClock, LRScheduler, TrainingState
 from speedtronic.engine.stop_watch import STOP_GRACE_S, StopWatch
 from speedtronic.state.training_state import STATE_FORMAT_VERSION as STATE_FORMAT_VERSION
@@ -82,7 +79,7 @@ from speedtronic.systems.distributed import (
     collective_failure,
     reduce_run_totals,
 )
-from speedtronic.systems.precision import PrecisionPlan, make_grad_scaler, resolve_precision
+from speedtronic.systems.precision import make_grad_scaler, resolve_precision
 from speedtronic.systems.shapes import ShapeReport
 from speedtronic.systems.sharding import find_shard_blocks
 from speedtronic.user_warnings import warn
@@ -94,39 +91,6 @@ __all__ = ["LRScheduler", "Trainer", "TrainingStateError"]
 
 _GLOBAL_STEP_CODE = run_global_step.__code__
 T = TypeVar("T")
-
-
-class _Member(Generic[T]):
-    """A Trainer attribute that lives in one of its parts, read and written there:
-    ``step = _Member[int]("state")`` makes ``trainer.step`` ``trainer.state.step``. Plugins
-    and users keep the names they always had; the engine itself uses the parts.
-
-    Hooks read these every step (``trainer.step``), so the class holds a ``property`` whose
-    getter is ``operator.attrgetter`` in its place: a read runs no Python frame (about a
-    third of the cost of this ``__get__``). This class is what mypy sees: the member's type."""
-
-    __slots__ = ("part", "name")
-
-    def __init__(self, part: str, name: str = "") -> None:
-        self.part = part
-        self.name = name
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = self.name or name
-        setattr(owner, name, property(attrgetter(f"{self.part}.{self.name}"), self.__set__))
-
-    @overload
-    def __get__(self, trainer: None, owner: type | None = None) -> _Member[T]: ...
-    @overload
-    def __get__(self, trainer: object, owner: type | None = None) -> T: ...
-    def __get__(self, trainer: object, owner: type | None = None) -> T | _Member[T]:
-        if trainer is None:
-            return self
-        value: T = getattr(getattr(trainer, self.part), self.name)
-        return value
-
-    def __set__(self, trainer: object, value: T) -> None:
-        setattr(getattr(trainer, self.part), self.name, value)
 
 
 def _raise_first(failures: Sequence[HookFailure]) -> None:
@@ -236,7 +200,7 @@ def _ranks_keep_going(state: TrainingState, start_step: int, logging_step: bool)
     return requests.agreed_stop is None
 
 
-class Trainer:
+class Trainer(TrainerMembers, metaclass=TrainerType):
     """Trains ``model`` with ``optimizer`` on batches from ``data`` (the module docstring
     says what it is made of).
 
@@ -258,13 +222,23 @@ class Trainer:
     shape_report: ShapeReport | None = None
     """The run's startup shape check (``validate_startup_shapes``), where the runtime made one."""
 
-    def __new__(cls, *args: object, **keywords: object) -> Self:
-        """Given one of 2.0's constructor arguments, ``Trainer(...)`` is 2.0's trainer (a
-        subclass, ``speedtronic.engine.compat_route``); its ``__init__`` then runs once."""
-        if cls is Trainer and not V2_KEYWORDS.isdisjoint(keywords):
-            return cast("Self", object.__new__(v2_layer().trainer_class))
-        return object.__new__(cls)
-
+    @overload
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data: Iterable[object],
+        *,
+        callbacks: Sequence[Callback] = (),
+        max_steps: int | None = None,
+        start_step: int = 0,
+        scheduler: LRScheduler | None = None,
+        settings: TrainerSettings | None = None,
+        evaluation: Evaluation | None = None,
+        distributed: DistributedContext | None = None,
+        run_config: Mapping[str, object] | None = None,
+    ) -> None: ...
+    @overload
     def __init__(
         self,
         model: nn.Module,
@@ -280,13 +254,24 @@ class Trainer:
         distributed: DistributedContext | None = None,
         run_config: Mapping[str, object] | None = None,
         **keywords: Unpack[TrainerKeywords],
+    ) -> None: ...
+    def __init__(  # type: ignore[misc]  # the keywords form: TrainerType resolves them first
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data: Iterable[object],
+        *,
+        callbacks: Sequence[Callback] = (),
+        max_steps: int | None = None,
+        start_step: int = 0,
+        scheduler: LRScheduler | None = None,
+        settings: TrainerSettings | None = None,
+        evaluation: Evaluation | None = None,
+        distributed: DistributedContext | None = None,
+        run_config: Mapping[str, object] | None = None,
     ) -> None:
-        if not V2_KEYWORDS.isdisjoint(keywords):
-            name = min(V2_KEYWORDS.intersection(keywords))
-            raise TypeError(f"{name}= is 2.0's, taken by speedtronic.Trainer, not by a subclass")
-        self.settings = settings = resolve_settings(settings, distributed, keywords)
-        self.evaluation = resolve_evaluation(evaluation, keywords)
-        self._config: RunConfigSource | None = None
+        self.settings = settings = resolve_settings(settings, distributed, {})
+        self.evaluation = evaluation or Evaluation()
         self.max_steps = max_steps
         """The target ``fit()`` trains up to when it is given none."""
         self._notes = Notes()
@@ -332,37 +317,6 @@ class Trainer:
         events again. Added during a fit, they are called from the next event on."""
         run_callbacks = self.callbacks[: len(self.callbacks) - len(self._engine_callbacks)]
         self.plan = self._plan_for([*run_callbacks, *callbacks, *self._engine_callbacks])
-
-    # -- the members of the training state and the settings, under their usual names ---------
-
-    model = _Member[nn.Module]("state")
-    optimizer = _Member[torch.optim.Optimizer]("state")
-    scheduler = _Member[LRScheduler | None]("state")
-    scaler = _Member[torch.amp.GradScaler | None]("state")
-    stream = _Member[BatchStream[object]]("state")
-    callbacks = _Member[list[Callback]]("state")
-    trainable_parameters = _Member[list[torch.Tensor]]("state")
-    precision = _Member[PrecisionPlan]("state")
-    device = _Member[torch.device]("state")
-    output_dir = _Member[Path]("state")
-    distributed = _Member[DistributedContext | None]("state")
-    multi_rank = _Member[bool]("state")
-    run_id = _Member[str | None]("state")
-    step = _Member[int]("state")
-    samples = _Member[int]("state")
-    tokens = _Member[int]("state")
-    skipped_steps = _Member[int]("state")
-    step_loss = _Member[torch.Tensor | None]("state")
-    target_step = _Member[int]("state")
-    sharded_state = _Member[bool]("state", "sharded")
-    accumulation_steps = _Member[int]("settings")
-    grad_clip = _Member[float | None]("settings")
-    metrics_every = _Member[int]("settings")
-    allow_optimizer_reset = _Member[bool]("settings")
-    parallel_strategy = _Member[str]("settings", "parallel")
-    eval_data = _Member[Iterable[object] | None]("evaluation", "data")
-    eval_every = _Member[int]("evaluation", "every")
-    eval_max_batches = _Member[int | None]("evaluation", "max_batches")
 
     # -- public API used by callbacks ------------------------------------------------
 
@@ -458,68 +412,6 @@ class Trainer:
             f"step {step}: the fp16 grad scaler skipped the update (overflow); retrying the step",
             RuntimeWarning,
         )
-
-    # -- the TrainerView members that are not plain attributes ---------------------------
-
-    @property
-    def notes(self) -> Notes:
-        """The run's board of optional named notes (``speedtronic.engine.notes``)."""
-        return self._notes
-
-    @property
-    def param_groups(self) -> list[dict[str, object]]:
-        """The optimizer's parameter groups."""
-        return self.state.optimizer.param_groups
-
-    def optimizer_state_tensors(self) -> list[torch.Tensor]:
-        """Every tensor in the optimizer's per-parameter state."""
-        return [
-            value
-            for per_param in self.state.optimizer.state.values()
-            for value in per_param.values()
-            if isinstance(value, torch.Tensor)
-        ]
-
-    @property
-    def precision_mode(self) -> str:
-        return self.state.precision.mode
-
-    @property
-    def uses_grad_scaler(self) -> bool:
-        return self.state.scaler is not None
-
-    @property
-    def config(self) -> RunConfigSource | None:
-        """The run's config (the runtime's ``SpeedtronicConfig``), else ``None``. Setting one
-        also sets what checkpoints and sinks record as the run's config (``run_config``)."""
-        return self._config
-
-    @config.setter
-    def config(self, config: RunConfigSource | None) -> None:
-        self._config = config
-        self.state.run_config = config.to_dict(redact_secrets=True) if config is not None else None
-
-    if not TYPE_CHECKING:  # type checkers flag any other unknown member
-
-        def __getattr__(self, name: str) -> object:
-            """2.0's members (``compat_route.V2_MEMBERS``), from the 2.0 layer."""
-            if name in V2_MEMBERS:
-                return v2_layer().member(self, name)
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    @property
-    def run_config(self) -> Mapping[str, object] | None:
-        """The config as plain data, secrets redacted (``None`` without a config); a copy
-        of its own for each reader."""
-        config = self.state.run_config
-        return copy.deepcopy(dict(config)) if config is not None else None
-
-    def data_position(self) -> Mapping[str, int]:
-        return self.state.stream.state_dict()
-
-    def skip_update(self) -> None:
-        """Drop this step's gradients: the optimizer step that follows is a no-op."""
-        self.state.optimizer.zero_grad(set_to_none=True)
 
     # -- forward ---------------------------------------------------------------------
 
