@@ -402,9 +402,8 @@ class MetricLoggerCallback(Callback):
 
 
 def _shape_report_of(trainer: TrainerView) -> object:
-    """The startup shape report the runtime gave the trainer (``None`` without one): the 2.0
-    Trainer's ``shape_report`` member, read by name (this module and ``compat.trainer`` do
-    not import each other)."""
+    """The startup shape report the runtime gave the trainer (``None`` without one): the
+    Trainer's ``shape_report``, read by name (the view does not declare it)."""
     report: object = getattr(trainer, "shape_report", None)
     return report
 
