@@ -66,6 +66,24 @@ class Member(Generic[T]):
         setattr(getattr(trainer, self.part), self.name, value)
 
 
+class _V2Member:
+    """One of 2.0's members (``compat_route.V2_MEMBERS``), from the 2.0 layer at its read.
+    A non-data descriptor rather than a ``__getattr__``: a class with ``__getattr__`` pays a
+    slower lookup on every attribute read, and hooks read the trainer's every step. What the
+    2.0 layer stores on the instance (``trainer.logger`` once built) is read directly."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        assert name in V2_MEMBERS
+        self.name = name
+
+    def __get__(self, trainer: object, owner: type | None = None) -> object:
+        if trainer is None:
+            return self
+        return v2_layer().member(trainer, self.name)
+
+
 class TrainerMembers:
     """The members of a Trainer read from its parts (the module docstring says which)."""
 
@@ -144,13 +162,11 @@ class TrainerMembers:
         self._config = config
         self.state.run_config = config.to_dict(redact_secrets=True) if config is not None else None
 
-    if not TYPE_CHECKING:  # type checkers flag any other unknown member
-
-        def __getattr__(self, name: str) -> object:
-            """2.0's members (``compat_route.V2_MEMBERS``), from the 2.0 layer."""
-            if name in V2_MEMBERS:
-                return v2_layer().member(self, name)
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    if not TYPE_CHECKING:  # 2.0's members: type checkers flag them as any unknown member
+        logger = _V2Member("logger")
+        provide_logger = _V2Member("provide_logger")
+        train = _V2Member("train")
+        resume = _V2Member("resume")
 
     @property
     def run_config(self) -> Mapping[str, object] | None:
