@@ -8,7 +8,9 @@ every kept name is declared for type checkers under ``TYPE_CHECKING`` with the s
 has at run time, in any import order: no public name is also the name of a submodule (a
 submodule, once imported, would replace the package attribute -- hence
 ``speedtronic.models.registry`` holds the ``registry`` instance).
-``tests/test_static_types.py`` checks this.
+``tests/test_static_types.py`` checks this. ``speedtronic.Trainer`` is the engine's Trainer;
+the root installs the loader through which it reaches 2.0's constructor arguments and members
+(``speedtronic.engine.compat_route``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from speedtronic._version import __version__ as __version__
+from speedtronic.engine import compat_route
 
 _EXPORTS: dict[str, str] = {
     # events and callbacks
@@ -27,7 +30,7 @@ _EXPORTS: dict[str, str] = {
     "MetricRecord": "speedtronic.engine.metrics",
     "TrainResult": "speedtronic.engine.result",
     # training
-    "Trainer": "speedtronic.compat.trainer",
+    "Trainer": "speedtronic.engine.trainer",
     "TrainingStateError": "speedtronic.engine.trainer",
     "build_runtime": "speedtronic.runtime",
     "train_from_config": "speedtronic.runtime",
@@ -63,11 +66,21 @@ def __getattr__(name: str) -> object:
     return value
 
 
+def _v2_layer() -> compat_route.V2Layer:
+    """The 2.0 layer's part the Trainer asks for (2.0's arguments and members), loaded now."""
+    layer: compat_route.V2Layer = importlib.import_module("speedtronic.compat.trainer").V2_LAYER
+    return layer
+
+
+# The engine's Trainer reaches 2.0's arguments and members only through this loader: the
+# engine never imports the 2.0 layer, and a run that uses none of 2.0 never loads it.
+compat_route.install(_v2_layer)
+
+
 if TYPE_CHECKING:
     from speedtronic.compat.checkpoint_config import CheckpointConfig as CheckpointConfig
     from speedtronic.compat.coordinator import SyncCoordinator as SyncCoordinator
     from speedtronic.compat.trainer import SpeedtronicTrainer as SpeedtronicTrainer
-    from speedtronic.compat.trainer import Trainer as Trainer
     from speedtronic.compat.trainer import TrainingEngine as TrainingEngine
     from speedtronic.config import Config as Config
     from speedtronic.config import ConfigError as ConfigError
@@ -92,6 +105,7 @@ if TYPE_CHECKING:
     from speedtronic.engine.events import Event as Event
     from speedtronic.engine.metrics import MetricRecord as MetricRecord
     from speedtronic.engine.result import TrainResult as TrainResult
+    from speedtronic.engine.trainer import Trainer as Trainer
     from speedtronic.engine.trainer import TrainingStateError as TrainingStateError
     from speedtronic.engine.view import TrainerView as TrainerView
     from speedtronic.integrations import TensorboardHook as TensorboardHook

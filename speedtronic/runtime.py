@@ -15,18 +15,16 @@ the ``DistributedContext`` (``trainer.distributed``). The group is destroyed by
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch.utils.data import Dataset
-
-from speedtronic.compat.metric_logger import MetricLogger
-from speedtronic.compat.trainer import Trainer
 
 # The names that moved to composition.run_callbacks keep their speedtronic.runtime paths.
 from speedtronic.composition.run_callbacks import ShardsData as ShardsData
@@ -36,6 +34,7 @@ from speedtronic.composition.run_callbacks import callback_specs as callback_spe
 from speedtronic.composition.run_callbacks import data_shard as data_shard
 from speedtronic.composition.run_callbacks import optimizer_section as optimizer_section
 from speedtronic.composition.run_callbacks import resume_source
+from speedtronic.composition.trainer_settings import configured_settings
 from speedtronic.config import ConfigError, ConfigSource, SpeedtronicConfig
 from speedtronic.config.preflight import Preflight, check
 from speedtronic.data import DataSourceError, build_dataloader
@@ -52,7 +51,7 @@ from speedtronic.engine.evaluation import EvalOutcome, HeldOutParts, evaluate_mo
 from speedtronic.engine.mixture_metrics import mixture_metrics
 from speedtronic.engine.result import TrainResult
 from speedtronic.engine.stage_streams import StageStreamCallback
-from speedtronic.engine.trainer import TrainingStateError
+from speedtronic.engine.trainer import Trainer, TrainingStateError
 from speedtronic.evaluation.tasks import MultipleChoiceTask, TaskError, read_task
 from speedtronic.evaluation.text import TextError, run_text
 from speedtronic.models.adapters import has_lora, merge_lora
@@ -98,6 +97,9 @@ from speedtronic.systems.shapes import validate_startup_shapes
 from speedtronic.systems.stage_streams import StageStreamScheduler
 from speedtronic.systems.tensor_parallel import data_parallel_share
 from speedtronic.user_warnings import warn
+
+if TYPE_CHECKING:
+    from speedtronic.compat.metric_logger import build_logger as build_logger
 
 DEFAULT_CHECKPOINT_DIRECTORY = "checkpoints"
 """Where ``--resume`` looks (under the output directory) when no plugin of the run is a
@@ -250,28 +252,32 @@ def build_runtime(
         if source is not None
         else CheckpointManager(output_dir / DEFAULT_CHECKPOINT_DIRECTORY, enabled=False)
     )
+    settings = configured_settings(
+        cfg,
+        device=resolved_device,
+        precision=precision,
+        output_dir=output_dir,
+        distributed=distributed,
+    )
     trainer = Trainer(
         net,
         optimizer,
         loader,
-        device=resolved_device,
-        config=cfg,
         scheduler=scheduler,
-        precision=precision,
         callbacks=callbacks,
         max_steps=target_step,
-        output_dir=output_dir,
-        shape_report=shape_report,
+        settings=settings,
         distributed=distributed,
         eval_data=eval_data,
         eval_every=cfg.eval.every_steps,
         eval_max_batches=cfg.eval.max_batches,
     )
+    # The run's config (what checkpoints and sinks record; 2.0 code's ``trainer.logger`` is
+    # built from its ``logging:`` section at the first read) and its startup shape check.
+    trainer.config = cfg
+    trainer.shape_report = shape_report
     trainer.evaluation.tasks = tasks
     trainer.evaluation.parts = eval_parts(eval_data)
-    # 2.0 code appends hooks to ``trainer.logger``; built at its first read, so a run that
-    # never reads it has no logger callback to run every step.
-    trainer.provide_logger(lambda: build_logger(cfg, outputs=False))
     if cfg.run.stop_grace_s is not None:  # else the Trainer's (class) default
         trainer.stop_grace_s = cfg.run.stop_grace_s
     resuming = resume or resume_other_run or (source is not None and source.resume_requested)
@@ -573,28 +579,6 @@ def _checkpoint_to_evaluate(
     return loaded
 
 
-def build_logger(config: ConfigSource, *, outputs: bool = True) -> MetricLogger:
-    """2.0's ``build_logger``: a ``MetricLogger`` with ``logging.level``, ``logging.file``,
-    ``logging.json_file`` and ``logging.every_steps`` (paths relative to the working
-    directory, as in 2.0), and no hooks.
-
-    ``build_runtime`` gives its trainer one as ``trainer.logger`` (built at the first read,
-    ``Trainer.provide_logger``) so that 2.0 code can append hooks
-    (``trainer.logger.hooks.append(hook)``). That one is built with ``outputs=False``: the
-    console and ``jsonl`` sinks already print the metrics and write ``logging.file`` and
-    ``logging.json_file``, so it only feeds its hooks.
-    """
-    section = as_config(config).logging
-    json_file = section.extensions.get("json_file")
-    return MetricLogger(
-        level=section.level,
-        file=section.file if outputs else None,
-        json_file=json_file if outputs and isinstance(json_file, str) else None,
-        every_steps=section.every_steps,
-        echo=outputs,
-    )
-
-
 def save_run_config(config: SpeedtronicConfig, output_dir: Path) -> Path:
     """Write the resolved, redacted config to ``<output_dir>/config.yaml``."""
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -666,3 +650,12 @@ def _writes_run_files(distributed: DistributedContext | None) -> bool:
 
 run = train_from_config
 train = train_from_config
+
+
+def __getattr__(name: str) -> object:
+    """2.0's ``build_logger`` keeps its ``speedtronic.runtime`` path; it lives in the 2.0
+    layer (``speedtronic.compat.metric_logger``), loaded when asked for."""
+    if name == "build_logger":
+        value: object = importlib.import_module("speedtronic.compat.metric_logger").build_logger
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

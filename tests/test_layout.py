@@ -85,7 +85,7 @@ is the registry instance now (``tests/test_static_types.py``); the DiLoCo names 
 ``speedtronic.distributed`` are checked in ``tests/test_compat_diloco.py``."""
 
 REEXPORTS = {
-    "trainer": "speedtronic.compat.trainer",
+    "trainer": "speedtronic.engine.trainer",
     "model": "speedtronic.models.transformer",
     "precision": "speedtronic.systems.precision",
     "checkpoint": "speedtronic.state.checkpoint",
@@ -246,6 +246,19 @@ def test_import_linter_catches_an_import_up_the_layers(
             "import speedtronic.compat.hooks",
             "the modern path never imports the 2.0 layer",
             "speedtronic.models.summary -> speedtronic.compat.hooks",
+        ),
+        # The runtime builds the engine's Trainer; 2.0's members are the root's loader's.
+        (
+            "runtime.py",
+            "import speedtronic.compat.trainer",
+            "the modern path never imports the 2.0 layer",
+            "speedtronic.runtime -> speedtronic.compat.trainer",
+        ),
+        (
+            "composition/run_callbacks.py",
+            "from speedtronic.compat import metric_logger",
+            "the modern path never imports the 2.0 layer",
+            "speedtronic.composition.run_callbacks -> speedtronic.compat.metric_logger",
         ),
     ],
 )

@@ -39,7 +39,7 @@ from speedtronic.config.declare import Opt, plugin
 from speedtronic.engine.callback import Callback, RankPolicy
 from speedtronic.engine.contexts import FitContext, MetricsContext
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
-from speedtronic.profiling import memory_usage_bytes
+from speedtronic.systems.memory import memory_usage_bytes
 from speedtronic.user_warnings import warn
 
 if TYPE_CHECKING:

@@ -5,10 +5,11 @@
 * ``hooks`` -- ``on_event``
 * ``integrations`` -- ``WandbHook`` and ``TensorboardHook`` for ``MetricLogger(hooks=[...])``
 * ``coordinator`` -- the ``SyncCoordinator`` protocol and its adapter (``Trainer(coordinator=...)``)
-* ``trainer`` -- ``speedtronic.Trainer``: the engine's Trainer behind the flat keywords and
+* ``trainer`` -- 2.0's trainer, the subclass ``speedtronic.Trainer(...)`` builds when given
   2.0's arguments (``config=`` defaults, ``logger=``, ``checkpoint_manager=``,
-  ``coordinator=``), with 2.0's members (``logger``, ``config``, ``shape_report``, ``train``,
-  ``resume``)
+  ``coordinator=``, ``shape_report=``), and 2.0's members of any trainer (``logger``,
+  ``provide_logger``, ``train``, ``resume``), reached through
+  ``speedtronic.engine.compat_route``
 
 The 2.0 import paths (``speedtronic.profiling``, ``speedtronic.hooks``,
 ``speedtronic.integrations``, ``speedtronic.trainer``) and the package re-export these names,

@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, ClassVar, Literal, Protocol, TextIO, runtime_checkable
 
-import torch
-
 from speedtronic.engine.callback import Callback, RankPolicy
 from speedtronic.engine.contexts import (
     ExceptionContext,
@@ -37,8 +35,10 @@ from speedtronic.engine.contexts import (
 )
 from speedtronic.engine.filters import METRICS_ON_LOGGING_STEPS
 from speedtronic.state.append_io import open_to_append
+from speedtronic.systems.memory import memory_usage_bytes as memory_usage_bytes
 
 if TYPE_CHECKING:
+    from speedtronic.config import ConfigSource
     from speedtronic.engine.notes import Notes
     from speedtronic.engine.view import TrainerView
 
@@ -51,6 +51,7 @@ __all__ = [
     "MetricLoggerCallback",
     "Payload",
     "TrainingHook",
+    "build_logger",
     "memory_usage_bytes",
 ]
 
@@ -73,26 +74,6 @@ HookFunction = Callable[[str, Payload], None]
 
 Hook = TrainingHook | HookFunction
 """What ``MetricLogger(hooks=[...])`` accepts."""
-
-
-def memory_usage_bytes(device: torch.device | str | None = None) -> int | None:
-    """Bytes currently allocated by tensors on ``device`` (the default accelerator when
-    ``None``): CUDA allocator counter, MPS current allocation, ``None`` on CPU.
-
-    These are host-side allocator statistics; reading them does not synchronise.
-    """
-    if device is None:
-        if torch.cuda.is_available():
-            return int(torch.cuda.memory_allocated())
-        if torch.backends.mps.is_available():
-            return int(torch.mps.current_allocated_memory())
-        return None
-    resolved = torch.device(device)
-    if resolved.type == "cuda":
-        return int(torch.cuda.memory_allocated(resolved))
-    if resolved.type == "mps":
-        return int(torch.mps.current_allocated_memory())
-    return None
 
 
 def call_hook(hook: Hook, event: str, payload: Payload) -> None:
@@ -421,9 +402,8 @@ class MetricLoggerCallback(Callback):
 
 
 def _shape_report_of(trainer: TrainerView) -> object:
-    """The startup shape report the runtime gave the trainer (``None`` without one): the 2.0
-    Trainer's ``shape_report`` member, read by name (this module and ``compat.trainer`` do
-    not import each other)."""
+    """The startup shape report the runtime gave the trainer (``None`` without one): the
+    Trainer's ``shape_report``, read by name (the view does not declare it)."""
     report: object = getattr(trainer, "shape_report", None)
     return report
 
@@ -434,3 +414,32 @@ def _callbacks_of(trainer: TrainerView) -> Sequence[Callback]:
     from speedtronic.engine.trainer import Trainer
 
     return trainer.callbacks if isinstance(trainer, Trainer) else ()
+
+
+def build_logger(config: ConfigSource, *, outputs: bool = True) -> MetricLogger:
+    """2.0's ``build_logger`` (``speedtronic.runtime.build_logger``): a ``MetricLogger`` with
+    ``logging.level``, ``logging.file``, ``logging.json_file`` and ``logging.every_steps``
+    (paths relative to the working directory, as in 2.0), and no hooks.
+
+    A trainer holding a run config (the runtime's) offers one as ``trainer.logger`` (built at
+    the first read, ``speedtronic.compat.trainer``) so that 2.0 code can append hooks
+    (``trainer.logger.hooks.append(hook)``). That one is built with ``outputs=False``: the
+    console and ``jsonl`` sinks already print the metrics and write ``logging.file`` and
+    ``logging.json_file``, so it only feeds its hooks.
+    """
+    from speedtronic.config import SpeedtronicConfig
+
+    cfg = (
+        config.ensure_valid()
+        if isinstance(config, SpeedtronicConfig)
+        else SpeedtronicConfig.load(config)
+    )
+    section = cfg.logging
+    json_file = section.extensions.get("json_file")
+    return MetricLogger(
+        level=section.level,
+        file=section.file if outputs else None,
+        json_file=json_file if outputs and isinstance(json_file, str) else None,
+        every_steps=section.every_steps,
+        echo=outputs,
+    )

@@ -1,24 +1,33 @@
-"""``TrainerSettings``: how a Trainer runs, every value resolved.
+"""``TrainerSettings``: how a Trainer runs, every value resolved; ``RunConfigSource``: the
+run's config as the Trainer holds it.
 
-The engine's ``Trainer`` takes one of these instead of a keyword per setting, and never a
-config: whatever fills the values in -- the flat keywords of ``speedtronic.Trainer`` and a
-2.0 ``config=``'s sections (``speedtronic.compat.trainer``), or the runtime -- resolves them
-first. The defaults are those of a ``Trainer`` built in Python with no settings at all.
+The Trainer runs on one of these and never reads a config: whatever fills the values in --
+its keywords (``speedtronic.engine.keywords``), a config's sections
+(``speedtronic.composition.trainer_settings``) -- resolves them first. The defaults are those
+of a ``Trainer`` built in Python with no settings at all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
 from speedtronic.systems.precision import PrecisionPlan
 
-__all__ = ["ParallelStrategy", "TrainerSettings"]
+__all__ = ["ParallelStrategy", "RunConfigSource", "TrainerSettings"]
 
 ParallelStrategy = Literal["ddp", "fsdp"]
+
+
+class RunConfigSource(Protocol):
+    """A run's config as ``Trainer.config`` holds it (a ``SpeedtronicConfig``): what
+    checkpoints record and sinks log is its plain data, secrets redacted."""
+
+    def to_dict(self, *, redact_secrets: bool = ...) -> Mapping[str, object]: ...
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,13 @@
 ``fit`` emits ``setup -> fit_start -> [global steps] -> fit_end -> teardown`` (on error
 ``exception`` then ``teardown``); each global step is ``loop.run_global_step``.
 
-The Trainer is built from resolved values: the model, the optimizer and the data, the
-callbacks, a ``TrainerSettings`` (``speedtronic.engine.settings``) and an ``Evaluation``. It
-knows no config and no 2.0 argument; ``speedtronic.Trainer`` (``speedtronic.compat.trainer``)
-is this class behind the flat keywords users write (``Trainer(model, opt, data,
-metrics_every=10)``) and 2.0's ``config=``, ``logger=``, ``coordinator=`` and
-``checkpoint_manager=``.
+This class is ``speedtronic.Trainer``. It runs on resolved values: the model, the optimizer
+and the data, the callbacks, a ``TrainerSettings`` (``speedtronic.engine.settings``) and an
+``Evaluation``; the keywords users write (``Trainer(model, opt, data, metrics_every=10)``)
+replace values of the settings (``speedtronic.engine.keywords``). It knows no config: the run's
+config is held as an object that turns itself into plain data (``config``), for checkpoints
+and sinks. 2.0's constructor arguments and members live in ``speedtronic.compat``, reached
+through ``speedtronic.engine.compat_route`` only when they are used.
 
 Its parts: ``state`` (``speedtronic.engine.state.TrainingState``: model, optimizer,
 scheduler, scaler, data stream, callbacks, counters, requests -- what the loop changes and a
@@ -26,15 +27,12 @@ step.
 
 from __future__ import annotations
 
-import copy
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from operator import attrgetter
-from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Generic, TypeVar, overload
+from typing import TYPE_CHECKING, TypeVar, Unpack, overload
 
 import torch
 from torch import nn
@@ -58,7 +56,9 @@ from speedtronic.engine.dispatch import CallbackPlan, HookFailure, attach_failur
 from speedtronic.engine.evaluation import EvalOutcome, Evaluation, EvaluationError, evaluate_state
 from speedtronic.engine.events import On
 from speedtronic.engine.forward_path import ForwardPath
+from speedtronic.engine.keywords import TrainerKeywords, TrainerType, resolve_settings
 from speedtronic.engine.loop import run_global_step
+from speedtronic.engine.members import TrainerMembers
 from speedtronic.engine.notes import Notes
 from speedtronic.engine.oom_retry import OomRecovery, auto_resume_layout
 from speedtronic.engine.rank_metrics import RankMetricReducer
@@ -79,7 +79,8 @@ from speedtronic.systems.distributed import (
     collective_failure,
     reduce_run_totals,
 )
-from speedtronic.systems.precision import PrecisionPlan, make_grad_scaler, resolve_precision
+from speedtronic.systems.precision import make_grad_scaler, resolve_precision
+from speedtronic.systems.shapes import ShapeReport
 from speedtronic.systems.sharding import find_shard_blocks
 from speedtronic.user_warnings import warn
 
@@ -90,39 +91,6 @@ __all__ = ["LRScheduler", "Trainer", "TrainingStateError"]
 
 _GLOBAL_STEP_CODE = run_global_step.__code__
 T = TypeVar("T")
-
-
-class _Member(Generic[T]):
-    """A Trainer attribute that lives in one of its parts, read and written there:
-    ``step = _Member[int]("state")`` makes ``trainer.step`` ``trainer.state.step``. Plugins
-    and users keep the names they always had; the engine itself uses the parts.
-
-    Hooks read these every step (``trainer.step``), so the class holds a ``property`` whose
-    getter is ``operator.attrgetter`` in its place: a read runs no Python frame (about a
-    third of the cost of this ``__get__``). This class is what mypy sees: the member's type."""
-
-    __slots__ = ("part", "name")
-
-    def __init__(self, part: str, name: str = "") -> None:
-        self.part = part
-        self.name = name
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = self.name or name
-        setattr(owner, name, property(attrgetter(f"{self.part}.{self.name}"), self.__set__))
-
-    @overload
-    def __get__(self, trainer: None, owner: type | None = None) -> _Member[T]: ...
-    @overload
-    def __get__(self, trainer: object, owner: type | None = None) -> T: ...
-    def __get__(self, trainer: object, owner: type | None = None) -> T | _Member[T]:
-        if trainer is None:
-            return self
-        value: T = getattr(getattr(trainer, self.part), self.name)
-        return value
-
-    def __set__(self, trainer: object, value: T) -> None:
-        setattr(getattr(trainer, self.part), self.name, value)
 
 
 def _raise_first(failures: Sequence[HookFailure]) -> None:
@@ -232,22 +200,29 @@ def _ranks_keep_going(state: TrainingState, start_step: int, logging_step: bool)
     return requests.agreed_stop is None
 
 
-class Trainer:
+class Trainer(TrainerMembers, metaclass=TrainerType):
     """Trains ``model`` with ``optimizer`` on batches from ``data`` (the module docstring
     says what it is made of).
 
     ``data`` is any iterable of batches (a ``DataLoader``, a list); it is re-iterated
     forever and its position is part of the training state, so resume is exact.
     ``max_steps`` is an absolute target: a resumed trainer continues up to it.
-    ``settings.max_epochs`` also ends the fit when the data stream would start that epoch; a
-    global step the last epoch cannot fill is not taken. ``run_config`` is the run's config
-    as plain data, secrets redacted (checkpoints record it; sinks log it).
-    ``stop_grace_s`` bounds how long a requested stop waits for a batch that does not come
-    (``speedtronic.engine.stop_watch``; set it on an instance or on the class).
+    ``max_epochs`` also ends the fit when the data stream would start that epoch; a global
+    step the last epoch cannot fill is not taken. The other keywords (``device``,
+    ``precision``, ``accumulation_steps``, ``grad_clip``, ``compile``, ``metrics_every``,
+    ``allow_optimizer_reset``, ``output_dir``, ``parallel``) replace values of ``settings``;
+    ``eval_data``, ``eval_every`` and ``eval_max_batches`` describe the ``evaluation``.
+    ``run_config`` is the run's config as plain data, secrets redacted (checkpoints record
+    it; sinks log it), or set ``config``. ``stop_grace_s`` bounds how long a requested stop
+    waits for a batch that does not come (``speedtronic.engine.stop_watch``; set it on an
+    instance or on the class).
     """
 
     stop_grace_s: float = STOP_GRACE_S
+    shape_report: ShapeReport | None = None
+    """The run's startup shape check (``validate_startup_shapes``), where the runtime made one."""
 
+    @overload
     def __init__(
         self,
         model: nn.Module,
@@ -258,12 +233,44 @@ class Trainer:
         max_steps: int | None = None,
         start_step: int = 0,
         scheduler: LRScheduler | None = None,
-        settings: TrainerSettings = TrainerSettings(),
+        settings: TrainerSettings | None = None,
+        evaluation: Evaluation | None = None,
+        distributed: DistributedContext | None = None,
+        run_config: Mapping[str, object] | None = None,
+    ) -> None: ...
+    @overload
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data: Iterable[object],
+        *,
+        callbacks: Sequence[Callback] = (),
+        max_steps: int | None = None,
+        start_step: int = 0,
+        scheduler: LRScheduler | None = None,
+        settings: TrainerSettings | None = None,
+        evaluation: Evaluation | None = None,
+        distributed: DistributedContext | None = None,
+        run_config: Mapping[str, object] | None = None,
+        **keywords: Unpack[TrainerKeywords],
+    ) -> None: ...
+    def __init__(  # type: ignore[misc]  # the keywords form: TrainerType resolves them first
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data: Iterable[object],
+        *,
+        callbacks: Sequence[Callback] = (),
+        max_steps: int | None = None,
+        start_step: int = 0,
+        scheduler: LRScheduler | None = None,
+        settings: TrainerSettings | None = None,
         evaluation: Evaluation | None = None,
         distributed: DistributedContext | None = None,
         run_config: Mapping[str, object] | None = None,
     ) -> None:
-        self.settings = settings
+        self.settings = settings = resolve_settings(settings, distributed, {})
         self.evaluation = evaluation or Evaluation()
         self.max_steps = max_steps
         """The target ``fit()`` trains up to when it is given none."""
@@ -310,37 +317,6 @@ class Trainer:
         events again. Added during a fit, they are called from the next event on."""
         run_callbacks = self.callbacks[: len(self.callbacks) - len(self._engine_callbacks)]
         self.plan = self._plan_for([*run_callbacks, *callbacks, *self._engine_callbacks])
-
-    # -- the members of the training state and the settings, under their usual names ---------
-
-    model = _Member[nn.Module]("state")
-    optimizer = _Member[torch.optim.Optimizer]("state")
-    scheduler = _Member[LRScheduler | None]("state")
-    scaler = _Member[torch.amp.GradScaler | None]("state")
-    stream = _Member[BatchStream[object]]("state")
-    callbacks = _Member[list[Callback]]("state")
-    trainable_parameters = _Member[list[torch.Tensor]]("state")
-    precision = _Member[PrecisionPlan]("state")
-    device = _Member[torch.device]("state")
-    output_dir = _Member[Path]("state")
-    distributed = _Member[DistributedContext | None]("state")
-    multi_rank = _Member[bool]("state")
-    run_id = _Member[str | None]("state")
-    step = _Member[int]("state")
-    samples = _Member[int]("state")
-    tokens = _Member[int]("state")
-    skipped_steps = _Member[int]("state")
-    step_loss = _Member[torch.Tensor | None]("state")
-    target_step = _Member[int]("state")
-    sharded_state = _Member[bool]("state", "sharded")
-    accumulation_steps = _Member[int]("settings")
-    grad_clip = _Member[float | None]("settings")
-    metrics_every = _Member[int]("settings")
-    allow_optimizer_reset = _Member[bool]("settings")
-    parallel_strategy = _Member[str]("settings", "parallel")
-    eval_data = _Member[Iterable[object] | None]("evaluation", "data")
-    eval_every = _Member[int]("evaluation", "every")
-    eval_max_batches = _Member[int | None]("evaluation", "max_batches")
 
     # -- public API used by callbacks ------------------------------------------------
 
@@ -436,49 +412,6 @@ class Trainer:
             f"step {step}: the fp16 grad scaler skipped the update (overflow); retrying the step",
             RuntimeWarning,
         )
-
-    # -- the TrainerView members that are not plain attributes ---------------------------
-
-    @property
-    def notes(self) -> Notes:
-        """The run's board of optional named notes (``speedtronic.engine.notes``)."""
-        return self._notes
-
-    @property
-    def param_groups(self) -> list[dict[str, object]]:
-        """The optimizer's parameter groups."""
-        return self.state.optimizer.param_groups
-
-    def optimizer_state_tensors(self) -> list[torch.Tensor]:
-        """Every tensor in the optimizer's per-parameter state."""
-        return [
-            value
-            for per_param in self.state.optimizer.state.values()
-            for value in per_param.values()
-            if isinstance(value, torch.Tensor)
-        ]
-
-    @property
-    def precision_mode(self) -> str:
-        return self.state.precision.mode
-
-    @property
-    def uses_grad_scaler(self) -> bool:
-        return self.state.scaler is not None
-
-    @property
-    def run_config(self) -> Mapping[str, object] | None:
-        """The config as plain data, secrets redacted (``None`` without a config); a copy
-        of its own for each reader."""
-        config = self.state.run_config
-        return copy.deepcopy(dict(config)) if config is not None else None
-
-    def data_position(self) -> Mapping[str, int]:
-        return self.state.stream.state_dict()
-
-    def skip_update(self) -> None:
-        """Drop this step's gradients: the optimizer step that follows is a no-op."""
-        self.state.optimizer.zero_grad(set_to_none=True)
 
     # -- forward ---------------------------------------------------------------------
 
