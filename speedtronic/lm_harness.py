@@ -37,7 +37,7 @@ from speedtronic.runtime import as_config, checkpoint_model
 
 __all__ = ["SpeedtronicLM"]
 
-DEFAULT_MAX_GEN_TOKS = 256
+_DEFAULT_MAX_GEN_TOKS = 256
 
 
 class Request(Protocol):
@@ -62,7 +62,7 @@ class SpeedtronicLM(LM):
         *,
         batch_size: int = 16,
         context: int | None = None,
-        max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+        max_gen_toks: int = _DEFAULT_MAX_GEN_TOKS,
     ) -> None:
         super().__init__()
         self.model = model

@@ -101,7 +101,7 @@ from speedtronic.user_warnings import warn
 if TYPE_CHECKING:
     from speedtronic.compat.metric_logger import build_logger as build_logger
 
-DEFAULT_CHECKPOINT_DIRECTORY = "checkpoints"
+_DEFAULT_CHECKPOINT_DIRECTORY = "checkpoints"
 """Where ``--resume`` looks (under the output directory) when no plugin of the run is a
 ``ResumeSource``; the manager ``build_runtime`` then returns is disabled."""
 
@@ -140,7 +140,7 @@ def choose_threads(
     return None, "auto, large model"
 
 
-def apply_threads(setting: int | str, device: torch.device, model: torch.nn.Module) -> int:
+def _apply_threads(setting: int | str, device: torch.device, model: torch.nn.Module) -> int:
     """Set torch's intra-op thread count as ``run.threads`` says; returns the count in use."""
     threads, _ = choose_threads(setting, device, parameter_count(model))
     if threads is not None and threads != torch.get_num_threads():
@@ -148,7 +148,7 @@ def apply_threads(setting: int | str, device: torch.device, model: torch.nn.Modu
     return torch.get_num_threads()
 
 
-def epoch_step_limit(loader: object, max_epochs: int | None, accumulation: int) -> int | None:
+def _epoch_step_limit(loader: object, max_epochs: int | None, accumulation: int) -> int | None:
     """The global steps ``max_epochs`` passes over ``loader`` make (a step the last epoch
     cannot fill is not taken), or None when the loader has no length (an iterable
     dataset: the data stream then ends the fit when it runs out)."""
@@ -200,7 +200,7 @@ def build_runtime(
     else:  # the config's data is next-token aligned: a raw transformers causal LM is wrapped
         net = model if dataloader is not None else adapt_model(model)
     net.to(resolved_device)
-    apply_threads(cfg.run.threads, resolved_device, net)
+    _apply_threads(cfg.run.threads, resolved_device, net)
     precision = resolve_precision(cfg.precision, resolved_device)
     shape_report = validate_startup_shapes(cfg, net, resolved_device, precision)
     # Absolute, so plugins resolving paths at build time and at setup agree.
@@ -231,7 +231,7 @@ def build_runtime(
     callbacks.extend(mixture_metrics(loader))  # data/<source>/samples, on logging steps
     target_step = max_steps if max_steps is not None else cfg.target_steps
     horizon = cfg.scheduler_steps
-    epoch_steps = epoch_step_limit(loader, cfg.run.max_epochs, cfg.accumulation_steps)
+    epoch_steps = _epoch_step_limit(loader, cfg.run.max_epochs, cfg.accumulation_steps)
     if epoch_steps is not None:
         if epoch_steps > target_step:
             warn(
@@ -250,7 +250,7 @@ def build_runtime(
     manager = (
         source.checkpoint_manager
         if source is not None
-        else CheckpointManager(output_dir / DEFAULT_CHECKPOINT_DIRECTORY, enabled=False)
+        else CheckpointManager(output_dir / _DEFAULT_CHECKPOINT_DIRECTORY, enabled=False)
     )
     settings = configured_settings(
         cfg,
@@ -277,7 +277,7 @@ def build_runtime(
     trainer.config = cfg
     trainer.shape_report = shape_report
     trainer.evaluation.tasks = tasks
-    trainer.evaluation.parts = eval_parts(eval_data)
+    trainer.evaluation.parts = _eval_parts(eval_data)
     if cfg.run.stop_grace_s is not None:  # else the Trainer's (class) default
         trainer.stop_grace_s = cfg.run.stop_grace_s
     resuming = resume or resume_other_run or (source is not None and source.resume_requested)
@@ -317,7 +317,7 @@ def held_out_loader(
     )
 
 
-def eval_parts(loader: object) -> HeldOutParts | None:
+def _eval_parts(loader: object) -> HeldOutParts | None:
     """The sources a mixture's held-out loader reads batch by batch (``eval/<source>/loss``)."""
     parts = held_out_parts(loader)
     return None if parts is None else HeldOutParts(*parts)
@@ -409,7 +409,7 @@ def evaluate_checkpoint(
 ) -> tuple[LoadedCheckpoint, EvalOutcome]:
     """Evaluate a run's checkpoint on its held-out set (``eval:``) and write nothing: the
     named ``checkpoint`` file, else the newest one in the run's checkpoint directory;
-    ``weights`` names which weights (``model_with_weights``).
+    ``weights`` names which weights (``_model_with_weights``).
     ``CheckpointError`` when there is none or it cannot be read, ``TrainingStateError`` when
     it does not fit the config's model. One process (no torch.distributed)."""
     cfg = as_config(config)
@@ -417,7 +417,7 @@ def evaluate_checkpoint(
     resolved_device = resolve_device(device if device is not None else cfg.run.device)
     output_dir = Path(cfg.run.output_dir).expanduser().resolve()
     loaded = _checkpoint_to_evaluate(cfg, output_dir, resolved_device, checkpoint)
-    net = model_with_weights(cfg, loaded, weights)
+    net = _model_with_weights(cfg, loaded, weights)
     net.to(resolved_device)
     _warn_if_trained_on_the_tail(cfg)
     loader = held_out_loader(cfg, None)
@@ -427,7 +427,7 @@ def evaluate_checkpoint(
         device=resolved_device,
         precision=resolve_precision(cfg.precision, resolved_device),
         max_batches=cfg.eval.max_batches,
-        parts=eval_parts(loader),
+        parts=_eval_parts(loader),
     )
     return loaded, outcome
 
@@ -441,16 +441,16 @@ def checkpoint_model(
     doing: str = "evaluate",
 ) -> tuple[LoadedCheckpoint, torch.nn.Module]:
     """A run's checkpoint (the named one, else the newest) loaded into the config's model on
-    ``device`` (``model_with_weights``), for ``generate`` and task scoring; reads only."""
+    ``device`` (``_model_with_weights``), for ``generate`` and task scoring; reads only."""
     cfg = as_config(config)
     resolved_device = resolve_device(device if device is not None else cfg.run.device)
     output_dir = Path(cfg.run.output_dir).expanduser().resolve()
     loaded = _checkpoint_to_evaluate(cfg, output_dir, resolved_device, checkpoint)
-    net = model_with_weights(cfg, loaded, weights, doing=doing)
+    net = _model_with_weights(cfg, loaded, weights, doing=doing)
     return loaded, net.to(resolved_device)
 
 
-def model_with_weights(
+def _model_with_weights(
     cfg: SpeedtronicConfig,
     loaded: LoadedCheckpoint,
     weights: str = MODEL_WEIGHTS,
@@ -494,7 +494,7 @@ def export_checkpoint(
     """Write a run's checkpoint (the named one, else the newest) as a Hugging Face
     directory ``output`` (``speedtronic.models.export``), with the run's tokenizer and its
     token ids (``speedtronic.models.export_tokens``); ``weights`` names which weights
-    (``model_with_weights``). ``ExportError`` for an output in the way, a model with no
+    (``_model_with_weights``). ``ExportError`` for an output in the way, a model with no
     Hugging Face form or a tokenizer that does not fit, before anything is read, and for
     NaN or infinite weights unless ``allow_nonfinite``; one process, on the CPU. A run with
     LoRA adapters (``model.adapters.lora``) exports with ``adapter`` (a peft adapter
@@ -505,7 +505,7 @@ def export_checkpoint(
     tokens = export_tokens(cfg.data.to_dict())
     output_dir = Path(cfg.run.output_dir).expanduser().resolve()
     loaded = _checkpoint_to_evaluate(cfg, output_dir, torch.device("cpu"), checkpoint)
-    net = model_with_weights(cfg, loaded, weights, doing="export")
+    net = _model_with_weights(cfg, loaded, weights, doing="export")
     lora = has_lora(net)
     if (adapter or merge) and not lora:
         raise ExportError("--adapter and --merge export LoRA runs: model.adapters.lora is not set")
@@ -568,7 +568,7 @@ def _checkpoint_to_evaluate(
     directory = (
         source.checkpoint_manager.directory
         if source is not None
-        else output_dir / DEFAULT_CHECKPOINT_DIRECTORY
+        else output_dir / _DEFAULT_CHECKPOINT_DIRECTORY
     )
     loaded = CheckpointManager(directory, enabled=False).load_latest_checkpoint()
     if loaded is None:
@@ -579,7 +579,7 @@ def _checkpoint_to_evaluate(
     return loaded
 
 
-def save_run_config(config: SpeedtronicConfig, output_dir: Path) -> Path:
+def _save_run_config(config: SpeedtronicConfig, output_dir: Path) -> Path:
     """Write the resolved, redacted config to ``<output_dir>/config.yaml``."""
     output_dir.mkdir(parents=True, exist_ok=True)
     return config.save(output_dir / "config.yaml")
@@ -612,7 +612,7 @@ def prepared_fit(
         )
         try:
             if _writes_run_files(trainer.distributed):
-                save_run_config(cfg, trainer.output_dir)
+                _save_run_config(cfg, trainer.output_dir)
             yield trainer
         finally:
             teardown_distributed(trainer.distributed)

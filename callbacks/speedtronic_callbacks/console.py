@@ -105,12 +105,12 @@ def _describe_threads(run_config: Mapping[str, object] | None) -> str:
     return f"threads {torch.get_num_threads()}" + (" (auto)" if setting == "auto" else "")
 
 
-def describe_model(model: torch.nn.Module) -> list[str]:
+def _describe_model(model: torch.nn.Module) -> list[str]:
     """The model summary table lines (one per top-level module, then the total)."""
     return format_model_summary(summarize_model(model)).splitlines()
 
 
-STEP_LINE_FIELDS: tuple[NumberFormat, ...] = (
+_STEP_LINE_FIELDS: tuple[NumberFormat, ...] = (
     ("loss", lambda v: f"loss {format_float(v)}"),
     ("eval/loss", lambda v: f"eval/loss {format_float(v)}"),
     ("eval/ppl", lambda v: f"eval/ppl {format_float(v)}"),
@@ -123,7 +123,7 @@ STEP_LINE_FIELDS: tuple[NumberFormat, ...] = (
 )
 
 
-STEP_LINE_KEYS = frozenset(key for key, _ in STEP_LINE_FIELDS) | {"steps_per_sec"}
+_STEP_LINE_KEYS = frozenset(key for key, _ in _STEP_LINE_FIELDS) | {"steps_per_sec"}
 
 
 @functools.lru_cache(maxsize=64)
@@ -134,8 +134,8 @@ def _line_plan(
     (``sink.other_keys``): a run's records have the same keys step after step, so both are
     worked out once per shape, not once per line."""
     present = frozenset(record_keys)
-    fields = tuple(field for field in STEP_LINE_FIELDS if field[0] in present)
-    return fields, tuple(other_keys(record_keys, STEP_LINE_KEYS.union(extra_keys)))
+    fields = tuple(field for field in _STEP_LINE_FIELDS if field[0] in present)
+    return fields, tuple(other_keys(record_keys, _STEP_LINE_KEYS.union(extra_keys)))
 
 
 def describe_record(
@@ -161,7 +161,7 @@ def describe_record(
     return " | ".join(parts)
 
 
-def describe_fit_end(ctx: FitEndContext) -> str:
+def _describe_fit_end(ctx: FitEndContext) -> str:
     """The summary line: steps, wall time, final loss, rate, and why it stopped early."""
     result = ctx.result
     parts = [f"fit end: {result.steps} steps in {format_duration(result.elapsed_s)}"]
@@ -317,7 +317,7 @@ class ConsoleCallback(MetricSink):
     def on_fit_start(self, trainer: TrainerView, ctx: FitContext) -> None:
         self._write(describe_fit_start(trainer, ctx))
         if self.summary:
-            for line in describe_model(trainer.model):
+            for line in _describe_model(trainer.model):
                 self._write("  " + line)
 
     def write_record(self, trainer: TrainerView, record: Record) -> None:
@@ -325,7 +325,7 @@ class ConsoleCallback(MetricSink):
         self._write(line)
 
     def on_fit_end(self, trainer: TrainerView, ctx: FitEndContext) -> None:
-        self._write(describe_fit_end(ctx))
+        self._write(_describe_fit_end(ctx))
 
     def on_exception(self, trainer: TrainerView, ctx: ExceptionContext) -> None:
         error = ctx.error

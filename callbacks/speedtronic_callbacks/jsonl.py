@@ -68,7 +68,7 @@ def _line_step(line: str) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def truncate_after(path: Path, last_step: int) -> int:
+def _truncate_after(path: Path, last_step: int) -> int:
     """Keep only lines with ``step <= last_step``; returns how many lines were dropped.
 
     The file is rewritten atomically, and only when something has to go.
@@ -192,7 +192,7 @@ class JsonlCallback(MetricSink):
             path.parent.mkdir(parents=True, exist_ok=True)
             keep_earlier_run(path, ctx.start_step)
             if path.is_file():
-                self.dropped_on_resume = truncate_after(path, ctx.start_step)
+                self.dropped_on_resume = _truncate_after(path, ctx.start_step)
             self._handle = open_to_append(path)
         except OSError as exc:
             raise self.write_failed(path, exc) from exc

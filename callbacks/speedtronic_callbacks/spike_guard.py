@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 
 Watch = Literal["loss", "grad_norm", "both"]
 SKIPPED_KEY = "spike_guard/skipped_steps"
-KEPT_SKIPS = 100  # skipped steps remembered in the checkpointed state
+_KEPT_SKIPS = 100  # skipped steps remembered in the checkpointed state
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class SpikeGuardOptions:
 
 
 @dataclass(frozen=True)
-class SkippedStep:
+class _SkippedStep:
     """One skipped step: what spiked, and which batches (the data position after them)."""
 
     step: int
@@ -236,7 +236,7 @@ class SpikeGuard(Callback):
         self.skip_window = skip_window
         self.names = ("loss", "grad_norm") if watch == "both" else (watch,)
         self.bands = {name: RunningBand(window) for name in self.names}
-        self.skipped: list[SkippedStep] = []
+        self.skipped: list[_SkippedStep] = []
         self.skipped_steps = 0
         self.multi_rank = False
         self._loss_band: RunningBand | None = None  # set when the lean path applies
@@ -291,7 +291,7 @@ class SpikeGuard(Callback):
                 spiked, mean, std = band.spikes(value, self.threshold)
                 if spiked:
                     position = dict(trainer.data_position())
-                    self._skip(trainer, SkippedStep(ctx.step, "loss", value, mean, std, position))
+                    self._skip(trainer, _SkippedStep(ctx.step, "loss", value, mean, std, position))
                     return
             band.append(value)
             return
@@ -305,7 +305,7 @@ class SpikeGuard(Callback):
             spiked, mean, std = band.spikes(value, self.threshold)
             if spiked:
                 position = dict(trainer.data_position())
-                self._skip(trainer, SkippedStep(ctx.step, name, value, mean, std, position))
+                self._skip(trainer, _SkippedStep(ctx.step, name, value, mean, std, position))
                 return
         for name, value in zip(self.names, values, strict=True):
             self.bands[name].append(value)
@@ -336,10 +336,10 @@ class SpikeGuard(Callback):
             numbers /= context.world_size
         return [float(value) for value in numbers.cpu().tolist()]  # the step's one sync
 
-    def _skip(self, trainer: TrainerView, skip: SkippedStep) -> None:
+    def _skip(self, trainer: TrainerView, skip: _SkippedStep) -> None:
         trainer.skip_update()  # the optimizer step that follows changes nothing
         self.skipped_steps += 1
-        self.skipped = [*self.skipped, skip][-KEPT_SKIPS:]
+        self.skipped = [*self.skipped, skip][-_KEPT_SKIPS:]
         where = ", ".join(f"{key} {value}" for key, value in skip.data_position.items())
         history = len(self.bands[skip.watched])
         message = (
@@ -365,9 +365,9 @@ class SpikeGuard(Callback):
         ctx.record.set(SKIPPED_KEY, self.skipped_steps)
 
 
-def _skipped_from(entry: Mapping[str, object]) -> SkippedStep:
+def _skipped_from(entry: Mapping[str, object]) -> _SkippedStep:
     position = entry.get("data_position")
-    return SkippedStep(
+    return _SkippedStep(
         step=int(str(entry.get("step", 0))),
         watched=str(entry.get("watched", "")),
         value=float(str(entry.get("value", "nan"))),

@@ -18,7 +18,7 @@ from typing import Protocol
 
 from speedtronic.config.declare import Fold
 
-__all__ = ["CoreDeclarations", "CoreKeys", "SchemaDocument", "bind", "declarations"]
+__all__ = ["CoreDeclarations", "CoreKeys", "bind", "declarations"]
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class CoreKeys:
     """Section -> the key a bare value means (``Section.bare_value``)."""
 
 
-class SchemaDocument(Protocol):
+class _SchemaDocument(Protocol):
     """Builds the core's part of the run schema from the declarations."""
 
     def __call__(self, *, dialect: str, schema_id: str) -> dict[str, object]: ...
@@ -48,7 +48,7 @@ class CoreDeclarations:
     """What the section declarations give the machinery."""
 
     keys: CoreKeys
-    schema_document: SchemaDocument
+    schema_document: _SchemaDocument
 
 
 _bound: list[CoreDeclarations] = []

@@ -85,7 +85,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 Options = TypeVar("Options")
-CallbackT = TypeVar("CallbackT", bound="Callback")
+_CallbackT = TypeVar("_CallbackT", bound="Callback")
 
 _build_valid = build  # ``plugin`` has a parameter of that name
 
@@ -100,11 +100,11 @@ def doc_rows(cls: type, *, exclude: Iterable[str] = ()) -> Iterator[tuple[str, s
         if item.name in skipped:
             continue
         opt = item.opt
-        type_text = opt.type_text or type_text_of(item.hint, opt)
+        type_text = opt.type_text or _type_text_of(item.hint, opt)
         if opt.default_text is not None:
             default = opt.default_text
         elif item.has_default:
-            default = f"`{json_text(to_json(item.default()))}`"
+            default = f"`{_json_text(to_json(item.default()))}`"
         else:
             default = "required"
         yield f"`{item.name}`", type_text, default, opt.doc
@@ -123,7 +123,7 @@ def markdown_table(
     return "\n".join(lines)
 
 
-def json_text(value: object) -> str:
+def _json_text(value: object) -> str:
     """A value as YAML/JSON shows it: ``null``, ``true``, ``3e-4``, ``[0.9, 0.95]``."""
     if value is None:
         return "null"
@@ -132,32 +132,32 @@ def json_text(value: object) -> str:
     if isinstance(value, float):
         return repr(value) if math.isfinite(value) else str(value)
     if isinstance(value, list):
-        return "[" + ", ".join(json_text(item) for item in value) + "]"
+        return "[" + ", ".join(_json_text(item) for item in value) + "]"
     if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{key}: {json_text(item)}" for key, item in value.items()) + "}"
+        return "{" + ", ".join(f"{key}: {_json_text(item)}" for key, item in value.items()) + "}"
     return str(value)
 
 
 _NAMES = {bool: "bool", int: "int", float: "number", str: "string"}
 
 
-def type_text_of(hint: object, opt: Opt | None = None) -> str:
+def _type_text_of(hint: object, opt: Opt | None = None) -> str:
     """``int ≥ 1 or null``, ``number in [0, 1)``, ``` `min` | `max` ```, ``list of strings``."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        parts = [type_text_of(arg, opt) for arg in args if arg is not type(None)]
+        parts = [_type_text_of(arg, opt) for arg in args if arg is not type(None)]
         text = " or ".join(parts)
         return f"{text} or null" if type(None) in args else text
     if origin is Literal:
-        return " | ".join(f"`{json_text(arg)}`" for arg in args)
+        return " | ".join(f"`{_json_text(arg)}`" for arg in args)
     if hint in _NAMES:
         return _NAMES[hint] + _bounds_text(opt)
     if origin in (list, Sequence) or hint is list:
-        inner = type_text_of(args[0]) if args else "values"
+        inner = _type_text_of(args[0]) if args else "values"
         return f"list of {_plural(inner)}"
     if origin is tuple:
         count = {2: "two", 3: "three"}.get(len(args), str(len(args)))
-        return f"{count} {_plural(type_text_of(args[0]))}"
+        return f"{count} {_plural(_type_text_of(args[0]))}"
     if origin in (dict, Mapping) or hint is dict:
         return "mapping"
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
@@ -227,14 +227,14 @@ def plugin(
     name: str,
     *,
     options: type[Options],
-    build: Callable[[type[CallbackT], Options, plugins.PluginContext], CallbackT] | None = None,
+    build: Callable[[type[_CallbackT], Options, plugins.PluginContext], _CallbackT] | None = None,
     sections: plugins.Sections | None = None,
     options_errors: plugins.OptionRules | None = None,
     options_schema: plugins.JSONSchema | None = None,
     enabled_by_default: bool = False,
     default_replaced_by: tuple[str, ...] = (),
     implied_order: int = 0,
-) -> Callable[[type[CallbackT]], type[CallbackT]]:
+) -> Callable[[type[_CallbackT]], type[_CallbackT]]:
     """Class decorator: declare the ``PluginSpec`` of a callback class.
 
     ``options`` is the options dataclass, each field one declared option
@@ -249,7 +249,7 @@ def plugin(
     read from the spec, where it does not define those itself.
     """
 
-    def decorate(cls: type[CallbackT]) -> type[CallbackT]:
+    def decorate(cls: type[_CallbackT]) -> type[_CallbackT]:
         builder = build if build is not None else _keyword_builder
 
         def create(parsed: object, context: plugins.PluginContext) -> Callback:
@@ -276,9 +276,9 @@ def plugin(
 
 
 def attach(
-    cls: type[CallbackT],
+    cls: type[_CallbackT],
     spec: plugins.PluginSpec,
-    builder: Callable[[type[CallbackT], Options, plugins.PluginContext], CallbackT] | None = None,
+    builder: Callable[[type[_CallbackT], Options, plugins.PluginContext], _CallbackT] | None = None,
 ) -> None:
     """Make ``spec`` the declared spec of ``cls`` (what ``plugins.spec_of_class`` returns), and
     give the class the class-attribute API read from it (``_attach_class_api``). ``plugin``
@@ -288,8 +288,8 @@ def attach(
 
 
 def _keyword_builder(
-    cls: type[CallbackT], options: object, context: plugins.PluginContext
-) -> CallbackT:
+    cls: type[_CallbackT], options: object, context: plugins.PluginContext
+) -> _CallbackT:
     """The default builder of ``plugin``: ``keyword_build``."""
     del context
     return keyword_build(cls, options)
@@ -303,9 +303,9 @@ def keyword_build(factory: Callable[..., T], options: object) -> T:
 
 
 def _attach_class_api(
-    cls: type[CallbackT],
+    cls: type[_CallbackT],
     spec: plugins.PluginSpec,
-    builder: Callable[[type[CallbackT], Options, plugins.PluginContext], CallbackT] | None,
+    builder: Callable[[type[_CallbackT], Options, plugins.PluginContext], _CallbackT] | None,
 ) -> None:
     """The class-attribute API of a plugin, read from ``spec`` (what ``spec_of_class``
     adapts back): for code that calls ``CheckpointCallback.from_options(...)`` or reads
@@ -313,7 +313,7 @@ def _attach_class_api(
     sections = spec.sections
 
     def from_options(
-        klass: type[CallbackT], options: Mapping[str, object], context: plugins.PluginContext
+        klass: type[_CallbackT], options: Mapping[str, object], context: plugins.PluginContext
     ) -> Callback:
         if builder is None:
             return spec.create(options, context)

@@ -13,7 +13,7 @@ page is current. After the ``options:`` mark come one or more ``module:Class`` n
 rows in order), then optionally ``only=a,b`` or ``exclude=a,b`` (option names) and
 ``header=option`` (the first column's title; ``key`` by default, with ``rule`` as the last
 column's, ``option`` goes with ``meaning``). ``<!-- options: bounds -->`` stands for the table
-of the core keys' upper bounds (``bounds_table``).
+of the core keys' upper bounds (``_bounds_table``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ _BLOCK = re.compile(
 )
 
 
-class DocsTableError(ValueError):
+class _DocsTableError(ValueError):
     """A marked table that names no declaration, or an unknown option."""
 
 
@@ -43,13 +43,13 @@ def _declaration(name: str) -> type:
     try:
         declared = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as exc:
-        raise DocsTableError(f"docs table: cannot find the declaration {name!r}: {exc}") from None
+        raise _DocsTableError(f"docs table: cannot find the declaration {name!r}: {exc}") from None
     if not isinstance(declared, type):
-        raise DocsTableError(f"docs table: {name!r} is not a dataclass")
+        raise _DocsTableError(f"docs table: {name!r} is not a dataclass")
     return declared
 
 
-def bounds_table() -> str:
+def _bounds_table() -> str:
     """Every upper bound of the core's keys: one row per bound, its keys in declaration order
     (``data.mixture[i].weight`` for the items of a list)."""
     from speedtronic.config.sections import _SECTION_TYPES, SpeedtronicConfig
@@ -121,7 +121,7 @@ def table(spec: str) -> str:
     exclude: set[str] = set()
     header = "key"
     if spec.strip() == "bounds":
-        return bounds_table()
+        return _bounds_table()
     for word in spec.split():
         key, sep, value = word.partition("=")
         if not sep:
@@ -133,7 +133,7 @@ def table(spec: str) -> str:
         elif key == "header":
             header = value
         else:
-            raise DocsTableError(f"docs table: unknown setting {key!r} in {spec!r}")
+            raise _DocsTableError(f"docs table: unknown setting {key!r} in {spec!r}")
     last = "meaning" if header == "option" else "rule"
     rows: list[str] = []
     seen: set[str] = set()
@@ -147,7 +147,7 @@ def table(spec: str) -> str:
         rows.extend(lines.splitlines()[2:])
     unknown = ((only or set()) | exclude) - seen
     if unknown:
-        raise DocsTableError(f"docs table {spec!r}: no option(s) {sorted(unknown)}")
+        raise _DocsTableError(f"docs table {spec!r}: no option(s) {sorted(unknown)}")
     head = f"| {header} | type | default | {last} |\n|---|---|---|---|"
     return "\n".join([head, *rows]) + "\n"
 

@@ -308,7 +308,7 @@ def _root_mapping(value: object, origin: str) -> RawConfig:
             f"<root>: configuration root must be a mapping, got {type(value).__name__}",
             source=origin,
         )
-    return plain_copy(value)
+    return _plain_copy(value)
 
 
 def read_text(text: str) -> RawConfig:
@@ -365,7 +365,7 @@ def read_source(source: Mapping[str, object] | str | os.PathLike[str] | None) ->
     )
 
 
-def plain_copy(value: Mapping[str, object]) -> RawConfig:
+def _plain_copy(value: Mapping[str, object]) -> RawConfig:
     """A deep copy as plain data: tuples become lists, paths become strings, typed config
     objects become their ``to_dict()``. Other values are kept (and validated later)."""
     copied = _plain(value)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from speedtronic.config import SpeedtronicConfig
 
-WARMUP_SHARE_LIMIT = 0.5
+_WARMUP_SHARE_LIMIT = 0.5
 """Warn when the LR warm-up covers more than this share of the run's steps."""
 
 
@@ -100,7 +100,7 @@ def _warmup_warning(config: SpeedtronicConfig, max_steps: int | None) -> str | N
     so that length, and only that one, decides the warning and its advice."""
     warmup = config.scheduler.warmup_steps
     horizon = config.scheduler_steps
-    if horizon <= 0 or warmup <= WARMUP_SHARE_LIMIT * horizon:
+    if horizon <= 0 or warmup <= _WARMUP_SHARE_LIMIT * horizon:
         return None
     source = _schedule_length_source(config)
     stop = (

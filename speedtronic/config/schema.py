@@ -38,10 +38,10 @@ from speedtronic.state.atomic_io import atomic_write_text
 SchemaDict = dict[str, object]
 """A JSON Schema document as a plain (JSON-compatible) dict."""
 
-CORE_SCHEMA_FILE = "run.schema.json"
-CALLBACK_SCHEMA_DIR = "callbacks"
+_CORE_SCHEMA_FILE = "run.schema.json"
+_CALLBACK_SCHEMA_DIR = "callbacks"
 CORE_SCHEMA_ID = "urn:speedtronic:schemas:run"
-DIALECT = "https://json-schema.org/draft/2020-12/schema"
+_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle")
 
@@ -123,7 +123,7 @@ def _core() -> SchemaDict:
     """The core schema, derived once from the declarations; shared: never mutate it
     (``core_schema`` returns a copy). The declarations build on this module (they are
     validated with it), so the package hands them down (``speedtronic.config.core``)."""
-    return core.declarations().schema_document(dialect=DIALECT, schema_id=CORE_SCHEMA_ID)
+    return core.declarations().schema_document(dialect=_DIALECT, schema_id=CORE_SCHEMA_ID)
 
 
 def packaged_core_schema() -> SchemaDict:
@@ -253,7 +253,7 @@ def callback_entry_schema(name: str, options_schema: Mapping[str, object]) -> Sc
     return entry
 
 
-def model_option_schemas(names: Iterable[str] | None = None) -> dict[str, Mapping[str, object]]:
+def _model_option_schemas(names: Iterable[str] | None = None) -> dict[str, Mapping[str, object]]:
     """The ``model.options`` schema of each named model that declares one (default: every
     model the registry knows); models that fail to load are left out."""
     from speedtronic.models.registry import registry
@@ -315,7 +315,7 @@ def composed_schema(
     ``model_options``, also the ``model.options`` schema of every model that declares one."""
     names = plugins.callback_registry.names() if plugin_names is None else tuple(plugin_names)
     option_schemas = {name: plugins.callback_options_schema(name) for name in names}
-    return _compose(option_schemas, model_option_schemas() if model_options else None)
+    return _compose(option_schemas, _model_option_schemas() if model_options else None)
 
 
 _DRAFT_TYPE = Draft202012Validator.VALIDATORS["type"]
@@ -383,24 +383,24 @@ def rendered_schemas(plugin_names: Iterable[str] | None = None) -> dict[str, str
     """Relative path -> file text of every published schema document."""
     names = builtin_callback_names() if plugin_names is None else tuple(sorted(plugin_names))
     option_schemas = {name: plugins.callback_options_schema(name) for name in names}
-    files = {CORE_SCHEMA_FILE: _dump(_compose(option_schemas))}
+    files = {_CORE_SCHEMA_FILE: _dump(_compose(option_schemas))}
     for name, options in option_schemas.items():
         document: SchemaDict = {
-            "$schema": DIALECT,
+            "$schema": _DIALECT,
             "$id": callback_schema_id(name),
             "title": f"speedtronic callback {name!r} options",
         }
         plugin_document: SchemaDict = json.loads(json.dumps(options))
         plugin_document.pop("$schema", None)
         document.update(plugin_document)
-        files[f"{CALLBACK_SCHEMA_DIR}/{name}.schema.json"] = _dump(document)
+        files[f"{_CALLBACK_SCHEMA_DIR}/{name}.schema.json"] = _dump(document)
     return files
 
 
 def write_packaged_core_schema() -> Path:
     """Rewrite the package's copy of the core schema (``speedtronic/schemas/run.schema.json``,
     for tools that read a file) from the declarations; returns its path."""
-    path = Path(__file__).resolve().parent.parent / "schemas" / CORE_SCHEMA_FILE
+    path = Path(__file__).resolve().parent.parent / "schemas" / _CORE_SCHEMA_FILE
     atomic_write_text(path, _dump(_core()))
     return path
 
@@ -417,9 +417,9 @@ def write_schemas(directory: Path, plugin_names: Iterable[str] | None = None) ->
         path = directory / relative
         atomic_write_text(path, text)  # an editor reading it never sees half a schema
         written.append(path)
-    callback_dir = directory / CALLBACK_SCHEMA_DIR
+    callback_dir = directory / _CALLBACK_SCHEMA_DIR
     if callback_dir.is_dir():
         for stale in callback_dir.glob("*.schema.json"):
-            if f"{CALLBACK_SCHEMA_DIR}/{stale.name}" not in files:
+            if f"{_CALLBACK_SCHEMA_DIR}/{stale.name}" not in files:
                 stale.unlink()
     return written

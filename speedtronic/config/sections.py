@@ -95,7 +95,6 @@ __all__ = [
     "RunConfig",
     "SchedulerConfig",
     "SECRET_KEYS",
-    "SectionType",
     "SectionView",
     "ShapeValidationConfig",
     "SpeedtronicConfig",
@@ -116,10 +115,10 @@ _SECTION_TYPES: dict[str, type[Section]] = {
 }
 
 
-SectionType = TypeVar("SectionType", bound=Section)
+_SectionType = TypeVar("_SectionType", bound=Section)
 
 
-def _defaults_of(section_type: type[SectionType]) -> Callable[[], SectionType]:
+def _defaults_of(section_type: type[_SectionType]) -> Callable[[], _SectionType]:
     """A default factory building the section's defaults as validated data (the declared
     defaults are valid: nothing to check)."""
     return lambda: section_type._from_valid({})

@@ -557,7 +557,7 @@ def _token_source_rules(values: _Values) -> Iterator[str]:
         yield "data.shuffle: false does not apply to data.mixture (a mixture is always shuffled)"
 
 
-EVAL_METRIC_PREFIX = "eval/"
+_EVAL_METRIC_PREFIX = "eval/"
 
 
 def _eval_monitor_rules(values: _Values) -> Iterator[str]:
@@ -573,7 +573,7 @@ def _eval_monitor_rules(values: _Values) -> Iterator[str]:
     for index, entry in values.callback_entries():
         places.append((f"callbacks[{index}]", entry.get("monitor")))
     for where, monitor in places:
-        if isinstance(monitor, str) and monitor.startswith(EVAL_METRIC_PREFIX):
+        if isinstance(monitor, str) and monitor.startswith(_EVAL_METRIC_PREFIX):
             yield (
                 f"{where}.monitor: {monitor!r} is an evaluation metric, but evaluation is off "
                 "(set eval.every_steps)"

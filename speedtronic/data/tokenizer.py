@@ -37,7 +37,6 @@ __all__ = [
     "BYTES",
     "BYTE_EOS_ID",
     "BYTE_TOKENIZER_SHA256",
-    "BYTE_VOCAB_SIZE",
     "EOS_CANDIDATES",
     "HF_EXTRA",
     "ByteCorpusTokenizer",
@@ -58,7 +57,7 @@ HF_EXTRA = 'pip install "speedtronic[hf]"'
 BYTES = "bytes"
 """The name of the byte tokenizer (``--tokenizer bytes``, ``data.tokenizer: bytes``)."""
 
-BYTE_VOCAB_SIZE = 257
+_BYTE_VOCAB_SIZE = 257
 """The byte tokenizer of token shards: ids 0-255 are UTF-8 bytes, 256 ends a document."""
 
 BYTE_EOS_ID = 256
@@ -152,7 +151,7 @@ class ByteCorpusTokenizer:
 
     name = BYTES
     sha256 = BYTE_TOKENIZER_SHA256
-    vocab_size = BYTE_VOCAB_SIZE
+    vocab_size = _BYTE_VOCAB_SIZE
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

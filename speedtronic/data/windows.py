@@ -16,8 +16,8 @@ tokens, dealt in working sets sized by ``locality`` to what the dataset keeps ma
 in O(1) memory, each rank taking its stride of the same global order, and a resumed run
 starts at the exact window.
 
-Reading. ``TokenWindowDataset.__getitems__`` returns a ``TokenWindows`` (a lazy sequence of
-records); its own collate (``collate_windows``, what ``data.collate: auto`` picks) copies each
+Reading. ``TokenWindowDataset.__getitems__`` returns a ``_TokenWindows`` (a lazy sequence of
+records); its own collate (``_collate_windows``, what ``data.collate: auto`` picks) copies each
 of the batch's windows (``block_size + 1`` tokens) out of the memmaps into one array of the
 shard dtype and converts it to the two ``int64`` arrays in one step each, no per-item tensors.
 Another ``data.collate`` gets ordinary ``{input_ids, labels}`` records.
@@ -78,10 +78,8 @@ __all__ = [
     "ChunkedPermutation",
     "Permutation",
     "TokenWindowDataset",
-    "TokenWindows",
     "WindowSampler",
     "WindowSource",
-    "collate_windows",
     "locality",
     "open_token_dataset",
     "source_manifest",
@@ -209,7 +207,7 @@ class _Maps:
 
 class WindowSource(Dataset[dict[str, torch.Tensor]], ABC):
     """A dataset of windows that reads a whole batch at once: ``__getitems__`` gives a
-    ``TokenWindows``, which its ``collate_fn`` (``collate_windows``) reads with one
+    ``_TokenWindows``, which its ``collate_fn`` (``_collate_windows``) reads with one
     ``gather``. Items are ``{"input_ids", "labels"}`` (``int64``, ``block_size`` each)."""
 
     default_shuffle = True
@@ -241,12 +239,12 @@ class WindowSource(Dataset[dict[str, torch.Tensor]], ABC):
         inputs, labels = self.gather([index])
         return {key: value[0] for key, value in self.records(inputs, labels).items()}
 
-    def __getitems__(self, indices: Sequence[int]) -> TokenWindows:
-        return TokenWindows(self, indices)
+    def __getitems__(self, indices: Sequence[int]) -> _TokenWindows:
+        return _TokenWindows(self, indices)
 
     @staticmethod
     def collate_fn(batch: Sequence[object]) -> object:
-        return collate_windows(batch)
+        return _collate_windows(batch)
 
 
 class TokenWindowDataset(WindowSource):
@@ -378,8 +376,8 @@ class TokenWindowDataset(WindowSource):
         return torch.from_numpy(inputs), torch.from_numpy(labels)
 
 
-class TokenWindows(Sequence[dict[str, torch.Tensor]]):
-    """The windows of one batch, not yet read: ``collate_windows`` reads them all at once;
+class _TokenWindows(Sequence[dict[str, torch.Tensor]]):
+    """The windows of one batch, not yet read: ``_collate_windows`` reads them all at once;
     any other collate indexes it and gets ``{input_ids, labels}`` records."""
 
     def __init__(self, dataset: WindowSource, indices: Sequence[int]) -> None:
@@ -397,7 +395,7 @@ class TokenWindows(Sequence[dict[str, torch.Tensor]]):
         self, index: int | slice
     ) -> dict[str, torch.Tensor] | Sequence[dict[str, torch.Tensor]]:
         if isinstance(index, slice):
-            return TokenWindows(self.dataset, self.indices[index])
+            return _TokenWindows(self.dataset, self.indices[index])
         return self.dataset[self.indices[index]]
 
     def batch(self) -> dict[str, torch.Tensor]:
@@ -405,10 +403,10 @@ class TokenWindows(Sequence[dict[str, torch.Tensor]]):
         return self.dataset.records(inputs, labels)
 
 
-def collate_windows(batch: Sequence[object]) -> object:
-    """A ``TokenWindows`` -> ``{input_ids, labels}`` of shape ``[batch, block_size]``;
+def _collate_windows(batch: Sequence[object]) -> object:
+    """A ``_TokenWindows`` -> ``{input_ids, labels}`` of shape ``[batch, block_size]``;
     anything else (records of another source) goes to ``collate_batch``."""
-    if isinstance(batch, TokenWindows):
+    if isinstance(batch, _TokenWindows):
         return batch.batch()
     return collate_batch(batch)
 

@@ -28,17 +28,15 @@ from speedtronic.systems.distributed import DistributedContext
 from speedtronic.systems.precision import PrecisionPlan, resolve_device
 
 __all__ = [
-    "SettingKeywords",
     "TrainerKeywords",
     "TrainerType",
-    "V2Keywords",
     "parallel_fields",
     "resolve_evaluation",
     "resolve_settings",
 ]
 
 
-class SettingKeywords(TypedDict, total=False):
+class _SettingKeywords(TypedDict, total=False):
     """The settings a ``Trainer`` takes as keywords (``TrainerSettings`` says what each does)."""
 
     device: str | torch.device | None
@@ -57,7 +55,7 @@ class SettingKeywords(TypedDict, total=False):
     eval_max_batches: int | None
 
 
-class V2Keywords(TypedDict, total=False):
+class _V2Keywords(TypedDict, total=False):
     """2.0's constructor arguments: given one, ``Trainer(...)`` builds the 2.0 trainer
     (``speedtronic.engine.compat_route``), which says what each means."""
 
@@ -68,12 +66,12 @@ class V2Keywords(TypedDict, total=False):
     shape_report: object
 
 
-class TrainerKeywords(SettingKeywords, V2Keywords, total=False):
+class TrainerKeywords(_SettingKeywords, _V2Keywords, total=False):
     """Every keyword of ``Trainer(...)`` beyond its parts."""
 
 
 _EVALUATION = ("eval_data", "eval_every", "eval_max_batches")
-_KEYWORDS = frozenset(SettingKeywords.__annotations__)
+_KEYWORDS = frozenset(_SettingKeywords.__annotations__)
 _SETTINGS = _KEYWORDS - set(_EVALUATION)
 _COERCED: dict[str, type] = {
     "accumulation_steps": int,

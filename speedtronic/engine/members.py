@@ -28,14 +28,14 @@ from speedtronic.engine.state import LRScheduler, TrainingState
 from speedtronic.systems.distributed import DistributedContext
 from speedtronic.systems.precision import PrecisionPlan
 
-__all__ = ["Member", "TrainerMembers"]
+__all__ = ["TrainerMembers"]
 
 T = TypeVar("T")
 
 
-class Member(Generic[T]):
+class _Member(Generic[T]):
     """A Trainer attribute that lives in one of its parts, read and written there:
-    ``step = Member[int]("state")`` makes ``trainer.step`` ``trainer.state.step``. Plugins
+    ``step = _Member[int]("state")`` makes ``trainer.step`` ``trainer.state.step``. Plugins
     and users keep the names they always had; the engine itself uses the parts.
 
     Hooks read these every step (``trainer.step``), so the class holds a ``property`` whose
@@ -53,10 +53,10 @@ class Member(Generic[T]):
         setattr(owner, name, property(attrgetter(f"{self.part}.{self.name}"), self.__set__))
 
     @overload
-    def __get__(self, trainer: None, owner: type | None = None) -> Member[T]: ...
+    def __get__(self, trainer: None, owner: type | None = None) -> _Member[T]: ...
     @overload
     def __get__(self, trainer: object, owner: type | None = None) -> T: ...
-    def __get__(self, trainer: object, owner: type | None = None) -> T | Member[T]:
+    def __get__(self, trainer: object, owner: type | None = None) -> T | _Member[T]:
         if trainer is None:
             return self
         value: T = getattr(getattr(trainer, self.part), self.name)
@@ -93,34 +93,34 @@ class TrainerMembers:
     _notes: Notes
     _config: RunConfigSource | None = None
 
-    model = Member[nn.Module]("state")
-    optimizer = Member[torch.optim.Optimizer]("state")
-    scheduler = Member[LRScheduler | None]("state")
-    scaler = Member[torch.amp.GradScaler | None]("state")
-    stream = Member[BatchStream[object]]("state")
-    callbacks = Member[list[Callback]]("state")
-    trainable_parameters = Member[list[torch.Tensor]]("state")
-    precision = Member[PrecisionPlan]("state")
-    device = Member[torch.device]("state")
-    output_dir = Member[Path]("state")
-    distributed = Member[DistributedContext | None]("state")
-    multi_rank = Member[bool]("state")
-    run_id = Member[str | None]("state")
-    step = Member[int]("state")
-    samples = Member[int]("state")
-    tokens = Member[int]("state")
-    skipped_steps = Member[int]("state")
-    step_loss = Member[torch.Tensor | None]("state")
-    target_step = Member[int]("state")
-    sharded_state = Member[bool]("state", "sharded")
-    accumulation_steps = Member[int]("settings")
-    grad_clip = Member[float | None]("settings")
-    metrics_every = Member[int]("settings")
-    allow_optimizer_reset = Member[bool]("settings")
-    parallel_strategy = Member[str]("settings", "parallel")
-    eval_data = Member[Iterable[object] | None]("evaluation", "data")
-    eval_every = Member[int]("evaluation", "every")
-    eval_max_batches = Member[int | None]("evaluation", "max_batches")
+    model = _Member[nn.Module]("state")
+    optimizer = _Member[torch.optim.Optimizer]("state")
+    scheduler = _Member[LRScheduler | None]("state")
+    scaler = _Member[torch.amp.GradScaler | None]("state")
+    stream = _Member[BatchStream[object]]("state")
+    callbacks = _Member[list[Callback]]("state")
+    trainable_parameters = _Member[list[torch.Tensor]]("state")
+    precision = _Member[PrecisionPlan]("state")
+    device = _Member[torch.device]("state")
+    output_dir = _Member[Path]("state")
+    distributed = _Member[DistributedContext | None]("state")
+    multi_rank = _Member[bool]("state")
+    run_id = _Member[str | None]("state")
+    step = _Member[int]("state")
+    samples = _Member[int]("state")
+    tokens = _Member[int]("state")
+    skipped_steps = _Member[int]("state")
+    step_loss = _Member[torch.Tensor | None]("state")
+    target_step = _Member[int]("state")
+    sharded_state = _Member[bool]("state", "sharded")
+    accumulation_steps = _Member[int]("settings")
+    grad_clip = _Member[float | None]("settings")
+    metrics_every = _Member[int]("settings")
+    allow_optimizer_reset = _Member[bool]("settings")
+    parallel_strategy = _Member[str]("settings", "parallel")
+    eval_data = _Member[Iterable[object] | None]("evaluation", "data")
+    eval_every = _Member[int]("evaluation", "every")
+    eval_max_batches = _Member[int | None]("evaluation", "max_batches")
 
     # -- the TrainerView members that are not plain attributes ---------------------------
 

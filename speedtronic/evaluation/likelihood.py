@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from speedtronic.systems.distributed import DistributedContext
     from speedtronic.systems.precision import PrecisionPlan
 
-__all__ = ["Continuation", "LikelihoodError", "Scored", "score_continuations"]
+__all__ = ["Continuation", "LikelihoodError", "score_continuations"]
 
 
 class LikelihoodError(ValueError):
@@ -49,7 +49,7 @@ class Continuation:
 
 
 @dataclass(frozen=True)
-class Scored:
+class _Scored:
     logprob: float
     greedy: bool
 
@@ -82,7 +82,7 @@ def _batches(order: list[int], size: int) -> Iterator[list[int]]:
 
 def _score_batch(
     model: nn.Module, fitted: Sequence[tuple[list[int], int]], device: torch.device
-) -> list[Scored]:
+) -> list[_Scored]:
     width = max(len(ids) for ids, _ in fitted) - 1
     padded = torch.zeros((len(fitted), width), dtype=torch.long)
     for i, (ids, _) in enumerate(fitted):
@@ -98,7 +98,7 @@ def _score_batch(
         greedy.append((rows.argmax(dim=-1) == targets).all())
     values = torch.stack(sums).tolist()
     flags = torch.stack(greedy).tolist()
-    return [Scored(float(v), bool(g)) for v, g in zip(values, flags, strict=True)]
+    return [_Scored(float(v), bool(g)) for v, g in zip(values, flags, strict=True)]
 
 
 def _passes_to_match(passes: int, lockstep: DistributedContext | None, device: torch.device) -> int:
@@ -121,7 +121,7 @@ def score_continuations(
     context: int | None = None,
     precision: PrecisionPlan | None = None,
     lockstep: DistributedContext | None = None,
-) -> tuple[list[Scored], int]:
+) -> tuple[list[_Scored], int]:
     """Each item's score, in the order given, and the number of forward passes made
     (module docstring; ``lockstep``: as many passes as the other ranks make).
     ``LikelihoodError`` for an item that cannot be scored."""
@@ -131,7 +131,7 @@ def score_continuations(
         raise LikelihoodError(f"batch_size must be positive, got {batch_size}")
     fitted = [_fit(item, context) for item in items]
     order = sorted(range(len(items)), key=lambda i: -len(fitted[i][0]))
-    scores: list[Scored | None] = [None] * len(items)
+    scores: list[_Scored | None] = [None] * len(items)
     passes = 0
     autocast = (
         autocast_context(precision, device)

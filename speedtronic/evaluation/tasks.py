@@ -44,18 +44,11 @@ if TYPE_CHECKING:
     from speedtronic.systems.distributed import DistributedContext
     from speedtronic.systems.precision import PrecisionPlan
 
-__all__ = [
-    "ChoiceRow",
-    "MultipleChoiceTask",
-    "TaskError",
-    "TaskScore",
-    "read_task",
-    "task_metric_keys",
-]
+__all__ = ["ChoiceRow", "MultipleChoiceTask", "TaskError", "read_task"]
 
-FEWSHOT_SEPARATOR = "\n\n"
-CHOICE_SEPARATOR = " "
-MAX_TASK_BYTES = 1 << 30
+_FEWSHOT_SEPARATOR = "\n\n"
+_CHOICE_SEPARATOR = " "
+_MAX_TASK_BYTES = 1 << 30
 """A task file larger than this is refused unread."""
 
 
@@ -97,8 +90,8 @@ def read_task(path: str | Path) -> list[ChoiceRow]:
     lines are skipped)."""
     file = Path(path).expanduser()
     try:
-        if file.stat().st_size > MAX_TASK_BYTES:
-            raise TaskError(f"{file}: larger than {MAX_TASK_BYTES} bytes")
+        if file.stat().st_size > _MAX_TASK_BYTES:
+            raise TaskError(f"{file}: larger than {_MAX_TASK_BYTES} bytes")
         lines = file.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise TaskError(f"task file {file}: cannot read it: {exc}") from None
@@ -117,13 +110,13 @@ def read_task(path: str | Path) -> list[ChoiceRow]:
     return rows
 
 
-def task_metric_keys(name: str) -> tuple[str, str]:
+def _task_metric_keys(name: str) -> tuple[str, str]:
     """The metric keys of task ``name``: ``eval/<name>/acc`` and ``eval/<name>/acc_norm``."""
     return f"eval/{name}/acc", f"eval/{name}/acc_norm"
 
 
 @dataclass(frozen=True)
-class TaskScore:
+class _TaskScore:
     """The counts of one evaluation (all ranks)."""
 
     correct: float
@@ -145,9 +138,9 @@ def _prompt(rows: Sequence[ChoiceRow], index: int, shots: int, seed: int) -> str
     others = [i for i in range(len(rows)) if i != index]
     picked = random.Random(seed * 1_000_003 + index).sample(others, min(shots, len(others)))
     examples = [
-        rows[i].context + CHOICE_SEPARATOR + rows[i].choices[rows[i].answer] for i in picked
+        rows[i].context + _CHOICE_SEPARATOR + rows[i].choices[rows[i].answer] for i in picked
     ]
-    return FEWSHOT_SEPARATOR.join([*examples, rows[index].context])
+    return _FEWSHOT_SEPARATOR.join([*examples, rows[index].context])
 
 
 def _is_sharded(model: nn.Module) -> bool:
@@ -191,7 +184,7 @@ class MultipleChoiceTask:
         for index in indices:
             prompt = tuple(self.encode(_prompt(self.rows, index, self.shots, self.seed)))
             for choice, text in enumerate(self.rows[index].choices):
-                tokens = tuple(self.encode(CHOICE_SEPARATOR + text))
+                tokens = tuple(self.encode(_CHOICE_SEPARATOR + text))
                 label = f"task {self.name}: row {index + 1} choice {choice}"
                 requests.append((index, choice, Continuation(prompt, tokens, label)))
         return requests
@@ -203,7 +196,7 @@ class MultipleChoiceTask:
         device: torch.device,
         precision: PrecisionPlan | None = None,
         distributed: DistributedContext | None = None,
-    ) -> TaskScore:
+    ) -> _TaskScore:
         """Score the model on the task's rows (up to ``max_rows``); the model's mode and the
         random state are left as they were."""
         rank, world = (distributed.rank, distributed.world_size) if distributed else (0, 1)
@@ -232,7 +225,7 @@ class MultipleChoiceTask:
         passes: int,
         device: torch.device,
         distributed: DistributedContext | None,
-    ) -> TaskScore:
+    ) -> _TaskScore:
         correct = correct_norm = 0
         for index, scores in totals.items():
             row = self.rows[index]
@@ -248,10 +241,10 @@ class MultipleChoiceTask:
 
             dist.all_reduce(sums)
         values = [float(value) for value in sums.tolist()]
-        return TaskScore(values[0], values[1], values[2], passes)
+        return _TaskScore(values[0], values[1], values[2], passes)
 
-    def metrics(self, score: TaskScore) -> dict[str, float]:
-        acc, acc_norm = task_metric_keys(self.name)
+    def metrics(self, score: _TaskScore) -> dict[str, float]:
+        acc, acc_norm = _task_metric_keys(self.name)
         return {acc: score.acc, acc_norm: score.acc_norm}
 
     def evaluate(

@@ -2,7 +2,7 @@
 
 ``StateSnapshot.take`` copies a state tree into reused CPU buffers (pinned, non-blocking for
 device tensors; deferred for storages the caller promises not to touch until
-``Snapshot.complete``). ``AsyncCheckpointWriter`` takes such a snapshot on the training thread
+``_Snapshot.complete``). ``AsyncCheckpointWriter`` takes such a snapshot on the training thread
 and hands it to one writer thread, which saves it through a ``CheckpointManager`` (and tells
 ``on_commit`` what it committed). The thread is the project's one background worker
 (``speedtronic.util.worker``), which also runs the uploads of committed checkpoints to object
@@ -29,11 +29,11 @@ from speedtronic.state.checkpoint import CheckpointError, CheckpointManager
 from speedtronic.state.safe_load import TENSOR_TYPES, plain_state
 from speedtronic.util.worker import BackgroundWorker
 
-__all__ = ["AsyncCheckpointWriter", "Snapshot", "StateSnapshot"]
+__all__ = ["AsyncCheckpointWriter", "StateSnapshot"]
 
 
 @dataclass
-class Snapshot:
+class _Snapshot:
     """A state copied (or being copied) into CPU memory.
 
     ``deferred`` holds ``(destination, source)`` storage pairs whose copy was postponed:
@@ -81,7 +81,7 @@ class StateSnapshot:
 
     Device tensors are copied into pinned buffers without blocking the host (``ready`` is
     recorded after them). CPU tensors whose storage pointer is in ``defer`` are not copied
-    now: ``Snapshot.complete`` copies them later, which is only correct while nothing writes
+    now: ``_Snapshot.complete`` copies them later, which is only correct while nothing writes
     to them (the checkpoint callback defers parameters and optimizer state, which only the
     next optimizer step changes, and waits for the copy before that step).
     """
@@ -89,7 +89,7 @@ class StateSnapshot:
     def __init__(self) -> None:
         self._buffers: list[torch.UntypedStorage] = []
 
-    def take(self, state: Mapping[str, object], defer: frozenset[int] = frozenset()) -> Snapshot:
+    def take(self, state: Mapping[str, object], defer: frozenset[int] = frozenset()) -> _Snapshot:
         walk = _SnapshotWalk(self, defer)
         copied = walk.copy(dict(state))
         assert isinstance(copied, dict)
@@ -97,7 +97,7 @@ class StateSnapshot:
         if walk.uses_cuda:
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it untyped
             ready.record()
-        return Snapshot(copied, walk.deferred, ready)
+        return _Snapshot(copied, walk.deferred, ready)
 
     def buffer(self, index: int, nbytes: int, *, pinned: bool) -> torch.UntypedStorage:
         """The ``index``-th reusable CPU buffer, (re)allocated to ``nbytes``."""
@@ -176,7 +176,7 @@ class AsyncCheckpointWriter:
         self.manager = manager
         self.on_commit = on_commit
         self._snapshot = StateSnapshot()
-        self._worker: BackgroundWorker[tuple[int, Snapshot]] | None = None
+        self._worker: BackgroundWorker[tuple[int, _Snapshot]] | None = None
         self._pending_step: int | None = None
         self._written: Path | None = None
         self._copied = threading.Event()
@@ -191,7 +191,7 @@ class AsyncCheckpointWriter:
     def submit(
         self, step: int, state: Mapping[str, object], *, defer: frozenset[int] = frozenset()
     ) -> None:
-        """Snapshot ``state`` and write it as ``step`` in the background. Storages in
+        """_Snapshot ``state`` and write it as ``step`` in the background. Storages in
         ``defer`` are copied by the writer thread: call ``wait_for_snapshot`` before
         anything changes them."""
         self.wait()
@@ -204,7 +204,7 @@ class AsyncCheckpointWriter:
             self._pending_step = step
             self._worker.submit((step, snapshot))
 
-    def _write(self, job: tuple[int, Snapshot]) -> None:
+    def _write(self, job: tuple[int, _Snapshot]) -> None:
         step, snapshot = job
         try:
             snapshot.complete()

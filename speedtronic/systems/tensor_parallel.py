@@ -53,7 +53,6 @@ __all__ = [
     "check_tensor_parallel",
     "data_parallel_share",
     "model_family",
-    "refuse_whole_matrix_optimizers",
     "register_tensor_parallel_plan",
     "require_divisible",
     "tensor_parallel_plan",
@@ -90,7 +89,7 @@ def data_parallel_share(rank: int, world_size: int, degree: int) -> tuple[int, i
     return rank // degree, max(world_size // degree, 1)
 
 
-def refuse_whole_matrix_optimizers(optimizer: torch.optim.Optimizer) -> None:
+def _refuse_whole_matrix_optimizers(optimizer: torch.optim.Optimizer) -> None:
     """``TensorParallelError`` for Muon (alone or in the hybrid optimizer, whose Muon group
     says ``algorithm: muon``): its Newton-Schulz step orthogonalizes each whole matrix, and a
     tensor-parallel rank holds a slice of it (the config rule refuses it at ``validate``;
@@ -123,7 +122,7 @@ def apply_tensor_parallel(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    refuse_whole_matrix_optimizers(optimizer)
+    _refuse_whole_matrix_optimizers(optimizer)
     world_size = dist.get_world_size()
     check_tensor_parallel(model, degree, world_size)
     plan = tensor_parallel_plan(model)

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
     from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["LLAMA_PLAN", "REFERENCE_PLAN", "LocalSequenceParallel", "ReplicateParallel"]
+__all__ = ["LLAMA_PLAN", "LocalSequenceParallel", "ReplicateParallel"]
 
 
 def _replicate_parameters(module: nn.Module, mesh: DeviceMesh) -> None:
@@ -213,7 +213,7 @@ def _whole_sequence_shares(
         )
 
 
-REFERENCE_PLAN = TensorParallelPlan(apply=_reference_apply, check=_reference_check)
+_REFERENCE_PLAN = TensorParallelPlan(apply=_reference_apply, check=_reference_check)
 
 
 # -- Llama-family transformers models ---------------------------------------------------
@@ -286,5 +286,5 @@ def _llama_apply(model: nn.Module, mesh: DeviceMesh) -> None:
 
 LLAMA_PLAN = TensorParallelPlan(apply=_llama_apply, check=_llama_check)
 
-register_tensor_parallel_plan("ReferenceTransformer", REFERENCE_PLAN)
+register_tensor_parallel_plan("ReferenceTransformer", _REFERENCE_PLAN)
 register_tensor_parallel_plan("llama", LLAMA_PLAN)

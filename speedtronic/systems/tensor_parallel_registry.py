@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "FAMILY_ATTRIBUTE",
     "TensorParallelError",
     "TensorParallelPlan",
     "model_family",
@@ -30,7 +29,7 @@ __all__ = [
     "require_divisible",
 ]
 
-FAMILY_ATTRIBUTE = "tensor_parallel_family"
+_FAMILY_ATTRIBUTE = "tensor_parallel_family"
 """A model (class) attribute naming its family in the plan registry."""
 
 
@@ -76,7 +75,7 @@ def model_family(model: nn.Module) -> str:
     """The registry key of ``model``: its ``tensor_parallel_family`` attribute when it has
     one, the ``model_type`` of a wrapped ``transformers`` model (``"llama"``), else its
     class name."""
-    declared = getattr(model, FAMILY_ATTRIBUTE, None)
+    declared = getattr(model, _FAMILY_ATTRIBUTE, None)
     if isinstance(declared, str):
         return declared
     wrapped = getattr(model, "hf", None)  # an hf_causal_lm model: the transformers model_type

@@ -9,7 +9,7 @@ reference is the median of the recent norms (``NormHistory``: the last ``window`
 that were applied, clipped ones at their clipped value) together with the norms of this
 round. A pseudo-gradient whose norm is above ``factor x median`` is an outlier: ``clip``
 scales it down to that bound, ``reject`` leaves it out. While fewer than
-``MIN_REFERENCE`` norms are known the median is not trusted and the bound is ``factor x``
+``_MIN_REFERENCE`` norms are known the median is not trusted and the bound is ``factor x``
 the norm of the global model's synchronised weights instead (an honest pseudo-gradient of
 H inner steps moves the model by a fraction of its own size; a zero model sets no bound).
 A non-finite norm is always left out unless the policy is ``off``. So a pseudo-gradient
@@ -39,7 +39,6 @@ import torch
 from speedtronic_callbacks.diloco.math import StateDict, as_real_fp32
 
 __all__ = [
-    "MIN_REFERENCE",
     "NormHistory",
     "RobustSettings",
     "Screening",
@@ -52,17 +51,17 @@ __all__ = [
     "work_weights",
 ]
 
-MIN_REFERENCE = 3
+_MIN_REFERENCE = 3
 """Norms needed (history plus this round) before their median is the reference."""
 
-Policy = Literal["clip", "reject", "off"]
+_Policy = Literal["clip", "reject", "off"]
 
 
 @dataclass(frozen=True)
 class RobustSettings:
     """The outlier rule (see the module docstring)."""
 
-    policy: Policy = "clip"
+    policy: _Policy = "clip"
     factor: float = 10.0
     window: int = 16
 
@@ -129,13 +128,13 @@ def screen(
 ) -> Screening:
     """Judge one round's pseudo-gradient ``norms`` against ``history`` (which it does not
     change: record ``applied_norms`` once the round is committed). ``model_norm`` is the
-    global model's norm, the reference while fewer than ``MIN_REFERENCE`` norms are known."""
+    global model's norm, the reference while fewer than ``_MIN_REFERENCE`` norms are known."""
     if settings.policy == "off":
         return Screening(tuple(1.0 for _ in norms), None)
     finite = [norm for norm in norms if math.isfinite(norm)]
     reference = [*history.norms, *finite]
     bound: float | None = None
-    if len(reference) >= MIN_REFERENCE:
+    if len(reference) >= _MIN_REFERENCE:
         bound = settings.factor * statistics.median(reference)
     elif model_norm is not None and model_norm > 0:
         bound = settings.factor * model_norm
@@ -178,11 +177,11 @@ class Screens:
     ) -> Screening:
         """``screen`` one round's ``values`` of ``group`` against its history (unchanged:
         ``record`` what was applied once the round is committed). While the history and the
-        round hold fewer than ``MIN_REFERENCE`` figures, ``model_norm()`` -- the norm of the
+        round hold fewer than ``_MIN_REFERENCE`` figures, ``model_norm()`` -- the norm of the
         global entries the pseudo-gradients move, computed only then -- sets the bound."""
         history = self.history(group)
         reference = None
-        if model_norm is not None and len(history.norms) + len(values) < MIN_REFERENCE:
+        if model_norm is not None and len(history.norms) + len(values) < _MIN_REFERENCE:
             reference = model_norm()
         return screen(values, history, self.settings, reference)
 

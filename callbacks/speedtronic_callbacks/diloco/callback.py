@@ -147,7 +147,7 @@ def build_diloco(options: Mapping[str, object]) -> DiLoCoCallback | CollectiveDi
     return DiLoCoCallback(DiLoCoOptions.from_mapping(options))
 
 
-def parse_options(options: Mapping[str, object]) -> DiLoCoOptions | CollectiveDiLoCoOptions:
+def _parse_options(options: Mapping[str, object]) -> DiLoCoOptions | CollectiveDiLoCoOptions:
     """The typed options of a validated ``callbacks:`` entry (not checked again): the
     ``mode`` option picks the dataclass."""
     if options.get("mode") == "collective":
@@ -354,7 +354,7 @@ class DiLoCoCallback(Callback):
     @classmethod
     def build(cls, options: Mapping[str, object], context: PluginContext) -> Callback:
         """The plugin-level builder: the ``mode`` option picks the callback class."""
-        return DILOCO.create(options, context)
+        return _DILOCO.create(options, context)
 
     @classmethod
     def from_options(cls, options: Mapping[str, object], context: PluginContext) -> Self:
@@ -364,7 +364,7 @@ class DiLoCoCallback(Callback):
             raise ValueError(
                 "DiLoCoCallback is diloco's hub mode; build other modes with build_diloco"
             )
-        parsed = parse_options(options)
+        parsed = _parse_options(options)
         assert isinstance(parsed, DiLoCoOptions)
         return cls(parsed)
 
@@ -579,12 +579,12 @@ def _global_eval_from_state(value: object) -> dict[str, int | float] | None:
     return result
 
 
-DILOCO = PluginSpec(
+_DILOCO = PluginSpec(
     name="diloco",
     callback=DiLoCoCallback,
     options_schema=OPTIONS_SCHEMA,
     options_type=DiLoCoOptions,
-    parse=parse_options,
+    parse=_parse_options,
     build=_create,
     sections=Sections(
         keys=("distributed",),
@@ -600,4 +600,4 @@ DILOCO = PluginSpec(
 )
 """The ``diloco`` plugin: two modes, one name; its options schema covers both."""
 
-attach(DiLoCoCallback, DILOCO)
+attach(DiLoCoCallback, _DILOCO)

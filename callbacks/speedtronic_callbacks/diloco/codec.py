@@ -30,15 +30,7 @@ from typing import ClassVar
 
 import torch
 
-__all__ = [
-    "BLOCK_SIZE",
-    "BlockCodec",
-    "CastCodec",
-    "Codec",
-    "Packed",
-    "PackingError",
-    "Payload",
-]
+__all__ = ["BLOCK_SIZE", "BlockCodec", "CastCodec", "Codec", "Packed", "PackingError", "Payload"]
 
 BLOCK_SIZE = 64
 """Values per scale of the block codecs (``docs/distributed.md``, "Delta encodings")."""
@@ -77,7 +69,7 @@ def _blocks(numel: int, block_size: int) -> int:
     return -(-numel // block_size)
 
 
-def flat_float32(flat: torch.Tensor) -> torch.Tensor:
+def _flat_float32(flat: torch.Tensor) -> torch.Tensor:
     """``flat`` as a finite float32 CPU vector; ``ValueError`` for NaN/Inf values."""
     values = flat.detach().reshape(-1).to("cpu", torch.float32)
     if values.numel() and not bool(torch.isfinite(values).all()):
@@ -143,7 +135,7 @@ class CastCodec(Codec):
         return self.dtype
 
     def encode(self, flat: torch.Tensor) -> Payload:
-        return flat_float32(flat).to(self.dtype)
+        return _flat_float32(flat).to(self.dtype)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         if isinstance(payload, Packed):
@@ -189,7 +181,7 @@ class BlockCodec(Codec):
         """Encode a flat float vector into codes and per-block scales."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        values = flat_float32(flat)
+        values = _flat_float32(flat)
         numel = values.numel()
         blocks = _blocks(numel, block_size)
         padded = torch.zeros(blocks * block_size, dtype=torch.float32)

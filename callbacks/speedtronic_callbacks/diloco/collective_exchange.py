@@ -39,7 +39,7 @@ from speedtronic_callbacks.diloco.outer_round import Contribution, OuterRound, s
 if TYPE_CHECKING:
     from speedtronic.engine.view import TrainerView
 
-__all__ = ["Exchange", "PackedGather", "ReplicaExchange", "baseline_copy"]
+__all__ = ["Exchange", "ReplicaExchange", "baseline_copy"]
 
 logger = logging.getLogger("speedtronic.diloco")
 
@@ -67,12 +67,12 @@ class Exchange:
     started_at: float
     kept: bool = True
     """Whether screening kept any replica (``False``: no outer step for this exchange)."""
-    packed: PackedGather | None = None
+    packed: _PackedGather | None = None
     """int8/fp4: the all-gathers in flight (instead of ``work`` and ``wire``)."""
 
 
 @dataclass
-class PackedGather:
+class _PackedGather:
     """An int8/fp4 exchange's all-gathers: their work handles (none with one replica),
     every replica's packed codes and scales (filled when the handles complete), the
     replicas' coefficients and the number of values packed."""
@@ -255,7 +255,7 @@ class ReplicaExchange:
 
     def start_packed(
         self, flat: torch.Tensor, coefficients: list[float], fragment: int
-    ) -> PackedGather:
+    ) -> _PackedGather:
         """int8/fp4: pack ``flat`` (keeping what the packing dropped as ``fragment``'s
         residual) and start the all-gathers of every replica's codes and scales (async)."""
         packed = self._block_codec().pack(flat)
@@ -265,7 +265,7 @@ class ReplicaExchange:
                 flat - packed.codec.unpack(packed) if kept else torch.zeros_like(flat)
             )
         groups, context = self.groups, self.context
-        gather = PackedGather([], [], [packed.codes], [packed.scales], coefficients, flat.numel())
+        gather = _PackedGather([], [], [packed.codes], [packed.scales], coefficients, flat.numel())
         if groups is None or context is None or groups.num_replicas < 2:
             return gather
         gather.codes, gather.scales = [], []
@@ -277,7 +277,7 @@ class ReplicaExchange:
             self.bytes_reduced += local.numel() * local.element_size()
         return gather
 
-    def finish_packed(self, gather: PackedGather) -> torch.Tensor:
+    def finish_packed(self, gather: _PackedGather) -> torch.Tensor:
         """Wait for ``_start_packed``'s all-gathers; decode every replica's pseudo-gradient
         and combine them as ``sum(c_i * delta_i) / replicas`` in float32, in replica order."""
         for handle in gather.handles:

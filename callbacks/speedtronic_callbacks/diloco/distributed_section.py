@@ -188,7 +188,7 @@ def options_from_distributed_section(
 _SYNC_INSTEAD = (
     "for synchronous DiLoCo use callbacks: [{name: diloco, mode: collective}] under torchrun"
 )
-UNSUPPORTED_2_0_KEYS: dict[str, tuple[object, str]] = {
+_UNSUPPORTED_2_0_KEYS: dict[str, tuple[object, str]] = {
     "collaborators": (
         default_of(DistributedSectionKeys, "collaborators"),
         "the master does not grant access: add the nodes' accounts as members of the "
@@ -218,7 +218,7 @@ does anyway, what to use instead)``. Any other value is refused when the section
 
 
 def _unsupported_keys(section: Mapping[str, object]) -> Iterator[str]:
-    for key, (accepted, instead) in UNSUPPORTED_2_0_KEYS.items():
+    for key, (accepted, instead) in _UNSUPPORTED_2_0_KEYS.items():
         value = section.get(key, accepted)
         if value != accepted:
             yield f"distributed.{key}: {value!r} is not supported: {instead}"

@@ -38,8 +38,6 @@ __all__ = [
     "Packed",
     "PackingError",
     "bytes_per_value",
-    "decode_flat",
-    "encode_flat",
     "pack",
     "packed_bytes",
     "round_trip",
@@ -135,16 +133,9 @@ def unpack(packed: Packed) -> torch.Tensor:
     return packed.codec.unpack(packed)
 
 
-def encode_flat(flat: torch.Tensor, codec: Codec) -> Payload:
+def _encode_flat(flat: torch.Tensor, codec: Codec) -> Payload:
     """``codec.encode``: ``flat`` as it travels."""
     return codec.encode(flat)
-
-
-def decode_flat(encoded: Payload) -> torch.Tensor:
-    """The float32 values of ``encode_flat``'s result."""
-    if isinstance(encoded, Packed):
-        return unpack(encoded)
-    return encoded.to(torch.float32)
 
 
 def round_trip(flat: torch.Tensor, codec: Codec) -> torch.Tensor:

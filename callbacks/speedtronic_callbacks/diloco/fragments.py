@@ -38,7 +38,6 @@ __all__ = [
     "fragment_name",
     "layout_plan",
     "plan_fragments",
-    "sync_offset",
 ]
 
 _NUMBERED = re.compile(r"^(?:(?P<container>.*?)\.)?(?P<index>\d+)\.")
@@ -103,7 +102,7 @@ def fragment_name(fragment: int, fragments: int) -> str:
     return "" if fragments == 1 else f"{fragment}/{fragments}"
 
 
-def sync_offset(fragment: int, fragments: int, inner_steps: int) -> int:
+def _sync_offset(fragment: int, fragments: int, inner_steps: int) -> int:
     """Fragment ``fragment``'s synchronisation step within each window of ``inner_steps``."""
     return (fragment * inner_steps) // fragments
 
@@ -122,7 +121,7 @@ def plan_fragments(
     blocks than fragments."""
     if fragments < 1:
         raise ValueError(f"diloco: fragments must be >= 1, got {fragments}")
-    offsets = tuple(sync_offset(p, fragments, inner_steps) for p in range(fragments))
+    offsets = tuple(_sync_offset(p, fragments, inner_steps) for p in range(fragments))
     if fragments == 1:
         return FragmentPlan(inner_steps, (tuple(sync_keys),), offsets)
     blocks = find_blocks(order)

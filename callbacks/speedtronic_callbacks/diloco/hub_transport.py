@@ -107,7 +107,7 @@ def _error_names(error: BaseException) -> set[str]:
     return {cls.__name__ for cls in type(error).__mro__}
 
 
-def hub_status_code(error: BaseException) -> int | None:
+def _hub_status_code(error: BaseException) -> int | None:
     """The HTTP status of a ``huggingface_hub`` error, when it has a response."""
     response = getattr(error, "response", None)
     status = getattr(response, "status_code", None)
@@ -127,7 +127,7 @@ def classify_hub_error(error: BaseException) -> str:
         return "not_found"
     if names & _PERMANENT_ERRORS:
         return "permanent"
-    status = hub_status_code(error)
+    status = _hub_status_code(error)
     if status is not None:
         if status == 429 or status >= 500:
             return "transient"
@@ -201,7 +201,7 @@ class HubTransport(Transport):
 
     def _fail(self, operation: str, error: Exception) -> TransportError:
         message = redact(f"{type(error).__name__}: {error}", [self._token()])
-        status = hub_status_code(error)
+        status = _hub_status_code(error)
         if status in {401, 403}:
             where = "distributed.token" if self._explicit_token else f"${self.token_env}"
             message += f" (check the token in {where} and its write access)"

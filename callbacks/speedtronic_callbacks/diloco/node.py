@@ -100,7 +100,6 @@ __all__ = [
     "NodeSettings",
     "NodeStats",
     "PollResult",
-    "Role",
     "SyncOutcome",
     "UploadJob",
     "UploadResult",
@@ -109,7 +108,7 @@ __all__ = [
 logger = logging.getLogger("speedtronic.diloco")
 
 
-Role = Literal["master", "worker"]
+_Role = Literal["master", "worker"]
 
 
 @dataclass(frozen=True)
@@ -117,7 +116,7 @@ class NodeSettings:
     """Node-side knobs (see the callback options for meaning and defaults)."""
 
     node_id: str
-    role: Role
+    role: _Role
     inner_steps: int = 500
     poll_interval: float = 60.0
     compression: Codec = FP32

@@ -5,7 +5,7 @@ Both modes share one plugin name and one options schema (``OPTIONS_SCHEMA``): ``
 ``DiLoCoOptions``) and ``mode: collective`` (synchronous over torch.distributed, options
 ``CollectiveDiLoCoOptions``). Each option is one annotated field
 (``speedtronic.config.declare``); options both modes have are declared once in the groups
-they inherit (``OuterLoopOptions``, ``DeltaOptions``), and the schemas are derived from the
+they inherit (``OuterLoopOptions``, ``_DeltaOptions``), and the schemas are derived from the
 dataclasses. Config validation checks a ``callbacks:`` entry against that schema plus the
 cross-field rules (``hub_option_problems``), once; the options object is then built from the
 validated data without another check. Options built in Python (``DiLoCoOptions(...)``,
@@ -37,23 +37,20 @@ __all__ = [
     "HUB_OPTIONS_SCHEMA",
     "OPTIONS_SCHEMA",
     "CollectiveDiLoCoOptions",
-    "DeltaOptions",
     "HubRequestOptions",
     "OuterLoopOptions",
-    "collective_option_problems",
     "delta_encoding",
     "encoding_problems",
     "streaming_problems",
     "DiLoCoOptions",
     "hub_option_problems",
-    "is_int",
     "is_number",
     "robust_settings",
 ]
 
 logger = logging.getLogger("speedtronic.diloco")
 
-OutlierPolicy = Literal["clip", "reject", "off"]
+_OutlierPolicy = Literal["clip", "reject", "off"]
 
 
 # -- the options, each declared once -----------------------------------------------------
@@ -97,7 +94,7 @@ class HubRequestOptions:
 
 
 @dataclass(frozen=True)
-class DeltaOptions:
+class _DeltaOptions:
     """How pseudo-gradients travel and are combined (both modes; see docs/distributed.md,
     "Delta encodings", "Robust aggregation" and "Streaming")."""
 
@@ -125,7 +122,7 @@ class DeltaOptions:
         ),
     ] = True
     outlier_policy: Annotated[
-        OutlierPolicy,
+        _OutlierPolicy,
         Opt(
             "a pseudo-gradient whose norm -- or claimed work -- exceeds `outlier_factor` × the "
             "median of the recent ones is scaled down to that bound (`clip`) or left out "
@@ -162,7 +159,7 @@ class DeltaOptions:
 
 
 @dataclass(frozen=True)
-class DiLoCoOptions(DeltaOptions, HubRequestOptions, OuterLoopOptions):
+class DiLoCoOptions(_DeltaOptions, HubRequestOptions, OuterLoopOptions):
     """Options of the ``diloco`` callback in ``mode: hub``, each declared once (the schema
     ``HUB_OPTIONS_SCHEMA`` is derived from them). ``None`` means "not set". Built from
     Python, the values are checked against the schema and ``hub_option_problems``; a problem
@@ -322,7 +319,7 @@ HUB_OPTIONS_SCHEMA: JSONSchema = object_schema(
 
 
 @dataclass(frozen=True)
-class CollectiveDiLoCoOptions(DeltaOptions, OuterLoopOptions):
+class CollectiveDiLoCoOptions(_DeltaOptions, OuterLoopOptions):
     """Options of the ``diloco`` callback in ``mode: collective`` (synchronous DiLoCo), each
     declared once (``COLLECTIVE_OPTIONS_SCHEMA`` is derived from them). Built from Python,
     the values are checked against that schema; a problem is a ``ValueError``."""
@@ -360,7 +357,7 @@ class CollectiveDiLoCoOptions(DeltaOptions, OuterLoopOptions):
     ] = 0
 
     def __post_init__(self) -> None:
-        problems = collective_option_problems(dataclasses.asdict(self))
+        problems = _collective_option_problems(dataclasses.asdict(self))
         if problems:
             raise ValueError("diloco (collective): " + "; ".join(problems))
 
@@ -371,7 +368,7 @@ class CollectiveDiLoCoOptions(DeltaOptions, OuterLoopOptions):
         unknown = sorted(set(options) - {item.name for item in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"diloco (collective): unknown option(s) {unknown}")
-        problems = collective_option_problems(options)
+        problems = _collective_option_problems(options)
         if problems:
             raise ValueError("diloco (collective): " + "; ".join(problems))
         return build(cls, options)  # checked just now: not again by __post_init__
@@ -461,7 +458,7 @@ def _hub_cross_field_problems(values: Mapping[str, object]) -> Iterator[str]:
     index, count = values.get("node_index"), values.get("num_nodes")
     if count is not None and index is None:
         yield "num_nodes: needs node_index"
-    if isinstance(index, int) and isinstance(count, int) and is_int(index) and is_int(count):
+    if isinstance(index, int) and isinstance(count, int) and _is_int(index) and _is_int(count):
         if not index < count:
             yield f"node_index: {index} is not below num_nodes {count}"
 
@@ -470,14 +467,14 @@ def is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def is_int(value: object) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 _COLLECTIVE_VALIDATOR = Draft202012Validator(COLLECTIVE_OPTIONS_SCHEMA)
 
 
-def collective_option_problems(values: Mapping[str, object]) -> list[str]:
+def _collective_option_problems(values: Mapping[str, object]) -> list[str]:
     """Every problem of collective-mode options, each starting with its key: the schema's,
     then the encoding rules (``encoding_problems``) and the streaming rule
     (``streaming_problems``)."""
@@ -494,7 +491,7 @@ def streaming_problems(values: Mapping[str, object]) -> Iterator[str]:
     inner = values.get("inner_steps", 500)
     count = values.get("fragments", 1)
     overlap = values.get("overlap_steps", 0)
-    if not (is_int(inner) and is_int(count) and is_int(overlap)):
+    if not (_is_int(inner) and _is_int(count) and _is_int(overlap)):
         return
     assert isinstance(inner, int) and isinstance(count, int) and isinstance(overlap, int)
     if count >= 1 and overlap > 0 and overlap * count >= inner:

@@ -73,7 +73,7 @@ __all__ = [
     "save_safetensors",
 ]
 
-POINTER_FILE = "global/step_count.json"
+_POINTER_FILE = "global/step_count.json"
 
 T = TypeVar("T")
 
@@ -293,11 +293,11 @@ class HubClient:
         """The hub's pointer (``None`` when there is none); ``HubError`` when it is not a
         pointer at all (not JSON, a step that is no integer)."""
         try:
-            value = self.read_json(POINTER_FILE)
+            value = self.read_json(_POINTER_FILE)
             return GlobalMetadata.from_dict(value) if isinstance(value, Mapping) else None
         except ValueError as exc:  # json's errors, int()'s (its digit limit too)
             raise HubError(
-                f"{POINTER_FILE} in {self.transport.location} is unusable: {exc}"
+                f"{_POINTER_FILE} in {self.transport.location} is unusable: {exc}"
             ) from None
 
     def download_global(
@@ -324,7 +324,7 @@ class HubClient:
         )
         values = metadata.to_dict()
         values.update({str(k): str(v) for k, v in (metadata_extra or {}).items()})
-        self.write_json(POINTER_FILE, values)
+        self.write_json(_POINTER_FILE, values)
         return metadata
 
     def upload_delta(

@@ -11,7 +11,7 @@ the round runs through it the same way in both:
    global's entries of that fragment bounds them (``aggregation.Screens``). The verdict is
    each contribution's ``clip`` (1: as is, below 1: clipped, 0: left out);
 3. **weigh** (``OuterRound.weights``) -- each contribution's coefficient from its clip,
-   its work share and its staleness, by the round's ``Weighting`` policy;
+   its work share and its staleness, by the round's ``_Weighting`` policy;
 4. **combine** -- the transport's own part: the master averages the hub deltas by key
    (``fragments.aggregate_by_key``), the replicas all-reduce (or all-gather the packed
    codes of a block codec);
@@ -61,9 +61,7 @@ __all__ = [
     "KeptAverage",
     "OuterRound",
     "ReplicaAverage",
-    "Weighting",
     "replica_coefficients",
-    "replica_weights",
     "share_by_work",
 ]
 
@@ -83,7 +81,7 @@ class Contribution:
     """``work / mean(work)`` over the round's kept contributions (1: not weighted by work)."""
 
 
-class Weighting(Protocol):
+class _Weighting(Protocol):
     """How a round's contributions become the coefficients the transport combines with."""
 
     @property
@@ -140,7 +138,7 @@ class OuterRound:
     def __init__(
         self,
         robust: RobustSettings,
-        weighting: Weighting,
+        weighting: _Weighting,
         *,
         lr: float,
         momentum: float,
@@ -200,7 +198,7 @@ class OuterRound:
         return new_global, optimizer.buffers
 
 
-def replica_weights(
+def _replica_weights(
     screening: Screening, tokens: Sequence[int], samples: Sequence[int], *, weight_by_work: bool
 ) -> list[float]:
     """Collective mode's coefficients (``ReplicaAverage``): the screening factors times
@@ -237,6 +235,6 @@ def replica_coefficients(
     weight_by_work: bool,
     model_norm: float | None = None,
 ) -> tuple[list[float], Screening]:
-    """``replica_weights`` of this round's ``screen`` (``history`` is not changed)."""
+    """``_replica_weights`` of this round's ``screen`` (``history`` is not changed)."""
     screening = screen(norms, history, settings, model_norm)
-    return replica_weights(screening, tokens, samples, weight_by_work=weight_by_work), screening
+    return _replica_weights(screening, tokens, samples, weight_by_work=weight_by_work), screening

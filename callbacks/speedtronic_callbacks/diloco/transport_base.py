@@ -257,7 +257,7 @@ def call_with_timeout(function: Callable[[], T], timeout: float, operation: str)
     return outcome[0]
 
 
-class Cancelled(TransientTransportError):
+class _Cancelled(TransientTransportError):
     """A retry wait was interrupted because the node is shutting down."""
 
 
@@ -296,9 +296,9 @@ class RetryingTransport(Transport):
         if self._sleep is not None:
             self._sleep(seconds)
             if self.cancel.is_set():
-                raise Cancelled(operation, "shutting down")
+                raise _Cancelled(operation, "shutting down")
         elif self.cancel.wait(seconds):
-            raise Cancelled(operation, "shutting down")
+            raise _Cancelled(operation, "shutting down")
 
     def _call(self, operation: str, function: Callable[[], T]) -> T:
         def attempt() -> T:
