@@ -13,6 +13,7 @@ from speedtronic.systems.distributed import LaunchEnvironment as LaunchEnvironme
 from speedtronic.systems.distributed import ReplicaGroups as ReplicaGroups
 from speedtronic.systems.distributed import ReplicaSync as ReplicaSync
 from speedtronic.systems.distributed import agree_on_stop as agree_on_stop
+from speedtronic.systems.distributed import arm_gradient_sync as arm_gradient_sync
 from speedtronic.systems.distributed import choose_backend as choose_backend
 from speedtronic.systems.distributed import collective_failure as collective_failure
 from speedtronic.systems.distributed import read_launch_environment as read_launch_environment
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from speedtronic_callbacks.diloco.original_api import save_safetensors as save_safetensors
 
 __all__ = [
+    "arm_gradient_sync",
     "CollectiveError",
     "DistributedContext",
     "DistributedSetupError",

@@ -75,21 +75,21 @@ class StepHooks(NamedTuple):
     order), typed by the event's context: the loop unpacks the whole step's hooks into
     locals at once instead of looking each event up in the ``HookTable``."""
 
-    step_start: EventHooks[StepContext]
-    microbatch_start: EventHooks[MicrobatchContext]
-    before_backward: EventHooks[BackwardContext]
-    after_backward: EventHooks[BackwardContext]
-    microbatch_end: EventHooks[MicrobatchContext]
-    before_optimizer_step: EventHooks[OptimizerStepContext]
-    after_optimizer_step: EventHooks[OptimizerStepContext]
-    after_scheduler_step: EventHooks[SchedulerContext]
-    coordinate: EventHooks[CoordinateContext]
-    metrics: EventHooks[MetricsContext]
-    checkpoint: EventHooks[CheckpointContext]
-    step_end: EventHooks[StepContext]
+    step_start_hooks: EventHooks[StepContext]
+    microbatch_start_hooks: EventHooks[MicrobatchContext]
+    before_backward_hooks: EventHooks[BackwardContext]
+    after_backward_hooks: EventHooks[BackwardContext]
+    microbatch_end_hooks: EventHooks[MicrobatchContext]
+    before_optimizer_step_hooks: EventHooks[OptimizerStepContext]
+    after_optimizer_step_hooks: EventHooks[OptimizerStepContext]
+    after_scheduler_step_hooks: EventHooks[SchedulerContext]
+    coordinate_hooks: EventHooks[CoordinateContext]
+    metrics_hooks: EventHooks[MetricsContext]
+    checkpoint_hooks: EventHooks[CheckpointContext]
+    step_end_hooks: EventHooks[StepContext]
 
 
-assert StepHooks._fields == tuple(key.event.value for key in _STEP_HOOK_KEYS), "one per key"
+assert StepHooks._fields == tuple(f"{key.event.value}_hooks" for key in _STEP_HOOK_KEYS)
 
 
 def _step_hooks(table: dict[EventKey, tuple[_BoundHook, ...]]) -> StepHooks:
