@@ -690,6 +690,15 @@ def test_the_sinks_of_one_event_share_a_finished_record_and_the_loop_gets_its_ow
     assert after is not first and after["mine/x"] == 1
     assert "mine/x" not in first  # a mapping handed out earlier does not change
     assert loss.grad_fn is not None and loss.requires_grad  # the caller's tensor untouched
+    record.set("flag", True)  # other plain values stay what they are
+    record.set("note", "warmup")
+    record.set("weight", torch.nn.Parameter(torch.tensor(0.5)))  # a tensor subclass
+    assert {k: record.finished()[k] for k in ("flag", "note", "weight")} == {
+        "flag": True,
+        "note": "warmup",
+        "weight": 0.5,
+    }
+    assert type(record.finished()["flag"]) is bool
 
 
 @pytest.mark.parametrize(

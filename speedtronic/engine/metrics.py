@@ -29,16 +29,19 @@ class MetricRecord:
     def set(self, key: str, value: MetricValue | torch.Tensor) -> None:
         """Add or replace a key. A tensor is kept on its device until ``values()``."""
         self._finished = None
-        if isinstance(value, torch.Tensor):
+        kind = type(value)
+        # The exact-type tests first: a record is mostly plain numbers, and an isinstance
+        # test against torch.Tensor costs as much as the rest of a plain set.
+        if kind is float or kind is int or kind is str or not isinstance(value, torch.Tensor):
+            pending = self._pending
+            if pending and key in pending:  # a plain value replaces a tensor under the key
+                del pending[key]
+            self._values[key] = value  # type: ignore[assignment]  # not a tensor: tested above
+        else:
             self._values.pop(key, None)
             # A tensor without autograd history has nothing to cut off (detach costs more
             # than the rest of a set).
             self._pending[key] = value.detach() if value.requires_grad else value
-        else:
-            pending = self._pending
-            if pending and key in pending:  # a plain value replaces a tensor under the key
-                del pending[key]
-            self._values[key] = value
 
     def setdefault(self, key: str, value: MetricValue | torch.Tensor) -> None:
         if key not in self:
