@@ -172,8 +172,8 @@ def record_path(out: Path) -> Callable[[], float]:
             record.set("tokens", step)
             record.set("micro_batches", 1)
             record.set("elapsed_s", 0.5)
-            jsonl.write_record(view, record.values())  # type: ignore[arg-type]
-            console.write_record(view, record.values())  # type: ignore[arg-type]
+            jsonl.write_record(view, record.finished())  # type: ignore[arg-type]
+            console.write_record(view, record.finished())  # type: ignore[arg-type]
             record.values()  # the loop keeps the due record too
         return (time.thread_time() - start) / RECORDS * 1e6
 

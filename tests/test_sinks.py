@@ -9,6 +9,7 @@ import json
 import math
 import sys
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import jsonschema
@@ -41,7 +42,7 @@ from speedtronic_callbacks.early_stopping import EarlyStopping
 from speedtronic_callbacks.jsonl import JsonlCallback, encode_record
 from speedtronic_callbacks.nan_guard import NanGuard
 from speedtronic_callbacks.progress import ProgressBarCallback
-from speedtronic_callbacks.sink import MetricSink, Record
+from speedtronic_callbacks.sink import MetricSink, Record, format_si
 from speedtronic_callbacks.system_metrics import SystemMetricsCallback
 from speedtronic_callbacks.tensorboard import TensorBoardCallback
 from speedtronic_callbacks.wandb import WandbCallback
@@ -476,14 +477,14 @@ def test_sinks_materialise_records_only_on_due_steps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     materialised: list[int] = []
-    original = MetricRecord.values
+    original = MetricRecord.finished  # values() and every sink read the record through it
 
-    def counting_values(self: MetricRecord) -> dict[str, float | int | str]:
+    def counting_finished(self: MetricRecord) -> Mapping[str, float | int | str]:
         if self._pending:  # a host transfer happens only while tensors are pending
             materialised.append(self.step)
         return original(self)
 
-    monkeypatch.setattr(MetricRecord, "values", counting_values)
+    monkeypatch.setattr(MetricRecord, "finished", counting_finished)
     sinks: list[Callback] = [
         SystemMetricsCallback(),
         ConsoleCallback(file=tmp_path / "log.txt"),
@@ -667,3 +668,55 @@ def test_a_record_reads_host_tensors_as_float32_values_like_device_ones() -> Non
     assert [values["loss"], values["wide"]] == stacked
     record.set("loss", 2.0)  # a plain value replaces a tensor under the same key
     assert record.values()["loss"] == 2.0
+
+
+def test_the_sinks_of_one_event_share_a_finished_record_and_the_loop_gets_its_own() -> None:
+    """``finished()`` is one mapping for every reader until the next ``set`` (the sinks of
+    a ``metrics`` event share it); ``values()`` is a new dict its caller may change."""
+    weight = torch.tensor(2.0, requires_grad=True)
+    loss = weight * 3
+    record = MetricRecord(5)
+    record.set("loss", loss)  # a tensor with autograd history is kept detached
+    record.set("lr", 0.1)
+    first = record.finished()
+    assert record.finished() is first
+    assert dict(first) == {"step": 5, "loss": 6.0, "lr": 0.1}
+    own = record.values()
+    assert own == first and own is not first
+    own["lr"] = 9.0
+    assert record.finished()["lr"] == 0.1  # a caller's copy never reaches the sinks
+    record.set("mine/x", 1)
+    after = record.finished()
+    assert after is not first and after["mine/x"] == 1
+    assert "mine/x" not in first  # a mapping handed out earlier does not change
+    assert loss.grad_fn is not None and loss.requires_grad  # the caller's tensor untouched
+    record.set("flag", True)  # other plain values stay what they are
+    record.set("note", "warmup")
+    record.set("weight", torch.nn.Parameter(torch.tensor(0.5)))  # a tensor subclass
+    assert {k: record.finished()[k] for k in ("flag", "note", "weight")} == {
+        "flag": True,
+        "note": "warmup",
+        "weight": 0.5,
+    }
+    assert type(record.finished()["flag"]) is bool
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (0.0, "0"),
+        (12.5, "12.5"),
+        (12.0, "12"),
+        (150.5, "150"),  # three digits: no decimals (banker's rounding of .5)
+        (999.4, "999"),
+        (1000.0, "1.0k"),
+        (-1234.5, "-1.2k"),
+        (999_999.0, "1000.0k"),
+        (2.5e6, "2.5M"),
+        (7.25e9, "7.2G"),
+        (3e15, "3000.0T"),
+        (float("nan"), "nan"),
+    ],
+)
+def test_format_si_picks_the_unit_by_magnitude(value: float, text: str) -> None:
+    assert format_si(value) == text

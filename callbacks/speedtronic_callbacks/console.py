@@ -44,7 +44,6 @@ from speedtronic_callbacks.sink import (
     format_float,
     format_si,
     format_value,
-    formatted_numbers,
     other_keys,
     resolve_path,
     under_output_dir,
@@ -128,14 +127,17 @@ _STEP_LINE_KEYS = frozenset(key for key, _ in _STEP_LINE_FIELDS) | {"steps_per_s
 
 @functools.lru_cache(maxsize=64)
 def _line_plan(
-    record_keys: tuple[str, ...], extra_keys: tuple[str, ...]
+    record_keys: tuple[str, ...], extra_keys: tuple[str, ...], other: bool
 ) -> tuple[tuple[NumberFormat, ...], tuple[str, ...]]:
-    """The standard fields a record with these keys has, and its other keys
-    (``sink.other_keys``): a run's records have the same keys step after step, so both are
-    worked out once per shape, not once per line."""
+    """The standard fields a record with these keys has, and the keys shown after them:
+    ``extra_keys``, then (``other``) its other keys (``sink.other_keys``). A run's records
+    have the same keys step after step, so the line's layout is worked out once per shape,
+    not once per line."""
     present = frozenset(record_keys)
     fields = tuple(field for field in _STEP_LINE_FIELDS if field[0] in present)
-    return fields, tuple(other_keys(record_keys, _STEP_LINE_KEYS.union(extra_keys)))
+    if not other:
+        return fields, extra_keys
+    return fields, extra_keys + tuple(other_keys(record_keys, _STEP_LINE_KEYS.union(extra_keys)))
 
 
 def describe_record(
@@ -148,16 +150,18 @@ def describe_record(
     """One step line from a finished record: the standard fields, then ``extra_keys``, then
     (``other``) every other key a callback logged (``sink.other_keys``); keys that are
     absent are left out."""
-    fields, others = _line_plan(tuple(record), tuple(extra_keys))
+    fields, shown = _line_plan(tuple(record), tuple(extra_keys), other)
     parts = [f"step {record['step']}/{target_step}"]
-    parts += formatted_numbers(record, fields)
-    keys = list(extra_keys)
-    if other:
-        keys += others
-    for key in keys:
-        value = record.get(key)
-        if value is not None:
-            parts.append(f"{key} {format_value(key, value)}")
+    for key, show in fields:  # present by the plan; shown when the value is a number
+        value = record[key]
+        if type(value) is float:  # the usual case: no conversion
+            parts.append(show(value))
+        elif isinstance(value, (int, float)) and type(value) is not bool:
+            parts.append(show(float(value)))
+    for key in shown:
+        shown_value = record.get(key)
+        if shown_value is not None:
+            parts.append(f"{key} {format_value(key, shown_value)}")
     return " | ".join(parts)
 
 

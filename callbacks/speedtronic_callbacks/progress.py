@@ -205,7 +205,7 @@ class ProgressBarCallback(Callback):
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         bar = self._bar
         if bar is not None:
-            bar.set_postfix_str(_postfix(ctx.record.values(), self.other_keys), refresh=False)
+            bar.set_postfix_str(_postfix(ctx.record.finished(), self.other_keys), refresh=False)
             return
         if self._lines_stream is None:
             return
@@ -213,7 +213,7 @@ class ProgressBarCallback(Callback):
         final = ctx.step >= trainer.target_step
         if final or now - self._last_line_time >= self.min_interval_s:
             self._last_line_time = now
-            record = ctx.record.values()
+            record = ctx.record.finished()
             line = progress_line(record, self._start_step, trainer.target_step, self.other_keys)
             tqdm.write(line, file=self._lines_stream)
 

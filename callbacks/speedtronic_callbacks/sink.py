@@ -65,7 +65,7 @@ class MetricSink(Callback, abc.ABC):
 
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         if self.write_failure is None:  # a sink that failed to write was reported once
-            self.write_record(trainer, ctx.record.values())
+            self.write_record(trainer, ctx.record.finished())
 
     def write_failed(self, path: Path, error: OSError) -> SinkWriteError:
         """Record that writing ``path`` failed with ``error``; returns the error to raise.
@@ -196,10 +196,18 @@ def numeric_items(record: Record) -> Iterator[tuple[str, float]]:
 def format_si(value: float, digits: int = 1) -> str:
     """A compact human number: 950, 1.2k, 3.4M, 5.6G."""
     magnitude = abs(value)
-    for threshold, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if magnitude >= threshold:
-            return f"{value / threshold:.{digits}f}{suffix}"
-    return f"{value:.{digits}f}" if magnitude < 100 and value != int(value) else f"{value:.0f}"
+    # Unrolled (a rate is formatted on every logged line); ``not >=`` keeps NaN here.
+    if not magnitude >= 1e3:
+        return f"{value:.{digits}f}" if magnitude < 100 and value != int(value) else f"{value:.0f}"
+    if magnitude < 1e6:
+        threshold, suffix = 1e3, "k"
+    elif magnitude < 1e9:
+        threshold, suffix = 1e6, "M"
+    elif magnitude < 1e12:
+        threshold, suffix = 1e9, "G"
+    else:
+        threshold, suffix = 1e12, "T"
+    return f"{value / threshold:.{digits}f}{suffix}"
 
 
 def format_bytes(value: float) -> str:

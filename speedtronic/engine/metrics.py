@@ -1,13 +1,13 @@
 """The per-step metric record: contributors add keys, sinks read the finished values.
 
 Values may be device tensors. They are only copied to the host when a sink asks for
-``values()`` -- all of them in one transfer -- so steps on which nothing is logged never
-force a device sync.
+``values()`` or ``finished()`` -- all of them in one transfer -- so steps on which nothing
+is logged never force a device sync.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -18,22 +18,30 @@ MetricValue = float | int | str
 class MetricRecord:
     """One global step's metrics. Created by the trainer at the ``metrics`` event."""
 
-    __slots__ = ("step", "_values", "_pending")
+    __slots__ = ("step", "_values", "_pending", "_finished")
 
     def __init__(self, step: int) -> None:
         self.step = step
         self._values: dict[str, MetricValue] = {"step": step}
         self._pending: dict[str, torch.Tensor] = {}
+        self._finished: dict[str, MetricValue] | None = None
 
     def set(self, key: str, value: MetricValue | torch.Tensor) -> None:
         """Add or replace a key. A tensor is kept on its device until ``values()``."""
-        if isinstance(value, torch.Tensor):
-            self._values.pop(key, None)
-            self._pending[key] = value.detach()
+        self._finished = None
+        kind = type(value)
+        # The exact-type tests first: a record is mostly plain numbers, and an isinstance
+        # test against torch.Tensor costs as much as the rest of a plain set.
+        if kind is float or kind is int or kind is str or not isinstance(value, torch.Tensor):
+            pending = self._pending
+            if pending and key in pending:  # a plain value replaces a tensor under the key
+                del pending[key]
+            self._values[key] = value  # type: ignore[assignment]  # not a tensor: tested above
         else:
-            if self._pending:  # a plain value replaces a tensor under the same key
-                self._pending.pop(key, None)
-            self._values[key] = value
+            self._values.pop(key, None)
+            # A tensor without autograd history has nothing to cut off (detach costs more
+            # than the rest of a set).
+            self._pending[key] = value.detach() if value.requires_grad else value
 
     def setdefault(self, key: str, value: MetricValue | torch.Tensor) -> None:
         if key not in self:
@@ -47,29 +55,46 @@ class MetricRecord:
         yield from self._pending
 
     def values(self) -> dict[str, MetricValue]:
-        """The record as plain Python numbers (one host transfer for all tensor values)."""
-        if self._pending:
-            pending = self._pending
-            if all(tensor.device.type == "cpu" for tensor in pending.values()):
-                # Host tensors: no transfer to batch up, and one read each costs less than
-                # stacking them (the same float32 value either way).
-                for key, tensor in pending.items():
-                    single = tensor if tensor.dtype == torch.float32 else tensor.float()
-                    self._values[key] = float(single.item())
+        """The record as plain Python numbers (one host transfer for all tensor values): a
+        new dict the caller owns."""
+        return dict(self.finished())
+
+    def finished(self) -> Mapping[str, MetricValue]:
+        """The record as plain Python numbers, read-only: the same mapping for every reader
+        until the next ``set``, so the sinks of one ``metrics`` event share one copy
+        (``values()`` gives a caller its own)."""
+        finished = self._finished
+        if finished is None:
+            if self._pending:
+                self._materialise()
+            finished = self._finished = dict(self._values)
+        return finished
+
+    def _materialise(self) -> None:
+        """Read every pending tensor into ``_values`` (one transfer for device tensors)."""
+        pending = self._pending
+        host = True
+        for tensor in pending.values():
+            host = host and tensor.is_cpu  # is_cpu: no device object built per tensor
+        if host:
+            # Host tensors: no transfer to batch up, and one read each costs less than
+            # stacking them (the same float32 value either way).
+            for key, tensor in pending.items():
+                single = tensor if tensor.dtype == torch.float32 else tensor.float()
+                self._values[key] = single.item()  # a Python float: float32 reads as one
+        else:
+            keys = list(pending)
+            tensors = [pending[k].reshape(()).float() for k in keys]
+            if len({t.device for t in tensors}) == 1:
+                numbers = torch.stack(tensors).cpu().tolist()  # one transfer, one sync
             else:
-                keys = list(pending)
-                tensors = [pending[k].reshape(()).float() for k in keys]
-                if len({t.device for t in tensors}) == 1:
-                    numbers = torch.stack(tensors).cpu().tolist()  # one transfer, one sync
-                else:
-                    numbers = [t.item() for t in tensors]
-                for key, number in zip(keys, numbers, strict=True):
-                    self._values[key] = float(number)
-            pending.clear()
-        return dict(self._values)
+                numbers = [t.item() for t in tensors]
+            for key, number in zip(keys, numbers, strict=True):
+                self._values[key] = float(number)
+        pending.clear()
 
     def get(self, key: str) -> MetricValue | None:
         """One value (materialises the record when the key is still a tensor)."""
         if key in self._pending:
-            return self.values().get(key)
+            return self.finished().get(key)
         return self._values.get(key)

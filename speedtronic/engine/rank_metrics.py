@@ -37,7 +37,7 @@ class RankMetricReducer(Callback):
     def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
         record = ctx.record
         present = [key for key in (*self.MEAN_KEYS, *self.SUM_KEYS) if key in record]
-        values = record.values()  # one host transfer; sinks reuse the materialised values
+        values = record.finished()  # one host transfer; sinks reuse the materialised values
         numbers = [values[key] for key in present]
         local = torch.tensor(
             [float(n) if isinstance(n, (int, float)) else 0.0 for n in numbers],
