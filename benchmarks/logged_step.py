@@ -40,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
@@ -52,6 +53,31 @@ from speedtronic import Trainer  # noqa: E402
 
 STEPS = 2000
 LR = 1e-3
+
+
+def write_hand_line(
+    jsonl: TextIO, console: TextIO, step: int, steps: int, elapsed: float, value: float, rate: float
+) -> None:
+    """What a hand loop logs per step: the trainer's record keys in its order as one JSON line
+    (flushed) and a console line of the same fields."""
+    record = {
+        "step": step,
+        "lr": LR,
+        "steps_per_sec": rate,
+        "samples_per_sec": rate,
+        "tokens_per_sec": rate,
+        "samples": step,
+        "tokens": step,
+        "micro_batches": 1,
+        "elapsed_s": elapsed,
+        "loss": value,
+    }
+    jsonl.write(json.dumps(record, separators=(",", ":")) + "\n")
+    jsonl.flush()
+    console.write(
+        f"step {step}/{steps} | loss {value:.4f} | lr {LR:.2e} | "
+        f"{step / elapsed:.1f} steps/s | {step / elapsed / 1e3:.1f}k tok/s\n"
+    )
 
 
 def hand_loop(steps: int, out: Path | None) -> float:
@@ -73,25 +99,7 @@ def hand_loop(steps: int, out: Path | None) -> float:
         opt.zero_grad(set_to_none=True)
         if jsonl is not None and console is not None:
             elapsed = time.perf_counter() - start_wall
-            value = loss.item()
-            record = {  # the keys and order of the trainer's record
-                "step": step,
-                "lr": LR,
-                "steps_per_sec": step / elapsed,
-                "samples_per_sec": step / elapsed,
-                "tokens_per_sec": step / elapsed,
-                "samples": step,
-                "tokens": step,
-                "micro_batches": 1,
-                "elapsed_s": elapsed,
-                "loss": value,
-            }
-            jsonl.write(json.dumps(record, separators=(",", ":")) + "\n")
-            jsonl.flush()
-            console.write(
-                f"step {step}/{steps} | loss {value:.4f} | lr {LR:.2e} | "
-                f"{step / elapsed:.1f} steps/s | {step / elapsed / 1e3:.1f}k tok/s\n"
-            )
+            write_hand_line(jsonl, console, step, steps, elapsed, loss.item(), step / elapsed)
     used = time.process_time() - start
     for handle in (jsonl, console):
         if handle is not None:
@@ -190,25 +198,7 @@ def hand_line(out: Path) -> Callable[[], float]:
     def run() -> float:
         start = time.thread_time()
         for step in range(1, RECORDS + 1):
-            value, elapsed = loss.item(), 0.5
-            record = {
-                "step": step,
-                "lr": LR,
-                "steps_per_sec": 1234.5,
-                "samples_per_sec": 1234.5,
-                "tokens_per_sec": 1234.5,
-                "samples": step,
-                "tokens": step,
-                "micro_batches": 1,
-                "elapsed_s": elapsed,
-                "loss": value,
-            }
-            jsonl.write(json.dumps(record, separators=(",", ":")) + "\n")
-            jsonl.flush()
-            console.write(
-                f"step {step}/100000 | loss {value:.4f} | lr {LR:.2e} | "
-                f"{step / elapsed:.1f} steps/s | {step / elapsed / 1e3:.1f}k tok/s\n"
-            )
+            write_hand_line(jsonl, console, step, 100000, 0.5, loss.item(), 1234.5)
         return (time.thread_time() - start) / RECORDS * 1e6
 
     return run
