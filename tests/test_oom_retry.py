@@ -299,7 +299,9 @@ def test_a_micro_batch_of_one_that_does_not_fit_exits_2_naming_the_memory(
         assert "does not fit in the memory of another rank" in children[1].output
 
 
-def fsdp_config(root: Path, tag: str, micro: int | str, target: int, steps: int) -> dict[str, object]:
+def fsdp_config(
+    root: Path, tag: str, micro: int | str, target: int, steps: int
+) -> dict[str, object]:
     """Under FSDP2 with three layers: three units below the root, one in the middle."""
     cfg = config(root, tag, micro, target, steps)
     cfg["parallel"] = {"strategy": "fsdp"}
