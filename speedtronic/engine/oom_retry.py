@@ -15,10 +15,12 @@ one more MIN all-reduce of the size each rank wants (``engine.oom_agreement``), 
 backward that all-reduces the gradients: a rank that ran out of memory joins it from here
 with the smaller size, the others from the last forward, and all of them run the step again
 at the agreed size. An OOM in that last backward cannot be recovered (the gradient
-all-reduce is in flight) and ends the run saying so. FSDP on several ranks is refused: its
-collectives run inside every forward and backward. The choice is logged and, as the batch
-layout (``engine.batch_layout``), written into every checkpoint; a resume on the same ranks
-reuses it (``auto_resume_layout``).
+all-reduce is in flight) and ends the run saying so. FSDP2 on several ranks searches the
+first step with every parameter gathered and no collective inside a try
+(``engine.oom_probe``); after it, FSDP's collectives run inside every forward and backward,
+so a mid-run OOM ends the run naming the integer size to resume with. Tensor parallelism is
+refused. The choice is logged and, as the batch layout (``engine.batch_layout``), written
+into every checkpoint; a resume on the same ranks reuses it (``auto_resume_layout``).
 
 On one process nothing here runs per step but a ``try`` and four reads of the step's start
 (the data position and the sample/token counters); several ranks add the agreement -- see
