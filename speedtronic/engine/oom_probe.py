@@ -109,6 +109,10 @@ def fsdp_probe(
     0 when not even 1 does, and this rank's last error. ``attempt(size)`` runs one try's
     forward and backward and returns its out-of-memory message ("" when it fitted)."""
     units = _units(root)  # type: ignore[arg-type]  # an FSDPModule is an nn.Module
+    # What FSDP does at the root's first forward (finding the root and its units, the
+    # device's streams), done before the first gather: reset_iter_state reshards only the
+    # units the root knows, and the search's first gather precedes any forward.
+    root._get_fsdp_state()._lazy_init()
     error = ""
     with _collective_free(root, reshard_after_forward):
         while True:
