@@ -459,3 +459,41 @@ def test_auto_with_tensor_parallelism_on_two_ranks_exits_2_saying_why(
         assert "auto cannot run with parallel.strategy fsdp on 2 ranks" in child.output
         assert "tensor parallelism (parallel.tensor 2)" in child.output
         assert "set an integer data.micro_batch_size" in child.output
+
+
+NO_ROOM_PLUGIN = (
+    "import os\n"
+    "from speedtronic import Callback, register_callback\n"
+    "from speedtronic.engine import oom_probe\n"
+    "@register_callback('no_gather_room')\n"
+    "class NoGatherRoom(Callback):\n"
+    "    def on_setup(self, trainer, ctx):\n"
+    "        if os.environ.get('RANK', '0') == '0':\n"
+    "            oom_probe.gather_room = lambda model, device: 'cuda:0 (injected: no room)'\n"
+)
+
+
+def test_fsdp_parameters_that_cannot_be_gathered_on_one_rank_exit_2_on_every_rank(
+    forked: Forked, tmp_path: Path
+) -> None:
+    """Rank 0 reports no room for the gathered parameters (CPU reports no free memory, so
+    the check is replaced there): no rank gathers, both stop with exit 2, rank 0 naming its
+    device, rank 1 pointing at the other rank."""
+    (tmp_path / "room_plugin.py").write_text(NO_ROOM_PLUGIN)
+    cfg = fsdp_config(tmp_path, "room", "auto", 4, 2)
+    cfg["imports"] = ["room_plugin"]
+    cfg["callbacks"] = [{"name": "no_gather_room"}]
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    children = [
+        forked.start(
+            cli_main, "fit", "--config", str(path), env=rank_env(rank, 2, port), cwd=str(tmp_path)
+        )
+        for rank in range(2)
+    ]
+    assert [child.wait(timeout=120) for child in children] == [2, 2], children[0].output
+    assert all("Traceback" not in child.output for child in children)
+    assert "gathers every parameter for its first-step search" in children[0].output
+    assert "do not fit in the memory of cuda:0 (injected: no room)" in children[0].output
+    assert "do not fit in the memory of another rank" in children[1].output
