@@ -47,13 +47,24 @@ def run(
     failing: int = -1,
     after: int = 0,
     resume: bool = False,
+    middle: bool = False,
 ) -> list[dict[str, object]]:
     """Each rank's report (``oom_worker.oom_rank``), with its console output as ``output``."""
     port = free_port()
     envs = [rank_env(rank, world, port) for rank in range(world)] if world > 1 else [NO_RANK]
     children = [
         forked.start(
-            oom_rank, str(root), tag, json.dumps(cfg), resume, limit, failing, after, env=env
+            oom_rank,
+            str(root),
+            tag,
+            json.dumps(cfg),
+            resume,
+            limit,
+            failing,
+            after,
+            False,
+            middle,
+            env=env,
         )
         for env in envs
     ]
@@ -288,10 +299,151 @@ def test_a_micro_batch_of_one_that_does_not_fit_exits_2_naming_the_memory(
         assert "does not fit in the memory of another rank" in children[1].output
 
 
-def test_auto_under_fsdp_on_two_ranks_exits_2_saying_why(forked: Forked, tmp_path: Path) -> None:
-    """FSDP's collectives run inside forward and backward: no rank can drop a step alone."""
-    cfg = config(tmp_path, "fsdp", "auto", 4, 2)
+def fsdp_config(
+    root: Path, tag: str, micro: int | str, target: int, steps: int
+) -> dict[str, object]:
+    """Under FSDP2 with three layers: three units below the root, one in the middle."""
+    cfg = config(root, tag, micro, target, steps)
     cfg["parallel"] = {"strategy": "fsdp"}
+    cfg["model"]["n_layer"] = 3  # type: ignore[index]  # a dict
+    return cfg
+
+
+def test_fsdp_one_rank_out_of_memory_in_a_middle_unit_at_the_first_step(
+    forked: Forked, tmp_path: Path
+) -> None:
+    """2 gloo ranks under FSDP2, 4 samples each a step; rank 0 runs out of memory in the
+    forward of its middle FSDP unit above 2 samples, in the first step's search (the
+    parameters gathered, no collective during a try). Both settle on 2 x 2, log it, train
+    bitwise as a run at 2 x 2 from the start (each rank's shards), write the layout into
+    the sharded checkpoint, and a resume starts with it."""
+    direct = run(forked, tmp_path, "direct", fsdp_config(tmp_path, "direct", 2, 4, 3), 2)
+    auto = run(
+        forked,
+        tmp_path,
+        "auto",
+        fsdp_config(tmp_path, "auto", "auto", 4, 3),
+        2,
+        limit=2,
+        failing=0,
+        middle=True,
+    )
+    assert auto[0]["raised"] == [4] and auto[1]["raised"] == []
+    # Every rank issued the same collectives, as many of each (none was left unmatched).
+    assert auto[0]["collectives"] == auto[1]["collectives"]
+    assert auto[0]["collectives"]["all_gather_single"] > 0  # type: ignore[index]  # a dict
+    for rank in (0, 1):
+        assert auto[rank]["layout"] == [2, 2] == direct[rank]["layout"]
+        assert_same_weights(auto[rank], direct[rank])
+        assert "micro-batch 4 -> 2, accumulation 1 -> 2" in str(auto[rank]["output"])
+        assert "the ranks agreed on the largest size they all fit" in str(auto[rank]["output"])
+    state = torch.load(max((tmp_path / "auto").rglob("state.pt")), weights_only=True)
+    assert state[LAYOUT_KEY] == {"micro": 2, "accumulation": 2, "ranks": 2}
+    resumed = run(
+        forked,
+        tmp_path,
+        "auto",
+        fsdp_config(tmp_path, "auto", "auto", 4, 5),
+        2,
+        limit=2,
+        failing=0,
+        middle=True,
+        resume=True,
+    )
+    assert [report["layout"] for report in resumed] == [[2, 2], [2, 2]]
+    assert resumed[0]["raised"] == []  # started at the checkpoint's 2, no search at 4
+
+
+def test_fsdp_one_rank_out_of_memory_in_the_search_backward_every_rank_shrinks(
+    forked: Forked, tmp_path: Path
+) -> None:
+    """Rank 0 runs out of memory at the start of the first try's backward (the gradient of
+    the model's output, before any unit's pre-backward): no unit reshards after the try's
+    forward and no gradient is reduced, so rank 1's backward issues no all-gather rank 0
+    would miss. Both issue the same collectives, settle on 2 x 2 and train bitwise as a run
+    at 2 x 2 from the start."""
+    direct = run(forked, tmp_path, "direct", fsdp_config(tmp_path, "direct", 2, 4, 2), 2)
+    port = free_port()
+    cfg = fsdp_config(tmp_path, "bw", "auto", 4, 2)
+    children = [
+        forked.start(
+            oom_rank,
+            str(tmp_path),
+            "bw",
+            json.dumps(cfg),
+            False,
+            1 << 20,
+            0,
+            0,
+            True,
+            True,
+            env=rank_env(rank, 2, port),
+        )
+        for rank in range(2)
+    ]
+    assert [child.wait(timeout=120) for child in children] == [0, 0], children[0].output
+    # Every rank issued the same collectives, as many of each (none was left unmatched).
+    counts = [torch.load(tmp_path / f"bw-rank{rank}.pt")["collectives"] for rank in (0, 1)]
+    assert counts[0] == counts[1] and counts[0]["all_gather_single"] > 0
+    for rank in (0, 1):
+        auto = torch.load(tmp_path / f"bw-rank{rank}.pt")
+        assert auto["raised"] == ([1] if rank == 0 else [])
+        assert auto["layout"] == [2, 2]
+        assert_same_weights(auto, direct[rank])
+
+
+def test_fsdp_without_an_oom_auto_trains_bitwise_as_the_integer_size(
+    forked: Forked, tmp_path: Path
+) -> None:
+    """The search's gathered parameters and unreduced gradients are dropped: the first
+    step's reduce-scatter sums only its own gradients."""
+    direct = run(forked, tmp_path, "direct", fsdp_config(tmp_path, "direct", 4, 4, 3), 2)
+    auto = run(forked, tmp_path, "auto", fsdp_config(tmp_path, "auto", "auto", 4, 3), 2)
+    for rank in (0, 1):
+        assert auto[rank]["raised"] == [] and auto[rank]["layout"] == [4, 1]
+        assert_same_weights(auto[rank], direct[rank])
+
+
+def test_fsdp_an_oom_after_the_first_step_ends_the_run_naming_the_size_to_resume_with(
+    forked: Forked, tmp_path: Path
+) -> None:
+    """Rank 0 runs out of memory in its middle unit at step 3 (its calls: the search's try,
+    steps 1-2, then step 3's): rank 1 is inside FSDP's next all-gather, so the step cannot be
+    run again; rank 0 stops naming the integer size to resume with, rank 1 on the failed
+    collective."""
+    cfg = fsdp_config(tmp_path, "mid", "auto", 4, 6)
+    port = free_port()
+    children = [
+        forked.start(
+            oom_rank,
+            str(tmp_path),
+            "mid",
+            json.dumps(cfg),
+            False,
+            2,
+            0,
+            3,
+            False,
+            True,
+            env=rank_env(rank, 2, port),
+        )
+        for rank in range(2)
+    ]
+    codes = [child.wait(timeout=120) for child in children]
+    assert codes[0] != 0 and codes[1] != 0
+    first = children[0].output
+    assert "out of memory after the first step under parallel.strategy fsdp" in first
+    assert "an integer data.micro_batch_size of 2 or less" in first
+    assert "injected: 4 samples > 2" in first
+
+
+def test_auto_with_tensor_parallelism_on_two_ranks_exits_2_saying_why(
+    forked: Forked, tmp_path: Path
+) -> None:
+    """Tensor-parallel layers run collectives inside forward and backward: no rank can
+    drop a try alone."""
+    cfg = config(tmp_path, "tp", "auto", 4, 2)
+    cfg["parallel"] = {"strategy": "fsdp", "tensor": 2}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     port = free_port()
@@ -305,4 +457,43 @@ def test_auto_under_fsdp_on_two_ranks_exits_2_saying_why(forked: Forked, tmp_pat
     for child in children:
         assert "Traceback" not in child.output
         assert "auto cannot run with parallel.strategy fsdp on 2 ranks" in child.output
+        assert "tensor parallelism (parallel.tensor 2)" in child.output
         assert "set an integer data.micro_batch_size" in child.output
+
+
+NO_ROOM_PLUGIN = (
+    "import os\n"
+    "from speedtronic import Callback, register_callback\n"
+    "from speedtronic.engine import oom_probe\n"
+    "@register_callback('no_gather_room')\n"
+    "class NoGatherRoom(Callback):\n"
+    "    def on_setup(self, trainer, ctx):\n"
+    "        if os.environ.get('RANK', '0') == '0':\n"
+    "            oom_probe.gather_room = lambda model, device: 'cuda:0 (injected: no room)'\n"
+)
+
+
+def test_fsdp_parameters_that_cannot_be_gathered_on_one_rank_exit_2_on_every_rank(
+    forked: Forked, tmp_path: Path
+) -> None:
+    """Rank 0 reports no room for the gathered parameters (CPU reports no free memory, so
+    the check is replaced there): no rank gathers, both stop with exit 2, rank 0 naming its
+    device, rank 1 pointing at the other rank."""
+    (tmp_path / "room_plugin.py").write_text(NO_ROOM_PLUGIN)
+    cfg = fsdp_config(tmp_path, "room", "auto", 4, 2)
+    cfg["imports"] = ["room_plugin"]
+    cfg["callbacks"] = [{"name": "no_gather_room"}]
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    port = free_port()
+    children = [
+        forked.start(
+            cli_main, "fit", "--config", str(path), env=rank_env(rank, 2, port), cwd=str(tmp_path)
+        )
+        for rank in range(2)
+    ]
+    assert [child.wait(timeout=120) for child in children] == [2, 2], children[0].output
+    assert all("Traceback" not in child.output for child in children)
+    assert "gathers every parameter for its first-step search" in children[0].output
+    assert "do not fit in the memory of cuda:0 (injected: no room)" in children[0].output
+    assert "do not fit in the memory of another rank" in children[1].output

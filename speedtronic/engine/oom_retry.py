@@ -15,10 +15,12 @@ one more MIN all-reduce of the size each rank wants (``engine.oom_agreement``), 
 backward that all-reduces the gradients: a rank that ran out of memory joins it from here
 with the smaller size, the others from the last forward, and all of them run the step again
 at the agreed size. An OOM in that last backward cannot be recovered (the gradient
-all-reduce is in flight) and ends the run saying so. FSDP on several ranks is refused: its
-collectives run inside every forward and backward. The choice is logged and, as the batch
-layout (``engine.batch_layout``), written into every checkpoint; a resume on the same ranks
-reuses it (``auto_resume_layout``).
+all-reduce is in flight) and ends the run saying so. FSDP2 on several ranks searches the
+first step with every parameter gathered and no collective inside a try
+(``engine.oom_probe``); after it, FSDP's collectives run inside every forward and backward,
+so a mid-run OOM ends the run naming the integer size to resume with. Tensor parallelism is
+refused. The choice is logged and, as the batch layout (``engine.batch_layout``), written
+into every checkpoint; a resume on the same ranks reuses it (``auto_resume_layout``).
 
 On one process nothing here runs per step but a ``try`` and four reads of the step's start
 (the data position and the sample/token counters); several ranks add the agreement -- see
@@ -28,11 +30,12 @@ docs/performance.md.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from speedtronic.engine.batch import move_to_device, resolve_loss, run_model
 from speedtronic.engine.batch_layout import (
@@ -45,6 +48,8 @@ from speedtronic.engine.loop import _accumulate_microbatches, run_global_step
 from speedtronic.engine.oom_agreement import RanksShrink, StepAgreement, step_agreement
 
 if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
     from speedtronic.engine.state import TrainingState
     from speedtronic.engine.trainer import Trainer
 
@@ -126,16 +131,9 @@ class OomRecovery:
                 "(a DataLoader with a BatchSampler, as build_dataloader makes); this data has "
                 "fixed batches"
             )
+        self._fsdp: FSDPModule | None = None
         if state.multi_rank and trainer.settings.parallel != "ddp":
-            world = state.distributed.world_size if state.distributed is not None else 1
-            raise MicroBatchError(
-                "data.micro_batch_size: auto cannot run with parallel.strategy "
-                f"{trainer.settings.parallel} on {world} ranks: FSDP gathers parameters "
-                "inside every forward and reduces gradients inside every backward, so a rank "
-                "that runs out of memory leaves the others waiting in a collective and the "
-                "ranks cannot agree on a smaller size; set an integer data.micro_batch_size "
-                "(auto on one process finds one), or use parallel.strategy ddp"
-            )
+            self._fsdp = _probe_root(trainer, state)
         self._agree_first = state.multi_rank
         self._agreement: StepAgreement | None = None
         ddp = trainer.forward_path.ddp
@@ -158,6 +156,8 @@ class OomRecovery:
             except RanksShrink as exc:  # this rank fitted; another did not
                 agreed, message = exc.micro, ""
             except torch.OutOfMemoryError as exc:
+                if self._fsdp is not None and _in_microbatches(exc):
+                    raise MicroBatchError(_fsdp_mid_run_text(current_layout(t), str(exc))) from None
                 if not _in_microbatches(exc) or (s.multi_rank and self._agreement is None):
                     raise  # the optimizer's, or ranks without an agreement (a replica of 1)
                 agreed, message = None, str(exc)
@@ -240,18 +240,13 @@ class OomRecovery:
         batch = next(stream)
         if s.device.type != "cpu":
             batch = move_to_device(batch, s.device)
-        micro, error = layout.micro, ""
         buffers = [buffer.detach().clone() for buffer in s.model.buffers()]
         devices = [s.device] if s.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            for micro, error in self._tries(t, s, batch, layout.micro):  # noqa: B007  # the last try is the answer
-                pass
+            agreed, error = self._search(t, s, batch, layout.micro)
         del batch
         for buffer, saved in zip(s.model.buffers(), buffers, strict=True):
             buffer.copy_(saved)
-        fits = torch.tensor([micro if not error else 0], device=s.device)
-        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
-        agreed = int(fits.item())
         if agreed == 0:
             raise _none_fits(s.device, error)
         if agreed == layout.micro:
@@ -263,29 +258,112 @@ class OomRecovery:
             return
         self._switch(t, s, start, agreed, "the ranks agreed on the largest size they all fit")
 
-    def _tries(
-        self, t: Trainer, s: TrainingState, batch: object, micro: int
-    ) -> Iterator[tuple[int, str]]:
-        """Forward/backward of the first ``micro`` samples with the bare model, halving on
-        OOM; yields each size and its error ("" when it fit)."""
-        path = t.forward_path
-        while True:
-            error = ""
-            try:
-                with path.autocast():
-                    head = _head(batch, micro)
-                    loss = resolve_loss(run_model(s.model, head), head)
-                loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-                del loss, head
-            except torch.OutOfMemoryError as exc:
-                error = str(exc)
-            s.optimizer.zero_grad(set_to_none=True)
-            if error and s.device.type == "cuda":
-                torch.cuda.empty_cache()
-            yield micro, error
-            if not error or micro == 1:
-                return
+    def _search(self, t: Trainer, s: TrainingState, batch: object, micro: int) -> tuple[int, str]:
+        """The largest micro-batch from ``micro`` down that every rank fits (0: none) and
+        this rank's last out-of-memory message."""
+        assert s.distributed is not None  # several ranks
+        device = s.distributed.collective_device
+        if self._fsdp is not None:
+            from speedtronic.engine.oom_probe import fsdp_probe
+
+            _agree_on_gather_room(s.model, s.device, device)
+            return fsdp_probe(
+                self._fsdp,
+                micro,
+                t.settings.reshard_after_forward,
+                lambda size: _try(t, s, batch, size),
+                _smaller,
+                device,
+            )
+        # DDP: each rank tries alone with the bare model (no collective), then one MIN.
+        error = _try(t, s, batch, micro)
+        while error and micro > 1:
             micro = _smaller(micro)
+            error = _try(t, s, batch, micro)
+        fits = torch.tensor([micro if not error else 0], dtype=torch.int64, device=device)
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+        return int(fits.item()), error
+
+
+def _try(t: Trainer, s: TrainingState, batch: object, micro: int) -> str:
+    """Forward/backward of the first ``micro`` samples of ``batch``; the out-of-memory
+    message ("" when it fit). The gradients are dropped either way."""
+    error = ""
+    try:
+        with t.forward_path.autocast():
+            head = _head(batch, micro)
+            loss = resolve_loss(run_model(s.model, head), head)
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        del loss, head
+    except torch.OutOfMemoryError as exc:
+        error = str(exc)
+    s.optimizer.zero_grad(set_to_none=True)
+    if error and s.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return error
+
+
+def _probe_root(trainer: Trainer, state: TrainingState) -> FSDPModule:
+    """The FSDP root whose first step ``engine.oom_probe`` searches; refuses what it cannot
+    search (tensor parallelism, whose layers run collectives of their own; an FSDP2 without
+    ``reset_iter_state``)."""
+    # FSDP's modules load on first use, not with the trainer.
+    from torch.distributed.fsdp import FSDPModule
+
+    from speedtronic.engine.oom_probe import fsdp_can_probe
+
+    world = state.distributed.world_size if state.distributed is not None else 1
+    settings = trainer.settings
+    root = state.model
+    why = ""
+    if settings.parallel != "fsdp" or not isinstance(root, FSDPModule):
+        why = "its collectives run inside every forward and backward"
+    elif settings.tensor > 1:
+        why = (
+            f"tensor parallelism (parallel.tensor {settings.tensor}) runs collectives inside "
+            "every layer's forward and backward"
+        )
+    elif not fsdp_can_probe():
+        why = f"this torch ({torch.__version__}) has no FSDPModule.reset_iter_state"
+    if why:
+        raise MicroBatchError(
+            "data.micro_batch_size: auto cannot run with parallel.strategy "
+            f"{settings.parallel} on {world} ranks: {why}, so a rank that runs out of memory "
+            "leaves the others waiting in a collective and the ranks cannot agree on a smaller "
+            "size; set an integer data.micro_batch_size (auto on one process finds one), or "
+            "use parallel.strategy ddp"
+        )
+    assert isinstance(root, FSDPModule)  # checked above
+    return root
+
+
+def _agree_on_gather_room(model: nn.Module, device: torch.device, collective: torch.device) -> None:
+    """Every rank can gather the whole model for the FSDP search (one MIN all-reduce)."""
+    from speedtronic.engine.oom_probe import gather_room
+
+    room = gather_room(model, device)
+    fits = torch.tensor([0 if room else 1], dtype=torch.int64, device=collective)
+    dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+    if not int(fits.item()):
+        where = room or "another rank (its log names the device and the sizes)"
+        raise MicroBatchError(
+            "data.micro_batch_size: auto under parallel.strategy fsdp gathers every parameter "
+            f"for its first-step search, and they do not fit in the memory of {where}; set an "
+            "integer data.micro_batch_size"
+        )
+
+
+def _fsdp_mid_run_text(layout: BatchLayout | None, error: str) -> str:
+    """Why an OOM after the first step ends an FSDP run of several ranks."""
+    micro = layout.micro if layout is not None else 0
+    smaller = f" of {_smaller(micro)} or less" if micro > 1 else ""
+    return (
+        f"data.micro_batch_size: auto: out of memory after the first step under "
+        f"parallel.strategy fsdp on several ranks (micro-batch {micro}): the other ranks are "
+        "inside FSDP's all-gather or reduce-scatter, so the step cannot be run again at a "
+        "smaller size; resume from the last checkpoint with an integer "
+        f"data.micro_batch_size{smaller} and the same target_batch_size ({error})"
+    )
 
 
 def auto_resume_layout(trainer: Trainer, state: Mapping[str, object]) -> BatchLayout | None:
