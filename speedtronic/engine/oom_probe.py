@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["fsdp_can_probe", "fsdp_probe", "gather_room", "unsharded_bytes"]
+__all__ = ["fsdp_can_probe", "fsdp_probe", "gather_room"]
 
 
 def fsdp_can_probe() -> bool:
@@ -46,7 +46,7 @@ def _units(model: nn.Module) -> list[FSDPModule]:
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
 
 
-def unsharded_bytes(model: nn.Module) -> int:
+def _unsharded_bytes(model: nn.Module) -> int:
     """Bytes of ``model``'s parameters gathered whole (a sharded parameter's shape is the
     whole one's)."""
     return sum(param.numel() * param.element_size() for param in model.parameters())
@@ -59,7 +59,7 @@ def gather_room(model: nn.Module, device: torch.device) -> str:
         return ""
     free, total = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    needed = unsharded_bytes(model)
+    needed = _unsharded_bytes(model)
     if needed <= free:
         return ""
     return (
