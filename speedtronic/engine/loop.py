@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from math import prod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -289,8 +289,12 @@ def _one_batch_step(
     s.step_loss = loss
     if s.scheduler is not None:
         s.scheduler.step()
-    if after_scheduler:
-        _after_scheduler_step(t, step, after_scheduler, optimizer)
+    if after_scheduler:  # ``_after_scheduler_step`` spelled out: a call saved
+        groups = optimizer.param_groups
+        lrs = (float(groups[0]["lr"]),) if len(groups) == 1 else _group_lrs(groups)
+        scheduler_ctx = new_context(SchedulerContext, (step, lrs))
+        for scheduler_hook in after_scheduler:
+            scheduler_hook(t, scheduler_ctx)
     if coordinate:
         coordinate_ctx = new_context(CoordinateContext, (step,))
         for coordinate_hook in coordinate:
@@ -321,14 +325,15 @@ def _after_scheduler_step(
     """``after_scheduler_step`` with each param group's learning rate."""
     groups = optimizer.param_groups
     # One group is the common case: a list comprehension costs a function call.
-    lrs = (
-        (float(groups[0]["lr"]),)
-        if len(groups) == 1
-        else tuple([float(group["lr"]) for group in groups])
-    )
+    lrs = (float(groups[0]["lr"]),) if len(groups) == 1 else _group_lrs(groups)
     scheduler_ctx = new_context(SchedulerContext, (step, lrs))
     for hook in hooks:
         hook(t, scheduler_ctx)
+
+
+def _group_lrs(groups: list[dict[str, Any]]) -> tuple[float, ...]:
+    """The learning rate of each of several param groups."""
+    return tuple([float(group["lr"]) for group in groups])
 
 
 def _accumulate_microbatches(
