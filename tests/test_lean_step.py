@@ -150,3 +150,77 @@ def test_the_one_batch_path_emits_what_the_k_microbatch_path_emits(tmp_path: Pat
     assert one_records == strip
     for a, b in zip(one_batch.model.parameters(), clipped.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+class AnyBatchModel(torch.nn.Module):
+    """Takes every batch layout of the batch protocol; ``reduce=False`` returns a vector
+    (the loop takes its mean)."""
+
+    def __init__(self, reduce: bool) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(0.5))
+        self.reduce = reduce
+
+    def forward(
+        self,
+        x: object = None,
+        y: object = None,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        del attention_mask, labels
+        source = x if input_ids is None else input_ids
+        values = (torch.as_tensor(source, dtype=torch.float32) * self.w).square()
+        return values.sum() if self.reduce else values.reshape(-1)
+
+
+def _batch_layouts() -> dict[str, tuple[object, bool]]:
+    """A batch of each layout (the same one every step) and whether the model reduces."""
+    x, y = torch.arange(15.0).reshape(3, 5) / 10, torch.ones(3)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    return {
+        "pair of 2-d inputs": ((x, y), True),
+        "pair, vector output": ((x, y), False),
+        "pair of 0-d inputs": ((torch.tensor(0.3), y), True),
+        "pair of non-tensor inputs": (([0.1, 0.2], y), True),
+        "triple": ((x, y, torch.zeros(2)), True),
+        "list": ([x, y], True),
+        "mapping with a mask": ({"input_ids": x, "attention_mask": mask, "labels": y}, True),
+    }
+
+
+def test_every_batch_layout_counts_and_trains_alike_on_each_path(tmp_path: Path) -> None:
+    """The lean and one-batch steps spell out the batch protocol's common case (an
+    ``(inputs, labels)`` tensor pair, a 0-d loss); every layout counts its samples and tokens
+    as ``batch_size_and_tokens`` does and trains as the K-microbatch path does."""
+    from speedtronic.data.collate import batch_size_and_tokens
+
+    for name, (batch, reduce) in _batch_layouts().items():
+        outcomes = []
+        for path, callbacks, grad_clip in (
+            ("lean", [], None),
+            ("one batch", [OnStepEnd()], None),
+            ("k microbatches", [OnStepEnd()], 1e9),  # clipping by 1.0: the same gradients
+        ):
+            torch.manual_seed(0)
+            model = AnyBatchModel(reduce)
+            trainer = Trainer(
+                model,
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                [batch] * 3,
+                device="cpu",
+                callbacks=callbacks,
+                max_steps=3,
+                output_dir=tmp_path / name / path,
+                grad_clip=grad_clip,
+            )
+            trainer.fit()
+            loss = trainer.last_loss
+            assert loss is not None and loss.ndim == 0, (name, path)
+            outcomes.append(
+                (trainer.state.samples, trainer.state.tokens, loss.item(), model.w.item())
+            )
+        samples, tokens = batch_size_and_tokens(batch)
+        assert outcomes[0][:2] == (3 * samples, 3 * tokens), name
+        assert outcomes[0] == outcomes[1] == outcomes[2], name

@@ -15,9 +15,11 @@ attribute is a lookup per read.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from math import prod
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from speedtronic.data.collate import batch_size_and_tokens
 from speedtronic.engine.batch import move_to_device, resolve_loss, run_model
@@ -160,15 +162,28 @@ def _lean_step(
     work in the same order, without the hook tables, the contexts or the K-microbatch
     bookkeeping: the loop's own cost on a run without per-step callbacks."""
     batch = next(s.stream)
-    samples, tokens = batch_size_and_tokens(batch)  # before the move: no device sync
+    # The batch protocol's common case spelled out, a call saved per function: an
+    # ``(inputs, labels)`` pair whose inputs are a tensor of at least one dimension counts
+    # as ``batch_size_and_tokens`` counts it, goes to the model as ``run_model`` passes it,
+    # and a 0-d tensor output is the loss as ``resolve_loss`` takes it.
+    pair = type(batch) is tuple and len(batch) == 2
+    if pair and type(inputs := batch[0]) is Tensor and (shape := inputs.shape):  # type: ignore[index]  # pair: a tuple
+        samples, tokens = shape[0], prod(shape)  # before the move: no device sync
+    else:
+        samples, tokens = batch_size_and_tokens(batch)
     if s.moves_batches:
         batch = move_to_device(batch, s.device)
     s.samples += samples
     s.tokens += tokens
     path = t.forward_path
     # Eager and plain: the model itself (``ForwardPath.forward`` adds a call for compile).
-    output = run_model(path.model, batch) if path.compiled is None else path.forward(batch)
-    loss = resolve_loss(output, batch)
+    if path.compiled is not None:
+        output = path.forward(batch)
+    elif pair:
+        output = path.model(*batch)  # type: ignore[misc]  # pair: a tuple of two
+    else:
+        output = run_model(path.model, batch)
+    loss = output if type(output) is Tensor and output.ndim == 0 else resolve_loss(output, batch)
     loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     optimizer = s.optimizer
     optimizer.step()
@@ -222,7 +237,12 @@ def _one_batch_step(
         for start_hook in step_start:
             start_hook(t, step_ctx)
     batch = next(s.stream)
-    samples, tokens = batch_size_and_tokens(batch)  # before the move: no device sync
+    # The batch protocol's common case spelled out as in ``_lean_step``.
+    pair = type(batch) is tuple and len(batch) == 2
+    if pair and type(inputs := batch[0]) is Tensor and (shape := inputs.shape):  # type: ignore[index]  # pair: a tuple
+        samples, tokens = shape[0], prod(shape)  # before the move: no device sync
+    else:
+        samples, tokens = batch_size_and_tokens(batch)
     if s.moves_batches:
         batch = move_to_device(batch, s.device)
     s.samples += samples
@@ -233,8 +253,13 @@ def _one_batch_step(
         for mb_start_hook in mb_start:
             mb_start_hook(t, mb_ctx)
     path = t.forward_path
-    output = run_model(path.model, batch) if path.compiled is None else path.forward(batch)
-    loss = resolve_loss(output, batch)
+    if path.compiled is not None:
+        output = path.forward(batch)
+    elif pair:
+        output = path.model(*batch)  # type: ignore[misc]  # pair: a tuple of two
+    else:
+        output = run_model(path.model, batch)
+    loss = output if type(output) is Tensor and output.ndim == 0 else resolve_loss(output, batch)
     if before_bw or after_bw:
         backward_ctx = new_context(BackwardContext, (step, 0, 1, loss))
         for before_bw_hook in before_bw:
@@ -264,8 +289,12 @@ def _one_batch_step(
     s.step_loss = loss
     if s.scheduler is not None:
         s.scheduler.step()
-    if after_scheduler:
-        _after_scheduler_step(t, step, after_scheduler, optimizer)
+    if after_scheduler:  # ``_after_scheduler_step`` spelled out: a call saved
+        groups = optimizer.param_groups
+        lrs = (float(groups[0]["lr"]),) if len(groups) == 1 else _group_lrs(groups)
+        scheduler_ctx = new_context(SchedulerContext, (step, lrs))
+        for scheduler_hook in after_scheduler:
+            scheduler_hook(t, scheduler_ctx)
     if coordinate:
         coordinate_ctx = new_context(CoordinateContext, (step,))
         for coordinate_hook in coordinate:
@@ -296,14 +325,15 @@ def _after_scheduler_step(
     """``after_scheduler_step`` with each param group's learning rate."""
     groups = optimizer.param_groups
     # One group is the common case: a list comprehension costs a function call.
-    lrs = (
-        (float(groups[0]["lr"]),)
-        if len(groups) == 1
-        else tuple([float(group["lr"]) for group in groups])
-    )
+    lrs = (float(groups[0]["lr"]),) if len(groups) == 1 else _group_lrs(groups)
     scheduler_ctx = new_context(SchedulerContext, (step, lrs))
     for hook in hooks:
         hook(t, scheduler_ctx)
+
+
+def _group_lrs(groups: list[dict[str, Any]]) -> tuple[float, ...]:
+    """The learning rate of each of several param groups."""
+    return tuple([float(group["lr"]) for group in groups])
 
 
 def _accumulate_microbatches(
