@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 from elastic_worker import elastic_config
-from forked import Forked, cli_main
+from forked import Child, Forked, cli_main
 from oom_worker import oom_rank
 from rank_env import free_port, rank_env
 from sequential_shards import write_sequential_shards
@@ -36,6 +36,52 @@ def config(root: Path, tag: str, micro: int | str, target: int, steps: int) -> d
     return cfg
 
 
+def start(
+    forked: Forked,
+    root: Path,
+    tag: str,
+    cfg: dict[str, object],
+    world: int,
+    *,
+    limit: int = 1 << 20,
+    failing: int = -1,
+    after: int = 0,
+    resume: bool = False,
+    backward: bool = False,
+    middle: bool = False,
+) -> list[Child]:
+    """``world`` ranks of ``oom_worker.oom_rank`` started (one process without a rank)."""
+    port = free_port()
+    envs = [rank_env(rank, world, port) for rank in range(world)] if world > 1 else [NO_RANK]
+    return [
+        forked.start(
+            oom_rank,
+            str(root),
+            tag,
+            json.dumps(cfg),
+            resume,
+            limit,
+            failing,
+            after,
+            backward,
+            middle,
+            env=env,
+        )
+        for env in envs
+    ]
+
+
+def start_cli(forked: Forked, root: Path, path: Path) -> list[Child]:
+    """``speedtronic fit --config path`` on 2 ranks."""
+    port = free_port()
+    return [
+        forked.start(
+            cli_main, "fit", "--config", str(path), env=rank_env(rank, 2, port), cwd=str(root)
+        )
+        for rank in range(2)
+    ]
+
+
 def run(
     forked: Forked,
     root: Path,
@@ -50,24 +96,18 @@ def run(
     middle: bool = False,
 ) -> list[dict[str, object]]:
     """Each rank's report (``oom_worker.oom_rank``), with its console output as ``output``."""
-    port = free_port()
-    envs = [rank_env(rank, world, port) for rank in range(world)] if world > 1 else [NO_RANK]
-    children = [
-        forked.start(
-            oom_rank,
-            str(root),
-            tag,
-            json.dumps(cfg),
-            resume,
-            limit,
-            failing,
-            after,
-            False,
-            middle,
-            env=env,
-        )
-        for env in envs
-    ]
+    children = start(
+        forked,
+        root,
+        tag,
+        cfg,
+        world,
+        limit=limit,
+        failing=failing,
+        after=after,
+        resume=resume,
+        middle=middle,
+    )
     reports = []
     for rank, child in enumerate(children):
         assert child.wait(timeout=120) == 0, f"rank {rank}:\n{child.output[-3000:]}"
@@ -212,22 +252,9 @@ def test_an_oom_in_the_synchronising_backward_ends_the_run_naming_it(
     """Past the agreement the last backward's all-reduce is in flight on the other rank:
     rank 0 stops with the reason and what to do, rank 1 with the collective's failure."""
     cfg = config(tmp_path, "bw", "auto", 4, 4)
-    port = free_port()
-    children = [
-        forked.start(
-            oom_rank,
-            str(tmp_path),
-            "bw",
-            json.dumps(cfg),
-            False,
-            1 << 20,
-            0,
-            2,
-            True,
-            env=rank_env(rank, 2, port),
-        )
-        for rank in range(2)
-    ]
+    children = start(
+        forked, tmp_path, "bw", cfg, 2, limit=1 << 20, failing=0, after=2, backward=True
+    )
     codes = [child.wait(timeout=120) for child in children]
     assert codes[0] != 0 and codes[1] != 0
     assert "a collective operation failed" in children[1].output
@@ -363,24 +390,19 @@ def test_fsdp_one_rank_out_of_memory_in_the_search_backward_every_rank_shrinks(
     would miss. Both issue the same collectives, settle on 2 x 2 and train bitwise as a run
     at 2 x 2 from the start."""
     direct = run(forked, tmp_path, "direct", fsdp_config(tmp_path, "direct", 2, 4, 2), 2)
-    port = free_port()
     cfg = fsdp_config(tmp_path, "bw", "auto", 4, 2)
-    children = [
-        forked.start(
-            oom_rank,
-            str(tmp_path),
-            "bw",
-            json.dumps(cfg),
-            False,
-            1 << 20,
-            0,
-            0,
-            True,
-            True,
-            env=rank_env(rank, 2, port),
-        )
-        for rank in range(2)
-    ]
+    children = start(
+        forked,
+        tmp_path,
+        "bw",
+        cfg,
+        2,
+        limit=1 << 20,
+        failing=0,
+        after=0,
+        backward=True,
+        middle=True,
+    )
     assert [child.wait(timeout=120) for child in children] == [0, 0], children[0].output
     # Every rank issued the same collectives, as many of each (none was left unmatched).
     counts = [torch.load(tmp_path / f"bw-rank{rank}.pt")["collectives"] for rank in (0, 1)]
@@ -412,23 +434,7 @@ def test_fsdp_an_oom_after_the_first_step_ends_the_run_naming_the_size_to_resume
     run again; rank 0 stops naming the integer size to resume with, rank 1 on the failed
     collective."""
     cfg = fsdp_config(tmp_path, "mid", "auto", 4, 6)
-    port = free_port()
-    children = [
-        forked.start(
-            oom_rank,
-            str(tmp_path),
-            "mid",
-            json.dumps(cfg),
-            False,
-            2,
-            0,
-            3,
-            False,
-            True,
-            env=rank_env(rank, 2, port),
-        )
-        for rank in range(2)
-    ]
+    children = start(forked, tmp_path, "mid", cfg, 2, limit=2, failing=0, after=3, middle=True)
     codes = [child.wait(timeout=120) for child in children]
     assert codes[0] != 0 and codes[1] != 0
     first = children[0].output
@@ -446,13 +452,7 @@ def test_auto_with_tensor_parallelism_on_two_ranks_exits_2_saying_why(
     cfg["parallel"] = {"strategy": "fsdp", "tensor": 2}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    port = free_port()
-    children = [
-        forked.start(
-            cli_main, "fit", "--config", str(path), env=rank_env(rank, 2, port), cwd=str(tmp_path)
-        )
-        for rank in range(2)
-    ]
+    children = start_cli(forked, tmp_path, path)
     assert [child.wait(timeout=120) for child in children] == [2, 2], children[0].output
     for child in children:
         assert "Traceback" not in child.output
@@ -485,13 +485,7 @@ def test_fsdp_parameters_that_cannot_be_gathered_on_one_rank_exit_2_on_every_ran
     cfg["callbacks"] = [{"name": "no_gather_room"}]
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    port = free_port()
-    children = [
-        forked.start(
-            cli_main, "fit", "--config", str(path), env=rank_env(rank, 2, port), cwd=str(tmp_path)
-        )
-        for rank in range(2)
-    ]
+    children = start_cli(forked, tmp_path, path)
     assert [child.wait(timeout=120) for child in children] == [2, 2], children[0].output
     assert all("Traceback" not in child.output for child in children)
     assert "gathers every parameter for its first-step search" in children[0].output
