@@ -106,11 +106,23 @@ class SaveSignals:
                 return
             self.received = received
             trainer.request_stop(signal_stop_reason(received))
+            if trainer.multi_rank:
+                # The signal reaches the ranks at different moments: one that gets it just
+                # after casting its vote at a logging step still stops there when another
+                # rank voted to stop, so this rank can only name the latest step.
+                logger.warning(
+                    "received %s: stopping with the other ranks at their next agreed "
+                    "logging step (step %d at the latest) and saving a checkpoint "
+                    "(send it again to stop immediately)",
+                    received.name,
+                    _latest_stop_step(trainer),
+                )
+                return
             logger.warning(
                 "received %s: stopping after step %d and saving a checkpoint "
                 "(send it again to stop immediately)",
                 received.name,
-                _stop_step(trainer),
+                trainer.step_in_progress,
             )
 
         for sig in _HANDLED_SIGNALS:
@@ -124,13 +136,11 @@ class SaveSignals:
             signal.signal(sig, handler)
 
 
-def _stop_step(trainer: TrainerView) -> int:
-    """The step a stop requested now ends after: the step in progress in one process; the
-    ranks of a multi-rank run agree on stopping at logging steps only (``Trainer.fit``), so
-    there the first logging step from it (a multiple of ``metrics_every`` or of
-    ``eval_every``, or the target step)."""
+def _latest_stop_step(trainer: TrainerView) -> int:
+    """The latest step a stop requested now on one rank of several ends after: the ranks
+    agree on stopping at logging steps only (``Trainer.fit``), so the first logging step from
+    the step in progress (a multiple of ``metrics_every`` or of ``eval_every``, or the target
+    step). It is earlier when another rank asked first."""
     step = trainer.step_in_progress
-    if not trainer.multi_rank:
-        return step
     cadences = [every for every in (trainer.metrics_every, trainer.eval_every) if every > 0]
     return min([trainer.target_step, *(-(-step // every) * every for every in cadences)])
