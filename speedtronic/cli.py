@@ -552,9 +552,10 @@ def _run(args: argparse.Namespace) -> int:
         print("speedtronic: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as exc:
+        user_error = isinstance(exc, _user_error_types())
         if _reported_by_rank_zero(exc):
-            return EXIT_FAILED
-        if isinstance(exc, _user_error_types()):
+            return EXIT_USAGE if user_error else EXIT_FAILED
+        if user_error:
             if args.traceback:  # asked for: where the mistake was found, then the message
                 traceback.print_exception(exc, file=sys.stderr)
             print(f"speedtronic: error: {exc}", file=sys.stderr)
@@ -566,10 +567,21 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_FAILED
 
 
+_RANK_ZERO_REPORTS_WITHIN_S = 5.0
+
+
 def _reported_by_rank_zero(exc: BaseException) -> bool:
-    """An error every rank raises alike is printed by rank 0 only (once per job)."""
+    """An error every rank raises alike is printed by rank 0 only (once per job). Another
+    rank exits with the same code without a word -- a few seconds later: rank 0 raises the
+    error too, prints it and exits, and the launcher stops the other ranks meanwhile.
+    Exiting at once would let the launcher stop rank 0 before it printed, and report this
+    rank's code for a message nobody saw."""
     import os
+    import time
 
     from speedtronic.systems.distributed import SameOnEveryRankError
 
-    return isinstance(exc, SameOnEveryRankError) and os.environ.get("RANK", "0") != "0"
+    if not isinstance(exc, SameOnEveryRankError) or os.environ.get("RANK", "0") == "0":
+        return False
+    time.sleep(_RANK_ZERO_REPORTS_WITHIN_S)
+    return True

@@ -12,8 +12,10 @@ no window skipped or repeated, whatever the rank counts.
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -137,6 +139,8 @@ def test_a_resume_that_cannot_keep_the_global_batch_exits_2_saying_why(
     assert "global batch is 8 samples (micro-batch 2 x accumulation 2 x 2 rank(s))" in output
     assert "3 data-parallel ranks cannot share equally" in output
     assert "Traceback" not in output
+    # every rank finds it alike: rank 0 alone prints it
+    assert not any("cannot share equally" in child.output for child in children[1:])
 
 
 def test_a_checkpoint_without_the_global_cursor_resumes_as_before(tmp_path: Path) -> None:
@@ -185,3 +189,29 @@ def test_the_cursor_converts_between_batch_sizes_and_refuses_a_split_batch() -> 
     assert sorted(rest + seen) == list(range(24))  # the first 12 of the order, then the rest
     with pytest.raises(ValueError, match="falls inside a batch of 1 rank"):
         stream(0, 1, 5).load_state_dict(state)
+
+
+def test_the_new_layout_is_shown_once_as_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """The checkpoint's global batch overriding the config's batch sizes is a warning (the
+    CLI shows warnings; it showed no info line), on rank 0 only."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader
+
+    from speedtronic.data import ResumableSampler
+    from speedtronic.engine.batch_layout import BatchLayout, resume_layout
+
+    def trainer(distributed: object) -> Any:
+        sampler = ResumableSampler(32, shuffle=False, seed=0, rank=0, world_size=1)
+        source = DataLoader(list(range(32)), batch_size=4, sampler=sampler)
+        state = SimpleNamespace(stream=SimpleNamespace(source=source), distributed=distributed)
+        return SimpleNamespace(state=state, settings=SimpleNamespace(accumulation_steps=1))
+
+    saved = {"batch": {"micro": 2, "accumulation": 2, "ranks": 2}, "data": {"samples": 8}}
+    with caplog.at_level(logging.WARNING, logger="speedtronic"):
+        assert resume_layout(trainer(None), saved) == BatchLayout(4, 2, 1)
+        assert resume_layout(trainer(SimpleNamespace(is_main=False)), saved) is not None
+    assert [record.getMessage() for record in caplog.records] == [
+        "resumed on 1 data-parallel rank(s) instead of 2: the global batch stays 8 samples "
+        "(micro-batch 4 x accumulation 2 x 1 rank(s))"
+    ]

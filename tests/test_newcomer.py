@@ -310,12 +310,36 @@ def test_an_error_every_rank_raises_prints_on_rank_zero_only(
         raise SameOnEveryRankError("diloco mode 'hub' ... torchrun")
 
     monkeypatch.setitem(cli._COMMANDS, "plot", refuse)
+    monkeypatch.setattr(cli, "_RANK_ZERO_REPORTS_WITHIN_S", 0.0)  # no launcher to wait for
     monkeypatch.setenv("RANK", "1")
     assert main(["plot", str(tmp_path)]) == EXIT_FAILED
     assert capsys.readouterr().err == ""
     monkeypatch.setenv("RANK", "0")
     assert main(["plot", str(tmp_path)]) == EXIT_FAILED
     assert capsys.readouterr().err.count("diloco mode 'hub'") == 1
+
+
+def test_a_user_mistake_every_rank_raises_exits_2_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A refused setting (a ``ShardingError``) is a user mistake on rank 1 too: exit 2, so
+    the launcher reports 2 whichever rank ends first; rank 0 alone prints it."""
+    import speedtronic.cli as cli
+    from speedtronic.systems.tensor_parallel import TensorParallelError
+
+    def refuse(args: object) -> int:
+        raise TensorParallelError("parallel.tensor: 2 does not divide the world size (3)")
+
+    monkeypatch.setitem(cli._COMMANDS, "plot", refuse)
+    monkeypatch.setattr(cli, "_RANK_ZERO_REPORTS_WITHIN_S", 0.0)
+    monkeypatch.setenv("RANK", "1")
+    assert main(["plot", str(tmp_path)]) == EXIT_USAGE
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    assert main(["plot", str(tmp_path)]) == EXIT_USAGE
+    assert capsys.readouterr().err == (
+        "speedtronic: error: parallel.tensor: 2 does not divide the world size (3)\n"
+    )
 
 
 def test_diloco_hub_mode_refusal_under_torchrun_is_the_same_on_every_rank(tmp_path: Path) -> None:

@@ -418,6 +418,18 @@ def test_a_family_without_a_plan_is_named_and_a_registered_one_is_found() -> Non
         check_tensor_parallel(Mixer(), 4, world_size=6)
 
 
+def test_the_data_share_of_a_world_the_degree_does_not_divide_is_refused() -> None:
+    """The runtime splits the data by the tensor degree before anything else (a fit of
+    tensor 2 on 3 ranks crashed there with a sampler's ``ValueError``, exit 1)."""
+    from speedtronic.systems.tensor_parallel import data_parallel_share
+
+    shares = [data_parallel_share(rank, 4, 2) for rank in range(4)]
+    assert shares == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert data_parallel_share(0, 1, 2) == (0, 1)  # one process: the fit's own refusal
+    with pytest.raises(TensorParallelError, match=r"does not divide the world size .*\(3\)"):
+        data_parallel_share(2, 3, 2)
+
+
 def test_muon_built_in_python_is_refused_before_anything_is_split() -> None:
     from speedtronic.optimizers import Muon
     from speedtronic.systems.tensor_parallel import apply_tensor_parallel

@@ -34,6 +34,7 @@ from torch.utils.data import BatchSampler, DataLoader
 
 from speedtronic.data.stream import data_shards
 from speedtronic.state.training_state import TrainingStateError
+from speedtronic.systems.distributed import SameOnEveryRankError
 
 if TYPE_CHECKING:
     from speedtronic.engine.trainer import Trainer
@@ -54,8 +55,9 @@ LAYOUT_KEY = "batch"
 logger = logging.getLogger(__name__)
 
 
-class ElasticResumeError(TrainingStateError):
-    """A checkpoint's global batch cannot be kept on this run's ranks."""
+class ElasticResumeError(TrainingStateError, SameOnEveryRankError):
+    """A checkpoint's global batch cannot be kept on this run's ranks (every rank finds it
+    alike: the CLI prints it once)."""
 
 
 @dataclass(frozen=True)
@@ -162,10 +164,13 @@ def resume_layout(trainer: Trainer, state: Mapping[str, object]) -> BatchLayout 
     limit = share if cursor is None else math.gcd(share, cursor // current.ranks)
     micro = max(d for d in range(1, min(current.micro, limit) + 1) if limit % d == 0)
     layout = BatchLayout(micro, share // micro, current.ranks)
-    logger.info(
-        "resumed on %d data-parallel rank(s) instead of %d: the global batch stays %s",
-        current.ranks,
-        saved.ranks,
-        layout.describe(),
-    )
+    distributed = trainer.state.distributed
+    if distributed is None or distributed.is_main:  # once per job
+        # A warning: the checkpoint's layout overrides the config's batch sizes.
+        logger.warning(
+            "resumed on %d data-parallel rank(s) instead of %d: the global batch stays %s",
+            current.ranks,
+            saved.ranks,
+            layout.describe(),
+        )
     return layout

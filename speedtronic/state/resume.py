@@ -166,7 +166,10 @@ def resume_from(
             "(not a speedtronic training state?)"
         ) from exc
     except ValueError as exc:  # TrainingStateError, optimizer/sampler mismatches
-        raise TrainingStateError(f"cannot resume from {loaded.path}: {exc}") from exc
+        # A TrainingStateError keeps its class: an ElasticResumeError, which every rank
+        # raises alike, is then still printed once per job.
+        kind = type(exc) if isinstance(exc, TrainingStateError) else TrainingStateError
+        raise kind(f"cannot resume from {loaded.path}: {exc}") from exc
     trainer.run_id = run_id
     trainer.resumed_from = ResumePoint(loaded.path, trainer.step, loaded.skipped)
     logger.info("%s", trainer.resumed_from.describe())

@@ -85,7 +85,11 @@ def check_tensor_parallel(model: nn.Module, degree: int, world_size: int | None 
 
 def data_parallel_share(rank: int, world_size: int, degree: int) -> tuple[int, int]:
     """``(data rank, data ranks)`` of global ``rank``: the ranks of one tensor group (``T``
-    consecutive ranks) read the same data."""
+    consecutive ranks) read the same data. ``TensorParallelError`` when ``degree`` does not
+    divide ``world_size``: the data is the first thing split by it, so the refusal comes
+    here, before anything is built."""
+    if world_size > 1:
+        require_divisible("the world size (number of ranks)", world_size, degree)
     return rank // degree, max(world_size // degree, 1)
 
 
