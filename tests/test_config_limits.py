@@ -33,10 +33,10 @@ def alias_bomb(levels: int = 6, fan_out: int = 9) -> str:
 
 def refuses_quickly(action: object, match: str, limit_s: float = 0.5) -> ConfigError:
     assert callable(action)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: a loaded machine's waiting does not count
     with pytest.raises(ConfigError, match=match) as caught:
         action()
-    assert time.perf_counter() - start < limit_s
+    assert time.process_time() - start < limit_s
     return caught.value
 
 

@@ -194,10 +194,10 @@ def test_learnable_dataset_entropy_floor_matches_generated_data() -> None:
 
 
 def test_learnable_dataset_is_fast_and_validates_options() -> None:
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: a loaded machine's waiting does not count
     dataset = LearnableLanguageDataset(num_samples=256, block_size=32, vocab_size=128, seed=1)
     items = [dataset[i] for i in range(256)]
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
     assert len(items) == 256
     assert LearnableLanguageDataset(4, 4, vocab_size=2).branching == 2
     with pytest.raises(ValueError, match="branching"):
