@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import speedtronic
@@ -123,28 +124,30 @@ NOT_ON_THE_TRAINING_PATH = (
 def test_the_trainer_loads_only_what_training_on_in_memory_data_needs() -> None:
     """A fresh interpreter imports the Trainer, then builds one and fits it for two steps on a
     list of batches; neither loads a module of ``NOT_ON_THE_TRAINING_PATH``."""
-    code = (
-        "import sys\n"
-        "import torch\n"
-        "import speedtronic\n"
-        "speedtronic.Trainer\n"
-        f"unwanted = {NOT_ON_THE_TRAINING_PATH!r}\n"
-        "def loaded():\n"
-        "    return sorted(m for m in unwanted if m in sys.modules)\n"
-        "print(loaded())\n"
-        "model = torch.nn.Linear(2, 1)\n"
-        "class Loss(torch.nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__()\n"
-        "        self.inner = model\n"
-        "    def forward(self, x):\n"
-        "        return self.inner(x).pow(2).mean()\n"
-        "net = Loss()\n"
-        "opt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
-        "data = [{'x': torch.ones(4, 2)}, {'x': torch.zeros(4, 2)}]\n"
-        "result = speedtronic.Trainer(net, opt, data, device='cpu', max_steps=2).fit()\n"
-        "assert result.steps == 2, result\n"
-        "print(loaded())\n"
+    code = textwrap.dedent(
+        f"""
+        import sys
+        import torch
+        import speedtronic
+
+        speedtronic.Trainer
+        print(sorted(m for m in {NOT_ON_THE_TRAINING_PATH!r} if m in sys.modules))
+
+        class Loss(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner = torch.nn.Linear(2, 1)
+
+            def forward(self, x):
+                return self.inner(x).pow(2).mean()
+
+        net = Loss()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        data = [{{"x": torch.ones(4, 2)}}, {{"x": torch.zeros(4, 2)}}]
+        result = speedtronic.Trainer(net, opt, data, device="cpu", max_steps=2).fit()
+        assert result.steps == 2, result
+        print(sorted(m for m in {NOT_ON_THE_TRAINING_PATH!r} if m in sys.modules))
+        """
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
