@@ -37,6 +37,10 @@ and, from a few more interpreters (debt paid, median per module), which speedtro
 (and other packages new after torch) the import loads and their summed CPU self time.
 
     python benchmarks/import_cost.py --rounds 15
+    python benchmarks/import_cost.py --rounds 9 --baseline main   # and main's import beside
+
+``--baseline REV`` measures the import of an earlier commit too (unpacked with ``git archive``)
+in the same rotated rounds, ``speedtronic.Trainer`` only: a before/after under one load.
 """
 
 from __future__ import annotations
@@ -50,7 +54,9 @@ import sys
 import tempfile
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
 TARGET = "import speedtronic; speedtronic.Trainer"
 VARIANTS = {
     "speedtronic.Trainer": TARGET,
@@ -86,11 +92,11 @@ def child_env(bytecode_cache: str | None) -> dict[str, str]:
 ENV: dict[str, str] = {}  # the children's environment, set once by ``main``
 
 
-def run_child(program: str) -> tuple[float, str]:
-    """CPU seconds of a fresh interpreter running ``program`` (one thread), and its stdout."""
-    env = ENV
+def run_child(program: str, tree: Path = ROOT) -> tuple[float, str]:
+    """CPU seconds of a fresh interpreter running ``program`` (one thread) in ``tree`` (whose
+    ``speedtronic`` it imports), and its stdout."""
     process = subprocess.Popen(
-        [sys.executable, "-c", program], env=env, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", program], env=ENV, cwd=tree, stdout=subprocess.PIPE, text=True
     )
     assert process.stdout is not None
     out = process.stdout.read()
@@ -101,13 +107,13 @@ def run_child(program: str) -> tuple[float, str]:
     return usage.ru_utime + usage.ru_stime, out
 
 
-def loaded_after_torch(code: str) -> list[str]:
+def loaded_after_torch(code: str, tree: Path = ROOT) -> list[str]:
     probe = (
         "import sys, json, torch\nbefore = set(sys.modules)\n"
         f"{code}\nprint(json.dumps(sorted(set(sys.modules) - before)))"
     )
     done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=ENV
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=ENV, cwd=tree
     )
     names: list[str] = json.loads(done.stdout)
     return names
@@ -175,15 +181,27 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="no bytecode cache: every import compiles the sources (PYTHONDONTWRITEBYTECODE)",
     )
+    parser.add_argument("--baseline", metavar="REV", help="an earlier commit to measure beside")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="import-cost-pyc-") as cache:
-        ENV.update(child_env(None if args.compile else cache))
-        for code in VARIANTS.values():  # fills the cache: the rounds read compiled modules
-            run_child(script(code, pay_debt=False))
-        report(args.rounds, args.profile_runs, args.compile)
+    with tempfile.TemporaryDirectory(prefix="import-cost-") as scratch:
+        ENV.update(child_env(None if args.compile else str(Path(scratch) / "pyc")))
+        trees = {"": ROOT}
+        if args.baseline:
+            trees = {args.baseline: Path(scratch) / "baseline", **trees}
+            trees[args.baseline].mkdir()
+            archive = subprocess.run(
+                ["git", "archive", args.baseline], cwd=ROOT, capture_output=True, check=True
+            )
+            subprocess.run(
+                ["tar", "-x"], input=archive.stdout, cwd=trees[args.baseline], check=True
+            )
+        for tree in trees.values():  # fills the cache: the rounds read compiled modules
+            for code in VARIANTS.values():
+                run_child(script(code, pay_debt=False), tree)
+        report(args.rounds, args.profile_runs, args.compile, trees)
 
 
-def report(rounds: int, profile_runs: int, compile_sources: bool) -> None:
+def report(rounds: int, profile_runs: int, compile_sources: bool, trees: dict[str, Path]) -> None:
     load_before = os.getloadavg()
     print(
         f"import cost over `import torch` (CPU s, {rounds} rounds, best of N / median, "
@@ -192,28 +210,32 @@ def report(rounds: int, profile_runs: int, compile_sources: bool) -> None:
     )
     print("| import | GC debt | paired over baseline | in-process | config machinery loaded |")
     print("|---|---|---|---|---|")
-    for name, code in VARIANTS.items():
-        arms = [(pay, role) for pay in (False, True) for role in ("baseline", "variant")]
-        whole: dict[tuple[bool, str], list[float]] = defaultdict(list)
-        inside: dict[bool, list[float]] = defaultdict(list)
+    variants = VARIANTS if len(trees) == 1 else {"speedtronic.Trainer": TARGET}
+    for name, code in variants.items():
+        # An arm: (tree, GC debt paid, variant or the bare ``import torch`` baseline ("")).
+        arms = [(tree, pay, role) for tree in trees for pay in (False, True) for role in ("", name)]
+        arms = [(tree, pay, role) for tree, pay, role in arms if role or tree == next(iter(trees))]
+        whole: dict[tuple[str, bool, str], list[float]] = defaultdict(list)
+        inside: dict[tuple[str, bool], list[float]] = defaultdict(list)
         for round_index in range(rounds):
             start = round_index % len(arms)
-            for pay, role in arms[start:] + arms[:start]:
-                cpu, out = run_child(script(code if role == "variant" else None, pay, True))
-                whole[pay, role].append(cpu)
-                if role == "variant":
-                    inside[pay].append(float(out.split()[-1]))
-        machinery = ", ".join(m for m in CONFIG_MACHINERY if m in loaded_after_torch(code))
-        for pay in (False, True):
-            paired = [
-                v - b for v, b in zip(whole[pay, "variant"], whole[pay, "baseline"], strict=True)
-            ]
-            best = min(whole[pay, "variant"]) - min(whole[pay, "baseline"])
-            print(
-                f"| `{name}` | {'paid' if pay else 'raw'} | {best:+.3f} / "
-                f"{statistics.median(paired):+.3f} | {summary(inside[pay])} | "
-                f"{machinery or 'none'} |"
-            )
+            for tree, pay, role in arms[start:] + arms[:start]:
+                program = script(code if role else None, pay, in_process=True)
+                cpu, out = run_child(program, trees[tree])
+                whole[tree if role else "", pay, role].append(cpu)
+                if role:
+                    inside[tree, pay].append(float(out.split()[-1]))
+        for tree, path in trees.items():
+            loaded = loaded_after_torch(code, path)
+            machinery = ", ".join(m for m in CONFIG_MACHINERY if m in loaded) or "none"
+            for pay in (False, True):
+                variant, baseline = whole[tree, pay, name], whole["", pay, ""]
+                paired = [v - b for v, b in zip(variant, baseline, strict=True)]
+                print(
+                    f"| `{name}`{f' at {tree}' if tree else ''} | {'paid' if pay else 'raw'} | "
+                    f"{min(variant) - min(baseline):+.3f} / {statistics.median(paired):+.3f} | "
+                    f"{summary(inside[tree, pay])} | {machinery} |"
+                )
     load_after = os.getloadavg()
     print(f"(load {load_after[0]:.1f} {load_after[1]:.1f} after)")
 
