@@ -12,6 +12,9 @@
 * ``mixture`` -- ``MixtureDataset`` (``data.mixture``);
 * ``tokenizer`` -- ``load_tokenizer`` (a ``tokenizer.json`` or the byte tokenizer);
 * ``corpus``, ``prepare`` -- ``speedtronic prepare`` (imported on use).
+
+The package itself imports none of them: each name below loads its module when first asked
+for (``from speedtronic.data import BatchStream`` loads ``stream`` alone).
 """
 
 from __future__ import annotations
