@@ -30,7 +30,7 @@ checkout writes ``__pycache__`` on its first import. An environment with
 ``PYTHONDONTWRITEBYTECODE=1`` (this project's VMs) compiles every speedtronic module on every
 import instead -- roughly doubling the figure; ``--compile`` measures that case.
 
-Rounds are rotated: each round starts the four interpreters (baseline and variant, raw and
+Rounds are rotated: each round starts one interpreter per arm (baseline and variant, raw and
 debt-paid) beginning at a different one, so a slow patch of the machine falls on every arm
 alike. The report gives best-of-N beside the median, the machine's load before and after,
 and, from a few more interpreters (debt paid, median per module), which speedtronic modules
