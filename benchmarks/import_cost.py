@@ -28,7 +28,7 @@ The modules' bytecode is cached (in a temporary ``PYTHONPYCACHEPREFIX``, filled 
 interpreter), as it is for an installed package: pip compiles at install time, and a source
 checkout writes ``__pycache__`` on its first import. An environment with
 ``PYTHONDONTWRITEBYTECODE=1`` (this project's VMs) compiles every speedtronic module on every
-import instead -- roughly doubling the figure; ``--compile`` measures that case.
+import instead -- two to three times the figure; ``--compile`` measures that case.
 
 Rounds are rotated: each round starts one interpreter per arm (baseline and variant, raw and
 debt-paid) beginning at a different one, so a slow patch of the machine falls on every arm
