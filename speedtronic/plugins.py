@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Generic, Literal, TypeVar, cast, overload
 
 import torch
 
-from speedtronic.user_imports import import_user_module
-from speedtronic.util import options as declaration
-
+# ``speedtronic.util.options`` (options dataclasses -> schemas) and ``speedtronic.user_imports``
+# are imported by the functions that read declarations or user modules: a Trainer built in
+# Python imports this module for the hook API's names and uses neither.
 if TYPE_CHECKING:
     from speedtronic.config import SpeedtronicConfig
     from speedtronic.engine.callback import Callback
@@ -210,6 +210,8 @@ def keys_of(sections: SectionData, key: str, declaring: type[T]) -> T:
     """The keys the dataclass ``declaring`` declares under the top-level ``key``, typed
     (``keys_of(sections, "logging", ConsoleLoggingKeys).console``): built from the validated
     sections without checking them again; a key left out takes its declared default."""
+    from speedtronic.util import options as declaration
+
     section = section_of(sections, key)
     names = {item.name for item in declaration.declared(declaring)}
     return declaration.build(
@@ -274,6 +276,8 @@ class Sections:
     declaring)`` from validated data, ``section.keys_of(declaring)`` on a built config."""
 
     def __post_init__(self) -> None:
+        from speedtronic.util import options as declaration
+
         derived = {
             key: declaration.object_schema(declaring)
             for key, declaring in self.declared.items()
@@ -439,6 +443,8 @@ def register_plugin(spec: PluginSpec) -> PluginSpec:
 def import_modules(modules: Iterable[str]) -> None:
     """Import user modules (the config's ``imports:``) so their registrations run; the CLI
     also looks for them in the working and config directories (``speedtronic.user_imports``)."""
+    from speedtronic.user_imports import import_user_module
+
     for module in modules:
         try:
             import_user_module(module)

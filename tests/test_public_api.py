@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import speedtronic
@@ -87,3 +88,67 @@ def test_the_trainer_imports_no_config_machinery() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+# What ``import speedtronic; speedtronic.Trainer`` and a fit on in-memory data leave unloaded:
+# the token-shard, mixture and remote-shard readers (and ``filelock``), checkpoint storage
+# (sharded DCP tensors, the callbacks' shards, the run directory's lock and identity),
+# tensor parallelism, the shape check, the out-of-memory recovery and the options/user-module
+# machinery of plugins. Each loads with the feature that uses it.
+NOT_ON_THE_TRAINING_PATH = (
+    "filelock",
+    "speedtronic.data.loader",
+    "speedtronic.data.windows",
+    "speedtronic.data.shards",
+    "speedtronic.data.remote_shards",
+    "speedtronic.data.shard_cache",
+    "speedtronic.data.shard_lock",
+    "speedtronic.data.mixture",
+    "speedtronic.data.tokenizer",
+    "speedtronic.data.text",
+    "speedtronic.state.checkpoint",
+    "speedtronic.state.sharded_checkpoint",
+    "speedtronic.state.callback_shards",
+    "speedtronic.state.dcp_io",
+    "speedtronic.state.archive",
+    "speedtronic.state.run_identity",
+    "speedtronic.state.run_lock",
+    "speedtronic.systems.tensor_parallel",
+    "speedtronic.systems.shapes",
+    "speedtronic.engine.oom_retry",
+    "speedtronic.util.options",
+    "speedtronic.user_imports",
+)
+
+
+def test_the_trainer_loads_only_what_training_on_in_memory_data_needs() -> None:
+    """A fresh interpreter imports the Trainer, then builds one and fits it for two steps on a
+    list of batches; neither loads a module of ``NOT_ON_THE_TRAINING_PATH``."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        import torch
+        import speedtronic
+
+        speedtronic.Trainer
+        print(sorted(m for m in {NOT_ON_THE_TRAINING_PATH!r} if m in sys.modules))
+
+        class Loss(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.inner = torch.nn.Linear(2, 1)
+
+            def forward(self, x):
+                return self.inner(x).pow(2).mean()
+
+        net = Loss()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        data = [{{"x": torch.ones(4, 2)}}, {{"x": torch.zeros(4, 2)}}]
+        result = speedtronic.Trainer(net, opt, data, device="cpu", max_steps=2).fit()
+        assert result.steps == 2, result
+        print(sorted(m for m in {NOT_ON_THE_TRAINING_PATH!r} if m in sys.modules))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[]", "[]"], done.stdout

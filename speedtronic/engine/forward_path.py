@@ -30,7 +30,6 @@ from speedtronic.systems.distributed import (
 )
 from speedtronic.systems.precision import PrecisionPlan, autocast_context
 from speedtronic.systems.sharding import ShardingError, gradient_sync_on_final, shard_model
-from speedtronic.systems.tensor_parallel import TensorParallelError, apply_tensor_parallel
 from speedtronic.user_warnings import warn
 
 __all__ = ["ForwardPath"]
@@ -116,7 +115,10 @@ class ForwardPath:
         split it over a ``(data, tensor)`` mesh first (``speedtronic.systems.tensor_parallel``);
         gradients are then averaged over the data ranks only."""
         context = self.distributed
+        # Only a tensor-parallel run loads ``speedtronic.systems.tensor_parallel`` (its plans).
         if tensor > 1 and (context is None or context.world_size % tensor):
+            from speedtronic.systems.tensor_parallel import TensorParallelError
+
             raise TensorParallelError(
                 f"parallel.tensor: {tensor} does not divide the world size "
                 f"({context.world_size if context is not None else 1} rank(s)); launch under "
@@ -135,6 +137,8 @@ class ForwardPath:
         param_dtype = self.precision.dtype if self.precision.is_mixed_precision else None
         data_mesh = None
         if tensor > 1:  # split each layer over the tensor ranks first; FSDP over the data ranks
+            from speedtronic.systems.tensor_parallel import apply_tensor_parallel
+
             data_mesh = apply_tensor_parallel(self.model, optimizer, self.device, tensor)
         self.sharded = shard_model(
             self.model,

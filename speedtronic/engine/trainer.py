@@ -60,7 +60,6 @@ from speedtronic.engine.keywords import TrainerKeywords, TrainerType, resolve_se
 from speedtronic.engine.loop import run_global_step
 from speedtronic.engine.members import TrainerMembers
 from speedtronic.engine.notes import Notes
-from speedtronic.engine.oom_retry import OomRecovery, auto_resume_layout
 from speedtronic.engine.rank_metrics import RankMetricReducer
 from speedtronic.engine.result import TrainResult
 from speedtronic.engine.settings import TrainerSettings
@@ -80,12 +79,12 @@ from speedtronic.systems.distributed import (
     reduce_run_totals,
 )
 from speedtronic.systems.precision import make_grad_scaler, resolve_precision
-from speedtronic.systems.shapes import ShapeReport
 from speedtronic.systems.sharding import find_shard_blocks
 from speedtronic.user_warnings import warn
 
 if TYPE_CHECKING:
     from speedtronic.state.resume import ResumePoint
+    from speedtronic.systems.shapes import ShapeReport
 
 __all__ = ["LRScheduler", "Trainer", "TrainingStateError"]
 
@@ -453,12 +452,13 @@ class Trainer(TrainerMembers, metaclass=TrainerType):
             self._in_loop = True
             try:
                 requests, multi_rank = state.requests, state.multi_rank
-                # ``micro_batch_size: auto`` wraps each step; otherwise the loop runs bare.
-                run_step = (
-                    OomRecovery(self, state).run_step
-                    if self.settings.auto_micro_batch
-                    else run_global_step
-                )
+                # ``micro_batch_size: auto`` wraps each step; otherwise the loop runs bare
+                # (and the recovery's module is not loaded).
+                run_step = run_global_step
+                if self.settings.auto_micro_batch:
+                    from speedtronic.engine.oom_retry import OomRecovery
+
+                    run_step = OomRecovery(self, state).run_step
                 # One process: the target and a stop request decide (spelled out, no call
                 # per step); ranks agree first.
                 while state.step < state.target_step and (
@@ -550,6 +550,8 @@ class Trainer(TrainerMembers, metaclass=TrainerType):
         (``speedtronic.engine.batch_layout``)."""
         layout, before = resume_layout(self, state), current_layout(self)
         if layout is None and self.settings.auto_micro_batch:
+            from speedtronic.engine.oom_retry import auto_resume_layout
+
             layout = auto_resume_layout(self, state)  # the size an OOM chose
         if layout is not None:
             apply_layout(self, layout)

@@ -21,22 +21,12 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from speedtronic._version import __version__
-from speedtronic.state.callback_shards import (
-    CALLBACK_SHARD_PATHS,
-    split_callback_shards,
-    with_callback_shards,
-)
-from speedtronic.state.model_fit import model_mismatch, tensor_shapes
-from speedtronic.state.optimizer_load import load_optimizer_state
 from speedtronic.state.rng import capture_rng_state, restore_rng_state
-from speedtronic.state.run_identity import RUN_STATE_KEY
-from speedtronic.state.sharded_checkpoint import (
-    CALLBACK_SHARDS,
-    SHARDED_DIRECTORY,
-    SHARDED_MARKER,
-    capture_sharded_tensors,
-    load_sharded_tensors,
-)
+
+# The checkpoint formats (sharded DCP tensors, the callbacks' shards, the run's identity) and
+# the loading checks are imported by the functions that write or read a state: a Trainer
+# loads this module for ``TrainingStateError`` and pays for them only at its first
+# ``state_dict`` / ``load_state_dict``.
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -67,6 +57,14 @@ def callback_states(callbacks: Sequence[Callback]) -> dict[str, dict[str, object
 
 def capture_training_state(training: TrainingState) -> dict[str, object]:
     """Everything needed to continue this run exactly (loads with weights_only=True)."""
+    from speedtronic.state.callback_shards import CALLBACK_SHARD_PATHS, split_callback_shards
+    from speedtronic.state.run_identity import RUN_STATE_KEY
+    from speedtronic.state.sharded_checkpoint import (
+        CALLBACK_SHARDS,
+        SHARDED_MARKER,
+        capture_sharded_tensors,
+    )
+
     run_config = training.run_config
     config = copy.deepcopy(dict(run_config)) if run_config is not None else None
     callbacks = callback_states(training.callbacks)
@@ -115,6 +113,8 @@ def capture_training_state(training: TrainingState) -> dict[str, object]:
 def _load_optimizer(training: TrainingState, saved: dict[str, object]) -> None:
     """Load the optimizer's state; a group layout that differs from this run's is a
     ``TrainingStateError`` that says which setting decides the layout."""
+    from speedtronic.state.optimizer_load import load_optimizer_state
+
     groups = saved.get("param_groups")
     ours = len(training.optimizer.param_groups)
     if isinstance(groups, list) and len(groups) != ours:
@@ -131,6 +131,9 @@ def restore_training_state(
     training: TrainingState, state: Mapping[str, object], *, load_callbacks: bool = True
 ) -> None:
     """Restore a ``state_dict``; raises ``TrainingStateError`` naming what does not fit."""
+    from speedtronic.state.callback_shards import with_callback_shards
+    from speedtronic.state.sharded_checkpoint import SHARDED_DIRECTORY, load_sharded_tensors
+
     version = state.get("format_version")
     if version != STATE_FORMAT_VERSION:
         raise TrainingStateError(
@@ -220,6 +223,8 @@ def _adopt_saved_cuda_rng(training: TrainingState, rng: object) -> None:
 
 
 def _check_model(training: TrainingState, weights: Mapping[str, torch.Tensor]) -> None:
+    from speedtronic.state.model_fit import model_mismatch, tensor_shapes
+
     problem = model_mismatch(tensor_shapes(training.model.state_dict()), tensor_shapes(weights))
     if problem is not None:
         raise TrainingStateError(problem)
