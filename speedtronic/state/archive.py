@@ -31,7 +31,14 @@ import torch
 
 from speedtronic.state.errors import CheckpointError, CorruptCheckpointError, first_line
 from speedtronic.state.layout import PathLike, write_atomically
-from speedtronic.state.record_check import CheckingReader, StoredRecord, crc32, locate_records
+from speedtronic.state.record_check import (
+    CheckingReader,
+    StoredRecord,
+    crc32,
+    fast_crc32,
+    locate_records,
+)
+from speedtronic.state.record_crc import CrcWriter, store_crcs
 from speedtronic.state.safe_load import restricted_load
 
 __all__ = ["archive_checksum", "atomic_torch_save", "load_checkpoint_file"]
@@ -45,8 +52,7 @@ def atomic_torch_save(state: object, path: PathLike) -> str:
 
     def write(handle: BinaryIO) -> None:
         nonlocal checksum
-        with _crc32_records():
-            torch.save(state, handle)
+        _save_with_crcs(state, handle)
         handle.flush()
         checksum = archive_checksum(handle)  # the bytes just written, not a name's
 
@@ -54,12 +60,31 @@ def atomic_torch_save(state: object, path: PathLike) -> str:
     return checksum
 
 
+def _save_with_crcs(state: object, handle: BinaryIO) -> None:
+    """``torch.save`` into the empty ``handle`` with the CRC-32 of every record stored:
+    computed by ISA-L as the bytes are written (``record_crc``) where it is installed, else
+    by torch; and by torch as well for an archive laid out in a way ``record_crc`` does not
+    know (written again)."""
+    if fast_crc32():
+        writer = CrcWriter(handle)
+        with _crc32_records(False):
+            torch.save(state, cast(BinaryIO, writer))
+        handle.flush()
+        if store_crcs(handle, writer.crcs):
+            return
+        handle.seek(0)
+        handle.truncate()
+    with _crc32_records(True):
+        torch.save(state, handle)
+
+
 @contextlib.contextmanager
-def _crc32_records() -> Iterator[None]:
-    """Make ``torch.save`` store the CRC-32 of every record (its default; a user may have
-    switched it off globally, and the integrity check depends on it)."""
+def _crc32_records(enabled: bool) -> Iterator[None]:
+    """Make ``torch.save`` store the CRC-32 of every record (``enabled``, its default; a
+    user may have switched it off globally, and the integrity check depends on it), or
+    leave it to ``record_crc``."""
     previous = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(True)
+    torch.serialization.set_crc32_options(enabled)
     try:
         yield
     finally:
