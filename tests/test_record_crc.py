@@ -123,3 +123,32 @@ def test_a_save_falls_back_to_torchs_crc32s(
     assert checksum == archive_checksum(path)
     loaded = load_checkpoint_file(path, checksum=checksum)
     assert torch.equal(loaded["w"], state["w"])  # type: ignore[arg-type]
+
+
+def test_torchs_crc32_switch_is_off_only_until_torch_opens_the_archive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[bool] = []
+
+    class Watching(CrcWriter):
+        def write(self, data: bytes | bytearray | memoryview) -> int:
+            written = super().write(data)
+            seen.append(torch.serialization.get_crc32_options())  # another thread's view
+            return written
+
+    monkeypatch.setattr(archive, "CrcWriter", Watching)
+    atomic_torch_save(_state(), tmp_path / "step_000000000001.pt")
+    assert seen and all(seen)
+    assert not archive._CRC32_SWITCH.locked()
+
+
+def test_a_failed_save_sets_torchs_crc32_switch_back(tmp_path: Path) -> None:
+    class Unpicklable:
+        def __reduce__(self) -> tuple[object, ...]:
+            raise RuntimeError("no")
+
+    with pytest.raises(Exception, match="no"):
+        atomic_torch_save({"x": Unpicklable()}, tmp_path / "step_000000000001.pt")
+    assert torch.serialization.get_crc32_options() is True
+    assert not archive._CRC32_SWITCH.locked()
+    assert not list(tmp_path.iterdir())  # the temporary file is gone

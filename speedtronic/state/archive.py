@@ -22,6 +22,7 @@ import io
 import json
 import os
 import re
+import threading
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,7 +68,7 @@ def _save_with_crcs(state: object, handle: BinaryIO) -> None:
     know (written again)."""
     if fast_crc32():
         writer = CrcWriter(handle)
-        with _crc32_records(False):
+        with _crc32_records(False, writer):
             torch.save(state, cast(BinaryIO, writer))
         handle.flush()
         if store_crcs(handle, writer.crcs):
@@ -78,17 +79,37 @@ def _save_with_crcs(state: object, handle: BinaryIO) -> None:
         torch.save(state, handle)
 
 
+_CRC32_SWITCH = threading.Lock()
+"""Held while a save has torch's (process-wide) CRC-32 switch set: two saves on different
+threads must not set back each other's value."""
+
+
 @contextlib.contextmanager
-def _crc32_records(enabled: bool) -> Iterator[None]:
+def _crc32_records(enabled: bool, writer: CrcWriter | None = None) -> Iterator[None]:
     """Make ``torch.save`` store the CRC-32 of every record (``enabled``, its default; a
     user may have switched it off globally, and the integrity check depends on it), or
-    leave it to ``record_crc``."""
+    leave them to ``record_crc``. With ``writer``, the switch is set back as torch writes
+    its first byte there: torch reads it once, as it opens the archive, and a ``torch.save``
+    on another thread sees it changed no longer than it takes torch to pickle the state's
+    structure (the tensors' bytes are written after that)."""
+    _CRC32_SWITCH.acquire()
     previous = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(enabled)
+    restored = False
+
+    def restore() -> None:
+        nonlocal restored
+        if not restored:
+            restored = True
+            torch.serialization.set_crc32_options(previous)
+            _CRC32_SWITCH.release()
+
+    if writer is not None:
+        writer.on_first_write = restore
     try:
         yield
     finally:
-        torch.serialization.set_crc32_options(previous)
+        restore()
 
 
 def archive_checksum(path: PathLike | BinaryIO) -> str:

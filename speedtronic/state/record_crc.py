@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import struct
 import zipfile
+from collections.abc import Callable
 from typing import BinaryIO
 
 from speedtronic.state.record_check import StoredRecord, crc32, fast_crc32, locate_records
@@ -39,14 +40,19 @@ _READ_CHUNK = 16 * 1024 * 1024
 
 class CrcWriter:
     """The file ``torch.save`` writes to: passes every write on to ``handle`` and keeps the
-    CRC-32 of its bytes by the offset it starts at (``crcs``: offset -> (length, CRC-32))."""
+    CRC-32 of its bytes by the offset it starts at (``crcs``: offset -> (length, CRC-32)).
+    ``on_first_write`` is called before the first write: torch has opened the archive."""
 
     def __init__(self, handle: BinaryIO) -> None:
         self._handle = handle
         self._position = handle.tell()
         self.crcs: dict[int, tuple[int, int]] = {}
+        self.on_first_write: Callable[[], None] | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self.on_first_write is not None:
+            opened, self.on_first_write = self.on_first_write, None
+            opened()
         with memoryview(data) as view:
             length = view.nbytes
             # Before the write, on the buffer that is written: what the file gets.
