@@ -6,7 +6,8 @@ CRC-32s) -- the checksum the pointer keeps for the file -- and a load
 (``load_checkpoint_file``) checks the index against it and every record's bytes against
 their CRC-32 before ``torch.load``. A mismatch is damage (``CorruptCheckpointError``: the
 manager falls back to an older checkpoint). This costs no second pass over the data at save
-time, and the check at load time runs on the bytes ``torch.load`` reads
+time (the CRC-32s are taken as torch writes the bytes: ``speedtronic.state.record_crc``),
+and the check at load time runs on the bytes ``torch.load`` reads
 (``speedtronic.state.record_check``): the data is read once.
 
 The load itself goes through ``speedtronic.state.safe_load.restricted_load``, the one
