@@ -40,14 +40,20 @@ _READ_CHUNK = 16 * 1024 * 1024
 
 class CrcWriter:
     """The file ``torch.save`` writes to: passes every write on to ``handle`` and keeps the
-    CRC-32 of its bytes by the offset it starts at (``crcs``: offset -> (length, CRC-32)).
+    CRC-32 of its bytes by the offset it starts at (``crcs``: offset -> (length, CRC-32);
+    none once a write went over bytes written before, which may have changed a CRC-32 kept).
     ``on_first_write`` is called before the first write: torch has opened the archive."""
 
     def __init__(self, handle: BinaryIO) -> None:
         self._handle = handle
-        self._position = handle.tell()
-        self.crcs: dict[int, tuple[int, int]] = {}
+        self._position = self._end = handle.tell()
+        self._crcs: dict[int, tuple[int, int]] = {}
+        self._overwritten = False
         self.on_first_write: Callable[[], None] | None = None
+
+    @property
+    def crcs(self) -> dict[int, tuple[int, int]]:
+        return {} if self._overwritten else self._crcs
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         if self.on_first_write is not None:
@@ -56,9 +62,11 @@ class CrcWriter:
         with memoryview(data) as view:
             length = view.nbytes
             # Before the write, on the buffer that is written: what the file gets.
-            self.crcs[self._position] = (length, crc32(view))
+            self._crcs[self._position] = (length, crc32(view))
         self._handle.write(data)
+        self._overwritten |= self._position < self._end
         self._position += length
+        self._end = max(self._end, self._position)
         return length
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
