@@ -85,7 +85,6 @@ def store_crcs(handle: BinaryIO, crcs: dict[int, tuple[int, int]]) -> bool:
     writable), from ``crcs`` (``CrcWriter.crcs``) where a write held exactly its bytes,
     else computed from the file. ``False``, with nothing changed, when the archive is not
     laid out as ``torch.save`` writes it with its CRC-32s switched off."""
-    fd = handle.fileno()
     handle.seek(0)
     try:
         archive = zipfile.ZipFile(handle)
@@ -96,28 +95,28 @@ def store_crcs(handle: BinaryIO, crcs: dict[int, tuple[int, int]]) -> bool:
         directory_start = archive.start_dir
     if any(info.compress_type != zipfile.ZIP_STORED for info in infos):
         return False
-    records, broken = locate_records(handle, infos, os.fstat(fd).st_size)
+    records, broken = locate_records(handle, infos, os.fstat(handle.fileno()).st_size)
     if broken:
         return False
-    directory = _central_directory(fd, directory_start, infos)
+    directory = _central_directory(handle, directory_start, infos)
     if directory is None:
         return False
     patches: list[tuple[int, bytes]] = []
     for info, record, entry in zip(infos, records, directory[1], strict=True):
-        crc = _record_crc(fd, record, crcs)
+        crc = _record_crc(handle, record, crcs)
         if info.flag_bits & _HAS_DESCRIPTOR:
             place = record.start + record.size
-            if os.pread(fd, 8, place) != _DESCRIPTOR_SIGNATURE + bytes(4):
+            if _read_at(handle, 8, place) != _DESCRIPTOR_SIGNATURE + bytes(4):
                 return False
             place += 4
         else:
             place = info.header_offset + _LOCAL_CRC
-            if os.pread(fd, 4, place) != bytes(4):
+            if _read_at(handle, 4, place) != bytes(4):
                 return False
         value = struct.pack("<I", crc)
         patches.append((place, value))
         directory[0][entry + _CENTRAL_CRC : entry + _CENTRAL_CRC + 4] = value
-    # Through the handle, not the descriptor: its read buffer must not keep the old bytes.
+    # Through the handle, as every read: its buffer must not keep the old bytes.
     for place, value in [*patches, (directory_start, bytes(directory[0]))]:
         handle.seek(place)
         handle.write(value)
@@ -125,15 +124,20 @@ def store_crcs(handle: BinaryIO, crcs: dict[int, tuple[int, int]]) -> bool:
     return True
 
 
+def _read_at(handle: BinaryIO, size: int, place: int) -> bytes:
+    handle.seek(place)
+    return handle.read(size)
+
+
 def _central_directory(
-    fd: int, start: int, infos: list[zipfile.ZipInfo]
+    handle: BinaryIO, start: int, infos: list[zipfile.ZipInfo]
 ) -> tuple[bytearray, list[int]] | None:
     """The central directory's bytes and each entry's offset in them, when every entry is
     where ``infos`` says, names its record and has a zero CRC-32; else ``None``."""
     size = sum(
         _CENTRAL.size + len(_raw_name(info)) + len(info.extra) + len(info.comment) for info in infos
     )
-    data = bytearray(os.pread(fd, size, start))
+    data = bytearray(_read_at(handle, size, start))
     if len(data) != size:
         return None
     entries: list[int] = []
@@ -158,16 +162,16 @@ def _raw_name(info: zipfile.ZipInfo) -> bytes:
     return info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
 
 
-def _record_crc(fd: int, record: StoredRecord, crcs: dict[int, tuple[int, int]]) -> int:
+def _record_crc(handle: BinaryIO, record: StoredRecord, crcs: dict[int, tuple[int, int]]) -> int:
     written = crcs.get(record.start)
     if written is not None and written[0] == record.size:
         return written[1]
-    crc, place, left = 0, record.start, record.size
+    crc, left = 0, record.size
+    handle.seek(record.start)
     while left > 0:
-        chunk = os.pread(fd, min(left, _READ_CHUNK), place)
+        chunk = handle.read(min(left, _READ_CHUNK))
         if not chunk:
             break
         crc = crc32(chunk, crc)
-        place += len(chunk)
         left -= len(chunk)
     return crc
