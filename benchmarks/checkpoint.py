@@ -17,6 +17,8 @@ case left to write) and writes a new file; old files are deleted outside the tim
     python benchmarks/checkpoint.py                 # prints a markdown table
     python benchmarks/checkpoint.py --no-async      # the save and load rows only
     python benchmarks/checkpoint.py --profile 3     # where a save's time goes (cProfile)
+    python benchmarks/checkpoint.py --paired-saves --repeats 15  # the save row alone, ABBA
+    python benchmarks/checkpoint.py --paired-saves --torch-crc   # ... as it runs without isal
     python benchmarks/checkpoint.py --dir /scratch  # put the files on another disk
     python benchmarks/checkpoint.py --device cuda   # state on the GPU (pinned async copies)
 
@@ -258,6 +260,62 @@ def run(directory: Path, repeats: int, device: str) -> list[Row]:
             min(times["prune"][1:]) / min(times["save"][1:]),
             f"ratio = prune / save; {busy}",
         ),
+    ]
+
+
+def paired_saves(directory: Path, rounds: int, *, torch_crc: bool = False) -> list[Row]:
+    """The save against its baseline alone, the two back to back in ABBA order (a drift of
+    the machine's load within a round hits both alike): the robust form of the save row on
+    a busy machine. ``torch_crc``: the save as it runs without isal."""
+    trainer = make_trainer()
+    manager = CheckpointManager(directory / "paired", keep_last=None)
+    raw_directory = directory / "paired_raw"
+    raw_directory.mkdir()
+    times: dict[str, list[float]] = {"save": [], "raw_atomic": []}
+    cpu: dict[str, list[float]] = {"save": [], "raw_atomic": []}
+    loads: list[float] = []
+    for rnd in range(rounds + 1):  # the first round warms up and is dropped
+        step = rnd + 1
+        arms: list[tuple[str, Callable[[], object]]] = [
+            (
+                "save",
+                partial(save_torch_crc, manager, step, trainer)
+                if torch_crc
+                else partial(lambda s: manager.save(s, trainer.state_dict()), step),
+            ),
+            (
+                "raw_atomic",
+                partial(
+                    lambda s: raw_save(
+                        trainer.state_dict(), raw_directory / f"atomic_{s}.pt", durable=True
+                    ),
+                    step,
+                ),
+            ),
+        ]
+        loads.append(os.getloadavg()[0])
+        for name, action in arms if rnd % 2 else arms[::-1]:
+            os.sync()
+            started = time.process_time()
+            times[name].append(timed(action))
+            cpu[name].append(time.process_time() - started)
+        manager.keep_last = 1
+        manager.prune()
+        manager.keep_last = None
+        for leftover in raw_directory.glob("*.pt"):
+            leftover.unlink()
+    pairs = zip(cpu["save"][1:], cpu["raw_atomic"][1:], strict=True)
+    cpu_paired = statistics.median(b / o for o, b in pairs)
+    return [
+        compare(
+            f"save{' with torch CRC-32s' if torch_crc else ''} vs torch.save + fsync + rename, "
+            "ABBA pairs",
+            times["save"],
+            times["raw_atomic"],
+            f"baseline median {statistics.median(times['raw_atomic'][1:]):.3f} s, best "
+            f"{min(times['raw_atomic'][1:]):.3f} s; CPU-time ratio {cpu_paired:.2f} (paired); "
+            f"load 1 min {min(loads[1:]):.1f}-{max(loads[1:]):.1f} over the rounds",
+        )
     ]
 
 
@@ -508,6 +566,14 @@ def main() -> None:
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N", help="profile N saves (then exit)"
     )
+    parser.add_argument(
+        "--paired-saves",
+        action="store_true",
+        help="only the save against its baseline, ABBA pairs of --repeats rounds",
+    )
+    parser.add_argument(
+        "--torch-crc", action="store_true", help="--paired-saves: the save as without isal"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     base = Path(tempfile.mkdtemp(prefix="speedtronic-ckpt-bench-", dir=args.dir))
@@ -518,7 +584,11 @@ def main() -> None:
             shutil.rmtree(base, ignore_errors=True)
         return
     try:
-        rows = run(base, args.repeats, args.device)
+        if args.paired_saves:
+            rows = paired_saves(base, args.repeats, torch_crc=args.torch_crc)
+            args.no_async = True
+        else:
+            rows = run(base, args.repeats, args.device)
         if not args.no_async:
             rows += stall(base, rounds=args.repeats, device=args.device)
         if args.sharded:
