@@ -6,21 +6,32 @@ rotating which goes first; each row reports the median and best time, and the th
 ratio against its raw baseline (1.00 = as fast as raw; higher is faster) as the median of the
 per-round ratios and as best against best, with the load average when the rows were taken.
 
-Baselines are what a user would write without the library: ``torch.save(state, path)`` plus
-an fsync of the file (a save that survives a crash; without it the comparison measures the
-page cache), and ``torch.load(path, weights_only=True)`` (the safe load; speedtronic adds the
-integrity check on top).
+Baselines are what a user would write without the library: for a save, ``torch.save`` of the
+same state to a temporary file in the same kind of directory on the same filesystem, an fsync
+of it and an ``os.replace`` onto the final name (a save that survives a crash and never leaves
+a torn file, the strongest a user writes: no directory fsync, no checksum, no pointer); for a
+load ``torch.load(path, weights_only=True)`` (the safe load; speedtronic adds the integrity
+check on top). Every save case starts after an ``os.sync()`` (no dirty pages of the previous
+case left to write) and writes a new file; old files are deleted outside the timed region.
 
     python benchmarks/checkpoint.py                 # prints a markdown table
+    python benchmarks/checkpoint.py --no-async      # the save and load rows only
+    python benchmarks/checkpoint.py --profile 3     # where a save's time goes (cProfile)
+    python benchmarks/checkpoint.py --paired-saves --repeats 15  # the save row alone, ABBA
+    python benchmarks/checkpoint.py --paired-saves --torch-crc   # ... as it runs without isal
     python benchmarks/checkpoint.py --dir /scratch  # put the files on another disk
     python benchmarks/checkpoint.py --device cuda   # state on the GPU (pinned async copies)
 
 Rows:
-  save              trainer.state_dict() + CheckpointManager.save (plain-state check, temp
-                    file, checksum of the zip record index, fsync, rename, directory
-                    fsync, latest.json the same way) vs
-                    torch.save(state, path) + fsync of the same state (the same durability)
-                    and vs a bare torch.save (page cache only: what durability costs)
+  save              trainer.state_dict() + CheckpointManager.save: plain-state check, temp
+                    file, torch.save with the records' CRC-32s taken by ISA-L as the bytes
+                    are written and stored in the archive, SHA-256 of the zip record index,
+                    fsync, rename, directory fsync, then latest.json the same way; vs
+                    trainer.state_dict() + torch.save to a temp file + fsync + os.replace
+                    (the same durability for the file; CPU-time ratio beside it), and vs a
+                    bare torch.save (page cache only: what durability costs); also the save
+                    as it runs without isal (torch computes the CRC-32s, as every save did
+                    before ISA-L took them over) against the same baseline
   load              CheckpointManager.load_latest_checkpoint() (pointer validation, the
                     integrity check: record-index checksum and every record's CRC-32, then
                     torch.load weights_only) vs torch.load(path, weights_only=True), same file
@@ -53,6 +64,7 @@ import warnings
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -65,6 +77,7 @@ from speedtronic.engine.contexts import (
     StepContext,
 )
 from speedtronic.models.transformer import ReferenceTransformer
+from speedtronic.state import archive
 from speedtronic.state.checkpoint import CheckpointManager
 from speedtronic_callbacks.checkpoint import CheckpointCallback
 
@@ -128,14 +141,26 @@ def timed(action: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def raw_save(state: dict[str, object], path: Path, *, fsync: bool) -> None:
-    torch.save(state, path)
-    if fsync:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def raw_save(state: dict[str, object], path: Path, *, durable: bool) -> None:
+    """The baseline: ``torch.save``; ``durable``: to a temporary file, fsynced, renamed onto
+    ``path`` (what a user writes for a save that survives a crash)."""
+    if not durable:
+        torch.save(state, path)
+        return
+    temporary = path.with_name(f".{path.name}.tmp")
+    torch.save(state, temporary)
+    fd = os.open(temporary, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temporary, path)
+
+
+def save_torch_crc(manager: CheckpointManager, step: int, trainer: Trainer) -> None:
+    """``manager.save`` as it runs where ``isal`` is missing: torch computes the CRC-32s."""
+    with mock.patch.object(archive, "fast_crc32", lambda: False):
+        manager.save(step, trainer.state_dict())
 
 
 def run(directory: Path, repeats: int, device: str) -> list[Row]:
@@ -145,11 +170,16 @@ def run(directory: Path, repeats: int, device: str) -> list[Row]:
     params = sum(p.numel() for p in trainer.model.parameters()) / 1e6
     print(f"model {params:.1f}M parameters on {device}, state {size_mb:.0f} MiB, {repeats} repeats")
 
-    # Every case writes a new file and old files are deleted outside the timed region, so
-    # no case pays for freeing another's blocks; pruning is timed on its own.
+    # Every case writes a new file into its own directory on the same filesystem, and old
+    # files are deleted outside the timed region, so no case pays for freeing another's
+    # blocks; pruning is timed on its own.
     manager = CheckpointManager(directory / "ours", keep_last=None)
+    torch_crc_manager = CheckpointManager(directory / "ours_torch_crc", keep_last=None)
+    raw_directory = directory / "raw"
+    raw_directory.mkdir()
     times: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}  # this process's CPU time: less moved by other jobs
+    loads: list[float] = []  # the 1-minute load average at each round
 
     def record(name: str, action: Callable[[], object]) -> None:
         os.sync()  # start every case with no dirty pages left by the previous one
@@ -162,11 +192,12 @@ def run(directory: Path, repeats: int, device: str) -> list[Row]:
         return f"CPU-time ratio {statistics.median(b / o for o, b in pairs):.2f} (paired)"
 
     def cases(step: int) -> list[tuple[str, Callable[[], object]]]:
-        raw, raw_fsync = directory / f"raw_{step}.pt", directory / f"raw_fsync_{step}.pt"
+        raw, raw_atomic = raw_directory / f"raw_{step}.pt", raw_directory / f"atomic_{step}.pt"
         return [
             ("save", lambda: manager.save(step, trainer.state_dict())),
-            ("raw", lambda: raw_save(trainer.state_dict(), raw, fsync=False)),
-            ("raw_fsync", lambda: raw_save(trainer.state_dict(), raw_fsync, fsync=True)),
+            ("save_torch_crc", lambda: save_torch_crc(torch_crc_manager, step, trainer)),
+            ("raw", lambda: raw_save(trainer.state_dict(), raw, durable=False)),
+            ("raw_atomic", lambda: raw_save(trainer.state_dict(), raw_atomic, durable=True)),
             ("load", manager.load_latest_checkpoint),
             (
                 "load_raw",
@@ -176,27 +207,37 @@ def run(directory: Path, repeats: int, device: str) -> list[Row]:
 
     for rep in range(repeats + 1):  # the first round warms up and is dropped
         saves_then_loads = cases(rep + 1)
-        shift = rep % 3  # rotate which case of each kind goes first
-        saves, loads = saves_then_loads[:3], saves_then_loads[3:]
+        shift = rep % 4  # rotate which case of each kind goes first
+        saves, loads_ = saves_then_loads[:4], saves_then_loads[4:]
         saves = saves[shift:] + saves[:shift]
-        loads = loads[rep % 2 :] + loads[: rep % 2]
-        for name, action in saves + loads:
+        loads_ = loads_[rep % 2 :] + loads_[: rep % 2]
+        if rep:
+            loads.append(os.getloadavg()[0])
+        for name, action in saves + loads_:
             record(name, action)
-        manager.keep_last = 1
+        manager.keep_last = torch_crc_manager.keep_last = 1
         record("prune", manager.prune)
-        manager.keep_last = None
-        for leftover in directory.glob("raw_*.pt"):
+        torch_crc_manager.prune()
+        manager.keep_last = torch_crc_manager.keep_last = None
+        for leftover in raw_directory.glob("*.pt"):
             leftover.unlink()
 
-    busy = load_note()
+    busy = f"{load_note()} (1 min: {min(loads):.1f}-{max(loads):.1f} over the rounds)"
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
     return [
         compare(
-            "save vs torch.save + fsync",
+            "save vs torch.save + fsync + rename",
             times["save"],
-            times["raw_fsync"],
-            f"raw+fsync {med['raw_fsync']:.3f} s (same durability); "
-            f"{cpu_ratio('save', 'raw_fsync')}; {busy}",
+            times["raw_atomic"],
+            f"temp file + fsync + os.replace {med['raw_atomic']:.3f} s (best "
+            f"{min(times['raw_atomic'][1:]):.3f}; same durability for the file); "
+            f"{cpu_ratio('save', 'raw_atomic')}; {busy}",
+        ),
+        compare(
+            "save with torch's CRC-32s vs torch.save + fsync + rename",
+            times["save_torch_crc"],
+            times["raw_atomic"],
+            f"where isal is missing; {cpu_ratio('save_torch_crc', 'raw_atomic')}; {busy}",
         ),
         compare(
             "save vs torch.save (no fsync)",
@@ -220,6 +261,110 @@ def run(directory: Path, repeats: int, device: str) -> list[Row]:
             f"ratio = prune / save; {busy}",
         ),
     ]
+
+
+def paired_saves(directory: Path, rounds: int, *, torch_crc: bool = False) -> list[Row]:
+    """The save against its baseline alone, the two back to back in ABBA order (a drift of
+    the machine's load within a round hits both alike): the robust form of the save row on
+    a busy machine. ``torch_crc``: the save as it runs without isal."""
+    trainer = make_trainer()
+    manager = CheckpointManager(directory / "paired", keep_last=None)
+    raw_directory = directory / "paired_raw"
+    raw_directory.mkdir()
+    times: dict[str, list[float]] = {"save": [], "raw_atomic": []}
+    cpu: dict[str, list[float]] = {"save": [], "raw_atomic": []}
+    loads: list[float] = []
+    for rnd in range(rounds + 1):  # the first round warms up and is dropped
+        step = rnd + 1
+        arms: list[tuple[str, Callable[[], object]]] = [
+            (
+                "save",
+                partial(save_torch_crc, manager, step, trainer)
+                if torch_crc
+                else partial(lambda s: manager.save(s, trainer.state_dict()), step),
+            ),
+            (
+                "raw_atomic",
+                partial(
+                    lambda s: raw_save(
+                        trainer.state_dict(), raw_directory / f"atomic_{s}.pt", durable=True
+                    ),
+                    step,
+                ),
+            ),
+        ]
+        loads.append(os.getloadavg()[0])
+        for name, action in arms if rnd % 2 else arms[::-1]:
+            os.sync()
+            started = time.process_time()
+            times[name].append(timed(action))
+            cpu[name].append(time.process_time() - started)
+        manager.keep_last = 1
+        manager.prune()
+        manager.keep_last = None
+        for leftover in raw_directory.glob("*.pt"):
+            leftover.unlink()
+    pairs = zip(cpu["save"][1:], cpu["raw_atomic"][1:], strict=True)
+    cpu_paired = statistics.median(b / o for o, b in pairs)
+    return [
+        compare(
+            f"save{' with torch CRC-32s' if torch_crc else ''} vs torch.save + fsync + rename, "
+            "ABBA pairs",
+            times["save"],
+            times["raw_atomic"],
+            f"baseline median {statistics.median(times['raw_atomic'][1:]):.3f} s, best "
+            f"{min(times['raw_atomic'][1:]):.3f} s; CPU-time ratio {cpu_paired:.2f} (paired); "
+            f"load 1 min {min(loads[1:]):.1f}-{max(loads[1:]):.1f} over the rounds",
+        )
+    ]
+
+
+_PHASES = (
+    ("trainer.state_dict (both arms)", "training_state.py", "capture_training_state"),
+    ("CheckpointManager.save", "checkpoint.py", "save"),
+    ("  plain_state (weights-only check)", "safe_load.py", "plain_state"),
+    ("  atomic_torch_save (file: all below)", "archive.py", "atomic_torch_save"),
+    ("    torch.save (pickle, writes)", "serialization.py", "save"),
+    ("      CRC-32 of every write (ISA-L)", "record_check.py", "crc32"),
+    ("    store the CRC-32s in the archive", "record_crc.py", "store_crcs"),
+    ("    SHA-256 of the record index", "archive.py", "archive_checksum"),
+    ("  latest.json (read, write, fsyncs)", "pointer.py", "write_pointer"),
+    ("  retention scan (prune)", "checkpoint.py", "prune"),
+    ("fsync, all files and directories", "~", "<built-in method posix.fsync>"),
+    ("  of which directories", "atomic_io.py", "fsync_directory"),
+    ("rename", "~", "<built-in method posix.replace>"),
+)
+
+
+def profile(directory: Path, saves: int) -> None:
+    """Where ``CheckpointManager.save`` spends its time: cProfile over ``saves`` saves (after
+    a warm-up), each after an ``os.sync()``, printed per save as a markdown table."""
+    import cProfile
+    import pstats
+
+    trainer = make_trainer()
+    manager = CheckpointManager(directory / "profiled", keep_last=None)
+    manager.save(0, trainer.state_dict())
+    profiler = cProfile.Profile()
+    for step in range(1, saves + 1):
+        os.sync()
+        profiler.enable()
+        manager.save(step, trainer.state_dict())
+        profiler.disable()
+    stats: dict[tuple[str, int, str], tuple[int, int, float, float, object]]
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]  # not in the stubs
+    print(f"\nwhere a save goes ({saves} saves after a warm-up; {load_note()})\n")
+    print("| phase | ms per save | calls per save |")
+    print("|---|---|---|")
+    for label, file_name, function in _PHASES:
+        found = [
+            (calls, cumulative)
+            for (path, _, name), (_, calls, _, cumulative, _) in stats.items()
+            if name == function and path.endswith(file_name)
+        ]
+        calls = sum(c for c, _ in found)
+        seconds = sum(t for _, t in found)
+        print(f"| {label} | {seconds / saves * 1e3:.1f} | {calls / saves:g} |")
 
 
 def sharded(directory: Path, repeats: int) -> list[Row]:
@@ -418,11 +563,32 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where the model trains (cpu, cuda)")
     parser.add_argument("--sharded", action="store_true", help="add the sharded (DCP) rows")
     parser.add_argument("--no-async", action="store_true", help="leave out the async rows")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="profile N saves (then exit)"
+    )
+    parser.add_argument(
+        "--paired-saves",
+        action="store_true",
+        help="only the save against its baseline, ABBA pairs of --repeats rounds",
+    )
+    parser.add_argument(
+        "--torch-crc", action="store_true", help="--paired-saves: the save as without isal"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     base = Path(tempfile.mkdtemp(prefix="speedtronic-ckpt-bench-", dir=args.dir))
+    if args.profile:
+        try:
+            profile(base, args.profile)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        return
     try:
-        rows = run(base, args.repeats, args.device)
+        if args.paired_saves:
+            rows = paired_saves(base, args.repeats, torch_crc=args.torch_crc)
+            args.no_async = True
+        else:
+            rows = run(base, args.repeats, args.device)
         if not args.no_async:
             rows += stall(base, rounds=args.repeats, device=args.device)
         if args.sharded:

@@ -6,7 +6,8 @@ CRC-32s) -- the checksum the pointer keeps for the file -- and a load
 (``load_checkpoint_file``) checks the index against it and every record's bytes against
 their CRC-32 before ``torch.load``. A mismatch is damage (``CorruptCheckpointError``: the
 manager falls back to an older checkpoint). This costs no second pass over the data at save
-time, and the check at load time runs on the bytes ``torch.load`` reads
+time (the CRC-32s are taken as torch writes the bytes: ``speedtronic.state.record_crc``),
+and the check at load time runs on the bytes ``torch.load`` reads
 (``speedtronic.state.record_check``): the data is read once.
 
 The load itself goes through ``speedtronic.state.safe_load.restricted_load``, the one
@@ -22,6 +23,7 @@ import io
 import json
 import os
 import re
+import threading
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +33,14 @@ import torch
 
 from speedtronic.state.errors import CheckpointError, CorruptCheckpointError, first_line
 from speedtronic.state.layout import PathLike, write_atomically
-from speedtronic.state.record_check import CheckingReader, StoredRecord, crc32, locate_records
+from speedtronic.state.record_check import (
+    CheckingReader,
+    StoredRecord,
+    crc32,
+    fast_crc32,
+    locate_records,
+)
+from speedtronic.state.record_crc import CrcWriter, store_crcs
 from speedtronic.state.safe_load import restricted_load
 
 __all__ = ["archive_checksum", "atomic_torch_save", "load_checkpoint_file"]
@@ -45,8 +54,7 @@ def atomic_torch_save(state: object, path: PathLike) -> str:
 
     def write(handle: BinaryIO) -> None:
         nonlocal checksum
-        with _crc32_records():
-            torch.save(state, handle)
+        _save_with_crcs(state, handle)
         handle.flush()
         checksum = archive_checksum(handle)  # the bytes just written, not a name's
 
@@ -54,16 +62,55 @@ def atomic_torch_save(state: object, path: PathLike) -> str:
     return checksum
 
 
+def _save_with_crcs(state: object, handle: BinaryIO) -> None:
+    """``torch.save`` into the empty ``handle`` with the CRC-32 of every record stored:
+    computed by ISA-L as the bytes are written (``record_crc``) where it is installed, else
+    by torch; and by torch as well for an archive laid out in a way ``record_crc`` does not
+    know (written again)."""
+    if fast_crc32():
+        writer = CrcWriter(handle)
+        with _crc32_records(False, writer):
+            torch.save(state, cast(BinaryIO, writer))
+        handle.flush()
+        if store_crcs(handle, writer.crcs):
+            return
+        handle.seek(0)
+        handle.truncate()
+    with _crc32_records(True):
+        torch.save(state, handle)
+
+
+_CRC32_SWITCH = threading.Lock()
+"""Held while a save has torch's (process-wide) CRC-32 switch set: two saves on different
+threads must not set back each other's value."""
+
+
 @contextlib.contextmanager
-def _crc32_records() -> Iterator[None]:
-    """Make ``torch.save`` store the CRC-32 of every record (its default; a user may have
-    switched it off globally, and the integrity check depends on it)."""
+def _crc32_records(enabled: bool, writer: CrcWriter | None = None) -> Iterator[None]:
+    """Make ``torch.save`` store the CRC-32 of every record (``enabled``, its default; a
+    user may have switched it off globally, and the integrity check depends on it), or
+    leave them to ``record_crc``. With ``writer``, the switch is set back as torch writes
+    its first byte there: torch reads it once, as it opens the archive, and a ``torch.save``
+    on another thread sees it changed no longer than it takes torch to pickle the state's
+    structure (the tensors' bytes are written after that)."""
+    _CRC32_SWITCH.acquire()
     previous = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(True)
+    torch.serialization.set_crc32_options(enabled)
+    restored = False
+
+    def restore() -> None:
+        nonlocal restored
+        if not restored:
+            restored = True
+            torch.serialization.set_crc32_options(previous)
+            _CRC32_SWITCH.release()
+
+    if writer is not None:
+        writer.on_first_write = restore
     try:
         yield
     finally:
-        torch.serialization.set_crc32_options(previous)
+        restore()
 
 
 def archive_checksum(path: PathLike | BinaryIO) -> str:
