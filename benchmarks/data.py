@@ -24,7 +24,9 @@ the default loader and ``gather_loop`` -- one memmap per shard kept open, a batc
 one fancy index of ``starts[:, None] + np.arange(block + 1)`` (one slice per window when the
 batch spans shards, the cheaper way there), one ``astype(int64)``, no DataLoader, no memory
 bound -- over the same windows in the loader's order, at block 128 and 1024, rotated rounds,
-tokens/s and the reading thread's CPU time per batch, paired by round.
+tokens/s and the reading thread's CPU time per batch, paired by round. The same comparison
+in instructions per batch (which the machine's load does not move):
+``benchmarks/data_instructions.py``.
 
 The windows are read in two orders, every case in both:
 

@@ -40,16 +40,11 @@ def dataset(
         ShardEntry(f"train-{index:05d}.bin", "train", shard.size, "0" * 64)
         for index, shard in enumerate(tokens)
     )
-    manifest = TokenManifest(
-        dtype="uint16",
-        vocab_size=65_536,
-        eos_id=0,
-        tokenizer=TokenizerRecord("bytes", BYTE_TOKENIZER_SHA256, None),
-        documents=1,
-        eval_fraction=0.0,
-        shard_tokens=max(shard.size for shard in tokens),
-        shards=entries,
-    )
+    # dtype, vocabulary, end-of-document id, tokenizer, documents, held-out fraction,
+    # tokens per shard, shards
+    tokenizer = TokenizerRecord("bytes", BYTE_TOKENIZER_SHA256, None)
+    longest = max(shard.size for shard in tokens)
+    manifest = TokenManifest("uint16", 65_536, 0, tokenizer, 1, 0.0, longest, entries)
     return TokenWindowDataset(directory, manifest, entries, block, resident_bytes=resident_bytes)
 
 

@@ -17,9 +17,10 @@ in O(1) memory, each rank taking its stride of the same global order, and a resu
 starts at the exact window.
 
 Reading. ``TokenWindowDataset.__getitems__`` returns a ``_TokenWindows`` (a lazy sequence of
-records); its own collate (``_collate_windows``, what ``data.collate: auto`` picks) copies each
-of the batch's windows (``block_size + 1`` tokens) out of the memmaps into one array of the
-shard dtype and converts it to the two ``int64`` arrays in one step each, no per-item tensors.
+records); its own collate (``_collate_windows``, what ``data.collate: auto`` picks) copies the
+batch's windows (``block_size + 1`` tokens each) out of the memmaps into one ``bytes`` (one
+``join`` of their ``memoryview`` slices) and converts it to the two contiguous ``int64``
+arrays in one step, no per-item tensors (``FastLoader`` calls the same read directly).
 Another ``data.collate`` gets ordinary ``{input_ids, labels}`` records.
 
 Memory. Pages of a memory-mapped file count in the process's RSS once touched (and on
