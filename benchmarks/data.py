@@ -24,7 +24,9 @@ the default loader and ``gather_loop`` -- one memmap per shard kept open, a batc
 one fancy index of ``starts[:, None] + np.arange(block + 1)`` (one slice per window when the
 batch spans shards, the cheaper way there), one ``astype(int64)``, no DataLoader, no memory
 bound -- over the same windows in the loader's order, at block 128 and 1024, rotated rounds,
-tokens/s and the reading thread's CPU time per batch, paired by round.
+tokens/s and the reading thread's CPU time per batch, paired by round. The same comparison
+in instructions per batch (which the machine's load does not move):
+``benchmarks/data_instructions.py``.
 
 The windows are read in two orders, every case in both:
 
@@ -303,27 +305,38 @@ def gather_loop(directory: Path, plan: Plan, block: int) -> int:
     ``DataLoader``, no collate, no memory bound, no resume: what a user writes for speed
     alone. The memmaps are indexed through their ``ndarray`` views (indexing an ``np.memmap``
     object makes a ``memmap`` instance of every result, a few us more per batch)."""
-    views = [
-        np.memmap(path, dtype=np.uint16, mode="r").view(np.ndarray)
-        for path in shard_paths(directory)
-    ]
+    views = gather_views(directory)
     span = np.arange(block + 1)
     tokens = 0
     for begin in range(0, len(plan), BATCH):
-        rows = plan[begin : begin + BATCH]
-        shards = [shard for shard, _ in rows]
-        if shards.count(shards[0]) == len(shards):
-            starts = np.array([offset for _, offset in rows])
-            windows = views[shards[0]][starts[:, None] + span]
-        else:
-            windows = np.empty((len(rows), block + 1), dtype=np.uint16)
-            for row, (shard, offset) in enumerate(rows):
-                windows[row] = views[shard][offset : offset + block + 1]
-        both = torch.from_numpy(windows.astype(np.int64))
-        x, y = both[:, :-1], both[:, 1:]
+        x, _ = gather_batch(views, plan[begin : begin + BATCH], span)
         tokens += x.numel()
-        del y
     return tokens
+
+
+def gather_views(directory: Path) -> list[np.ndarray]:
+    """``gather_loop``'s maps: one ``np.memmap`` per shard, as a plain ``ndarray`` view."""
+    return [
+        np.memmap(path, dtype=np.uint16, mode="r").view(np.ndarray)
+        for path in shard_paths(directory)
+    ]
+
+
+def gather_batch(
+    views: list[np.ndarray], rows: Plan, span: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch of ``gather_loop``: ``rows`` read with ``span = np.arange(block + 1)``."""
+    shards = [shard for shard, _ in rows]
+    if shards.count(shards[0]) == len(shards):
+        starts = np.array([offset for _, offset in rows])
+        windows = views[shards[0]][starts[:, None] + span]
+    else:
+        width = len(span)
+        windows = np.empty((len(rows), width), dtype=np.uint16)
+        for row, (shard, offset) in enumerate(rows):
+            windows[row] = views[shard][offset : offset + width]
+    both = torch.from_numpy(windows.astype(np.int64))
+    return both[:, :-1], both[:, 1:]
 
 
 GATHER = "bare np.memmap gather (one fancy index per batch)"

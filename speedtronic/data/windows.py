@@ -17,9 +17,10 @@ in O(1) memory, each rank taking its stride of the same global order, and a resu
 starts at the exact window.
 
 Reading. ``TokenWindowDataset.__getitems__`` returns a ``_TokenWindows`` (a lazy sequence of
-records); its own collate (``_collate_windows``, what ``data.collate: auto`` picks) copies each
-of the batch's windows (``block_size + 1`` tokens) out of the memmaps into one array of the
-shard dtype and converts it to the two ``int64`` arrays in one step each, no per-item tensors.
+records); its own collate (``_collate_windows``, what ``data.collate: auto`` picks) copies the
+batch's windows (``block_size + 1`` tokens each) out of the memmaps into one ``bytes`` (one
+``join`` of their ``memoryview`` slices) and converts it to the two contiguous ``int64``
+arrays in one step, no per-item tensors (``FastLoader`` calls the same read directly).
 Another ``data.collate`` gets ordinary ``{input_ids, labels}`` records.
 
 Memory. Pages of a memory-mapped file count in the process's RSS once touched (and on
@@ -87,6 +88,11 @@ __all__ = [
 
 FAULT_BYTES = 2 << 20
 """What one window may map at most beyond its own bytes (a 2 MiB large folio)."""
+_BLOCK_SHIFT = FAULT_BYTES.bit_length() - 1  # byte offset >> _BLOCK_SHIFT: its block
+_SHARD_SHIFT = 32
+"""A block's key: ``shard << _SHARD_SHIFT | block`` (an int hashes faster than a pair)."""
+_BLOCK_MASK = (1 << _SHARD_SHIFT) - 1
+_ARRAYS = (np.ndarray, torch.Tensor)
 DEFAULT_RESIDENT_BYTES = 32 << 20
 MAX_OPEN_MAPS = 64
 
@@ -112,12 +118,12 @@ _ShardMap = np.memmap[tuple[int], np.dtype[np.unsignedinteger]]
 class _Maps:
     """Read-only memmaps of a set of shards (module docstring, "Memory"): opened lazily, at
     most ``MAX_OPEN_MAPS`` at a time (each holds a file descriptor; the earliest opened is
-    closed), read through plain ``ndarray`` views (a slice of an ``np.memmap`` object
-    costs several times more). What the reads can have mapped is counted in ``FAULT_BYTES``
-    blocks of the files (each block once until the next release); when that reaches
-    ``resident_bytes`` those blocks are unmapped from this process's memory --
-    ``madvise(MADV_DONTNEED)`` of each block where the platform has it (the maps stay open),
-    else their maps are closed and reopened on the next read."""
+    closed), read through ``memoryview`` slices of their bytes (a slice of an ``ndarray``
+    costs several times more, of an ``np.memmap`` object more again). What the reads can
+    have mapped is counted in ``FAULT_BYTES`` blocks of the files (each block once until the
+    next release); when that reaches ``resident_bytes`` those blocks are unmapped from this
+    process's memory -- ``madvise(MADV_DONTNEED)`` of each block where the platform has it
+    (the maps stay open), else their maps are closed and reopened on the next read."""
 
     def __init__(
         self,
@@ -131,16 +137,22 @@ class _Maps:
         self.dtype = dtype
         self.resident_bytes = resident_bytes
         self._maps: dict[int, _ShardMap] = {}  # in the order they were opened
-        self._views: dict[int, npt.NDArray[np.unsignedinteger]] = {}
-        self._blocks: set[tuple[int, int]] = set()  # (shard, block) read since the release
+        self._raw: list[memoryview | None] = [None] * len(self.lengths)  # each open map's bytes
+        # The key of the block of shard s's byte b is (bases[s] + b) >> _BLOCK_SHIFT.
+        self._bases = [shard << (_SHARD_SHIFT + _BLOCK_SHIFT) for shard in range(len(self.lengths))]
+        self._counted: set[int] = set()  # the blocks read since the release (_block_key)
 
-    def get(self, shard: int) -> npt.NDArray[np.unsignedinteger]:
-        view = self._views.get(shard)
-        if view is not None:
-            return view
+    @property
+    def _blocks(self) -> set[tuple[int, int]]:
+        """The blocks read since the last release, as ``(shard, block)``."""
+        return {(key >> _SHARD_SHIFT, key & _BLOCK_MASK) for key in self._counted}
+
+    def _open(self, shard: int) -> memoryview:
+        """Map shard ``shard`` (closing the earliest opened beyond ``MAX_OPEN_MAPS``)."""
         if len(self._maps) >= MAX_OPEN_MAPS:
             oldest = next(iter(self._maps))
-            del self._maps[oldest], self._views[oldest]
+            del self._maps[oldest]
+            self._raw[oldest] = None
         try:
             mapped: _ShardMap = np.memmap(
                 self.paths[shard], dtype=self.dtype, mode="r", shape=(self.lengths[shard],)
@@ -150,40 +162,57 @@ class _Maps:
                 self.paths[shard], dtype=self.dtype, mode="r", shape=(self.lengths[shard],)
             )
         self._maps[shard] = mapped
-        view = self._views[shard] = mapped.view(np.ndarray)
-        return view
+        raw = self._raw[shard] = mapped.view(np.ndarray).view(np.uint8).data
+        return raw
 
-    def read(
-        self, shards: Sequence[int], offsets: Sequence[int], span: int
-    ) -> npt.NDArray[np.unsignedinteger]:
-        """The ``span`` tokens at ``offsets[i]`` of shard ``shards[i]``, as row ``i`` of a new
-        ``[len, span]`` array, releasing what is mapped whenever the blocks read reach the
-        budget. Python ints and a slice per window: a batch is a few windows, where each
-        NumPy call costs more than this loop (and as much as one fancy index of them all)."""
-        out = np.empty((len(shards), span), dtype=self.dtype)
-        itemsize = self.dtype.itemsize
+    def slices(
+        self, indices: Sequence[int], starts: Sequence[int], per: int, step: int, width: int
+    ) -> tuple[list[memoryview], list[int | tuple[int, int]]]:
+        """The bytes of windows ``indices``, not read yet: window ``i`` is the ``width``
+        bytes at ``(i - starts[s]) * step`` of shard ``s``, the last shard whose first window
+        ``starts[s]`` is at most ``i`` (``i // per`` when every shard but the last holds
+        ``per`` windows and the last no more; ``per`` 0 when not). With each, the key of the
+        block it lies in, or the first and last keys of the blocks it spans (``copy``).
+        Python ints: a batch is a few windows, where each NumPy call costs more than this
+        loop."""
+        raw, bases, shift = self._raw, self._bases, _BLOCK_SHIFT
+        count, end = starts[-1], width - 1  # the window's last byte: at + end
+        parts: list[memoryview] = []
+        keys: list[int | tuple[int, int]] = []
+        for index in indices:
+            if index < 0 or index >= count:  # (a chained comparison is not specialised)
+                raise IndexError(f"window {index} out of range for {count} windows")
+            shard = index // per if per else bisect_right(starts, index) - 1
+            at = (index - starts[shard]) * step  # the window's first byte in its shard
+            byte = bases[shard] + at
+            first, last = byte >> shift, (byte + end) >> shift
+            keys.append(first if first == last else (first, last))
+            source = raw[shard]
+            if source is None:
+                source = self._open(shard)
+            parts.append(source[at : at + width])
+        return parts, keys
+
+    def copy(self, parts: list[memoryview], keys: list[int | tuple[int, int]]) -> bytes:
+        """``parts`` (``slices``) one after the other in one ``bytes``. When every block they
+        lie in is counted already (all but the first reads of a block), that is one copy of
+        them all; else they are read one by one, each one's blocks counted first and what is
+        mapped released when they would pass the budget."""
+        counted = self._counted
+        if counted.issuperset(keys):  # a key of blocks spanned (a tuple) is never in it
+            return b"".join(parts)
         limit = max(1, self.resident_bytes // FAULT_BYTES)  # blocks mapped at most
-        blocks, views = self._blocks, self._views  # release clears them
-        for row, (shard, offset) in enumerate(zip(shards, offsets, strict=True)):
-            first = offset * itemsize // FAULT_BYTES
-            last = ((offset + span) * itemsize - 1) // FAULT_BYTES
-            if first == last:  # the usual case: a window within one block
-                key = (shard, first)
-                if key not in blocks:
-                    if len(blocks) >= limit:
-                        self.release()
-                    blocks.add(key)
-            else:
-                new = {(shard, block) for block in range(first, last + 1)} - blocks
-                if len(blocks) + len(new) > limit:
-                    self.release()
-                    new = {(shard, block) for block in range(first, last + 1)}
-                blocks |= new
-            view = views.get(shard)
-            if view is None:
-                view = self.get(shard)
-            out[row] = view[offset : offset + span]
-        return out
+        read = []
+        for part, key in zip(parts, keys, strict=True):
+            first, last = key if isinstance(key, tuple) else (key, key)
+            new = set(range(first, last + 1)) - counted  # a shard's blocks: consecutive keys
+            if new:
+                if len(counted) + len(new) > limit:
+                    self.release()  # clears counted
+                    new = set(range(first, last + 1))
+                counted |= new
+            read.append(bytes(part))  # read now, before a later release unmaps it
+        return b"".join(read)
 
     def release(self) -> None:
         """Unmap the blocks read since the last release; the maps stay usable."""
@@ -197,8 +226,9 @@ class _Maps:
                 start = block * FAULT_BYTES
                 raw.madvise(advice, start, min(FAULT_BYTES, len(raw) - start))
             else:
-                del self._maps[shard], self._views[shard]
-        self._blocks.clear()
+                del self._maps[shard]
+                self._raw[shard] = None
+        self._counted.clear()
 
     @property
     def open_maps(self) -> int:
@@ -234,6 +264,12 @@ class WindowSource(Dataset[dict[str, torch.Tensor]], ABC):
         self, indices: Sequence[int] | npt.NDArray[np.int64]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, labels)`` of ``indices``: two ``[len, block_size]`` int64 tensors."""
+
+    def read_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        """The batch of windows ``indices``, what ``collate_fn`` makes of ``__getitems__``
+        (``FastLoader`` calls it for them)."""
+        inputs, labels = self.gather(indices)
+        return self.records(inputs, labels)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         inputs, labels = self.gather([index])
@@ -276,6 +312,8 @@ class TokenWindowDataset(WindowSource):
         self._count = int(
             self._start_list[-1]
         )  # len(self), a Python int (no NumPy scalar per call)
+        uniform = counts[:1] * (len(counts) - 1) == counts[:-1] and 0 < counts[-1] <= counts[0]
+        self._per_shard = counts[0] if uniform else 0  # windows of every shard but the last
         self._resident_bytes = resident_bytes
         self.in_use: ShardsInUse | None = None
         """The shared lock that keeps ``prepare --overwrite`` off these shards while this
@@ -287,6 +325,12 @@ class TokenWindowDataset(WindowSource):
         self.chunk_windows, self.group_chunks = locality(
             block_size, manifest.numpy_dtype.itemsize, resident_bytes
         )
+        self._dtype = manifest.numpy_dtype
+        itemsize = self._dtype.itemsize
+        self._step, self._width = block_size * itemsize, (block_size + 1) * itemsize  # bytes
+        # gather's view of a batch's bytes, [2, rows, block_size]: [0] each window from its
+        # first token, [1] from its second.
+        self._strides = (itemsize, self._width, itemsize)
         self._maps = self._new_maps()
         self._mask_maps = self._new_mask_maps()
 
@@ -341,38 +385,33 @@ class TokenWindowDataset(WindowSource):
             group=self.group_chunks,
         )
 
-    def _locate(
-        self, indices: Sequence[int] | npt.NDArray[np.int64]
-    ) -> tuple[list[int], list[int]]:
-        """The shard and token offset of each window of ``indices`` (``IndexError`` for one
-        out of range). Python ints: a batch is a few windows, and each NumPy call on a few
-        values costs more than this loop."""
-        wanted = indices.tolist() if isinstance(indices, np.ndarray) else indices
-        starts, count, block = self._start_list, self._count, self.block_size
-        shards: list[int] = []
-        offsets: list[int] = []
-        for window in wanted:
-            index = int(window)
-            if not 0 <= index < count:
-                raise IndexError(f"window {index} out of range for {count} windows")
-            shard = bisect_right(starts, index) - 1
-            shards.append(shard)
-            offsets.append((index - starts[shard]) * block)
-        return shards, offsets
-
     def gather(
         self, indices: Sequence[int] | npt.NDArray[np.int64]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, labels)`` of the windows ``indices``: two ``[len, block_size]``
-        ``int64`` tensors, copied straight out of the memmaps."""
-        shards, offsets = self._locate(indices)
-        # One copy of each window's block_size + 1 tokens, then one conversion per tensor.
-        windows = self._maps.read(shards, offsets, self.block_size + 1)
-        inputs = windows[:, :-1].astype(np.int64, order="C")
-        labels = windows[:, 1:].astype(np.int64, order="C")
+        ``int64`` tensors, copied straight out of the memmaps.
+
+        The windows' ``block_size + 1`` tokens are sliced as bytes of their maps
+        (``_Maps.slices``), copied into one ``bytes`` by one ``join`` (``_Maps.copy``), and
+        both tensors converted from it in one step, through a strided view that reads each
+        window twice, from its first token and from its second: two contiguous arrays (a
+        model may ``view`` either), each token converted once per tensor."""
+        wanted = indices.tolist() if isinstance(indices, _ARRAYS) else indices
+        size, starts, per = self.block_size, self._start_list, self._per_shard
+        parts, keys = self._maps.slices(wanted, starts, per, self._step, self._width)
+        rows = len(parts)
+        if rows:
+            copied = self._maps.copy(parts, keys)
+            both = np.ndarray((2, rows, size), self._dtype, copied, 0, self._strides)
+            converted = both.astype(np.int64, "C")
+        else:  # (a view of no bytes at an offset is refused)
+            converted = np.empty((2, 0, size), dtype=np.int64)
+        inputs, labels = converted[0], converted[1]  # (unpacking would raise IndexError once)
         if self._mask_maps is not None:  # fine-tuning data: the loss on the answers only
-            masks = self._mask_maps.read(shards, offsets, self.block_size + 1)
-            labels[masks[:, 1:] == 0] = IGNORE_INDEX
+            maps = self._mask_maps
+            parts, keys = maps.slices(wanted, starts, per, size, size + 1)
+            masks = np.ndarray((rows, size), np.uint8, maps.copy(parts, keys), 1, (size + 1, 1))
+            labels[masks == 0] = IGNORE_INDEX
         return torch.from_numpy(inputs), torch.from_numpy(labels)
 
 
@@ -399,8 +438,7 @@ class _TokenWindows(Sequence[dict[str, torch.Tensor]]):
         return self.dataset[self.indices[index]]
 
     def batch(self) -> dict[str, torch.Tensor]:
-        inputs, labels = self.dataset.gather(self.indices)
-        return self.dataset.records(inputs, labels)
+        return self.dataset.read_batch(self.indices)
 
 
 def _collate_windows(batch: Sequence[object]) -> object:
