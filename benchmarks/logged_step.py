@@ -8,9 +8,9 @@ logging costs, whatever else the shared machine runs):
   hand, silent     a hand loop (forward, backward, step, zero_grad) that writes nothing
   hand, logged     the same loop writing, every step, the same JSON line the ``jsonl`` sink
                    writes (the same keys: ``json.dumps`` of a dict built per step, written
-                   and flushed) and the same console line (formatted with f-strings, written
-                   to a line-buffered file): the strongest baseline -- what a user writes
-                   to log the same things
+                   and flushed) and the same console line (one f-string ``write`` to a
+                   line-buffered file, cheaper than ``print``): the strongest baseline --
+                   what a user writes to log the same things with the same bytes
   trainer, silent  ``Trainer`` with no callbacks and no due metrics (``metrics_every`` past
                    the run)
   trainer, logged  ``Trainer`` with the default sinks (``console`` to a file, ``jsonl``),
@@ -26,7 +26,15 @@ On a loaded machine a step's CPU time moves more between rounds than the logging
 its ``values()`` and the two sinks' ``write_record``) against the hand loop's logging alone
 (``hand_line``), alternating rounds, thread CPU time per record.
 
+``--instructions`` counts the four cases in machine instructions per step instead
+(callgrind, ``loop_instructions.py``'s markers: a 100-step and a 300-step run in one process
+after a 20-step warm-up, the difference over 200 steps), which the machine's load does not
+move: the same two differences and their ratio. The write and flush system calls are the
+same on both sides (one ``write`` per line: the JSON line flushed, the console file
+line-buffered); callgrind counts the instructions around them, not the kernel's.
+
     python benchmarks/logged_step.py [--rounds 9] [--steps 2000] [--record-path]
+    python benchmarks/logged_step.py --instructions
 """
 
 from __future__ import annotations
@@ -153,11 +161,12 @@ class _Start:
 
 
 def record_path(out: Path) -> Callable[[], float]:
-    """The record path alone, as the loop runs it on a logged step: a ``MetricRecord`` with
-    a tensor loss and the eight numbers the loop sets, its ``values()`` for each sink and
-    for the loop's own list, the ``jsonl`` and ``console`` sinks' ``write_record``. Returns
+    """The record path alone, as the loop runs it on a logged step: the ``MetricRecord``
+    the loop builds (``MetricRecord.of``: a tensor loss and eight numbers), the
+    ``finished()`` mapping the sinks share, the ``jsonl`` and ``console`` sinks'
+    ``write_record`` and the loop's own ``values()`` copy. Returns
     a function giving thread CPU us per record over RECORDS records."""
-    from speedtronic.engine.metrics import MetricRecord
+    from speedtronic.engine.metrics import MetricRecord, MetricValue
     from speedtronic_callbacks.console import ConsoleCallback
     from speedtronic_callbacks.jsonl import JsonlCallback
 
@@ -171,15 +180,18 @@ def record_path(out: Path) -> Callable[[], float]:
     def run() -> float:
         start = time.thread_time()
         for step in range(1, RECORDS + 1):
-            record = MetricRecord(step)
-            record.set("loss", loss)
-            record.set("lr", LR)
-            for key in ("steps_per_sec", "samples_per_sec", "tokens_per_sec"):
-                record.set(key, 1234.5)
-            record.set("samples", step)
-            record.set("tokens", step)
-            record.set("micro_batches", 1)
-            record.set("elapsed_s", 0.5)
+            values: dict[str, MetricValue] = {  # the loop's record, built as it builds it
+                "step": step,
+                "lr": LR,
+                "steps_per_sec": 1234.5,
+                "samples_per_sec": 1234.5,
+                "tokens_per_sec": 1234.5,
+                "samples": step,
+                "tokens": step,
+                "micro_batches": 1,
+                "elapsed_s": 0.5,
+            }
+            record = MetricRecord.of(step, values, {"loss": loss})
             jsonl.write_record(view, record.finished())  # type: ignore[arg-type]
             console.write_record(view, record.finished())  # type: ignore[arg-type]
             record.values()  # the loop keeps the due record too
@@ -234,14 +246,91 @@ CASES: dict[str, Callable[[int, Path], float]] = {
 }
 
 
+INSTRUCTION_CASES = {  # --instructions: the child's case name for each case
+    "hand, silent": "hand_silent",
+    "hand, logged": "hand_logged",
+    "trainer, silent": "trainer_silent",
+    "trainer, logged": "trainer_logged",
+}
+
+
+def instructions_child(case: str) -> None:
+    """Inside valgrind: one case, warmed up, then 100 steps in one marker and 300 in the
+    other (``loop_instructions.child``'s scheme)."""
+    import ctypes
+    import functools
+    import gc
+
+    torch.set_num_threads(1)
+    name = {child: name for name, child in INSTRUCTION_CASES.items()}[case]
+    out = Path(tempfile.mkdtemp(prefix="speedtronic-logged-step-"))
+
+    def run(steps: int) -> int:  # an int: the markers' callbacks must return one
+        CASES[name](steps, out)
+        return 0
+
+    helper = os.environ.get("LOOP_INSTRUCTIONS_HELPER")
+    if helper:  # the imports are done: count from here (the markers still select)
+        ctypes.CDLL(helper).start_instrumentation()
+    run(20)
+    gc.collect()
+    gc.freeze()  # an old-heap collection must not land in one marker only
+    functools.reduce(lambda _a, _b: run(100), [0, 0])
+    sorted([0, 1], key=lambda a: run(300) if a else 0)
+
+
+def instruction_lines() -> list[str]:
+    """The four cases in instructions per step, each under callgrind, side by side."""
+    import shutil
+
+    from loop_instructions import MARKERS, inclusive_counts, start_callgrind
+
+    if shutil.which("valgrind") is None:
+        sys.exit("--instructions needs valgrind (apt install valgrind)")
+    here = Path(__file__).resolve()
+    per_step: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = {name: Path(tmp) / f"callgrind.{child}" for name, child in INSTRUCTION_CASES.items()}
+        running = [
+            start_callgrind(
+                str(here), [INSTRUCTION_CASES[name]], MARKERS, outs[name], here.parents[1]
+            )
+            for name in INSTRUCTION_CASES
+        ]
+        for process in running:
+            if process.wait() != 0:
+                sys.exit(f"a valgrind run failed (exit {process.returncode})")
+        for name, out in outs.items():
+            counts = inclusive_counts(out)
+            per_step[name] = (counts["builtin_sorted"] - counts["functools_reduce"]) / 200
+    ours = per_step["trainer, logged"] - per_step["trainer, silent"]
+    hand = per_step["hand, logged"] - per_step["hand, silent"]
+    lines = ["instructions per step (callgrind, 200 steps)"]
+    lines += [f"  {name:<16} {count:12,.0f}" for name, count in per_step.items()]
+    lines.append(
+        f"  logging cost per step: trainer {ours:,.0f}, hand {hand:,.0f}: "
+        f"{ours / hand:.2f}x (target <= 1.5x)"
+    )
+    return lines
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        instructions_child(sys.argv[2])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument(
         "--record-path", action="store_true", help="only the record path against the hand line"
     )
+    parser.add_argument(
+        "--instructions", action="store_true", help="count the cases in instructions (valgrind)"
+    )
     args = parser.parse_args()
+    if args.instructions:
+        print("\n".join(instruction_lines()))
+        return
     if args.record_path:
         torch.set_num_threads(1)
         load_before = os.getloadavg()

@@ -13,7 +13,7 @@ from speedtronic import Callback, Event, Trainer
 from speedtronic.engine.contexts import FitContext, StepContext
 from speedtronic.engine.dispatch import FilterError, describe_classes
 from speedtronic.engine.filters import StepFilter, every, final_step, logging_steps, never, once
-from speedtronic.engine.metrics import MetricRecord
+from speedtronic.engine.metrics import MetricRecord, MetricValue
 from speedtronic.engine.view import TrainerView
 from speedtronic.testing import EventRecorder
 
@@ -89,6 +89,15 @@ def test_the_record_is_built_only_when_a_metrics_hook_is_due(
         original_init(self, step)
 
     monkeypatch.setattr(MetricRecord, "__init__", counting_init)
+    original_of = MetricRecord.of  # the loop builds its record in one call
+
+    def counting_of(
+        step: int, values: dict[str, MetricValue], tensors: dict[str, torch.Tensor]
+    ) -> MetricRecord:
+        built.append(step)
+        return original_of(step, values, tensors)
+
+    monkeypatch.setattr(MetricRecord, "of", counting_of)
     fit(EventRecorder({Event.METRICS: logging_steps()}), steps=5, metrics_every=100)
     assert built == [5]  # only the final (logging) step
     built.clear()

@@ -9,16 +9,18 @@ from pathlib import Path
 import torch
 from sink_helpers import TinyRegressor, make_batches
 
-from speedtronic import Callback, Trainer
+from speedtronic import Callback, Event, Trainer
 from speedtronic.engine.contexts import (
     BackwardContext,
     CheckpointContext,
     CoordinateContext,
+    MetricsContext,
     MicrobatchContext,
     OptimizerStepContext,
     SchedulerContext,
     StepContext,
 )
+from speedtronic.engine.filters import StepFilter, logging_steps
 from speedtronic.engine.view import TrainerView
 
 TIMING_KEYS = {"steps_per_sec", "samples_per_sec", "tokens_per_sec", "elapsed_s"}
@@ -224,3 +226,36 @@ def test_every_batch_layout_counts_and_trains_alike_on_each_path(tmp_path: Path)
         samples, tokens = batch_size_and_tokens(batch)
         assert outcomes[0][:2] == (3 * samples, 3 * tokens), name
         assert outcomes[0] == outcomes[1] == outcomes[2], name
+
+
+class MetricsRecorder(Callback):
+    """Listens to ``metrics`` alone (on every step, or on the steps ``due_when`` says) and
+    keeps each context's fields with the record's values (timings aside), and which loop
+    function ran the step."""
+
+    def __init__(self, due_when: StepFilter | None = None) -> None:
+        if due_when is not None:
+            self.due_when = {Event.METRICS: due_when}
+        self.seen: list[tuple[int, bool, bool, dict[str, object]]] = []
+        self.paths: set[str] = set()
+
+    def on_metrics(self, trainer: TrainerView, ctx: MetricsContext) -> None:
+        self.paths.add(sys._getframe(2).f_code.co_name)  # the caller of ``_emit_metrics``
+        values = {k: v for k, v in ctx.record.values().items() if k not in TIMING_KEYS}
+        self.seen.append((ctx.step, ctx.due, ctx.evaluated, values))
+
+
+def test_a_step_with_only_metrics_hooks_due_takes_the_lean_path(tmp_path: Path) -> None:
+    """Sinks on a logging step (``CallbackPlan.step_metrics_only``) run on the lean path:
+    the same ``metrics`` contexts and records, on the same steps, as on the one-batch path
+    a ``step_end`` listener sends the step through; an unfiltered metrics hook still hears
+    every step."""
+    for due_when, steps in ((logging_steps(), [2, 4, 6, 8, 9]), (None, list(range(1, 10)))):
+        lean, full = MetricsRecorder(due_when), MetricsRecorder(due_when)
+        lean_trainer, lean_records = fit(tmp_path / f"lean-{steps[0]}", [lean])
+        _, full_records = fit(tmp_path / f"full-{steps[0]}", [full, OnStepEnd()])
+        assert (lean.paths, full.paths) == ({"_lean_step"}, {"_one_batch_step"})
+        assert lean.seen == full.seen and [seen[0] for seen in lean.seen] == steps
+        assert [seen[1] for seen in lean.seen] == [s in (2, 4, 6, 8, 9) for s in steps]
+        assert lean_records == full_records
+        assert lean_trainer.plan.step_metrics_only and not lean_trainer.plan.step_idle

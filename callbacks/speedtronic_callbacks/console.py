@@ -109,13 +109,14 @@ def _describe_model(model: torch.nn.Module) -> list[str]:
     return format_model_summary(summarize_model(model)).splitlines()
 
 
+# A field shown by a format spec alone is a ``str.format`` method: no Python frame per line.
 _STEP_LINE_FIELDS: tuple[NumberFormat, ...] = (
     ("loss", lambda v: f"loss {format_float(v)}"),
     ("eval/loss", lambda v: f"eval/loss {format_float(v)}"),
     ("eval/ppl", lambda v: f"eval/ppl {format_float(v)}"),
-    ("lr", lambda v: f"lr {v:.2e}"),
+    ("lr", "lr {:.2e}".format),
     ("grad_norm", lambda v: f"grad_norm {format_float(v)}"),
-    ("steps_per_sec", lambda v: f"{v:.1f} steps/s"),
+    ("steps_per_sec", "{:.1f} steps/s".format),
     ("tokens_per_sec", lambda v: f"{format_si(v)} tok/s"),
     ("memory_bytes", lambda v: f"mem {format_bytes(v)}"),
     ("mfu", lambda v: f"mfu {100 * v:.1f}%"),

@@ -207,6 +207,10 @@ class NewContext(Protocol):
     def __call__(
         self, cls: type[CheckpointContext], fields: tuple[int], /
     ) -> CheckpointContext: ...
+    @overload
+    def __call__(
+        self, cls: type[MetricsContext], fields: tuple[int, bool, MetricRecord, bool], /
+    ) -> MetricsContext: ...
     def __call__(self, cls: type[_ContextT], fields: tuple[object, ...], /) -> _ContextT: ...
 
 

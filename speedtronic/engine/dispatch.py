@@ -96,6 +96,19 @@ def _step_hooks(table: dict[EventKey, tuple[_BoundHook, ...]]) -> StepHooks:
     return StepHooks(*(table[key] for key in _STEP_HOOK_KEYS))
 
 
+_METRICS_INDEX = StepHooks._fields.index("metrics_hooks")
+
+
+def _only_metrics(hooks: StepHooks) -> bool:
+    """Hooks of ``metrics`` are due, and of no other in-step event (sinks on a logging
+    step): the loop's lean path calls them (``CallbackPlan.step_metrics_only``)."""
+    return (
+        bool(hooks.metrics_hooks)
+        and not any(hooks[:_METRICS_INDEX])
+        and not any(hooks[_METRICS_INDEX + 1 :])
+    )
+
+
 class CallbackWarning(UserWarning):
     """An observer callback failed; training continued."""
 
@@ -296,12 +309,29 @@ class CallbackPlan:
         self._quiet_for = (0, 0, 0)  # (target, metrics cadence, evaluation cadence)
         self._quiet_step_hooks = _step_hooks(self._quiet_hooks)
         self._quiet_idle = not any(self._quiet_step_hooks)
+        self._quiet_metrics_only = _only_metrics(self._quiet_step_hooks)
+        # The distinct filters, one bit each (all sinks share one ``logging_steps()``): the
+        # hooks due in a step depend only on which filters are due, so the table of each
+        # such set is built once (``_due_tables``) and a due step evaluates each filter once.
+        distinct = dict.fromkeys(
+            when for entries in self._filtered.values() for when, _ in entries if when is not None
+        )
+        self._filter_bits: dict[StepFilter, int] = {
+            when: 1 << index for index, when in enumerate(distinct)
+        }
+        self._due_tables: dict[
+            int, tuple[dict[EventKey, tuple[_BoundHook, ...]], StepHooks, bool, bool]
+        ] = {}
         self.step_hooks = _step_hooks(self._by_key)
         """The in-step events' hooks due in the current step (``begin_step``), as the loop
         unpacks them."""
         self.step_idle = not any(self.step_hooks)
         """No hook of an in-step event (``_STEP_HOOK_KEYS``) is due in the current step
         (``begin_step``): the loop then runs the step without consulting the table."""
+        self.step_metrics_only = _only_metrics(self.step_hooks)
+        """Only ``metrics`` hooks are due among the in-step events in the current step
+        (``begin_step``; sinks on a logging step): the loop runs the step as an idle one and
+        calls them from ``step_hooks.metrics_hooks``."""
 
     @staticmethod
     def _bind(callback: Callback, event: Event) -> _BoundHook:
@@ -326,7 +356,9 @@ class CallbackPlan:
         Filters are sparse (every N steps, logging steps, the final step), so most steps
         have none due: the plan remembers the stretch of steps until the next one that is
         and hands out the same "only unfiltered hooks" table there, without evaluating a
-        filter or building a table per step."""
+        filter or building a table per step. On a step where some are due (every step, with
+        ``metrics_every: 1`` and sinks), each distinct filter is evaluated once and the table
+        of that set of due filters, built on its first step, is handed out again."""
         if not self._filtered:
             return self._due
         if (
@@ -335,38 +367,61 @@ class CallbackPlan:
         ):
             if self._due is not self._quiet_hooks:  # a step with filtered hooks due came between
                 self.step_idle = self._quiet_idle
+                self.step_metrics_only = self._quiet_metrics_only
                 self.step_hooks = self._quiet_step_hooks
                 self._due = self._quiet_hooks
             return self._due
-        next_due = min(
+        due_filters = 0
+        for when, bit in self._filter_bits.items():
+            if when.due(step, target_step, metrics_every, eval_every):
+                due_filters |= bit
+        if not due_filters:
+            next_due = self._next_due(step, target_step, metrics_every, eval_every)
+            self._quiet_from, self._quiet_until = step, next_due or sys.maxsize
+            self._quiet_for = (target_step, metrics_every, eval_every)
+            self.step_idle = self._quiet_idle
+            self.step_metrics_only = self._quiet_metrics_only
+            self.step_hooks = self._quiet_step_hooks
+            self._due = self._quiet_hooks
+            return self._due
+        tables = self._due_tables.get(due_filters) or self._due_table(due_filters)
+        self._due, self.step_hooks, self.step_idle, self.step_metrics_only = tables
+        return self._due
+
+    # The two helpers below hold the generators that ``begin_step`` would otherwise close
+    # over its arguments with: a closure makes a cell of each variable on every call.
+
+    def _next_due(
+        self, step: int, target_step: int, metrics_every: int, eval_every: int
+    ) -> int | None:
+        """The first step ``>= step`` on which some filter is due (``None``: none again)."""
+        return min(
             (
                 due_at
-                for entries in self._filtered.values()
-                for when, _ in entries
-                if when is not None
-                and (due_at := when.next_due(step, target_step, metrics_every, eval_every))
+                for when in self._filter_bits
+                if (due_at := when.next_due(step, target_step, metrics_every, eval_every))
                 is not None
             ),
             default=None,
         )
-        if next_due is None or next_due > step:
-            self._quiet_from, self._quiet_until = step, next_due or sys.maxsize
-            self._quiet_for = (target_step, metrics_every, eval_every)
-            self.step_idle = self._quiet_idle
-            self.step_hooks = self._quiet_step_hooks
-            self._due = self._quiet_hooks
-            return self._due
+
+    def _due_table(
+        self, due_filters: int
+    ) -> tuple[dict[EventKey, tuple[_BoundHook, ...]], StepHooks, bool, bool]:
+        """The table of a step on which the filters of the bits in ``due_filters`` are due,
+        with its ``step_hooks``, ``step_idle`` and ``step_metrics_only`` (kept for the next
+        such step)."""
         current = dict(self._by_key)
         for key, entries in self._filtered.items():
             current[key] = tuple(
                 hook
                 for when, hook in entries
-                if when is None or when.due(step, target_step, metrics_every, eval_every)
+                if when is None or self._filter_bits[when] & due_filters
             )
-        self.step_hooks = _step_hooks(current)
-        self.step_idle = not any(self.step_hooks)
-        self._due = current
-        return current
+        step_hooks = _step_hooks(current)
+        tables = (current, step_hooks, not any(step_hooks), _only_metrics(step_hooks))
+        self._due_tables[due_filters] = tables
+        return tables
 
     @property
     def due_hooks(self) -> HookTable:

@@ -44,7 +44,7 @@ from speedtronic.engine.loss_tokens import (
     nothing_to_learn,
     step_weights,
 )
-from speedtronic.engine.metrics import MetricRecord
+from speedtronic.engine.metrics import MetricRecord, MetricValue
 from speedtronic.systems.sharding import global_grad_norm
 
 if TYPE_CHECKING:
@@ -74,12 +74,17 @@ def run_global_step(t: Trainer, s: TrainingState, step: int) -> bool:
     k = settings.accumulation_steps
     if k == 1 and s.plain_step and settings.grad_clip is None:
         if plan.step_idle:
-            _lean_step(t, s, step, target_step, metrics_every, eval_every)
+            _lean_step(t, s, step, target_step, metrics_every, eval_every, ())
             return True
         # ``micro_batch_size: auto`` recognises an out-of-memory error by the frame of
         # ``_accumulate_microbatches`` (``oom_retry``): its steps stay on that path.
         if not settings.auto_micro_batch:
-            _one_batch_step(t, s, step, plan.step_hooks, target_step, metrics_every, eval_every)
+            if plan.step_metrics_only:  # sinks on a logging step: nothing else to call
+                hooks = plan.step_hooks.metrics_hooks
+                _lean_step(t, s, step, target_step, metrics_every, eval_every, hooks)
+            else:
+                hooks_due = plan.step_hooks
+                _one_batch_step(t, s, step, hooks_due, target_step, metrics_every, eval_every)
             return True
     due = plan.due_hooks
     step_ctx: StepContext | None = None  # shared by step_start and step_end (immutable)
@@ -140,8 +145,10 @@ def run_global_step(t: Trainer, s: TrainingState, step: int) -> bool:
     # The record is built only when a metrics hook is due or the step is a logging step
     # (``Trainer.is_metric_due``, spelled out: this runs every step; evaluation steps are
     # logging steps).
-    if due[On.METRICS] or evaluated or step % metrics_every == 0 or step == target_step:
-        _emit_metrics(t, s, step, s.step_loss, grad_norm)
+    metrics_hooks = due[On.METRICS]
+    logged = evaluated or step % metrics_every == 0 or step == target_step
+    if metrics_hooks or logged:
+        _emit_metrics(t, s, step, s.step_loss, grad_norm, logged, metrics_hooks)
     if checkpoint_hooks := due[On.CHECKPOINT]:
         checkpoint_ctx = new_context(CheckpointContext, (step,))
         for checkpoint_hook in checkpoint_hooks:
@@ -154,13 +161,20 @@ def run_global_step(t: Trainer, s: TrainingState, step: int) -> bool:
 
 
 def _lean_step(
-    t: Trainer, s: TrainingState, step: int, target_step: int, metrics_every: int, eval_every: int
+    t: Trainer,
+    s: TrainingState,
+    step: int,
+    target_step: int,
+    metrics_every: int,
+    eval_every: int,
+    metrics_hooks: EventHooks[MetricsContext],
 ) -> None:
     """``run_global_step`` for the common step on which no hook is due to hear an in-step
-    event (``CallbackPlan.step_idle``): one microbatch on one rank through the plain forward
-    path, a plain update (no scaler, no clipping; ``TrainingState.plain_step``). The same
-    work in the same order, without the hook tables, the contexts or the K-microbatch
-    bookkeeping: the loop's own cost on a run without per-step callbacks."""
+    event (``CallbackPlan.step_idle``) but ``metrics_hooks`` (``step_metrics_only``: sinks
+    on a logging step): one microbatch on one rank through the plain forward path, a plain
+    update (no scaler, no clipping; ``TrainingState.plain_step``). The same work in the same
+    order, without the hook tables, the other contexts or the K-microbatch bookkeeping: the
+    loop's own cost on a run without per-step callbacks."""
     batch = next(s.stream)
     # The batch protocol's common case spelled out, a call saved per function: an
     # ``(inputs, labels)`` pair whose inputs are a tensor of at least one dimension counts
@@ -196,9 +210,11 @@ def _lean_step(
         _maybe_reset_optimizer(t, step)
     if eval_every and is_eval_step(step, eval_every, target_step):
         run_step_evaluation(t, step)  # eval_start, the pass, eval_end
-        _emit_metrics(t, s, step, s.step_loss, None)
+        _emit_metrics(t, s, step, s.step_loss, None, True, metrics_hooks)
     elif step % metrics_every == 0 or step == target_step:
-        _emit_metrics(t, s, step, s.step_loss, None)
+        _emit_metrics(t, s, step, s.step_loss, None, True, metrics_hooks)
+    elif metrics_hooks:  # an unfiltered metrics hook: a record on every step
+        _emit_metrics(t, s, step, s.step_loss, None, False, metrics_hooks)
 
 
 def _one_batch_step(
@@ -304,8 +320,9 @@ def _one_batch_step(
     evaluated = eval_every != 0 and is_eval_step(step, eval_every, target_step)
     if evaluated:
         run_step_evaluation(t, step)  # eval_start, the pass, eval_end
-    if metrics or evaluated or step % metrics_every == 0 or step == target_step:
-        _emit_metrics(t, s, step, s.step_loss, None)
+    logged = evaluated or step % metrics_every == 0 or step == target_step
+    if metrics or logged:
+        _emit_metrics(t, s, step, s.step_loss, None, logged, metrics)
     if checkpoint:
         checkpoint_ctx = new_context(CheckpointContext, (step,))
         for checkpoint_hook in checkpoint:
@@ -465,29 +482,63 @@ def _maybe_reset_optimizer(t: Trainer, step: int) -> None:
     t.reset_optimizer_state()
 
 
+def _with_group_lrs(
+    values: dict[str, MetricValue], groups: list[dict[str, Any]]
+) -> dict[str, MetricValue]:
+    """``values`` with ``lr/group<i>`` after ``lr`` for each param group after the first
+    whose learning rate differs from the first's."""
+    lr = groups[0]["lr"]
+    extra = [
+        (f"lr/group{index}", float(group["lr"]))
+        for index, group in enumerate(groups[1:], start=1)
+        if group["lr"] != lr
+    ]
+    if not extra:
+        return values
+    items = list(values.items())
+    return dict(items[:2] + extra + items[2:])  # after "step" and "lr"
+
+
 def _emit_metrics(
-    t: Trainer, s: TrainingState, step: int, loss: torch.Tensor, grad_norm: torch.Tensor | None
+    t: Trainer,
+    s: TrainingState,
+    step: int,
+    loss: torch.Tensor,
+    grad_norm: torch.Tensor | None,
+    due: bool,
+    hooks: EventHooks[MetricsContext],
 ) -> None:
+    """Build step ``step``'s record and call the ``metrics`` hooks due in this step with it;
+    ``due``: a logging step (``Trainer.is_metric_due``, which the caller has worked out:
+    ``evaluated or step % metrics_every == 0 or step == target_step``), whose record the
+    loop keeps. The record is built in one call (``MetricRecord.of``), in the key order a
+    ``set`` per key gives: ``step``, the learning rates, the rates and counters, then the
+    tensors (``loss``, ``grad_norm``), read when a sink asks."""
     clock = s.fit_clock
-    record = MetricRecord(step)
-    elapsed = max(time.perf_counter() - clock.start_time, 1e-9)
-    record.set("loss", loss)
+    elapsed = time.perf_counter() - clock.start_time
+    if 1e-9 > elapsed:  # max(elapsed, 1e-9) without the builtin's generic call
+        elapsed = 1e-9
     groups = s.optimizer.param_groups
-    record.set("lr", float(groups[0]["lr"]))
-    for index, group in enumerate(groups[1:], start=1):
-        if group["lr"] != groups[0]["lr"]:
-            record.set(f"lr/group{index}", float(group["lr"]))
-    if grad_norm is not None:
-        record.set("grad_norm", grad_norm)
-    record.set("steps_per_sec", (step - clock.start_step) / elapsed)
-    record.set("samples_per_sec", (s.samples - clock.start_samples) / elapsed)
-    record.set("tokens_per_sec", (s.tokens - clock.start_tokens) / elapsed)
-    record.set("samples", s.samples)
-    record.set("tokens", s.tokens)
-    record.set("micro_batches", t.settings.accumulation_steps)
-    record.set("elapsed_s", elapsed)
+    samples, tokens = s.samples, s.tokens
+    values: dict[str, MetricValue] = {
+        "step": step,
+        "lr": float(groups[0]["lr"]),
+        "steps_per_sec": (step - clock.start_step) / elapsed,
+        "samples_per_sec": (samples - clock.start_samples) / elapsed,
+        "tokens_per_sec": (tokens - clock.start_tokens) / elapsed,
+        "samples": samples,
+        "tokens": tokens,
+        "micro_batches": t.settings.accumulation_steps,
+        "elapsed_s": elapsed,
+    }
+    if len(groups) > 1:
+        values = _with_group_lrs(values, groups)
+    tensors = {"loss": loss} if grad_norm is None else {"loss": loss, "grad_norm": grad_norm}
+    record = MetricRecord.of(step, values, tensors)
     evaluated = s.pending_eval is not None and add_eval_results(s, record)
-    due = t.is_metric_due(step)
-    t.plan.emit(t, On.METRICS, MetricsContext(step, due, record, evaluated))
+    if hooks:
+        metrics_ctx = new_context(MetricsContext, (step, due, record, evaluated))
+        for hook in hooks:
+            hook(t, metrics_ctx)
     if due:
         s.due_records.append(record.values())

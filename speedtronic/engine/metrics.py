@@ -26,9 +26,29 @@ class MetricRecord:
         self._pending: dict[str, torch.Tensor] = {}
         self._finished: dict[str, MetricValue] | None = None
 
+    @classmethod
+    def of(
+        cls, step: int, values: dict[str, MetricValue], tensors: dict[str, torch.Tensor]
+    ) -> MetricRecord:
+        """Step ``step``'s record made of ``values`` (plain numbers, starting with ``"step":
+        step``) and ``tensors`` (read after them, in their order), both taken over, not
+        copied: the record the loop builds on a metrics step in one call instead of a ``set``
+        per key. The tensors are kept as they are, with their autograd history (``set`` cuts
+        it off): the loop's loss is held by the training state until the next step anyway, so
+        the record keeps no graph alive that would otherwise be freed, and a ``detach`` costs
+        as much as the rest of a key."""
+        record = cls.__new__(cls)
+        record.step = step
+        record._values = values
+        record._pending = tensors
+        record._finished = None
+        return record
+
     def set(self, key: str, value: MetricValue | torch.Tensor) -> None:
         """Add or replace a key. A tensor is kept on its device until ``values()``."""
-        self._finished = None
+        if self._finished is not None:  # handed out (``finished``): its readers keep it as is
+            self._values = dict(self._values)
+            self._finished = None
         kind = type(value)
         # The exact-type tests first: a record is mostly plain numbers, and an isinstance
         # test against torch.Tensor costs as much as the rest of a plain set.
@@ -61,22 +81,25 @@ class MetricRecord:
 
     def finished(self) -> Mapping[str, MetricValue]:
         """The record as plain Python numbers, read-only: the same mapping for every reader
-        until the next ``set``, so the sinks of one ``metrics`` event share one copy
-        (``values()`` gives a caller its own)."""
+        until the next ``set``, so the sinks of one ``metrics`` event share it (``values()``
+        gives a caller its own). It is the record's own dict, not a copy: a later ``set``
+        copies before it changes anything (copy on write), so a reader's mapping never
+        changes under it."""
         finished = self._finished
         if finished is None:
             if self._pending:
                 self._materialise()
-            finished = self._finished = dict(self._values)
+            finished = self._finished = self._values
         return finished
 
     def _materialise(self) -> None:
         """Read every pending tensor into ``_values`` (one transfer for device tensors)."""
         pending = self._pending
-        host = True
-        for tensor in pending.values():
-            host = host and tensor.is_cpu  # is_cpu: no device object built per tensor
-        if host:
+        one_by_one = True
+        if len(pending) > 1:  # a single tensor is one read wherever it is: nothing to batch
+            for tensor in pending.values():
+                one_by_one = one_by_one and tensor.is_cpu  # is_cpu: no device object built
+        if one_by_one:
             # Host tensors: no transfer to batch up, and one read each costs less than
             # stacking them (the same float32 value either way).
             for key, tensor in pending.items():
