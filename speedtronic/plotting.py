@@ -69,8 +69,9 @@ class _RunSeries:
 
     series: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
     resumed_at: list[int] = field(default_factory=list)
-    """The step each resumed fit started from (its checkpoint's step), found where
-    ``elapsed_s`` (seconds since the fit started) starts again (``_resumed_step``)."""
+    """The step each resumed fit started from (its checkpoint's step), found where the fit
+    start read back from a record's rate changes (``_fit_start``), or where ``elapsed_s``
+    starts again in records without a rate."""
 
     def get(self, key: str) -> tuple[list[int], list[float]] | None:
         return self.series.get(key)
@@ -119,7 +120,8 @@ def load_series(path: Path) -> _RunSeries:
     if not records:
         raise PlotError(f"{path} holds no metric records")
     result = _RunSeries()
-    previous: tuple[int, float] | None = None  # (step, elapsed_s) of the record before
+    # (step, elapsed_s, the fit's start step) of the record before
+    previous: tuple[int, float, int | None] | None = None
     for step in sorted(records):
         for key, value in records[step].items():
             number = _number(value)
@@ -130,22 +132,37 @@ def load_series(path: Path) -> _RunSeries:
             values.append(number)
         elapsed = _number(records[step].get("elapsed_s"))
         if elapsed is not None:
-            if previous is not None and elapsed < previous[1]:
-                result.resumed_at.append(_resumed_step(records[step], step, previous[0]))
-            previous = (step, elapsed)
+            start = _fit_start(records[step], step)
+            if previous is not None and _another_fit(previous, elapsed, start):
+                result.resumed_at.append(previous[0] if start is None else start)
+            previous = (step, elapsed, start)
     return result
 
 
-def _resumed_step(record: Mapping[str, object], step: int, last_logged: int) -> int:
-    """The step a fit whose first record is ``record`` started from: ``steps_per_sec`` is
+def _another_fit(
+    previous: tuple[int, float, int | None], elapsed: float, start: int | None
+) -> bool:
+    """Whether a record (its ``elapsed_s`` and fit start) belongs to another fit than the
+    record before: the start step read back changed, or -- for records without the rate --
+    ``elapsed_s`` started again. The start step is what decides where both have it: a short
+    resumed fit can log a larger ``elapsed_s`` than the fit before it did (its first steps
+    pay one-off costs), so a clock running backwards is not a reliable sign."""
+    _, before_elapsed, before_start = previous
+    if start is not None and before_start is not None:
+        return start != before_start
+    return elapsed < before_elapsed
+
+
+def _fit_start(record: Mapping[str, object], step: int) -> int | None:
+    """The step the fit that logged ``record`` started from: ``steps_per_sec`` is
     ``(step - start) / elapsed_s``, so ``start`` is read back from the two (a resume from
-    step 139 logs step 140 first, whatever the logging cadence). ``last_logged`` (the last
-    step logged before it) when the record does not have them."""
+    step 139 logs step 140 first, whatever the logging cadence). ``None`` when the record
+    does not have them."""
     rate, elapsed = _number(record.get("steps_per_sec")), _number(record.get("elapsed_s"))
     if rate is None or elapsed is None:
-        return last_logged
+        return None
     start = round(step - rate * elapsed)
-    return start if 0 <= start < step else last_logged
+    return start if 0 <= start < step else None
 
 
 def _default_panels(series: _RunSeries) -> list[_Panel]:

@@ -190,3 +190,23 @@ def test_a_loss_over_decades_is_log_scale_with_plain_labels(tmp_path: Path) -> N
     assert not any("\\" in label or "$" in label for label in labels)
     within_a_decade = draw_run(write_metrics(tmp_path / "flat", records[:5]))
     assert within_a_decade.axes[0].get_yscale() == "linear"
+
+
+def test_a_resume_is_found_where_the_fit_start_changes_whatever_the_clock(
+    tmp_path: Path,
+) -> None:
+    """A short resumed fit can log a larger ``elapsed_s`` than the fit before it (its first
+    steps pay one-off costs): the resume is found by the start step read back from the rate;
+    records without a rate fall back to the clock starting again."""
+
+    def record(step: int, start: int, elapsed: float) -> dict[str, float]:
+        return {"step": step, "loss": 1.0, "elapsed_s": elapsed,
+                "steps_per_sec": (step - start) / elapsed}  # fmt: skip
+
+    path = tmp_path / "metrics.jsonl"
+    rows = [record(2, 0, 0.1), record(4, 0, 0.2), record(6, 4, 0.5), record(8, 4, 0.6)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert load_series(path).resumed_at == [4]
+    clock_only = [{"step": s, "loss": 1.0, "elapsed_s": e} for s, e in ((2, 1), (4, 2), (6, 1))]
+    path.write_text("".join(json.dumps(row) + "\n" for row in clock_only))
+    assert load_series(path).resumed_at == [4]
