@@ -25,9 +25,9 @@ import zipfile
 from collections.abc import Callable
 from typing import BinaryIO
 
-from speedtronic.state.record_check import StoredRecord, crc32, fast_crc32, locate_records
+from speedtronic.state.record_check import StoredRecord, crc32, locate_records
 
-__all__ = ["CrcWriter", "fast_crc32", "store_crcs"]
+__all__ = ["CrcWriter", "store_crcs"]
 
 _CENTRAL = struct.Struct("<4s12xI8xHHH12x")  # signature, CRC-32, name/extra/comment lengths
 _CENTRAL_SIGNATURE = b"PK\x01\x02"
